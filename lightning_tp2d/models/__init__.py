@@ -1,0 +1,5 @@
+"""Single-device model definitions; parallel versions live elsewhere and swap submodules by name."""
+
+from lightning_tp2d.models.gpt2 import GPT2, GPT2Config, LMHead
+
+__all__ = ["GPT2", "GPT2Config", "LMHead"]

@@ -1,0 +1,317 @@
+"""GPT-2 on one device, in the shape of nanoGPT and with transformers' parameter names.
+
+The model knows nothing about parallelism. A separate module swaps submodules by name
+(``transformer.wte``, ``transformer.h[i].attn.c_attn``, ``lm_head`` ...) for parallel versions,
+so those names, and the generic ``GPT2.forward``, are a contract. ``state_dict()`` keys equal
+those of transformers' ``GPT2LMHeadModel``; ``hf_state_dict`` / ``load_hf_state_dict`` convert
+the one layout difference (HF stores four weight matrices as Conv1D, transposed).
+
+Shapes: B batch, T sequence length, h = n_embd, nh = n_head, hs = h // nh, V = vocab_size.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Weights that transformers stores as Conv1D, i.e. [in, out], while nn.Linear stores [out, in].
+# This is the transpose trap of every GPT-2 checkpoint: the shapes of c_attn and c_fc do not even
+# match ours, but attn.c_proj is square, so forgetting the transpose there loads silently.
+HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Non-parameter buffers (causal mask) that older transformers versions put in the state dict.
+HF_IGNORED = (".attn.bias", ".attn.masked_bias")
+
+
+@dataclass
+class GPT2Config:
+    n_layer: int  # number of transformer blocks
+    n_head: int  # attention heads per block; must divide n_embd
+    n_embd: int  # hidden size h of the residual stream
+    vocab_size: int  # number of token ids; GPT-2's tokenizer has 50257
+    block_size: int  # longest sequence the position embedding covers (HF: n_positions)
+    dropout: float = 0.0  # one dropout probability for embeddings, attention and residual branches
+    bias: bool = True  # biases in Linear and LayerNorm, like GPT-2; False is a bit faster and leaner
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GPT2Config.{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                f"n_embd % n_head = {self.n_embd % self.n_head}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_size(self) -> int:
+        """hs = n_embd // n_head, the width of one attention head."""
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "GPT2Config":
+        """A named size, e.g. ``GPT2Config.from_name("gpt2-tiny", dropout=0.1)``."""
+        if name not in _NAMED_CONFIGS:
+            raise ValueError(f"unknown GPT-2 config {name!r}; valid names: {sorted(_NAMED_CONFIGS)}")
+        return cls(**{**_NAMED_CONFIGS[name], **overrides})
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "GPT2Config":
+        """Our config for a transformers ``GPT2Config``; refuses variants this model does not implement."""
+        problems = []
+        if hf_config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+            problems.append(f"activation_function={hf_config.activation_function!r} (need 'gelu_new')")
+        if hf_config.layer_norm_epsilon != 1e-5:
+            problems.append(f"layer_norm_epsilon={hf_config.layer_norm_epsilon} (need 1e-5)")
+        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            if getattr(hf_config, flag, False):
+                problems.append(f"{flag}=True (need False)")
+        if not getattr(hf_config, "scale_attn_weights", True):
+            problems.append("scale_attn_weights=False (need True)")
+        drops = {hf_config.embd_pdrop, hf_config.attn_pdrop, hf_config.resid_pdrop}
+        if len(drops) != 1:
+            problems.append(f"embd/attn/resid_pdrop differ {sorted(drops)} (need one value)")
+        if problems:
+            raise ValueError("unsupported transformers GPT2Config: " + "; ".join(problems))
+        return cls(n_layer=hf_config.n_layer, n_head=hf_config.n_head, n_embd=hf_config.n_embd,
+                   vocab_size=hf_config.vocab_size, block_size=hf_config.n_positions,
+                   dropout=float(drops.pop()))
+
+
+_NAMED_CONFIGS = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257, block_size=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257, block_size=1024),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024),  # 1558M
+    # Test sizes: 6 heads split over 2 or 3 ranks per grid side; vocab 257 divides by neither.
+    "gpt2-tiny": dict(n_layer=2, n_head=6, n_embd=48, vocab_size=257, block_size=64),
+    "gpt2-mini": dict(n_layer=4, n_head=6, n_embd=96, vocab_size=257, block_size=128),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    """y = softmax(q kᵀ / sqrt(hs) + causal mask) v per head, then y @ W_projᵀ + b_proj.
+
+    [q | k | v] = x @ W_attnᵀ + b_attn with W_attn of shape [3h, h]: one fused matmul, split along
+    the output features into three blocks of h (each block holds all nh heads of width hs).
+    """
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, h = x.shape
+        hs = h // self.n_head
+        q, k, v = self.c_attn(x).split(h, dim=2)  # 3 x (B, T, h)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, h)  # (B, T, h), heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """y = dropout(gelu_tanh(x @ W_fcᵀ + b_fc) @ W_projᵀ + b_proj), hidden width 4h.
+
+    gelu with the tanh approximation is transformers' ``gelu_new``, GPT-2's activation.
+    """
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm residual block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Only submodule calls here: parallel versions may hand around a sharded x.
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class LMHead(nn.Module):
+    """logits = x @ Eᵀ with E = wte.weight of shape [V, h] (weight tying); optionally the loss.
+
+    loss = mean over tokens with target != -100 of -log softmax(logits)[target].
+    """
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight  # the same Parameter object as transformer.wte.weight
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = F.linear(x, self.weight)  # (B, T, V)
+        if targets is None:
+            return logits
+        V = logits.size(-1)
+        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
+
+
+class GPT2(nn.Module):
+    """GPT-2 language model: token + position embedding, n_layer Blocks, final LayerNorm, tied head."""
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.config = config
+        # Default inits of the submodules are overwritten by init_weights(); keep them from consuming
+        # the CPU seed, so that GPT2(config) right after manual_seed(s) equals a meta-device build
+        # followed by to_empty(), manual_seed(s) and init_weights().
+        with torch.random.fork_rng(devices=[]):
+            self.transformer = nn.ModuleDict(dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),  # token embedding E [V, h]
+                wpe=nn.Embedding(config.block_size, config.n_embd),  # position embedding [block_size, h]
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            ))
+            self.lm_head = LMHead(self.transformer.wte.weight)  # tied: one Parameter, two names
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 init: Linear/Embedding weights ~ N(0, 0.02²), biases 0, LayerNorm 1 and 0; the residual
+        projections attn.c_proj and mlp.c_proj ~ N(0, (0.02 / sqrt(2 n_layer))²), because each block adds
+        two of them to the residual stream (GPT-2 paper, section 2.3).
+
+        Draws come from the global CPU generator in float32 and are copied onto each parameter, so the
+        same seed gives the same weights on any device and (up to rounding) any dtype. Meta tensors are
+        skipped: build on meta, ``to_empty(device=...)``, then call this (it re-ties lm_head first).
+        """
+        self.tie_weights()
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(("attn.c_proj", "mlp.c_proj")) else 0.02
+                _fill_normal_(module.weight, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                if module.bias is not None:
+                    module.bias.zero_()
+
+    def tie_weights(self) -> None:
+        """Make lm_head.weight the very Parameter transformer.wte.weight again.
+
+        ``to_empty()`` from the meta device creates a fresh Parameter per name and so unties them
+        (``.to(dtype/device)`` between real devices keeps the tie); init_weights and load_hf_state_dict
+        call this first.
+        """
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameter entries; the tied wte/lm_head matrix counts once."""
+        return sum(p.numel() for p in self.parameters())  # parameters() yields each tensor once
+
+    def check_input(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> None:
+        """Raise ValueError unless idx is (B, T) integer ids in [0, V) with T <= block_size, and targets
+        (if given) has idx's shape with values in [0, V) or -100 (ignored)."""
+        V, block_size = self.config.vocab_size, self.config.block_size
+        if idx.dim() != 2 or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+            raise ValueError(f"idx must be a 2-D (B, T) integer tensor, got shape {tuple(idx.shape)} "
+                             f"dtype {idx.dtype}")
+        T = idx.size(1)
+        if T > block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {block_size}")
+        if idx.numel() > 0 and idx.device.type != "meta":
+            lo, hi = idx.min().item(), idx.max().item()
+            if lo < 0 or hi >= V:
+                raise ValueError(f"token ids must be in [0, {V}) for vocab_size {V}, got min {lo} max {hi}")
+        if targets is None:
+            return
+        if targets.shape != idx.shape or targets.is_floating_point() or targets.dtype == torch.bool:
+            raise ValueError(f"targets must be an integer tensor of idx's shape {tuple(idx.shape)}, got "
+                             f"shape {tuple(targets.shape)} dtype {targets.dtype}")
+        if targets.numel() > 0 and targets.device.type != "meta":
+            bad = targets[(targets != -100) & ((targets < 0) | (targets >= V))]
+            if bad.numel() > 0:
+                raise ValueError(f"target ids must be in [0, {V}) or -100 (ignored), got "
+                                 f"{bad.numel()} outside, min {bad.min().item()} max {bad.max().item()}")
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) -> logits (B, T, V), or the mean next-token loss (a scalar) if targets (B, T) given.
+
+        Kept generic on purpose: parallel versions swap wte / wpe / blocks / lm_head and reuse this.
+        """
+        self.check_input(idx, targets)
+        T = idx.size(1)
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        tr = self.transformer
+        x = tr.drop(tr.wte(idx) + tr.wpe(pos))  # (B, T, h) + (T, h) -> (B, T, h)
+        for block in tr.h:
+            x = block(x)
+        x = tr.ln_f(x)
+        return self.lm_head(x, targets)
+
+    # ---- transformers GPT2LMHeadModel layout -------------------------------------------------------
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Our weights under transformers' keys, Conv1D weights transposed to [in, out]; includes the
+        tied ``lm_head.weight`` as transformers' ``state_dict()`` does."""
+        return {k: (v.t() if k.endswith(HF_TRANSPOSED) else v).detach().clone().contiguous()
+                for k, v in self.state_dict().items()}
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy a transformers ``GPT2LMHeadModel.state_dict()`` into this model's parameters.
+
+        Ignores old mask buffers (``*.attn.bias``, ``*.attn.masked_bias``); ``lm_head.weight`` is
+        optional but, if present, must equal ``transformer.wte.weight`` (this model is tied). All
+        problems are collected and reported in one ValueError, shapes given in HF layout.
+        """
+        self.tie_weights()  # after to_empty() lm_head would otherwise keep uninitialised memory
+        ours = self.state_dict()  # tensors share storage with the parameters
+        expected = {k: (v.shape[::-1] if k.endswith(HF_TRANSPOSED) else v.shape) for k, v in ours.items()}
+        missing = [k for k in expected if k not in sd and k != "lm_head.weight"]
+        unexpected = [k for k in sd if k not in expected and not k.endswith(HF_IGNORED)]
+        misshaped = [f"{k}: expected {tuple(expected[k])}, got {tuple(sd[k].shape)}"
+                     for k in expected if k in sd and tuple(sd[k].shape) != tuple(expected[k])]
+        untied = []
+        wte = "transformer.wte.weight"
+        if "lm_head.weight" in sd and wte in sd and sd[wte].shape == sd["lm_head.weight"].shape:
+            if not torch.equal(sd["lm_head.weight"].to(sd[wte].device), sd[wte]):
+                untied = ["lm_head.weight differs from transformer.wte.weight, but this model ties them"]
+        if missing or unexpected or misshaped or untied:
+            lines = ([f"missing keys: {missing}"] if missing else []) + \
+                    ([f"unexpected keys: {unexpected}"] if unexpected else []) + \
+                    ([f"mis-shaped keys (HF layout): {misshaped}"] if misshaped else []) + untied
+            raise ValueError("cannot load GPT-2 state dict:\n  " + "\n  ".join(lines))
+        for k, dst in ours.items():
+            if k == "lm_head.weight":
+                continue  # same storage as transformer.wte.weight, copied under that name
+            src = sd[k].t() if k.endswith(HF_TRANSPOSED) else sd[k]
+            dst.copy_(src)
+
+
+def _fill_normal_(t: torch.Tensor, std: float) -> None:
+    """t <- N(0, std²) drawn on CPU in float32 from the global generator (device-independent draws)."""
+    if t.is_meta:
+        return
+    t.copy_(torch.randn(t.shape, dtype=torch.float32, device="cpu") * std)
