@@ -1,0 +1,220 @@
+"""Every raw collective of the package, along one named axis of a :class:`DeviceMesh`.
+
+No autograd here: the functions in :mod:`lightning_tp2d.summa` and :mod:`lightning_tp2d.nn` pair them into
+forward/backward duals. Each call
+
+* returns at once when the axis has one rank (size-1 bypass: nothing is sent and nothing is counted);
+* takes ``src``/``dst`` as the *coordinate along the axis*, not a global rank;
+* with ``async_op=True`` returns a :class:`Handle` whose ``wait()`` completes it;
+* is counted in :data:`STATS` (calls and payload bytes per kind) so tests can assert the communication a layer
+  performs. ``bytes`` is the payload of the tensor handed to the call on this rank: the broadcast/reduced/
+  all-reduced tensor, the local input of an all-gather, the full input of a reduce-scatter.
+
+Gloo cannot run ``reduce`` on CUDA tensors; such calls are staged through host memory (this is how several
+ranks can share one GPU in tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+# torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
+
+
+class CommStats:
+    """Calls and bytes per collective kind, as seen by this rank."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {kind: {"calls": self.calls.get(kind, 0), "bytes": self.bytes.get(kind, 0)} for kind in KINDS}
+
+    def __repr__(self) -> str:
+        return f"CommStats({ {k: v for k, v in self.snapshot().items() if v['calls']} })"
+
+
+STATS = CommStats()
+
+
+@contextlib.contextmanager
+def count_comm() -> Iterator[CommStats]:
+    """Count the collectives issued inside the block (the global :data:`STATS` is reset on entry)."""
+    STATS.reset()
+    yield STATS
+
+
+class Handle:
+    """Completion handle of an async call; ``wait()`` is idempotent and runs any host-staging copy-back."""
+
+    __slots__ = ("_work", "_then")
+
+    def __init__(self, work=None, then: Callable[[], None] | None = None) -> None:
+        self._work, self._then = work, then
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+DONE = Handle()
+
+
+def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:
+    return mesh.get_group(axis)
+
+
+def axis_size(mesh: DeviceMesh, axis: str) -> int:
+    return mesh.size(mesh.mesh_dim_names.index(axis))
+
+
+def axis_rank(mesh: DeviceMesh, axis: str) -> int:
+    return mesh.get_local_rank(axis)
+
+
+def _needs_host_staging(tensor: torch.Tensor, group: dist.ProcessGroup, kind: str) -> bool:
+    return kind == "reduce" and tensor.is_cuda and dist.get_backend(group) == "gloo"
+
+
+def _finish(work, async_op: bool, then: Callable[[], None] | None = None) -> Handle:
+    handle = Handle(work, then)
+    if not async_op:
+        handle.wait()
+        return DONE
+    return handle
+
+
+def broadcast_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, src: int, async_op: bool = False) -> Handle:
+    """In place: every rank of the axis receives ``tensor`` of the rank at coordinate ``src``."""
+    if axis_size(mesh, axis) == 1:
+        return DONE
+    group = axis_group(mesh, axis)
+    STATS.add("broadcast", tensor)
+    work = dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group, async_op=async_op)
+    return _finish(work, async_op)
+
+
+def reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dst: int, async_op: bool = False) -> Handle:
+    """Sum ``tensor`` over the axis into the rank at coordinate ``dst`` (other ranks' buffers are scratch)."""
+    if axis_size(mesh, axis) == 1:
+        return DONE
+    group = axis_group(mesh, axis)
+    STATS.add("reduce", tensor)
+    target = dist.get_global_rank(group, dst)
+    if _needs_host_staging(tensor, group, "reduce"):
+        host = tensor.detach().cpu()
+        work = dist.reduce(host, dst=target, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return _finish(work, async_op, then=lambda: tensor.copy_(host))
+    work = dist.reduce(tensor, dst=target, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _finish(work, async_op)
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, op: str = "sum",
+                     async_op: bool = False) -> Handle:
+    """In place: ``tensor`` becomes its ``op`` (sum, max or min) over the axis."""
+    if axis_size(mesh, axis) == 1:
+        return DONE
+    STATS.add("all_reduce", tensor)
+    work = dist.all_reduce(tensor, op=_OPS[op], group=axis_group(mesh, axis), async_op=async_op)
+    return _finish(work, async_op)
+
+
+def all_gather_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int = 0) -> torch.Tensor:
+    """Concatenate the axis ranks' ``tensor`` (equal shapes) along ``dim``, in coordinate order."""
+    n = axis_size(mesh, axis)
+    if n == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    STATS.add("all_gather", tensor)
+    out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _all_gather_single(out, tensor, group=axis_group(mesh, axis))
+    if dim % tensor.dim() == 0:
+        return out
+    return torch.cat(out.chunk(n, dim=0), dim=dim)
+
+
+def reduce_scatter_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int = 0) -> torch.Tensor:
+    """Sum over the axis, then keep chunk ``axis_rank`` of ``dim`` (which must divide evenly)."""
+    n = axis_size(mesh, axis)
+    if n == 1:
+        return tensor
+    if tensor.shape[dim] % n:
+        raise ValueError(f"reduce_scatter along {axis!r}: dim {dim} of size {tensor.shape[dim]} is not divisible by {n}")
+    tensor = tensor.movedim(dim, 0).contiguous()
+    STATS.add("reduce_scatter", tensor)
+    out = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _reduce_scatter_single(out, tensor, op=dist.ReduceOp.SUM, group=axis_group(mesh, axis))
+    return out.movedim(0, dim)
+
+
+class BroadcastPipeline:
+    """Every rank of ``axis`` broadcasts its ``tensor`` in turn, coordinate 0, 1, ...; ``get(l)`` returns rank
+    ``l``'s tensor, having first posted the broadcast of ``l + 1`` (double buffering: two buffers in flight).
+    ``get`` must be called with ``l = 0, 1, ...`` in order; all ranks' tensors share shape and dtype."""
+
+    def __init__(self, tensor: torch.Tensor, mesh: DeviceMesh, axis: str) -> None:
+        self.tensor, self.mesh, self.axis = tensor, mesh, axis
+        self.size, self.mine = axis_size(mesh, axis), axis_rank(mesh, axis)
+        self._pending = self._post(0)
+
+    def _post(self, l: int) -> tuple[torch.Tensor, Handle]:
+        buf = self.tensor if l == self.mine else torch.empty_like(self.tensor)
+        return buf, broadcast_along(buf, self.mesh, self.axis, src=l, async_op=True)
+
+    def get(self, l: int) -> torch.Tensor:
+        buf, handle = self._pending
+        if l + 1 < self.size:
+            self._pending = self._post(l + 1)
+        handle.wait()
+        return buf
+
+
+class ReducePipeline:
+    """Sums partial results over ``axis`` into their owners, one reduce per ``push``, at most two in flight;
+    ``finish()`` returns the sum this rank owns (it must be the ``dst`` of exactly one push)."""
+
+    def __init__(self, mesh: DeviceMesh, axis: str) -> None:
+        self.mesh, self.axis, self.mine = mesh, axis, axis_rank(mesh, axis)
+        self._prev: Handle | None = None
+        self._result: torch.Tensor | None = None
+
+    def push(self, partial: torch.Tensor, dst: int) -> None:
+        handle = reduce_along(partial, self.mesh, self.axis, dst=dst, async_op=True)
+        if dst == self.mine:
+            self._result = partial
+        if self._prev is not None:
+            self._prev.wait()
+        self._prev = handle
+
+    def finish(self) -> torch.Tensor:
+        if self._prev is not None:
+            self._prev.wait()
+        if self._result is None:
+            raise RuntimeError(f"ReducePipeline along {self.axis!r}: no partial was reduced to this rank")
+        return self._result

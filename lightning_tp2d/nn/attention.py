@@ -1,0 +1,52 @@
+"""``Attention2D`` and ``MLP2D``: GPT-2's two sublayers with SUMMA linears and local compute.
+
+Attention (DESIGN 3.1): after the QKV SUMMA, rank ``(r, c)`` holds q, k and v of its batch shard ``r`` for
+head group ``c`` (heads split over ``col``), because ``c_attn``'s output columns are regrouped so that ``col``
+block ``c`` holds ``[q_c | k_c | v_c]`` (see :class:`~lightning_tp2d.nn.linear.Linear2D` ``out_groups``).
+Attention itself is local ``scaled_dot_product_attention`` (flash / memory-efficient kernels on GPU); its
+output ``[B/q, T, h/q]`` is exactly ``c_proj``'s input block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_tp2d.nn.functional import axis_index
+from lightning_tp2d.nn.linear import Linear2D
+
+
+class Attention2D(nn.Module):
+    def __init__(self, attn: nn.Module, mesh: DeviceMesh) -> None:
+        super().__init__()
+        q = axis_index(mesh, "col")[1]
+        self.n_head, self.n_embd, self.dropout = attn.n_head, attn.n_embd, attn.dropout
+        self.local_heads = self.n_head // q
+        self.c_attn = Linear2D(attn.c_attn, mesh, out_groups=3)
+        self.c_proj = Linear2D(attn.c_proj, mesh)
+        self.resid_dropout = nn.Dropout(attn.resid_dropout.p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape  # (B/q, T, h/q)
+        hs = self.n_embd // self.n_head
+        qkv = self.c_attn(x).view(B, T, 3, self.local_heads, hs)  # [q_c | k_c | v_c]
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B/q, nh/q, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, self.local_heads * hs)  # (B/q, T, h/q)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP2D(nn.Module):
+    """``c_proj(gelu(c_fc(x)))``: two SUMMA linears around a local tanh-GELU."""
+
+    def __init__(self, mlp: nn.Module, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.c_fc = Linear2D(mlp.c_fc, mesh)
+        self.c_proj = Linear2D(mlp.c_proj, mesh)
+        self.dropout = nn.Dropout(mlp.dropout.p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))

@@ -1,0 +1,101 @@
+"""Token and position embeddings on the ``q x q`` grid.
+
+Token embedding ``E [V, h]``: block ``(r, c)`` is ``E[V_r, h_c]`` (vocab over ``row``, hidden over ``col``;
+``V`` need not divide by ``q``, the last vocab blocks are short as DTensor's ``Shard`` makes them). Every
+rank of the grid is handed the same full ``idx [B, T]``; rank ``(r, c)`` owns the tokens of batch shard ``r``
+and must produce ``x_rc = E[idx_r, h_c]``. Forward, for each token shard ``t``: every rank of column ``c``
+looks up the ids of shard ``t`` that fall in its vocab block (zeros elsewhere) and the partial rows are summed
+into the owner, row ``t``, by a reduce along ``row``. Backward, the dual: each owner broadcasts its output
+gradient along ``row`` and every rank scatter-adds the rows of its vocab block. ``q`` reduces forward,
+``q`` broadcasts backward, each of ``[B/q, T, h/q]``.
+
+Position embedding ``[block_size, h]``: hidden over ``col``, replicated over ``row`` (gradient summed over
+``row``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from lightning_tp2d.comm import BroadcastPipeline, ReducePipeline
+from lightning_tp2d.nn.functional import axis_index, shard_range, sum_grad_along
+
+
+def shard_batch(x: torch.Tensor, mesh: DeviceMesh, what: str = "batch") -> torch.Tensor:
+    """Rank ``(r, c)``'s batch shard ``r`` of a full ``[B, ...]`` tensor; ``B`` must divide by ``q``."""
+    r, q = axis_index(mesh, "row")
+    if x.shape[0] % q:
+        raise ValueError(f"{what} size {x.shape[0]} is not divisible by the grid side q={q} "
+                         f"(every row of the grid takes B/q sequences); use a batch that is a multiple of {q}")
+    n = x.shape[0] // q
+    return x[r * n:(r + 1) * n]
+
+
+def _lookup(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Rows of ``weight`` (vocab block starting at ``start``) for ``ids``; zero where an id is elsewhere."""
+    local = ids - start
+    hit = (local >= 0) & (local < weight.shape[0])
+    if weight.shape[0] == 0:
+        return weight.new_zeros((*ids.shape, weight.shape[1]))
+    return F.embedding(local.clamp(0, weight.shape[0] - 1), weight) * hit.unsqueeze(-1).to(weight.dtype)
+
+
+class _EmbedToOwner(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, idx, mesh, start):
+        q = axis_index(mesh, "row")[1]
+        shards = idx.chunk(q, dim=0)
+        reducer = ReducePipeline(mesh, "row")
+        for t, ids in enumerate(shards):
+            reducer.push(_lookup(weight, ids, start).contiguous(), dst=t)
+        ctx.save_for_backward(idx)
+        ctx.mesh, ctx.start, ctx.weight_shape = mesh, start, weight.shape
+        return reducer.finish()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        q = axis_index(ctx.mesh, "row")[1]
+        dweight = grad.new_zeros(ctx.weight_shape)
+        grads = BroadcastPipeline(grad.contiguous(), ctx.mesh, "row")
+        for t, ids in enumerate(idx.chunk(q, dim=0)):
+            g = grads.get(t)
+            local = ids - ctx.start
+            hit = (local >= 0) & (local < ctx.weight_shape[0])
+            dweight.index_add_(0, local[hit], g[hit])
+        return dweight, None, None, None
+
+
+class TokenEmbedding2D(nn.Module):
+    """``idx [B, T]`` (the full batch, same on every grid rank) -> ``x_rc [B/q, T, h/q]``."""
+
+    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.num_embeddings, self.embedding_dim = embedding.weight.shape
+        self.weight = nn.Parameter(distribute_tensor(embedding.weight.detach(), mesh, [Replicate(), Shard(0), Shard(1)]))
+        r, q = axis_index(mesh, "row")
+        self.vocab_start, self.vocab_stop = shard_range(self.num_embeddings, q, r)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        shard_batch(idx, self.mesh)  # validates B % q before any communication
+        return _EmbedToOwner.apply(self.weight.to_local(), idx, self.mesh, self.vocab_start)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, local vocab [{self.vocab_start}, {self.vocab_stop})"
+
+
+class PositionEmbedding2D(nn.Module):
+    """``pos [T]`` -> ``[T, h/q]`` (hidden block ``c``); broadcasts against ``[B/q, T, h/q]``."""
+
+    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.weight = nn.Parameter(distribute_tensor(embedding.weight.detach(), mesh, [Replicate(), Replicate(), Shard(1)]))
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return F.embedding(pos, sum_grad_along(self.weight.to_local(), self.mesh, "row"))

@@ -1,0 +1,75 @@
+"""Small autograd duals shared by the parallel layers (forward/backward pairs of :mod:`lightning_tp2d.comm`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_tp2d.comm import all_gather_along, all_reduce_along, axis_rank, axis_size
+
+
+class _SumGradAlong(torch.autograd.Function):
+    """Forward: identity. Backward: sum the gradient over ``axis``.
+
+    For a parameter replicated over an axis whose ranks see different tokens (LayerNorm and bias vectors over
+    ``row`` in "2d"): each replica's local gradient is a partial sum, and the true gradient is their sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mesh, axis):
+        ctx.mesh, ctx.axis = mesh, axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        all_reduce_along(grad, ctx.mesh, ctx.axis)
+        return grad, None, None
+
+
+def sum_grad_along(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor:
+    return _SumGradAlong.apply(x, mesh, axis)
+
+
+class _GatherGrid(torch.autograd.Function):
+    """Forward: all-gather a ``[rows/q, cols/q]`` block into the full ``[rows, cols]`` matrix on every rank
+    (gather along ``col`` on the last dim, then along ``row`` on the first). Backward: keep the local block."""
+
+    @staticmethod
+    def forward(ctx, block, mesh):
+        ctx.mesh = mesh
+        ctx.shape = block.shape
+        full = all_gather_along(block.contiguous(), mesh, "col", dim=-1)
+        return all_gather_along(full, mesh, "row", dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, cols = ctx.shape
+        r, c = axis_rank(ctx.mesh, "row"), axis_rank(ctx.mesh, "col")
+        return grad[r * rows:(r + 1) * rows, c * cols:(c + 1) * cols], None
+
+
+def gather_grid(block: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    return _GatherGrid.apply(block, mesh)
+
+
+def shard_range(size: int, n: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``index`` when ``size`` is split into ``n`` chunks the way DTensor's ``Shard``
+    does (``ceil(size/n)`` each, the last ones short or empty)."""
+    chunk = -(-size // n)
+    start = min(index * chunk, size)
+    return start, min(start + chunk, size)
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero-pad dim 0 of ``x`` to ``rows`` (differentiable; a no-op view when already that size)."""
+    missing = rows - x.shape[0]
+    if missing == 0:
+        return x
+    return F.pad(x, (0, 0, 0, missing))
+
+
+def axis_index(mesh: DeviceMesh, axis: str) -> tuple[int, int]:
+    """``(coordinate, size)`` of this rank along ``axis``."""
+    return axis_rank(mesh, axis), axis_size(mesh, axis)

@@ -1,0 +1,49 @@
+"""``LMHead2D``: the tied LM head and its loss on the grid.
+
+``logits = X Eᵀ`` with ``X_rc = X[N_r, h_c]`` and the token embedding block ``E[V_r, h_c]``: a SUMMA ``A Bᵀ``
+whose result block at ``(r, c)`` is ``logits[N_r, V_c]``. Vocab blocks are zero-padded to ``ceil(V/q)`` rows
+so every block has one shape; the padded logit columns are masked in the loss and dropped when logits are
+gathered. With targets the vocab-parallel cross-entropy returns the mean loss and no rank ever holds more
+than its ``[N/q, V/q]`` block; without targets the full ``[B, T, V]`` logits are gathered on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_tp2d.nn.cross_entropy import vocab_parallel_cross_entropy
+from lightning_tp2d.nn.embedding import shard_batch
+from lightning_tp2d.nn.functional import axis_index, gather_grid, pad_rows
+from lightning_tp2d.summa import summa_abt
+
+
+class LMHead2D(nn.Module):
+    """``x_rc [B/q, T, h/q]`` -> mean loss (with ``targets [B, T]``, the full batch) or logits ``[B, T, V]``."""
+
+    def __init__(self, weight: nn.Parameter, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.weight = weight  # the token embedding's DTensor parameter (tied)
+        self.vocab_size = weight.shape[0]
+        q = axis_index(mesh, "row")[1]
+        self.block_rows = -(-self.vocab_size // q)
+
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N/q, ceil(V/q)]`` logits block of this rank (padding columns hold zeros)."""
+        weight = pad_rows(self.weight.to_local(), self.block_rows)  # (ceil(V/q), h/q)
+        return summa_abt(x.reshape(-1, x.shape[-1]), weight, self.mesh)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is not None:
+            local_targets = shard_batch(targets, self.mesh, "targets batch").reshape(-1)
+        logits = self.local_logits(x)
+        if targets is None:
+            full = gather_grid(logits, self.mesh)[:, : self.vocab_size]  # (B*T, V)
+            q = axis_index(self.mesh, "row")[1]
+            return full.view(x.shape[0] * q, x.shape[1], self.vocab_size)
+        return vocab_parallel_cross_entropy(logits, local_targets, self.mesh, self.vocab_size)
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.vocab_size}, tied to transformer.wte.weight"

@@ -1,0 +1,55 @@
+"""``Linear2D``: ``Y = X W + b`` as one SUMMA product on the ``q x q`` grid.
+
+Layout (DESIGN 3.1): ``X [N, in]`` block ``(r, c)`` is ``X[N_r, in_c]``; the weight ``W [in, out]`` block
+``(r, c)`` is ``W[in_r, out_c]``. torch stores ``W`` transposed (``weight [out, in]``), so the local block
+of the ``weight`` DTensor is ``weight[out_c, in_r]``: placements ``Shard(1)`` over ``row`` and ``Shard(0)``
+over ``col``. The bias ``[out]`` is split over ``col`` and replicated over ``row``; its gradient is summed
+over ``row`` (rows see different tokens).
+
+``out_groups`` (GPT-2's fused ``c_attn`` has 3: q, k, v) makes ``col`` rank ``c`` own block ``c`` of *each*
+group, so q, k and v of one head group land on one rank (``_StridedShard`` on the output dim).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_tp2d.nn.functional import sum_grad_along
+from lightning_tp2d.summa import summa_ab
+
+
+def _out_shard(out_groups: int):
+    return Shard(0) if out_groups == 1 else _StridedShard(0, split_factor=out_groups)
+
+
+class Linear2D(nn.Module):
+    """SUMMA linear. Input ``[..., in/q]`` (tokens of row shard ``r``, features of col shard ``c``), output
+    ``[..., out/q]``. Forward: ``q`` steps of two broadcasts; backward: ``dX = dY Wᵀ`` and ``dW = Xᵀ dY``, each
+    ``q`` broadcasts and ``q`` reduces (see :mod:`lightning_tp2d.summa`)."""
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, out_groups: int = 1) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        out = _out_shard(out_groups)
+        # weight [out, in]: dim 1 (in) split over row, dim 0 (out) split over col.
+        self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Replicate(), Shard(1), out]))
+        if linear.bias is not None:
+            self.bias = nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, [Replicate(), Replicate(), out]))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        w_t = self.weight.to_local()  # [out/q, in/q] = W_rcᵀ, travels as stored
+        y = summa_ab(x.reshape(-1, x.shape[-1]), w_t.t(), self.mesh)  # (N/q, out/q)
+        if self.bias is not None:
+            y = y + sum_grad_along(self.bias.to_local(), self.mesh, "row")
+        return y.view(*lead, y.shape[-1])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

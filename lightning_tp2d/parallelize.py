@@ -1,0 +1,78 @@
+"""``parallelize(model, mesh, layout)``: turn a plain :class:`~lightning_tp2d.models.GPT2` into its parallel form.
+
+The model file knows nothing about parallelism; this module swaps its submodules, by name, for the parallel
+layers of the layout and shards their weights. ``GPT2.forward`` itself is reused unchanged: the parallel
+``wte`` takes the full ``idx`` and returns this rank's shard, the blocks work on shards, and the parallel
+``lm_head`` returns the loss (vocab-parallel) or the gathered logits.
+
+Plan for ``"2d"`` (DESIGN 3.1), per submodule:
+
+=========================  ==================  ==========================================================
+submodule                  becomes             parameter placements over (data_parallel, row, col)
+=========================  ==================  ==========================================================
+transformer.wte            TokenEmbedding2D    weight [V, h]: R, Shard(0), Shard(1)
+transformer.wpe            PositionEmbedding2D weight [T, h]: R, R, Shard(1)
+h.*.ln_1 / ln_2, ln_f      LayerNorm2D         weight, bias [h]: R, R, Shard(0)
+h.*.attn                   Attention2D         c_attn.weight [3h, h]: R, Shard(1), Strided(0, 3); c_proj like a Linear
+h.*.mlp                    MLP2D               weight [out, in]: R, Shard(1), Shard(0); bias [out]: R, R, Shard(0)
+lm_head                    LMHead2D            tied to transformer.wte.weight
+=========================  ==================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_tp2d.mesh import parallel_dims_of
+from lightning_tp2d.models.gpt2 import GPT2
+from lightning_tp2d.nn import Attention2D, LayerNorm2D, LMHead2D, MLP2D, PositionEmbedding2D, TokenEmbedding2D
+
+IMPLEMENTED_LAYOUTS = ("2d",)
+
+
+def parallelize(model: GPT2, mesh: DeviceMesh, layout: str = "2d") -> GPT2:
+    """Parallelize ``model`` in place for ``layout`` on ``mesh`` (from :func:`~lightning_tp2d.init_mesh`) and
+    return it. Every rank must pass the same plain model (the weights are sharded from global rank 0's copy)."""
+    if not isinstance(model, GPT2):
+        raise TypeError(f"parallelize expects a lightning_tp2d.models.GPT2, got {type(model).__name__}")
+    if getattr(model, "tp_layout", None) is not None:
+        raise ValueError(f"model is already parallelized with layout {model.tp_layout!r}")
+    dims = parallel_dims_of(mesh, layout)
+    cfg = model.config
+    dims.check_model(cfg.n_head, cfg.n_embd)
+    if layout not in IMPLEMENTED_LAYOUTS:
+        raise NotImplementedError(f"layout {layout!r} is not implemented yet; available: {list(IMPLEMENTED_LAYOUTS)}")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("parallelize needs materialised weights; the model has parameters on the meta device")
+
+    tr = model.transformer
+    tr.wte = TokenEmbedding2D(tr.wte, mesh)
+    tr.wpe = PositionEmbedding2D(tr.wpe, mesh)
+    for block in tr.h:
+        block.ln_1 = LayerNorm2D(block.ln_1, mesh)
+        block.attn = Attention2D(block.attn, mesh)
+        block.ln_2 = LayerNorm2D(block.ln_2, mesh)
+        block.mlp = MLP2D(block.mlp, mesh)
+    tr.ln_f = LayerNorm2D(tr.ln_f, mesh)
+    model.lm_head = LMHead2D(tr.wte.weight, mesh)
+    model.tp_layout, model.tp_mesh = layout, mesh
+    return model
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Plain tensors with the keys of the unparallelized model's ``state_dict()`` (a collective: every rank
+    of the mesh must call it)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def local_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of parameter storage this rank holds (local shards of DTensors; tied tensors once)."""
+    total = 0
+    for p in model.parameters():
+        t = p.to_local() if isinstance(p, DTensor) else p
+        total += t.numel() * t.element_size()
+    return total
