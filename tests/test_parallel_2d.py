@@ -1,0 +1,271 @@
+"""Whole-model parity of the "2d" layout against the plain GPT2, on 2x2 and 3x3 grids (gloo, CPU).
+
+Every rank builds the same plain model from one seed, deep-copies it, parallelizes the copy and feeds both
+the same batch; the loss, the gathered logits, every parameter's gradient and the parameters after one AdamW
+step must match (float64 tight, float32 ~1e-5 relative). Also: communication per block equals the SUMMA
+schedule, and each rank stores 1/p of the model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor import distribute_tensor
+
+import lightning_tp2d as tp
+from lightning_tp2d import comm
+from lightning_tp2d.models import GPT2, GPT2Config
+from tests.distributed import run_distributed
+
+
+def _batch(cfg: GPT2Config, batch: int, seq: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    targets[0, :3] = -100  # ignored tokens must be ignored identically
+    return idx, targets
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _parity(rank, world_size, dtype, config_overrides):
+    q = int(round(world_size ** 0.5))
+    torch.manual_seed(0)
+    cfg = GPT2Config.from_name("gpt2-tiny", **config_overrides)
+    plain = GPT2(cfg).to(dtype)
+    par = copy.deepcopy(plain)
+    mesh = tp.init_mesh("2d", world_size, 1)
+    tp.parallelize(par, mesh, layout="2d")
+    idx, targets = _batch(cfg, batch=2 * q, seq=24)
+
+    out = {"names": [n for n, _ in par.named_parameters()] == [n for n, _ in plain.named_parameters()]}
+    out["shapes"] = all(p.shape == p0.shape for p, p0 in zip(par.parameters(), plain.parameters()))
+    out["init"] = max(_rel(p.full_tensor(), p0) for p, p0 in zip(par.parameters(), plain.parameters()))
+
+    loss0, loss1 = plain(idx, targets), par(idx, targets)
+    loss0.backward()
+    loss1.backward()
+    out["loss"] = (loss0.item(), loss1.item())
+    with torch.no_grad():
+        out["logits"] = _rel(par(idx), plain(idx))
+        out["logits_shape"] = tuple(par(idx).shape)
+    out["grads"] = {n: _rel(p.grad.full_tensor(), p0.grad)
+                    for (n, p), p0 in zip(par.named_parameters(), plain.parameters())}
+
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (plain, par)]
+    for opt in opts:
+        opt.step()
+    full = tp.full_state_dict(par)
+    ref = plain.state_dict()
+    out["keys"] = list(full) == list(ref)
+    # Adam's first step is lr * g / (|g| + eps): on elements with |g| << eps it amplifies absolute gradient
+    # rounding by lr / eps, so compare each tensor's update in norm (relative), not element by element.
+    out["step"] = max(((full[k] - ref[k]).norm() / (ref[k] - before[k]).norm()).item() for k in ref)
+    out["plain_tensors"] = all(type(v) is torch.Tensor for v in full.values())
+    return out
+
+
+def _check_parity(results, tol):
+    for out in results:
+        assert out["names"] and out["shapes"] and out["keys"] and out["plain_tensors"]
+        assert out["init"] == 0.0  # sharding loses nothing: full_tensor() is the plain parameter
+        loss0, loss1 = out["loss"]
+        assert abs(loss1 - loss0) <= tol * abs(loss0)
+        assert out["logits"] <= tol
+        worst = max(out["grads"], key=out["grads"].get)
+        assert out["grads"][worst] <= tol, f"gradient of {worst} differs by {out['grads'][worst]:.2e}"
+        assert out["step"] <= tol
+    # every rank reports the same loss
+    assert len({out["loss"][1] for out in results}) == 1
+
+
+@pytest.mark.parametrize("world_size", [4, 9])
+def test_2d_matches_plain_model_float64(world_size):
+    results = run_distributed(_parity, world_size, torch.float64, {})
+    _check_parity(results, tol=1e-10)
+    q = int(world_size ** 0.5)
+    assert results[0]["logits_shape"] == (2 * q, 24, 257)
+
+
+def test_2d_matches_plain_model_float32_without_bias():
+    results = run_distributed(_parity, 4, torch.float32, {"bias": False})
+    _check_parity(results, tol=2e-5)
+    assert not any("bias" in n for n in results[0]["grads"])
+
+
+# ---- communication per block --------------------------------------------------------------------------
+
+
+def expected_block_comm(h: int, tokens: int, q: int, elem: int, bias: bool = True) -> dict:
+    """What SUMMA predicts for one Block on a q x q grid, per rank: ``tokens`` = B/q * T local tokens.
+
+    Linear (in -> out), blocks X [n, in/q], W [out/q, in/q]:
+      forward  Y = XW:   q broadcasts of X and q of W                       (2q broadcasts)
+      backward dX = dY Wᵀ: q broadcasts of W, q reduces of [n, in/q]
+               dW = Xᵀ dY: q broadcasts of X, q reduces of [out/q, in/q]   (2q broadcasts, 2q reduces)
+    LayerNorm: one all-reduce of [2, n] along col forward and one backward; its weight and bias gradients,
+    like every bias gradient, one all-reduce along row each.
+    """
+    n = tokens
+    linears = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    fwd = {"broadcast": [0, 0], "reduce": [0, 0], "all_reduce": [2, 2 * 2 * n]}
+    bwd = {"broadcast": [0, 0], "reduce": [0, 0], "all_reduce": [2, 2 * 2 * n]}
+    for i, o in linears:
+        x_block, w_block = n * i // q, (o // q) * (i // q)
+        fwd["broadcast"][0] += 2 * q
+        fwd["broadcast"][1] += q * (x_block + w_block)
+        bwd["broadcast"][0] += 2 * q
+        bwd["broadcast"][1] += q * (w_block + x_block)
+        bwd["reduce"][0] += 2 * q
+        bwd["reduce"][1] += q * (x_block + w_block)
+        if bias:
+            bwd["all_reduce"][0] += 1
+            bwd["all_reduce"][1] += o // q
+    bwd["all_reduce"][0] += 4 if bias else 2  # ln_1, ln_2 weight (and bias) gradients over row
+    bwd["all_reduce"][1] += (4 if bias else 2) * h // q
+    scale = lambda d: {k: {"calls": v[0], "bytes": v[1] * elem} for k, v in d.items()}  # noqa: E731
+    return {"forward": scale(fwd), "backward": scale(bwd)}
+
+
+def _block_comm(rank, world_size):
+    q = int(round(world_size ** 0.5))
+    torch.manual_seed(0)
+    cfg = GPT2Config.from_name("gpt2-tiny")
+    model = tp.parallelize(GPT2(cfg), tp.init_mesh("2d", world_size, 1))
+    block = model.transformer.h[0]
+    batch, seq = 2, 8  # local: B/q sequences
+    x = torch.randn(batch, seq, cfg.n_embd // q, requires_grad=True)
+    with comm.count_comm() as stats:
+        y = block(x)
+    fwd = stats.snapshot()
+    with comm.count_comm() as stats:
+        y.backward(torch.ones_like(y))
+    bwd = stats.snapshot()
+    return {"forward": fwd, "backward": bwd, "tokens": batch * seq, "h": cfg.n_embd}
+
+
+@pytest.mark.parametrize("world_size", [4, 9])
+def test_block_communication_equals_summa_schedule(world_size):
+    q = int(world_size ** 0.5)
+    results = run_distributed(_block_comm, world_size)
+    expected = expected_block_comm(results[0]["h"], results[0]["tokens"], q, elem=4)
+    for out in results:
+        for phase in ("forward", "backward"):
+            got = {k: v for k, v in out[phase].items() if v["calls"]}
+            want = {k: v for k, v in expected[phase].items() if v["calls"]}
+            assert got == want, phase
+
+
+# ---- memory per rank ----------------------------------------------------------------------------------
+
+
+def _storage(rank, world_size):
+    torch.manual_seed(0)
+    cfg = GPT2Config.from_name("gpt2-mini")
+    model = GPT2(cfg)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    vectors = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() == 1 or "wpe" in n)
+    tp.parallelize(model, tp.init_mesh("2d", world_size, 1))
+    return {"local": tp.local_parameter_bytes(model), "total": total, "vectors": vectors,
+            "vocab_row_bytes": cfg.n_embd * 4}
+
+
+def test_each_rank_stores_one_pth_of_the_model():
+    p, q = 4, 2
+    results = run_distributed(_storage, p)
+    total = results[0]["total"]
+    matrices = total - results[0]["vectors"]
+    # matrices split p ways, vectors and wpe q ways (replicated over row), vocab rows rounded up per block
+    bound = matrices / p + results[0]["vectors"] / q + results[0]["vocab_row_bytes"] / q
+    assert sum(r["local"] for r in results) >= total  # nothing is lost
+    for r in results:
+        assert total / p * 0.95 <= r["local"] <= bound
+        assert r["local"] / total < 0.3
+
+
+# ---- bad input ----------------------------------------------------------------------------------------
+
+
+def _bad_input(rank, world_size):
+    torch.manual_seed(0)
+    cfg = GPT2Config.from_name("gpt2-tiny")
+    errors = {}
+    mesh = tp.init_mesh("2d", world_size, 1)
+    try:
+        tp.parallelize(GPT2(GPT2Config.from_name("gpt2-tiny", n_head=3, n_embd=48)), tp.init_mesh("2d", 9, 1)
+                       if world_size == 9 else mesh)
+    except ValueError as e:
+        errors["heads"] = str(e)
+    model = tp.parallelize(GPT2(cfg), mesh)
+    for key, idx in {"batch": torch.zeros(3, 8, dtype=torch.long),
+                     "seq": torch.zeros(2, cfg.block_size + 1, dtype=torch.long),
+                     "vocab": torch.full((2, 8), cfg.vocab_size)}.items():
+        try:
+            model(idx)
+        except ValueError as e:
+            errors[key] = str(e)
+    try:
+        tp.parallelize(model, mesh)
+    except ValueError as e:
+        errors["twice"] = str(e)
+    # the group still works after the refused calls: nothing is left half-done
+    loss = model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    errors["loss_after"] = torch.isfinite(loss).item()
+    return errors
+
+
+def test_bad_input_raises_value_error_naming_the_numbers_on_every_rank():
+    results = run_distributed(_bad_input, 4, timeout=60)
+    for errors in results:
+        assert "batch size 3 is not divisible by the grid side q=2" in errors["batch"]
+        assert "sequence length 65 exceeds block_size 64" in errors["seq"]
+        assert "257" in errors["vocab"]
+        assert "already parallelized" in errors["twice"]
+        assert errors["loss_after"] is True
+
+
+def _heads(rank, world_size):
+    mesh = tp.init_mesh("2d", world_size, 1)
+    with pytest.raises(ValueError) as info:
+        tp.parallelize(GPT2(GPT2Config.from_name("gpt2-tiny", n_head=4, n_embd=48)), mesh)
+    return str(info.value)
+
+
+def test_heads_not_divisible_by_q_is_refused_before_communication():
+    message = run_distributed(_heads, 9, timeout=60)[0]
+    assert "n_head=4 is not divisible by q=3" in message
+
+
+def _data_parallel_replicas(rank, world_size):
+    """dp=2 x 2x2: each replica runs its own batch; parallelize itself never mixes replicas."""
+    torch.manual_seed(0)
+    cfg = GPT2Config.from_name("gpt2-tiny")
+    plain = GPT2(cfg).double()
+    par = copy.deepcopy(plain)
+    mesh = tp.init_mesh("2d", 4, 2)
+    tp.parallelize(par, mesh)
+    replica = mesh.get_local_rank("data_parallel")
+    idx, targets = _batch(cfg, batch=4, seq=16, seed=10 + replica)
+    loss0, loss1 = plain(idx, targets), par(idx, targets)
+    loss0.backward()
+    loss1.backward()
+    # slice the plain gradient locally (src_data_rank=None: no communication, so no mixing of replicas)
+    grad = max(_rel(p.grad.to_local(), distribute_tensor(p0.grad, mesh, p.placements, src_data_rank=None).to_local())
+               for p, p0 in zip(par.parameters(), plain.parameters()))
+    return {"replica": replica, "loss": (loss0.item(), loss1.item()), "grad": grad}
+
+
+def test_data_parallel_replicas_each_match_the_plain_model_on_their_own_batch():
+    results = run_distributed(_data_parallel_replicas, 8)
+    losses = {}
+    for out in results:
+        loss0, loss1 = out["loss"]
+        assert abs(loss1 - loss0) <= 1e-10 * abs(loss0)
+        assert out["grad"] <= 1e-10
+        losses.setdefault(out["replica"], set()).add(round(loss1, 12))
+    assert len(losses[0]) == len(losses[1]) == 1 and losses[0] != losses[1]
