@@ -39,7 +39,7 @@ class ParallelDims:
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {list(LAYOUTS)}")
         for name in ("tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.layout in GRID_LAYOUTS:
             q = math.isqrt(self.tensor_parallel_size)

@@ -19,10 +19,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 
 from lightning_tp2d.comm import BroadcastPipeline, ReducePipeline
-from lightning_tp2d.nn.functional import axis_index, shard_range, sum_grad_along
+from lightning_tp2d.nn.functional import axis_index, shard_parameter, shard_range, sum_grad_along
 
 
 def shard_batch(x: torch.Tensor, mesh: DeviceMesh, what: str = "batch") -> torch.Tensor:
@@ -77,7 +77,7 @@ class TokenEmbedding2D(nn.Module):
         super().__init__()
         self.mesh = mesh
         self.num_embeddings, self.embedding_dim = embedding.weight.shape
-        self.weight = nn.Parameter(distribute_tensor(embedding.weight.detach(), mesh, [Replicate(), Shard(0), Shard(1)]))
+        self.weight = shard_parameter(embedding.weight, mesh, [Replicate(), Shard(0), Shard(1)])
         r, q = axis_index(mesh, "row")
         self.vocab_start, self.vocab_stop = shard_range(self.num_embeddings, q, r)
 
@@ -95,7 +95,7 @@ class PositionEmbedding2D(nn.Module):
     def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh) -> None:
         super().__init__()
         self.mesh = mesh
-        self.weight = nn.Parameter(distribute_tensor(embedding.weight.detach(), mesh, [Replicate(), Replicate(), Shard(1)]))
+        self.weight = shard_parameter(embedding.weight, mesh, [Replicate(), Replicate(), Shard(1)])
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         return F.embedding(pos, sum_grad_along(self.weight.to_local(), self.mesh, "row"))

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from torch.distributed.tensor import distribute_tensor
+
 from lightning_tp2d.comm import all_gather_along, all_reduce_along, axis_rank, axis_size
 
 
@@ -73,3 +75,17 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 def axis_index(mesh: DeviceMesh, axis: str) -> tuple[int, int]:
     """``(coordinate, size)`` of this rank along ``axis``."""
     return axis_rank(mesh, axis), axis_size(mesh, axis)
+
+
+def shard_parameter(tensor: torch.Tensor, mesh: DeviceMesh, placements) -> torch.nn.Parameter:
+    """A DTensor parameter holding this rank's shard of ``tensor`` (a full copy that every rank holds alike).
+
+    Each rank slices its own shard, with no communication (torch >= 2.7); older releases scatter the shards
+    from global rank 0 instead.
+    """
+    tensor = tensor.detach()
+    try:
+        dt = distribute_tensor(tensor, mesh, placements, src_data_rank=None)
+    except TypeError:
+        dt = distribute_tensor(tensor, mesh, placements)
+    return torch.nn.Parameter(dt)

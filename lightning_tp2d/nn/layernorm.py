@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 
 from lightning_tp2d.comm import all_reduce_along
-from lightning_tp2d.nn.functional import sum_grad_along
+from lightning_tp2d.nn.functional import shard_parameter, sum_grad_along
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,9 +65,9 @@ class LayerNorm2D(nn.Module):
         self.hidden = norm.normalized_shape[0]
         self.eps = norm.eps
         place = [Replicate(), Replicate(), Shard(0)]
-        self.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), mesh, place))
+        self.weight = shard_parameter(norm.weight, mesh, place)
         if norm.bias is not None:
-            self.bias = nn.Parameter(distribute_tensor(norm.bias.detach(), mesh, place))
+            self.bias = shard_parameter(norm.bias, mesh, place)
         else:
             self.register_parameter("bias", None)
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_tp2d.nn.functional import sum_grad_along
+from lightning_tp2d.nn.functional import shard_parameter, sum_grad_along
 from lightning_tp2d.summa import summa_ab
 
 
@@ -37,9 +37,9 @@ class Linear2D(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         out = _out_shard(out_groups)
         # weight [out, in]: dim 1 (in) split over row, dim 0 (out) split over col.
-        self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Replicate(), Shard(1), out]))
+        self.weight = shard_parameter(linear.weight, mesh, [Replicate(), Shard(1), out])
         if linear.bias is not None:
-            self.bias = nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, [Replicate(), Replicate(), out]))
+            self.bias = shard_parameter(linear.bias, mesh, [Replicate(), Replicate(), out])
         else:
             self.register_parameter("bias", None)
 
