@@ -10,8 +10,8 @@ forward/backward duals. Each call
   performs. ``bytes`` is the payload of the tensor handed to the call on this rank: the broadcast/reduced/
   all-reduced tensor, the local input of an all-gather, the full input of a reduce-scatter.
 
-Gloo cannot run ``reduce`` on CUDA tensors; such calls are staged through host memory (this is how several
-ranks can share one GPU in tests).
+Under gloo, ``broadcast`` and ``reduce`` of CUDA tensors are staged through host memory here (gloo has no CUDA
+``reduce``, and its CUDA broadcast writes back into the source); this is how several ranks share one GPU.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def axis_rank(mesh: DeviceMesh, axis: str) -> int:
     return mesh.get_local_rank(axis)
 
 
-def _needs_host_staging(tensor: torch.Tensor, group: dist.ProcessGroup, kind: str) -> bool:
-    return kind == "reduce" and tensor.is_cuda and dist.get_backend(group) == "gloo"
+def _needs_host_staging(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    return tensor.is_cuda and dist.get_backend(group) == "gloo"
 
 
 def _finish(work, async_op: bool, then: Callable[[], None] | None = None) -> Handle:
@@ -113,7 +113,15 @@ def broadcast_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, src: int,
         return DONE
     group = axis_group(mesh, axis)
     STATS.add("broadcast", tensor)
-    work = dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group, async_op=async_op)
+    source = dist.get_global_rank(group, src)
+    if _needs_host_staging(tensor, group):
+        # gloo's own CUDA broadcast copies the result back into the source tensor too, which bumps the
+        # version of a parameter shard that autograd saved; staging here leaves the source untouched.
+        host = tensor.detach().cpu()
+        work = dist.broadcast(host, src=source, group=group, async_op=async_op)
+        mine = axis_rank(mesh, axis) == src
+        return _finish(work, async_op, then=None if mine else (lambda: tensor.copy_(host)))
+    work = dist.broadcast(tensor, src=source, group=group, async_op=async_op)
     return _finish(work, async_op)
 
 
@@ -124,7 +132,7 @@ def reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dst: int, as
     group = axis_group(mesh, axis)
     STATS.add("reduce", tensor)
     target = dist.get_global_rank(group, dst)
-    if _needs_host_staging(tensor, group, "reduce"):
+    if _needs_host_staging(tensor, group):
         host = tensor.detach().cpu()
         work = dist.reduce(host, dst=target, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
         return _finish(work, async_op, then=lambda: tensor.copy_(host))

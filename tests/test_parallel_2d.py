@@ -269,3 +269,27 @@ def test_data_parallel_replicas_each_match_the_plain_model_on_their_own_batch():
         assert out["grad"] <= 1e-10
         losses.setdefault(out["replica"], set()).add(round(loss1, 12))
     assert len(losses[0]) == len(losses[1]) == 1 and losses[0] != losses[1]
+
+
+def _autocast(rank, world_size):
+    torch.manual_seed(0)
+    cfg = GPT2Config.from_name("gpt2-tiny")
+    plain = GPT2(cfg)
+    par = tp.parallelize(copy.deepcopy(plain), tp.init_mesh("2d", world_size, 1))
+    idx, targets = _batch(cfg, batch=4, seq=24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss0, loss1 = plain(idx, targets), par(idx, targets)
+    loss0.backward()
+    loss1.backward()
+    dtypes = {p.grad.dtype for p in par.parameters()}
+    grad = max(((p.grad.full_tensor() - p0.grad).norm() / p0.grad.norm()).item()
+               for p, p0 in zip(par.parameters(), plain.parameters()))
+    return {"loss": (loss0.item(), loss1.item()), "grad": grad, "dtypes": dtypes}
+
+
+def test_bf16_autocast_matches_plain_model_under_autocast():
+    for out in run_distributed(_autocast, 4):
+        loss0, loss1 = out["loss"]
+        assert abs(loss1 - loss0) <= 1e-2 * abs(loss0)  # bf16 has 8 mantissa bits
+        assert out["grad"] <= 2e-2  # measured 8e-3
+        assert out["dtypes"] == {torch.float32}  # gradients land in the parameters' dtype

@@ -89,3 +89,14 @@ def shard_parameter(tensor: torch.Tensor, mesh: DeviceMesh, placements) -> torch
     except TypeError:
         dt = distribute_tensor(tensor, mesh, placements)
     return torch.nn.Parameter(dt)
+
+
+def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Cast matmul operands to the autocast dtype when autocast is on (``bf16-mixed``), outside the SUMMA
+    autograd functions, so their forward and backward see one dtype (the cast's backward restores the
+    parameter's dtype for its gradient)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)

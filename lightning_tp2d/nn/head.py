@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.nn.cross_entropy import vocab_parallel_cross_entropy
 from lightning_tp2d.nn.embedding import shard_batch
-from lightning_tp2d.nn.functional import axis_index, gather_grid, pad_rows
+from lightning_tp2d.nn.functional import autocast_operands, axis_index, gather_grid, pad_rows
 from lightning_tp2d.summa import summa_abt
 
 
@@ -33,7 +33,8 @@ class LMHead2D(nn.Module):
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``[N/q, ceil(V/q)]`` logits block of this rank (padding columns hold zeros)."""
         weight = pad_rows(self.weight.to_local(), self.block_rows)  # (ceil(V/q), h/q)
-        return summa_abt(x.reshape(-1, x.shape[-1]), weight, self.mesh)
+        x2d, weight = autocast_operands(x.reshape(-1, x.shape[-1]), weight)
+        return summa_abt(x2d, weight, self.mesh)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is not None:

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_tp2d.nn.functional import shard_parameter, sum_grad_along
+from lightning_tp2d.nn.functional import autocast_operands, shard_parameter, sum_grad_along
 from lightning_tp2d.summa import summa_ab
 
 
@@ -45,8 +45,8 @@ class Linear2D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        w_t = self.weight.to_local()  # [out/q, in/q] = W_rcᵀ, travels as stored
-        y = summa_ab(x.reshape(-1, x.shape[-1]), w_t.t(), self.mesh)  # (N/q, out/q)
+        x2d, w_t = autocast_operands(x.reshape(-1, x.shape[-1]), self.weight.to_local())  # w_t [out/q, in/q] = W_rcᵀ
+        y = summa_ab(x2d, w_t.t(), self.mesh)  # (N/q, out/q); W travels as stored
         if self.bias is not None:
             y = y + sum_grad_along(self.bias.to_local(), self.mesh, "row")
         return y.view(*lead, y.shape[-1])
