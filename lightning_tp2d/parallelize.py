@@ -35,7 +35,11 @@ IMPLEMENTED_LAYOUTS = ("2d",)
 
 def parallelize(model: GPT2, mesh: DeviceMesh, layout: str = "2d") -> GPT2:
     """Parallelize ``model`` in place for ``layout`` on ``mesh`` (from :func:`~lightning_tp2d.init_mesh`) and
-    return it. Every rank must pass the same plain model (the weights are sharded from global rank 0's copy)."""
+    return it. Every rank must pass the same plain model: each rank keeps its own shards of it.
+
+    A model built under ``torch.device("meta")`` is materialised here, module by module, with GPT-2 init from
+    the global CPU generator: seed it (the same on every rank) before calling, and the weights equal an eager
+    ``GPT2(config)`` built after the same seed. Shards land on the mesh's device type."""
     if not isinstance(model, GPT2):
         raise TypeError(f"parallelize expects a lightning_tp2d.models.GPT2, got {type(model).__name__}")
     if getattr(model, "tp_layout", None) is not None:
@@ -45,21 +49,36 @@ def parallelize(model: GPT2, mesh: DeviceMesh, layout: str = "2d") -> GPT2:
     dims.check_model(cfg.n_head, cfg.n_embd)
     if layout not in IMPLEMENTED_LAYOUTS:
         raise NotImplementedError(f"layout {layout!r} is not implemented yet; available: {list(IMPLEMENTED_LAYOUTS)}")
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError("parallelize needs materialised weights; the model has parameters on the meta device")
+    # A model built on the meta device is materialised one module at a time, on CPU, initialised in
+    # init_weights' order (so a seed gives the same weights as an eager build) and then sharded: no rank
+    # ever holds more than one full module.
+    materialise = _materialiser(model) if any(p.is_meta for p in model.parameters()) else (lambda name, m: m)
 
     tr = model.transformer
-    tr.wte = TokenEmbedding2D(tr.wte, mesh)
-    tr.wpe = PositionEmbedding2D(tr.wpe, mesh)
-    for block in tr.h:
-        block.ln_1 = LayerNorm2D(block.ln_1, mesh)
-        block.attn = Attention2D(block.attn, mesh)
-        block.ln_2 = LayerNorm2D(block.ln_2, mesh)
-        block.mlp = MLP2D(block.mlp, mesh)
-    tr.ln_f = LayerNorm2D(tr.ln_f, mesh)
+    tr.wte = TokenEmbedding2D(materialise("transformer.wte", tr.wte), mesh)
+    tr.wpe = PositionEmbedding2D(materialise("transformer.wpe", tr.wpe), mesh)
+    for i, block in enumerate(tr.h):
+        prefix = f"transformer.h.{i}"
+        block.ln_1 = LayerNorm2D(materialise(f"{prefix}.ln_1", block.ln_1), mesh)
+        block.attn = Attention2D(materialise(f"{prefix}.attn", block.attn), mesh)
+        block.ln_2 = LayerNorm2D(materialise(f"{prefix}.ln_2", block.ln_2), mesh)
+        block.mlp = MLP2D(materialise(f"{prefix}.mlp", block.mlp), mesh)
+    tr.ln_f = LayerNorm2D(materialise("transformer.ln_f", tr.ln_f), mesh)
     model.lm_head = LMHead2D(tr.wte.weight, mesh)
     model.tp_layout, model.tp_mesh = layout, mesh
     return model
+
+
+def _materialiser(model: GPT2):
+    """``(name, module) -> module`` on CPU with GPT-2 init; call in ``named_modules()`` order."""
+
+    def materialise(name: str, module: nn.Module) -> nn.Module:
+        module.to_empty(device="cpu")
+        for sub_name, sub in module.named_modules():
+            model.init_module_(f"{name}.{sub_name}" if sub_name else name, sub)
+        return module
+
+    return materialise
 
 
 @torch.no_grad()

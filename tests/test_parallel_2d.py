@@ -293,3 +293,22 @@ def test_bf16_autocast_matches_plain_model_under_autocast():
         assert abs(loss1 - loss0) <= 1e-2 * abs(loss0)  # bf16 has 8 mantissa bits
         assert out["grad"] <= 2e-2  # measured 8e-3
         assert out["dtypes"] == {torch.float32}  # gradients land in the parameters' dtype
+
+
+def _meta(rank, world_size):
+    cfg = GPT2Config.from_name("gpt2-tiny")
+    torch.manual_seed(3)
+    eager = tp.full_state_dict(tp.parallelize(GPT2(cfg), tp.init_mesh("2d", world_size, 1)))
+    with torch.device("meta"):
+        model = GPT2(cfg)
+    torch.manual_seed(3)
+    model = tp.parallelize(model, tp.init_mesh("2d", world_size, 1))
+    meta = tp.full_state_dict(model)
+    on_meta = [n for n, p in model.named_parameters() if p.to_local().is_meta]
+    return {"equal": all(torch.equal(eager[k], meta[k]) for k in eager), "keys": list(eager) == list(meta),
+            "on_meta": on_meta}
+
+
+def test_meta_device_model_materialises_to_the_same_weights_as_an_eager_build():
+    for out in run_distributed(_meta, 4):
+        assert out["keys"] and out["equal"] and out["on_meta"] == []

@@ -205,17 +205,27 @@ class GPT2(nn.Module):
         skipped: build on meta, ``to_empty(device=...)``, then call this (it re-ties lm_head first).
         """
         self.tie_weights()
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith(("attn.c_proj", "mlp.c_proj")) else 0.02
-                _fill_normal_(module.weight, std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-                if module.bias is not None:
-                    module.bias.zero_()
+            self.init_module_(name, module)
+
+    @torch.no_grad()
+    def init_module_(self, name: str, module: nn.Module) -> None:
+        """GPT-2 init of one module (its own parameters only), drawing from the global CPU generator.
+
+        ``init_weights`` calls it for every module in ``named_modules()`` order; ``parallelize`` calls it in
+        the same order to materialise a meta-device model one module at a time, so both give the same
+        weights for the same seed.
+        """
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            residual = name.endswith(("attn.c_proj", "mlp.c_proj"))
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02
+            _fill_normal_(module.weight, std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            if module.bias is not None:
+                module.bias.zero_()
 
     def tie_weights(self) -> None:
         """Make lm_head.weight the very Parameter transformer.wte.weight again.
