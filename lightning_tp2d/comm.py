@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
+KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "send", "recv")
 
 
 class CommStats:
@@ -151,6 +151,27 @@ def all_reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, op: str 
     STATS.add("all_reduce", tensor)
     work = dist.all_reduce(tensor, op=_OPS[op], group=axis_group(mesh, axis), async_op=async_op)
     return _finish(work, async_op)
+
+
+def exchange_with(tensor: torch.Tensor, peer: int) -> torch.Tensor:
+    """Send ``tensor`` to global rank ``peer`` and return what ``peer`` sends back (same shape and dtype).
+
+    ``peer`` must call it with this rank as its peer; with ``peer`` == this rank it returns ``tensor`` itself
+    and sends nothing. One ``send`` and one ``recv`` are counted. Under gloo, CUDA tensors travel through host
+    memory (gloo has no CUDA point-to-point).
+    """
+    if peer == dist.get_rank():
+        return tensor
+    tensor = tensor.contiguous()
+    STATS.add("send", tensor)
+    STATS.add("recv", tensor)
+    staged = tensor.is_cuda and dist.get_backend() == "gloo"
+    outgoing = tensor.cpu() if staged else tensor
+    incoming = torch.empty_like(outgoing)
+    works = [dist.isend(outgoing, dst=peer), dist.irecv(incoming, src=peer)]
+    for work in works:
+        work.wait()
+    return incoming.to(tensor.device) if staged else incoming
 
 
 def all_gather_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int = 0) -> torch.Tensor:

@@ -123,3 +123,9 @@ def parallel_dims_of(mesh: DeviceMesh, layout: str) -> ParallelDims:
 def grid_coords(mesh: DeviceMesh) -> tuple[int, int]:
     """This rank's ``(row, col)`` position on the grid."""
     return mesh.get_local_rank("row"), mesh.get_local_rank("col")
+
+
+def transpose_peer(mesh: DeviceMesh) -> int:
+    """Global rank of this rank's mirror ``(col, row)`` in the same data-parallel replica (itself on the diagonal)."""
+    r, c = grid_coords(mesh)
+    return int(mesh.mesh[mesh.get_local_rank("data_parallel"), c, r])

@@ -312,3 +312,39 @@ def _meta(rank, world_size):
 def test_meta_device_model_materialises_to_the_same_weights_as_an_eager_build():
     for out in run_distributed(_meta, 4):
         assert out["keys"] and out["equal"] and out["on_meta"] == []
+
+
+def _head_comm(rank, world_size):
+    q = int(round(world_size ** 0.5))
+    torch.manual_seed(0)
+    cfg = GPT2Config.from_name("gpt2-tiny")
+    model = tp.parallelize(GPT2(cfg), tp.init_mesh("2d", world_size, 1))
+    batch, seq = 2 * q, 8
+    x = torch.randn(batch // q, seq, cfg.n_embd // q, requires_grad=True)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq))
+    with comm.count_comm() as stats:
+        loss = model.lm_head(x, targets)
+    fwd = stats.snapshot()
+    with comm.count_comm() as stats:
+        loss.backward()
+    bwd = stats.snapshot()
+    return {"forward": fwd, "backward": bwd, "diagonal": rank // q == rank % q}
+
+
+def test_lm_head_swaps_weight_blocks_with_the_mirror_rank_and_never_moves_logits():
+    q, (V, h), tokens = 2, (257, 48), 16  # gpt2-tiny; per rank B/q * T = 2 * 8 tokens
+    e, rows = 4, -(-V // q)
+    x_panel, w_panel, swap = tokens * h // q * e, rows * h // q * e, rows * h // q * e
+    for out in run_distributed(_head_comm, q * q):
+        p2p = 0 if out["diagonal"] else 1
+        fwd, bwd = out["forward"], out["backward"]
+        assert fwd["send"] == fwd["recv"] == {"calls": p2p, "bytes": p2p * swap}
+        assert fwd["broadcast"] == {"calls": 2 * q, "bytes": q * (x_panel + w_panel)}
+        assert fwd["reduce"]["calls"] == 0
+        # the loss: max, then [sum-exp, target logit] along col; [loss sum, count] along row
+        assert fwd["all_reduce"] == {"calls": 3, "bytes": tokens * e + 2 * tokens * e + 2 * e}
+        assert bwd["broadcast"] == {"calls": 2 * q, "bytes": q * (w_panel + x_panel)}
+        assert bwd["reduce"] == {"calls": 2 * q, "bytes": q * (x_panel + w_panel)}
+        assert bwd["send"] == bwd["recv"] == {"calls": p2p, "bytes": p2p * swap}
+        # every byte above is an activation panel [N/q, h/q], a weight panel or a statistic: no logits block
+        assert fwd["all_gather"]["calls"] == fwd["reduce_scatter"]["calls"] == 0

@@ -8,7 +8,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch.distributed.tensor import distribute_tensor
 
-from lightning_tp2d.comm import all_gather_along, all_reduce_along, axis_rank, axis_size
+from lightning_tp2d.comm import all_gather_along, all_reduce_along, axis_rank, axis_size, exchange_with
+from lightning_tp2d.mesh import transpose_peer
 
 
 class _SumGradAlong(torch.autograd.Function):
@@ -54,6 +55,24 @@ class _GatherGrid(torch.autograd.Function):
 
 def gather_grid(block: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return _GatherGrid.apply(block, mesh)
+
+
+class _TransposeGrid(torch.autograd.Function):
+    """Forward: rank ``(r, c)`` swaps its block with rank ``(c, r)`` (diagonal ranks keep theirs): a matrix
+    whose block ``(i, j)`` sat on rank ``(i, j)`` now has it on rank ``(j, i)``. Backward: the same swap."""
+
+    @staticmethod
+    def forward(ctx, block, mesh):
+        ctx.mesh = mesh
+        return exchange_with(block, transpose_peer(mesh)).view_as(block)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return exchange_with(grad.contiguous(), transpose_peer(ctx.mesh)).view_as(grad), None
+
+
+def transpose_grid(block: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    return _TransposeGrid.apply(block, mesh)
 
 
 def shard_range(size: int, n: int, index: int) -> tuple[int, int]:
