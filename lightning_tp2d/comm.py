@@ -12,6 +12,11 @@ forward/backward duals. Each call
 
 Under gloo, ``broadcast`` and ``reduce`` of CUDA tensors are staged through host memory here (gloo has no CUDA
 ``reduce``, and its CUDA broadcast writes back into the source); this is how several ranks share one GPU.
+
+The ring layouts add one point-to-point call, :func:`ring_shift`: every rank of an axis sends its tensors to the
+next coordinate and receives the previous one's (counted as ``ring_exchange``, one call per shift). Every wait
+on a point-to-point handle is bounded by the process group's timeout, so a rank that dies or stalls mid-ring
+surfaces on its neighbours as an error, not a hang.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "send", "recv")
+KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "send", "recv", "ring_exchange")
 
 
 class CommStats:
@@ -38,9 +43,10 @@ class CommStats:
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
 
-    def add(self, kind: str, tensor: torch.Tensor) -> None:
+    def add(self, kind: str, *tensors: torch.Tensor) -> None:
+        """One call of ``kind`` whose payload is ``tensors`` (several for a ring exchange of a tuple)."""
         self.calls[kind] += 1
-        self.bytes[kind] += tensor.numel() * tensor.element_size()
+        self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
 
     def reset(self) -> None:
         self.calls.clear()
@@ -247,3 +253,67 @@ class ReducePipeline:
         if self._result is None:
             raise RuntimeError(f"ReducePipeline along {self.axis!r}: no partial was reduced to this rank")
         return self._result
+
+
+# ---- ring (point-to-point) --------------------------------------------------------------------------------
+
+
+class _Works:
+    """Several point-to-point works completed together (``wait()`` waits for each, in posting order)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def ring_neighbours(mesh: DeviceMesh, axis: str) -> tuple[int, int]:
+    """``(previous, next)`` coordinates of this rank on the ring formed by ``axis`` (wrapping around)."""
+    n, i = axis_size(mesh, axis), axis_rank(mesh, axis)
+    return (i - 1) % n, (i + 1) % n
+
+
+def ring_shift(send, recv, mesh: DeviceMesh, axis: str, tag: int = 0, async_op: bool = False) -> Handle:
+    """Send each tensor of ``send`` to the next rank of the ring along ``axis`` (coordinate ``i+1 mod n``) and
+    receive the previous rank's (``i-1 mod n``) into the matching tensor of ``recv`` (same shapes and dtypes on
+    every rank; ``recv`` must not alias ``send``).
+
+    Point-to-point ``isend``/``irecv``, posted even/odd (even coordinates send first, odd ones receive first)
+    so that no pair of blocking transports waits on each other; ``batch_isend_irecv`` is not used (gloo).
+    ``tag`` keeps two shifts in flight at once apart (the ring backward overlaps operand and gradient shifts).
+    Counted as one ``ring_exchange`` call whose bytes are all of ``send``. On one rank the tensors are copied
+    across and nothing is counted. Under gloo, CUDA tensors travel through host buffers.
+    """
+    send, recv = list(send), list(recv)
+    if len(send) != len(recv):
+        raise ValueError(f"ring_shift: {len(send)} tensors to send but {len(recv)} receive buffers")
+    if not all(t.is_contiguous() for t in recv):
+        raise ValueError("ring_shift: receive buffers must be contiguous")
+    n = axis_size(mesh, axis)
+    if n == 1:
+        for dst, src in zip(recv, send):
+            dst.copy_(src)
+        return DONE
+    group = axis_group(mesh, axis)
+    STATS.add("ring_exchange", *send)
+    prev, nxt = ring_neighbours(mesh, axis)
+    to, frm = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
+    then = None
+    if send and _needs_host_staging(send[0], group):
+        targets = recv
+        send = [t.detach().cpu() for t in send]
+        recv = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in targets]
+        host = recv
+
+        def then() -> None:
+            for dst, src in zip(targets, host):
+                dst.copy_(src)
+
+    sends = lambda: [dist.isend(t.contiguous(), dst=to, group=group, tag=tag) for t in send]  # noqa: E731
+    recvs = lambda: [dist.irecv(t, src=frm, group=group, tag=tag) for t in recv]  # noqa: E731
+    works = sends() + recvs() if axis_rank(mesh, axis) % 2 == 0 else recvs() + sends()
+    return _finish(_Works(works), async_op, then)
