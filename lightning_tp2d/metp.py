@@ -1,0 +1,466 @@
+"""METP: the ring kernel ``O_i = ⊕_j f(A_i B_j) C_j`` and its attention, MLP and weight-streaming instances.
+
+Memory-efficient tensor parallelism (Liang et al., FITEE 2025; DESIGN 3.2). The ``p`` ranks of a mesh axis form
+a ring. Rank ``i`` keeps its row block ``A_i`` and starts with the pair ``(B_i, C_i)``; the pairs travel round
+the ring, so at step ``t = 0..p-1`` rank ``i`` holds the pair of rank ``j = (i - t) mod p`` and folds
+``f(A_i B_j) C_j`` into its output (``⊕``: a sum, or the online log-sum-exp merge of attention).
+
+Schedule (:func:`ring_forward`): before computing with the pair it holds, a rank posts the send of that pair to
+``i+1`` and the receive of the next one from ``i-1`` into a second buffer, and waits after computing: ``p``
+steps, ``p-1`` exchanges, two pair buffers besides its own. The backward (:func:`ring_backward`) rotates the
+pairs again (``p-1`` exchanges) together with gradient accumulators ``(dB_j, dC_j)``: each rank adds its
+contribution for the block it holds and passes the sum on; after the last step one more exchange brings every
+accumulator home (``p`` gradient exchanges, each overlapped with the next step's compute). Where the backward
+needs no operand (the embedding), the accumulators start one rank early and arrive home in ``p-1`` exchanges.
+
+Instances (``x`` local rows, ``N`` local tokens, ``h`` hidden, ``H`` heads of width ``d``):
+
+================  ===========================================  ==========================================
+instance          travels (per exchange)                       rank i keeps
+================  ===========================================  ==========================================
+attention         ``K_j, V_j`` ``[2, B, H, S, d]``             ``Q_i``, output, log-sum-exp
+MLP               ``W1_j [4h/p, h]``, ``W2_j [h, 4h/p]``         ``X_i [N, h]``; recomputes ``X_i W1_j``
+linear, out-split ``W_j [out/p, in]`` (QKV, LM-head logits)     ``X_i``; writes output block ``j``
+linear, in-split  ``W_j [out, in/p]`` (attention out)          ``X_i``; reads input block ``j``
+================  ===========================================  ==========================================
+
+Setting :data:`DOUBLE_BUFFER` to False (or ``with double_buffering(False)``) waits for each exchange before the
+compute instead of after it: the same arithmetic in the same order, so bit-identical results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_tp2d.comm import axis_rank, axis_size, ring_shift
+
+DOUBLE_BUFFER = True  # post the next exchange before computing with the current block, wait after
+ATTENTION_KERNEL = "auto"  # per-block attention: "auto" (CPU flash kernel where available) or "math"
+MATH_TILE = 128  # query rows per score tile of the "math" kernel: it holds [tile, keys] scores, never more
+_OPERANDS, _GRADS = 0, 1  # point-to-point tags of the two shifts the backward keeps in flight
+
+
+@contextlib.contextmanager
+def double_buffering(enabled: bool) -> Iterator[None]:
+    """Switch the exchange/compute overlap on or off inside the block (a schedule change, not a maths one)."""
+    global DOUBLE_BUFFER
+    saved, DOUBLE_BUFFER = DOUBLE_BUFFER, enabled
+    try:
+        yield
+    finally:
+        DOUBLE_BUFFER = saved
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays, everything else sums in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+Step = Callable[[int, tuple], object]
+
+
+def ring_forward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step: Step) -> None:
+    """Call ``step(j, blocks)`` once for every ring rank ``j``, in the order ``j = i, i-1, ...``, where
+    ``blocks`` are rank ``j``'s ``own`` tensors. ``p-1`` exchanges; ``own`` itself is never written."""
+    i, p = axis_rank(mesh, axis), axis_size(mesh, axis)
+    own = tuple(t.contiguous() for t in own)
+    cur, spare = own, None
+    for t in range(p):
+        pending = None
+        if t + 1 < p:
+            nxt = spare if spare is not None else tuple(torch.empty_like(x) for x in own)
+            pending = ring_shift(cur, nxt, mesh, axis, tag=_OPERANDS, async_op=True)
+            if not DOUBLE_BUFFER:
+                pending.wait()
+        step((i - t) % p, cur)
+        if pending is not None:
+            pending.wait()
+            spare = None if cur is own else cur  # its send is complete: reuse it for the next receive
+            cur = nxt
+
+
+def ring_backward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step: Step,
+                  home: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+    """Rotate ``own`` again and sum gradients of the travelling blocks round the ring.
+
+    ``step(j, blocks)`` returns fresh tensors: this rank's contribution to the gradients of rank ``j``'s blocks;
+    the ring adds the accumulator arriving from ``i-1`` and sends the sum on. Returns the complete gradients of
+    this rank's own blocks (received into ``home`` if given). With operands: ``p-1`` operand exchanges and ``p``
+    gradient exchanges; with ``own == ()``: ``p-1`` gradient exchanges only.
+    """
+    i, p = axis_rank(mesh, axis), axis_size(mesh, axis)
+    own = tuple(t.contiguous() for t in own)
+    shift = 0 if own else 1  # no operand to wait for: start with block i-1 so the sums end at home
+    cur, spare = own, None
+    acc = acc_in = acc_wait = None
+    for t in range(p):
+        pending = None
+        if own and t + 1 < p:
+            nxt = spare if spare is not None else tuple(torch.empty_like(x) for x in own)
+            pending = ring_shift(cur, nxt, mesh, axis, tag=_OPERANDS, async_op=True)
+            if not DOUBLE_BUFFER:
+                pending.wait()
+        acc = tuple(step((i - t - shift) % p, cur))
+        free = None
+        if acc_wait is not None:
+            acc_wait.wait()  # also completes the send of the previous sum
+            for a, b in zip(acc, acc_in):
+                a.add_(b)
+            free = acc_in
+        if not (shift and t == p - 1):
+            last = t == p - 1
+            acc_in = tuple(home) if last and home is not None else (
+                free if free is not None else tuple(torch.empty_like(a) for a in acc))
+            acc_wait = ring_shift(acc, acc_in, mesh, axis, tag=_GRADS, async_op=True)
+            if not DOUBLE_BUFFER:
+                acc_wait.wait()
+        if pending is not None:
+            pending.wait()
+            spare = None if cur is own else cur
+            cur = nxt
+    if shift:
+        return acc
+    acc_wait.wait()
+    return acc_in
+
+
+# ---- attention blocks -------------------------------------------------------------------------------------
+
+
+def _flash_cpu(q: torch.Tensor) -> bool:
+    return ATTENTION_KERNEL == "auto" and q.device.type == "cpu" and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _causal_mask(r0: int, r1: int, cols: int, device) -> torch.Tensor:
+    """True where key ``col > query row`` for query rows ``r0..r1`` of a square causal block."""
+    return torch.arange(cols, device=device) > torch.arange(r0, r1, device=device).unsqueeze(-1)
+
+
+def attend_block(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(softmax(q kᵀ·scale [+ causal]) v, logsumexp)`` of one block. ``q [.., Lq, d]``, ``k, v [.., Lk, d]``;
+    ``causal`` needs ``Lq == Lk``. Output in ``q``'s dtype, log-sum-exp ``[.., Lq]`` in :func:`acc_dtype`."""
+    if _flash_cpu(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.to(acc_dtype(q.dtype))
+    acc = acc_dtype(q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
+    kt = k.to(acc).transpose(-1, -2)
+    for r0 in range(0, q.shape[-2], MATH_TILE):
+        r1 = min(r0 + MATH_TILE, q.shape[-2])
+        s = torch.matmul(q[..., r0:r1, :].to(acc), kt).mul_(scale)  # (.., tile, Lk)
+        if causal:
+            s.masked_fill_(_causal_mask(r0, r1, s.shape[-1], s.device), float("-inf"))
+        l = torch.logsumexp(s, -1)
+        out[..., r0:r1, :] = torch.matmul(s.sub_(l.unsqueeze(-1)).exp_(), v.to(acc))
+        lse[..., r0:r1] = l
+    return out, lse
+
+
+def attend_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """``(dq, dk, dv)`` of one block given the *final* output rows ``out`` and log-sum-exp ``lse`` of these
+    queries (so ``P = exp(q kᵀ·scale - lse)`` is this block's share of the full softmax)."""
+    if _flash_cpu(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), 0.0, causal, scale=scale)
+    acc = acc_dtype(q.dtype)
+    q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+    delta = (dout * out.to(acc)).sum(-1)  # rowsum(dO ∘ O)
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for r0 in range(0, q.shape[-2], MATH_TILE):
+        r1 = min(r0 + MATH_TILE, q.shape[-2])
+        s = torch.matmul(q[..., r0:r1, :], k.transpose(-1, -2)).mul_(scale)
+        if causal:
+            s.masked_fill_(_causal_mask(r0, r1, s.shape[-1], s.device), float("-inf"))
+        prob = s.sub_(lse[..., r0:r1].unsqueeze(-1)).exp_()  # (.., tile, Lk)
+        do = dout[..., r0:r1, :]
+        dv += torch.matmul(prob.transpose(-1, -2), do)
+        ds = prob.mul_(torch.matmul(do, v.transpose(-1, -2)).sub_(delta[..., r0:r1].unsqueeze(-1)))
+        dq[..., r0:r1, :] = torch.matmul(ds, k).mul_(scale)
+        dk += torch.matmul(ds.transpose(-1, -2), q[..., r0:r1, :]).mul_(scale)
+    return dq, dk, dv
+
+
+def visible(i: int, j: int, c: int) -> tuple[slice, slice, bool]:
+    """Which rows of rank ``i``'s queries see which rows of rank ``j``'s keys, and whether causally.
+
+    Zigzag: rank ``r`` holds global chunks ``r`` (rows ``[0, c)``) and ``2p-1-r`` (rows ``[c, 2c)``). For
+    ``j == i`` both sides are in increasing global order, so the mask is the plain causal one; for ``j < i``
+    every query sees chunk ``j`` only (chunk ``2p-1-j`` lies after both of ``i``'s chunks); for ``j > i`` only
+    the late chunk ``2p-1-i`` sees anything, and it sees both of ``j``'s chunks. Either way ``2c²`` scores.
+    """
+    if j == i:
+        return slice(None), slice(None), True
+    if j < i:
+        return slice(None), slice(0, c), False
+    return slice(c, None), slice(None), False
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, mesh, axis, scale):
+        # qkv (3, B, H, S, d) with S = 2c: this rank's zigzag chunks; q stays, k|v travel as one tensor
+        i = axis_rank(mesh, axis)
+        q, kv = qkv[0], qkv[1:]
+        c = q.shape[-2] // 2
+        out = torch.empty(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=out.dtype, device=q.device)
+
+        def step(j, blocks):
+            (kv_j,) = blocks
+            rows, cols, causal = visible(i, j, c)
+            o_b, l_b = attend_block(q[..., rows, :], kv_j[0][..., cols, :], kv_j[1][..., cols, :], causal, scale)
+            if j == i:  # step 0, the diagonal block: every query row sees at least itself
+                out.copy_(o_b)
+                lse.copy_(l_b)
+                return
+            o, l = out[..., rows, :], lse[..., rows]  # views: merged in place (online log-sum-exp)
+            new = torch.logaddexp(l, l_b)
+            o.mul_((l - new).exp_().unsqueeze(-1)).add_(o_b.to(o.dtype) * (l_b - new).exp_().unsqueeze(-1))
+            l.copy_(new)
+
+        ring_forward((kv,), mesh, axis, step)
+        y = out.to(qkv.dtype)
+        ctx.save_for_backward(qkv, y, lse)
+        ctx.mesh, ctx.axis, ctx.scale = mesh, axis, scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        qkv, y, lse = ctx.saved_tensors
+        i = axis_rank(ctx.mesh, ctx.axis)
+        q, kv = qkv[0], qkv[1:]
+        c = q.shape[-2] // 2
+        dy = dy.contiguous()
+        dqkv = torch.empty(qkv.shape, dtype=lse.dtype, device=qkv.device)
+        dq = dqkv[0].zero_()
+
+        def step(j, blocks):
+            (kv_j,) = blocks
+            rows, cols, causal = visible(i, j, c)
+            dq_b, dk_b, dv_b = attend_block_backward(dy[..., rows, :], q[..., rows, :], kv_j[0][..., cols, :],
+                                                     kv_j[1][..., cols, :], y[..., rows, :], lse[..., rows],
+                                                     causal, ctx.scale)
+            dq[..., rows, :] += dq_b
+            dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
+            dkv[0][..., cols, :] = dk_b
+            dkv[1][..., cols, :] = dv_b
+            return (dkv,)
+
+        ring_backward((kv,), ctx.mesh, ctx.axis, step, home=(dqkv[1:],))
+        return dqkv.to(qkv.dtype), None, None, None
+
+
+def ring_attention(qkv: torch.Tensor, mesh: DeviceMesh, axis: str, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of a zigzag-sharded sequence: ``qkv [3, B, H, S, d]`` (q, k, v of this rank's chunks
+    ``i`` and ``2p-1-i``, ``S = 2T/(2p)``) -> ``y [B, H, S, d]``. Per step one ``[≤2c, ≤2c]`` block (the CPU flash
+    kernel or ``MATH_TILE``-row score tiles), never ``[T, T]``. Forward: ``p-1`` exchanges of ``K|V``;
+    backward: ``p-1`` of ``K|V`` and ``p`` of ``dK|dV``."""
+    if qkv.dim() != 5 or qkv.shape[0] != 3 or qkv.shape[-2] % 2:
+        raise ValueError(f"ring_attention expects qkv [3, B, H, S, d] with S even (two zigzag chunks), "
+                         f"got {tuple(qkv.shape)}")
+    scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else scale
+    return _RingAttention.apply(qkv.contiguous(), mesh, axis, scale)
+
+
+# ---- MLP -------------------------------------------------------------------------------------------------
+
+
+def _hidden(x, w1, b1, j):
+    """``X W1_j + b1_j``: the pre-activation block ``[N, f]`` for ring rank ``j``'s rows of ``c_fc``."""
+    f = w1.shape[0]
+    pre = x @ w1.t()
+    return pre if b1 is None else pre.add_(b1[j * f:(j + 1) * f])
+
+
+class _RingMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, mesh, axis):
+        # x (N, h); w1 (4h/p, h) = c_fc.weight rows of block i; w2 (h, 4h/p) = c_proj.weight columns of block i
+        out = x.new_zeros((x.shape[0], w2.shape[0]))
+
+        def step(j, blocks):
+            w1_j, w2_j = blocks
+            out.addmm_(F.gelu(_hidden(x, w1_j, b1, j), approximate="tanh"), w2_j.t())
+
+        ring_forward((w1, w2), mesh, axis, step)
+        if b2 is not None:
+            out += b2
+        ctx.save_for_backward(x, w1, b1, w2)
+        ctx.mesh, ctx.axis, ctx.has_b2 = mesh, axis, b2 is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w1, b1, w2 = ctx.saved_tensors
+        acc = acc_dtype(x.dtype)
+        dout = dout.contiguous()
+        dx = torch.zeros_like(x)
+        db1 = None if b1 is None else torch.zeros(b1.shape, dtype=acc, device=b1.device)
+        f = w1.shape[0]
+
+        def step(j, blocks):
+            w1_j, w2_j = blocks
+            pre = _hidden(x, w1_j, b1, j)  # recomputed, never stored
+            dw2 = (dout.t() @ F.gelu(pre, approximate="tanh")).to(acc)  # (h, f)
+            dpre = torch.ops.aten.gelu_backward(dout @ w2_j, pre, approximate="tanh")  # (N, f)
+            if db1 is not None:
+                db1[j * f:(j + 1) * f] += dpre.sum(0)
+            dx.addmm_(dpre, w1_j)
+            return (dpre.t() @ x).to(acc), dw2
+
+        dw1, dw2 = ring_backward((w1, w2), ctx.mesh, ctx.axis, step)
+        db2 = dout.sum(0) if ctx.has_b2 else None
+        db1 = None if db1 is None else db1.to(b1.dtype)
+        return dx, dw1.to(w1.dtype), db1, dw2.to(w2.dtype), db2, None, None
+
+
+def ring_mlp(x, w1, b1, w2, b2, mesh: DeviceMesh, axis: str) -> torch.Tensor:
+    """``gelu_tanh(X W1 + b1) W2 + b2`` with ``X [N, h]`` local rows, ``W1``'s output rows (``w1 [4h/p, h]``) and
+    ``W2``'s input columns (``w2 [h, 4h/p]``) split over the ring, biases full (replicated). Forward ``p-1``
+    exchanges of ``(w1, w2)``; backward ``p-1`` of ``(w1, w2)`` and ``p`` of their gradients; the
+    ``[N, 4h]`` hidden activation is never formed (``[N, 4h/p]`` per step, recomputed in backward)."""
+    return _RingMLP.apply(x, w1, b1, w2, b2, mesh, axis)
+
+
+# ---- weight-streaming linears ----------------------------------------------------------------------------
+
+
+class ColumnBlocks:
+    """Block ``j`` of an ``[N, n*w]`` matrix is its columns ``[j*w, (j+1)*w)`` (read as a view)."""
+
+    def __init__(self, rows: int, n: int, width: int) -> None:
+        self.shape, self.width = (rows, n * width), width
+
+    def read(self, t: torch.Tensor, j: int) -> torch.Tensor:
+        return t[:, j * self.width:(j + 1) * self.width]
+
+    def write(self, t: torch.Tensor, j: int, block: torch.Tensor) -> None:
+        self.read(t, j).copy_(block)
+
+    def bias_block(self, bias: torch.Tensor, j: int) -> torch.Tensor:
+        return bias[j * self.width:(j + 1) * self.width]
+
+    def bias_grad(self, dt: torch.Tensor) -> torch.Tensor:
+        return dt.sum(0)
+
+
+class HeadBlocks:
+    """A ``[g, B, H, S, d]`` tensor (``g = 3`` for q|k|v, ``1`` for an attention output) whose block ``j`` is
+    heads ``[j*H/n, (j+1)*H/n)`` of each group, read as the ``[B*S, g*H/n*d]`` matrix whose columns follow
+    torch's ``Linear`` order for that block (``c_attn`` rows regrouped as ``[q_j | k_j | v_j]``)."""
+
+    def __init__(self, groups: int, batch: int, seq: int, heads: int, head_size: int, n: int) -> None:
+        self.shape = (groups, batch, heads, seq, head_size)
+        self.n, self.per = n, heads // n
+
+    def _heads(self, t: torch.Tensor, j: int) -> torch.Tensor:
+        return t[:, :, j * self.per:(j + 1) * self.per]  # (g, B, H/n, S, d)
+
+    def read(self, t: torch.Tensor, j: int) -> torch.Tensor:
+        g, B, _, S, d = self.shape
+        return self._heads(t, j).permute(1, 3, 0, 2, 4).reshape(B * S, g * self.per * d)
+
+    def write(self, t: torch.Tensor, j: int, block: torch.Tensor) -> None:
+        g, B, _, S, d = self.shape
+        self._heads(t, j).copy_(block.view(B, S, g, self.per, d).permute(2, 0, 3, 1, 4))
+
+    def bias_block(self, bias: torch.Tensor, j: int) -> torch.Tensor:
+        g = self.shape[0]
+        return bias.view(g, self.n, -1)[:, j].reshape(-1)
+
+    def bias_grad(self, dt: torch.Tensor) -> torch.Tensor:
+        return dt.sum((1, 3)).reshape(-1)  # (g, H, d) in torch's order
+
+
+class _RingLinearOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, mesh, axis, layout):
+        # x (N, in) local rows; w (out/p, in) this rank's output rows; bias (out,) replicated or None
+        y = x.new_empty(layout.shape)
+
+        def step(j, blocks):
+            (w_j,) = blocks
+            y_j = x @ w_j.t()
+            if bias is not None:
+                y_j += layout.bias_block(bias, j)
+            layout.write(y, j, y_j)
+
+        ring_forward((w,), mesh, axis, step)
+        ctx.save_for_backward(x, w)
+        ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias = mesh, axis, layout, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        acc = acc_dtype(x.dtype)
+        dx = torch.zeros_like(x)
+
+        def step(j, blocks):
+            (w_j,) = blocks
+            g = ctx.layout.read(dy, j)  # (N, out/p)
+            dx.addmm_(g, w_j)  # dX += dY_j W_j
+            return ((g.t() @ x).to(acc),)  # dW_j += dY_jᵀ X
+
+        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step)
+        db = ctx.layout.bias_grad(dy) if ctx.has_bias else None
+        return dx, dw.to(w.dtype), db, None, None, None
+
+
+class _RingLinearIn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, mesh, axis, layout):
+        # x: input whose block j (layout) is the in-columns of ring rank j; w (out, in/p) this rank's columns
+        out = None
+
+        def step(j, blocks):
+            nonlocal out
+            (w_j,) = blocks
+            x_j = layout.read(x, j)
+            out = x_j @ w_j.t() if out is None else out.addmm_(x_j, w_j.t())
+
+        ring_forward((w,), mesh, axis, step)
+        if bias is not None:
+            out += bias
+        ctx.save_for_backward(x, w)
+        ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias = mesh, axis, layout, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w = ctx.saved_tensors
+        acc = acc_dtype(x.dtype)
+        dout = dout.contiguous()
+        dx = x.new_empty(ctx.layout.shape)
+
+        def step(j, blocks):
+            (w_j,) = blocks
+            ctx.layout.write(dx, j, dout @ w_j)  # dX_j = dY W_j
+            return ((dout.t() @ ctx.layout.read(x, j)).to(acc),)  # dW_j += dYᵀ X_j
+
+        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step)
+        db = dout.sum(0) if ctx.has_bias else None
+        return dx, dw.to(w.dtype), db, None, None, None
+
+
+def ring_linear_out(x, w, bias, mesh: DeviceMesh, axis: str, layout) -> torch.Tensor:
+    """``Y = X Wᵀ + b`` with ``W [out, in]`` split by output rows over the ring (``w [out/p, in]``, block ``i``):
+    the blocks stream past the resident ``X [N, in]`` and block ``j`` of ``Y`` is written where ``layout``
+    puts it (:class:`ColumnBlocks` or :class:`HeadBlocks`). Forward ``p-1`` exchanges of ``w``; backward
+    ``dX = Σ_j dY_j W_j`` locally and ``dW_j = Σ_i dY_ijᵀ X_i`` travelling: ``p-1`` + ``p`` exchanges."""
+    return _RingLinearOut.apply(x, w, bias, mesh, axis, layout)
+
+
+def ring_linear_in(x, w, bias, mesh: DeviceMesh, axis: str, layout) -> torch.Tensor:
+    """``Y = Σ_j X_j W_jᵀ + b`` with ``W [out, in]`` split by input columns over the ring (``w [out, in/p]``) and
+    ``X``'s column block ``j`` read through ``layout``; ``Y [N, out]``. Forward ``p-1`` exchanges of ``w``;
+    backward ``dX_j = dY W_j`` written back through ``layout``, ``dW_j = Σ_i dYᵢᵀ X_ij`` travelling."""
+    return _RingLinearIn.apply(x, w, bias, mesh, axis, layout)
