@@ -17,6 +17,13 @@ h.*.attn                   Attention2D         c_attn.weight [3h, h]: R, Shard(1
 h.*.mlp                    MLP2D               weight [out, in]: R, Shard(1), Shard(0); bias [out]: R, R, Shard(0)
 lm_head                    LMHead2D            tied to transformer.wte.weight
 =========================  ==================  ==========================================================
+
+``"metp"`` (DESIGN 3.2, :mod:`lightning_tp2d.nn.ring`, :mod:`lightning_tp2d.nn.ring_vocab`) on the mesh
+``(data_parallel, ring)``: rank ``i`` holds the zigzag chunks ``i`` and ``2p-1-i`` of every sequence with the full
+hidden size; ``wte`` Shard(0) (vocab rows), ``c_attn`` _StridedShard(0, 3), ``c_fc`` Shard(0), both ``c_proj``
+Shard(1), everything else replicated with gradients summed over ``ring``. ``"2d-metp"`` (DESIGN 3.3,
+:mod:`lightning_tp2d.nn.grid_metp`) places parameters as ``"2d"``; grid rows hold zigzag chunks instead of batch
+shards, and attention is a ring along ``row``.
 """
 
 from __future__ import annotations
@@ -29,8 +36,18 @@ from torch.distributed.tensor import DTensor
 from lightning_tp2d.mesh import parallel_dims_of
 from lightning_tp2d.models.gpt2 import GPT2
 from lightning_tp2d.nn import Attention2D, LayerNorm2D, LMHead2D, MLP2D, PositionEmbedding2D, TokenEmbedding2D
+from lightning_tp2d.nn.grid_metp import (Attention2DMetp, LMHead2DMetp, PositionEmbedding2DMetp,
+                                         TokenEmbedding2DMetp)
+from lightning_tp2d.nn.ring import RingAttention, RingLayerNorm, RingMLP
+from lightning_tp2d.nn.ring_vocab import RingLMHead, RingPositionEmbedding, RingTokenEmbedding
 
-IMPLEMENTED_LAYOUTS = ("2d",)
+# layout -> parallel classes for (wte, wpe, LayerNorm, attn, mlp, lm_head); each takes (plain module, mesh)
+PLANS = {
+    "2d": (TokenEmbedding2D, PositionEmbedding2D, LayerNorm2D, Attention2D, MLP2D, LMHead2D),
+    "metp": (RingTokenEmbedding, RingPositionEmbedding, RingLayerNorm, RingAttention, RingMLP, RingLMHead),
+    "2d-metp": (TokenEmbedding2DMetp, PositionEmbedding2DMetp, LayerNorm2D, Attention2DMetp, MLP2D, LMHead2DMetp),
+}
+IMPLEMENTED_LAYOUTS = tuple(PLANS)
 
 
 def parallelize(model: GPT2, mesh: DeviceMesh, layout: str = "2d") -> GPT2:
@@ -54,17 +71,18 @@ def parallelize(model: GPT2, mesh: DeviceMesh, layout: str = "2d") -> GPT2:
     # ever holds more than one full module.
     materialise = _materialiser(model) if any(p.is_meta for p in model.parameters()) else (lambda name, m: m)
 
+    Wte, Wpe, Norm, Attention, Mlp, Head = PLANS[layout]
     tr = model.transformer
-    tr.wte = TokenEmbedding2D(materialise("transformer.wte", tr.wte), mesh)
-    tr.wpe = PositionEmbedding2D(materialise("transformer.wpe", tr.wpe), mesh)
+    tr.wte = Wte(materialise("transformer.wte", tr.wte), mesh)
+    tr.wpe = Wpe(materialise("transformer.wpe", tr.wpe), mesh)
     for i, block in enumerate(tr.h):
         prefix = f"transformer.h.{i}"
-        block.ln_1 = LayerNorm2D(materialise(f"{prefix}.ln_1", block.ln_1), mesh)
-        block.attn = Attention2D(materialise(f"{prefix}.attn", block.attn), mesh)
-        block.ln_2 = LayerNorm2D(materialise(f"{prefix}.ln_2", block.ln_2), mesh)
-        block.mlp = MLP2D(materialise(f"{prefix}.mlp", block.mlp), mesh)
-    tr.ln_f = LayerNorm2D(materialise("transformer.ln_f", tr.ln_f), mesh)
-    model.lm_head = LMHead2D(tr.wte.weight, mesh)
+        block.ln_1 = Norm(materialise(f"{prefix}.ln_1", block.ln_1), mesh)
+        block.attn = Attention(materialise(f"{prefix}.attn", block.attn), mesh)
+        block.ln_2 = Norm(materialise(f"{prefix}.ln_2", block.ln_2), mesh)
+        block.mlp = Mlp(materialise(f"{prefix}.mlp", block.mlp), mesh)
+    tr.ln_f = Norm(materialise("transformer.ln_f", tr.ln_f), mesh)
+    model.lm_head = Head(tr.wte.weight, mesh)
     model.tp_layout, model.tp_mesh = layout, mesh
     return model
 

@@ -44,14 +44,21 @@ class LMHead2D(nn.Module):
         mirrored = transpose_grid(pad_rows(weight, self.block_rows), self.mesh)  # E[V_c, h_r]: (ceil(V/q), h/q)
         return summa_ab(x2d, mirrored.t(), self.mesh)  # B block Eᵀ[h_r, V_c], travels as stored
 
+    def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """Targets of this rank's tokens, flattened in the order of its logits rows (batch shard ``r``)."""
+        return shard_batch(targets, self.mesh, "targets batch").reshape(-1)
+
+    def full_logits(self, full: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, V]`` from the gathered ``[B*T, V]`` rows (row blocks in grid-row order)."""
+        q = axis_index(self.mesh, "row")[1]
+        return full.view(x.shape[0] * q, x.shape[1], self.vocab_size)
+
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is not None:
-            local_targets = shard_batch(targets, self.mesh, "targets batch").reshape(-1)
+            local_targets = self.local_targets(targets)
         logits = self.local_logits(x)
         if targets is None:
-            full = gather_grid(logits, self.mesh)[:, : self.vocab_size]  # (B*T, V)
-            q = axis_index(self.mesh, "row")[1]
-            return full.view(x.shape[0] * q, x.shape[1], self.vocab_size)
+            return self.full_logits(gather_grid(logits, self.mesh)[:, : self.vocab_size], x)  # (B*T, V) rows
         return vocab_parallel_cross_entropy(logits, local_targets, self.mesh, self.vocab_size)
 
     def extra_repr(self) -> str:
