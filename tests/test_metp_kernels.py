@@ -1,0 +1,196 @@
+"""Each METP ring function alone against a single-device computation, on rings of 1, 2, 3 and 4 gloo ranks.
+
+One ``run_distributed`` call per ring size ``p``; every rank builds the same full tensors from one seed, runs
+the ring function on its share and returns errors against the plain computation, communication counts and
+whether switching double buffering off changed a single bit. ``visible`` (which query rows of a rank see which
+key rows of another) is checked exhaustively against the global causal mask without any process group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lightning_tp2d as tp
+from lightning_tp2d import comm, metp
+from lightning_tp2d.nn.functional import sum_grad_along
+from lightning_tp2d.nn.ring_vocab import _RingCrossEntropy, _RingEmbedding
+from lightning_tp2d.nn.sequence import zigzag_positions
+from tests.distributed import run_distributed
+
+B, H, C, D = 2, 3, 5, 4  # batch, heads, rows per zigzag chunk, head size
+DT = torch.float64
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_visible_blocks_cover_exactly_the_global_causal_mask(p):
+    for i in range(p):
+        q_pos = zigzag_positions(2 * p * C, p, i)
+        for j in range(p):
+            k_pos = zigzag_positions(2 * p * C, p, j)
+            want = q_pos.unsqueeze(1) >= k_pos.unsqueeze(0)  # (2c, 2c) global causal mask for this pair
+            rows, cols, causal = metp.visible(i, j, C)
+            got = torch.zeros_like(want)
+            block = got[rows, cols]
+            block.fill_(True)
+            if causal:
+                block.copy_(torch.ones_like(block).tril())
+            got[rows, cols] = block
+            assert torch.equal(got, want), (i, j)
+            if j > i:  # the early chunk sees nothing of a later rank: skipped, not masked
+                assert rows == slice(C, None) and not want[:C].any()
+
+
+def _rel(a, b):
+    if b.numel() == 0:  # a vocab block that is all padding
+        return 0.0
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _counted(fn):
+    with comm.count_comm() as stats:
+        out = fn()
+    return out, {k: v for k, v in stats.snapshot().items() if v["calls"]}
+
+
+def _attention(mesh, p, i, kernel):
+    T = 2 * p * C
+    g = torch.Generator().manual_seed(7)
+    qkv_full = torch.randn(3, B, H, T, D, dtype=DT, generator=g)
+    dy_full = torch.randn(B, H, T, D, dtype=DT, generator=g)
+    ref_in = qkv_full.clone().requires_grad_()
+    ref = F.scaled_dot_product_attention(*ref_in.unbind(0), is_causal=True)
+    ref.backward(dy_full)
+    pos = zigzag_positions(T, p, i)
+    qkv = qkv_full[..., pos, :].clone().requires_grad_()
+    metp.ATTENTION_KERNEL, metp.MATH_TILE = kernel, 3  # tile 3 < chunk 5: several score tiles per block
+    try:
+        y, fwd = _counted(lambda: metp.ring_attention(qkv, mesh, "ring"))
+        _, bwd = _counted(lambda: y.backward(dy_full[..., pos, :]))
+        grad = qkv.grad.clone()
+        qkv.grad = None
+        with metp.double_buffering(False):
+            y2 = metp.ring_attention(qkv, mesh, "ring")
+            y2.backward(dy_full[..., pos, :])
+    finally:
+        metp.ATTENTION_KERNEL, metp.MATH_TILE = "auto", 128
+    return {"y": _rel(y, ref[..., pos, :]), "grad": _rel(grad, ref_in.grad[..., pos, :]),
+            "fwd": fwd, "bwd": bwd, "kv_bytes": 2 * B * H * 2 * C * D * 8,
+            "identical": torch.equal(y, y2) and torch.equal(grad, qkv.grad)}
+
+
+def _mlp(mesh, p, i):
+    h, f, n = 6, 4 * p, 7  # hidden, 4h/p rows of W1 per rank, tokens per rank
+    g = torch.Generator().manual_seed(8)
+    x_all = torch.randn(p, n, h, dtype=DT, generator=g)
+    w1, b1 = torch.randn(p * f, h, dtype=DT, generator=g), torch.randn(p * f, dtype=DT, generator=g)
+    w2, b2 = torch.randn(h, p * f, dtype=DT, generator=g), torch.randn(h, dtype=DT, generator=g)
+    dout = torch.randn(p, n, h, dtype=DT, generator=g)
+    ref_params = [t.clone().requires_grad_() for t in (x_all, w1, b1, w2, b2)]
+    rx, rw1, rb1, rw2, rb2 = ref_params
+    ref = F.linear(F.gelu(F.linear(rx, rw1, rb1), approximate="tanh"), rw2, rb2)
+    ref.backward(dout)
+    mine = [x_all[i], w1[i * f:(i + 1) * f], b1, w2[:, i * f:(i + 1) * f], b2]
+    x, lw1, lb1, lw2, lb2 = [t.clone().requires_grad_() for t in mine]
+    out, fwd = _counted(lambda: metp.ring_mlp(x, lw1, sum_grad_along(lb1, mesh, "ring"), lw2,
+                                              sum_grad_along(lb2, mesh, "ring"), mesh, "ring"))
+    _, bwd = _counted(lambda: out.backward(dout[i]))
+    errs = [_rel(out, ref[i]), _rel(x.grad, rx.grad[i]), _rel(lw1.grad, rw1.grad[i * f:(i + 1) * f]),
+            _rel(lb1.grad, rb1.grad), _rel(lw2.grad, rw2.grad[:, i * f:(i + 1) * f]), _rel(lb2.grad, rb2.grad)]
+    return {"err": max(errs), "fwd": fwd, "bwd": bwd, "w_bytes": 2 * f * h * 8, "b_bytes": (p * f + h) * 8}
+
+
+def _linears(mesh, p, i):
+    """Out-split (column blocks) then in-split linear: Y = (X W1ᵀ + b1) W2ᵀ + b2."""
+    n, d_in, w, d_out = 5, 4, 3, 6
+    g = torch.Generator().manual_seed(9)
+    x_all = torch.randn(p, n, d_in, dtype=DT, generator=g)
+    w1, b1 = torch.randn(p * w, d_in, dtype=DT, generator=g), torch.randn(p * w, dtype=DT, generator=g)
+    w2 = torch.randn(d_out, p * w, dtype=DT, generator=g)
+    ref_in = [t.clone().requires_grad_() for t in (x_all, w1, b1, w2)]
+    ref = F.linear(F.linear(ref_in[0], ref_in[1], ref_in[2]), ref_in[3])
+    ref.sum().backward()
+    x, lw1, lb1, lw2 = [t.clone().requires_grad_() for t in (x_all[i], w1[i * w:(i + 1) * w], b1, w2[:, i * w:(i + 1) * w])]
+    y = metp.ring_linear_out(x, lw1, sum_grad_along(lb1, mesh, "ring"), mesh, "ring", metp.ColumnBlocks(n, p, w))
+    out = metp.ring_linear_in(y, lw2, None, mesh, "ring", metp.ColumnBlocks(n, p, w))
+    out.sum().backward()
+    errs = [_rel(out, ref[i]), _rel(x.grad, ref_in[0].grad[i]), _rel(lw1.grad, ref_in[1].grad[i * w:(i + 1) * w]),
+            _rel(lb1.grad, ref_in[2].grad), _rel(lw2.grad, ref_in[3].grad[:, i * w:(i + 1) * w])]
+    return max(errs)
+
+
+def _vocab(mesh, p, i, V):
+    """Ring cross-entropy and embedding against F.cross_entropy / F.embedding; V need not divide by p."""
+    n, h = 6, 4
+    rows = -(-V // p)
+    g = torch.Generator().manual_seed(10 + V)
+    x_all = torch.randn(p, n, h, dtype=DT, generator=g)
+    E = torch.randn(V, h, dtype=DT, generator=g)
+    targets = torch.randint(0, V, (p, n), generator=g)
+    targets[0, :2] = -100
+    ids = torch.randint(0, V, (p, n), generator=g)
+    dx_emb = torch.randn(p, n, h, dtype=DT, generator=g)
+    rx, rE = x_all.clone().requires_grad_(), E.clone().requires_grad_()
+    loss_ref = F.cross_entropy(rx.reshape(-1, h) @ rE.t(), targets.reshape(-1), ignore_index=-100)
+    (loss_ref + (F.embedding(ids, rE) * dx_emb).sum()).backward()
+    block = F.pad(E[i * rows:(i + 1) * rows], (0, 0, 0, rows - E[i * rows:(i + 1) * rows].shape[0]))
+    x, lE = x_all[i].clone().requires_grad_(), block.clone().requires_grad_()
+    loss, fwd = _counted(lambda: _RingCrossEntropy.apply(x, lE, targets[i], mesh, "ring", V))
+    emb = _RingEmbedding.apply(lE, ids[i], mesh, "ring")
+    _, bwd = _counted(lambda: (loss + (emb * dx_emb[i]).sum()).backward())
+    valid = E[i * rows:(i + 1) * rows].shape[0]
+    errs = [abs(loss.item() - loss_ref.item()) / loss_ref.item(), _rel(emb, F.embedding(ids[i], E)),
+            _rel(x.grad, rx.grad[i]), _rel(lE.grad[:valid], rE.grad[i * rows:i * rows + valid])]
+    return {"err": max(errs), "pad_grad": lE.grad[valid:].abs().max().item() if valid < rows else 0.0,
+            "fwd": fwd, "bwd": bwd, "e_bytes": rows * h * 8}
+
+
+def _shift(mesh, p, i):
+    send = [torch.full((3,), float(i)), torch.full((2, 2), 10.0 + i)]
+    recv = [torch.empty(3), torch.empty(2, 2)]
+    _, counts = _counted(lambda: comm.ring_shift(send, recv, mesh, "ring"))
+    prev = (i - 1) % p
+    return {"ok": bool((recv[0] == prev).all() and (recv[1] == 10 + prev).all()), "counts": counts}
+
+
+def _kernels(rank, world_size):
+    out = {}
+    for p in sorted({1, world_size}):
+        mesh = tp.init_mesh("metp", p, world_size // p)
+        i = mesh.get_local_rank("ring")
+        out[p] = {"shift": _shift(mesh, p, i), "linears": _linears(mesh, p, i), "mlp": _mlp(mesh, p, i),
+                  "attention": {k: _attention(mesh, p, i, k) for k in ("auto", "math")},
+                  "vocab": {V: _vocab(mesh, p, i, V) for V in (5, 37)}}
+    return out
+
+
+def _ring(calls: int, nbytes: int) -> dict:
+    return {"ring_exchange": {"calls": calls, "bytes": nbytes}} if calls else {}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_functions_equal_single_device_maths_with_the_ring_schedule(world_size):
+    for per_p in run_distributed(_kernels, world_size):
+        for p, r in per_p.items():
+            assert r["shift"]["ok"] and r["shift"]["counts"] == _ring(p - 1 and 1, (p > 1) * (3 + 4) * 4)
+            assert r["linears"] <= 1e-13
+            for kernel, a in r["attention"].items():
+                assert a["y"] <= 1e-13 and a["grad"] <= 1e-13, (p, kernel)
+                assert a["identical"], (p, kernel)  # double buffering off: not one bit differs
+                # forward: p-1 shifts of K|V; backward: p-1 of K|V and p of dK|dV; nothing else
+                assert a["fwd"] == _ring(p - 1, (p - 1) * a["kv_bytes"])
+                assert a["bwd"] == _ring((p - 1) + p * (p > 1), (2 * p - 1) * a["kv_bytes"] * (p > 1))
+            m = r["mlp"]
+            assert m["err"] <= 1e-13
+            assert m["fwd"] == _ring(p - 1, (p - 1) * m["w_bytes"])
+            assert m["bwd"] == {**_ring((p - 1) + p * (p > 1), (2 * p - 1) * m["w_bytes"] * (p > 1)),
+                                **({"all_reduce": {"calls": 2, "bytes": m["b_bytes"]}} if p > 1 else {})}
+            for V, v in r["vocab"].items():
+                assert v["err"] <= 1e-13, (p, V)
+                assert v["pad_grad"] == 0.0
+                # forward: p-1 shifts of the vocab block (+ one all-reduce of [loss sum, count], 2 numbers);
+                # backward: cross-entropy p-1 + p, embedding p-1 (its gradients travel alone)
+                assert v["fwd"] == {**_ring(p - 1, (p - 1) * v["e_bytes"]),
+                                    **({"all_reduce": {"calls": 1, "bytes": 16}} if p > 1 else {})}
+                assert v["bwd"] == _ring((p - 1) + p * (p > 1) + (p - 1), (3 * p - 2) * v["e_bytes"] * (p > 1))
