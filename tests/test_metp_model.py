@@ -1,0 +1,235 @@
+"""Whole-model parity of the "metp" (rings of 2 and 4) and "2d-metp" (2x2 grid) layouts against the plain GPT2.
+
+As for "2d" (tests/test_parallel_2d.py): the loss, the gathered logits, every gradient and the parameters after
+one AdamW step match the plain model in float64. In the same runs: a second step with double buffering off
+gives bit-identical loss and gradients; the communication of one block and of the whole model equals the ring
+schedule, with no collective on activations. Then bad input and a rank that dies or stalls mid-ring.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate
+
+import lightning_tp2d as tp
+from lightning_tp2d import comm, metp
+from lightning_tp2d.models import GPT2, GPT2Config
+from tests.distributed import run_distributed
+from tests.test_parallel_2d import _batch, _check_parity, _rel, expected_block_comm
+
+SEQ = 24  # divisible by 2p for p = 2, 4 and by 2q for q = 2
+HEADS = 12  # gpt2-tiny with 12 heads of 4: divisible by p = 4 (its default 6 is not)
+
+
+def _counts(stats) -> dict:
+    return {k: v for k, v in stats.snapshot().items() if v["calls"]}
+
+
+def _block_comm(model, layout, mesh, batch, seq):
+    """Forward and backward communication of block 0 on a random local input."""
+    cfg = model.config
+    n = mesh.size(mesh.mesh_dim_names.index("ring" if layout == "metp" else "row"))
+    width = cfg.n_embd if layout == "metp" else cfg.n_embd // n
+    x = torch.randn(batch, seq // n, width, dtype=torch.float64, requires_grad=True)
+    with comm.count_comm() as stats:
+        y = model.transformer.h[0](x)
+    fwd = _counts(stats)
+    with comm.count_comm() as stats:
+        y.backward(torch.ones_like(y))
+    return {"forward": fwd, "backward": _counts(stats)}
+
+
+def _parity(rank, world_size, layout, batch):
+    torch.manual_seed(0)
+    cfg = GPT2Config.from_name("gpt2-tiny", n_head=HEADS)
+    plain = GPT2(cfg).double()
+    par = copy.deepcopy(plain)
+    mesh = tp.init_mesh(layout, world_size, 1)
+    tp.parallelize(par, mesh, layout=layout)
+    idx, targets = _batch(cfg, batch=batch, seq=SEQ)
+
+    out = {"names": [n for n, _ in par.named_parameters()] == [n for n, _ in plain.named_parameters()]}
+    out["shapes"] = all(p.shape == p0.shape for p, p0 in zip(par.parameters(), plain.parameters()))
+    out["init"] = max(_rel(p.full_tensor(), p0) for p, p0 in zip(par.parameters(), plain.parameters()))
+    out["placements"] = {n: str(p.placements) for n, p in par.named_parameters() if n.startswith(("transformer.h.0", "transformer.w"))}
+    out["replicated"] = {n: p.numel() for n, p in par.named_parameters() if all(isinstance(x, Replicate) for x in p.placements)}
+
+    loss0 = plain(idx, targets)
+    with comm.count_comm() as stats:
+        loss1 = par(idx, targets)
+    out["model_fwd"] = _counts(stats)
+    loss0.backward()
+    with comm.count_comm() as stats:
+        loss1.backward()
+    out["model_bwd"] = _counts(stats)
+    out["loss"] = (loss0.item(), loss1.item())
+    with torch.no_grad():
+        logits = par(idx)
+        out["logits"] = _rel(logits, plain(idx))
+        out["logits_shape"] = tuple(logits.shape)
+    out["grads"] = {n: _rel(p.grad.full_tensor(), p0.grad)
+                    for (n, p), p0 in zip(par.named_parameters(), plain.parameters())}
+
+    grads = [p.grad.to_local().clone() for p in par.parameters()]
+    par.zero_grad(set_to_none=True)
+    with metp.double_buffering(False):
+        loss2 = par(idx, targets)
+        loss2.backward()
+    out["identical"] = loss2.item() == loss1.item() and all(
+        torch.equal(g, p.grad.to_local()) for g, p in zip(grads, par.parameters()))
+
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    for opt in [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (plain, par)]:
+        opt.step()
+    full, ref = tp.full_state_dict(par), plain.state_dict()
+    out["keys"] = list(full) == list(ref)
+    out["step"] = max(((full[k] - ref[k]).norm() / (ref[k] - before[k]).norm()).item() for k in ref)
+    out["plain_tensors"] = all(type(v) is torch.Tensor for v in full.values())
+    out["block"] = _block_comm(par, layout, mesh, batch, SEQ)
+    return out
+
+
+def _ring(calls, nbytes):
+    return {"ring_exchange": {"calls": calls, "bytes": nbytes}}
+
+
+def expected_metp_block(h: int, tokens: int, p: int, elem: int = 8) -> dict:
+    """One block on a ring of p: four ring passes (QKV weights, K|V, c_proj weights, MLP weights), each p-1
+    exchanges forward and (p-1) + p backward; backward also sums the 8 replicated vectors' gradients."""
+    travelling = 3 * h * h // p + 2 * tokens * h + h * h // p + 2 * 4 * h * h // p  # elements per exchange, all passes
+    return {"forward": _ring(4 * (p - 1), (p - 1) * travelling * elem),
+            "backward": {**_ring(4 * (2 * p - 1), (2 * p - 1) * travelling * elem),
+                         "all_reduce": {"calls": 8, "bytes": 13 * h * elem}}}
+
+
+@pytest.mark.parametrize("layout, world_size, batch", [("metp", 2, 2), ("metp", 4, 2), ("2d-metp", 4, 1)])
+def test_metp_layouts_match_plain_model_float64(layout, world_size, batch):
+    results = run_distributed(_parity, world_size, layout, batch)
+    _check_parity(results, tol=1e-10)
+    cfg = GPT2Config.from_name("gpt2-tiny", n_head=HEADS)
+    h, n = cfg.n_embd, world_size if layout == "metp" else 2
+    r0 = results[0]
+    assert r0["logits_shape"] == (batch, SEQ, cfg.vocab_size)
+    for out in results:
+        assert out["identical"]  # double buffering off: the same bits
+    if layout == "metp":
+        assert r0["placements"]["transformer.wte.weight"] == "(Replicate(), Shard(dim=0))"
+        assert r0["placements"]["transformer.h.0.attn.c_attn.weight"].startswith("(Replicate(), _StridedShard(dim=0")
+        assert r0["placements"]["transformer.h.0.mlp.c_proj.weight"] == "(Replicate(), Shard(dim=1))"
+        assert r0["placements"]["transformer.h.0.ln_1.weight"] == "(Replicate(), Replicate())"
+        tokens = batch * SEQ // n
+        for out in results:
+            assert out["block"] == expected_metp_block(h, tokens, n)
+            # whole model: embedding, 4 passes per block and the LM head, p-1 exchanges each forward; one
+            # all-reduce of [loss sum, count]; backward adds the replicated vectors' gradient sums, nothing else
+            layers, vocab_block = cfg.n_layer, -(-cfg.vocab_size // n) * h * 8
+            assert out["model_fwd"]["ring_exchange"]["calls"] == (2 + 4 * layers) * (n - 1)
+            assert out["model_fwd"]["all_reduce"] == {"calls": 1, "bytes": 16}
+            assert set(out["model_fwd"]) == {"ring_exchange", "all_reduce"}
+            assert out["model_bwd"]["ring_exchange"]["calls"] == (n - 1) + (4 * layers + 1) * (2 * n - 1)
+            assert out["model_bwd"]["ring_exchange"]["bytes"] == (
+                layers * expected_metp_block(h, tokens, n)["backward"]["ring_exchange"]["bytes"]
+                + (n - 1) * vocab_block + (2 * n - 1) * vocab_block)
+            assert out["model_bwd"]["all_reduce"] == {"calls": len(out["replicated"]),
+                                                      "bytes": 8 * sum(out["replicated"].values())}
+            assert set(out["model_bwd"]) == {"ring_exchange", "all_reduce"}
+    else:
+        tokens = batch * SEQ // n  # per grid row
+        want = expected_block_comm(h, tokens, n, elem=8)
+        kv = 2 * tokens * h // n * 8  # K|V of this rank's heads and chunks
+        want["forward"]["ring_exchange"] = {"calls": n - 1, "bytes": (n - 1) * kv}
+        want["backward"]["ring_exchange"] = {"calls": 2 * n - 1, "bytes": (2 * n - 1) * kv}
+        for out in results:
+            for phase in ("forward", "backward"):
+                assert out["block"][phase] == {k: v for k, v in want[phase].items() if v["calls"]}, phase
+
+
+# ---- bad input ----------------------------------------------------------------------------------------
+
+
+def _bad_input(rank, world_size):
+    cfg = GPT2Config.from_name("gpt2-tiny")
+    errors = {}
+    ring, grid = tp.init_mesh("metp", 2, 2), tp.init_mesh("2d-metp", 4, 1)
+    for key, call in {
+        "heads": lambda: tp.parallelize(GPT2(GPT2Config.from_name("gpt2-tiny", n_head=3, n_embd=48)), ring, "metp"),
+        "mesh": lambda: tp.parallelize(GPT2(cfg), grid, "metp"),
+        "world": lambda: tp.init_mesh("metp", 3, 1),
+    }.items():
+        try:
+            call()
+        except ValueError as e:
+            errors[key] = str(e)
+    models = {"metp": tp.parallelize(GPT2(cfg), ring, "metp"), "2d-metp": tp.parallelize(GPT2(cfg), grid, "2d-metp")}
+    for layout, model in models.items():
+        for seq in (10, 6):
+            try:
+                model(torch.zeros(1, seq, dtype=torch.long), torch.zeros(1, seq, dtype=torch.long))
+            except ValueError as e:
+                errors[f"{layout} seq {seq}"] = str(e)
+        # the groups still work after the refused calls: nothing was left half-done
+        errors[f"{layout} after"] = torch.isfinite(model(torch.zeros(1, 8, dtype=torch.long),
+                                                         torch.zeros(1, 8, dtype=torch.long))).item()
+    model = models["metp"].train()
+    model.transformer.h[0].attn.dropout = 0.1
+    try:
+        model(torch.zeros(1, 8, dtype=torch.long))
+    except NotImplementedError as e:
+        errors["dropout"] = str(e)
+    return errors
+
+
+def test_bad_input_raises_value_error_naming_the_numbers_on_every_rank():
+    for errors in run_distributed(_bad_input, 4, timeout=60):
+        assert "n_head=3 is not divisible by q=2" in errors["heads"]
+        assert "layout 'metp' needs a mesh with axes ('data_parallel', 'ring'), got ('data_parallel', 'row', 'col')" in errors["mesh"]
+        assert "world size 4 != data_parallel_size 1 x tensor_parallel_size 3 = 3" in errors["world"]
+        assert "sequence length 10 is not divisible by 2*p=4" in errors["metp seq 10"]
+        assert "sequence length 6 is not divisible by 2*p=4" in errors["metp seq 6"]
+        assert "sequence length 10 is not divisible by 2*q=4" in errors["2d-metp seq 10"]
+        assert errors["metp after"] is True and errors["2d-metp after"] is True
+        assert "dropout=0.1" in errors["dropout"]
+
+
+# ---- a rank that dies or stalls mid-ring --------------------------------------------------------------
+
+
+def _broken_ring(rank, world_size, how):
+    mesh = tp.init_mesh("metp", world_size, 1)
+    qkv = torch.randn(3, 1, 2, 2 * 3, 4, dtype=torch.float64)
+    if rank == 1:
+        real, calls = metp.attend_block, []
+
+        def broken(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:  # after the first exchange: the neighbours are mid-ring
+                if how == "dies":
+                    os._exit(3)
+                time.sleep(30)
+            return real(*args, **kwargs)
+
+        metp.attend_block = broken
+    start = time.monotonic()
+    try:
+        for _ in range(2):
+            metp.ring_attention(qkv, mesh, "ring")
+    except RuntimeError as e:
+        raise RuntimeError(f"ring failed after {time.monotonic() - start:.1f}s: {e}") from None
+    return "finished"
+
+
+@pytest.mark.parametrize("how", ["dies", "stalls"])
+def test_a_rank_failing_mid_ring_makes_its_neighbours_raise_instead_of_hanging(how):
+    # run_distributed gives the process group half its timeout: 4 s here. A survivor must raise within it
+    # (run_distributed would report a TimeoutError if every rank hung).
+    with pytest.raises(RuntimeError, match=r"rank [02] failed") as info:
+        run_distributed(_broken_ring, 3, how, timeout=8)
+    message = str(info.value)
+    assert "ring failed after" in message
+    if how == "stalls":
+        assert "Timed out" in message
