@@ -13,16 +13,17 @@ contribution for the block it holds and passes the sum on; after the last step o
 accumulator home (``p`` gradient exchanges, each overlapped with the next step's compute). Where the backward
 needs no operand (the embedding), the accumulators start one rank early and arrive home in ``p-1`` exchanges.
 
-Instances (``x`` local rows, ``N`` local tokens, ``h`` hidden, ``H`` heads of width ``d``):
+Instances here (``N`` local tokens, ``h`` hidden, ``H`` heads of width ``d``, ``S`` local sequence rows):
 
 ================  ===========================================  ==========================================
 instance          travels (per exchange)                       rank i keeps
 ================  ===========================================  ==========================================
-attention         ``K_j, V_j`` ``[2, B, H, S, d]``             ``Q_i``, output, log-sum-exp
+attention         ``K_j|V_j`` ``[2, B, H, S, d]``              ``Q_i``, output, log-sum-exp
 MLP               ``W1_j [4h/p, h]``, ``W2_j [h, 4h/p]``         ``X_i [N, h]``; recomputes ``X_i W1_j``
-linear, out-split ``W_j [out/p, in]`` (QKV, LM-head logits)     ``X_i``; writes output block ``j``
-linear, in-split  ``W_j [out, in/p]`` (attention out)          ``X_i``; reads input block ``j``
 ================  ===========================================  ==========================================
+
+The weight-streaming instances (QKV and attention-out linears, token embedding, LM head + cross-entropy) use
+the same drivers and live in :mod:`lightning_tp2d.nn.ring_stream`.
 
 Setting :data:`DOUBLE_BUFFER` to False (or ``with double_buffering(False)``) waits for each exchange before the
 compute instead of after it: the same arithmetic in the same order, so bit-identical results.
@@ -65,65 +66,75 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 Step = Callable[[int, tuple], object]
 
 
+class _Rotation:
+    """The blocks a rank holds as they travel: ``post()`` starts sending them to ``i+1`` while receiving the
+    next ones from ``i-1`` into a spare buffer; ``advance()`` waits and swaps. ``own`` is never written; two
+    buffers besides it suffice, since a buffer is reused once its send has completed."""
+
+    def __init__(self, own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str) -> None:
+        self.own = self.cur = tuple(t.contiguous() for t in own)
+        self.mesh, self.axis, self.p = mesh, axis, axis_size(mesh, axis)
+        self.spare = self.pending = self.nxt = None
+        self.posted = 0
+
+    def post(self) -> None:
+        self.posted += 1
+        if not self.own or self.posted == self.p:  # the last block needs no successor
+            return
+        self.nxt = self.spare if self.spare is not None else tuple(torch.empty_like(x) for x in self.own)
+        self.pending = ring_shift(self.cur, self.nxt, self.mesh, self.axis, tag=_OPERANDS, async_op=True)
+        if not DOUBLE_BUFFER:
+            self.pending.wait()
+
+    def advance(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.spare = None if self.cur is self.own else self.cur
+            self.cur, self.pending = self.nxt, None
+
+
 def ring_forward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step: Step) -> None:
     """Call ``step(j, blocks)`` once for every ring rank ``j``, in the order ``j = i, i-1, ...``, where
-    ``blocks`` are rank ``j``'s ``own`` tensors. ``p-1`` exchanges; ``own`` itself is never written."""
+    ``blocks`` are rank ``j``'s ``own`` tensors. ``p-1`` exchanges."""
     i, p = axis_rank(mesh, axis), axis_size(mesh, axis)
-    own = tuple(t.contiguous() for t in own)
-    cur, spare = own, None
+    blocks = _Rotation(own, mesh, axis)
     for t in range(p):
-        pending = None
-        if t + 1 < p:
-            nxt = spare if spare is not None else tuple(torch.empty_like(x) for x in own)
-            pending = ring_shift(cur, nxt, mesh, axis, tag=_OPERANDS, async_op=True)
-            if not DOUBLE_BUFFER:
-                pending.wait()
-        step((i - t) % p, cur)
-        if pending is not None:
-            pending.wait()
-            spare = None if cur is own else cur  # its send is complete: reuse it for the next receive
-            cur = nxt
+        blocks.post()
+        step((i - t) % p, blocks.cur)
+        blocks.advance()
 
 
 def ring_backward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step: Step,
                   home: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """Rotate ``own`` again and sum gradients of the travelling blocks round the ring.
 
-    ``step(j, blocks)`` returns fresh tensors: this rank's contribution to the gradients of rank ``j``'s blocks;
-    the ring adds the accumulator arriving from ``i-1`` and sends the sum on. Returns the complete gradients of
-    this rank's own blocks (received into ``home`` if given). With operands: ``p-1`` operand exchanges and ``p``
-    gradient exchanges; with ``own == ()``: ``p-1`` gradient exchanges only.
+    ``step(j, blocks)`` returns fresh tensors: this rank's contribution to the gradients of rank ``j``'s blocks.
+    The sum arriving from ``i-1`` (sent at the end of its previous step, so the transfer overlaps this step's
+    compute) is added and the total sent on. Returns the complete gradients of this rank's own blocks (received
+    into ``home`` if given). With operands: ``p-1`` operand and ``p`` gradient exchanges; with ``own == ()``
+    the sums start one rank early and need ``p-1`` gradient exchanges only.
     """
     i, p = axis_rank(mesh, axis), axis_size(mesh, axis)
-    own = tuple(t.contiguous() for t in own)
-    shift = 0 if own else 1  # no operand to wait for: start with block i-1 so the sums end at home
-    cur, spare = own, None
+    shift = 0 if own else 1
+    blocks = _Rotation(own, mesh, axis)
     acc = acc_in = acc_wait = None
     for t in range(p):
-        pending = None
-        if own and t + 1 < p:
-            nxt = spare if spare is not None else tuple(torch.empty_like(x) for x in own)
-            pending = ring_shift(cur, nxt, mesh, axis, tag=_OPERANDS, async_op=True)
-            if not DOUBLE_BUFFER:
-                pending.wait()
-        acc = tuple(step((i - t - shift) % p, cur))
+        blocks.post()
+        acc = tuple(step((i - t - shift) % p, blocks.cur))
         free = None
         if acc_wait is not None:
             acc_wait.wait()  # also completes the send of the previous sum
             for a, b in zip(acc, acc_in):
                 a.add_(b)
             free = acc_in
-        if not (shift and t == p - 1):
-            last = t == p - 1
+        last = t == p - 1
+        if not (shift and last):
             acc_in = tuple(home) if last and home is not None else (
                 free if free is not None else tuple(torch.empty_like(a) for a in acc))
             acc_wait = ring_shift(acc, acc_in, mesh, axis, tag=_GRADS, async_op=True)
             if not DOUBLE_BUFFER:
                 acc_wait.wait()
-        if pending is not None:
-            pending.wait()
-            spare = None if cur is own else cur
-            cur = nxt
+        blocks.advance()
     if shift:
         return acc
     acc_wait.wait()
@@ -328,139 +339,3 @@ def ring_mlp(x, w1, b1, w2, b2, mesh: DeviceMesh, axis: str) -> torch.Tensor:
     exchanges of ``(w1, w2)``; backward ``p-1`` of ``(w1, w2)`` and ``p`` of their gradients; the
     ``[N, 4h]`` hidden activation is never formed (``[N, 4h/p]`` per step, recomputed in backward)."""
     return _RingMLP.apply(x, w1, b1, w2, b2, mesh, axis)
-
-
-# ---- weight-streaming linears ----------------------------------------------------------------------------
-
-
-class ColumnBlocks:
-    """Block ``j`` of an ``[N, n*w]`` matrix is its columns ``[j*w, (j+1)*w)`` (read as a view)."""
-
-    def __init__(self, rows: int, n: int, width: int) -> None:
-        self.shape, self.width = (rows, n * width), width
-
-    def read(self, t: torch.Tensor, j: int) -> torch.Tensor:
-        return t[:, j * self.width:(j + 1) * self.width]
-
-    def write(self, t: torch.Tensor, j: int, block: torch.Tensor) -> None:
-        self.read(t, j).copy_(block)
-
-    def bias_block(self, bias: torch.Tensor, j: int) -> torch.Tensor:
-        return bias[j * self.width:(j + 1) * self.width]
-
-    def bias_grad(self, dt: torch.Tensor) -> torch.Tensor:
-        return dt.sum(0)
-
-
-class HeadBlocks:
-    """A ``[g, B, H, S, d]`` tensor (``g = 3`` for q|k|v, ``1`` for an attention output) whose block ``j`` is
-    heads ``[j*H/n, (j+1)*H/n)`` of each group, read as the ``[B*S, g*H/n*d]`` matrix whose columns follow
-    torch's ``Linear`` order for that block (``c_attn`` rows regrouped as ``[q_j | k_j | v_j]``)."""
-
-    def __init__(self, groups: int, batch: int, seq: int, heads: int, head_size: int, n: int) -> None:
-        self.shape = (groups, batch, heads, seq, head_size)
-        self.n, self.per = n, heads // n
-
-    def _heads(self, t: torch.Tensor, j: int) -> torch.Tensor:
-        return t[:, :, j * self.per:(j + 1) * self.per]  # (g, B, H/n, S, d)
-
-    def read(self, t: torch.Tensor, j: int) -> torch.Tensor:
-        g, B, _, S, d = self.shape
-        return self._heads(t, j).permute(1, 3, 0, 2, 4).reshape(B * S, g * self.per * d)
-
-    def write(self, t: torch.Tensor, j: int, block: torch.Tensor) -> None:
-        g, B, _, S, d = self.shape
-        self._heads(t, j).copy_(block.view(B, S, g, self.per, d).permute(2, 0, 3, 1, 4))
-
-    def bias_block(self, bias: torch.Tensor, j: int) -> torch.Tensor:
-        g = self.shape[0]
-        return bias.view(g, self.n, -1)[:, j].reshape(-1)
-
-    def bias_grad(self, dt: torch.Tensor) -> torch.Tensor:
-        return dt.sum((1, 3)).reshape(-1)  # (g, H, d) in torch's order
-
-
-class _RingLinearOut(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, bias, mesh, axis, layout):
-        # x (N, in) local rows; w (out/p, in) this rank's output rows; bias (out,) replicated or None
-        y = x.new_empty(layout.shape)
-
-        def step(j, blocks):
-            (w_j,) = blocks
-            y_j = x @ w_j.t()
-            if bias is not None:
-                y_j += layout.bias_block(bias, j)
-            layout.write(y, j, y_j)
-
-        ring_forward((w,), mesh, axis, step)
-        ctx.save_for_backward(x, w)
-        ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias = mesh, axis, layout, bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        acc = acc_dtype(x.dtype)
-        dx = torch.zeros_like(x)
-
-        def step(j, blocks):
-            (w_j,) = blocks
-            g = ctx.layout.read(dy, j)  # (N, out/p)
-            dx.addmm_(g, w_j)  # dX += dY_j W_j
-            return ((g.t() @ x).to(acc),)  # dW_j += dY_jᵀ X
-
-        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step)
-        db = ctx.layout.bias_grad(dy) if ctx.has_bias else None
-        return dx, dw.to(w.dtype), db, None, None, None
-
-
-class _RingLinearIn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, bias, mesh, axis, layout):
-        # x: input whose block j (layout) is the in-columns of ring rank j; w (out, in/p) this rank's columns
-        out = None
-
-        def step(j, blocks):
-            nonlocal out
-            (w_j,) = blocks
-            x_j = layout.read(x, j)
-            out = x_j @ w_j.t() if out is None else out.addmm_(x_j, w_j.t())
-
-        ring_forward((w,), mesh, axis, step)
-        if bias is not None:
-            out += bias
-        ctx.save_for_backward(x, w)
-        ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias = mesh, axis, layout, bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        x, w = ctx.saved_tensors
-        acc = acc_dtype(x.dtype)
-        dout = dout.contiguous()
-        dx = x.new_empty(ctx.layout.shape)
-
-        def step(j, blocks):
-            (w_j,) = blocks
-            ctx.layout.write(dx, j, dout @ w_j)  # dX_j = dY W_j
-            return ((dout.t() @ ctx.layout.read(x, j)).to(acc),)  # dW_j += dYᵀ X_j
-
-        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step)
-        db = dout.sum(0) if ctx.has_bias else None
-        return dx, dw.to(w.dtype), db, None, None, None
-
-
-def ring_linear_out(x, w, bias, mesh: DeviceMesh, axis: str, layout) -> torch.Tensor:
-    """``Y = X Wᵀ + b`` with ``W [out, in]`` split by output rows over the ring (``w [out/p, in]``, block ``i``):
-    the blocks stream past the resident ``X [N, in]`` and block ``j`` of ``Y`` is written where ``layout``
-    puts it (:class:`ColumnBlocks` or :class:`HeadBlocks`). Forward ``p-1`` exchanges of ``w``; backward
-    ``dX = Σ_j dY_j W_j`` locally and ``dW_j = Σ_i dY_ijᵀ X_i`` travelling: ``p-1`` + ``p`` exchanges."""
-    return _RingLinearOut.apply(x, w, bias, mesh, axis, layout)
-
-
-def ring_linear_in(x, w, bias, mesh: DeviceMesh, axis: str, layout) -> torch.Tensor:
-    """``Y = Σ_j X_j W_jᵀ + b`` with ``W [out, in]`` split by input columns over the ring (``w [out, in/p]``) and
-    ``X``'s column block ``j`` read through ``layout``; ``Y [N, out]``. Forward ``p-1`` exchanges of ``w``;
-    backward ``dX_j = dY W_j`` written back through ``layout``, ``dW_j = Σ_i dYᵢᵀ X_ij`` travelling."""
-    return _RingLinearIn.apply(x, w, bias, mesh, axis, layout)

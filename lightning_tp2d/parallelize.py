@@ -18,7 +18,7 @@ h.*.mlp                    MLP2D               weight [out, in]: R, Shard(1), Sh
 lm_head                    LMHead2D            tied to transformer.wte.weight
 =========================  ==================  ==========================================================
 
-``"metp"`` (DESIGN 3.2, :mod:`lightning_tp2d.nn.ring`, :mod:`lightning_tp2d.nn.ring_vocab`) on the mesh
+``"metp"`` (DESIGN 3.2, :mod:`lightning_tp2d.nn.ring`, :mod:`lightning_tp2d.nn.ring_stream`) on the mesh
 ``(data_parallel, ring)``: rank ``i`` holds the zigzag chunks ``i`` and ``2p-1-i`` of every sequence with the full
 hidden size; ``wte`` Shard(0) (vocab rows), ``c_attn`` _StridedShard(0, 3), ``c_fc`` Shard(0), both ``c_proj``
 Shard(1), everything else replicated with gradients summed over ``ring``. ``"2d-metp"`` (DESIGN 3.3,
@@ -38,8 +38,8 @@ from lightning_tp2d.models.gpt2 import GPT2
 from lightning_tp2d.nn import Attention2D, LayerNorm2D, LMHead2D, MLP2D, PositionEmbedding2D, TokenEmbedding2D
 from lightning_tp2d.nn.grid_metp import (Attention2DMetp, LMHead2DMetp, PositionEmbedding2DMetp,
                                          TokenEmbedding2DMetp)
-from lightning_tp2d.nn.ring import RingAttention, RingLayerNorm, RingMLP
-from lightning_tp2d.nn.ring_vocab import RingLMHead, RingPositionEmbedding, RingTokenEmbedding
+from lightning_tp2d.nn.ring import (RingAttention, RingLayerNorm, RingLMHead, RingMLP, RingPositionEmbedding,
+                                    RingTokenEmbedding)
 
 # layout -> parallel classes for (wte, wpe, LayerNorm, attn, mlp, lm_head); each takes (plain module, mesh)
 PLANS = {

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import lightning_tp2d as tp
 from lightning_tp2d import comm, metp
 from lightning_tp2d.nn.functional import sum_grad_along
-from lightning_tp2d.nn.ring_vocab import _RingCrossEntropy, _RingEmbedding
+from lightning_tp2d.nn.ring_stream import (ColumnBlocks, ring_cross_entropy, ring_embedding, ring_linear_in,
+                                           ring_linear_out)
 from lightning_tp2d.nn.sequence import zigzag_positions
 from tests.distributed import run_distributed
 
@@ -111,9 +112,10 @@ def _linears(mesh, p, i):
     ref_in = [t.clone().requires_grad_() for t in (x_all, w1, b1, w2)]
     ref = F.linear(F.linear(ref_in[0], ref_in[1], ref_in[2]), ref_in[3])
     ref.sum().backward()
-    x, lw1, lb1, lw2 = [t.clone().requires_grad_() for t in (x_all[i], w1[i * w:(i + 1) * w], b1, w2[:, i * w:(i + 1) * w])]
-    y = metp.ring_linear_out(x, lw1, sum_grad_along(lb1, mesh, "ring"), mesh, "ring", metp.ColumnBlocks(n, p, w))
-    out = metp.ring_linear_in(y, lw2, None, mesh, "ring", metp.ColumnBlocks(n, p, w))
+    mine = (x_all[i], w1[i * w:(i + 1) * w], b1, w2[:, i * w:(i + 1) * w])
+    x, lw1, lb1, lw2 = [t.clone().requires_grad_() for t in mine]
+    y = ring_linear_out(x, lw1, sum_grad_along(lb1, mesh, "ring"), mesh, "ring", ColumnBlocks(n, p, w))
+    out = ring_linear_in(y, lw2, None, mesh, "ring", ColumnBlocks(n, p, w))
     out.sum().backward()
     errs = [_rel(out, ref[i]), _rel(x.grad, ref_in[0].grad[i]), _rel(lw1.grad, ref_in[1].grad[i * w:(i + 1) * w]),
             _rel(lb1.grad, ref_in[2].grad), _rel(lw2.grad, ref_in[3].grad[:, i * w:(i + 1) * w])]
@@ -136,8 +138,8 @@ def _vocab(mesh, p, i, V):
     (loss_ref + (F.embedding(ids, rE) * dx_emb).sum()).backward()
     block = F.pad(E[i * rows:(i + 1) * rows], (0, 0, 0, rows - E[i * rows:(i + 1) * rows].shape[0]))
     x, lE = x_all[i].clone().requires_grad_(), block.clone().requires_grad_()
-    loss, fwd = _counted(lambda: _RingCrossEntropy.apply(x, lE, targets[i], mesh, "ring", V))
-    emb = _RingEmbedding.apply(lE, ids[i], mesh, "ring")
+    loss, fwd = _counted(lambda: ring_cross_entropy(x, lE, targets[i], mesh, "ring", V))
+    emb = ring_embedding(lE, ids[i], mesh, "ring")
     _, bwd = _counted(lambda: (loss + (emb * dx_emb[i]).sum()).backward())
     valid = E[i * rows:(i + 1) * rows].shape[0]
     errs = [abs(loss.item() - loss_ref.item()) / loss_ref.item(), _rel(emb, F.embedding(ids[i], E)),

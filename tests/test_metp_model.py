@@ -56,8 +56,9 @@ def _parity(rank, world_size, layout, batch):
     out = {"names": [n for n, _ in par.named_parameters()] == [n for n, _ in plain.named_parameters()]}
     out["shapes"] = all(p.shape == p0.shape for p, p0 in zip(par.parameters(), plain.parameters()))
     out["init"] = max(_rel(p.full_tensor(), p0) for p, p0 in zip(par.parameters(), plain.parameters()))
-    out["placements"] = {n: str(p.placements) for n, p in par.named_parameters() if n.startswith(("transformer.h.0", "transformer.w"))}
-    out["replicated"] = {n: p.numel() for n, p in par.named_parameters() if all(isinstance(x, Replicate) for x in p.placements)}
+    named = list(par.named_parameters())
+    out["placements"] = {n: str(p.placements) for n, p in named if n.startswith(("transformer.h.0", "transformer.w"))}
+    out["replicated"] = {n: p.numel() for n, p in named if all(isinstance(x, Replicate) for x in p.placements)}
 
     loss0 = plain(idx, targets)
     with comm.count_comm() as stats:
@@ -187,7 +188,8 @@ def _bad_input(rank, world_size):
 def test_bad_input_raises_value_error_naming_the_numbers_on_every_rank():
     for errors in run_distributed(_bad_input, 4, timeout=60):
         assert "n_head=3 is not divisible by q=2" in errors["heads"]
-        assert "layout 'metp' needs a mesh with axes ('data_parallel', 'ring'), got ('data_parallel', 'row', 'col')" in errors["mesh"]
+        assert ("layout 'metp' needs a mesh with axes ('data_parallel', 'ring'), "
+                "got ('data_parallel', 'row', 'col')") in errors["mesh"]
         assert "world size 4 != data_parallel_size 1 x tensor_parallel_size 3 = 3" in errors["world"]
         assert "sequence length 10 is not divisible by 2*p=4" in errors["metp seq 10"]
         assert "sequence length 6 is not divisible by 2*p=4" in errors["metp seq 6"]

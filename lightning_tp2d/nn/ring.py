@@ -15,7 +15,10 @@ biases, ln_*           R, R                             stay; gradients summed o
 
 LayerNorm is local (full hidden size). Attention: the QKV weight blocks stream past ``x_i`` (out-split linear,
 writing q|k|v of all heads for this rank's tokens), the ring attention rotates K|V, and the output projection
-streams its input-column blocks (in-split linear). The MLP is one fused ring pass.
+streams its input-column blocks (in-split linear). The MLP is one fused ring pass. The token embedding
+(``wte``: Shard(0), vocab rows) and the tied LM head stream vocab blocks (:mod:`~lightning_tp2d.nn.ring_stream`);
+the position embedding (replicated) picks this rank's zigzag rows. Without targets the head returns the full
+logits ``[B, T, V]`` on every rank (an all-gather of the sequence): for evaluation, ``[N, V]`` per rank.
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_tp2d.metp import HeadBlocks, ring_attention, ring_linear_in, ring_linear_out, ring_mlp
-from lightning_tp2d.nn.functional import autocast_operands, axis_index, shard_parameter, sum_grad_along
+from lightning_tp2d.metp import ring_attention, ring_mlp
+from lightning_tp2d.nn.functional import autocast_operands, axis_index, pad_rows, shard_parameter, sum_grad_along
+from lightning_tp2d.nn.ring_stream import (ColumnBlocks, HeadBlocks, ring_cross_entropy, ring_embedding,
+                                           ring_linear_in, ring_linear_out)
+from lightning_tp2d.nn.sequence import check_sequence_length, gather_sequence, zigzag_positions
 
 AXIS = "ring"
 REPLICATED = [Replicate(), Replicate()]
@@ -134,3 +140,70 @@ class RingMLP(nn.Module):
         w2, b2 = self.c_proj.local()
         x2d, w1, w2 = autocast_operands(x.reshape(B * S, h), w1, w2)
         return self.dropout(ring_mlp(x2d, w1, b1, w2, b2, self.mesh, AXIS).view(B, S, h))
+
+
+# ---- embeddings and LM head ------------------------------------------------------------------------------
+
+
+class RingTokenEmbedding(nn.Module):
+    """``idx [B, T]`` (the full batch, same on every ring rank) -> ``x_i [B, 2T/(2p), h]`` (zigzag chunks)."""
+
+    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.num_embeddings, self.embedding_dim = embedding.weight.shape
+        self.weight = shard_parameter(embedding.weight, mesh, [Replicate(), Shard(0)])
+        self.block_rows = -(-self.num_embeddings // axis_index(mesh, AXIS)[1])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        i, p = axis_index(self.mesh, AXIS)
+        check_sequence_length(idx.shape[1], p, "metp")
+        ids = idx[:, zigzag_positions(idx.shape[1], p, i, idx.device)]
+        return ring_embedding(pad_rows(self.weight.to_local(), self.block_rows), ids, self.mesh, AXIS)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, vocab block of {self.block_rows} rows"
+
+
+class RingPositionEmbedding(nn.Module):
+    """``pos [T]`` -> ``[2T/(2p), h]``, the rows of this rank's zigzag chunks; the weight is replicated over the
+    ring and its gradient summed over it."""
+
+    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.weight = shard_parameter(embedding.weight, mesh, [Replicate(), Replicate()])
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        i, p = axis_index(self.mesh, AXIS)
+        check_sequence_length(pos.shape[0], p, "metp")
+        mine = pos[zigzag_positions(pos.shape[0], p, i, pos.device)]
+        return F.embedding(mine, sum_grad_along(self.weight.to_local(), self.mesh, AXIS))
+
+
+class RingLMHead(nn.Module):
+    """``x_i [B, S, h]`` -> mean loss (with ``targets [B, T]``, the full batch; the same scalar on every rank)
+    or the full logits ``[B, T, V]``."""
+
+    def __init__(self, weight: nn.Parameter, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.weight = weight  # the token embedding's DTensor parameter (tied)
+        self.vocab_size = weight.shape[0]
+        self.block_rows = -(-self.vocab_size // axis_index(mesh, AXIS)[1])
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        i, p = axis_index(self.mesh, AXIS)
+        B, S, h = x.shape
+        if targets is not None:
+            check_sequence_length(targets.shape[1], p, "metp")
+            targets = targets[:, zigzag_positions(targets.shape[1], p, i, targets.device)].reshape(-1)
+        weight = pad_rows(self.weight.to_local(), self.block_rows)
+        x2d, weight = autocast_operands(x.reshape(B * S, h), weight)
+        if targets is not None:
+            return ring_cross_entropy(x2d, weight, targets, self.mesh, AXIS, self.vocab_size)
+        logits = ring_linear_out(x2d, weight, None, self.mesh, AXIS, ColumnBlocks(B * S, p, self.block_rows))
+        return gather_sequence(logits[:, : self.vocab_size].reshape(B, S, self.vocab_size), self.mesh, AXIS)
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.vocab_size}, tied to transformer.wte.weight"

@@ -1,0 +1,265 @@
+"""Weight-streaming instances of the METP ring kernel (:mod:`lightning_tp2d.metp`, DESIGN 3.2): ``f`` is the
+identity (linears) or a softmax over the streamed dimension (the LM head's cross-entropy), and the travelling
+operand is a weight block while the activations stay put. ``N`` local tokens, ``p`` ring ranks.
+
+* Linear, out-split (``c_attn``, LM-head logits): ``W [out, in]`` split by output rows; block ``j`` of
+  ``Y = X Wᵀ + b`` is written where a layout (:class:`ColumnBlocks`, :class:`HeadBlocks`) puts it.
+* Linear, in-split (attention ``c_proj``): ``W`` split by input columns; ``Y = Σ_j X_j W_jᵀ + b``.
+* Token embedding ``E [V, h]`` split by vocab rows, ``Vb = ceil(V/p)`` per rank (the last blocks zero-padded
+  to ``Vb`` so every block has one shape): the ``E_j`` stream past the resident ids and each token is copied
+  from the one block that holds it. Backward: the accumulators ``dE_j`` (scatter-adds of this rank's output
+  gradient rows) travel alone, ``p-1`` exchanges, ending at their owners.
+* LM head + cross-entropy: ``loss = mean_t (logsumexp_v z_tv - z_t,target)``, ``z = X Eᵀ``. Per step the
+  ``[N, Vb]`` logits block is folded into a running log-sum-exp and the target logit, so no rank ever holds
+  ``[N, V]`` logits; one all-reduce of ``[loss sum, count]`` (two numbers). Backward recomputes each block:
+  ``dZ_j = softmax - onehot``; ``dX += dZ_j E_j`` locally, ``dE_j += dZ_jᵀ X_i`` travelling with ``E_j``.
+
+Forward: ``p-1`` exchanges of the weight block. Backward: ``p-1`` of the block and ``p`` of its gradient
+(embedding: ``p-1`` of the gradient only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_tp2d.comm import all_reduce_along
+from lightning_tp2d.metp import acc_dtype, ring_backward, ring_forward
+from lightning_tp2d.nn.cross_entropy import IGNORE_INDEX
+
+
+class ColumnBlocks:
+    """Block ``j`` of an ``[N, n*w]`` matrix is its columns ``[j*w, (j+1)*w)`` (read as a view)."""
+
+    def __init__(self, rows: int, n: int, width: int) -> None:
+        self.shape, self.width = (rows, n * width), width
+
+    def read(self, t: torch.Tensor, j: int) -> torch.Tensor:
+        return t[:, j * self.width:(j + 1) * self.width]
+
+    def write(self, t: torch.Tensor, j: int, block: torch.Tensor) -> None:
+        self.read(t, j).copy_(block)
+
+    def bias_block(self, bias: torch.Tensor, j: int) -> torch.Tensor:
+        return bias[j * self.width:(j + 1) * self.width]
+
+    def bias_grad(self, dt: torch.Tensor) -> torch.Tensor:
+        return dt.sum(0)
+
+
+class HeadBlocks:
+    """A ``[g, B, H, S, d]`` tensor (``g = 3`` for q|k|v, ``1`` for an attention output) whose block ``j`` is
+    heads ``[j*H/n, (j+1)*H/n)`` of each group, read as the ``[B*S, g*H/n*d]`` matrix whose columns follow
+    torch's ``Linear`` order for that block (``c_attn`` rows regrouped as ``[q_j | k_j | v_j]``)."""
+
+    def __init__(self, groups: int, batch: int, seq: int, heads: int, head_size: int, n: int) -> None:
+        self.shape = (groups, batch, heads, seq, head_size)
+        self.n, self.per = n, heads // n
+
+    def _heads(self, t: torch.Tensor, j: int) -> torch.Tensor:
+        return t[:, :, j * self.per:(j + 1) * self.per]  # (g, B, H/n, S, d)
+
+    def read(self, t: torch.Tensor, j: int) -> torch.Tensor:
+        g, B, _, S, d = self.shape
+        return self._heads(t, j).permute(1, 3, 0, 2, 4).reshape(B * S, g * self.per * d)
+
+    def write(self, t: torch.Tensor, j: int, block: torch.Tensor) -> None:
+        g, B, _, S, d = self.shape
+        self._heads(t, j).copy_(block.view(B, S, g, self.per, d).permute(2, 0, 3, 1, 4))
+
+    def bias_block(self, bias: torch.Tensor, j: int) -> torch.Tensor:
+        g = self.shape[0]
+        return bias.view(g, self.n, -1)[:, j].reshape(-1)
+
+    def bias_grad(self, dt: torch.Tensor) -> torch.Tensor:
+        return dt.sum((1, 3)).reshape(-1)  # (g, H, d) in torch's order
+
+
+class _RingLinearOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, mesh, axis, layout):
+        # x (N, in) local rows; w (out/p, in) this rank's output rows; bias (out,) replicated or None
+        y = x.new_empty(layout.shape)
+
+        def step(j, blocks):
+            (w_j,) = blocks
+            y_j = x @ w_j.t()
+            if bias is not None:
+                y_j += layout.bias_block(bias, j)
+            layout.write(y, j, y_j)
+
+        ring_forward((w,), mesh, axis, step)
+        ctx.save_for_backward(x, w)
+        ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias = mesh, axis, layout, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        acc = acc_dtype(x.dtype)
+        dx = torch.zeros_like(x)
+
+        def step(j, blocks):
+            (w_j,) = blocks
+            g = ctx.layout.read(dy, j)  # (N, out/p)
+            dx.addmm_(g, w_j)  # dX += dY_j W_j
+            return ((g.t() @ x).to(acc),)  # dW_j += dY_jᵀ X
+
+        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step)
+        db = ctx.layout.bias_grad(dy) if ctx.has_bias else None
+        return dx, dw.to(w.dtype), db, None, None, None
+
+
+class _RingLinearIn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, mesh, axis, layout):
+        # x: input whose block j (layout) is the in-columns of ring rank j; w (out, in/p) this rank's columns
+        out = None
+
+        def step(j, blocks):
+            nonlocal out
+            (w_j,) = blocks
+            x_j = layout.read(x, j)
+            out = x_j @ w_j.t() if out is None else out.addmm_(x_j, w_j.t())
+
+        ring_forward((w,), mesh, axis, step)
+        if bias is not None:
+            out += bias
+        ctx.save_for_backward(x, w)
+        ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias = mesh, axis, layout, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w = ctx.saved_tensors
+        acc = acc_dtype(x.dtype)
+        dout = dout.contiguous()
+        dx = x.new_empty(ctx.layout.shape)
+
+        def step(j, blocks):
+            (w_j,) = blocks
+            ctx.layout.write(dx, j, dout @ w_j)  # dX_j = dY W_j
+            return ((dout.t() @ ctx.layout.read(x, j)).to(acc),)  # dW_j += dYᵀ X_j
+
+        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step)
+        db = dout.sum(0) if ctx.has_bias else None
+        return dx, dw.to(w.dtype), db, None, None, None
+
+
+def ring_linear_out(x, w, bias, mesh: DeviceMesh, axis: str, layout) -> torch.Tensor:
+    """``Y = X Wᵀ + b`` with ``W [out, in]`` split by output rows over the ring (``w [out/p, in]``, block ``i``):
+    the blocks stream past the resident ``X [N, in]`` and block ``j`` of ``Y`` is written where ``layout``
+    puts it (:class:`ColumnBlocks` or :class:`HeadBlocks`). Forward ``p-1`` exchanges of ``w``; backward
+    ``dX = Σ_j dY_j W_j`` locally and ``dW_j = Σ_i dY_ijᵀ X_i`` travelling: ``p-1`` + ``p`` exchanges."""
+    return _RingLinearOut.apply(x, w, bias, mesh, axis, layout)
+
+
+def ring_linear_in(x, w, bias, mesh: DeviceMesh, axis: str, layout) -> torch.Tensor:
+    """``Y = Σ_j X_j W_jᵀ + b`` with ``W [out, in]`` split by input columns over the ring (``w [out, in/p]``) and
+    ``X``'s column block ``j`` read through ``layout``; ``Y [N, out]``. Forward ``p-1`` exchanges of ``w``;
+    backward ``dX_j = dY W_j`` written back through ``layout``, ``dW_j = Σ_i dYᵢᵀ X_ij`` travelling."""
+    return _RingLinearIn.apply(x, w, bias, mesh, axis, layout)
+
+
+# ---- vocabulary: embedding and LM-head cross-entropy -----------------------------------------------
+
+
+def _block_hits(ids: torch.Tensor, j: int, rows: int, valid: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids relative to vocab block ``j`` (``rows`` per block) and where they fall in its first ``valid`` rows."""
+    local = ids - j * rows
+    return local, (local >= 0) & (local < (rows if valid is None else valid))
+
+
+class _RingEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, ids, mesh, axis):
+        # weight (Vb, h) vocab block i, zero-padded; ids (B, S) global token ids of this rank's chunks
+        out = weight.new_zeros((*ids.shape, weight.shape[1]))
+
+        def step(j, blocks):
+            local, hit = _block_hits(ids, j, weight.shape[0])
+            out[hit] = blocks[0][local[hit]]
+
+        ring_forward((weight,), mesh, axis, step)
+        ctx.save_for_backward(ids)
+        ctx.mesh, ctx.axis, ctx.shape, ctx.dtype = mesh, axis, weight.shape, weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        grad = grad.to(acc_dtype(ctx.dtype))
+
+        def step(j, _):
+            local, hit = _block_hits(ids, j, ctx.shape[0])
+            return (grad.new_zeros(ctx.shape).index_add_(0, local[hit], grad[hit]),)
+
+        (dweight,) = ring_backward((), ctx.mesh, ctx.axis, step)
+        return dweight.to(ctx.dtype), None, None, None
+
+
+class _RingCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, targets, mesh, axis, vocab_size):
+        # x (N, h); weight (Vb, h) vocab block i, zero-padded; targets (N,) global ids or -100
+        acc = acc_dtype(x.dtype)
+        rows = weight.shape[0]
+        lse = torch.full((x.shape[0],), float("-inf"), dtype=acc, device=x.device)
+        target_logit = torch.zeros_like(lse)
+        keep = targets != IGNORE_INDEX
+
+        def step(j, blocks):
+            valid = max(0, min(rows, vocab_size - j * rows))  # columns past V are padding
+            if valid == 0:
+                return
+            z = (x @ blocks[0][:valid].t()).to(acc)  # (N, valid)
+            torch.logaddexp(lse, torch.logsumexp(z, -1), out=lse)
+            local, hit = _block_hits(targets, j, rows, valid)
+            where = hit.nonzero().squeeze(1)
+            target_logit[where] = z[where, local[where]]
+
+        ring_forward((weight,), mesh, axis, step)
+        per_token = torch.where(keep, lse - target_logit, lse.new_zeros(()))
+        totals = torch.stack([per_token.sum(), keep.sum().to(acc)])
+        all_reduce_along(totals, mesh, axis)
+        ctx.save_for_backward(x, weight, targets, lse)
+        ctx.mesh, ctx.axis, ctx.vocab_size, ctx.count = mesh, axis, vocab_size, totals[1]
+        return totals[0] / totals[1]  # float32 under bf16 autocast, like F.cross_entropy
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, targets, lse = ctx.saved_tensors
+        rows, acc = weight.shape[0], lse.dtype
+        scale = ((targets != IGNORE_INDEX).to(acc) * (grad.to(acc) / ctx.count)).unsqueeze(-1)  # (N, 1)
+        dx = torch.zeros_like(x)
+
+        def step(j, blocks):
+            dweight = torch.zeros(weight.shape, dtype=acc, device=x.device)
+            valid = max(0, min(rows, ctx.vocab_size - j * rows))
+            if valid == 0:
+                return (dweight,)
+            w_j = blocks[0][:valid]
+            dz = (x @ w_j.t()).to(acc).sub_(lse.unsqueeze(-1)).exp_()  # softmax block (N, valid)
+            local, hit = _block_hits(targets, j, rows, valid)
+            where = hit.nonzero().squeeze(1)
+            dz[where, local[where]] -= 1
+            dz = dz.mul_(scale).to(x.dtype)
+            dx.addmm_(dz, w_j)
+            dweight[:valid] = dz.t() @ x
+            return (dweight,)
+
+        (dweight,) = ring_backward((weight,), ctx.mesh, ctx.axis, step)
+        return dx, dweight.to(weight.dtype), None, None, None, None
+
+
+def ring_embedding(weight: torch.Tensor, ids: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor:
+    """``E[ids]`` for ids ``[B, S]`` with ``E``'s vocab rows split over the ring (``weight [Vb, h]``, zero-padded):
+    ``[B, S, h]``."""
+    return _RingEmbedding.apply(weight, ids, mesh, axis)
+
+
+def ring_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mesh: DeviceMesh, axis: str,
+                       vocab_size: int) -> torch.Tensor:
+    """Mean cross-entropy of the logits ``X Eᵀ`` (targets ``-100`` ignored) with ``E``'s vocab rows split over the
+    ring (``weight [Vb, h]``, zero-padded; columns ``>= vocab_size`` are masked); the same scalar on every rank."""
+    return _RingCrossEntropy.apply(x, weight, targets, mesh, axis, vocab_size)
