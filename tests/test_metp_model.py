@@ -59,6 +59,7 @@ def _parity(rank, world_size, layout, batch):
     named = list(par.named_parameters())
     out["placements"] = {n: str(p.placements) for n, p in named if n.startswith(("transformer.h.0", "transformer.w"))}
     out["replicated"] = {n: p.numel() for n, p in named if all(isinstance(x, Replicate) for x in p.placements)}
+    out["storage"] = (tp.local_parameter_bytes(par), sum(p.numel() * p.element_size() for p in plain.parameters()))
 
     loss0 = plain(idx, targets)
     with comm.count_comm() as stats:
@@ -125,6 +126,10 @@ def test_metp_layouts_match_plain_model_float64(layout, world_size, batch):
         assert r0["placements"]["transformer.h.0.ln_1.weight"] == "(Replicate(), Replicate())"
         tokens = batch * SEQ // n
         for out in results:
+            # every matrix is split p ways; only vectors and wpe are whole on every rank
+            local, total = out["storage"]
+            replicated = 8 * sum(out["replicated"].values())
+            assert abs((local - replicated) - (total - replicated) / n) <= 8 * h * n  # V=257 splits unevenly
             assert out["block"] == expected_metp_block(h, tokens, n)
             # whole model: embedding, 4 passes per block and the LM head, p-1 exchanges each forward; one
             # all-reduce of [loss sum, count]; backward adds the replicated vectors' gradient sums, nothing else
