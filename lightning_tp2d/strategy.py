@@ -18,6 +18,7 @@ Every rank of a tensor-parallel group is fed the same batch: the sampler shards 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -124,6 +125,10 @@ class TP2DStrategy(ModelParallelStrategy):
     # ---- environment and model ----------------------------------------------------------------------------
 
     def setup_environment(self) -> None:
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # CPU ranks share the node's cores; more threads than cores makes every collective wait (torchrun
+            # sets OMP_NUM_THREADS=1 for the same reason)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
         self._setup_distributed()
         dims = self._resolve_dims(find_gpt2_config(self.lightning_module))
         self._dims = dims

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 import warnings
 
@@ -42,7 +43,8 @@ def _worker(rank, world_size, port, fn, args, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 240.0):
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, allow_exit: bool = False):
+    """``allow_exit``: ranks may end without a result (a test that kills its run); their result is ``None``."""
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
@@ -51,13 +53,32 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0):
     for p in procs:
         p.start()
     outs: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(outs) < world_size:
             try:
-                rank, status, value = results.get(timeout=timeout)
+                rank, status, value = results.get(timeout=0.5)
             except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(outs))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout}s") from None
+                exited = [r for r, p in enumerate(procs) if r not in outs and p.exitcode is not None]
+                if exited:  # a rank that reported just before exiting: its result is in the pipe by now
+                    try:
+                        rank, status, value = results.get(timeout=2.0)
+                    except queue.Empty:
+                        pass
+                    else:
+                        if status == "error":
+                            raise RuntimeError(f"rank {rank} failed:\n{value}") from None
+                        outs[rank] = value
+                        continue
+                if exited and not allow_exit:
+                    raise RuntimeError(f"ranks {exited} exited (codes {[procs[r].exitcode for r in exited]}) "
+                                       "without a result") from None
+                if allow_exit and all(p.exitcode is not None for p in procs) and results.empty():
+                    break
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(outs))
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout}s") from None
+                continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             outs[rank] = value
@@ -67,4 +88,4 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0):
                 p.terminate()
         for p in procs:
             p.join(timeout=10)
-    return [outs[r] for r in range(world_size)]
+    return [outs.get(r) for r in range(world_size)]
