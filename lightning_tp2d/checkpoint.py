@@ -230,14 +230,12 @@ def write_full(checkpoint: dict[str, Any], file: Path) -> None:
 def commit(staging: Path, path: Path) -> None:
     """Move a complete checkpoint from ``staging`` to ``path``. Replacing an existing one takes two renames;
     between them the previous checkpoint survives as ``<path>.old-tp2d``, which loading falls back to."""
-    if not (path.exists() or path.is_symlink()):
-        os.replace(staging, path)
-        return
     old = _old_path(path)
-    clear(old)
-    os.replace(path, old)
+    if path.exists() or path.is_symlink():
+        clear(old)
+        os.replace(path, old)
     os.replace(staging, path)
-    clear(old)
+    clear(old)  # also the survivor of an earlier interrupted replacement
 
 
 # ---- reading -------------------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ class GPT2LightningModule(L.LightningModule):
     """GPT-2 language model.
 
     Args:
-        model: a named size (``"gpt2"``, ``"gpt2-medium"`` ... ``"gpt2-tiny"``) or a :class:`GPT2Config`.
+        model: a named size (``"gpt2"``, ``"gpt2-medium"`` ... ``"gpt2-tiny"``), a :class:`GPT2Config` or its fields
+            as a dict (what the checkpoint's hyper-parameters record).
         learning_rate: peak learning rate.
         weight_decay: AdamW decoupled weight decay for weights of dimension >= 2.
         betas, eps: AdamW's.
@@ -73,13 +74,16 @@ class GPT2LightningModule(L.LightningModule):
             the strategy is a TP2DStrategy.
     """
 
-    def __init__(self, model: str | GPT2Config = "gpt2-tiny", learning_rate: float = 6e-4, weight_decay: float = 0.1,
+    def __init__(self, model: str | GPT2Config | dict = "gpt2-tiny", learning_rate: float = 6e-4, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, warmup_steps: int = 100,
                  max_steps: int | None = None, min_lr_ratio: float = 0.1, init_seed: int = 0,
                  meta_init: bool | None = None) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        if isinstance(model, dict):
+            model = GPT2Config(**model)
         self.config = model if isinstance(model, GPT2Config) else GPT2Config.from_name(model)
+        self.save_hyperparameters(ignore=["model"])
+        self.hparams["model"] = model if isinstance(model, str) else dict(vars(self.config))  # plain types only
         self.init_seed = init_seed
         self.model: GPT2 | None = None
         self.val_perplexity = TokenPerplexity()
