@@ -80,7 +80,7 @@ def get_tokenizer(name: str):
 
 
 def default_corpus() -> str:
-    """The Python documentation topics that ship with CPython (``pydoc_data.topics``), about 0.8 MB of text."""
+    """The Python documentation topics that ship with CPython (``pydoc_data.topics``): about half a megabyte of text."""
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[k] for k in sorted(topics))
