@@ -8,7 +8,8 @@ strategies).
 from lightning_tp2d.mesh import ParallelDims, init_mesh
 from lightning_tp2d.models import GPT2, GPT2Config
 from lightning_tp2d.parallelize import full_state_dict, local_parameter_bytes, parallelize
-from lightning_tp2d.checkpoint import export_hf, gpt2_state_dict, load_gpt2, read_state_dict
+from lightning_tp2d.checkpoint import read_state_dict
+from lightning_tp2d.export import export_hf, gpt2_state_dict, load_gpt2
 from lightning_tp2d.data import TextDataModule
 from lightning_tp2d.module import GPT2LightningModule
 from lightning_tp2d.strategy import TP2DStrategy

@@ -15,13 +15,15 @@ describe. The sharded format therefore stores every ``attn.c_attn`` weight, bias
 ``[3, h, ...]`` (q/k/v first), whatever the layout: there the block is a box. A shard no box describes is
 gathered and saved whole (correct, only slower).
 
+Reading a checkpoint on one device and exporting to transformers live in :mod:`lightning_tp2d.export`.
+
 Saving is crash-safe: everything is written to ``<path>.tmp-tp2d`` and renamed into place only when complete,
 so a crash mid-save leaves the previous checkpoint at ``path`` untouched (see :func:`commit`).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import shutil
 import warnings
@@ -34,12 +36,19 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 QKV = ("attn.c_attn.weight", "attn.c_attn.bias")
 MODEL = "state_dict."
 _dcp_save = dcp.save  # indirection so tests can interrupt a save
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every call without a process group, even when told ``no_dist``; one process is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 # ---- box views (the one layout-dependent step) --------------------------------------------------------------
@@ -95,13 +104,21 @@ def _assign(live: torch.Tensor, loaded: torch.Tensor) -> None:
     if isinstance(loaded, DTensor):
         src = loaded.to_local()
     elif isinstance(live, DTensor):
-        src = distribute_tensor(loaded.reshape(live.shape).to(live.dtype), live.device_mesh, live.placements,
-                                src_data_rank=None).to_local()
+        src = _local_shard(loaded.reshape(live.shape).to(live.dtype), live)
     else:
         src = loaded
     dst = live.to_local() if isinstance(live, DTensor) else live
     if src.data_ptr() != dst.data_ptr() or src.numel() != dst.numel():
         dst.copy_(src.reshape(dst.shape))
+
+
+def _local_shard(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's shard of ``full`` in ``like``'s placement: sliced locally (torch >= 2.7), else scattered
+    from rank 0 (every rank calls this in the same order)."""
+    try:
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+    except TypeError:
+        return distribute_tensor(full, like.device_mesh, like.placements).to_local()
 
 
 # ---- what a module and its optimizers hold -------------------------------------------------------------------
@@ -217,7 +234,8 @@ def write_sharded(checkpoint: dict[str, Any], directory: Path, rank: int) -> Non
                     qkv = _is_qkv(name) and v.dim() > 0
                     payload[f"optimizer_{i}.{name}.{field}"] = box_view(v, qkv)
         groups.append(optim["param_groups"])
-    _dcp_save(payload, checkpoint_id=str(directory))
+    with _single_process_quiet():
+        _dcp_save(payload, checkpoint_id=str(directory), no_dist=not torch.distributed.is_initialized())
     if rank == 0:
         meta = {**checkpoint, "tp2d_aliases": aliases, "tp2d_optimizer_param_groups": groups}
         torch.save(meta, directory / META)
@@ -317,7 +335,8 @@ def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any
                            else torch.zeros(tuple(md.size), dtype=md.properties.dtype))
             targets[key] = box_view(fields[key][2], _is_qkv(name) and like_param)
         optim_targets.append(fields)
-    dcp.load(targets, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
+    with _single_process_quiet():
+        dcp.load(targets, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
     for k, v in live.items():
         if MODEL + k in targets:
             _assign(v, targets[MODEL + k])
@@ -392,65 +411,8 @@ def read_state_dict(path) -> dict[str, torch.Tensor]:
     meta = torch.load(path / META, weights_only=False)
     targets = {k: torch.zeros(tuple(md.size), dtype=md.properties.dtype)
                for k, md in _stored_tensors(path).items() if k.startswith(MODEL)}
-    dcp.load(targets, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
+    with _single_process_quiet():
+        dcp.load(targets, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
     out = {k[len(MODEL):]: v.reshape(_unview_shape(k, v.shape)) for k, v in targets.items()}
     out.update({alias: out[key] for alias, key in meta.get("tp2d_aliases", {}).items()})
     return out
-
-
-def gpt2_state_dict(path, prefix: str | None = None) -> dict[str, torch.Tensor]:
-    """The weights of the GPT2 inside a checkpoint under plain ``GPT2`` keys; ``prefix`` (e.g. ``"model."``) picks
-    one when the LightningModule holds several."""
-    state = read_state_dict(path)
-    if prefix is None:
-        found = sorted(k[: -len("transformer.wte.weight")] for k in state if k.endswith("transformer.wte.weight"))
-        if len(found) != 1:
-            raise ValueError(f"checkpoint holds {len(found)} GPT2 models (prefixes {found}); pass prefix=")
-        prefix = found[0]
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-
-
-def load_gpt2(path, config: GPT2Config | None = None, prefix: str | None = None) -> GPT2:
-    """A plain single-device :class:`GPT2` with a checkpoint's weights (config from the checkpoint if recorded)."""
-    state = gpt2_state_dict(path, prefix)
-    if config is None:
-        config = _recorded_config(resolve(path), prefix)
-    with torch.device("meta"):
-        model = GPT2(config)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    model.load_state_dict(state)
-    return model
-
-
-def _recorded_config(path: Path, prefix: str | None) -> GPT2Config:
-    meta = torch.load(path / META if is_sharded(path) else path, map_location="cpu", weights_only=False, mmap=True)
-    configs = meta.get("tp2d", {}).get("gpt2_configs", {})
-    key = (prefix or "").rstrip(".")
-    if key not in configs and len(configs) == 1:
-        key = next(iter(configs))
-    if key not in configs:
-        raise ValueError(f"checkpoint records no GPT2 config for {key!r} (has {sorted(configs)}); pass config=")
-    return GPT2Config(**configs[key])
-
-
-def export_hf(source, directory, config: GPT2Config | None = None) -> Path:
-    """Write transformers' GPT-2 format (``config.json`` + ``model.safetensors``) from a plain :class:`GPT2` or a
-    checkpoint path; ``GPT2LMHeadModel.from_pretrained(directory)`` loads it."""
-    model = source if isinstance(source, GPT2) else load_gpt2(source, config)
-    cfg = model.config
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    hf = {k: v.contiguous() for k, v in model.hf_state_dict().items() if k != "lm_head.weight"}  # tied
-    from safetensors.torch import save_file
-
-    save_file(hf, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    hf_config = {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-        "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
-        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "scale_attn_weights": True,
-        "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1, "tie_word_embeddings": True,
-    }
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    return directory

@@ -222,7 +222,7 @@ class TP2DStrategy(ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
         if self._save_distributed_checkpoint:
-            return self.model.state_dict()
+            return self.model.state_dict(keep_vars=True)  # live DTensors (tied ones recognised by identity)
         return ckpt.full_model_state(self.model, self.global_rank)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:

@@ -158,6 +158,17 @@ def test_module_without_gpt2_fails_before_training():
     assert run_ranks(_fit_without_gpt2, 1) == [True]
 
 
+def _fit_with_batch_3(rank, world_size):
+    trainer = _trainer("tp2d", world_size, LossRecorder(), max_steps=1)
+    with pytest.raises(ValueError, match="batch size 3 is not divisible by the grid side q=2"):
+        trainer.fit(tp.GPT2LightningModule("gpt2-tiny"), tp.TextDataModule(batch_size=3, max_tokens=4000))
+    return trainer.global_step
+
+
+def test_batch_that_the_grid_rows_cannot_split_fails_before_training():
+    assert run_ranks(_fit_with_batch_3, 4) == [0] * 4
+
+
 # ---- parity with one device --------------------------------------------------------------------------------
 
 
