@@ -9,7 +9,9 @@ process-group set-up, data-parallel sampler sharding and the DCP checkpoint plum
   shard from one seed, eager models are first made identical on every rank (broadcast from rank 0);
 * after each backward that ends an accumulation window, gradients are averaged over ``data_parallel`` (the tensor
   axes are already summed inside the layers' backward);
-* ``Trainer(gradient_clip_val=...)`` clips by the norm of the *whole* gradient across all shards;
+* ``Trainer(gradient_clip_val=...)`` clips by the norm of the *whole* gradient across all shards (Lightning clips
+  through the precision plugin; ``setup`` points its two clipping methods at :func:`clip_grad_norm_` and
+  :func:`clip_grad_value_`);
 * checkpoints go through :mod:`lightning_tp2d.checkpoint` (sharded directory or one full file, layout-free).
 
 Every rank of a tensor-parallel group is fed the same batch: the sampler shards over ``data_parallel`` only.
@@ -140,7 +142,6 @@ class TP2DStrategy(ModelParallelStrategy):
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        self._check_precision()
         self.parallelize_gpt2_modules(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -162,16 +163,17 @@ class TP2DStrategy(ModelParallelStrategy):
             raise TypeError(
                 f"{type(module).__name__} holds no lightning_tp2d.models.GPT2: TP2DStrategy parallelizes the GPT2 "
                 "modules it finds inside the LightningModule (build one in __init__ or configure_model)")
-        seed = self._init_seed()
-        for name, gpt in found:
+        seed = None
+        for index, (name, gpt) in enumerate(found):
             if getattr(gpt, "tp_layout", None) is not None:
                 if gpt.tp_layout != self.layout or gpt.tp_mesh is not self.device_mesh:
                     raise ValueError(f"GPT2 {name!r} is already parallelized with layout {gpt.tp_layout!r} on "
                                      "another mesh")
                 continue
             if any(p.is_meta for p in gpt.parameters()):
+                seed = self._init_seed() if seed is None else seed
                 with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(seed)  # the same full weights on every rank, whatever the layout
+                    torch.manual_seed(seed + index)  # the same full weights on every rank, whatever the layout
                     parallelize(gpt, self.device_mesh, self.layout)
             else:
                 broadcast_module_(gpt, self.device_mesh)
@@ -181,6 +183,8 @@ class TP2DStrategy(ModelParallelStrategy):
             raise ValueError(f"parameters outside the GPT2 modules are still on the meta device: {left[:5]}")
 
     def _init_seed(self) -> int:
+        """The seed meta-device GPT2s are drawn from (the i-th from ``seed + i``): the LightningModule's
+        ``init_seed`` attribute if it has one, else rank 0's current seed."""
         seed = getattr(self.lightning_module, "init_seed", None)
         if seed is None:  # rank 0's seed, so that a meta model materialises alike everywhere
             seed = self.broadcast(torch.initial_seed())
@@ -238,9 +242,10 @@ class TP2DStrategy(ModelParallelStrategy):
         checkpoint["tp2d"] = self.checkpoint_info()
         staging = ckpt.staging_path(path)
         if self.global_rank == 0:
-            ckpt.clear(staging)
+            ckpt.clear(staging)  # debris of a save that crashed
+            path.parent.mkdir(parents=True, exist_ok=True)
             if self._save_distributed_checkpoint:
-                staging.mkdir(parents=True)
+                staging.mkdir()
         self.barrier("tp2d_save_start")
         if self._save_distributed_checkpoint:
             ckpt.write_sharded(checkpoint, staging, self.global_rank)

@@ -25,10 +25,11 @@ def test_console_script_points_at_the_cli():
 @pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 def test_recipe_config_resolves_every_key(capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--config", str(RECIPE), "--trainer.strategy=tp2d", "--print_config"])
+        main(["fit", "--config", str(RECIPE), "--print_config"])
     assert exit_.value.code == 0
     printed = capsys.readouterr().out
-    assert "strategy: tp2d" in printed and "model: gpt2-tiny" in printed and "tokenizer: byte" in printed
+    assert "class_path: lightning_tp2d.TP2DStrategy" in printed and "layout: 2d" in printed
+    assert "model: gpt2-tiny" in printed and "tokenizer: byte" in printed
 
 
 def test_tp2d_fit_with_yaml_config_trains_on_4_processes(tmp_path):
