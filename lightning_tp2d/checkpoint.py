@@ -1,0 +1,418 @@
+"""Checkpoints of parallelized GPT-2 models that load under any layout, grid or dp size, and on one device.
+
+Two formats (``TP2DStrategy(save_distributed_checkpoint=...)``):
+
+* **sharded**: a directory written by ``torch.distributed.checkpoint`` (DCP), each rank writing only its own
+  shards, plus ``meta.pt`` with the rest of Lightning's checkpoint (loops, schedulers, callbacks, optimizer
+  hyper-parameters). DCP records every tensor by its full shape and the box each shard covers, so a load under
+  another mesh reads exactly the boxes it needs (resharding on load).
+* **full**: one ``torch.save`` file in Lightning's usual form: ``state_dict`` of full plain tensors and
+  ``optimizer_states`` in torch's own format (with ``param_names``), so a plain single-device run resumes too.
+
+The layout trap: "2d" keeps q, k and v of one head group on one rank, so a rank's block of the fused
+``c_attn`` ``[3h, in]`` is three separate row blocks (``_StridedShard``), which is not a box and which DCP cannot
+describe. The sharded format therefore stores every ``attn.c_attn`` weight, bias and their optimizer states as
+``[3, h, ...]`` (q/k/v first), whatever the layout: there the block is a box. A shard no box describes is
+gathered and saved whole (correct, only slower).
+
+Reading a checkpoint on one device and exporting to transformers live in :mod:`lightning_tp2d.export`.
+
+Saving is crash-safe: everything is written to ``<path>.tmp-tp2d`` and renamed into place only when complete,
+so a crash mid-save leaves the previous checkpoint at ``path`` untouched (see :func:`commit`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
+QKV = ("attn.c_attn.weight", "attn.c_attn.bias")
+MODEL = "state_dict."
+_dcp_save = dcp.save  # indirection so tests can interrupt a save
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every call without a process group, even when told ``no_dist``; one process is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+# ---- box views (the one layout-dependent step) --------------------------------------------------------------
+
+
+def _qkv_shape(shape) -> tuple[int, ...]:
+    return (3, shape[0] // 3, *shape[1:])
+
+
+def _unview_shape(key: str, shape) -> tuple[int, ...]:
+    shape = tuple(shape)
+    return (shape[0] * shape[1], *shape[2:]) if _is_qkv(key) and len(shape) >= 2 else shape
+
+
+def _is_qkv(key: str) -> bool:
+    return key.endswith(QKV) or any(key.rsplit(".", 1)[0].endswith(s) for s in QKV)
+
+
+def box_view(t: torch.Tensor, qkv: bool) -> torch.Tensor:
+    """What DCP stores for ``t``: itself, or for q/k/v tensors a ``[3, n/3, ...]`` view. A DTensor stays a DTensor
+    whose local tensor is a view of ``t``'s (so a load into it writes into ``t``) unless no box describes its
+    shard; then the full tensor (a collective) is returned."""
+    if not isinstance(t, DTensor):
+        return t.view(_qkv_shape(t.shape)) if qkv else t
+    if not qkv and not any(isinstance(pl, _StridedShard) for pl in t.placements):
+        return t
+    places, boxed = [], True
+    for pl in t.placements:
+        if isinstance(pl, _StridedShard):
+            boxed &= qkv and pl.dim == 0 and pl.split_factor == 3
+            places.append(Shard(1))
+        elif isinstance(pl, Shard):
+            boxed &= not (qkv and pl.dim == 0)
+            places.append(Shard(pl.dim + 1) if qkv else pl)
+        else:
+            places.append(pl)
+    if qkv:
+        mesh = t.device_mesh
+        boxed &= all((t.shape[0] // 3) % mesh.size(i) == 0 for i, pl in enumerate(t.placements) if not pl.is_replicate())
+    if not boxed:
+        full = t.full_tensor()
+        return full.view(_qkv_shape(full.shape)) if qkv else full
+    local = t.to_local()
+    shape = _qkv_shape(t.shape) if qkv else tuple(t.shape)
+    local = local.view(_qkv_shape(local.shape)) if qkv else local
+    return DTensor.from_local(local, t.device_mesh, places, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+@torch.no_grad()
+def _assign(live: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a loaded (possibly viewed, possibly full) tensor into ``live``, keeping ``live``'s placement."""
+    if isinstance(loaded, DTensor):
+        src = loaded.to_local()
+    elif isinstance(live, DTensor):
+        src = _local_shard(loaded.reshape(live.shape).to(live.dtype), live)
+    else:
+        src = loaded
+    dst = live.to_local() if isinstance(live, DTensor) else live
+    if src.data_ptr() != dst.data_ptr() or src.numel() != dst.numel():
+        dst.copy_(src.reshape(dst.shape))
+
+
+def _local_shard(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's shard of ``full`` in ``like``'s placement: sliced locally (torch >= 2.7), else scattered
+    from rank 0 (every rank calls this in the same order)."""
+    try:
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+    except TypeError:
+        return distribute_tensor(full, like.device_mesh, like.placements).to_local()
+
+
+# ---- what a module and its optimizers hold -------------------------------------------------------------------
+
+
+def _aliases(state: dict[str, Any]) -> dict[str, str]:
+    """``{alias: first key}`` for entries that are the same tensor object (tied weights), from a
+    ``state_dict(keep_vars=True)``."""
+    seen: dict[int, str] = {}
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            if id(value) in seen:
+                out[key] = seen[id(value)]
+            else:
+                seen[id(value)] = key
+    return out
+
+
+def _param_names(module: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+@torch.no_grad()
+def full_model_state(module: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """Full plain tensors of ``module.state_dict()`` on ``rank`` 0 (empty elsewhere); a collective, one parameter
+    at a time, so no rank holds more than one full tensor it does not keep. Tied keys share one tensor."""
+    state = module.state_dict(keep_vars=True)
+    aliases = _aliases(state)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if key in aliases:
+            continue
+        full = _full(value) if isinstance(value, torch.Tensor) else value
+        if rank == 0:
+            out[key] = full.cpu() if isinstance(full, torch.Tensor) else full
+    if rank == 0:
+        out.update({alias: out[key] for alias, key in aliases.items()})
+        return {key: out[key] for key in state}
+    return {}
+
+
+def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"state": {param name: {field: tensor}}, "param_groups": [{..., "params": [names]}]}`` with live
+    (sharded) tensors."""
+    names = _param_names(module)
+    if any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("the optimizer holds parameters that are not in the LightningModule")
+    state = {names[id(p)]: dict(s) for p, s in optimizer.state.items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
+    """torch's ``optimizer.state_dict()`` format with full plain tensors and ``param_names``, on rank 0 (a
+    collective; empty on the other ranks)."""
+    sharded = sharded_optimizer_state(module, optimizer)
+    order = [name for g in sharded["param_groups"] for name in g["params"]]
+    state = {}
+    for index, name in enumerate(order):
+        fields = sharded["state"].get(name)
+        if fields is not None:
+            full = {k: (_full(v).cpu() if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
+            state[index] = full
+    if rank != 0:
+        return {}
+    groups, start = [], 0
+    for g in sharded["param_groups"]:
+        n = len(g["params"])
+        groups.append({**g, "params": list(range(start, start + n)), "param_names": list(g["params"])})
+        start += n
+    return {"state": state, "param_groups": groups}
+
+
+# ---- writing -------------------------------------------------------------------------------------------------
+
+
+def staging_path(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp-tp2d")
+
+
+def _old_path(path: Path) -> Path:
+    return path.with_name(path.name + ".old-tp2d")
+
+
+def clear(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def write_sharded(checkpoint: dict[str, Any], directory: Path, rank: int) -> None:
+    """Every rank: its shards of the model and optimizer states into ``directory`` (DCP); rank 0 also the rest
+    of ``checkpoint`` (``state_dict`` from ``state_dict(keep_vars=True)``, ``optimizer_states`` from
+    :func:`sharded_optimizer_state`)."""
+    state = checkpoint.pop("state_dict")
+    optim_states = checkpoint.pop("optimizer_states", [])
+    aliases = _aliases(state)
+    payload = {MODEL + k: box_view(v, _is_qkv(k)) for k, v in state.items()
+               if k not in aliases and isinstance(v, torch.Tensor)}
+    groups = []
+    for i, optim in enumerate(optim_states):
+        for name, fields in optim["state"].items():
+            for field, v in fields.items():
+                if isinstance(v, torch.Tensor):
+                    qkv = _is_qkv(name) and v.dim() > 0
+                    payload[f"optimizer_{i}.{name}.{field}"] = box_view(v, qkv)
+        groups.append(optim["param_groups"])
+    with _single_process_quiet():
+        _dcp_save(payload, checkpoint_id=str(directory), no_dist=not torch.distributed.is_initialized())
+    if rank == 0:
+        meta = {**checkpoint, "tp2d_aliases": aliases, "tp2d_optimizer_param_groups": groups}
+        torch.save(meta, directory / META)
+
+
+def write_full(checkpoint: dict[str, Any], file: Path) -> None:
+    torch.save(checkpoint, file)
+
+
+def commit(staging: Path, path: Path) -> None:
+    """Move a complete checkpoint from ``staging`` to ``path``. Replacing an existing one takes two renames;
+    between them the previous checkpoint survives as ``<path>.old-tp2d``, which loading falls back to."""
+    old = _old_path(path)
+    if path.exists() or path.is_symlink():
+        clear(old)
+        os.replace(path, old)
+    os.replace(staging, path)
+    clear(old)  # also the survivor of an earlier interrupted replacement
+
+
+# ---- reading -------------------------------------------------------------------------------------------------
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.exists() and _old_path(path).exists():
+        warnings.warn(f"{path} is missing (a save was interrupted); loading the previous {_old_path(path)}")
+        return _old_path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    return path
+
+
+def is_sharded(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def _stored_tensors(path: Path) -> dict[str, Any]:
+    """DCP's record of a sharded checkpoint: ``{key: TensorStorageMetadata}`` (full shape and dtype)."""
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+def check_compatible(model: dict[str, tuple], stored: dict[str, tuple], strict: bool, path) -> None:
+    """Raise ValueError naming the keys that differ between a model and a checkpoint (full shapes)."""
+    missing = [k for k in model if k not in stored]
+    unexpected = [k for k in stored if k not in model]
+    misshaped = [f"{k}: checkpoint {tuple(stored[k])}, model {tuple(model[k])}"
+                 for k in model if k in stored and tuple(stored[k]) != tuple(model[k])]
+    problems = ([f"missing in checkpoint: {missing}"] if missing and strict else []) + \
+               ([f"not in model: {unexpected}"] if unexpected and strict else []) + \
+               ([f"different shapes: {misshaped}"] if misshaped else [])
+    if problems:
+        raise ValueError(f"checkpoint {str(path)!r} does not fit this model:\n  " + "\n  ".join(problems))
+
+
+def load_into(module: nn.Module, optimizers: list, path, strict: bool = True) -> dict[str, Any]:
+    """Load a checkpoint of either format into a live (parallelized or plain) module and its optimizers, in
+    place; return the rest of the checkpoint (loops, schedulers, ...) for Lightning. Every rank calls it."""
+    path = resolve(path)
+    if is_sharded(path):
+        return _load_sharded(module, optimizers, path, strict)
+    if path.is_file():
+        return _load_full(module, optimizers, path, strict)
+    raise ValueError(f"{str(path)!r} is neither a sharded checkpoint directory (no .metadata) nor a file")
+
+
+def _live_model(module: nn.Module) -> dict[str, torch.Tensor]:
+    state = module.state_dict(keep_vars=True)
+    aliases = _aliases(state)
+    return {k: v for k, v in state.items() if k not in aliases and isinstance(v, torch.Tensor)}
+
+
+def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
+    meta = torch.load(path / META, weights_only=False)
+    stored = _stored_tensors(path)
+    live = _live_model(module)
+    shapes = {k[len(MODEL):]: _unview_shape(k, md.size) for k, md in stored.items() if k.startswith(MODEL)}
+    shapes.update({alias: shapes[key] for alias, key in meta.get("tp2d_aliases", {}).items() if key in shapes})
+    check_compatible(_model_shapes(module), shapes, strict, path)
+    targets = {MODEL + k: box_view(v.detach(), _is_qkv(k)) for k, v in live.items() if k in shapes}
+    params = {name: p for name, p in module.named_parameters()}
+    optim_targets: list[dict[str, torch.Tensor]] = []
+    for i, _ in enumerate(optimizers):
+        prefix = f"optimizer_{i}."
+        fields = {}
+        for key, md in stored.items():
+            if not key.startswith(prefix):
+                continue
+            name, field = key[len(prefix):].rsplit(".", 1)
+            if name not in params:
+                if strict:
+                    raise ValueError(f"checkpoint {str(path)!r} has optimizer state for {name!r}, not in this model")
+                continue
+            p = params[name]
+            like_param = _unview_shape(key, md.size) == tuple(p.shape) and len(md.size) > 0
+            fields[key] = (name, field, torch.zeros_like(p.detach(), dtype=md.properties.dtype) if like_param
+                           else torch.zeros(tuple(md.size), dtype=md.properties.dtype))
+            targets[key] = box_view(fields[key][2], _is_qkv(name) and like_param)
+        optim_targets.append(fields)
+    with _single_process_quiet():
+        dcp.load(targets, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
+    for k, v in live.items():
+        if MODEL + k in targets:
+            _assign(v, targets[MODEL + k])
+    for i, optimizer in enumerate(optimizers):
+        for key, (name, field, value) in optim_targets[i].items():
+            _assign(value, targets[key])
+            optimizer.state[params[name]][field] = value
+        _load_param_groups(optimizer, meta["tp2d_optimizer_param_groups"][i], params, path)
+    return {k: v for k, v in meta.items() if not k.startswith("tp2d_")}
+
+
+def _load_param_groups(optimizer, saved: list[dict], params: dict[str, torch.Tensor], path) -> None:
+    names = {id(p): n for n, p in params.items()}
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"checkpoint {str(path)!r}: optimizer has {len(optimizer.param_groups)} parameter groups, "
+                         f"checkpoint {len(saved)}")
+    for group, old in zip(optimizer.param_groups, saved):
+        old_names = old.get("param_names", old["params"])
+        new_names = [names[id(p)] for p in group["params"]]
+        if all(isinstance(n, str) for n in old_names) and list(old_names) != new_names:
+            raise ValueError(f"checkpoint {str(path)!r}: optimizer parameter groups differ: saved {old_names}, "
+                             f"model {new_names}")
+        group.update({k: v for k, v in old.items() if k not in ("params", "param_names")})
+
+
+def _load_full(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict')")
+    state = checkpoint.pop("state_dict")
+    live = _live_model(module)
+    check_compatible(_model_shapes(module), {k: tuple(v.shape) for k, v in state.items()}, strict, path)
+    for k, v in live.items():
+        if k in state:
+            _assign(v, state[k])
+    params = {name: p for name, p in module.named_parameters()}
+    for optimizer, saved in zip(optimizers, checkpoint.get("optimizer_states", [])):
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        saved_order = [i for g in saved["param_groups"] for i in g["params"]]
+        if len(order) != len(saved_order):
+            raise ValueError(f"checkpoint {str(path)!r}: optimizer holds {len(saved_order)} parameters, "
+                             f"this one {len(order)}")
+        _load_param_groups(optimizer, saved["param_groups"], params, path)
+        for param, index in zip(order, saved_order):
+            if index not in saved["state"]:
+                continue
+            fields = {}
+            for field, v in saved["state"][index].items():
+                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape) and v.dim() > 0:
+                    fields[field] = torch.zeros_like(param.detach(), dtype=v.dtype)
+                    _assign(fields[field], v)
+                else:
+                    fields[field] = v.clone() if isinstance(v, torch.Tensor) else v
+            optimizer.state[param] = fields
+    checkpoint.pop("optimizer_states", None)
+    return checkpoint
+
+
+def _model_shapes(module: nn.Module) -> dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+
+
+# ---- plain use: one process, no mesh ------------------------------------------------------------------------
+
+
+def read_state_dict(path) -> dict[str, torch.Tensor]:
+    """The full model weights of a checkpoint of either format, as plain tensors under the LightningModule's
+    keys (tied keys included). Needs no process group."""
+    path = resolve(path)
+    if not is_sharded(path):
+        return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    meta = torch.load(path / META, weights_only=False)
+    targets = {k: torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+               for k, md in _stored_tensors(path).items() if k.startswith(MODEL)}
+    with _single_process_quiet():
+        dcp.load(targets, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
+    out = {k[len(MODEL):]: v.reshape(_unview_shape(k, v.shape)) for k, v in targets.items()}
+    out.update({alias: out[key] for alias, key in meta.get("tp2d_aliases", {}).items()})
+    return out

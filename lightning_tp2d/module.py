@@ -1,0 +1,200 @@
+"""``GPT2LightningModule``: GPT-2 language-model training for any strategy, TP2DStrategy included.
+
+The module holds a plain :class:`~lightning_tp2d.models.GPT2` and no parallel code: under
+:class:`~lightning_tp2d.strategy.TP2DStrategy` it is built on the meta device and the strategy materialises only
+each rank's shards (from ``init_seed``, so the full weights equal an eager build with that seed on one device).
+
+Optimisation: AdamW with decoupled weight decay on matrices and embeddings only (no decay on biases and
+LayerNorm), learning rate ``lr * f(step)`` with linear warmup to 1 over ``warmup_steps`` then cosine decay to
+``min_lr_ratio`` at ``max_steps`` (default: the Trainer's estimated optimizer steps).
+
+Metrics: ``train_loss`` (every step) and ``val_loss`` / ``val_perplexity`` (per validation epoch), averaged over
+data-parallel replicas. Perplexity is ``exp(Σ nll / Σ tokens)`` accumulated by a torchmetrics ``Metric``: the
+vocab-parallel loss never forms full logits, so a logits-based perplexity metric does not apply.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import Metric
+
+from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+
+
+class TokenPerplexity(Metric):
+    """``exp(Σ nll / Σ tokens)`` over all updates and (on ``compute``) all ranks of its process group."""
+
+    full_state_update = False
+    higher_is_better = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("nll", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("tokens", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, mean_nll: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.nll += mean_nll.detach().double() * tokens
+        self.tokens += tokens
+
+    def compute(self) -> torch.Tensor:
+        return torch.exp(self.nll / self.tokens)
+
+
+class WarmupCosine:
+    """``f(step)``: linear warmup ``(step+1)/warmup`` then cosine from 1 to ``min_ratio`` at ``total`` steps."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class GPT2LightningModule(L.LightningModule):
+    """GPT-2 language model.
+
+    Args:
+        model: a named size (``"gpt2"``, ``"gpt2-medium"`` ... ``"gpt2-tiny"``), a :class:`GPT2Config` or its fields
+            as a dict (what the checkpoint's hyper-parameters record).
+        learning_rate: peak learning rate.
+        weight_decay: AdamW decoupled weight decay for weights of dimension >= 2.
+        betas, eps: AdamW's.
+        warmup_steps: linear warmup length in optimizer steps.
+        max_steps: end of the cosine decay; ``None``: the Trainer's estimated optimizer steps.
+        min_lr_ratio: final learning rate as a fraction of ``learning_rate``.
+        init_seed: the weights are drawn from this seed, the same whatever the strategy, layout or grid.
+        meta_init: build on the meta device (materialised shard by shard by TP2DStrategy); ``None``: exactly when
+            the strategy is a TP2DStrategy.
+    """
+
+    def __init__(self, model: str | GPT2Config | dict = "gpt2-tiny", learning_rate: float = 6e-4, weight_decay: float = 0.1,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, warmup_steps: int = 100,
+                 max_steps: int | None = None, min_lr_ratio: float = 0.1, init_seed: int = 0,
+                 meta_init: bool | None = None) -> None:
+        super().__init__()
+        if isinstance(model, dict):
+            model = GPT2Config(**model)
+        self.config = model if isinstance(model, GPT2Config) else GPT2Config.from_name(model)
+        self.save_hyperparameters(ignore=["model"])
+        self.hparams["model"] = model if isinstance(model, str) else dict(vars(self.config))  # plain types only
+        self.init_seed = init_seed
+        self.model: GPT2 | None = None
+        self.val_perplexity = TokenPerplexity()
+
+    # ---- model ---------------------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        meta = self.hparams.meta_init
+        if meta is None:
+            from lightning_tp2d.strategy import TP2DStrategy
+
+            meta = self._trainer is not None and isinstance(self.trainer.strategy, TP2DStrategy)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.init_seed)
+            if meta:
+                with torch.device("meta"):
+                    self.model = GPT2(self.config)
+            else:
+                self.model = GPT2(self.config)
+
+    def setup(self, stage: str) -> None:
+        """Check the data against the model before any training: ids within the vocabulary, windows that fit."""
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if dm is None:
+            return
+        V, T = self.config.vocab_size, self.config.block_size
+        max_id = getattr(dm, "max_token_id", None)
+        if max_id is not None and max_id >= V:
+            raise ValueError(f"the data holds token id {max_id} but the model's vocab_size is {V}: use a model whose "
+                             f"vocab_size is at least {max_id + 1} (tokenizer {getattr(dm, 'tokenizer_name', '?')!r})")
+        block = getattr(dm, "block_size", None)
+        if block is not None and block > T:
+            raise ValueError(f"data block_size {block} exceeds the model's block_size {T}")
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(idx, targets)
+
+    # ---- steps ---------------------------------------------------------------------------------------------
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        idx, targets = batch
+        loss = self.model(idx, targets)
+        self.log("train_loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        idx, targets = batch
+        loss = self.model(idx, targets)
+        self.val_perplexity.update(loss, (targets != -100).sum())
+        self.log("val_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=idx.size(0))
+        self.log("val_perplexity", self.val_perplexity, on_step=False, on_epoch=True)
+
+    def on_validation_start(self) -> None:
+        mesh = self._device_mesh
+        if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
+            # tensor-parallel ranks hold equal sums; reduce over the replicas that saw different data
+            self.val_perplexity.process_group = mesh.get_group("data_parallel")
+
+    # ---- optimisation --------------------------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}],
+                                      lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps)
+        total = hp.max_steps or self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError("set max_steps (the cosine schedule needs a length) when training has no step limit")
+        schedule = WarmupCosine(hp.warmup_steps, int(total), hp.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- sampling ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 seed: int = 0) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``idx [B, T]``. Under tensor parallelism every rank must
+        call it with the same ``idx`` and ``seed``: the gathered logits are identical on all ranks, and so are the
+        samples drawn from one seeded generator."""
+        was_training = self.model.training
+        self.model.eval()
+        B = idx.size(0)
+        multiple = _batch_multiple(self.model)
+        pad = (-B) % multiple
+        generator = torch.Generator(device=idx.device).manual_seed(seed)
+        for _ in range(max_new_tokens):
+            cond = idx[:, -self.config.block_size:]
+            if pad:
+                cond = torch.cat([cond, cond[:1].expand(pad, -1)])  # the grid splits the batch into q rows
+            logits = self.model(cond)[:B, -1, :].float()
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        self.model.train(was_training)
+        return idx
+
+
+def _batch_multiple(model: GPT2) -> int:
+    """Batches must divide by this (the grid side for "2d", where rows split the batch)."""
+    if getattr(model, "tp_layout", None) == "2d":
+        mesh = model.tp_mesh
+        return mesh.size(mesh.mesh_dim_names.index("row"))
+    return 1
