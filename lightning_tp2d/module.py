@@ -171,14 +171,20 @@ class GPT2LightningModule(L.LightningModule):
         was_training = self.model.training
         self.model.eval()
         B = idx.size(0)
-        multiple = _batch_multiple(self.model)
-        pad = (-B) % multiple
+        batch_multiple, seq_multiple = _input_multiples(self.model)
+        pad = (-B) % batch_multiple
+        # ring layouts cut each sequence into 2p chunks: right-pad the context (causal attention keeps the
+        # padding from touching earlier positions) and read the logits of the last real token
+        window = self.config.block_size - self.config.block_size % seq_multiple
         generator = torch.Generator(device=idx.device).manual_seed(seed)
         for _ in range(max_new_tokens):
-            cond = idx[:, -self.config.block_size:]
+            cond = idx[:, -window:]
+            T = cond.size(1)
             if pad:
                 cond = torch.cat([cond, cond[:1].expand(pad, -1)])  # the grid splits the batch into q rows
-            logits = self.model(cond)[:B, -1, :].float()
+            if T % seq_multiple:
+                cond = torch.cat([cond, cond[:, -1:].expand(-1, seq_multiple - T % seq_multiple)], dim=1)
+            logits = self.model(cond)[:B, T - 1, :].float()
             if temperature <= 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
@@ -192,9 +198,13 @@ class GPT2LightningModule(L.LightningModule):
         return idx
 
 
-def _batch_multiple(model: GPT2) -> int:
-    """Batches must divide by this (the grid side for "2d", where rows split the batch)."""
-    if getattr(model, "tp_layout", None) == "2d":
-        mesh = model.tp_mesh
-        return mesh.size(mesh.mesh_dim_names.index("row"))
-    return 1
+def _input_multiples(model: GPT2) -> tuple[int, int]:
+    """``(batch, sequence)`` multiples a parallelized model's input must have: "2d" rows split the batch into
+    ``q``; "metp" cuts sequences into ``2p`` chunks and "2d-metp" into ``2q``."""
+    layout, mesh = getattr(model, "tp_layout", None), getattr(model, "tp_mesh", None)
+    if layout is None:
+        return 1, 1
+    if layout == "metp":
+        return 1, 2 * mesh.size(mesh.mesh_dim_names.index("ring"))
+    q = mesh.size(mesh.mesh_dim_names.index("row"))
+    return (q, 1) if layout == "2d" else (1, 2 * q)

@@ -57,19 +57,20 @@ def test_perplexity_is_exp_of_the_token_weighted_mean_loss():
     assert metric.compute().item() == pytest.approx(math.exp((2 * 10 + 4 * 30) / 40))
 
 
-def _generate(rank, world_size):
+def _generate(rank, world_size, layout):
     module = _built(init_seed=3)
     plain = copy.deepcopy(module)
-    tp.parallelize(module.model, tp.init_mesh("2d", 4, 1), "2d")
-    prompt = torch.tensor([[72, 101, 108, 108, 111]])  # one sequence: padded to the grid's 2 rows inside
+    tp.parallelize(module.model, tp.init_mesh(layout, world_size, 1), layout)
+    prompt = torch.tensor([[72, 101, 108, 108, 111]])  # one sequence of 5: padded to 2 rows / 2p chunks inside
     out = module.generate(prompt, 12, temperature=0.8, top_k=20, seed=5)
     ref = plain.generate(prompt, 12, temperature=0.8, top_k=20, seed=5)
     greedy = module.generate(prompt.repeat(2, 1), 6, temperature=0)
     return out.tolist(), ref.tolist(), greedy.tolist(), plain.generate(prompt.repeat(2, 1), 6, temperature=0).tolist()
 
 
-def test_generate_under_tensor_parallelism_samples_what_one_device_samples():
-    results = run_distributed(_generate, 4)
+@pytest.mark.parametrize("layout, world_size", [("2d", 4), ("metp", 2), ("2d-metp", 4)])
+def test_generate_under_tensor_parallelism_samples_what_one_device_samples(layout, world_size):
+    results = run_distributed(_generate, world_size, layout)
     out, ref, greedy, greedy_ref = results[0]
     assert all(r == results[0] for r in results)  # every rank drew the same tokens
     assert len(out[0]) == 17 and out[0][:5] == [72, 101, 108, 108, 111]

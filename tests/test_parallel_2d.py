@@ -279,12 +279,13 @@ def _autocast(rank, world_size):
     idx, targets = _batch(cfg, batch=4, seq=24)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss0, loss1 = plain(idx, targets), par(idx, targets)
+        linear_out = par.transformer.h[0].mlp.c_fc(torch.randn(2, 4, cfg.n_embd // 2)).dtype
     loss0.backward()
     loss1.backward()
     dtypes = {p.grad.dtype for p in par.parameters()}
     grad = max(((p.grad.full_tensor() - p0.grad).norm() / p0.grad.norm()).item()
                for p, p0 in zip(par.parameters(), plain.parameters()))
-    return {"loss": (loss0.item(), loss1.item()), "grad": grad, "dtypes": dtypes}
+    return {"loss": (loss0.item(), loss1.item()), "grad": grad, "dtypes": dtypes, "linear_out": linear_out}
 
 
 def test_bf16_autocast_matches_plain_model_under_autocast():
@@ -293,6 +294,7 @@ def test_bf16_autocast_matches_plain_model_under_autocast():
         assert abs(loss1 - loss0) <= 1e-2 * abs(loss0)  # bf16 has 8 mantissa bits
         assert out["grad"] <= 2e-2  # measured 8e-3
         assert out["dtypes"] == {torch.float32}  # gradients land in the parameters' dtype
+        assert out["linear_out"] == torch.bfloat16  # activations stay bf16, like nn.Linear under autocast
 
 
 def _meta(rank, world_size):

@@ -178,6 +178,13 @@ def test_tp2d_trains_gpt2_module_like_one_device():
     _assert_parity(losses[0], reference(4), tol=2e-5)
 
 
+@pytest.mark.parametrize("name, devices", [("metp", 2), ("tp2d_metp", 4)])
+def test_ring_layouts_train_gpt2_module_like_one_device(name, devices):
+    losses = run_ranks(fit_gpt2, devices, name, 4)
+    assert all(run == losses[0] for run in losses)
+    _assert_parity(losses[0], reference(4), tol=2e-5)
+
+
 class UserModule(L.LightningModule):
     """What a user writes: a GPT2 and a training step, no parallel code at all."""
 

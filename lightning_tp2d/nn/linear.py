@@ -48,7 +48,7 @@ class Linear2D(nn.Module):
         x2d, w_t = autocast_operands(x.reshape(-1, x.shape[-1]), self.weight.to_local())  # w_t [out/q, in/q] = W_rcᵀ
         y = summa_ab(x2d, w_t.t(), self.mesh)  # (N/q, out/q); W travels as stored
         if self.bias is not None:
-            y = y + sum_grad_along(self.bias.to_local(), self.mesh, "row")
+            y = y + sum_grad_along(self.bias.to_local(), self.mesh, "row").to(y.dtype)  # bf16 under autocast
         return y.view(*lead, y.shape[-1])
 
     def extra_repr(self) -> str:
