@@ -127,6 +127,19 @@ def job_environment(run_dir: Path, task_overrides: list[str], multirun: bool) ->
         sys.argv = saved_argv
 
 
+def remove_unused_run_dir(run_dir: Path) -> None:
+    """Delete a run directory that holds only what Hydra put there (a job refused before it started)."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cwd = Path.cwd().resolve()
+        for parent in run_dir.resolve().parents:  # outputs/<date>/ and outputs/ when now empty, below the cwd
+            if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
+                break
+            parent.rmdir()
+
+
 def end_process_group() -> None:
     if "torch" not in sys.modules:
         return

@@ -66,6 +66,8 @@ def run(cfg: DictConfig) -> float | None:
             return train(cfg, run_dir)
         except ConfigError as err:
             print(f"tp2d-train: error: {err}", file=sys.stderr)
+            if launch.is_rank_zero():
+                launch.remove_unused_run_dir(run_dir)
             sys.exit(2)
 
 
@@ -335,6 +337,12 @@ def report(cfg: DictConfig, trainer, checkpoint, run_dir: Path, sample: str | No
 
 
 def report_interrupt(trainer, checkpoint) -> None:
+    """Rank 0, after Lightning stopped the other ranks: drop half-written checkpoints and name the last good one."""
+    from lightning_tp2d.checkpoint import clear, staging_path
+
+    suffix = staging_path(Path("x")).name[1:]  # what an unfinished save is called
+    for partial in Path(checkpoint.dirpath or ".").glob(f"*{suffix}"):
+        clear(partial)
     newest = checkpoint.newest()
     where = (f"the last complete checkpoint is {newest} (resume: tp2d-train <same overrides> ckpt_path={newest})"
              if newest else "no checkpoint had been written yet")
