@@ -162,7 +162,7 @@ def check_config(cfg: DictConfig, model) -> str:
         path = data.path
     except MissingMandatoryValue:
         raise ConfigError("data.path is required with this data config: a text file or folder (data=text) or a "
-                          ".bin token file (data=tokens), e.g. data.path=~/corpus.txt") from None
+                          ".bin token file (data=tokens), e.g. data.path=$HOME/corpus.txt") from None
     tokens_file = path is not None and str(path).endswith(".bin")
     if path is not None and not Path(str(path)).expanduser().exists():
         raise ConfigError(f"data.path={str(path)!r} does not exist (looked for {Path(str(path)).expanduser().absolute()}; "
