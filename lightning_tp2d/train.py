@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import hydra
@@ -95,6 +96,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         log.info("tp2d-train: %s", plan)
         log.info("run directory: %s", run_dir)
 
+    # Lightning 2.6 under torch >= 2.10 warns about its own pytree use once per rank: not the user's business
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     L.seed_everything(cfg.seed, verbose=False)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.module)

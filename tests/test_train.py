@@ -167,17 +167,12 @@ def test_ctrl_c_keeps_the_last_complete_checkpoint(tmp_path):
 
 
 def test_bad_input_is_refused_before_any_process_starts(tmp_path):
+    """(Unknown keys and device counts that do not fit are checked in-process in test_conf.py.)"""
     unknown_option = tp2d_train(["model=gpt3"], tmp_path, timeout=120)
     assert unknown_option.returncode == 1
     assert "Could not find 'model/gpt3'" in unknown_option.stderr and "\tgpt2-medium\n" in unknown_option.stderr
 
-    unknown_key = tp2d_train(["trainer.max_stepz=5"], tmp_path, timeout=120)
-    assert unknown_key.returncode == 2 and "did you mean trainer.max_steps" in unknown_key.stderr
-
     missing = tp2d_train(["data=text", "data.path=corpus/missing.txt"], tmp_path, timeout=120)
     assert missing.returncode == 2
     assert f"data.path='corpus/missing.txt' does not exist (looked for {tmp_path}/corpus/missing.txt" in missing.stderr
-
-    devices = tp2d_train(["trainer.devices=6", "parallel.tensor_parallel_size=4"], tmp_path, timeout=120)
-    assert devices.returncode == 2 and "use trainer.devices=8" in devices.stderr
-    assert list(tmp_path.iterdir()) == []  # no run directory left behind
+    assert list(tmp_path.iterdir()) == []  # the run directory Hydra had made is gone again
