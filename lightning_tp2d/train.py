@@ -161,6 +161,14 @@ def device_count(devices, accelerator: str) -> int | None:
 def check_config(cfg: DictConfig, model) -> str:
     """Raise :class:`ConfigError` for data, devices or sizes that do not fit; return a one-line plan of the run."""
     tr, data = cfg.trainer, cfg.data
+    if cfg.ckpt_path is not None:
+        from lightning_tp2d.checkpoint import resolve
+
+        try:
+            resolve(Path(str(cfg.ckpt_path)).expanduser())  # also finds the survivor of an interrupted save
+        except FileNotFoundError:
+            raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} does not exist (looked for "
+                              f"{Path(str(cfg.ckpt_path)).expanduser().absolute()})") from None
     try:
         path = data.path
     except MissingMandatoryValue:

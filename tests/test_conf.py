@@ -173,6 +173,7 @@ def test_plan_of_the_cpu_default():
     (["data.tokenizer=gpt2"], "data.tokenizer=gpt2 makes 50257 token ids but model.vocab_size=257"),
     (["data=text"], "data.path is required"),
     (["data=text", "data.path=no/such/corpus.txt"], "data.path='no/such/corpus.txt' does not exist"),
+    (["ckpt_path=outputs/x/checkpoints/last.ckpt"], "ckpt_path='outputs/x/checkpoints/last.ckpt' does not exist"),
 ])
 def test_configs_that_cannot_run_name_the_numbers_and_a_fit(overrides, message):
     with pytest.raises(ConfigError) as err:
