@@ -1,0 +1,76 @@
+"""Callbacks of ``tp2d-train``: checkpoints by step that include the final step, and speed / memory logging."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """:class:`~lightning.pytorch.callbacks.ModelCheckpoint` that also saves the final step when training stops
+    between two periodic saves (``every_n_train_steps`` that does not divide ``max_steps``).
+
+    Saving is collective (every rank writes its shards), so it runs on all ranks; an interrupted save leaves the
+    previous checkpoint in place (:mod:`lightning_tp2d.checkpoint` writes to a staging path, then renames)."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # Lightning's private helpers (stable since 2.0) decide "already saved at this step" and do the saving.
+        if not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        super().on_train_end(trainer, pl_module)
+
+    def newest(self) -> str:
+        """Path of the newest complete checkpoint ('' if none): ``last.ckpt`` when it exists, else the newest one."""
+        return self.last_model_path or self.best_model_path
+
+
+class SpeedMonitor(Callback):
+    """Logs, every ``log_every_n_steps`` optimizer steps, the mean over that window of
+
+    * ``step_time_s``: wall time per optimizer step (validation excluded),
+    * ``tokens_per_s``: tokens of the whole job per second (batch x sequence x data-parallel replicas / time),
+    * ``peak_memory_gib`` (CUDA only): this rank's peak allocated memory since the start.
+
+    The first window (start-up, first steps) is not logged.
+    """
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._start_step = 0
+        self._tokens = 0
+        self._first = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._start is None:
+            if trainer.strategy.root_device.type == "cuda":
+                torch.cuda.synchronize()
+            self._start, self._start_step, self._tokens = time.perf_counter(), trainer.global_step, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._start is None:
+            return
+        self._tokens += batch[0].numel()
+        steps = trainer.global_step - self._start_step
+        if steps < 1 or trainer.global_step % max(1, trainer.log_every_n_steps):
+            return
+        cuda = trainer.strategy.root_device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._start
+        self._start = None
+        if self._first:
+            self._first = False
+            return
+        replicas = (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
+        metrics = {"step_time_s": elapsed / steps, "tokens_per_s": self._tokens * replicas / elapsed}
+        if cuda:
+            metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._start = None  # the next window starts after validation

@@ -1,0 +1,291 @@
+"""Hydra and the processes of one ``tp2d-train`` job: the run directory, ranks, sweeps, ``auto`` values, key checks.
+
+Lightning starts the other local ranks of a job by re-running the command line; torchrun, SLURM or a second
+machine start them on their own. Under Hydra each of those processes composes the config again and would create
+its own timestamped run directory. The rules here:
+
+* Global rank 0 (the command the user typed, or rank 0 of torchrun / SLURM) owns the run directory
+  ``outputs/<date>/<time>/`` and writes Hydra's files (``.hydra/``, ``train.log``) into it.
+* Every other process writes no Hydra files (``hydra.output_subdir=null``, log to the console) and uses rank 0's
+  directory: ranks that tp2d-train starts inherit it as ``TP2D_RUN_DIR`` (and Lightning adds ``hydra.run.dir=``);
+  ranks that a launcher starts use ``TP2D_RUN_DIR`` when it is exported (the recipes do) and otherwise the working
+  directory, where they create nothing: the checkpoint directory is broadcast from rank 0.
+* ``--multirun`` runs the jobs one after the other in the first process. For each job the re-run command of the
+  other ranks is that job's own overrides (one plain run in the job's folder), and the process group and the
+  environment are reset between jobs. Under an external launcher (torchrun, SLURM, several machines) each process
+  would run the whole sweep, so sweeps are refused there.
+
+Nothing here imports torch or Lightning at import time: ``tp2d-train --cfg job`` stays quick.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+RUN_DIR_ENV = "TP2D_RUN_DIR"
+CPU_PROCESSES = 4  # the CPU default: one 2x2 grid
+GPU_MODEL, CPU_MODEL = "gpt2", "gpt2-mini"
+# flags after which tp2d-train does not check override keys (other config sources, or nothing is composed)
+_NO_KEY_CHECK = ("-h", "--help", "--hydra-help", "--version", "-i", "--info", "-sc", "--shell-completion", "-cd",
+                 "--config-dir", "-cp", "--config-path", "-cn", "--config-name", "--experimental-rerun")
+
+
+# ---- who is who --------------------------------------------------------------------------------------------------
+
+
+def _int(env: Mapping[str, str], name: str, default: int = 0) -> int:
+    try:
+        return int(env.get(name, default))
+    except ValueError:
+        return default
+
+
+def slurm_tasks(env: Mapping[str, str] = os.environ) -> bool:
+    """Inside an ``srun`` step with several tasks (what Lightning's SLURM environment joins)."""
+    return "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", 1) > 1
+
+
+def is_rank_zero(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process is (or will become) global rank 0 of the job."""
+    names = ["RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"] + (["SLURM_PROCID"] if slurm_tasks(env) else [])
+    return all(_int(env, name) == 0 for name in names)
+
+
+def external_launch(env: Mapping[str, str] = os.environ) -> str | None:
+    """Why this process is one of several started outside tp2d-train (``None`` when tp2d-train starts them)."""
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env):
+        return "it was started by torchrun (or another launcher that sets RANK and WORLD_SIZE)"
+    if slurm_tasks(env):
+        return "it runs as one of several SLURM tasks"
+    if "LOCAL_RANK" in env:
+        return "it is one of the processes of a running job (LOCAL_RANK is set)"
+    if "NODE_RANK" in env or "GROUP_RANK" in env:
+        return "it is one machine of a multi-node job (NODE_RANK is set)"
+    return None
+
+
+# ---- command lines -----------------------------------------------------------------------------------------------
+
+
+def _is_multirun(args: list[str]) -> bool:
+    return any(a in ("-m", "--multirun") or a == "hydra.mode=MULTIRUN" for a in args)
+
+
+def _override_keys(args: list[str]) -> set[str]:
+    return {a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a and not a.startswith("-")}
+
+
+def prepare_argv(argv: list[str], env: Mapping[str, str] = os.environ) -> list[str]:
+    """The command line Hydra should parse in this process (see the module docstring). Refuses sweeps that every
+    process of an externally launched job would run on its own."""
+    args = argv[1:]
+    why = external_launch(env)
+    if _is_multirun(args) and why:
+        raise SystemExit(f"tp2d-train: --multirun is not supported here: {why}, and every process would run the "
+                         "whole sweep. Launch one job per sweep point (a shell loop around torchrun / srun), or run "
+                         "the sweep on one machine without a launcher (tp2d-train starts the processes of each job).")
+    if is_rank_zero(env):
+        return list(argv)
+    keys, extra = _override_keys(args), []
+    if "hydra.output_subdir" not in keys:
+        extra.append("hydra.output_subdir=null")  # no .hydra/ of its own
+    if "hydra/job_logging" not in keys:
+        extra.append("hydra/job_logging=stdout")  # no log file of its own
+    if RUN_DIR_ENV not in env and "hydra.run.dir" not in keys:
+        extra.append("hydra.run.dir=.")  # rank 0's directory is unknown here: create none (checkpoints are broadcast)
+    return list(argv) + extra
+
+
+@contextmanager
+def job_environment(run_dir: Path, task_overrides: list[str], multirun: bool) -> Iterator[None]:
+    """Around one job on rank 0: pin the run directory for the ranks Lightning starts (``TP2D_RUN_DIR``); in a sweep,
+    make their command line this job's overrides only; afterwards end the process group and restore the environment
+    (Lightning leaves ``LOCAL_RANK``, ``MASTER_PORT`` ... behind, which would make the next job's ranks wait for
+    processes that never come)."""
+    saved_env, saved_argv = dict(os.environ), list(sys.argv)
+    if is_rank_zero():
+        os.environ[RUN_DIR_ENV] = str(run_dir)
+        if multirun:
+            sys.argv = [sys.argv[0], *task_overrides]
+    try:
+        yield
+    finally:
+        if multirun:
+            end_process_group()
+        for key in set(os.environ) - set(saved_env):
+            del os.environ[key]
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
+
+
+def remove_unused_run_dir(run_dir: Path) -> None:
+    """Delete a run directory that holds only what Hydra put there (a job refused before it started)."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cwd = Path.cwd().resolve()
+        for parent in run_dir.resolve().parents:  # outputs/<date>/ and outputs/ when now empty, below the cwd
+            if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
+                break
+            parent.rmdir()
+
+
+def end_process_group() -> None:
+    if "torch" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---- `auto` values ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_bf16() -> bool:
+    import torch
+
+    return _cuda_devices() > 0 and torch.cuda.is_bf16_supported()
+
+
+def _slurm_tasks_per_node(env: Mapping[str, str]) -> int:
+    raw = env.get("SLURM_NTASKS_PER_NODE", "")
+    digits = raw.split("(")[0]  # "8" or "8(x2)"
+    if digits.isdigit():
+        return int(digits)
+    return max(1, _int(env, "SLURM_NTASKS", 1) // max(1, _int(env, "SLURM_NNODES", 1)))
+
+
+def auto_value(key: str, env: Mapping[str, str] | None = None):
+    """``${tp2d.auto:key}``: what this machine and launcher call for (trainer/auto.yaml documents each key)."""
+    env = os.environ if env is None else env
+    torchrun = "LOCAL_WORLD_SIZE" in env and "WORLD_SIZE" in env
+    if key == "accelerator":
+        return "gpu" if _cuda_devices() else "cpu"
+    if key == "devices":
+        if torchrun:
+            return _int(env, "LOCAL_WORLD_SIZE", 1)
+        if slurm_tasks(env):
+            return _slurm_tasks_per_node(env)
+        return _cuda_devices() or CPU_PROCESSES
+    if key == "num_nodes":
+        if torchrun:
+            return max(1, _int(env, "WORLD_SIZE", 1) // max(1, _int(env, "LOCAL_WORLD_SIZE", 1)))
+        if slurm_tasks(env):
+            return _int(env, "SLURM_NNODES", _int(env, "SLURM_JOB_NUM_NODES", 1))
+        return 1
+    if key == "precision":
+        return "bf16-mixed" if _cuda_bf16() else "32-true"
+    if key == "model":
+        return GPU_MODEL if _cuda_devices() else CPU_MODEL
+    raise ValueError(f"${{tp2d.auto:{key}}}: unknown key; use accelerator, devices, num_nodes, precision or model")
+
+
+def torch_device(accelerator: str) -> str:
+    """``${tp2d.device:accelerator}``: the torch device of a one-device run on ``trainer.accelerator``."""
+    if accelerator in ("gpu", "cuda"):
+        return "cuda:0"
+    if accelerator == "auto":
+        return "cuda:0" if _cuda_devices() else "cpu"
+    return accelerator
+
+
+def register_resolvers() -> None:
+    OmegaConf.register_new_resolver("tp2d.auto", auto_value, replace=True)
+    OmegaConf.register_new_resolver("tp2d.device", torch_device, replace=True)
+
+
+# ---- override keys ----------------------------------------------------------------------------------------------
+
+
+def config_groups(conf_dir: Path = CONF_DIR) -> list[str]:
+    return sorted(p.name for p in conf_dir.iterdir() if p.is_dir())
+
+
+def unknown_key_message(cfg: dict, key: str, line: str) -> str | None:
+    """``None`` when ``key`` (dotted) exists in the plain container ``cfg``; else what to write instead."""
+    node, parts = cfg, key.split(".")
+    for depth, part in enumerate(parts):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+            continue
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+            continue
+        parent = ".".join(parts[:depth])
+        siblings = sorted(node) if isinstance(node, dict) else []
+        where = f"keys under {parent!r}" if parent else "top-level keys"
+        msg = [f"tp2d-train: unknown config key {key!r} (in {line!r})."]
+        if siblings:
+            msg.append(f"  {where}: {', '.join(siblings)}")
+            close = difflib.get_close_matches(part, siblings, n=3)
+            if close:
+                msg.append("  did you mean " + " or ".join(".".join(parts[:depth] + [c]) for c in close) + "?")
+        elif parent:
+            msg.append(f"  {parent!r} is a value, not a group of keys")
+        msg.append(f"  (to add a key the config does not have, write +{line})")
+        return "\n".join(msg)
+    return None
+
+
+def check_override_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
+    """Exit with a list of the valid keys when an override names a key the composed config lacks (Hydra's own
+    message only says the key is not in the struct). Group choices are left to Hydra, which lists the options."""
+    args = argv[1:]
+    if any(a.split("=", 1)[0] in _NO_KEY_CHECK for a in args):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    lines = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(lines)
+    except Exception:  # noqa: BLE001 - a syntax error: Hydra reports it with its grammar
+        return
+    groups = set(config_groups(conf_dir))
+    choices, keys = [], []
+    for o in overrides:
+        if o.is_hydra_override() or o.is_delete():
+            continue
+        if o.key_or_group in groups:
+            if o.is_sweep_override():
+                try:
+                    first = next(iter(o.sweep_string_iterator()))
+                except Exception:  # noqa: BLE001 - glob sweeps etc.: check against the defaults
+                    continue
+                choices.append(f"{o.get_key_element()}={first}")
+            else:
+                choices.append(o.input_line)
+        elif not (o.is_add() or o.is_force_add()):
+            keys.append(o)
+    if not keys:
+        return
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3", job_name="tp2d_check"):
+            cfg = compose(config_name="config", overrides=choices)
+    except Exception:  # noqa: BLE001 - a bad group choice: Hydra reports it (with the options) when it runs
+        return
+    plain = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    for o in keys:
+        msg = unknown_key_message(plain, o.key_or_group, o.input_line)
+        if msg:
+            print(msg, file=sys.stderr)
+            sys.exit(2)

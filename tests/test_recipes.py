@@ -1,0 +1,127 @@
+"""Recipes: every experiment config composes (``tp2d-train experiment=<name> --cfg job``), every ``tp2d-train``
+command that the READMEs, the recipe scripts and the experiment headers name composes with its overrides, every
+``recipes/`` file they name exists, and the single-machine torchrun recipe trains on 4 CPU processes."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra.core.global_hydra import GlobalHydra
+
+from lightning_tp2d import train
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+DOCS = [ROOT / "README.md", ROOT / "recipes" / "README.md", ROOT / "conf" / "README.md",
+        *sorted((ROOT / "recipes").glob("*.sh")), *sorted((ROOT / "recipes").glob("*.sbatch")),
+        *sorted((ROOT / "conf").rglob("*.yaml"))]
+# a command, and what follows it up to the end of the line, a code span, a table cell or a comment
+HEAD = r"tp2d-train|-m lightning_tp2d\.train|bash recipes/[\w.]+|sbatch recipes/[\w.]+"
+COMMAND = re.compile(rf"({HEAD})((?:(?!{HEAD})[^`\n|#;])*)")
+OVERRIDE = re.compile(r"^[+~]{0,2}[\w./@-]+=\S*$")
+PLACEHOLDER = re.compile(r"[<>$\[\]]|\.\.\.")
+
+
+def cfg_job(args: list[str], capsys, monkeypatch) -> dict:
+    """``tp2d-train <args> --cfg job --resolve`` in this process (the console script's own code path)."""
+    GlobalHydra.instance().clear()
+    monkeypatch.setattr(sys, "argv", ["tp2d-train", *args, "--cfg", "job", "--resolve"])
+    train.main()
+    GlobalHydra.instance().clear()
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """``(where, overrides)`` for every tp2d-train command (direct, or through a recipe script) in the docs."""
+    found = []
+    for doc in DOCS:
+        if not doc.exists():
+            continue
+        for line in doc.read_text().splitlines():
+            for head, tail in COMMAND.findall(line):
+                tokens = []
+                for token in tail.split():
+                    token = token.strip(",.'\"")
+                    if PLACEHOLDER.search(token) or not token:
+                        continue
+                    if not OVERRIDE.match(token):
+                        break  # prose after the command
+                    tokens.append(token)
+                script = ROOT / head.split()[-1] if head.startswith(("bash", "sbatch")) else None
+                if script is not None and "trainer=multinode" in script.read_text():
+                    tokens.insert(0, "trainer=multinode")  # what the script adds
+                found.append((f"{doc.relative_to(ROOT)}: {head} {' '.join(tokens)}".strip(), tokens))
+    return found
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_config_composes(name, capsys, monkeypatch):
+    cfg = cfg_job([f"experiment={name}"], capsys, monkeypatch)
+    assert cfg["trainer"]["max_steps"] > 0 and cfg["data"]["block_size"] <= cfg["model"]["block_size"]
+    header = (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text()
+    assert f"experiment={name}" in header and "Shows:" in header  # the exact command and what it should show
+    assert name in (ROOT / "recipes" / "README.md").read_text()  # indexed
+
+
+def test_paper_setups_have_the_sizes_they_claim(capsys, monkeypatch):
+    tp2d = cfg_job(["experiment=tp2d_4gpu"], capsys, monkeypatch)
+    assert tp2d["trainer"]["devices"] == 4 and tp2d["parallel"]["layout"] == "2d"
+    assert tp2d["trainer"]["precision"] == "bf16-mixed" and tp2d["model"]["n_embd"] == 1024
+    work = {}
+    for q, name in ((1, "weak_scaling_1gpu"), (2, "weak_scaling_4gpu"), (4, "weak_scaling_16gpu")):
+        cfg = cfg_job([f"experiment={name}"], capsys, monkeypatch)
+        h, batch = cfg["model"]["n_embd"], cfg["data"]["batch_size"]
+        work[q] = (h * h // (q * q), batch * h // (q * q), cfg["model"]["n_head"] // q)  # weights, activations, heads
+    assert work[1] == work[2] == work[4]  # the same work per GPU: weak scaling
+    metp = cfg_job(["experiment=metp_max_seq_8gpu"], capsys, monkeypatch)
+    assert metp["parallel"]["layout"] == "metp" and metp["trainer"]["devices"] == 8
+    assert metp["data"]["block_size"] == metp["model"]["block_size"] == 32768 and metp["model"]["n_head"] % 8 == 0
+
+
+def test_every_documented_command_composes(capsys, monkeypatch):
+    commands = documented_commands()
+    assert len(commands) >= 15
+    for where, overrides in commands:
+        try:
+            cfg_job(overrides, capsys, monkeypatch)
+        except SystemExit as err:
+            pytest.fail(f"{where}: exit {err.code}\n{capsys.readouterr().err}")
+
+
+def test_every_recipe_file_the_docs_name_exists():
+    named = set()
+    for doc in DOCS:
+        if doc.exists():
+            named |= set(re.findall(r"recipes/([\w.-]+\.(?:py|sh|sbatch|yaml|json))", doc.read_text()))
+    assert named >= {"single_node_torchrun.sh", "multi_node_torchrun.sh", "slurm.sbatch"}
+    assert [n for n in sorted(named) if not (ROOT / "recipes" / n).exists()
+            and not (ROOT / "recipes" / "results" / n).exists()] == []
+    index = (ROOT / "recipes" / "README.md").read_text()
+    assert [p.name for p in sorted((ROOT / "recipes").iterdir()) if p.is_file() and p.name != "README.md"
+            and p.name not in index] == []
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+def test_single_node_torchrun_recipe_trains_on_4_cpu_processes(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TP2D_RUN_DIR")}
+    env.update(NPROC="4", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    args = ["experiment=quick", "trainer.max_steps=4", "trainer.val_check_interval=2", "data.max_tokens=20000",
+            "sample.max_new_tokens=8"]
+    run = subprocess.run(["bash", str(ROOT / "recipes" / "single_node_torchrun.sh"), *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    (run_dir,) = tmp_path.glob("outputs/*/*")  # rank 0's folder; ranks 1-3 (torchrun's) made none
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
+    with open(run_dir / "logs" / "metrics.csv", newline="") as f:
+        train_loss = [float(r["train_loss"]) for r in csv.DictReader(f) if r["train_loss"]]
+    assert train_loss[0] == pytest.approx(5.5365, abs=2e-3) and train_loss[-1] < train_loss[0]
+    shards = sorted(p.name for p in (run_dir / "checkpoints" / "step=4.ckpt").glob("*.distcp"))
+    assert shards == [f"__{r}_0.distcp" for r in range(4)]

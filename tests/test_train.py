@@ -1,0 +1,178 @@
+"""``tp2d-train`` end to end on CPU processes (gloo): the run directory a 4-process job leaves, a two-machine launch
+simulated on loopback that matches it loss for loss, sweeps that launch each job once, Ctrl-C that keeps the last
+checkpoint, and bad input refused before any process starts. The command is ``python -m lightning_tp2d.train``
+(what the ``tp2d-train`` console script runs) with this checkout first on ``PYTHONPATH``."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_tp2d import load_gpt2
+from lightning_tp2d.models import GPT2, GPT2Config
+
+from .lightning_ranks import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+# gpt2-tiny on one 2x2 grid, 6 steps, validation (and a checkpoint) after steps 3 and 6
+SMALL = ["experiment=quick", "parallel.tensor_parallel_size=4", "trainer.max_steps=6", "trainer.val_check_interval=3",
+         "trainer.log_every_n_steps=1", "data.max_tokens=20000", "sample.max_new_tokens=8"]
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "TP2D_RUN_DIR", "PL_GLOBAL_SEED")
+RUN_DIR = re.compile(r"^outputs/\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}$")
+
+
+def command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "lightning_tp2d.train", *args]
+
+
+def environment(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def tp2d_train(args: list[str], cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(args), cwd=cwd, env=environment(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_dirs(cwd: Path) -> list[str]:
+    return sorted(str(p.relative_to(cwd)) for p in cwd.glob("outputs/*/*"))
+
+
+def losses(run_dir: Path) -> tuple[list[float], list[float], list[float]]:
+    with open(run_dir / "logs" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    column = lambda name: [float(r[name]) for r in rows if r.get(name)]  # noqa: E731
+    return column("train_loss"), column("val_loss"), column("val_perplexity")
+
+
+@pytest.fixture(scope="module")
+def single_node(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    cwd = tmp_path_factory.mktemp("single_node")
+    run = tp2d_train(SMALL, cwd)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return cwd, run
+
+
+def test_4_process_run_leaves_metrics_checkpoint_plot_and_sample(single_node):
+    cwd, run = single_node
+    (run_dir,) = run_dirs(cwd)  # one timestamped folder: the ranks Lightning started made none of their own
+    assert RUN_DIR.match(run_dir) and sorted(p.name for p in cwd.iterdir()) == ["outputs"]
+    run_dir = cwd / run_dir
+
+    train, val, perplexity = losses(run_dir)
+    assert len(train) == 6 and train[-1] < train[0] - 0.3  # the loss fell (5.54 -> ~4.8)
+    assert len(val) == 2 and val[1] < val[0] and perplexity[1] < perplexity[0] < 257
+    assert perplexity == pytest.approx([torch.tensor(v).exp().item() for v in val], rel=1e-4)
+
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in (checkpoints / "step=6.ckpt").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    assert (checkpoints / "last.ckpt").is_symlink() and os.readlink(checkpoints / "last.ckpt") == "step=6.ckpt"
+    assert not list(checkpoints.glob("step=3.ckpt*"))  # save_top_k=1 keeps the newest
+    trained = load_gpt2(checkpoints / "last.ckpt")
+    assert trained.config == GPT2Config.from_name("gpt2-tiny")
+    torch.manual_seed(0)  # module.init_seed: the weights training started from
+    initial = GPT2(trained.config).state_dict()
+    moved = {k: (v - initial[k]).abs().max().item() for k, v in trained.state_dict().items()}
+    assert min(moved.values()) > 1e-4  # every tensor was trained
+
+    png = (run_dir / "logs" / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    sample = (run_dir / "sample.txt").read_text(encoding="utf-8")
+    assert sample.startswith("The ") and len(sample.encode()) >= len("The ")
+    assert "Epoch 0: 100%" in run.stdout + run.stderr  # Lightning's progress bar
+    log = (run_dir / "train.log").read_text()
+    assert "1 replica(s) x 2x2 grid (p=4)" in log and "tp2d-train: done" in log and "----- sample" in log
+    assert "max_steps: 6" in (run_dir / ".hydra" / "config.yaml").read_text()
+
+
+def test_two_machines_on_loopback_match_the_single_machine_run(single_node, tmp_path):
+    """NODE_RANK 0 and 1, two processes each (Lightning starts the second on each machine), one 2x2 grid across
+    both: rows 0 and 1 of the grid live on different 'machines'."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for n in nodes:
+        n.mkdir()
+    args = SMALL + ["trainer=cpu", "trainer.devices=2", "trainer.num_nodes=2"]
+    port = str(free_port())
+    procs = [subprocess.Popen(command(args), cwd=n, env=environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                                                    NODE_RANK=str(i)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i, n in enumerate(nodes)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert "GLOBAL_RANK: 2" in outs[1] and "GLOBAL_RANK: 3" in outs[1]
+    (run_dir,) = run_dirs(nodes[0])
+    assert list(nodes[1].iterdir()) == []  # machine 1 wrote nothing of its own
+    cwd, _ = single_node
+    (reference,) = run_dirs(cwd)
+    got, want = losses(nodes[0] / run_dir), losses(cwd / reference)
+    for a, b in zip(got, want):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    assert sorted(p.name for p in (nodes[0] / run_dir / "checkpoints" / "step=6.ckpt").glob("*.distcp")) == \
+        [f"__{r}_0.distcp" for r in range(4)]
+
+
+def test_multirun_launches_each_job_once_in_its_own_folder(tmp_path):
+    args = ["-m", "experiment=quick", "trainer.max_steps=2,3", "trainer.val_check_interval=2",
+            "trainer.limit_val_batches=1", "data.max_tokens=20000", "sample.max_new_tokens=0"]
+    run = tp2d_train(args, tmp_path, timeout=400)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    out = run.stdout + run.stderr
+    for rank in range(4):  # two jobs of 4 ranks: every rank started exactly twice, not once per job and child
+        assert out.count(f"Initializing distributed: GLOBAL_RANK: {rank},") == 2
+    (sweep,) = [p for p in tmp_path.glob("outputs/*/*")]
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
+    for job, steps in (("0", 2), ("1", 3)):
+        train, _, _ = losses(sweep / job)
+        assert len(train) == steps and (sweep / job / "checkpoints" / f"step={steps}.ckpt" / ".metadata").is_file()
+
+
+def test_ctrl_c_keeps_the_last_complete_checkpoint(tmp_path):
+    """SIGINT to the whole process group (what Ctrl-C in a terminal sends) while checkpoints are being written
+    every two steps: the command stops within seconds and the newest complete checkpoint loads."""
+    args = ["experiment=quick", "trainer.max_steps=500", "checkpoint.every_n_train_steps=2",
+            "trainer.val_check_interval=1000", "data.max_tokens=20000"]
+    proc = subprocess.Popen(command(args), cwd=tmp_path, env=environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not glob.glob(str(tmp_path / "outputs/*/*/checkpoints/step=6.ckpt/.metadata")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.1)
+    time.sleep(0.3)  # somewhere in the next steps (and saves)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1, out[-3000:]
+    found = re.search(r"interrupted at step (\d+); the last complete checkpoint is (\S+)", out)
+    assert found, out[-3000:]
+    step, newest = int(found.group(1)), Path(found.group(2))
+    checkpoints = newest.parent
+    assert not list(checkpoints.glob("*.tmp-tp2d"))  # half-written saves removed
+    target = checkpoints / os.readlink(newest)
+    saved = int(re.match(r"step=(\d+)\.ckpt", target.name).group(1))
+    assert 6 <= saved <= step and saved % 2 == 0 and (target / ".metadata").is_file()
+    assert load_gpt2(newest).config == GPT2Config.from_name("gpt2-tiny")
+
+
+def test_bad_input_is_refused_before_any_process_starts(tmp_path):
+    """(Unknown keys and device counts that do not fit are checked in-process in test_conf.py.)"""
+    unknown_option = tp2d_train(["model=gpt3"], tmp_path, timeout=120)
+    assert unknown_option.returncode == 1
+    assert "Could not find 'model/gpt3'" in unknown_option.stderr and "\tgpt2-medium\n" in unknown_option.stderr
+
+    missing = tp2d_train(["data=text", "data.path=corpus/missing.txt"], tmp_path, timeout=120)
+    assert missing.returncode == 2
+    assert f"data.path='corpus/missing.txt' does not exist (looked for {tmp_path}/corpus/missing.txt" in missing.stderr
+    assert list(tmp_path.iterdir()) == []  # the run directory Hydra had made is gone again
