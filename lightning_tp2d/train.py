@@ -272,8 +272,7 @@ def generate_sample(cfg: DictConfig, module, datamodule, trainer) -> str | None:
     from lightning_tp2d.data import get_tokenizer
 
     n = int(cfg.sample.max_new_tokens)
-    layout = getattr(trainer.strategy, "layout", None)
-    if n <= 0 or layout in RING_LAYOUTS:  # ring layouts need sequence lengths divisible by 2p: no growing prompt
+    if n <= 0:
         return None
     tokenizer = datamodule.tokenizer
     if tokenizer is None:

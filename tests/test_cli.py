@@ -37,7 +37,9 @@ def test_tp2d_fit_with_yaml_config_trains_on_4_processes(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "lightning_tp2d.cli", "fit", "--config", str(RECIPE), "--trainer.strategy=tp2d",
            "--trainer.max_steps=6", "--trainer.val_check_interval=3", "--trainer.log_every_n_steps=1",
-           f"--trainer.default_root_dir={tmp_path}", "--data.max_tokens=20000"]
+           f"--trainer.default_root_dir={tmp_path}", "--data.max_tokens=20000",
+           # pin the CSV logger: with tensorboard installed, Lightning's default logger would not write metrics.csv
+           "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}"]
     run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     version = tmp_path / "lightning_logs" / "version_0"

@@ -176,3 +176,14 @@ def test_bad_input_is_refused_before_any_process_starts(tmp_path):
     assert missing.returncode == 2
     assert f"data.path='corpus/missing.txt' does not exist (looked for {tmp_path}/corpus/missing.txt" in missing.stderr
     assert list(tmp_path.iterdir()) == []  # the run directory Hydra had made is gone again
+
+
+@pytest.mark.parametrize("parallel, devices", [("metp", 2), ("tp2d_metp", 4)])
+def test_ring_layouts_train_and_sample_from_the_command_line(tmp_path, parallel, devices):
+    args = [*SMALL, f"parallel={parallel}", f"parallel.tensor_parallel_size={devices}", f"trainer.devices={devices}"]
+    run = tp2d_train(args, tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    train, _, _ = losses(tmp_path / run_dir)
+    assert len(train) == 6 and train[-1] < train[0] - 0.3
+    assert (tmp_path / run_dir / "sample.txt").read_text(encoding="utf-8").startswith("The ")
