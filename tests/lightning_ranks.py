@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import socket
-import time
 import traceback
 import warnings
 
 import torch
+
+from tests.distributed import collect_results
 
 
 def free_port() -> int:
@@ -52,40 +52,4 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, allow_exit: bo
              for rank in range(world_size)]
     for p in procs:
         p.start()
-    outs: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(outs) < world_size:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-            except queue.Empty:
-                exited = [r for r, p in enumerate(procs) if r not in outs and p.exitcode is not None]
-                if exited:  # a rank that reported just before exiting: its result is in the pipe by now
-                    try:
-                        rank, status, value = results.get(timeout=2.0)
-                    except queue.Empty:
-                        pass
-                    else:
-                        if status == "error":
-                            raise RuntimeError(f"rank {rank} failed:\n{value}") from None
-                        outs[rank] = value
-                        continue
-                if exited and not allow_exit:
-                    raise RuntimeError(f"ranks {exited} exited (codes {[procs[r].exitcode for r in exited]}) "
-                                       "without a result") from None
-                if allow_exit and all(p.exitcode is not None for p in procs) and results.empty():
-                    break
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(outs))
-                    raise TimeoutError(f"ranks {missing} did not finish within {timeout}s") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            outs[rank] = value
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=10)
-    return [outs.get(r) for r in range(world_size)]
+    return collect_results(procs, results, world_size, timeout, allow_exit)
