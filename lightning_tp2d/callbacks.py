@@ -1,7 +1,9 @@
-"""Callbacks of ``tp2d-train``: checkpoints by step that include the final step, and speed / memory logging."""
+"""Callbacks of ``tp2d-train``: checkpoints by step that include the final step, Ctrl-C that stops every rank at
+the same step, and speed / memory logging."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import torch
@@ -27,6 +29,41 @@ class StepCheckpoint(ModelCheckpoint):
     def newest(self) -> str:
         """Path of the newest complete checkpoint ('' if none): ``last.ckpt`` when it exists, else the newest one."""
         return self.last_model_path or self.best_model_path
+
+
+class GracefulInterrupt(Callback):
+    """Ctrl-C stops training after the current step on every rank together, instead of interrupting ranks in the
+    middle of a collective (where the others would wait for them until the process-group timeout).
+
+    Rank 0 turns the first SIGINT into a request; the other ranks of the machine ignore SIGINT (a terminal sends
+    it to the whole process group). After every training batch one all-reduce of a flag tells all ranks whether
+    to stop; then Lightning ends the loop and the checkpoint callback saves the step reached. A second Ctrl-C on
+    rank 0 aborts at once (an unfinished save never replaces the previous checkpoint).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False  # rank 0: SIGINT seen
+        self.stopped = False  # every rank: training stopped because of it
+        self._previous = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        handler = self._on_sigint if trainer.global_rank == 0 else signal.SIG_IGN
+        self._previous = signal.signal(signal.SIGINT, handler)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.requested:  # the second Ctrl-C: stop waiting for the step to end
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ntp2d-train: Ctrl-C: stopping after this step (Ctrl-C again to abort now)", flush=True)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.strategy.reduce_boolean_decision(self.requested, all=False):
+            self.stopped = trainer.should_stop = True
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
 
 
 class SpeedMonitor(Callback):

@@ -84,7 +84,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     from hydra.utils import instantiate
 
     import lightning_tp2d  # noqa: F401  (registers the strategy names)
-    from lightning_tp2d.callbacks import SpeedMonitor
+    from lightning_tp2d.callbacks import GracefulInterrupt, SpeedMonitor
 
     rank_zero = launch.is_rank_zero()
     try:
@@ -102,7 +102,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.module)
     checkpoint = instantiate(cfg.checkpoint, dirpath=cfg.checkpoint.dirpath or str(run_dir / "checkpoints"))
-    callbacks = [checkpoint] + ([SpeedMonitor()] if cfg.logging.speed else [])
+    interrupt = GracefulInterrupt()
+    callbacks = [interrupt, checkpoint] + ([SpeedMonitor()] if cfg.logging.speed else [])
     if cfg.trainer.enable_progress_bar:
         callbacks.append(instantiate(cfg.progress_bar))
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.parallel), logger=make_loggers(cfg.logging, run_dir),
@@ -117,6 +118,12 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         if rank_zero:
             report_interrupt(trainer, checkpoint)
         return None
+    if interrupt.stopped:  # Ctrl-C, handled at a step boundary on every rank
+        if not rank_zero:
+            return None  # exit 0: Lightning's launcher kills the whole job when a child rank exits non-zero
+        report_interrupt(trainer, checkpoint)
+        wait_for_ranks(trainer)
+        sys.exit(1)
 
     sample = generate_sample(cfg, module, datamodule, trainer)  # collective: every rank of a grid takes part
     if rank_zero:

@@ -142,7 +142,8 @@ def test_multirun_launches_each_job_once_in_its_own_folder(tmp_path):
 
 def test_ctrl_c_keeps_the_last_complete_checkpoint(tmp_path):
     """SIGINT to the whole process group (what Ctrl-C in a terminal sends) while checkpoints are being written
-    every two steps: the command stops within seconds and the newest complete checkpoint loads."""
+    every two steps: every rank stops after the same step, the command exits within seconds and the newest
+    complete checkpoint loads."""
     args = ["experiment=quick", "trainer.max_steps=500", "checkpoint.every_n_train_steps=2",
             "trainer.val_check_interval=1000", "data.max_tokens=20000"]
     proc = subprocess.Popen(command(args), cwd=tmp_path, env=environment(), stdout=subprocess.PIPE,
@@ -162,7 +163,8 @@ def test_ctrl_c_keeps_the_last_complete_checkpoint(tmp_path):
     assert not list(checkpoints.glob("*.tmp-tp2d"))  # half-written saves removed
     target = checkpoints / os.readlink(newest)
     saved = int(re.match(r"step=(\d+)\.ckpt", target.name).group(1))
-    assert 6 <= saved <= step and saved % 2 == 0 and (target / ".metadata").is_file()
+    assert 6 <= saved <= step and (target / ".metadata").is_file()  # every rank stopped at one step and saved it
+    assert "stopping after this step" in out
     assert load_gpt2(newest).config == GPT2Config.from_name("gpt2-tiny")
 
 
