@@ -113,22 +113,26 @@ def _finish(work, async_op: bool, then: Callable[[], None] | None = None) -> Han
     return handle
 
 
+def _issue(collective, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool, write_back: bool,
+           **kwargs) -> Handle:
+    """Run the in-place ``collective`` on ``tensor``; under gloo a CUDA tensor travels through a host copy,
+    copied back afterwards when ``write_back`` (gloo has no CUDA ``reduce``, and its own CUDA broadcast writes
+    back into the source too, which would bump the version of a parameter shard that autograd saved)."""
+    if not _needs_host_staging(tensor, group):
+        return _finish(collective(tensor, group=group, async_op=async_op, **kwargs), async_op)
+    host = tensor.detach().cpu()
+    work = collective(host, group=group, async_op=async_op, **kwargs)
+    return _finish(work, async_op, then=(lambda: tensor.copy_(host)) if write_back else None)
+
+
 def broadcast_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, src: int, async_op: bool = False) -> Handle:
     """In place: every rank of the axis receives ``tensor`` of the rank at coordinate ``src``."""
     if axis_size(mesh, axis) == 1:
         return DONE
     group = axis_group(mesh, axis)
     STATS.add("broadcast", tensor)
-    source = dist.get_global_rank(group, src)
-    if _needs_host_staging(tensor, group):
-        # gloo's own CUDA broadcast copies the result back into the source tensor too, which bumps the
-        # version of a parameter shard that autograd saved; staging here leaves the source untouched.
-        host = tensor.detach().cpu()
-        work = dist.broadcast(host, src=source, group=group, async_op=async_op)
-        mine = axis_rank(mesh, axis) == src
-        return _finish(work, async_op, then=None if mine else (lambda: tensor.copy_(host)))
-    work = dist.broadcast(tensor, src=source, group=group, async_op=async_op)
-    return _finish(work, async_op)
+    return _issue(dist.broadcast, tensor, group, async_op, write_back=axis_rank(mesh, axis) != src,
+                  src=dist.get_global_rank(group, src))
 
 
 def reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dst: int, async_op: bool = False) -> Handle:
@@ -137,13 +141,8 @@ def reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dst: int, as
         return DONE
     group = axis_group(mesh, axis)
     STATS.add("reduce", tensor)
-    target = dist.get_global_rank(group, dst)
-    if _needs_host_staging(tensor, group):
-        host = tensor.detach().cpu()
-        work = dist.reduce(host, dst=target, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        return _finish(work, async_op, then=lambda: tensor.copy_(host))
-    work = dist.reduce(tensor, dst=target, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return _finish(work, async_op)
+    return _issue(dist.reduce, tensor, group, async_op, write_back=True, dst=dist.get_global_rank(group, dst),
+                  op=dist.ReduceOp.SUM)
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

@@ -103,7 +103,8 @@ def _materialiser(model: GPT2):
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Plain tensors with the keys of the unparallelized model's ``state_dict()`` (a collective: every rank
     of the mesh must call it)."""
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    # full_tensor() already returns a fresh tensor; only plain entries need a copy
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def local_parameter_bytes(model: nn.Module) -> int:
