@@ -1,8 +1,8 @@
 """Peak live tensor memory per rank of the "metp" layout, measured by a tensor allocation tracker on CPU.
 
-:class:`LiveTensorBytes` is a ``TorchDispatchMode`` that sees every tensor an aten op returns, counts the bytes
-of each new storage while it lives (a weak reference tells it when the storage is freed) and keeps the peak and
-the shape of everything allocated. Kernels' internal scratch (inside one aten op, e.g. the CPU flash attention
+:class:`~lightning_tp2d.bench.measure.LiveTensorBytes` (the benchmarks' CPU memory tracker) sees every tensor an
+aten op returns, counts the bytes of each new storage while it lives and keeps the peak and the shape of
+everything allocated. Kernels' internal scratch (inside one aten op, e.g. the CPU flash attention
 of both the plain model and a ring step) is invisible to it, for the plain model and METP alike.
 
 At a fixed total sequence length T, one block's forward+backward on each rank of a ring of p = 1, 2, 4 must
@@ -15,50 +15,17 @@ peaks at 1.04, 1.05-1.08 and 1.14-1.17 times plain/p for p = 1, 2, 4; the "math"
 from __future__ import annotations
 
 import copy
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import lightning_tp2d as tp
 from lightning_tp2d import metp
+from lightning_tp2d.bench.measure import LiveTensorBytes
 from lightning_tp2d.models import GPT2, GPT2Config
 from tests.distributed import run_distributed
 
 T = 1024  # total sequence length: long against the hidden size 48, as METP is meant for
 RINGS = (1, 2, 4)
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Bytes of the tensor storages allocated inside the mode and still alive; ``peak``, ``shapes``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.shapes: list[tuple[int, ...]] = []
-        self._refs: dict[int, weakref.ref] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if type(t) is torch.Tensor and t.device.type != "meta":  # DTensor wrappers own no storage
-                self._track(t)
-        return out
-
-    def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or (key in self._refs and self._refs[key]() is not None):
-            return  # empty, or a view of a storage already counted
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        self.shapes.append(tuple(t.shape))
-        self._refs[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self._refs.pop(key, None)
 
 
 def _measure(fn) -> LiveTensorBytes:

@@ -1,0 +1,107 @@
+"""What a benchmark step measures on each rank: live tensor memory and (on GPU) the allocator's numbers.
+
+:class:`LiveTensorBytes` is a ``TorchDispatchMode`` that sees every tensor an aten op returns, counts the bytes of
+each new storage while it lives (a weak reference on the storage tells it when it is freed) and keeps the peak and
+the shapes allocated. Only new storages count: an op's output that shares an input's storage (a view such as
+``weight.t()``, an in-place result) allocates nothing, so a view of a parameter is not mistaken for an
+activation. DTensor operations are let through first (the mode answers ``NotImplemented``, as torch's
+own ``CommDebugMode`` does), so the local tensors DTensor allocates -- including gradients of DTensor parameters --
+are counted like any other. Kernels' internal scratch inside one aten op (e.g. a flash-attention kernel's tiles)
+is invisible, for every layout alike.
+
+With ``cap`` set, the allocation that takes the live bytes past it raises :class:`MemoryCapExceeded`, like an
+out-of-memory error on a GPU whose memory is capped with ``torch.cuda.set_per_process_memory_fraction``: the
+maximum-sequence search uses that to stop a probe at once. Tensors that existed before the mode was entered
+(parameters, optimizer state) are not seen; callers add them as ``resident`` bytes (:func:`resident_bytes`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class MemoryCapExceeded(RuntimeError):
+    """Raised by :class:`LiveTensorBytes` when the tracked bytes pass its cap (the CPU stand-in for a CUDA OOM)."""
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of the tensor storages allocated inside the mode and still alive: ``live``, ``peak``, ``shapes``.
+
+    ``base`` is added to ``live`` before comparing with ``cap`` (the resident bytes the mode cannot see)."""
+
+    def __init__(self, cap: int | None = None, base: int = 0, record_shapes: bool = True) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.cap, self.base, self.record_shapes = cap, base, record_shapes
+        self.shapes: list[tuple[int, ...]] = []
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor desugar into local ops, which come back through this mode
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if type(t) is torch.Tensor and t.device.type != "meta"}
+        for t in tree_flatten(out)[0]:
+            if type(t) is torch.Tensor and t.device.type != "meta" and t.untyped_storage().data_ptr() not in inputs:
+                self._track(t)  # a new storage: views, in-place results and aliases of the inputs are not
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0 or (key in self._refs and self._refs[key]() is not None):
+            return  # empty, or a view of a storage already counted
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        if self.record_shapes:
+            self.shapes.append(tuple(t.shape))
+        self._refs[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
+        if self.cap is not None and self.base + self.live > self.cap:
+            raise MemoryCapExceeded(
+                f"tracked memory {self.base + self.live} bytes (resident {self.base} + live {self.live}) exceeds "
+                f"the cap of {self.cap} bytes at a {list(t.shape)} {t.dtype} tensor")
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._refs.pop(key, None)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                   grads: bool = True) -> int:
+    """Bytes this rank holds for parameters (local shards, tied tensors once), their gradients and the
+    optimizer's state: what exists between steps."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor | None) -> None:
+        nonlocal total
+        if t is None or not isinstance(t, torch.Tensor):
+            return
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() in seen or storage.device.type == "meta":
+            return
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        if grads:
+            add(p.grad)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:  # skip scalar step counters
+                    add(value)
+    return total
