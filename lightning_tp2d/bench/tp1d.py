@@ -1,0 +1,333 @@
+"""The 1-D tensor-parallel baseline: PyTorch's own ``torch.distributed.tensor.parallel`` applied to our GPT-2.
+
+This is what a Lightning ``ModelParallelStrategy`` user writes in ``configure_model`` (Megatron-style 1-D TP,
+as in torchtitan), so that the benchmarks compare our layouts against stock PyTorch rather than against a
+second implementation of our own. Every rank passes the same full micro-batch.
+
+Plan (``parallelize_module`` styles on a 1-D mesh with axis ``"tp"`` of ``p`` ranks), per submodule:
+
+* ``transformer.wte``: ``RowwiseParallel(input_layouts=Replicate())``; weight ``[V, h]`` Shard(0) (vocab rows).
+* ``h.*.attn.c_attn``, ``h.*.mlp.c_fc``: ``ColwiseParallel()``; weight and bias Shard(0) (c_attn rows regrouped).
+* ``h.*.attn.c_proj``, ``h.*.mlp.c_proj``: ``RowwiseParallel()``; weight Shard(1), bias Replicate.
+* ``lm_head``: :class:`TP1DLMHead`, column-parallel on the very wte Parameter (Shard(0)).
+* ``wpe``, ``ln_1``, ``ln_2``, ``ln_f``: untouched, plain tensors, identical on every rank.
+
+* **Fused QKV.** GPT-2's ``c_attn`` stacks ``[q; k; v]`` (each ``h`` rows, heads in order). A plain Shard(0)
+  would give rank 0 all of q and part of k. Its rows are therefore permuted before sharding so that shard ``i``
+  is ``[q_i; k_i; v_i]`` for head group ``i`` (heads ``i*nh/p .. (i+1)*nh/p - 1``), and each block's attention is
+  replaced by :class:`TP1DAttention`, which runs ``nh/p`` local heads with ``F.scaled_dot_product_attention``.
+  The parameter's ``full_tensor()`` is the *permuted* matrix; :func:`full_state_dict_1d` undoes it.
+* **Replicated parameters.** LayerNorms and ``wpe`` stay plain tensors. Their inputs are replicated
+  activations and the gradients that reach them are already all-reduced by the TP styles (the backward of a
+  column-parallel input), so every rank computes the same gradient with no communication, and the same
+  optimizer step keeps them identical. This needs dropout 0 (a dropout mask drawn from each rank's own generator
+  would make the replicas differ), so ``parallelize_1d`` refuses ``dropout > 0``.
+* **Tied head and loss.** ``lm_head`` uses the wte Parameter as a column-parallel projection: logits are a
+  DTensor sharded on vocab (``[B, T, V]``, Shard(2)). With targets, the loss is ``F.cross_entropy`` under torch's
+  :func:`~torch.distributed.tensor.parallel.loss_parallel`, so no rank holds ``[tokens, V]`` logits. Torch
+  requires the *backward* to run under ``loss_parallel()`` too, while our ``GPT2`` contract returns the loss and
+  the caller calls ``loss.backward()`` anywhere; hooks on the two cross-entropy backward nodes
+  (:class:`_LossParallelInBackward`) enter the context just for them. The graph, memory and communication are
+  those of torch's documented ``with loss_parallel(): loss = ...; loss.backward()``. The returned loss is a
+  plain scalar tensor. Without targets the logits are gathered (``full_tensor()``) into a plain ``[B, T, V]``.
+* **Embedding backward.** torch 2.13 has no row-wise (masked) strategy for ``embedding_dense_backward``: the
+  lookup's weight gradient is computed as a *replicated* ``[V, h]`` on every rank (all of ``idx``, all of the
+  replicated output gradient) and then sliced to the local Shard(0) rows when added to the LM head's gradient.
+  No communication, but every rank briefly holds (and scatters into) a full ``[V, h]``.
+* **Optimizer.** torch's multi-tensor (``foreach``) optimizer kernels, the default for CUDA tensors, refuse lists
+  mixing DTensor and plain tensors; build the optimizer on :func:`param_groups_1d`.
+* **Vocabulary not divisible by p.** DTensor's Shard(0) is ``torch.chunk``-style: ceil(V/p) rows per rank, the
+  last rank(s) fewer (V=257, p=4: 65, 65, 65, 62; p=2: 129, 128). The rowwise embedding (``_MaskPartial``, which
+  takes shard sizes and offsets from ``Shard.local_shard_size_and_offset``) and ``loss_parallel`` (the same
+  masked-target gather; max and sum-exp all-reduces over ``[N, 1]``) handle uneven shards correctly, so no
+  padding is needed and none is added: the padded-vocab trick of our own layouts would change the parameter's
+  global shape, which torch's styles do not expect. The only uneven cost is in gathering full logits for
+  ``model(idx)``, where DTensor pads each shard to ceil(V/p) for the all-gather (not in the training step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                               parallelize_module)
+
+from lightning_tp2d.bench.events import Comm
+from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+
+__all__ = ["init_tp1d_mesh", "check_tp1d", "parallelize_1d", "full_state_dict_1d", "param_groups_1d",
+           "tp1d_comm_events", "qkv_permutation", "TP1DAttention", "TP1DLMHead"]
+
+AXIS = "tp"
+
+
+def init_tp1d_mesh(p: int, device_type: str | None = None) -> DeviceMesh:
+    """1-D :class:`DeviceMesh` with axis ``"tp"`` over the initialised default process group of ``p`` ranks.
+
+    ``device_type`` defaults to ``cuda`` for the NCCL backend and ``cpu`` otherwise."""
+    if not isinstance(p, int) or isinstance(p, bool) or p < 1:
+        raise ValueError(f"tensor-parallel size p must be a positive int, got {p!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("init_tp1d_mesh needs an initialised process group: call "
+                           "torch.distributed.init_process_group first")
+    world = dist.get_world_size()
+    if world != p:
+        raise ValueError(f"1-D tensor parallelism over p={p} ranks needs world size {p}, got world size {world}")
+    if device_type is None:
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    return init_device_mesh(device_type, (p,), mesh_dim_names=(AXIS,))
+
+
+def check_tp1d(config: GPT2Config, p: int) -> None:
+    """Raise ``ValueError`` naming the numbers when ``config`` cannot be split over ``p`` ranks in 1-D TP."""
+    bad = []
+    if config.n_head % p:
+        bad.append(f"n_head={config.n_head} is not divisible by p={p}")
+    if config.n_embd % p:
+        bad.append(f"n_embd={config.n_embd} is not divisible by p={p}")
+    if config.dropout != 0.0:
+        bad.append(f"dropout={config.dropout} must be 0 (replicated activations would get different masks "
+                   "on each rank)")
+    if bad:
+        raise ValueError("cannot parallelize GPT-2 with 1-D tensor parallelism: " + "; ".join(bad))
+
+
+def qkv_permutation(n_embd: int, p: int) -> torch.Tensor:
+    """Row order for the fused ``c_attn`` ([3h, h] weight, [3h] bias): ``W_grouped = W[perm]`` puts
+    ``[q_i; k_i; v_i]`` (rows of head group ``i``, ``h/p`` each) in the i-th of ``p`` equal row blocks."""
+    g = n_embd // p
+    rows = torch.arange(3 * n_embd).view(3, p, g)  # [q | k | v] x group x row
+    return rows.transpose(0, 1).reshape(-1)  # group-major: q_0 k_0 v_0 q_1 k_1 v_1 ...
+
+
+class TP1DAttention(nn.Module):
+    """Causal self-attention over this rank's ``n_head / p`` heads.
+
+    ``c_attn`` is column-parallel on regrouped rows (returns the local ``[B, T, 3h/p]`` = ``[q_i | k_i | v_i]``),
+    ``c_proj`` row-parallel (takes the local ``[B, T, h/p]``, all-reduces to the replicated ``[B, T, h]``).
+    """
+
+    def __init__(self, attn: nn.Module, p: int):
+        super().__init__()
+        self.c_attn = attn.c_attn
+        self.c_proj = attn.c_proj
+        self.resid_dropout = attn.resid_dropout
+        self.n_head = attn.n_head // p  # local heads
+        self.head_size = attn.n_embd // attn.n_head
+        self.dropout = attn.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        nh, hs = self.n_head, self.head_size
+        q, k, v = self.c_attn(x).split(nh * hs, dim=2)  # 3 x (B, T, h/p), plain local tensors
+        q = q.view(B, T, nh, hs).transpose(1, 2)
+        k = k.view(B, T, nh, hs).transpose(1, 2)
+        v = v.view(B, T, nh, hs).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)
+        return self.resid_dropout(self.c_proj(y))
+
+
+def _loss_parallel_active() -> bool:
+    """Whether torch's ``loss_parallel()`` handlers are installed right now (someone is inside that context)."""
+    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", {})
+    return torch.ops.aten._log_softmax.default in handlers
+
+
+@contextlib.contextmanager
+def _loss_parallel_once():
+    """``loss_parallel()``, unless the caller is already inside it (its exit would remove the caller's handlers)."""
+    if _loss_parallel_active():
+        yield
+    else:
+        with loss_parallel():
+            yield
+
+
+class _LossParallelInBackward:
+    """Runs the backward of a ``loss_parallel()`` cross-entropy inside that context, wherever the caller calls
+    ``backward()``: entered by a pre-hook on the ``NllLossBackward`` node, left by a hook on the
+    ``LogSoftmaxBackward`` node after it (the two nodes whose DTensor ops loss_parallel replaces).
+
+    The graph is exactly the one ``with loss_parallel(): loss = F.cross_entropy(...); loss.backward()`` builds,
+    so memory and communication are those of torch's documented usage. If backward fails between the two nodes,
+    the handlers stay installed until the next such backward completes."""
+
+    def __init__(self, loss: torch.Tensor):
+        nll = loss.grad_fn
+        log_softmax = nll.next_functions[0][0] if nll is not None and nll.next_functions else None
+        if nll is None or log_softmax is None:
+            return  # no graph (no_grad): nothing to do in backward
+        if "NllLoss" not in type(nll).__name__ or "LogSoftmax" not in type(log_softmax).__name__:
+            raise RuntimeError(f"unexpected cross-entropy graph: {type(nll).__name__} <- "
+                               f"{type(log_softmax).__name__}; cannot run its backward under loss_parallel()")
+        self._cm = None
+        nll.register_prehook(self._enter)
+        log_softmax.register_hook(self._exit)
+
+    def _enter(self, grad_outputs):
+        if self._cm is None and not _loss_parallel_active():
+            self._cm = loss_parallel()
+            self._cm.__enter__()
+
+    def _exit(self, grad_inputs, grad_outputs):
+        if self._cm is not None:
+            cm, self._cm = self._cm, None
+            cm.__exit__(None, None, None)
+
+
+class TP1DLMHead(nn.Module):
+    """Tied LM head as a column-parallel projection: ``logits = x @ Eᵀ`` with ``E`` = the wte Parameter
+    (DTensor, vocab Shard(0)), so the logits come out vocab-sharded (Shard(-1)); the loss is vocab-parallel.
+
+    ``x`` is the replicated plain ``[B, T, h]``; its gradient is all-reduced in backward (``from_local`` with
+    Replicate turns the Partial gradient into a replicated one)."""
+
+    def __init__(self, weight: nn.Parameter, mesh: DeviceMesh):
+        super().__init__()
+        self.weight = weight  # the same Parameter object as transformer.wte.weight
+        self.mesh = mesh
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        logits = F.linear(x, self.weight)  # DTensor [B, T, V], Shard(2)
+        if targets is None:
+            return logits.full_tensor()
+        V = logits.size(-1)
+        with _loss_parallel_once():
+            loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
+        _LossParallelInBackward(loss)
+        return loss.to_local()  # Replicate scalar -> plain tensor
+
+
+def _tp_plan(n_layer: int) -> dict:
+    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate())}
+    for i in range(n_layer):
+        prefix = f"transformer.h.{i}"
+        plan[f"{prefix}.attn.c_attn"] = ColwiseParallel()
+        plan[f"{prefix}.attn.c_proj"] = RowwiseParallel()
+        plan[f"{prefix}.mlp.c_fc"] = ColwiseParallel()
+        plan[f"{prefix}.mlp.c_proj"] = RowwiseParallel()
+    return plan
+
+
+def parallelize_1d(model: GPT2, mesh: DeviceMesh) -> GPT2:
+    """Apply Megatron-style 1-D tensor parallelism with torch's TP styles to ``model`` in place; returns it.
+
+    Every rank must pass the same plain model (same seed), on the mesh's device: sharded weights are scattered
+    from rank 0 (``parallelize_module``'s default), the replicated LayerNorm/``wpe`` parameters are kept as each
+    rank has them. Raises ``ValueError`` naming the numbers (heads or hidden size not divisible by ``p``,
+    dropout) before any communication. Use :func:`param_groups_1d` for the optimizer.
+    """
+    if not isinstance(model, GPT2):
+        raise TypeError(f"parallelize_1d expects a lightning_tp2d.models.GPT2, got {type(model).__name__}")
+    if getattr(model, "tp_layout", None) is not None:
+        raise ValueError(f"model is already parallelized with layout {model.tp_layout!r}")
+    if mesh.ndim != 1:
+        raise ValueError(f"parallelize_1d needs a 1-D mesh, got {mesh.ndim}-D mesh {tuple(mesh.shape)}")
+    if any(p.is_meta for p in model.parameters()):
+        raise NotImplementedError("parallelize_1d does not materialise meta-device models; build the model eagerly")
+    cfg, p = model.config, mesh.size()
+    check_tp1d(cfg, p)
+    devices = sorted({q.device.type for q in model.parameters()} - {mesh.device_type})
+    if devices:
+        # parallelize_module would move the sharded weights to the mesh's device but leave the plain ones
+        raise ValueError(f"model parameters are on {devices} but the mesh is on {mesh.device_type!r}; "
+                         f"move the model to the mesh's device first")
+
+    perm = qkv_permutation(cfg.n_embd, p)
+    tr = model.transformer
+    with torch.no_grad():
+        for block in tr.h:
+            c_attn = block.attn.c_attn
+            c_attn.weight.copy_(c_attn.weight[perm])
+            if c_attn.bias is not None:
+                c_attn.bias.copy_(c_attn.bias[perm])
+    for block in tr.h:
+        block.attn = TP1DAttention(block.attn, p)
+    parallelize_module(model, mesh, _tp_plan(cfg.n_layer))
+    # RowwiseParallel registered a new (DTensor) Parameter on wte; tie the head to it again.
+    model.lm_head = TP1DLMHead(tr.wte.weight, mesh)
+    model.tp_layout = "1d"
+    model.tp_mesh = mesh
+    return model
+
+
+@torch.no_grad()
+def full_state_dict_1d(model: GPT2) -> dict[str, torch.Tensor]:
+    """Plain tensors with the keys of the plain model's ``state_dict()`` and the original (un-permuted) c_attn
+    rows. A collective: every rank of the mesh must call it."""
+    if getattr(model, "tp_layout", None) != "1d":
+        raise ValueError("full_state_dict_1d expects a model parallelized by parallelize_1d")
+    p = model.tp_mesh.size()
+    inverse = torch.argsort(qkv_permutation(model.config.n_embd, p))
+    out = {}
+    for key, value in model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
+        if key.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+            full = full[inverse.to(full.device)]
+        out[key] = full
+    return out
+
+
+def param_groups_1d(model: nn.Module, **options) -> list[dict]:
+    """``model``'s parameters as optimizer param groups, DTensors apart from plain tensors (each group gets
+    ``options``): ``torch.optim.AdamW(param_groups_1d(model), lr=...)``.
+
+    The multi-tensor (``foreach``) optimizer kernels, torch's default for CUDA tensors, refuse a list that mixes
+    DTensor and torch.Tensor ("got mixed torch.Tensor and DTensor"), and this plan keeps LayerNorm and ``wpe``
+    parameters plain; one group of each kind keeps every foreach call homogeneous."""
+    params = list(model.parameters())
+    groups = [[q for q in params if isinstance(q, DTensor)], [q for q in params if not isinstance(q, DTensor)]]
+    return [{"params": g, **options} for g in groups if g]
+
+
+def tp1d_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int) -> list[Comm]:
+    """The communication one rank performs for one training step ``loss = model(idx, targets); loss.backward()``
+    with ``idx`` of shape ``[batch, seq]`` (``elem`` bytes per element), counted as ``comm.STATS`` does.
+
+    With ``N = batch * seq`` tokens and activations ``[N, h]`` (``N*h*elem`` bytes), all over the whole ``tp``
+    group, nothing overlapped with compute:
+
+    forward
+        * token embedding (row-parallel, masked lookup): 1 all-reduce of ``[N, h]``;
+        * each block: 2 all-reduces of ``[N, h]`` (outputs of attention ``c_proj`` and ``mlp.c_proj``);
+        * vocab-parallel loss: 3 all-reduces of ``[N, 1]``: row max, row sum of exp (both in the log-softmax)
+          and the target's log-probability (masked gather: only the rank holding the target's row contributes).
+    backward
+        * LM head: 1 all-reduce of ``[N, h]`` (gradient of its replicated input);
+        * each block: 2 all-reduces of ``[N, h]`` (gradients of the inputs of ``mlp.c_fc`` and ``c_attn``);
+        * the loss backward and the embedding's weight gradient are local; parameter gradients need nothing
+          (sharded ones are local, replicated ones are computed identically everywhere).
+
+    On one rank DTensor skips every redistribution but ``loss_parallel`` still issues its three ``[N, 1]``
+    all-reduces (over a group of one: counted, nothing sent).
+    """
+    if p < 1 or batch < 1 or seq < 1 or elem < 1:
+        raise ValueError(f"need positive sizes, got batch={batch} seq={seq} p={p} elem={elem}")
+    N = batch * seq
+    act = N * cfg.n_embd * elem
+    row = N * elem
+    L = cfg.n_layer
+
+    def ar(nbytes: int, calls: int, phase: str) -> Comm:
+        return Comm("all_reduce", AXIS, p, nbytes, calls=calls, overlap_flops=0.0, phase=phase)
+
+    loss = [ar(row, 2, "forward"),  # loss_parallel log-softmax: max and sum-exp over vocab shards, [N, 1]
+            ar(row, 1, "forward")]  # loss_parallel nll: target log-probability, [N, 1]
+    if p == 1:
+        return loss
+    return [
+        ar(act, 1, "forward"),  # wte: MaskPartial -> Replicate
+        ar(act, 2 * L, "forward"),  # attn.c_proj, mlp.c_proj: Partial -> Replicate
+        *loss,
+        ar(act, 1, "backward"),  # lm_head input gradient: Partial -> Replicate
+        ar(act, 2 * L, "backward"),  # mlp.c_fc and attn.c_attn input gradients
+    ]

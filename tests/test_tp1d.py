@@ -1,0 +1,215 @@
+"""The 1-D tensor-parallel baseline (torch's own TP styles on our GPT-2) against the plain model, and the counter
+of DTensor's functional collectives against the communication formula of ``tp1d_comm_events``."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter, count_functional_collectives
+from lightning_tp2d.bench.events import totals, wire_bytes
+from lightning_tp2d.bench.tp1d import (_loss_parallel_active, check_tp1d, full_state_dict_1d, init_tp1d_mesh,
+                                       param_groups_1d, parallelize_1d, qkv_permutation, tp1d_comm_events)
+from lightning_tp2d.models import GPT2, GPT2Config
+from tests.distributed import run_distributed
+
+B, T = 3, 5  # N = 15 tokens: no dimension of gpt2-tiny (h 48, V 257, heads 12) is 15, 3 or 5 apart from these
+
+
+def tiny(**overrides) -> GPT2Config:
+    return GPT2Config.from_name("gpt2-tiny", n_head=12, **overrides)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _shape_only(t: torch.Tensor) -> bool:
+    """Meta and fake tensors (DTensor's sharding propagation computes output shapes with them) hold no memory."""
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
+class VocabRows(TorchDispatchMode):
+    """Records the shape of every local tensor (op output) that holds a vocabulary row per token:
+    one of its dims is V and it also has N, or both B and T. DTensor ops desugar into local ops seen here;
+    shape-only (meta / fake) tensors are ignored."""
+
+    def __init__(self, V: int):
+        super().__init__()
+        self.V, self.found = V, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and self.V in t.shape and not _shape_only(t):
+                dims = list(t.shape)
+                if B * T in dims or (B in dims and T in dims):
+                    self.found.append((str(func), tuple(dims), type(t).__name__, str(t.device)))
+        return out
+
+
+def _batch(V: int):
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, V, (B, T), generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[0, 1] = -100  # ignored position
+    return idx, targets
+
+
+def _parity(rank, world_size, dtype):
+    cfg = tiny()
+    torch.manual_seed(0)
+    ref = GPT2(cfg).to(dtype)
+    model = copy.deepcopy(ref)
+    mesh = init_tp1d_mesh(world_size)
+    assert mesh.mesh_dim_names == ("tp",)
+    with pytest.raises(ValueError, match=rf"p={world_size + 1}.*world size {world_size}"):
+        init_tp1d_mesh(world_size + 1)
+    bad_heads = 6 if world_size == 4 else 3
+    with pytest.raises(ValueError, match=rf"n_head={bad_heads} is not divisible by p={world_size}"):
+        parallelize_1d(GPT2(GPT2Config.from_name("gpt2-tiny", n_layer=1, n_head=bad_heads)), mesh)
+    parallelize_1d(model, mesh)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    V, p = cfg.vocab_size, world_size
+    assert model.transformer.wte.weight.to_local().shape[0] == len(torch.arange(V).chunk(p)[rank])  # uneven
+
+    idx, targets = _batch(V)
+    elem = torch.finfo(dtype).bits // 8
+    events = tp1d_comm_events(cfg, B, T, p, elem)
+    with count_functional_collectives() as fwd, VocabRows(V) as vocab_rows:
+        loss = model(idx, targets)
+    with count_functional_collectives() as bwd, VocabRows(V) as vocab_rows_bwd:
+        loss.backward()
+    assert not _loss_parallel_active()  # the hooks left torch's loss_parallel handlers as they found them
+    for stats, phase in ((fwd, "forward"), (bwd, "backward")):
+        assert stats.snapshot() == totals([e for e in events if e.phase == phase]), phase
+    assert vocab_rows.found == [] and vocab_rows_bwd.found == [], vocab_rows.found + vocab_rows_bwd.found
+
+    with VocabRows(V) as control:  # the detector does see the plain model's [B, T, V] logits
+        ref_loss = ref(idx, targets)
+        ref_loss.backward()
+    assert control.found
+
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    out = {"loss": rel(loss.detach(), ref_loss.detach())}
+    with torch.no_grad():
+        out["logits"] = rel(model(idx), ref(idx))
+    inverse = torch.argsort(qkv_permutation(cfg.n_embd, p))
+    ref_params = dict(ref.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    assert names == list(ref_params)
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        if "attn.c_attn" in name:
+            grad = grad[inverse]
+        grads[name] = rel(grad, ref_params[name].grad)
+    out["grad"] = max(grads.values())
+
+    # AdamW's first step is ~lr * sign(grad): fine in float64, but in float32 it blows the rounding noise of
+    # gradients that are exactly 0 in exact arithmetic (the key bias: softmax ignores q·b_k) up to lr. SGD there.
+    for m, groups in ((ref, ref.parameters()), (model, param_groups_1d(model))):
+        if dtype == torch.float64:
+            torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=True).step()  # foreach: CUDA's default
+        else:
+            torch.optim.SGD(groups, lr=0.5, foreach=True).step()
+    sd, ref_sd = full_state_dict_1d(model), ref.state_dict()
+    assert list(sd) == list(ref_sd)
+    out["step"] = max(rel(sd[k], ref_sd[k]) for k in ref_sd)
+    assert all(v < tol for v in out.values()), out
+    # plain (replicated) parameters: returned so the parent can check every rank holds the same values
+    return {n: q.detach().flatten().tolist() for n, q in model.named_parameters() if not isinstance(q, DTensor)}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parity_and_communication_float64(world_size):
+    plain = run_distributed(_parity, world_size, torch.float64)
+    for other in plain[1:]:
+        assert other == plain[0]
+
+
+def _float32_and_counter(rank, world_size):
+    _parity(rank, world_size, torch.float32)
+    mesh = init_tp1d_mesh(world_size)
+    # a caller inside its own loss_parallel() (torch's documented usage) gets the same loss and gradients
+    torch.manual_seed(0)
+    model = parallelize_1d(GPT2(tiny(n_layer=1)).double(), mesh)
+    idx, targets = _batch(model.config.vocab_size)
+    loss = model(idx, targets)
+    loss.backward()
+    grads = [q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad for q in model.parameters()]
+    model.zero_grad()
+    with loss_parallel():
+        loss2 = model(idx, targets)
+        loss2.backward()
+    assert not _loss_parallel_active()
+    assert torch.equal(loss, loss2)
+    grads2 = [q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad for q in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    with pytest.raises(ValueError, match="already parallelized"):
+        parallelize_1d(model, mesh)
+    group = (mesh, 0)
+    x = torch.arange(12, dtype=torch.float64).view(4, 3)
+    sharded = distribute_tensor(x, mesh, [Shard(0)])
+    partial = DTensor.from_local(torch.ones(4, 3, dtype=torch.float64), mesh, [Partial()])
+    with count_functional_collectives() as stats:
+        assert torch.equal(sharded.full_tensor(), x)  # all-gather: local input [2, 3]
+        assert torch.equal(partial.redistribute(mesh, [Shard(0)]).to_local(), 2 * torch.ones(2, 3, dtype=torch.float64))
+        funcol.broadcast(torch.zeros(5, dtype=torch.float32), 0, group)
+        funcol.all_reduce_coalesced([torch.ones(2), torch.ones(3)], "sum", group)  # gloo: one dtype
+    snap = stats.snapshot()
+    assert snap["all_gather"] == {"calls": 1, "bytes": 6 * 8}
+    assert snap["reduce_scatter"] == {"calls": 1, "bytes": 12 * 8}  # the full input
+    assert snap["broadcast"] == {"calls": 1, "bytes": 20}
+    assert snap["all_reduce"] == {"calls": 1, "bytes": (2 + 3) * 4}  # coalesced: one call
+    with pytest.raises(RuntimeError, match="all_to_all_single"):
+        with count_functional_collectives():
+            funcol.all_to_all_single(torch.ones(4), None, None, group)
+    with FunctionalCollectiveCounter(strict=False) as counter:
+        funcol.wait_tensor(funcol.all_to_all_single(torch.ones(4), None, None, group))
+    assert counter.uncounted == [("_c10d_functional.all_to_all_single.default", 16)]
+    assert sum(counter.stats.snapshot()[k]["calls"] for k in counter.stats.snapshot()) == 0
+    return True
+
+
+def test_float32_parity_and_counter_conventions():
+    assert run_distributed(_float32_and_counter, 2) == [True, True]
+
+
+def test_bad_configs_name_numbers():
+    with pytest.raises(ValueError, match="n_head=6 is not divisible by p=4"):
+        check_tp1d(GPT2Config.from_name("gpt2-tiny"), 4)
+    with pytest.raises(ValueError, match="n_head=6 is not divisible by p=5; n_embd=48 is not divisible by p=5"):
+        check_tp1d(GPT2Config.from_name("gpt2-tiny"), 5)
+    with pytest.raises(ValueError, match="dropout=0.1"):
+        check_tp1d(tiny(dropout=0.1), 2)
+    with pytest.raises(ValueError, match="positive int"):
+        init_tp1d_mesh(0)
+
+
+def test_qkv_permutation_groups_heads():
+    h, p = 8, 2
+    perm = qkv_permutation(h, p)
+    # shard 0 = q rows 0-3, k rows 8-11, v rows 16-19; shard 1 the other halves
+    assert perm.tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+
+
+def test_comm_events_formula():
+    cfg = GPT2Config.from_name("gpt2")
+    N, h, L, e = 4 * 1024, 768, 12, 2
+    ev = tp1d_comm_events(cfg, 4, 1024, 8, e)
+    assert {(x.kind, x.group, x.group_size, x.overlap_flops) for x in ev} == {("all_reduce", "tp", 8, 0.0)}
+    fwd = totals([x for x in ev if x.phase == "forward"])["all_reduce"]
+    bwd = totals([x for x in ev if x.phase == "backward"])["all_reduce"]
+    assert fwd == {"calls": 2 * L + 4, "bytes": (2 * L + 1) * N * h * e + 3 * N * e}
+    assert bwd == {"calls": 2 * L + 1, "bytes": (2 * L + 1) * N * h * e}
+    # one rank: only loss_parallel's three [N, 1] all-reduces remain (over a group of one, nothing sent)
+    assert totals(tp1d_comm_events(cfg, 4, 1024, 1, e))["all_reduce"] == {"calls": 3, "bytes": 3 * N * e}
+    assert wire_bytes(tp1d_comm_events(cfg, 4, 1024, 1, e)) == 0
