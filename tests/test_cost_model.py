@@ -1,0 +1,311 @@
+"""The cost model (:mod:`lightning_tp2d.bench.cost_model`) against real runs, and its arithmetic on its own.
+
+Real runs (gloo, CPU, gpt2-tiny with 12 heads, vocabulary 257 which no grid or ring divides): every layout takes
+one training step ``loss = model(idx, targets); loss.backward()`` and on every rank
+
+* ``totals(comm_events(...))`` equals what ``comm.STATS`` counted, call for call and byte for byte, for the whole
+  step and for each phase: "2d" on 2x2 (with and without biases, a sequence shorter than ``block_size``) and 3x3,
+  "metp" on rings of 4 and of 2 (two data-parallel replicas), "2d-metp" on 2x2 and 3x3; float32, and bf16
+  autocast for the element-size rules (parameters, statistics and ring accumulators stay float32);
+* ``activation_bytes(...)`` matches the bytes the forward leaves alive (tracked as
+  :class:`~lightning_tp2d.bench.measure.LiveTensorBytes` does, ignoring the storages of tensors that existed
+  before the forward: parameters, ``idx``, ``targets``) within 1%.
+
+All cases of one world size share one ``run_distributed`` call (module-scoped fixtures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import lightning_tp2d as tp
+from lightning_tp2d import comm
+from lightning_tp2d.bench import cost_model as cm
+from lightning_tp2d.bench.events import Comm, totals
+from lightning_tp2d.bench.measure import LiveTensorBytes
+from lightning_tp2d.models import GPT2, GPT2Config
+from tests.distributed import run_distributed
+
+TINY = {"n_head": 12}  # gpt2-tiny: h=48, V=257, L=2, block_size 64; 12 heads split over 2, 3 and 4 ranks
+
+# (name, layout, tensor-parallel size, config overrides, batch, seq, dtype)
+CASES_4 = [
+    ("2d", "2d", 4, TINY, 4, 24, "float32"),
+    ("2d-nobias", "2d", 4, {**TINY, "bias": False}, 2, 16, "float32"),
+    ("metp", "metp", 4, TINY, 2, 24, "float32"),
+    ("metp-p2-dp2", "metp", 2, TINY, 2, 24, "float32"),
+    ("2d-metp", "2d-metp", 4, TINY, 1, 24, "float32"),
+    ("2d-bf16", "2d", 4, TINY, 4, 24, "bfloat16"),
+    ("metp-bf16", "metp", 4, TINY, 2, 24, "bfloat16"),
+    ("2d-metp-bf16", "2d-metp", 4, TINY, 2, 16, "bfloat16"),
+    ("tp1d", "tp1d", 4, TINY, 2, 24, "float32"),  # activation bytes only (its comm is tested with tp1d.py)
+]
+CASES_9 = [
+    ("2d-3x3", "2d", 9, TINY, 3, 16, "float32"),
+    ("2d-metp-3x3", "2d-metp", 9, TINY, 1, 18, "float32"),
+]
+ELEM = {"float32": 4, "bfloat16": 2}
+
+
+class _ForwardBytes(LiveTensorBytes):
+    """Live bytes of storages the forward creates: storages that existed before (parameters, ``idx``,
+    ``targets``) are ignored even when an op returns a view of them."""
+
+    def __init__(self, existing) -> None:
+        super().__init__(record_shapes=False)
+        self.existing = {t.untyped_storage().data_ptr() for t in existing}
+
+    def _track(self, t: torch.Tensor) -> None:
+        if t.untyped_storage().data_ptr() not in self.existing:
+            super()._track(t)
+
+
+def _nonzero(snapshot: dict) -> dict:
+    return {k: v for k, v in snapshot.items() if v["calls"]}
+
+
+def _one_step(layout: str, p: int, world_size: int, overrides: dict, batch: int, seq: int, dtype: str) -> dict:
+    torch.manual_seed(0)
+    cfg = GPT2Config.from_name("gpt2-tiny", **overrides)
+    model = GPT2(cfg)
+    if layout == "tp1d":
+        from lightning_tp2d.bench.tp1d import init_tp1d_mesh, parallelize_1d
+
+        parallelize_1d(model, init_tp1d_mesh(world_size))
+        tp_rank = torch.distributed.get_rank()
+    else:
+        mesh = tp.init_mesh(layout, p, world_size // p)
+        tp.parallelize(model, mesh, layout=layout)
+        tp_rank = torch.distributed.get_rank() % p  # tensor-parallel groups are contiguous global ranks
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    local = [q.to_local() if hasattr(q, "to_local") else q for q in model.parameters()]
+    tracker = _ForwardBytes([*local, idx, targets])
+    with comm.count_comm() as step:
+        with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            loss = model(idx, targets)
+        activation = tracker.live - loss.untyped_storage().nbytes()
+        forward = step.snapshot()
+        loss.backward()
+        whole = step.snapshot()
+    backward = {k: {f: whole[k][f] - forward[k][f] for f in ("calls", "bytes")} for k in whole}
+    return {"rank": tp_rank, "forward": forward, "backward": backward, "step": whole, "activation": activation}
+
+
+def _worker(rank: int, world_size: int, cases) -> dict:
+    return {name: _one_step(layout, p, world_size, overrides, batch, seq, dtype)
+            for name, layout, p, overrides, batch, seq, dtype in cases}
+
+
+@pytest.fixture(scope="module")
+def runs_4():
+    return run_distributed(_worker, 4, CASES_4)
+
+
+@pytest.fixture(scope="module")
+def runs_9():
+    return run_distributed(_worker, 9, CASES_9)
+
+
+def _check_comm(results, case) -> None:
+    name, layout, p, overrides, batch, seq, dtype = case
+    cfg = GPT2Config.from_name("gpt2-tiny", **overrides)
+    for out in results:
+        r = out[name]
+        events = cm.comm_events(layout, cfg, batch, seq, p, ELEM[dtype], rank=r["rank"])
+        assert _nonzero(totals(events)) == _nonzero(r["step"]), (name, r["rank"])
+        for phase in ("forward", "backward"):
+            want = totals([e for e in events if e.phase == phase])
+            assert _nonzero(want) == _nonzero(r[phase]), (name, r["rank"], phase)
+
+
+def _check_activation(results, case, tol: float = 0.01) -> None:
+    name, layout, p, overrides, batch, seq, dtype = case
+    cfg = GPT2Config.from_name("gpt2-tiny", **overrides)
+    for out in results:
+        r = out[name]
+        model = cm.activation_bytes(layout, cfg, batch, seq, p, ELEM[dtype], rank=r["rank"])
+        assert abs(r["activation"] - model) <= tol * model, (name, r["rank"], r["activation"], model)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES_4 if c[1] != "tp1d"], ids=lambda c: c[0])
+def test_comm_events_equal_the_counted_communication_on_4_ranks(runs_4, case):
+    _check_comm(runs_4, case)
+
+
+@pytest.mark.parametrize("case", CASES_9, ids=lambda c: c[0])
+def test_comm_events_equal_the_counted_communication_on_9_ranks(runs_9, case):
+    _check_comm(runs_9, case)
+
+
+@pytest.mark.parametrize("case", CASES_4 + CASES_9, ids=lambda c: c[0])
+def test_activation_bytes_match_the_live_bytes_after_the_forward(runs_4, runs_9, case):
+    _check_activation(runs_9 if case in CASES_9 else runs_4, case)
+
+
+def test_2d_lm_head_swap_is_skipped_on_the_diagonal_and_padding_shows_in_the_bytes(runs_4, runs_9):
+    for results, q, name in ((runs_4, 2, "2d"), (runs_9, 3, "2d-3x3")):
+        for out in results:
+            r = out[name]
+            diagonal = r["rank"] // q == r["rank"] % q
+            assert (r["step"]["send"]["calls"] == 0) == diagonal
+    # p = 9: the vocabulary block is ceil(257/3) = 86 rows on every rank (row 2 holds 85 and pads one)
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
+    swap = [e for e in cm.comm_events("2d", cfg, 3, 16, 9, rank=1) if e.kind == "send"]
+    assert {e.nbytes for e in swap} == {86 * 48 // 3 * 4}
+
+
+def _single_step(dtype: str) -> tuple[int, int]:
+    torch.manual_seed(0)
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
+    model = GPT2(cfg).train()
+    idx = torch.randint(0, cfg.vocab_size, (4, 32))
+    targets = torch.randint(0, cfg.vocab_size, (4, 32))
+    tracker = _ForwardBytes([*model.parameters(), idx, targets])
+    with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        loss = model(idx, targets)
+    measured = tracker.live - loss.untyped_storage().nbytes()
+    return measured, cm.activation_bytes("single", cfg, 4, 32, 1, ELEM[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_activation_bytes_of_the_plain_model(dtype):
+    measured, model = _single_step(dtype)
+    assert abs(measured - model) <= 0.01 * model, (measured, model)
+
+
+# ---- arithmetic alone ------------------------------------------------------------------------------------
+
+
+GPT2_SMALL = GPT2Config.from_name("gpt2")
+
+
+def test_single_and_one_rank_send_nothing_and_bad_shapes_raise():
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
+    assert cm.comm_events("single", cfg, 2, 16, 1) == []
+    assert cm.comm_events("2d", cfg, 2, 16, 1) == [] and cm.comm_events("metp", cfg, 2, 16, 1) == []
+    with pytest.raises(ValueError, match="batch 3 is not divisible by q=2"):
+        cm.comm_events("2d", cfg, 3, 16, 4)
+    with pytest.raises(ValueError, match="square"):
+        cm.comm_events("2d", cfg, 4, 16, 8)
+    with pytest.raises(ValueError, match="not divisible by 2\\*p=8"):
+        cm.comm_events("metp", cfg, 1, 12, 4)
+    with pytest.raises(ValueError, match="unknown layout"):
+        cm.flops("3d", cfg, 1, 16, 4)
+
+
+def test_tp1d_is_delegated():
+    tp1d = pytest.importorskip("lightning_tp2d.bench.tp1d")
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
+    assert cm.comm_events("tp1d", cfg, 2, 16, 4, 4) == tp1d.tp1d_comm_events(cfg, 2, 16, 4, 4)
+
+
+@pytest.mark.parametrize("layout, p", [("2d", 4), ("2d", 16), ("2d-metp", 9), ("metp", 4), ("metp", 8)])
+def test_events_name_their_group_and_overlap_only_behind_compute(layout, p):
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
+    batch, seq = (4, 48) if layout == "2d" else (1, 48)
+    q = math.isqrt(p)
+    groups = {"row": q, "col": q, "tp": p} if layout != "metp" else {"ring": p}
+    fl = cm.flops(layout, cfg, batch, seq, p)
+    for rank in range(p):
+        events = cm.comm_events(layout, cfg, batch, seq, p, rank=rank)
+        for e in events:
+            assert isinstance(e, Comm) and e.phase in ("forward", "backward")
+            assert groups[e.group] == e.group_size, e
+            assert e.overlap_flops >= 0
+            if e.kind in ("all_reduce", "send", "recv"):
+                assert e.overlap_flops == 0, e  # blocking
+        for phase in ("forward", "backward"):
+            hidden = sum(e.calls * e.overlap_flops for e in events if e.phase == phase)
+            assert 0 < hidden <= fl[phase] * (1 + 1e-9)
+    if layout == "2d":  # every panel multiply but the last of each SUMMA hides the next transfers
+        fwd = sum(e.calls * e.overlap_flops for e in cm.comm_events(layout, cfg, batch, seq, p) if e.phase == "forward")
+        attention_fwd = fl["attention"] * 4 / 14  # 4 d of the 14 d per score are forward
+        assert fwd == pytest.approx((fl["forward"] - attention_fwd) * (q - 1) / q)
+
+
+def test_flops_split_the_plain_model_and_the_ring_computes_exactly_the_causal_scores():
+    cfg, B, T = GPT2_SMALL, 8, 1024
+    single = cm.flops("single", cfg, B, T, 1)
+    assert single["forward"] == pytest.approx(2 * (12 * cfg.n_layer * cfg.n_embd ** 2 + cfg.n_embd * cfg.vocab_size)
+                                              * B * T + 2 * cfg.n_layer * cfg.n_embd * B * T * (T + 1), rel=1e-12)
+    for layout, p in (("2d", 4), ("2d", 16), ("2d-metp", 4), ("metp", 4), ("metp", 16), ("tp1d", 4)):
+        fl = cm.flops(layout, cfg, B, T, p)
+        assert fl["matmul"] + fl["attention"] == pytest.approx(fl["total"])
+        assert fl["attention"] * p == pytest.approx(single["attention"], rel=1e-12), layout  # no masked block
+        if layout == "metp":  # recomputes X W1 and the logits in backward
+            assert fl["forward"] * p == pytest.approx(single["forward"], rel=1e-12)
+            assert fl["backward"] * p > single["backward"] * 1.1
+        else:  # the 2-D head multiplies the padded vocabulary: a hair more than 1/p
+            assert single["total"] / p <= fl["total"] <= single["total"] / p * 1.001, layout
+
+
+def test_activation_bytes_2d_and_metp_below_tp1d_below_single_for_gpt2_shapes():
+    for elem in (2, 4):
+        act = {layout: cm.activation_bytes(layout, GPT2_SMALL, 8, 1024, p, elem)
+               for layout, p in (("single", 1), ("tp1d", 4), ("2d", 4), ("metp", 4), ("2d-metp", 4))}
+        assert act["2d"] < act["tp1d"] < act["single"]
+        assert act["metp"] < act["2d"] and act["2d-metp"] < act["tp1d"]
+        assert act["2d"] / act["tp1d"] < 0.7
+    # rank=None is the largest rank: 2d's diagonal ranks keep no mirror block in float32
+    per_rank = [cm.activation_bytes("2d", GPT2_SMALL, 8, 1024, 4, 4, rank=r) for r in range(4)]
+    assert cm.activation_bytes("2d", GPT2_SMALL, 8, 1024, 4, 4) == max(per_rank) > min(per_rank)
+
+
+def _faster(hw: cm.Hardware, factor: float) -> cm.Hardware:
+    return dataclasses.replace(hw, intra=cm.Link(hw.intra.latency_s, hw.intra.bandwidth_Bps * factor),
+                               inter=cm.Link(hw.inter.latency_s, hw.inter.bandwidth_Bps * factor))
+
+
+def test_time_model_more_bandwidth_means_less_time_and_totals_add_up():
+    link, fast = cm.Link(3e-6, 100e9), cm.Link(3e-6, 400e9)
+    for kind in ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "send", "ring_exchange"):
+        assert cm.collective_time(kind, 4, 1 << 20, fast) < cm.collective_time(kind, 4, 1 << 20, link)
+        assert cm.collective_time(kind, 4, 1 << 20, link) > cm.collective_time(kind, 4, 1 << 10, link) > 0
+    assert cm.collective_time("recv", 4, 1 << 20, link) == 0  # charged on the matching send
+    hw = cm.H100_NVLINK4_NDR
+    for layout, p, batch, seq in (("2d", 4, 8, 1024), ("2d", 16, 8, 1024), ("metp", 8, 1, 1024),
+                                  ("2d-metp", 16, 1, 1024), ("tp1d", 16, 8, 1024)):
+        slow, quick = (cm.step_time(layout, GPT2_SMALL, batch, seq, p, h) for h in (hw, _faster(hw, 4)))
+        for t in (slow, quick):
+            assert t["total_s"] == pytest.approx(t["compute_s"] + t["exposed_comm_s"])
+            assert 0 <= t["exposed_comm_s"] <= t["comm_s"] and t["comm_bytes"] > 0
+        assert quick["comm_s"] < slow["comm_s"] and quick["total_s"] < slow["total_s"], layout
+        assert quick["compute_s"] == slow["compute_s"]
+    # a grid that leaves the node pays the inter-node link on its row groups
+    one_node = cm.step_time("2d", GPT2_SMALL, 8, 1024, 4, hw)
+    wide = dataclasses.replace(hw, gpus_per_node=2)
+    assert cm.step_time("2d", GPT2_SMALL, 8, 1024, 4, wide)["comm_s"] > one_node["comm_s"]
+    single = cm.step_time("single", GPT2_SMALL, 8, 1024, 1, hw)
+    assert single["comm_s"] == 0 and single["total_s"] == single["compute_s"] > one_node["compute_s"]
+
+
+def test_metp_overlap_threshold_is_about_1k_tokens_on_a100():
+    hw = cm.A100_NVLINK3_HDR
+    causal = cm.metp_overlap_threshold(GPT2_SMALL, hw)
+    full = cm.metp_overlap_threshold(GPT2_SMALL, hw, causal=False)
+    assert 700 <= causal <= 2000 and causal % 2 == 0  # DESIGN 3.2: "about 1k tokens per rank on A100/NVLink"
+    assert 0.4 < full / causal < 0.7  # a full S x S block does twice the work per byte
+    # the threshold is where a step's attention time first covers its K|V transfer
+    h, e, R, bw, lat = GPT2_SMALL.n_embd, 2, hw.attention_flops_per_s, hw.intra.bandwidth_Bps, hw.intra.latency_s
+    covers = lambda S: 2 * h * S * S / R >= lat + 2 * S * h * e / bw  # noqa: E731
+    assert covers(causal) and not covers(causal - 2)
+    assert cm.metp_overlap_threshold(GPT2_SMALL, _faster(hw, 2)) < causal  # faster links: shorter chunks suffice
+    assert cm.metp_overlap_threshold(GPT2_SMALL, cm.H100_NVLINK4_NDR) > 0
+
+
+def test_projected_speedup_reports_both_layouts_per_gpu_count():
+    pytest.importorskip("lightning_tp2d.bench.tp1d")
+    rows = cm.projected_speedup(GPT2_SMALL, 8, 1024)
+    assert [r["gpus"] for r in rows] == [4, 16, 64] and [r["q"] for r in rows] == [2, 4, 8]
+    for r in rows:
+        assert {"tp1d", "2d", "tp1d_s", "2d_s", "speedup", "nodes"} <= set(r)
+        assert r["speedup"] == pytest.approx(r["tp1d_s"] / r["2d_s"]) and r["speedup"] > 0
+        assert r["2d"]["total_s"] == r["2d_s"] > 0
+    assert [r["nodes"] for r in rows] == [1, 2, 8]
