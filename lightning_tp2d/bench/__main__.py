@@ -1,0 +1,5 @@
+import sys
+
+from lightning_tp2d.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,218 @@
+"""``tp2d-bench`` (also ``python -m lightning_tp2d.bench``): the layouts side by side with 1-D tensor parallelism.
+
+Sections, each on when its options are given:
+
+* scenarios (always): ``--layouts`` on ``--p`` ranks (single-device layouts on one), the same model, batch and
+  sequence: loss, step time and tokens/s, resident / activation / peak memory per rank, communication per step
+  and whether it equals the cost model's prediction;
+* ``--memory-seqs``: peak memory per rank at several sequence lengths (plot ``memory_vs_seq.png``);
+* ``--max-seq-layouts``: the largest trainable sequence length under ``--cap-mib`` per rank at ``--max-seq-p``;
+* ``--weak-scaling``: the layouts at several p with the batch growing with p (plot ``comm_vs_p.png``);
+* the cost model's projection for ``--projection-model`` on ``--hardware`` (plot ``speedup_vs_gpus.png``).
+
+Everything lands in ``--out`` as results.json, results.md and PNG plots. A scenario that cannot run is a row
+saying why; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, replace
+
+from lightning_tp2d.bench import report
+from lightning_tp2d.bench.events import wire_bytes
+from lightning_tp2d.bench.runner import LAYOUTS, BenchSpec, max_sequence, run_scenario
+
+QUICK = dict(model="gpt2-tiny", set=["n_head=12"], batch=4, seq=64, p=4, steps=2, warmup=1,
+             layouts="single,hf,tp1d,2d,metp,2d-metp", max_seq_layouts="tp1d,metp", max_seq_p=2, cap_mib=2.0,
+             max_seq_limit=512, weak_scaling="1,4", weak_layouts="tp1d,2d", memory_seqs="32,64")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in LAYOUTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown layouts {bad}; choose from {list(LAYOUTS)}")
+    return names
+
+
+def _overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--set takes key=value, got {pair!r}")
+        out[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tp2d-bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small CPU run of every section (about a minute)")
+    ap.add_argument("--model", default="gpt2-tiny", help="GPT2Config name")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="GPT2Config override")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--p", type=int, default=4, help="ranks of the parallel scenarios")
+    ap.add_argument("--layouts", default="single,hf,tp1d,2d,metp,2d-metp")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per scenario (median reported)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per scenario")
+    ap.add_argument("--memory-seqs", default="", help="sequence lengths for the memory-vs-sequence section")
+    ap.add_argument("--memory-layouts", default="tp1d,2d,metp,2d-metp")
+    ap.add_argument("--max-seq-layouts", default="", help="layouts for the maximum-sequence search")
+    ap.add_argument("--max-seq-p", type=int, default=8)
+    ap.add_argument("--cap-mib", type=float, default=64.0, help="per-rank memory cap of the search")
+    ap.add_argument("--max-seq-unit", type=int, default=64)
+    ap.add_argument("--max-seq-limit", type=int, default=65536)
+    ap.add_argument("--weak-scaling", default="", help="p values, e.g. 1,4,9,16 (batch = --weak-batch * p)")
+    ap.add_argument("--weak-layouts", default="tp1d,2d")
+    ap.add_argument("--weak-batch", type=int, default=1)
+    ap.add_argument("--projection-model", default="gpt2-medium")
+    ap.add_argument("--projection-batch", type=int, default=64)
+    ap.add_argument("--projection-seq", type=int, default=1024)
+    ap.add_argument("--hardware", default="h100", choices=["h100", "a100"])
+    ap.add_argument("--out", default=None, help="results folder (default results/bench-<time>)")
+    return ap
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform()}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    gpus = f", {len(info['gpus'])} x {info['gpus'][0]}" if info.get("gpus") else ", no GPU"
+    info["summary"] = f"{info['cores']} cores ({cpu}){gpus}; torch {torch.__version__}, Python {info['python']}"
+    return info
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _scenario_line(r: dict) -> str:
+    if r["status"] != "ok":
+        return f"{r['layout']:>8} p={r['p']}: {r['status']}: {r['reason']}"
+    t = f" {r['step_time_s'] * 1e3:8.1f} ms" if "step_time_s" in r else ""
+    return (f"{r['layout']:>8} p={r['p']}: loss {r['loss']:.5f}{t} peak {r['peak_bytes'] / report.MIB:8.2f} MiB "
+            f"act {r['activation_bytes'] / report.MIB:8.2f} MiB comm {r['comm_bytes'] / report.MIB:8.3f} MiB "
+            f"model-match {r.get('comm_matches_model')}")
+
+
+def _drop_rank_detail(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "ranks"} | ({"per_rank": [
+        {k: v for k, v in x.items() if k != "step_times"} for x in r["ranks"]]} if "ranks" in r else {})
+        for r in rows]
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    from lightning_tp2d.bench import cost_model
+
+    spec = BenchSpec(model=args.model, overrides=_overrides(args.set), batch=args.batch, seq=args.seq,
+                     steps=args.steps, warmup=args.warmup, dtype=args.dtype, device=args.device,
+                     timeout=args.timeout)
+    results: dict = {"command": "tp2d-bench " + shlex.join(argv), "machine": machine(),
+                     "date": datetime.datetime.now().isoformat(timespec="seconds"), "spec": asdict(spec)}
+    t0 = time.perf_counter()
+    _log(f"scenarios: {spec.model} batch {spec.batch} x seq {spec.seq}, p = {args.p}")
+    results["scenarios"] = []
+    for layout in _names(args.layouts):
+        row = run_scenario(layout, args.p, spec)
+        _log(_scenario_line(row))
+        results["scenarios"].append(row)
+
+    if args.memory_seqs:
+        results["memory_vs_seq"] = []
+        for layout in _names(args.memory_layouts):
+            for seq in _ints(args.memory_seqs):
+                row = run_scenario(layout, args.p, spec, seq=seq, full=False)
+                _log(f"memory seq={seq} " + _scenario_line(row))
+                results["memory_vs_seq"].append(row)
+
+    if args.max_seq_layouts:
+        results["max_seq"] = []
+        cap = int(args.cap_mib * report.MIB)
+        for layout in _names(args.max_seq_layouts):
+            row = max_sequence(layout, args.max_seq_p, spec, cap, unit=args.max_seq_unit, limit=args.max_seq_limit,
+                               log=_log)
+            _log(f"max seq {layout} p={row['p']}: {row.get('max_seq', row.get('reason'))}")
+            results["max_seq"].append(row)
+
+    if args.weak_scaling:
+        results["weak_scaling"] = []
+        cores = os.cpu_count() or 1
+        for p in _ints(args.weak_scaling):
+            weak = replace(spec, batch=args.weak_batch * p)
+            for layout in _names(args.weak_layouts):
+                row = run_scenario(layout, p, weak)
+                if spec.device == "cpu" and p > cores:
+                    row["note"] = f"{p} ranks on {cores} cores: times oversubscribed"
+                _log(f"weak p={p} " + _scenario_line(row))
+                results["weak_scaling"].append(row)
+
+    hw = {"h100": cost_model.H100_NVLINK4_NDR, "a100": cost_model.A100_NVLINK3_HDR}[args.hardware]
+    pcfg = replace(BenchSpec(model=args.projection_model)).config(args.projection_seq)
+    rows = []
+    for r in cost_model.projected_speedup(pcfg, args.projection_batch, args.projection_seq, hw=hw):
+        wire = {layout: max(wire_bytes(cost_model.comm_events(layout, pcfg, args.projection_batch,
+                                                              args.projection_seq, r["gpus"], 2, rank=k))
+                            for k in range(r["gpus"] if layout == "2d" else 1)) for layout in ("2d", "tp1d")}
+        rows.append({"gpus": r["gpus"], "nodes": r["nodes"], "time_2d_s": r["2d_s"], "time_tp1d_s": r["tp1d_s"],
+                     "speedup": r["speedup"], "wire_bytes_2d": wire["2d"], "wire_bytes_tp1d": wire["tp1d"],
+                     "exposed_comm_2d_s": r["2d"]["exposed_comm_s"], "exposed_comm_tp1d_s": r["tp1d"]["exposed_comm_s"],
+                     "compute_2d_s": r["2d"]["compute_s"], "compute_tp1d_s": r["tp1d"]["compute_s"]})
+    results["projection"] = {"model": args.projection_model, "batch": args.projection_batch,
+                             "seq": args.projection_seq, "hardware": hw.name, "rows": rows,
+                             "metp_overlap_threshold": cost_model.metp_overlap_threshold(pcfg, hw)}
+    results["wall_s"] = time.perf_counter() - t0
+    for key in ("scenarios", "memory_vs_seq", "weak_scaling"):
+        if key in results:
+            results[key] = _drop_rank_detail(results[key])
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = parser()
+    if "--quick" in argv:
+        ap.set_defaults(**QUICK)
+    args = ap.parse_args(argv)
+    try:
+        _names(args.layouts)
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    out = args.out or os.path.join("results", "bench-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    results = run(args, argv)
+    files = report.write(results, out)
+    for t in results["targets"]:
+        met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+        value = "" if t["value"] is None else f"{t['value']:.3g}"
+        _log(f"target {t['key']}: {value} ({t['threshold']}) {met}")
+    _log(f"wrote {', '.join(os.path.join(out, f) for f in files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

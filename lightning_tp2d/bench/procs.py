@@ -1,0 +1,125 @@
+"""Run one benchmark scenario on ``world_size`` fresh processes and report what happened, never raise.
+
+Every scenario (and every probe of the maximum-sequence search) gets its own processes and its own process
+group, so an out-of-memory rank, a bad size or a crash ends that scenario alone: the parent terminates the
+other ranks (which may be blocked in a collective with the failed one) and the result says why.
+
+Devices: ``cpu`` runs gloo; ``cuda`` runs NCCL with one rank per GPU when there are enough GPUs, otherwise gloo
+with every rank on GPU 0 (``comm`` stages point-to-point through host memory), the way one GPU can host a grid.
+A per-rank memory cap is ``torch.cuda.set_per_process_memory_fraction`` on GPU and the tracker's cap on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+OOM = "oom"
+
+
+@dataclass
+class RunResult:
+    """``status``: ``"ok"`` (``values`` holds each rank's return value), ``"oom"``, ``"error"`` or ``"timeout"``."""
+
+    status: str
+    values: list[Any] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _is_oom(exc: BaseException) -> bool:
+    from lightning_tp2d.bench.measure import MemoryCapExceeded
+    import torch
+
+    return isinstance(exc, (MemoryCapExceeded, torch.OutOfMemoryError))
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
+
+
+def _worker(rank: int, world_size: int, init_file: str, device: str, cap_bytes: int | None, fn: Callable,
+            args: tuple, results, timeout: float) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        backend = "gloo"
+        if device == "cuda":
+            n_gpus = torch.cuda.device_count()
+            gpu = rank if n_gpus >= world_size else 0
+            backend = "nccl" if n_gpus >= world_size else "gloo"
+            torch.cuda.set_device(gpu)
+            if cap_bytes is not None:
+                total = torch.cuda.get_device_properties(gpu).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), gpu)
+        else:
+            torch.set_num_threads(max(1, int(os.environ.get("TP2D_BENCH_THREADS", "1"))))
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent, which decides
+        status = OOM if _is_oom(exc) else "error"
+        detail = _short(exc) if status == OOM or isinstance(exc, ValueError) else traceback.format_exc()
+        results.put((rank, status, detail))
+
+
+def run_ranks(fn: Callable, world_size: int, *args, device: str = "cpu", cap_bytes: int | None = None,
+              timeout: float = 600.0) -> RunResult:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` new processes joined by a process group.
+
+    Returns the per-rank values, or the first failure (``oom`` / ``error`` with the rank's reason, ``timeout``,
+    or a rank that died without a word). The processes left are terminated either way."""
+    ctx = mp.get_context("spawn" if device == "cuda" else "fork")
+    results = ctx.Queue()
+    outs: dict[int, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(r, world_size, init_file, device, cap_bytes, fn, args, results, timeout))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while len(outs) < world_size:
+                try:
+                    rank, status, value = results.get(timeout=0.5)
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if r not in outs and p.exitcode is not None]
+                    if dead:
+                        try:  # a rank that reported just before exiting: its message is in the pipe by now
+                            rank, status, value = results.get(timeout=2.0)
+                        except queue.Empty:
+                            codes = [procs[r].exitcode for r in dead]
+                            return RunResult("error", reason=f"ranks {dead} exited with codes {codes} and no result")
+                    elif time.monotonic() > deadline:
+                        missing = sorted(set(range(world_size)) - set(outs))
+                        return RunResult("timeout", reason=f"ranks {missing} did not finish within {timeout:.0f} s")
+                    else:
+                        continue
+                if status != "ok":
+                    return RunResult(status, reason=f"rank {rank}: {value}")
+                outs[rank] = value
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(timeout=10)
+    return RunResult("ok", values=[outs[r] for r in range(world_size)])

@@ -1,0 +1,197 @@
+"""Benchmark output: ``results.json`` (everything), ``results.md`` (tables and targets) and matplotlib plots."""
+
+from __future__ import annotations
+
+import json
+import os
+
+MIB = 1024 * 1024
+
+# (key, title, threshold, what "met" means) -- the issue's targets, each a ratio measured in one run
+TARGETS = {
+    "activation_2d_vs_tp1d": ("\"2d\" peak activation memory per rank / 1-D TP's, p = 4", 0.5, "<="),
+    "max_seq_metp_vs_tp1d": ("METP max sequence / 1-D TP's, same cap", 2.38, ">="),
+    "wire_2d_vs_tp1d_p16": ("\"2d\" communication bytes per rank / 1-D TP's, p >= 16", 1.0, "<"),
+    "single_vs_hf_tokens": ("plain GPT2 tokens/s / transformers GPT2LMHeadModel (SDPA)", 0.95, ">="),
+}
+
+
+def _ok(rows, **match):
+    for r in rows:
+        if r.get("status") == "ok" and all(r.get(k) == v for k, v in match.items()):
+            return r
+    return None
+
+
+def evaluate_targets(results: dict) -> list[dict]:
+    """Each target with its measured ratio, ``met`` (``None`` when this run did not measure it) and where from."""
+    out = []
+
+    def add(key, value, source):
+        title, threshold, op = TARGETS[key]
+        met = None if value is None else {"<=": value <= threshold, ">=": value >= threshold,
+                                          "<": value < threshold}[op]
+        out.append({"key": key, "target": title, "threshold": f"{op} {threshold}", "value": value, "met": met,
+                    "source": source})
+
+    scen = results.get("scenarios", [])
+    a, b = _ok(scen, layout="2d", p=4), _ok(scen, layout="tp1d", p=4)
+    add("activation_2d_vs_tp1d", a["activation_bytes"] / b["activation_bytes"] if a and b else None,
+        "scenarios (activation bytes alive at the end of the forward)")
+    ms = results.get("max_seq", [])
+    m = next((r for r in ms if r["layout"] == "metp" and r.get("status") == "ok"), None)
+    t = next((r for r in ms if r["layout"] == "tp1d" and r.get("status") == "ok" and m and r["p"] == m["p"]), None)
+    add("max_seq_metp_vs_tp1d", m["max_seq"] / t["max_seq"] if m and t and t["max_seq"] else None,
+        f"max-sequence search at p = {m['p']}" if m else "max-sequence search")
+    weak = results.get("weak_scaling", [])
+    big = sorted({r["p"] for r in weak if r["p"] >= 16 and r.get("status") == "ok"})
+    if big:
+        a, b = _ok(weak, layout="2d", p=big[0]), _ok(weak, layout="tp1d", p=big[0])
+        add("wire_2d_vs_tp1d_p16", a["wire_bytes"] / b["wire_bytes"] if a and b else None,
+            f"weak-scaling run at p = {big[0]} (wire bytes of the counted calls)")
+    else:
+        proj = [r for r in results.get("projection", {}).get("rows", []) if r["gpus"] >= 16]
+        add("wire_2d_vs_tp1d_p16", proj[0]["wire_bytes_2d"] / proj[0]["wire_bytes_tp1d"] if proj else None,
+            f"cost model at {proj[0]['gpus']} GPUs" if proj else "cost model")
+    s, h = _ok(scen, layout="single"), _ok(scen, layout="hf")
+    add("single_vs_hf_tokens", s["tokens_per_s"] / h["tokens_per_s"] if s and h and "tokens_per_s" in s else None,
+        "scenarios (median step time after warm-up)")
+    return out
+
+
+def _mib(v) -> str:
+    return "" if v is None else f"{v / MIB:.2f}"
+
+
+def _fmt(v, spec=".3g") -> str:
+    return "" if v is None else format(v, spec)
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# tp2d-bench results", "", f"Command: `{results['command']}`", "",
+             f"Machine: {results['machine']['summary']}", "", f"Date: {results['date']}", ""]
+    spec = results["spec"]
+    lines += [f"Model `{spec['model']}` {spec['overrides'] or ''}, batch {spec['batch']}, sequence {spec['seq']}, "
+              f"{spec['dtype']}, device {spec['device']}. Memory on CPU is live tensor bytes (parameters, "
+              "gradients, optimizer state, activations), on GPU the CUDA allocator's. Communication: payload "
+              "bytes per rank per step as counted (`= model`: equal, kind by kind and rank by rank, to the cost "
+              "model); wire bytes: what the rank sends under ring/pipelined algorithms (cost model).", ""]
+    lines += ["## Targets", "", "| target | measured | threshold | met | from |", "|---|---|---|---|---|"]
+    for t in results.get("targets", []):
+        met = {True: "**met**", False: "**not met**", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['target']} | {_fmt(t['value'])} | {t['threshold']} | {met} | {t['source']} |")
+    lines += ["", "## Scenarios", "",
+              "| layout | ranks | status | loss | step ms | tokens/s | resident MiB | activation MiB | peak MiB "
+              "| comm calls | comm MiB | = model | wire MiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results.get("scenarios", []):
+        if r["status"] != "ok":
+            lines.append(f"| {r['layout']} | {r['p']} | {r['status']}: {r['reason']} |" + " |" * 10)
+            continue
+        match = {True: "yes", False: "**no**", None: "n/a"}[r.get("comm_matches_model")]
+        lines.append(
+            f"| {r['layout']} | {r['p']} | ok | {r['loss']:.5f} | {_fmt(r.get('step_time_s', 0) * 1e3, '.1f')} "
+            f"| {_fmt(r.get('tokens_per_s'), '.0f')} | {_mib(r['resident_bytes'])} | {_mib(r['activation_bytes'])} "
+            f"| {_mib(r['peak_bytes'])} | {r['comm_calls']} | {_mib(r['comm_bytes'])} | {match} "
+            f"| {_mib(r.get('wire_bytes'))} |")
+    if results.get("max_seq"):
+        lines += ["", "## Maximum sequence length under a per-rank cap", "",
+                  "| layout | ranks | batch | cap MiB | max seq | probes |", "|---|---|---|---|---|---|"]
+        for r in results["max_seq"]:
+            value = r.get("max_seq", r.get("reason", ""))
+            lines.append(f"| {r['layout']} | {r['p']} | {r['batch']} | {_mib(r['cap_bytes'])} | {value} "
+                         f"| {len(r.get('probes', []))} |")
+    if results.get("weak_scaling"):
+        lines += ["", "## Weak scaling (batch grows with p)", "",
+                  "| layout | p | batch | status | step ms | comm MiB | wire MiB | activation MiB | note |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in results["weak_scaling"]:
+            if r["status"] != "ok":
+                lines.append(f"| {r['layout']} | {r['p']} | {r['batch']} | {r['status']}: {r['reason']} |" + " |" * 5)
+                continue
+            lines.append(f"| {r['layout']} | {r['p']} | {r['batch']} | ok | {_fmt(r.get('step_time_s', 0) * 1e3, '.1f')} "
+                         f"| {_mib(r['comm_bytes'])} | {_mib(r.get('wire_bytes'))} | {_mib(r['activation_bytes'])} "
+                         f"| {r.get('note', '')} |")
+    proj = results.get("projection")
+    if proj:
+        lines += ["", f"## Cost model: projected step time, {proj['model']} batch {proj['batch']} x {proj['seq']}, "
+                  f"{proj['hardware']}", "",
+                  "| GPUs | 2d ms | 1-D TP ms | speedup 2d / 1-D | 2d wire MiB | 1-D wire MiB |",
+                  "|---|---|---|---|---|---|"]
+        for r in proj["rows"]:
+            lines.append(f"| {r['gpus']} | {r['time_2d_s'] * 1e3:.2f} | {r['time_tp1d_s'] * 1e3:.2f} | "
+                         f"{r['speedup']:.2f} | {_mib(r['wire_bytes_2d'])} | {_mib(r['wire_bytes_tp1d'])} |")
+        if "metp_overlap_threshold" in proj:
+            lines += ["", f"METP full-overlap threshold ({proj['hardware']}): a ring step's attention covers its "
+                      f"K/V transfer from {proj['metp_overlap_threshold']} tokens per rank."]
+    check = results.get("model_check")
+    if check:
+        lines += ["", "## Cost model against this run", "", check["summary"]]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict, out_dir: str) -> list[str]:
+    """PNG plots of whatever sections the run has; returns the file names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    mem = [r for r in results.get("memory_vs_seq", []) if r.get("status") == "ok"]
+    if mem:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for layout in dict.fromkeys(r["layout"] for r in mem):
+            pts = sorted((r["seq"], r["peak_bytes"] / MIB) for r in mem if r["layout"] == layout)
+            ax.plot(*zip(*pts), marker="o", label=f"{layout} (p={next(r['p'] for r in mem if r['layout'] == layout)})")
+        ax.set(xlabel="sequence length", ylabel="peak memory per rank (MiB)", title="Peak memory per rank vs sequence")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, out_dir, "memory_vs_seq.png"))
+    weak = [r for r in results.get("weak_scaling", []) if r.get("status") == "ok"]
+    if weak:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for layout in dict.fromkeys(r["layout"] for r in weak):
+            pts = sorted((r["p"], r["wire_bytes"] / MIB) for r in weak if r["layout"] == layout)
+            ax.plot(*zip(*pts), marker="o", label=f"{layout}")
+        ax.set(xlabel="ranks p (batch grows with p)", ylabel="wire MiB per rank per step",
+               title="Communication per rank vs p")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, out_dir, "comm_vs_p.png"))
+    proj = results.get("projection")
+    if proj:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        gpus = [r["gpus"] for r in proj["rows"]]
+        ax.plot(gpus, [r["speedup"] for r in proj["rows"]], marker="o", label="2d / 1-D TP")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xlabel="GPUs (one tensor-parallel group)", ylabel="projected speedup",
+               title=f"Cost model: {proj['model']} on {proj['hardware']}")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, out_dir, "speedup_vs_gpus.png"))
+    return written
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, name), dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return name
+
+
+def write(results: dict, out_dir: str) -> list[str]:
+    """Write results.json, results.md and the plots into ``out_dir``; returns the file names."""
+    os.makedirs(out_dir, exist_ok=True)
+    results["targets"] = evaluate_targets(results)
+    names = plots(results, out_dir)
+    results["plots"] = names
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(markdown(results))
+    return ["results.json", "results.md", *names]

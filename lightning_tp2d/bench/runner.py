@@ -1,0 +1,337 @@
+"""Benchmark scenarios: one training step of the same model, batch and sequence under each layout.
+
+A *scenario* is a layout and a number of ranks:
+
+=========  =====  ===========================================================================================
+layout     ranks  what runs
+=========  =====  ===========================================================================================
+single     1      the plain :class:`~lightning_tp2d.models.GPT2` on one device
+hf         1      transformers' ``GPT2LMHeadModel`` (SDPA attention), same shapes (reference for ``single``)
+tp1d       p      PyTorch's 1-D tensor parallelism (:mod:`lightning_tp2d.bench.tp1d`)
+2d         p      TP2D, SUMMA on a q x q grid
+metp       p      METP ring over p ranks
+2d-metp    p      grid rows split the sequence, attention rings along rows
+=========  =====  ===========================================================================================
+
+Per scenario every rank reports (:func:`measure_rank`): the first loss (the same model and data everywhere, so
+the losses must agree), step times after warm-up, the bytes resident between steps (parameters and optimizer
+state), the activation bytes (allocated by the forward and still alive at its end), the peak of one whole step
+(resident + the most alive during forward, backward and optimizer step), and the communication calls and bytes
+of one step (our collectives from :data:`lightning_tp2d.comm.STATS`; DTensor's from
+:mod:`lightning_tp2d.bench.collectives`). On CPU memory is the live tensor bytes of
+:class:`~lightning_tp2d.bench.measure.LiveTensorBytes`; on GPU the CUDA allocator's statistics.
+
+:func:`max_sequence` searches the largest trainable sequence length under a per-rank memory cap, each probe one
+step on fresh processes (:func:`lightning_tp2d.bench.procs.run_ranks`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, replace
+
+from lightning_tp2d.bench.procs import RunResult, run_ranks
+
+LAYOUTS = ("single", "hf", "tp1d", "2d", "metp", "2d-metp")
+SINGLE_DEVICE = ("single", "hf")
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """One benchmark setting, shared by every scenario of a run."""
+
+    model: str = "gpt2-tiny"
+    overrides: dict = field(default_factory=dict)  # GPT2Config fields, e.g. {"n_head": 12, "n_layer": 2}
+    batch: int = 4
+    seq: int = 64
+    steps: int = 5  # timed steps (median reported)
+    warmup: int = 2
+    dtype: str = "float32"  # "float32" or "bfloat16" (autocast; parameters stay float32)
+    device: str = "cpu"
+    seed: int = 0
+    timeout: float = 900.0
+
+    def config(self, seq: int | None = None):
+        from lightning_tp2d.models import GPT2Config
+
+        seq = self.seq if seq is None else seq
+        base = GPT2Config.from_name(self.model, **self.overrides)
+        return replace(base, block_size=max(base.block_size, seq))
+
+    @property
+    def elem(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+
+def ranks_of(layout: str, p: int) -> int:
+    return 1 if layout in SINGLE_DEVICE else p
+
+
+def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -> str | None:
+    """Why ``layout`` cannot run on ``p`` ranks with this batch and sequence (``None`` when it can); checked
+    before any process starts, so the reason names the numbers."""
+    from lightning_tp2d.mesh import ParallelDims
+
+    if layout not in LAYOUTS:
+        return f"unknown layout {layout!r}; choose from {list(LAYOUTS)}"
+    cfg = spec.config(seq)
+    if seq > cfg.block_size:
+        return f"seq {seq} > block_size {cfg.block_size}"
+    if layout in SINGLE_DEVICE:
+        return None
+    try:
+        if layout == "tp1d":
+            bad = [f"{k}={v} is not divisible by p={p}" for k, v in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd))
+                   if v % p]
+            if bad:
+                raise ValueError("layout 'tp1d': " + "; ".join(bad))
+            return None
+        dims = ParallelDims(layout, p)
+        dims.check_model(cfg.n_head, cfg.n_embd)
+    except ValueError as e:
+        return str(e)
+    q = dims.q
+    if layout == "2d" and batch % q:
+        return f"batch {batch} is not divisible by q={q}"
+    if layout == "metp" and seq % (2 * p):
+        return f"sequence length {seq} is not divisible by 2*p={2 * p}"
+    if layout == "2d-metp" and seq % (2 * q):
+        return f"sequence length {seq} is not divisible by 2*q={2 * q}"
+    return None
+
+
+# ---- one rank ------------------------------------------------------------------------------------------
+
+
+def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
+    """The model of ``layout`` on this rank, its optimizer and the step function."""
+    import torch
+
+    from lightning_tp2d.models import GPT2
+
+    cfg = spec.config(seq)
+    device = torch.device(spec.device, torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
+    torch.manual_seed(spec.seed)
+    if layout == "hf":
+        from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+
+        hf_cfg = HFConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
+                          n_positions=cfg.block_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                          bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+        model = GPT2LMHeadModel(hf_cfg).to(device)
+        model.load_state_dict(GPT2(cfg).hf_state_dict(), strict=False)  # the same weights as "single"
+    else:
+        model = GPT2(cfg)
+        if layout == "single":
+            model = model.to(device)
+        elif layout == "tp1d":
+            from lightning_tp2d.bench.tp1d import init_tp1d_mesh, parallelize_1d
+
+            parallelize_1d(model.to(device), init_tp1d_mesh(world_size, device_type=device.type))
+        else:
+            import lightning_tp2d as tp
+
+            tp.parallelize(model, tp.init_mesh(layout, world_size, 1, device_type=device.type), layout=layout)
+    model.train()
+    if layout == "tp1d":  # DTensor and plain parameters in separate groups (CUDA foreach kernels refuse a mix)
+        from lightning_tp2d.bench.tp1d import param_groups_1d
+
+        optimizer = torch.optim.AdamW(param_groups_1d(model), lr=1e-4)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    data = torch.randint(0, cfg.vocab_size, (spec.batch, seq + 1), generator=gen).to(device)
+    idx, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if spec.dtype == "bfloat16" else nullcontext)
+
+    def forward():
+        with autocast() if spec.dtype == "bfloat16" else nullcontext():
+            if layout == "hf":
+                # HF shifts the labels itself: the same next-token loss, less the last position's target
+                return model(idx, labels=idx).loss
+            return model(idx, targets)
+
+    return model, optimizer, forward
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_rank(rank: int, world_size: int, layout: str, spec: BenchSpec, seq: int, full: bool,
+                 cap_bytes: int | None = None) -> dict:
+    """One rank of a scenario. ``full``: time ``spec.steps`` steps after warm-up, then measure memory and
+    communication on one more step; otherwise (a max-sequence probe) just that one measured step, which raises
+    :class:`~lightning_tp2d.bench.measure.MemoryCapExceeded` (CPU) or an OOM (GPU) past the cap."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_tp2d import comm
+    from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
+    from lightning_tp2d.bench.measure import LiveTensorBytes, resident_bytes
+
+    model, optimizer, forward = _build(layout, spec, seq, world_size)
+    out: dict = {"rank": rank}
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    if full:
+        times = []
+        for i in range(spec.warmup + spec.steps):
+            dist.barrier()
+            _sync(spec.device)
+            t0 = time.perf_counter()
+            loss = step()
+            _sync(spec.device)
+            times.append(time.perf_counter() - t0)
+            if i == 0:
+                out["loss"] = loss.item()
+        out["step_times"] = times[spec.warmup:]
+
+    # the measured step: memory and communication
+    optimizer.zero_grad(set_to_none=True)
+    resident = resident_bytes(model, optimizer)
+    on_gpu = spec.device == "cuda"
+    tracker = LiveTensorBytes(cap=None if on_gpu else cap_bytes, base=resident, record_shapes=False)
+    counter = FunctionalCollectiveCounter()
+    dist.barrier()
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated()
+    with comm.count_comm() as stats, counter, (nullcontext() if on_gpu else tracker):
+        loss = forward()
+        activation = (torch.cuda.memory_allocated() - resident) if on_gpu else tracker.live
+        loss.backward()
+        optimizer.step()
+    if on_gpu:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resident + tracker.peak
+    snapshot = stats.snapshot()
+    for kind, value in counter.stats.snapshot().items():
+        snapshot[kind] = {"calls": snapshot[kind]["calls"] + value["calls"],
+                          "bytes": snapshot[kind]["bytes"] + value["bytes"]}
+    out.update(resident_bytes=resident, activation_bytes=activation, peak_bytes=peak, comm=snapshot,
+               measured_loss=loss.item())
+    out.setdefault("loss", loss.item())
+    return out
+
+
+# ---- scenarios -----------------------------------------------------------------------------------------
+
+
+def run_scenario(layout: str, p: int, spec: BenchSpec, seq: int | None = None, cap_bytes: int | None = None,
+                 full: bool = True) -> dict:
+    """Run one scenario and summarise it (``status`` ``ok`` or the reason it could not run)."""
+    seq = spec.seq if seq is None else seq
+    world = ranks_of(layout, p)
+    row = {"layout": layout, "p": world, "batch": spec.batch, "seq": seq, "model": spec.model,
+           "dtype": spec.dtype, "device": spec.device}
+    reason = check_scenario(layout, world, spec, spec.batch, seq)
+    if reason is None and spec.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            reason = "no CUDA device"
+    if reason is None and layout == "hf":
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            reason = "transformers is not installed"
+    if reason is not None:
+        return {**row, "status": "cannot run", "reason": reason}
+    result: RunResult = run_ranks(measure_rank, world, layout, spec, seq, full, cap_bytes, device=spec.device,
+                                  cap_bytes=cap_bytes, timeout=spec.timeout)
+    if not result.ok:
+        return {**row, "status": result.status, "reason": result.reason}
+    return {**row, "status": "ok", **summarise(layout, world, spec, seq, result.values)}
+
+
+def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict]) -> dict:
+    """Per-scenario numbers from the per-rank reports, with the cost model's communication prediction."""
+    from lightning_tp2d.bench import cost_model
+    from lightning_tp2d.bench.events import totals, wire_bytes
+
+    row: dict = {"loss": ranks[0]["loss"], "ranks": ranks}
+    if "step_times" in ranks[0]:
+        per_step = [max(r["step_times"][i] for r in ranks) for i in range(len(ranks[0]["step_times"]))]
+        row["step_time_s"] = statistics.median(per_step)
+        row["tokens_per_s"] = spec.batch * seq / row["step_time_s"]
+    for key in ("resident_bytes", "activation_bytes", "peak_bytes"):
+        row[key] = max(r[key] for r in ranks)
+    row["comm_calls"] = max(sum(v["calls"] for v in r["comm"].values()) for r in ranks)
+    row["comm_bytes"] = max(sum(v["bytes"] for v in r["comm"].values()) for r in ranks)
+    if layout != "hf":
+        cfg = spec.config(seq)
+        model_events = [cost_model.comm_events(layout, cfg, spec.batch, seq, p, spec.elem, rank=r) for r in range(p)]
+        predicted = [totals(ev) for ev in model_events]
+        row["model_comm_bytes"] = max(sum(v["bytes"] for v in t.values()) for t in predicted)
+        row["wire_bytes"] = max(wire_bytes(ev) for ev in model_events)
+        if spec.dtype == "float32":
+            row["comm_matches_model"] = all(
+                {k: v for k, v in r["comm"].items() if v["calls"]} == {k: v for k, v in t.items() if v["calls"]}
+                for r, t in zip(ranks, predicted))
+        row["model_activation_bytes"] = cost_model.activation_bytes(layout if layout != "hf" else "single", cfg,
+                                                                   spec.batch, seq, p, spec.elem)
+    return row
+
+
+def max_sequence(layout: str, p: int, spec: BenchSpec, cap_bytes: int, unit: int = 64, limit: int = 1 << 17,
+                 log=print) -> dict:
+    """Largest multiple of ``unit`` (rounded to what the layout needs) that trains one step under the cap.
+
+    Doubling from ``unit`` until a probe fails, then bisection; every probe is a fresh process group."""
+    world = ranks_of(layout, p)
+    granule = {"metp": 2 * world, "2d-metp": 2 * math.isqrt(world)}.get(layout, 1)
+    unit = unit * granule // math.gcd(unit, granule)
+    batch = math.isqrt(world) if layout == "2d" else 1
+    probe_spec = replace(spec, batch=batch)
+    probes: list[dict] = []
+
+    def fits(seq: int) -> bool:
+        reason = check_scenario(layout, world, probe_spec, batch, seq)
+        if reason is not None:
+            probes.append({"seq": seq, "status": "cannot run", "reason": reason})
+            return False
+        r = run_scenario(layout, p, probe_spec, seq=seq, cap_bytes=cap_bytes, full=False)
+        probes.append({"seq": seq, "status": r["status"], "peak_bytes": r.get("peak_bytes"),
+                       "reason": r.get("reason", "")})
+        log(f"  probe {layout} p={world} seq={seq}: {r['status']} {r.get('peak_bytes', '')}")
+        if r["status"] not in ("ok", "oom"):
+            raise RuntimeError(f"probe {layout} seq={seq} failed: {r['reason']}")
+        return r["status"] == "ok"
+
+    row = {"layout": layout, "p": world, "batch": batch, "cap_bytes": cap_bytes, "unit": unit, "model": spec.model}
+    try:
+        lo, hi = 0, unit
+        while hi <= limit and fits(hi):
+            lo, hi = hi, hi * 2
+        if lo == 0:
+            return {**row, "status": "ok", "max_seq": 0, "probes": probes}
+        hi = min(hi, limit + unit)
+        while hi - lo > unit:
+            mid = (lo + hi) // 2 // unit * unit
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+    except RuntimeError as e:
+        return {**row, "status": "error", "reason": str(e), "probes": probes}
+    return {**row, "status": "ok", "max_seq": lo, "capped_by_limit": lo >= limit, "probes": probes}
+
+
+def spec_dict(spec: BenchSpec) -> dict:
+    return asdict(spec)

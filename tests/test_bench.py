@@ -1,0 +1,91 @@
+"""``tp2d-bench --quick``: every section on 4 CPU ranks with the tiny model, checked field by field.
+
+The run compares single device, transformers' GPT-2, PyTorch's 1-D tensor parallelism, "2d", "metp" and
+"2d-metp" on the same model and data. Every scenario must report its numbers, start from the same loss, and
+count exactly the communication the cost model predicts (rank by rank, kind by kind); the memory sections must
+show the layouts ordered as the design says. Scenarios that cannot run are rows with a reason, not a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from lightning_tp2d.bench import cli, report
+from lightning_tp2d.bench.runner import BenchSpec, max_sequence, run_scenario
+
+SCENARIO_FIELDS = {"layout", "p", "batch", "seq", "status", "loss", "step_time_s", "tokens_per_s", "resident_bytes",
+                   "activation_bytes", "peak_bytes", "comm_calls", "comm_bytes", "model_comm_bytes", "wire_bytes",
+                   "comm_matches_model", "model_activation_bytes", "per_rank"}
+MODEL_FIELDS = {"model_comm_bytes", "wire_bytes", "comm_matches_model", "model_activation_bytes"}  # not for "hf"
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert cli.main(["--quick", "--out", str(out)]) == 0
+    with open(out / "results.json") as f:
+        return json.load(f), out
+
+
+def test_quick_run_reports_every_field_of_every_scenario(quick):
+    results, out = quick
+    rows = {r["layout"]: r for r in results["scenarios"]}
+    assert list(rows) == ["single", "hf", "tp1d", "2d", "metp", "2d-metp"]
+    for layout, r in rows.items():
+        assert r["status"] == "ok", r
+        missing = SCENARIO_FIELDS - set(r) - (MODEL_FIELDS if layout == "hf" else set())
+        assert not missing, (layout, missing)
+        assert r["p"] == (1 if layout in ("single", "hf") else 4)
+        assert len(r["per_rank"]) == r["p"]
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+        assert 0 < r["activation_bytes"] < r["peak_bytes"] and r["resident_bytes"] > 0
+        if layout != "hf":  # transformers' loss leaves out the last position's target
+            assert math.isclose(r["loss"], rows["single"]["loss"], rel_tol=1e-5), layout  # same model and data
+    for name in ("results.json", "results.md", "memory_vs_seq.png", "comm_vs_p.png", "speedup_vs_gpus.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert {t["key"] for t in results["targets"]} == set(report.TARGETS)
+    assert results["machine"]["cores"] >= 1 and results["command"].startswith("tp2d-bench --quick")
+
+
+def test_counted_communication_equals_the_cost_model(quick):
+    results, _ = quick
+    for r in results["scenarios"] + results["weak_scaling"]:
+        if r["layout"] in ("single", "hf"):
+            assert r["comm_bytes"] == 0
+            continue
+        assert r["comm_matches_model"] is True, r["layout"]
+        assert r["comm_bytes"] == r["model_comm_bytes"]
+        assert (r["comm_bytes"] > 0) == (r["p"] > 1 or r["layout"] == "tp1d")  # tp1d: loss_parallel even on one rank
+
+
+def test_memory_sections_order_the_layouts_as_designed(quick):
+    results, _ = quick
+    rows = {r["layout"]: r for r in results["scenarios"]}
+    # 1-D TP keeps full [tokens, h] activations on every rank; "2d" and the ring keep 1/p of them
+    assert rows["2d"]["activation_bytes"] < rows["tp1d"]["activation_bytes"]
+    assert rows["metp"]["activation_bytes"] < rows["tp1d"]["activation_bytes"]
+    mem = {(r["layout"], r["seq"]): r["peak_bytes"] for r in results["memory_vs_seq"] if r["status"] == "ok"}
+    assert mem and all(mem[layout, 64] > mem[layout, 32] for layout, seq in mem if seq == 32)
+    seqs = {r["layout"]: r for r in results["max_seq"]}
+    assert seqs["metp"]["status"] == seqs["tp1d"]["status"] == "ok"
+    assert seqs["metp"]["max_seq"] > seqs["tp1d"]["max_seq"] > 0
+    for r in seqs.values():  # the last probe that fit is the answer; a larger one ran out of the cap
+        statuses = {p["seq"]: p["status"] for p in r["probes"]}
+        assert statuses[r["max_seq"]] == "ok"
+        assert any(s == "oom" and q > r["max_seq"] for q, s in statuses.items()) or r["capped_by_limit"]
+
+
+def test_scenarios_that_cannot_run_are_reported_with_the_numbers():
+    spec = BenchSpec(overrides={"n_head": 12}, steps=1, warmup=0)
+    assert "tensor_parallel_size" in run_scenario("2d", 3, spec)["reason"]  # 3 is not a square
+    assert "not divisible by 2*p=8" in run_scenario("metp", 4, spec, seq=60)["reason"]
+    assert "batch 3 is not divisible by q=2" in run_scenario("2d", 4, BenchSpec(batch=3, overrides={"n_head": 12}))[
+        "reason"]
+    assert "n_head=6 is not divisible by p=4" in run_scenario("tp1d", 4, BenchSpec())["reason"]
+    oom = run_scenario("metp", 2, spec, cap_bytes=10_000, full=False)
+    assert oom["status"] == "oom" and "exceeds the cap of 10000 bytes" in oom["reason"]
+    # a search whose smallest probe does not fit reports 0, not an error
+    assert max_sequence("tp1d", 2, spec, cap_bytes=10_000, log=lambda m: None)["max_seq"] == 0
