@@ -86,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--projection-batch", type=int, default=64)
     ap.add_argument("--projection-seq", type=int, default=1024)
     ap.add_argument("--hardware", default="h100", choices=["h100", "a100"])
+    ap.add_argument("--model-check", action="store_true",
+                    help="calibrate this machine (matmul rate, link) and compare the cost model's step times")
     ap.add_argument("--out", default=None, help="results folder (default results/bench-<time>)")
     return ap
 
@@ -127,6 +129,48 @@ def _drop_rank_detail(rows: list[dict]) -> list[dict]:
         for r in rows]
 
 
+def model_check(scenarios: list[dict], spec: BenchSpec, p: int) -> dict:
+    """The cost model's step time for each measured scenario on this machine's calibrated rates.
+
+    Rates: one matrix product of the scenario's local MLP shape (``[tokens/rank, h/width] @ [h/width, 4h/p]``),
+    scaled by ``cores / ranks`` when the ranks outnumber the cores; the link is a ping-pong fit between two ranks
+    of the same backend. Everything the model leaves out (Python and autograd overhead per op, LayerNorm, the
+    optimizer step, element-wise kernels, contention of ranks sharing cores) shows in the error."""
+    import math
+
+    from lightning_tp2d.bench import calibrate, cost_model
+
+    latency, bandwidth = calibrate.link(spec.device)
+    cores = os.cpu_count() or 1
+    rows = []
+    for r in scenarios:
+        if r.get("status") != "ok" or r["layout"] == "hf" or "step_time_s" not in r:
+            continue
+        layout, n, cfg = r["layout"], r["p"], spec.config(r["seq"])
+        tokens, h = r["batch"] * r["seq"], cfg.n_embd
+        q = math.isqrt(n)
+        m, k, cols = {"single": (tokens, h, 4 * h), "tp1d": (tokens, h, 4 * h // n),
+                      "metp": (tokens // n, h, 4 * h // n)}.get(layout, (tokens // q, h // q, 4 * h // q))
+        rate = calibrate.matmul_rate(m, k, cols, spec.device) * (min(1.0, cores / n) if spec.device == "cpu" else 1)
+        link = cost_model.Link(latency, bandwidth)
+        hw = cost_model.Hardware("this machine", rate, rate, intra=link, inter=link, gpus_per_node=1 << 30)
+        pred = cost_model.step_time(layout, cfg, r["batch"], r["seq"], n, hw, elem=spec.elem)
+        rows.append({"layout": layout, "p": n, "predicted_s": pred["total_s"], "measured_s": r["step_time_s"],
+                     "compute_s": pred["compute_s"], "exposed_comm_s": pred["exposed_comm_s"],
+                     "matmul_flops_per_s": rate, "error": pred["total_s"] / r["step_time_s"] - 1})
+    worst = max((abs(x["error"]) for x in rows), default=0.0)
+    lines = [f"Link (ping-pong fit): {latency * 1e6:.1f} us + bytes / {bandwidth / 1e9:.2f} GB/s; {cores} cores.",
+             "", "| layout | ranks | predicted ms | (compute + exposed comm) | measured ms | error |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {x['layout']} | {x['p']} | {x['predicted_s'] * 1e3:.1f} | {x['compute_s'] * 1e3:.1f} + "
+              f"{x['exposed_comm_s'] * 1e3:.1f} | {x['measured_s'] * 1e3:.1f} | {x['error'] * 100:+.0f}% |"
+              for x in rows]
+    lines += ["", f"Largest error: {worst * 100:.0f}% (the model counts matrix products, attention and "
+              "communication only)."]
+    return {"latency_s": latency, "bandwidth_Bps": bandwidth, "rows": rows, "max_abs_error": worst,
+            "summary": "\n".join(lines)}
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
     from lightning_tp2d.bench import cost_model
 
@@ -142,6 +186,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         row = run_scenario(layout, args.p, spec)
         _log(_scenario_line(row))
         results["scenarios"].append(row)
+
+    if args.model_check:
+        results["model_check"] = model_check(results["scenarios"], spec, args.p)
+        _log(results["model_check"]["summary"])
 
     if args.memory_seqs:
         results["memory_vs_seq"] = []
