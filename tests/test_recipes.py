@@ -24,7 +24,7 @@ DOCS = [ROOT / "README.md", ROOT / "recipes" / "README.md", ROOT / "conf" / "REA
         *sorted((ROOT / "recipes").glob("*.sh")), *sorted((ROOT / "recipes").glob("*.sbatch")),
         *sorted((ROOT / "conf").rglob("*.yaml"))]
 # a command, and what follows it up to the end of the line, a code span, a table cell or a comment
-HEAD = r"tp2d-train|-m lightning_tp2d\.train|bash recipes/[\w.]+|sbatch recipes/[\w.]+"
+HEAD = r"tp2d-train|-m lightning_tp2d\.train|bash recipes/[\w./]+|sbatch recipes/[\w./]+"
 COMMAND = re.compile(rf"({HEAD})((?:(?!{HEAD})[^`\n|#;])*)")
 OVERRIDE = re.compile(r"^[+~]{0,2}[\w./@-]+=\S*$")
 PLACEHOLDER = re.compile(r"[<>$\[\]]|\.\.\.")
@@ -56,6 +56,8 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                         break  # prose after the command
                     tokens.append(token)
                 script = ROOT / head.split()[-1] if head.startswith(("bash", "sbatch")) else None
+                if script is not None and "tp2d-train" not in script.read_text():
+                    continue  # a script of another command (the benchmarks)
                 if script is not None and "trainer=multinode" in script.read_text():
                     tokens.insert(0, "trainer=multinode")  # what the script adds
                 found.append((f"{doc.relative_to(ROOT)}: {head} {' '.join(tokens)}".strip(), tokens))
