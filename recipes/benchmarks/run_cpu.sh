@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The CPU benchmark runs whose results are committed next to this script (gloo, one thread per rank).
+# Each writes results.json, results.md and plots into its own folder. About 40 minutes on 2 cores.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+
+# 1. GPT-2 small (124M: 12 layers, h 768, 12 heads, vocab 50257) at p = 4: every layout side by side with 1-D TP
+#    and transformers' GPT2LMHeadModel; memory against sequence length; cost model vs this machine.
+tp2d-bench --model gpt2 --batch 4 --seq 256 --p 4 --steps 3 --warmup 1 \
+  --layouts single,hf,tp1d,2d,metp,2d-metp --memory-seqs 128,256,512 --model-check \
+  --out "$here/gpt2_p4"
+
+# 2. Longest trainable sequence at p = 8 under a 128 MiB per-rank cap (batch 1): METP against 1-D TP.
+tp2d-bench --model gpt2 --set n_layer=2 --set n_embd=256 --set n_head=8 --layouts "" \
+  --max-seq-layouts tp1d,metp --max-seq-p 8 --cap-mib 128 --max-seq-unit 512 --out "$here/max_seq_p8"
+#    The same with a 257-token vocabulary and a 64 MiB cap: activations alone, without the vocabulary's weight,
+#    logits and (1-D TP) the full [V, h] embedding gradient torch computes on every rank.
+tp2d-bench --model gpt2 --set n_layer=2 --set n_embd=256 --set n_head=8 --set vocab_size=257 --layouts "" \
+  --max-seq-layouts tp1d,metp --max-seq-p 8 --cap-mib 64 --max-seq-unit 512 --out "$here/max_seq_p8_small_vocab"
+
+# 3. Weak scaling p = 1, 4, 9, 16 (batch = p sequences of 288): communication per rank of "2d" and 1-D TP.
+#    144 heads of width 4 so that every p divides the heads; 16 ranks share 2 cores, so times are not speeds.
+tp2d-bench --model gpt2 --set n_layer=2 --set n_embd=576 --set n_head=144 --set vocab_size=257 --seq 288 \
+  --layouts "" --weak-scaling 1,4,9,16 --weak-layouts tp1d,2d,metp --weak-batch 1 --steps 2 --warmup 1 \
+  --out "$here/weak_scaling"
