@@ -87,5 +87,17 @@ def test_scenarios_that_cannot_run_are_reported_with_the_numbers():
     assert "n_head=6 is not divisible by p=4" in run_scenario("tp1d", 4, BenchSpec())["reason"]
     oom = run_scenario("metp", 2, spec, cap_bytes=10_000, full=False)
     assert oom["status"] == "oom" and "exceeds the cap of 10000 bytes" in oom["reason"]
+    assert "bias=False" in run_scenario("hf", 1, BenchSpec(overrides={"bias": False}))["reason"]
     # a search whose smallest probe does not fit reports 0, not an error
     assert max_sequence("tp1d", 2, spec, cap_bytes=10_000, log=lambda m: None)["max_seq"] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "foo"], "unknown GPT-2 config 'foo'"),
+    (["--layouts", "single,foo"], "unknown layouts ['foo']"),
+    (["--set", "n_head=5"], "n_embd=48 is not divisible by n_head=5"),
+])
+def test_command_line_refuses_bad_input_before_running_anything(argv, message, capsys):
+    with pytest.raises(SystemExit) as err:
+        cli.main(argv)
+    assert err.value.code == 2 and message in capsys.readouterr().err

@@ -248,8 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.set_defaults(**QUICK)
     args = ap.parse_args(argv)
     try:
-        _names(args.layouts)
-    except argparse.ArgumentTypeError as e:
+        for names in (args.layouts, args.memory_layouts, args.max_seq_layouts, args.weak_layouts):
+            _names(names)
+        for model, sets in ((args.model, args.set), (args.projection_model, [])):
+            BenchSpec(model=model, overrides=_overrides(sets)).config()  # a bad name or field fails here
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
         ap.error(str(e))
     out = args.out or os.path.join("results", "bench-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     results = run(args, argv)

@@ -80,6 +80,8 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
     cfg = spec.config(seq)
     if seq > cfg.block_size:
         return f"seq {seq} > block_size {cfg.block_size}"
+    if layout == "hf" and (not cfg.bias or cfg.dropout):
+        return f"transformers' GPT-2 has biases and is compared without dropout (bias={cfg.bias}, dropout={cfg.dropout})"
     if layout in SINGLE_DEVICE:
         return None
     try:
@@ -122,7 +124,12 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
                           n_positions=cfg.block_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                           bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
         model = GPT2LMHeadModel(hf_cfg).to(device)
-        model.load_state_dict(GPT2(cfg).hf_state_dict(), strict=False)  # the same weights as "single"
+        result = model.load_state_dict(GPT2(cfg).hf_state_dict(), strict=False)  # the same weights as "single"
+        params = {n for n, _ in model.named_parameters()}
+        missing = [k for k in result.missing_keys if k in params and k != "lm_head.weight"]  # lm_head is tied
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"transformers GPT-2 did not take our weights: missing {missing}, "
+                               f"unexpected {result.unexpected_keys}")
     else:
         model = GPT2(cfg)
         if layout == "single":
