@@ -85,7 +85,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--projection-model", default="gpt2-medium")
     ap.add_argument("--projection-batch", type=int, default=64)
     ap.add_argument("--projection-seq", type=int, default=1024)
-    ap.add_argument("--hardware", default="h100", choices=["h100", "a100"])
+    ap.add_argument("--hardware", default="h100", choices=["h100", "a100"], help="preset of the projection")
+    ap.add_argument("--measured-rates", action="store_true",
+                    help="project with this machine's measured matmul rate instead of the preset's")
     ap.add_argument("--model-check", action="store_true",
                     help="calibrate this machine (matmul rate, link) and compare the cost model's step times")
     ap.add_argument("--out", default=None, help="results folder (default results/bench-<time>)")
@@ -171,9 +173,39 @@ def model_check(scenarios: list[dict], spec: BenchSpec, p: int) -> dict:
             "summary": "\n".join(lines)}
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> dict:
-    from lightning_tp2d.bench import cost_model
+def projection(args: argparse.Namespace) -> dict:
+    """The cost model's "2d" against 1-D TP for one tensor-parallel group of 4, 16 and 64 GPUs: step time,
+    bytes sent per rank and saved activations per rank (bf16), and METP's full-overlap threshold. With
+    ``--measured-rates`` the matmul rate is this machine's (the "2d" local MLP product of a 2x2 grid) instead
+    of the preset's; the links stay the preset's."""
+    from lightning_tp2d.bench import calibrate, cost_model
 
+    hw = {"h100": cost_model.H100_NVLINK4_NDR, "a100": cost_model.A100_NVLINK3_HDR}[args.hardware]
+    cfg = BenchSpec(model=args.projection_model).config(args.projection_seq)
+    batch, seq = args.projection_batch, args.projection_seq
+    if args.measured_rates:
+        dtype = "bfloat16" if args.device == "cuda" else "float32"
+        m = batch * seq // 2 if args.device == "cuda" else min(batch * seq // 2, 4096)
+        rate = calibrate.matmul_rate(m, cfg.n_embd // 2, 2 * cfg.n_embd, args.device, dtype, repeats=5)
+        hw = replace(hw, name=f"{hw.name}; measured matmul {rate / 1e12:.3g} TFLOP/s ({args.device}, {dtype})",
+                     matmul_flops_per_s=rate,
+                     attention_flops_per_s=rate * hw.attention_flops_per_s / hw.matmul_flops_per_s)
+    rows = []
+    for r in cost_model.projected_speedup(cfg, batch, seq, hw=hw):
+        n = r["gpus"]
+        wire = {layout: max(wire_bytes(cost_model.comm_events(layout, cfg, batch, seq, n, 2, rank=k))
+                            for k in range(n if layout == "2d" else 1)) for layout in ("2d", "tp1d")}
+        rows.append({"gpus": n, "nodes": r["nodes"], "time_2d_s": r["2d_s"], "time_tp1d_s": r["tp1d_s"],
+                     "speedup": r["speedup"], "wire_bytes_2d": wire["2d"], "wire_bytes_tp1d": wire["tp1d"],
+                     "exposed_comm_2d_s": r["2d"]["exposed_comm_s"], "exposed_comm_tp1d_s": r["tp1d"]["exposed_comm_s"],
+                     "compute_2d_s": r["2d"]["compute_s"], "compute_tp1d_s": r["tp1d"]["compute_s"],
+                     "activation_bytes_2d": cost_model.activation_bytes("2d", cfg, batch, seq, n, 2),
+                     "activation_bytes_tp1d": cost_model.activation_bytes("tp1d", cfg, batch, seq, n, 2)})
+    return {"model": args.projection_model, "batch": batch, "seq": seq, "hardware": hw.name, "rows": rows,
+            "metp_overlap_threshold": cost_model.metp_overlap_threshold(cfg, hw)}
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
     spec = BenchSpec(model=args.model, overrides=_overrides(args.set), batch=args.batch, seq=args.seq,
                      steps=args.steps, warmup=args.warmup, dtype=args.dtype, device=args.device,
                      timeout=args.timeout)
@@ -220,20 +252,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 _log(f"weak p={p} " + _scenario_line(row))
                 results["weak_scaling"].append(row)
 
-    hw = {"h100": cost_model.H100_NVLINK4_NDR, "a100": cost_model.A100_NVLINK3_HDR}[args.hardware]
-    pcfg = replace(BenchSpec(model=args.projection_model)).config(args.projection_seq)
-    rows = []
-    for r in cost_model.projected_speedup(pcfg, args.projection_batch, args.projection_seq, hw=hw):
-        wire = {layout: max(wire_bytes(cost_model.comm_events(layout, pcfg, args.projection_batch,
-                                                              args.projection_seq, r["gpus"], 2, rank=k))
-                            for k in range(r["gpus"] if layout == "2d" else 1)) for layout in ("2d", "tp1d")}
-        rows.append({"gpus": r["gpus"], "nodes": r["nodes"], "time_2d_s": r["2d_s"], "time_tp1d_s": r["tp1d_s"],
-                     "speedup": r["speedup"], "wire_bytes_2d": wire["2d"], "wire_bytes_tp1d": wire["tp1d"],
-                     "exposed_comm_2d_s": r["2d"]["exposed_comm_s"], "exposed_comm_tp1d_s": r["tp1d"]["exposed_comm_s"],
-                     "compute_2d_s": r["2d"]["compute_s"], "compute_tp1d_s": r["tp1d"]["compute_s"]})
-    results["projection"] = {"model": args.projection_model, "batch": args.projection_batch,
-                             "seq": args.projection_seq, "hardware": hw.name, "rows": rows,
-                             "metp_overlap_threshold": cost_model.metp_overlap_threshold(pcfg, hw)}
+    results["projection"] = projection(args)
     results["wall_s"] = time.perf_counter() - t0
     for key in ("scenarios", "memory_vs_seq", "weak_scaling"):
         if key in results:
