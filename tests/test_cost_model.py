@@ -51,19 +51,6 @@ CASES_9 = [
 ELEM = {"float32": 4, "bfloat16": 2}
 
 
-class _ForwardBytes(LiveTensorBytes):
-    """Live bytes of storages the forward creates: storages that existed before (parameters, ``idx``,
-    ``targets``) are ignored even when an op returns a view of them."""
-
-    def __init__(self, existing) -> None:
-        super().__init__(record_shapes=False)
-        self.existing = {t.untyped_storage().data_ptr() for t in existing}
-
-    def _track(self, t: torch.Tensor) -> None:
-        if t.untyped_storage().data_ptr() not in self.existing:
-            super()._track(t)
-
-
 def _nonzero(snapshot: dict) -> dict:
     return {k: v for k, v in snapshot.items() if v["calls"]}
 
@@ -86,7 +73,7 @@ def _one_step(layout: str, p: int, world_size: int, overrides: dict, batch: int,
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
     local = [q.to_local() if hasattr(q, "to_local") else q for q in model.parameters()]
-    tracker = _ForwardBytes([*local, idx, targets])
+    tracker = LiveTensorBytes(record_shapes=False)  # counts only storages the forward creates
     with comm.count_comm() as step:
         with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
             loss = model(idx, targets)
@@ -167,7 +154,7 @@ def _single_step(dtype: str) -> tuple[int, int]:
     model = GPT2(cfg).train()
     idx = torch.randint(0, cfg.vocab_size, (4, 32))
     targets = torch.randint(0, cfg.vocab_size, (4, 32))
-    tracker = _ForwardBytes([*model.parameters(), idx, targets])
+    tracker = LiveTensorBytes(record_shapes=False)
     with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
         loss = model(idx, targets)
     measured = tracker.live - loss.untyped_storage().nbytes()

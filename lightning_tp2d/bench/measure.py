@@ -47,8 +47,7 @@ class LiveTensorBytes(TorchDispatchMode):
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if type(t) is torch.Tensor and t.device.type != "meta"}
+        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if type(t) is torch.Tensor and t.device.type != "meta" and t.untyped_storage().data_ptr() not in inputs:
                 self._track(t)  # a new storage: views, in-place results and aliases of the inputs are not
@@ -72,6 +71,17 @@ class LiveTensorBytes(TorchDispatchMode):
     def _free(self, key: int, nbytes: int) -> None:
         self.live -= nbytes
         self._refs.pop(key, None)
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The data pointer of ``t``'s storage (Parameters included); ``None`` for tensors without real storage
+    (meta, fake or wrapper subclasses)."""
+    if t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
