@@ -20,6 +20,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -76,7 +77,7 @@ class LiveTensorBytes(TorchDispatchMode):
 def _storage_key(t: torch.Tensor) -> int | None:
     """The data pointer of ``t``'s storage (Parameters included); ``None`` for tensors without real storage
     (meta, fake or wrapper subclasses)."""
-    if t.device.type == "meta":
+    if t.device.type == "meta" or isinstance(t, FakeTensor):
         return None
     try:
         return t.untyped_storage().data_ptr()
