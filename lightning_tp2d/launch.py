@@ -108,7 +108,7 @@ def prepare_argv(argv: list[str], env: Mapping[str, str] = os.environ) -> list[s
 @contextmanager
 def job_environment(run_dir: Path, task_overrides: list[str], multirun: bool) -> Iterator[None]:
     """Around one job on rank 0: pin the run directory for the ranks Lightning starts (``TP2D_RUN_DIR``); in a sweep,
-    make their command line this job's overrides only; afterwards end the process group and restore the environment
+    make their command line this job's overrides only; afterwards (every rank) end the process group and restore the environment
     (Lightning leaves ``LOCAL_RANK``, ``MASTER_PORT`` ... behind, which would make the next job's ranks wait for
     processes that never come)."""
     saved_env, saved_argv = dict(os.environ), list(sys.argv)
@@ -119,8 +119,10 @@ def job_environment(run_dir: Path, task_overrides: list[str], multirun: bool) ->
     try:
         yield
     finally:
-        if multirun:
-            end_process_group()
+        # every process ends its process group before exiting: a gloo group left to interpreter shutdown can
+        # abort the process ("terminate called without an active exception"), and Lightning's launcher then
+        # kills the whole job although training finished
+        end_process_group()
         for key in set(os.environ) - set(saved_env):
             del os.environ[key]
         os.environ.update(saved_env)
