@@ -11,13 +11,13 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import queue
 import tempfile
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
+
+from lightning_tp2d.bench.procs import collect
 
 
 def _worker(rank, world_size, init_file, fn, args, results, timeout):
@@ -35,49 +35,16 @@ def _worker(rank, world_size, init_file, fn, args, results, timeout):
 
 
 def collect_results(procs, results, world_size: int, timeout: float, allow_exit: bool = False) -> list:
-    """Per-rank results from ``results`` (a queue of ``(rank, "ok" | "error", value)``) of the forked ``procs``.
-
-    A rank's error raises with its traceback; a rank that exits without a result raises (unless
-    ``allow_exit``: then its result is ``None``); past ``timeout`` seconds the missing ranks raise. The
-    processes still alive are terminated on the way out.
-    """
-    outs: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(outs) < world_size:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-            except queue.Empty:
-                exited = [r for r, p in enumerate(procs) if r not in outs and p.exitcode is not None]
-                if exited:  # a rank that reported just before exiting: its result is in the pipe by now
-                    try:
-                        rank, status, value = results.get(timeout=2.0)
-                    except queue.Empty:
-                        pass
-                    else:
-                        if status == "error":
-                            raise RuntimeError(f"rank {rank} failed:\n{value}") from None
-                        outs[rank] = value
-                        continue
-                if exited and not allow_exit:
-                    raise RuntimeError(f"ranks {exited} exited (codes {[procs[r].exitcode for r in exited]}) "
-                                       "without a result") from None
-                if allow_exit and all(p.exitcode is not None for p in procs) and results.empty():
-                    break
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(outs))
-                    raise TimeoutError(f"ranks {missing} did not finish within {timeout}s") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            outs[rank] = value
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=10)
-    return [outs.get(r) for r in range(world_size)]
+    """Per-rank results from ``results`` (a queue of ``(rank, "ok" | "error", value)``) of the forked ``procs``
+    (:func:`lightning_tp2d.bench.procs.collect`), raising instead of reporting: a rank's error with its traceback,
+    a rank that exits without a result (unless ``allow_exit``: its result is ``None``), ``TimeoutError`` past
+    ``timeout`` seconds. The processes still alive are terminated on the way out."""
+    result = collect(procs, results, world_size, timeout, allow_exit)
+    if result.status == "timeout":
+        raise TimeoutError(result.reason)
+    if not result.ok:
+        raise RuntimeError(result.reason if result.rank is None else f"rank {result.rank} failed:\n{result.reason}")
+    return result.values
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):

@@ -31,6 +31,7 @@ class RunResult:
     status: str
     values: list[Any] = field(default_factory=list)
     reason: str = ""
+    rank: int | None = None  # the rank whose failure ended the run, when one did
 
     @property
     def ok(self) -> bool:
@@ -87,7 +88,6 @@ def run_ranks(fn: Callable, world_size: int, *args, device: str = "cpu", cap_byt
     or a rank that died without a word). The processes left are terminated either way."""
     ctx = mp.get_context("spawn" if device == "cuda" else "fork")
     results = ctx.Queue()
-    outs: dict[int, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_worker, daemon=True,
@@ -95,31 +95,44 @@ def run_ranks(fn: Callable, world_size: int, *args, device: str = "cpu", cap_byt
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
-        try:
-            while len(outs) < world_size:
-                try:
-                    rank, status, value = results.get(timeout=0.5)
-                except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if r not in outs and p.exitcode is not None]
-                    if dead:
-                        try:  # a rank that reported just before exiting: its message is in the pipe by now
-                            rank, status, value = results.get(timeout=2.0)
-                        except queue.Empty:
-                            codes = [procs[r].exitcode for r in dead]
-                            return RunResult("error", reason=f"ranks {dead} exited with codes {codes} and no result")
-                    elif time.monotonic() > deadline:
+        return collect(procs, results, world_size, timeout)
+
+
+def collect(procs: list, results, world_size: int, timeout: float, allow_exit: bool = False) -> RunResult:
+    """Per-rank values from ``results`` (a queue of ``(rank, status, value)``) sent by ``procs``, or the first
+    failure: a rank's non-``"ok"`` status, a rank that exited without a result (unless ``allow_exit``: its value
+    is then ``None``), or ``timeout`` seconds passing. The processes still alive are terminated on the way out."""
+    outs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outs) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue.Empty:
+                exited = [r for r, p in enumerate(procs) if r not in outs and p.exitcode is not None]
+                message = None
+                if exited:
+                    try:  # a rank that reported just before exiting: its message is in the pipe by now
+                        message = results.get(timeout=2.0)
+                    except queue.Empty:
+                        if not allow_exit:
+                            codes = [procs[r].exitcode for r in exited]
+                            return RunResult("error", reason=f"ranks {exited} exited (codes {codes}) without a result")
+                        if all(p.exitcode is not None for p in procs):
+                            break
+                if message is None:
+                    if time.monotonic() > deadline:
                         missing = sorted(set(range(world_size)) - set(outs))
                         return RunResult("timeout", reason=f"ranks {missing} did not finish within {timeout:.0f} s")
-                    else:
-                        continue
-                if status != "ok":
-                    return RunResult(status, reason=f"rank {rank}: {value}")
-                outs[rank] = value
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(timeout=10)
-    return RunResult("ok", values=[outs[r] for r in range(world_size)])
+                    continue
+                rank, status, value = message
+            if status != "ok":
+                return RunResult(status, reason=f"rank {rank}: {value}", rank=rank)
+            outs[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+    return RunResult("ok", values=[outs.get(r) for r in range(world_size)])
