@@ -31,7 +31,7 @@ import math
 import statistics
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 from lightning_tp2d.bench.procs import RunResult, run_ranks
 
@@ -152,10 +152,8 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
     gen = torch.Generator().manual_seed(spec.seed + 1)
     data = torch.randint(0, cfg.vocab_size, (spec.batch, seq + 1), generator=gen).to(device)
     idx, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if spec.dtype == "bfloat16" else nullcontext)
-
     def forward():
-        with autocast() if spec.dtype == "bfloat16" else nullcontext():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.dtype == "bfloat16"):
             if layout == "hf":
                 # HF shifts the labels itself: the same next-token loss, less the last position's target
                 return model(idx, labels=idx).loss
@@ -291,8 +289,7 @@ def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict])
             row["comm_matches_model"] = all(
                 {k: v for k, v in r["comm"].items() if v["calls"]} == {k: v for k, v in t.items() if v["calls"]}
                 for r, t in zip(ranks, predicted))
-        row["model_activation_bytes"] = cost_model.activation_bytes(layout if layout != "hf" else "single", cfg,
-                                                                   spec.batch, seq, p, spec.elem)
+        row["model_activation_bytes"] = cost_model.activation_bytes(layout, cfg, spec.batch, seq, p, spec.elem)
     return row
 
 
@@ -339,6 +336,3 @@ def max_sequence(layout: str, p: int, spec: BenchSpec, cap_bytes: int, unit: int
         return {**row, "status": "error", "reason": str(e), "probes": probes}
     return {**row, "status": "ok", "max_seq": lo, "capped_by_limit": lo >= limit, "probes": probes}
 
-
-def spec_dict(spec: BenchSpec) -> dict:
-    return asdict(spec)
