@@ -25,15 +25,16 @@ MLP               ``W1_j [4h/p, h]``, ``W2_j [h, 4h/p]``         ``X_i [N, h]``;
 The weight-streaming instances (QKV and attention-out linears, token embedding, LM head + cross-entropy) use
 the same drivers and live in :mod:`lightning_tp2d.nn.ring_stream`.
 
-Setting :data:`DOUBLE_BUFFER` to False (or ``with double_buffering(False)``) waits for each exchange before the
-compute instead of after it: the same arithmetic in the same order, so bit-identical results.
+Options are arguments, never module state: every ring layer and function takes a :class:`RingOptions`.
+``RingOptions(double_buffer=False)`` waits for each exchange before the compute instead of after it: the same
+arithmetic in the same order, so bit-identical results.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,21 +42,37 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import axis_rank, axis_size, ring_shift
 
-DOUBLE_BUFFER = True  # post the next exchange before computing with the current block, wait after
-ATTENTION_KERNEL = "auto"  # per-block attention: "auto" (CPU flash kernel where available) or "math"
-MATH_TILE = 128  # query rows per score tile of the "math" kernel: it holds [tile, keys] scores, never more
+ATTENTION_KERNELS = ("auto", "math")
 _OPERANDS, _GRADS = 0, 1  # point-to-point tags of the two shifts the backward keeps in flight
 
 
-@contextlib.contextmanager
-def double_buffering(enabled: bool) -> Iterator[None]:
-    """Switch the exchange/compute overlap on or off inside the block (a schedule change, not a maths one)."""
-    global DOUBLE_BUFFER
-    saved, DOUBLE_BUFFER = DOUBLE_BUFFER, enabled
-    try:
-        yield
-    finally:
-        DOUBLE_BUFFER = saved
+@dataclass(frozen=True)
+class RingOptions:
+    """How the ring layers run; none of it changes the maths. Every ring layer takes one (``options=``)."""
+
+    double_buffer: bool = True  # post the next exchange before computing with the current block, wait after
+    attention_kernel: str = "auto"  # per-block attention: "auto" (fused kernel returning the log-sum-exp
+    #                                 where available) or "math" (score tiles in plain torch)
+    math_tile: int = 128  # query rows per score tile of the "math" kernel: it holds [tile, keys] scores, never more
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.double_buffer, bool):
+            raise ValueError(f"double_buffer must be True or False, got {self.double_buffer!r}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel={self.attention_kernel!r} is not one of "
+                             f"{', '.join(map(repr, ATTENTION_KERNELS))}")
+        if isinstance(self.math_tile, bool) or not isinstance(self.math_tile, int) or self.math_tile < 1:
+            raise ValueError(f"math_tile={self.math_tile!r} must be a positive int (query rows per score tile), "
+                             f"e.g. 128")
+
+
+def ring_options(options: RingOptions | None) -> RingOptions:
+    """``options``, or the defaults for ``None``; anything else is a ``TypeError``."""
+    if options is None:
+        return RingOptions()
+    if not isinstance(options, RingOptions):
+        raise TypeError(f"options must be a lightning_tp2d.metp.RingOptions or None, got {type(options).__name__}")
+    return options
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,11 +86,13 @@ Step = Callable[[int, tuple], object]
 class _Rotation:
     """The blocks a rank holds as they travel: ``post()`` starts sending them to ``i+1`` while receiving the
     next ones from ``i-1`` into a spare buffer; ``advance()`` waits and swaps. ``own`` is never written; two
-    buffers besides it suffice, since a buffer is reused once its send has completed."""
+    buffers besides it suffice, since a buffer is reused once its send has completed. Without
+    ``double_buffer`` the exchange is waited for in ``post()``, before the compute."""
 
-    def __init__(self, own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str) -> None:
+    def __init__(self, own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, double_buffer: bool = True) -> None:
         self.own = self.cur = tuple(t.contiguous() for t in own)
         self.mesh, self.axis, self.p = mesh, axis, axis_size(mesh, axis)
+        self.double_buffer = double_buffer
         self.spare = self.pending = self.nxt = None
         self.posted = 0
 
@@ -83,7 +102,7 @@ class _Rotation:
             return
         self.nxt = self.spare if self.spare is not None else tuple(torch.empty_like(x) for x in self.own)
         self.pending = ring_shift(self.cur, self.nxt, self.mesh, self.axis, tag=_OPERANDS, async_op=True)
-        if not DOUBLE_BUFFER:
+        if not self.double_buffer:
             self.pending.wait()
 
     def advance(self) -> None:
@@ -93,11 +112,13 @@ class _Rotation:
             self.cur, self.pending = self.nxt, None
 
 
-def ring_forward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step: Step) -> None:
+def ring_forward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step: Step, *,
+                 double_buffer: bool = True) -> None:
     """Call ``step(j, blocks)`` once for every ring rank ``j``, in the order ``j = i, i-1, ...``, where
-    ``blocks`` are rank ``j``'s ``own`` tensors. ``p-1`` exchanges."""
+    ``blocks`` are rank ``j``'s ``own`` tensors. ``p-1`` exchanges, each overlapped with a step's compute
+    (``double_buffer``) or waited for before it."""
     i, p = axis_rank(mesh, axis), axis_size(mesh, axis)
-    blocks = _Rotation(own, mesh, axis)
+    blocks = _Rotation(own, mesh, axis, double_buffer)
     for t in range(p):
         blocks.post()
         step((i - t) % p, blocks.cur)
@@ -105,18 +126,20 @@ def ring_forward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step:
 
 
 def ring_backward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step: Step,
-                  home: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+                  home: Sequence[torch.Tensor] | None = None, *,
+                  double_buffer: bool = True) -> tuple[torch.Tensor, ...]:
     """Rotate ``own`` again and sum gradients of the travelling blocks round the ring.
 
     ``step(j, blocks)`` returns fresh tensors: this rank's contribution to the gradients of rank ``j``'s blocks.
     The sum arriving from ``i-1`` (sent at the end of its previous step, so the transfer overlaps this step's
     compute) is added and the total sent on. Returns the complete gradients of this rank's own blocks (received
     into ``home`` if given). With operands: ``p-1`` operand and ``p`` gradient exchanges; with ``own == ()``
-    the sums start one rank early and need ``p-1`` gradient exchanges only.
+    the sums start one rank early and need ``p-1`` gradient exchanges only. ``double_buffer`` as in
+    :func:`ring_forward`.
     """
     i, p = axis_rank(mesh, axis), axis_size(mesh, axis)
     shift = 0 if own else 1
-    blocks = _Rotation(own, mesh, axis)
+    blocks = _Rotation(own, mesh, axis, double_buffer)
     acc = acc_in = acc_wait = None
     for t in range(p):
         blocks.post()
@@ -132,7 +155,7 @@ def ring_backward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step
             acc_in = tuple(home) if last and home is not None else (
                 free if free is not None else tuple(torch.empty_like(a) for a in acc))
             acc_wait = ring_shift(acc, acc_in, mesh, axis, tag=_GRADS, async_op=True)
-            if not DOUBLE_BUFFER:
+            if not double_buffer:
                 acc_wait.wait()
         blocks.advance()
     if shift:
@@ -144,8 +167,8 @@ def ring_backward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step
 # ---- attention blocks -------------------------------------------------------------------------------------
 
 
-def _flash_cpu(q: torch.Tensor) -> bool:
-    return ATTENTION_KERNEL == "auto" and q.device.type == "cpu" and hasattr(
+def _flash_cpu(q: torch.Tensor, options: RingOptions) -> bool:
+    return options.attention_kernel == "auto" and q.device.type == "cpu" and hasattr(
         torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
@@ -154,18 +177,22 @@ def _causal_mask(r0: int, r1: int, cols: int, device) -> torch.Tensor:
     return torch.arange(cols, device=device) > torch.arange(r0, r1, device=device).unsqueeze(-1)
 
 
-def attend_block(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_block(q, k, v, causal: bool, scale: float,
+                 options: RingOptions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(softmax(q kᵀ·scale [+ causal]) v, logsumexp)`` of one block. ``q [.., Lq, d]``, ``k, v [.., Lk, d]``;
-    ``causal`` needs ``Lq == Lk``. Output in ``q``'s dtype, log-sum-exp ``[.., Lq]`` in :func:`acc_dtype`."""
-    if _flash_cpu(q):
+    ``causal`` needs ``Lq == Lk``. Output in ``q``'s dtype, log-sum-exp ``[.., Lq]`` in :func:`acc_dtype`.
+    ``options.attention_kernel`` picks the fused kernel or ``options.math_tile``-row score tiles."""
+    options = ring_options(options)
+    if _flash_cpu(q, options):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.to(acc_dtype(q.dtype))
     acc = acc_dtype(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
     kt = k.to(acc).transpose(-1, -2)
-    for r0 in range(0, q.shape[-2], MATH_TILE):
-        r1 = min(r0 + MATH_TILE, q.shape[-2])
+    tile = options.math_tile
+    for r0 in range(0, q.shape[-2], tile):
+        r1 = min(r0 + tile, q.shape[-2])
         s = torch.matmul(q[..., r0:r1, :].to(acc), kt).mul_(scale)  # (.., tile, Lk)
         if causal:
             s.masked_fill_(_causal_mask(r0, r1, s.shape[-1], s.device), float("-inf"))
@@ -175,18 +202,21 @@ def attend_block(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, tor
     return out, lse
 
 
-def attend_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def attend_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, options: RingOptions | None = None):
     """``(dq, dk, dv)`` of one block given the *final* output rows ``out`` and log-sum-exp ``lse`` of these
-    queries (so ``P = exp(q kᵀ·scale - lse)`` is this block's share of the full softmax)."""
-    if _flash_cpu(q):
+    queries (so ``P = exp(q kᵀ·scale - lse)`` is this block's share of the full softmax); kernel as in
+    :func:`attend_block`."""
+    options = ring_options(options)
+    if _flash_cpu(q, options):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), 0.0, causal, scale=scale)
     acc = acc_dtype(q.dtype)
     q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
     delta = (dout * out.to(acc)).sum(-1)  # rowsum(dO ∘ O)
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for r0 in range(0, q.shape[-2], MATH_TILE):
-        r1 = min(r0 + MATH_TILE, q.shape[-2])
+    tile = options.math_tile
+    for r0 in range(0, q.shape[-2], tile):
+        r1 = min(r0 + tile, q.shape[-2])
         s = torch.matmul(q[..., r0:r1, :], k.transpose(-1, -2)).mul_(scale)
         if causal:
             s.masked_fill_(_causal_mask(r0, r1, s.shape[-1], s.device), float("-inf"))
@@ -216,7 +246,7 @@ def visible(i: int, j: int, c: int) -> tuple[slice, slice, bool]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, mesh, axis, scale):
+    def forward(ctx, qkv, mesh, axis, scale, options):
         # qkv (3, B, H, S, d) with S = 2c: this rank's zigzag chunks; q stays, k|v travel as one tensor
         i = axis_rank(mesh, axis)
         q, kv = qkv[0], qkv[1:]
@@ -227,7 +257,8 @@ class _RingAttention(torch.autograd.Function):
         def step(j, blocks):
             (kv_j,) = blocks
             rows, cols, causal = visible(i, j, c)
-            o_b, l_b = attend_block(q[..., rows, :], kv_j[0][..., cols, :], kv_j[1][..., cols, :], causal, scale)
+            o_b, l_b = attend_block(q[..., rows, :], kv_j[0][..., cols, :], kv_j[1][..., cols, :], causal, scale,
+                                    options)
             if j == i:  # step 0, the diagonal block: every query row sees at least itself
                 out.copy_(o_b)
                 lse.copy_(l_b)
@@ -237,10 +268,10 @@ class _RingAttention(torch.autograd.Function):
             o.mul_((l - new).exp_().unsqueeze(-1)).add_(o_b.to(o.dtype) * (l_b - new).exp_().unsqueeze(-1))
             l.copy_(new)
 
-        ring_forward((kv,), mesh, axis, step)
+        ring_forward((kv,), mesh, axis, step, double_buffer=options.double_buffer)
         y = out.to(qkv.dtype)
         ctx.save_for_backward(qkv, y, lse)
-        ctx.mesh, ctx.axis, ctx.scale = mesh, axis, scale
+        ctx.mesh, ctx.axis, ctx.scale, ctx.options = mesh, axis, scale, options
         return y
 
     @staticmethod
@@ -258,27 +289,28 @@ class _RingAttention(torch.autograd.Function):
             rows, cols, causal = visible(i, j, c)
             dq_b, dk_b, dv_b = attend_block_backward(dy[..., rows, :], q[..., rows, :], kv_j[0][..., cols, :],
                                                      kv_j[1][..., cols, :], y[..., rows, :], lse[..., rows],
-                                                     causal, ctx.scale)
+                                                     causal, ctx.scale, ctx.options)
             dq[..., rows, :] += dq_b
             dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
             dkv[0][..., cols, :] = dk_b
             dkv[1][..., cols, :] = dv_b
             return (dkv,)
 
-        ring_backward((kv,), ctx.mesh, ctx.axis, step, home=(dqkv[1:],))
-        return dqkv.to(qkv.dtype), None, None, None
+        ring_backward((kv,), ctx.mesh, ctx.axis, step, home=(dqkv[1:],), double_buffer=ctx.options.double_buffer)
+        return dqkv.to(qkv.dtype), None, None, None, None
 
 
-def ring_attention(qkv: torch.Tensor, mesh: DeviceMesh, axis: str, scale: float | None = None) -> torch.Tensor:
+def ring_attention(qkv: torch.Tensor, mesh: DeviceMesh, axis: str, scale: float | None = None, *,
+                   options: RingOptions | None = None) -> torch.Tensor:
     """Causal attention of a zigzag-sharded sequence: ``qkv [3, B, H, S, d]`` (q, k, v of this rank's chunks
     ``i`` and ``2p-1-i``, ``S = 2T/(2p)``) -> ``y [B, H, S, d]``. Per step one ``[≤2c, ≤2c]`` block (the CPU flash
-    kernel or ``MATH_TILE``-row score tiles), never ``[T, T]``. Forward: ``p-1`` exchanges of ``K|V``;
+    kernel or ``options.math_tile``-row score tiles), never ``[T, T]``. Forward: ``p-1`` exchanges of ``K|V``;
     backward: ``p-1`` of ``K|V`` and ``p`` of ``dK|dV``."""
     if qkv.dim() != 5 or qkv.shape[0] != 3 or qkv.shape[-2] % 2:
         raise ValueError(f"ring_attention expects qkv [3, B, H, S, d] with S even (two zigzag chunks), "
                          f"got {tuple(qkv.shape)}")
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(qkv.contiguous(), mesh, axis, scale)
+    return _RingAttention.apply(qkv.contiguous(), mesh, axis, scale, ring_options(options))
 
 
 # ---- MLP -------------------------------------------------------------------------------------------------
@@ -293,7 +325,7 @@ def _hidden(x, w1, b1, j):
 
 class _RingMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, mesh, axis):
+    def forward(ctx, x, w1, b1, w2, b2, mesh, axis, options):
         # x (N, h); w1 (4h/p, h) = c_fc.weight rows of block i; w2 (h, 4h/p) = c_proj.weight columns of block i
         out = x.new_zeros((x.shape[0], w2.shape[0]))
 
@@ -301,11 +333,11 @@ class _RingMLP(torch.autograd.Function):
             w1_j, w2_j = blocks
             out.addmm_(F.gelu(_hidden(x, w1_j, b1, j), approximate="tanh"), w2_j.t())
 
-        ring_forward((w1, w2), mesh, axis, step)
+        ring_forward((w1, w2), mesh, axis, step, double_buffer=options.double_buffer)
         if b2 is not None:
             out += b2
         ctx.save_for_backward(x, w1, b1, w2)
-        ctx.mesh, ctx.axis, ctx.has_b2 = mesh, axis, b2 is not None
+        ctx.mesh, ctx.axis, ctx.has_b2, ctx.options = mesh, axis, b2 is not None, options
         return out
 
     @staticmethod
@@ -327,15 +359,15 @@ class _RingMLP(torch.autograd.Function):
             dx.addmm_(dpre, w1_j)
             return (dpre.t() @ x).to(acc), dw2
 
-        dw1, dw2 = ring_backward((w1, w2), ctx.mesh, ctx.axis, step)
+        dw1, dw2 = ring_backward((w1, w2), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer)
         db2 = dout.sum(0) if ctx.has_b2 else None
         db1 = None if db1 is None else db1.to(b1.dtype)
-        return dx, dw1.to(w1.dtype), db1, dw2.to(w2.dtype), db2, None, None
+        return dx, dw1.to(w1.dtype), db1, dw2.to(w2.dtype), db2, None, None, None
 
 
-def ring_mlp(x, w1, b1, w2, b2, mesh: DeviceMesh, axis: str) -> torch.Tensor:
+def ring_mlp(x, w1, b1, w2, b2, mesh: DeviceMesh, axis: str, *, options: RingOptions | None = None) -> torch.Tensor:
     """``gelu_tanh(X W1 + b1) W2 + b2`` with ``X [N, h]`` local rows, ``W1``'s output rows (``w1 [4h/p, h]``) and
     ``W2``'s input columns (``w2 [h, 4h/p]``) split over the ring, biases full (replicated). Forward ``p-1``
     exchanges of ``(w1, w2)``; backward ``p-1`` of ``(w1, w2)`` and ``p`` of their gradients; the
     ``[N, 4h]`` hidden activation is never formed (``[N, 4h/p]`` per step, recomputed in backward)."""
-    return _RingMLP.apply(x, w1, b1, w2, b2, mesh, axis)
+    return _RingMLP.apply(x, w1, b1, w2, b2, mesh, axis, ring_options(options))

@@ -8,6 +8,8 @@ key rows of another) is checked exhaustively against the global causal mask with
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,21 @@ def test_visible_blocks_cover_exactly_the_global_causal_mask(p):
                 assert rows == slice(C, None) and not want[:C].any()
 
 
+def test_ring_options_refuse_bad_values_naming_them_and_the_valid_ones():
+    assert metp.RingOptions() == metp.RingOptions(double_buffer=True, attention_kernel="auto", math_tile=128)
+    for bad, words in [({"attention_kernel": "flash"}, ["'flash'", "'auto'", "'math'"]),
+                       ({"math_tile": 0}, ["math_tile=0", "positive int"]),
+                       ({"math_tile": 2.5}, ["math_tile=2.5"]),
+                       ({"double_buffer": "no"}, ["'no'", "True or False"])]:
+        with pytest.raises(ValueError) as info:
+            metp.RingOptions(**bad)
+        assert all(w in str(info.value) for w in words), (bad, str(info.value))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        metp.RingOptions().double_buffer = False
+    with pytest.raises(TypeError, match="RingOptions or None, got dict"):
+        metp.ring_options({"double_buffer": False})
+
+
 def _rel(a, b):
     if b.numel() == 0:  # a vocab block that is all padding
         return 0.0
@@ -65,17 +82,13 @@ def _attention(mesh, p, i, kernel):
     ref.backward(dy_full)
     pos = zigzag_positions(T, p, i)
     qkv = qkv_full[..., pos, :].clone().requires_grad_()
-    metp.ATTENTION_KERNEL, metp.MATH_TILE = kernel, 3  # tile 3 < chunk 5: several score tiles per block
-    try:
-        y, fwd = _counted(lambda: metp.ring_attention(qkv, mesh, "ring"))
-        _, bwd = _counted(lambda: y.backward(dy_full[..., pos, :]))
-        grad = qkv.grad.clone()
-        qkv.grad = None
-        with metp.double_buffering(False):
-            y2 = metp.ring_attention(qkv, mesh, "ring")
-            y2.backward(dy_full[..., pos, :])
-    finally:
-        metp.ATTENTION_KERNEL, metp.MATH_TILE = "auto", 128
+    options = metp.RingOptions(attention_kernel=kernel, math_tile=3)  # tile 3 < chunk 5: several tiles per block
+    y, fwd = _counted(lambda: metp.ring_attention(qkv, mesh, "ring", options=options))
+    _, bwd = _counted(lambda: y.backward(dy_full[..., pos, :]))
+    grad = qkv.grad.clone()
+    qkv.grad = None
+    y2 = metp.ring_attention(qkv, mesh, "ring", options=dataclasses.replace(options, double_buffer=False))
+    y2.backward(dy_full[..., pos, :])
     return {"y": _rel(y, ref[..., pos, :]), "grad": _rel(grad, ref_in.grad[..., pos, :]),
             "fwd": fwd, "bwd": bwd, "kv_bytes": 2 * B * H * 2 * C * D * 8,
             "identical": torch.equal(y, y2) and torch.equal(grad, qkv.grad)}
@@ -196,3 +209,19 @@ def test_ring_functions_equal_single_device_maths_with_the_ring_schedule(world_s
                 assert v["fwd"] == {**_ring(p - 1, (p - 1) * v["e_bytes"]),
                                     **({"all_reduce": {"calls": 1, "bytes": 16}} if p > 1 else {})}
                 assert v["bwd"] == _ring((p - 1) + p * (p > 1) + (p - 1), (3 * p - 2) * v["e_bytes"] * (p > 1))
+
+
+def _vocab_on_meta(rank, world_size):
+    mesh = tp.init_mesh("metp", 1, 1)
+    x = torch.empty(6, 4, dtype=DT, device="meta", requires_grad=True)
+    block = torch.empty(7, 4, dtype=DT, device="meta", requires_grad=True)
+    loss = ring_cross_entropy(x, block, torch.zeros(6, dtype=torch.long, device="meta"), mesh, "ring", 5)
+    emb = ring_embedding(block, torch.zeros(2, 3, dtype=torch.long, device="meta"), mesh, "ring")
+    (loss + emb.sum()).backward()
+    return [tuple(t.shape) for t in (loss, emb, x.grad, block.grad)]
+
+
+def test_vocab_functions_run_on_meta_tensors_so_nothing_depends_on_the_ids_values():
+    # hits are masks (gather / scatter_add / where), never nonzero() or boolean indexing: no data-dependent shape
+    (shapes,) = run_distributed(_vocab_on_meta, 1)
+    assert shapes == [(), (2, 3, 4), (6, 4), (7, 4)]

@@ -9,7 +9,7 @@ At a fixed total sequence length T, one block's forward+backward on each rank of
 peak at about 1/p of the plain block's, and nothing ``[T, T]`` (scores) or ``[tokens, vocab]`` (logits) may
 ever be allocated. Measured (T = 1024, h = 48, 4 heads, float32): with the CPU flash block kernel each rank
 peaks at 1.04, 1.05-1.08 and 1.14-1.17 times plain/p for p = 1, 2, 4; the "math" fallback kernel keeps
-``[MATH_TILE, 2T/(2p)]`` score tiles per head, about twice that, and scales as 1/p just the same.
+``[math_tile, 2T/(2p)]`` score tiles per head, about twice that, and scales as 1/p just the same.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import copy
 import torch
 
 import lightning_tp2d as tp
-from lightning_tp2d import metp
 from lightning_tp2d.bench.measure import LiveTensorBytes
 from lightning_tp2d.models import GPT2, GPT2Config
 from tests.distributed import run_distributed
+from tests.test_metp_model import set_ring_options
 
 T = 1024  # total sequence length: long against the hidden size 48, as METP is meant for
 RINGS = (1, 2, 4)
@@ -53,10 +53,10 @@ def _memory(rank, world_size):
         model = tp.parallelize(copy.deepcopy(plain), mesh, layout="metp")
         x = torch.randn(1, T // p, cfg.n_embd, requires_grad=True)  # this rank's zigzag chunks
         for kernel in ("auto", "math"):
-            metp.ATTENTION_KERNEL = kernel
+            # TODO(layouts): parallelize with layouts.get_layout("metp", options=RingOptions(attention_kernel=kernel))
+            set_ring_options(model, attention_kernel=kernel)
             tracker = _measure(lambda: _block_step(model.transformer.h[0], x))
             out["block"][p, kernel] = {"peak": tracker.peak + x.nbytes, "shapes": set(tracker.shapes)}
-        metp.ATTENTION_KERNEL = "auto"
     small = GPT2Config.from_name("gpt2-tiny", n_head=4)  # block_size 64: no dimension as large as the vocab 257
     for p in RINGS[1:]:  # the LM head + loss: a whole model step
         model = tp.parallelize(GPT2(small), tp.init_mesh("metp", p, world_size // p), layout="metp")

@@ -9,6 +9,7 @@ schedule, with no collective on activations. Then bad input and a rank that dies
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 
@@ -24,6 +25,17 @@ from tests.test_parallel_2d import _batch, _check_parity, _rel, expected_block_c
 
 SEQ = 24  # divisible by 2p for p = 2, 4 and by 2q for q = 2
 HEADS = 12  # gpt2-tiny with 12 heads of 4: divisible by p = 4 (its default 6 is not)
+
+
+def set_ring_options(model: torch.nn.Module, **changes) -> None:
+    """Replace fields of ``.options`` on every layer of a parallelized model that has one.
+
+    TODO(layouts): stands in for ``tp.parallelize(model, mesh, layout=layouts.get_layout("metp",
+    options=RingOptions(...)))`` until parallelize passes a layout's options to the layers."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "options", None), metp.RingOptions)]
+    assert layers, "no layer with RingOptions: is the model parallelized with a ring layout?"
+    for m in layers:
+        m.options = dataclasses.replace(m.options, **changes)
 
 
 def _counts(stats) -> dict:
@@ -79,9 +91,10 @@ def _parity(rank, world_size, layout, batch):
 
     grads = [p.grad.to_local().clone() for p in par.parameters()]
     par.zero_grad(set_to_none=True)
-    with metp.double_buffering(False):
-        loss2 = par(idx, targets)
-        loss2.backward()
+    set_ring_options(par, double_buffer=False)  # TODO(layouts): a second model parallelized with these options
+    loss2 = par(idx, targets)
+    loss2.backward()
+    set_ring_options(par, double_buffer=True)
     out["identical"] = loss2.item() == loss1.item() and all(
         torch.equal(g, p.grad.to_local()) for g, p in zip(grads, par.parameters()))
 

@@ -19,7 +19,10 @@ from lightning_tp2d.nn.linear import Linear2D
 
 
 class Attention2D(nn.Module):
-    def __init__(self, attn: nn.Module, mesh: DeviceMesh) -> None:
+    """SUMMA QKV, local causal attention of head group ``c``, SUMMA output projection. ``options`` is accepted
+    and ignored (the "2d" layout has no ring), so a layout builds every layer as ``Cls(module, mesh, options=...)``."""
+
+    def __init__(self, attn: nn.Module, mesh: DeviceMesh, *, options=None) -> None:
         super().__init__()
         q = axis_index(mesh, "col")[1]
         self.n_head, self.n_embd, self.dropout = attn.n_head, attn.n_embd, attn.dropout
@@ -40,9 +43,10 @@ class Attention2D(nn.Module):
 
 
 class MLP2D(nn.Module):
-    """``c_proj(gelu(c_fc(x)))``: two SUMMA linears around a local tanh-GELU."""
+    """``c_proj(gelu(c_fc(x)))``: two SUMMA linears around a local tanh-GELU. ``options``: ignored, as in
+    :class:`Attention2D`."""
 
-    def __init__(self, mlp: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, mlp: nn.Module, mesh: DeviceMesh, *, options=None) -> None:
         super().__init__()
         self.c_fc = Linear2D(mlp.c_fc, mesh)
         self.c_proj = Linear2D(mlp.c_proj, mesh)

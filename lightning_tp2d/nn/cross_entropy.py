@@ -61,8 +61,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         softmax, local_t, mine, keep = ctx.saved_tensors
         dlogits = softmax * keep.unsqueeze(-1).to(softmax.dtype)
-        rows = torch.arange(dlogits.shape[0], device=dlogits.device)[mine]
-        dlogits[rows, local_t[mine]] -= 1
+        col = local_t.clamp(0, dlogits.shape[1] - 1).unsqueeze(1)
+        dlogits.scatter_add_(1, col, mine.to(dlogits.dtype).neg_().unsqueeze(1))  # - onehot; misses add -0
         dlogits.mul_(grad / ctx.count)
         return dlogits.to(ctx.dtype), None, None, None
 

@@ -60,20 +60,25 @@ class _EmbedToOwner(torch.autograd.Function):
     def backward(ctx, grad):
         (idx,) = ctx.saved_tensors
         q = axis_index(ctx.mesh, "row")[1]
+        rows, width = ctx.weight_shape
         dweight = grad.new_zeros(ctx.weight_shape)
         grads = BroadcastPipeline(grad.contiguous(), ctx.mesh, "row")
         for t, ids in enumerate(idx.chunk(q, dim=0)):
             g = grads.get(t)
-            local = ids - ctx.start
-            hit = (local >= 0) & (local < ctx.weight_shape[0])
-            dweight.index_add_(0, local[hit], g[hit])
+            if rows == 0:
+                continue
+            local = (ids - ctx.start).reshape(-1)
+            hit = (local >= 0) & (local < rows)  # a mask, not an index list: no host sync, static shapes
+            mine = torch.where(hit.unsqueeze(-1), g.reshape(-1, width), 0.0)  # misses add an exact zero to row 0
+            dweight.index_add_(0, local.clamp(0, rows - 1), mine)
         return dweight, None, None, None
 
 
 class TokenEmbedding2D(nn.Module):
-    """``idx [B, T]`` (the full batch, same on every grid rank) -> ``x_rc [B/q, T, h/q]``."""
+    """``idx [B, T]`` (the full batch, same on every grid rank) -> ``x_rc [B/q, T, h/q]``. ``options``: accepted and
+    ignored, so a layout builds every layer as ``Cls(module, mesh, options=...)``."""
 
-    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh) -> None:
+    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh, *, options=None) -> None:
         super().__init__()
         self.mesh = mesh
         self.num_embeddings, self.embedding_dim = embedding.weight.shape
@@ -90,9 +95,9 @@ class TokenEmbedding2D(nn.Module):
 
 
 class PositionEmbedding2D(nn.Module):
-    """``pos [T]`` -> ``[T, h/q]`` (hidden block ``c``); broadcasts against ``[B/q, T, h/q]``."""
+    """``pos [T]`` -> ``[T, h/q]`` (hidden block ``c``); broadcasts against ``[B/q, T, h/q]``. ``options``: ignored."""
 
-    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh) -> None:
+    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh, *, options=None) -> None:
         super().__init__()
         self.mesh = mesh
         self.weight = shard_parameter(embedding.weight, mesh, [Replicate(), Replicate(), Shard(1)])

@@ -5,7 +5,8 @@ rows) and hidden block ``c``: ``x_rc [B, S, h/q]``. So batch 1 works and the seq
 Linears stay SUMMA and LayerNorm stays as in "2d" (both are per-token, indifferent to which tokens a row
 holds); attention for head group ``c`` runs the METP ring along ``row`` (the ranks holding the other chunks of
 the same heads); the embeddings and the loss pick this row's zigzag tokens instead of its batch shard.
-Parameters are placed exactly as in "2d".
+Parameters are placed exactly as in "2d". Every layer takes ``options`` (:class:`~lightning_tp2d.metp.RingOptions`,
+``None``: the defaults) and keeps it as ``self.options``; only the attention's ring uses it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tp2d.metp import ring_attention
+from lightning_tp2d.metp import RingOptions, ring_attention, ring_options
 from lightning_tp2d.nn.attention import Attention2D
 from lightning_tp2d.nn.embedding import PositionEmbedding2D, TokenEmbedding2D, _EmbedToOwner
 from lightning_tp2d.nn.functional import axis_index
@@ -35,6 +36,10 @@ class TokenEmbedding2DMetp(TokenEmbedding2D):
     token shard in their vocab block and reduce the partial rows to the shard's owner row; the shard of row
     ``t`` is now its zigzag chunks ``idx[:, chunks(t)]`` (stacked along the batch dim for the reduce loop)."""
 
+    def __init__(self, embedding: torch.nn.Embedding, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
+        super().__init__(embedding, mesh)
+        self.options = ring_options(options)  # no ring pass here; kept for a uniform constructor
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         q = axis_index(self.mesh, "row")[1]
         _row_positions(idx.shape[1], self.mesh, idx.device)  # validates T % 2q before any communication
@@ -45,6 +50,10 @@ class TokenEmbedding2DMetp(TokenEmbedding2D):
 class PositionEmbedding2DMetp(PositionEmbedding2D):
     """``pos [T]`` -> ``[S, h/q]``: the rows of this grid row's zigzag chunks (gradient summed over ``row``)."""
 
+    def __init__(self, embedding: torch.nn.Embedding, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
+        super().__init__(embedding, mesh)
+        self.options = ring_options(options)  # no ring pass here; kept for a uniform constructor
+
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         return super().forward(pos[_row_positions(pos.shape[0], self.mesh, pos.device)])
 
@@ -52,22 +61,26 @@ class PositionEmbedding2DMetp(PositionEmbedding2D):
 class Attention2DMetp(Attention2D):
     """SUMMA QKV, ring attention of head group ``c`` along ``row``, SUMMA output projection."""
 
-    def __init__(self, attn: torch.nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, attn: torch.nn.Module, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
         super().__init__(attn, mesh)
-        self.mesh = mesh
+        self.mesh, self.options = mesh, ring_options(options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         refuse_attention_dropout(self)
         B, S, _ = x.shape  # (B, S, h/q): zigzag chunks of row r, hidden block c
         hs = self.n_embd // self.n_head
         qkv = self.c_attn(x).view(B, S, 3, self.local_heads, hs).permute(2, 0, 3, 1, 4)  # (3, B, nh/q, S, hs)
-        y = ring_attention(qkv, self.mesh, "row")  # (B, nh/q, S, hs)
+        y = ring_attention(qkv, self.mesh, "row", options=self.options)  # (B, nh/q, S, hs)
         y = y.transpose(1, 2).reshape(B, S, self.local_heads * hs)
         return self.resid_dropout(self.c_proj(y))
 
 
 class LMHead2DMetp(LMHead2D):
     """As :class:`LMHead2D`; rows hold zigzag sequence chunks, so targets and gathered logits follow them."""
+
+    def __init__(self, weight: torch.nn.Parameter, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
+        super().__init__(weight, mesh)
+        self.options = ring_options(options)  # no ring pass here; kept for a uniform constructor
 
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
         return targets[:, _row_positions(targets.shape[1], self.mesh, targets.device)].reshape(-1)

@@ -28,9 +28,10 @@ from lightning_tp2d.summa import summa_ab
 
 
 class LMHead2D(nn.Module):
-    """``x_rc [B/q, T, h/q]`` -> mean loss (with ``targets [B, T]``, the full batch) or logits ``[B, T, V]``."""
+    """``x_rc [B/q, T, h/q]`` -> mean loss (with ``targets [B, T]``, the full batch) or logits ``[B, T, V]``.
+    ``options``: accepted and ignored, so a layout builds every layer as ``Cls(module, mesh, options=...)``."""
 
-    def __init__(self, weight: nn.Parameter, mesh: DeviceMesh) -> None:
+    def __init__(self, weight: nn.Parameter, mesh: DeviceMesh, *, options=None) -> None:
         super().__init__()
         self.mesh = mesh
         self.weight = weight  # the token embedding's DTensor parameter (tied)

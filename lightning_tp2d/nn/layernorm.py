@@ -57,9 +57,10 @@ class _LayerNormAlongCol(torch.autograd.Function):
 
 
 class LayerNorm2D(nn.Module):
-    """LayerNorm of ``[..., h/q]`` local features of an ``h``-wide hidden state split over ``col``."""
+    """LayerNorm of ``[..., h/q]`` local features of an ``h``-wide hidden state split over ``col``. ``options``:
+    accepted and ignored, so a layout builds every layer as ``Cls(module, mesh, options=...)``."""
 
-    def __init__(self, norm: nn.LayerNorm, mesh: DeviceMesh) -> None:
+    def __init__(self, norm: nn.LayerNorm, mesh: DeviceMesh, *, options=None) -> None:
         super().__init__()
         self.mesh = mesh
         self.hidden = norm.normalized_shape[0]

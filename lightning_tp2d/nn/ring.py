@@ -19,6 +19,9 @@ streams its input-column blocks (in-split linear). The MLP is one fused ring pas
 (``wte``: Shard(0), vocab rows) and the tied LM head stream vocab blocks (:mod:`~lightning_tp2d.nn.ring_stream`);
 the position embedding (replicated) picks this rank's zigzag rows. Without targets the head returns the full
 logits ``[B, T, V]`` on every rank (an all-gather of the sequence): for evaluation, ``[N, V]`` per rank.
+
+Every layer is built as ``Cls(module, mesh, options=RingOptions(...))`` (``None``: the defaults) and passes its
+:class:`~lightning_tp2d.metp.RingOptions` to every ring function it calls; layers that call none keep it too.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_tp2d.metp import ring_attention, ring_mlp
+from lightning_tp2d.metp import RingOptions, ring_attention, ring_mlp, ring_options
 from lightning_tp2d.nn.functional import autocast_operands, axis_index, pad_rows, shard_parameter, sum_grad_along
 from lightning_tp2d.nn.ring_stream import (ColumnBlocks, HeadBlocks, ring_cross_entropy, ring_embedding,
                                            ring_linear_in, ring_linear_out)
@@ -65,11 +68,12 @@ class RingLinear(nn.Module):
         bias = None if self.bias is None else sum_grad_along(self.bias.to_local(), self.mesh, AXIS)
         return self.weight.to_local(), bias
 
-    def forward(self, x: torch.Tensor, layout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout, options: RingOptions) -> torch.Tensor:
+        """``options``: the owning layer's (one owner, so the two linears of a layer never disagree)."""
         w, bias = self.local()
         x, w = autocast_operands(x, w)
         fn = ring_linear_out if self.split == "out" else ring_linear_in
-        return fn(x, w, bias, self.mesh, AXIS, layout)
+        return fn(x, w, bias, self.mesh, AXIS, layout, options=options)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, split={self.split!r}"
@@ -79,9 +83,10 @@ class RingLayerNorm(nn.Module):
     """LayerNorm of ``[..., h]`` rows (local: every rank has the full hidden size); weight and bias replicated
     over the ring, their gradients summed over it."""
 
-    def __init__(self, norm: nn.LayerNorm, mesh: DeviceMesh) -> None:
+    def __init__(self, norm: nn.LayerNorm, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
         super().__init__()
-        self.mesh, self.normalized_shape, self.eps = mesh, tuple(norm.normalized_shape), norm.eps
+        self.mesh, self.options = mesh, ring_options(options)  # no ring pass here; kept for a uniform constructor
+        self.normalized_shape, self.eps = tuple(norm.normalized_shape), norm.eps
         self.weight = shard_parameter(norm.weight, mesh, REPLICATED)
         if norm.bias is not None:
             self.bias = shard_parameter(norm.bias, mesh, REPLICATED)
@@ -104,9 +109,9 @@ class RingAttention(nn.Module):
     """``x_i [B, S, h]`` -> ``c_proj(attention(c_attn(x)))`` of this rank's tokens, attending to the whole
     causal prefix through the ring. Forward: 3 ring passes (QKV weights, K|V, c_proj weights)."""
 
-    def __init__(self, attn: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, attn: nn.Module, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
         super().__init__()
-        self.mesh = mesh
+        self.mesh, self.options = mesh, ring_options(options)
         self.n_head, self.n_embd, self.dropout = attn.n_head, attn.n_embd, attn.dropout
         self.c_attn = RingLinear(attn.c_attn, mesh, "out", groups=3)
         self.c_proj = RingLinear(attn.c_proj, mesh, "in")
@@ -117,9 +122,9 @@ class RingAttention(nn.Module):
         B, S, h = x.shape
         p = axis_index(self.mesh, AXIS)[1]
         heads = (B, S, self.n_head, h // self.n_head, p)
-        qkv = self.c_attn(x.reshape(B * S, h), HeadBlocks(3, *heads))  # (3, B, nh, S, hs)
-        y = ring_attention(qkv, self.mesh, AXIS)  # (B, nh, S, hs)
-        out = self.c_proj(y.unsqueeze(0), HeadBlocks(1, *heads))  # (B*S, h)
+        qkv = self.c_attn(x.reshape(B * S, h), HeadBlocks(3, *heads), self.options)  # (3, B, nh, S, hs)
+        y = ring_attention(qkv, self.mesh, AXIS, options=self.options)  # (B, nh, S, hs)
+        out = self.c_proj(y.unsqueeze(0), HeadBlocks(1, *heads), self.options)  # (B*S, h)
         return self.resid_dropout(out.view(B, S, h))
 
 
@@ -127,9 +132,9 @@ class RingMLP(nn.Module):
     """``c_proj(gelu(c_fc(x)))`` as one ring pass: ``c_fc``'s output-row blocks and ``c_proj``'s input-column
     blocks travel together; the ``[N, 4h]`` hidden activation never exists."""
 
-    def __init__(self, mlp: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, mlp: nn.Module, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
         super().__init__()
-        self.mesh = mesh
+        self.mesh, self.options = mesh, ring_options(options)
         self.c_fc = RingLinear(mlp.c_fc, mesh, "out")
         self.c_proj = RingLinear(mlp.c_proj, mesh, "in")
         self.dropout = nn.Dropout(mlp.dropout.p)
@@ -139,7 +144,8 @@ class RingMLP(nn.Module):
         w1, b1 = self.c_fc.local()
         w2, b2 = self.c_proj.local()
         x2d, w1, w2 = autocast_operands(x.reshape(B * S, h), w1, w2)
-        return self.dropout(ring_mlp(x2d, w1, b1, w2, b2, self.mesh, AXIS).view(B, S, h))
+        out = ring_mlp(x2d, w1, b1, w2, b2, self.mesh, AXIS, options=self.options)  # (B*S, h)
+        return self.dropout(out.view(B, S, h))
 
 
 # ---- embeddings and LM head ------------------------------------------------------------------------------
@@ -148,9 +154,9 @@ class RingMLP(nn.Module):
 class RingTokenEmbedding(nn.Module):
     """``idx [B, T]`` (the full batch, same on every ring rank) -> ``x_i [B, 2T/(2p), h]`` (zigzag chunks)."""
 
-    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh) -> None:
+    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
         super().__init__()
-        self.mesh = mesh
+        self.mesh, self.options = mesh, ring_options(options)
         self.num_embeddings, self.embedding_dim = embedding.weight.shape
         self.weight = shard_parameter(embedding.weight, mesh, [Replicate(), Shard(0)])
         self.block_rows = -(-self.num_embeddings // axis_index(mesh, AXIS)[1])
@@ -159,7 +165,8 @@ class RingTokenEmbedding(nn.Module):
         i, p = axis_index(self.mesh, AXIS)
         check_sequence_length(idx.shape[1], p, "metp")
         ids = idx[:, zigzag_positions(idx.shape[1], p, i, idx.device)]
-        return ring_embedding(pad_rows(self.weight.to_local(), self.block_rows), ids, self.mesh, AXIS)
+        return ring_embedding(pad_rows(self.weight.to_local(), self.block_rows), ids, self.mesh, AXIS,
+                              options=self.options)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, vocab block of {self.block_rows} rows"
@@ -169,9 +176,9 @@ class RingPositionEmbedding(nn.Module):
     """``pos [T]`` -> ``[2T/(2p), h]``, the rows of this rank's zigzag chunks; the weight is replicated over the
     ring and its gradient summed over it."""
 
-    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh) -> None:
+    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
         super().__init__()
-        self.mesh = mesh
+        self.mesh, self.options = mesh, ring_options(options)  # no ring pass here; kept for a uniform constructor
         self.weight = shard_parameter(embedding.weight, mesh, [Replicate(), Replicate()])
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
@@ -185,9 +192,9 @@ class RingLMHead(nn.Module):
     """``x_i [B, S, h]`` -> mean loss (with ``targets [B, T]``, the full batch; the same scalar on every rank)
     or the full logits ``[B, T, V]``."""
 
-    def __init__(self, weight: nn.Parameter, mesh: DeviceMesh) -> None:
+    def __init__(self, weight: nn.Parameter, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
         super().__init__()
-        self.mesh = mesh
+        self.mesh, self.options = mesh, ring_options(options)
         self.weight = weight  # the token embedding's DTensor parameter (tied)
         self.vocab_size = weight.shape[0]
         self.block_rows = -(-self.vocab_size // axis_index(mesh, AXIS)[1])
@@ -201,8 +208,9 @@ class RingLMHead(nn.Module):
         weight = pad_rows(self.weight.to_local(), self.block_rows)
         x2d, weight = autocast_operands(x.reshape(B * S, h), weight)
         if targets is not None:
-            return ring_cross_entropy(x2d, weight, targets, self.mesh, AXIS, self.vocab_size)
-        logits = ring_linear_out(x2d, weight, None, self.mesh, AXIS, ColumnBlocks(B * S, p, self.block_rows))
+            return ring_cross_entropy(x2d, weight, targets, self.mesh, AXIS, self.vocab_size, options=self.options)
+        logits = ring_linear_out(x2d, weight, None, self.mesh, AXIS, ColumnBlocks(B * S, p, self.block_rows),
+                                 options=self.options)
         return gather_sequence(logits[:, : self.vocab_size].reshape(B, S, self.vocab_size), self.mesh, AXIS)
 
     def extra_repr(self) -> str:

@@ -15,7 +15,9 @@ operand is a weight block while the activations stay put. ``N`` local tokens, ``
   ``dZ_j = softmax - onehot``; ``dX += dZ_j E_j`` locally, ``dE_j += dZ_jᵀ X_i`` travelling with ``E_j``.
 
 Forward: ``p-1`` exchanges of the weight block. Backward: ``p-1`` of the block and ``p`` of its gradient
-(embedding: ``p-1`` of the gradient only).
+(embedding: ``p-1`` of the gradient only). Every function takes ``options`` (:class:`~lightning_tp2d.metp.RingOptions`;
+only ``double_buffer`` matters here). Vocab hits are masks, never ``nonzero()``: no host sync, no data-dependent
+shape, so the functions also run on the ``meta`` device.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import all_reduce_along
-from lightning_tp2d.metp import acc_dtype, ring_backward, ring_forward
+from lightning_tp2d.metp import RingOptions, acc_dtype, ring_backward, ring_forward, ring_options
 from lightning_tp2d.nn.cross_entropy import IGNORE_INDEX
 
 
@@ -77,7 +79,7 @@ class HeadBlocks:
 
 class _RingLinearOut(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bias, mesh, axis, layout):
+    def forward(ctx, x, w, bias, mesh, axis, layout, options):
         # x (N, in) local rows; w (out/p, in) this rank's output rows; bias (out,) replicated or None
         y = x.new_empty(layout.shape)
 
@@ -88,9 +90,9 @@ class _RingLinearOut(torch.autograd.Function):
                 y_j += layout.bias_block(bias, j)
             layout.write(y, j, y_j)
 
-        ring_forward((w,), mesh, axis, step)
+        ring_forward((w,), mesh, axis, step, double_buffer=options.double_buffer)
         ctx.save_for_backward(x, w)
-        ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias = mesh, axis, layout, bias is not None
+        ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias, ctx.options = mesh, axis, layout, bias is not None, options
         return y
 
     @staticmethod
@@ -105,14 +107,14 @@ class _RingLinearOut(torch.autograd.Function):
             dx.addmm_(g, w_j)  # dX += dY_j W_j
             return ((g.t() @ x).to(acc),)  # dW_j += dY_jᵀ X
 
-        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step)
+        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer)
         db = ctx.layout.bias_grad(dy) if ctx.has_bias else None
-        return dx, dw.to(w.dtype), db, None, None, None
+        return dx, dw.to(w.dtype), db, None, None, None, None
 
 
 class _RingLinearIn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bias, mesh, axis, layout):
+    def forward(ctx, x, w, bias, mesh, axis, layout, options):
         # x: input whose block j (layout) is the in-columns of ring rank j; w (out, in/p) this rank's columns
         out = None
 
@@ -122,11 +124,11 @@ class _RingLinearIn(torch.autograd.Function):
             x_j = layout.read(x, j)
             out = x_j @ w_j.t() if out is None else out.addmm_(x_j, w_j.t())
 
-        ring_forward((w,), mesh, axis, step)
+        ring_forward((w,), mesh, axis, step, double_buffer=options.double_buffer)
         if bias is not None:
             out += bias
         ctx.save_for_backward(x, w)
-        ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias = mesh, axis, layout, bias is not None
+        ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias, ctx.options = mesh, axis, layout, bias is not None, options
         return out
 
     @staticmethod
@@ -141,66 +143,72 @@ class _RingLinearIn(torch.autograd.Function):
             ctx.layout.write(dx, j, dout @ w_j)  # dX_j = dY W_j
             return ((dout.t() @ ctx.layout.read(x, j)).to(acc),)  # dW_j += dYᵀ X_j
 
-        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step)
+        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer)
         db = dout.sum(0) if ctx.has_bias else None
-        return dx, dw.to(w.dtype), db, None, None, None
+        return dx, dw.to(w.dtype), db, None, None, None, None
 
 
-def ring_linear_out(x, w, bias, mesh: DeviceMesh, axis: str, layout) -> torch.Tensor:
+def ring_linear_out(x, w, bias, mesh: DeviceMesh, axis: str, layout, *,
+                    options: RingOptions | None = None) -> torch.Tensor:
     """``Y = X Wᵀ + b`` with ``W [out, in]`` split by output rows over the ring (``w [out/p, in]``, block ``i``):
     the blocks stream past the resident ``X [N, in]`` and block ``j`` of ``Y`` is written where ``layout``
     puts it (:class:`ColumnBlocks` or :class:`HeadBlocks`). Forward ``p-1`` exchanges of ``w``; backward
     ``dX = Σ_j dY_j W_j`` locally and ``dW_j = Σ_i dY_ijᵀ X_i`` travelling: ``p-1`` + ``p`` exchanges."""
-    return _RingLinearOut.apply(x, w, bias, mesh, axis, layout)
+    return _RingLinearOut.apply(x, w, bias, mesh, axis, layout, ring_options(options))
 
 
-def ring_linear_in(x, w, bias, mesh: DeviceMesh, axis: str, layout) -> torch.Tensor:
+def ring_linear_in(x, w, bias, mesh: DeviceMesh, axis: str, layout, *,
+                   options: RingOptions | None = None) -> torch.Tensor:
     """``Y = Σ_j X_j W_jᵀ + b`` with ``W [out, in]`` split by input columns over the ring (``w [out, in/p]``) and
     ``X``'s column block ``j`` read through ``layout``; ``Y [N, out]``. Forward ``p-1`` exchanges of ``w``;
     backward ``dX_j = dY W_j`` written back through ``layout``, ``dW_j = Σ_i dYᵢᵀ X_ij`` travelling."""
-    return _RingLinearIn.apply(x, w, bias, mesh, axis, layout)
+    return _RingLinearIn.apply(x, w, bias, mesh, axis, layout, ring_options(options))
 
 
 # ---- vocabulary: embedding and LM-head cross-entropy -----------------------------------------------
 
 
 def _block_hits(ids: torch.Tensor, j: int, rows: int, valid: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ids relative to vocab block ``j`` (``rows`` per block) and where they fall in its first ``valid`` rows."""
+    """Where ``ids`` fall in the first ``valid`` rows of vocab block ``j`` (``rows`` per block): ``(index, hit)``,
+    the ids relative to the block clamped into ``[0, valid)`` (safe to gather with everywhere; meaningful
+    where ``hit``) and the mask. Elementwise: same shapes whatever the ids."""
+    valid = rows if valid is None else valid
     local = ids - j * rows
-    return local, (local >= 0) & (local < (rows if valid is None else valid))
+    return local.clamp(0, valid - 1), (local >= 0) & (local < valid)
 
 
 class _RingEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, ids, mesh, axis):
+    def forward(ctx, weight, ids, mesh, axis, options):
         # weight (Vb, h) vocab block i, zero-padded; ids (B, S) global token ids of this rank's chunks
         out = weight.new_zeros((*ids.shape, weight.shape[1]))
 
         def step(j, blocks):
             local, hit = _block_hits(ids, j, weight.shape[0])
-            out[hit] = blocks[0][local[hit]]
+            torch.where(hit.unsqueeze(-1), blocks[0][local], out, out=out)  # (B, S, h): each token hits once
 
-        ring_forward((weight,), mesh, axis, step)
+        ring_forward((weight,), mesh, axis, step, double_buffer=options.double_buffer)
         ctx.save_for_backward(ids)
-        ctx.mesh, ctx.axis, ctx.shape, ctx.dtype = mesh, axis, weight.shape, weight.dtype
+        ctx.mesh, ctx.axis, ctx.shape, ctx.dtype, ctx.options = mesh, axis, weight.shape, weight.dtype, options
         return out
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        grad = grad.to(acc_dtype(ctx.dtype))
+        grad = grad.to(acc_dtype(ctx.dtype)).reshape(-1, ctx.shape[1])  # (B*S, h)
 
         def step(j, _):
-            local, hit = _block_hits(ids, j, ctx.shape[0])
-            return (grad.new_zeros(ctx.shape).index_add_(0, local[hit], grad[hit]),)
+            local, hit = _block_hits(ids.reshape(-1), j, ctx.shape[0])
+            mine = torch.where(hit.unsqueeze(-1), grad, 0.0)  # misses add an exact zero to row 0
+            return (grad.new_zeros(ctx.shape).index_add_(0, local, mine),)
 
-        (dweight,) = ring_backward((), ctx.mesh, ctx.axis, step)
-        return dweight.to(ctx.dtype), None, None, None
+        (dweight,) = ring_backward((), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer)
+        return dweight.to(ctx.dtype), None, None, None, None
 
 
 class _RingCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, mesh, axis, vocab_size):
+    def forward(ctx, x, weight, targets, mesh, axis, vocab_size, options):
         # x (N, h); weight (Vb, h) vocab block i, zero-padded; targets (N,) global ids or -100
         acc = acc_dtype(x.dtype)
         rows = weight.shape[0]
@@ -215,15 +223,14 @@ class _RingCrossEntropy(torch.autograd.Function):
             z = (x @ blocks[0][:valid].t()).to(acc)  # (N, valid)
             torch.logaddexp(lse, torch.logsumexp(z, -1), out=lse)
             local, hit = _block_hits(targets, j, rows, valid)
-            where = hit.nonzero().squeeze(1)
-            target_logit[where] = z[where, local[where]]
+            torch.where(hit, z.gather(1, local.unsqueeze(1)).squeeze(1), target_logit, out=target_logit)
 
-        ring_forward((weight,), mesh, axis, step)
+        ring_forward((weight,), mesh, axis, step, double_buffer=options.double_buffer)
         per_token = torch.where(keep, lse - target_logit, lse.new_zeros(()))
         totals = torch.stack([per_token.sum(), keep.sum().to(acc)])
         all_reduce_along(totals, mesh, axis)
         ctx.save_for_backward(x, weight, targets, lse)
-        ctx.mesh, ctx.axis, ctx.vocab_size, ctx.count = mesh, axis, vocab_size, totals[1]
+        ctx.mesh, ctx.axis, ctx.vocab_size, ctx.count, ctx.options = mesh, axis, vocab_size, totals[1], options
         return totals[0] / totals[1]  # float32 under bf16 autocast, like F.cross_entropy
 
     @staticmethod
@@ -241,25 +248,25 @@ class _RingCrossEntropy(torch.autograd.Function):
             w_j = blocks[0][:valid]
             dz = (x @ w_j.t()).to(acc).sub_(lse.unsqueeze(-1)).exp_()  # softmax block (N, valid)
             local, hit = _block_hits(targets, j, rows, valid)
-            where = hit.nonzero().squeeze(1)
-            dz[where, local[where]] -= 1
+            dz.scatter_add_(1, local.unsqueeze(1), hit.to(acc).neg_().unsqueeze(1))  # - onehot; misses add -0
             dz = dz.mul_(scale).to(x.dtype)
             dx.addmm_(dz, w_j)
             dweight[:valid] = dz.t() @ x
             return (dweight,)
 
-        (dweight,) = ring_backward((weight,), ctx.mesh, ctx.axis, step)
-        return dx, dweight.to(weight.dtype), None, None, None, None
+        (dweight,) = ring_backward((weight,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer)
+        return dx, dweight.to(weight.dtype), None, None, None, None, None
 
 
-def ring_embedding(weight: torch.Tensor, ids: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor:
+def ring_embedding(weight: torch.Tensor, ids: torch.Tensor, mesh: DeviceMesh, axis: str, *,
+                   options: RingOptions | None = None) -> torch.Tensor:
     """``E[ids]`` for ids ``[B, S]`` with ``E``'s vocab rows split over the ring (``weight [Vb, h]``, zero-padded):
     ``[B, S, h]``."""
-    return _RingEmbedding.apply(weight, ids, mesh, axis)
+    return _RingEmbedding.apply(weight, ids, mesh, axis, ring_options(options))
 
 
 def ring_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mesh: DeviceMesh, axis: str,
-                       vocab_size: int) -> torch.Tensor:
+                       vocab_size: int, *, options: RingOptions | None = None) -> torch.Tensor:
     """Mean cross-entropy of the logits ``X Eᵀ`` (targets ``-100`` ignored) with ``E``'s vocab rows split over the
     ring (``weight [Vb, h]``, zero-padded; columns ``>= vocab_size`` are masked); the same scalar on every rank."""
-    return _RingCrossEntropy.apply(x, weight, targets, mesh, axis, vocab_size)
+    return _RingCrossEntropy.apply(x, weight, targets, mesh, axis, vocab_size, ring_options(options))
