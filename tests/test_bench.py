@@ -82,7 +82,7 @@ def test_scenarios_that_cannot_run_are_reported_with_the_numbers():
     spec = BenchSpec(overrides={"n_head": 12}, steps=1, warmup=0)
     assert "tensor_parallel_size" in run_scenario("2d", 3, spec)["reason"]  # 3 is not a square
     assert "not divisible by 2*p=8" in run_scenario("metp", 4, spec, seq=60)["reason"]
-    assert "batch 3 is not divisible by q=2" in run_scenario("2d", 4, BenchSpec(batch=3, overrides={"n_head": 12}))[
+    assert "batch size 3 is not divisible by q=2" in run_scenario("2d", 4, BenchSpec(batch=3, overrides={"n_head": 12}))[
         "reason"]
     assert "n_head=6 is not divisible by p=4" in run_scenario("tp1d", 4, BenchSpec())["reason"]
     oom = run_scenario("metp", 2, spec, cap_bytes=10_000, full=False)
@@ -90,6 +90,24 @@ def test_scenarios_that_cannot_run_are_reported_with_the_numbers():
     assert "bias=False" in run_scenario("hf", 1, BenchSpec(overrides={"bias": False}))["reason"]
     # a search whose smallest probe does not fit reports 0, not an error
     assert max_sequence("tp1d", 2, spec, cap_bytes=10_000, log=lambda m: None)["max_seq"] == 0
+
+
+def test_scenario_rules_come_from_the_layouts():
+    from lightning_tp2d.bench.cli import local_mlp_shape
+    from lightning_tp2d.bench.runner import SCENARIOS, check_scenario, input_multiples
+
+    assert SCENARIOS == ("single", "hf", "tp1d", "2d", "metp", "2d-metp")
+    # (batch, sequence) multiples on 4 ranks: grid rows split the batch; zigzag layouts cut 2 * side chunks
+    assert [input_multiples(s, 4) for s in SCENARIOS] == [(1, 1), (1, 1), (1, 1), (2, 1), (1, 8), (1, 4)]
+    spec = BenchSpec(overrides={"n_head": 12})
+    assert "sequence length 62 is not divisible by 2*q=4" in check_scenario("2d-metp", 4, spec, 1, 62)
+    assert check_scenario("2d-metp", 4, spec, 1, 64) is None  # batch 1 on the grid that splits sequences
+    assert "p must be a positive int" in check_scenario("metp", 0, spec, 1, 64)
+    # one rank's first MLP product [m, k] @ [k, n]: 256 tokens, h = 48 on 4 ranks
+    assert local_mlp_shape("single", 256, 48, 1) == (256, 48, 192)
+    assert local_mlp_shape("tp1d", 256, 48, 4) == (256, 48, 48)
+    assert local_mlp_shape("2d", 256, 48, 4) == (128, 24, 96)  # [N/q, h/q] @ [h/q, 4h/q]
+    assert local_mlp_shape("metp", 256, 48, 4) == (64, 48, 48)  # [N/p, h] @ [h, 4h/p]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -26,9 +26,10 @@ import sys
 import time
 from dataclasses import asdict, replace
 
+from lightning_tp2d import layouts
 from lightning_tp2d.bench import report
 from lightning_tp2d.bench.events import wire_bytes
-from lightning_tp2d.bench.runner import LAYOUTS, BenchSpec, max_sequence, run_scenario
+from lightning_tp2d.bench.runner import BASELINES, SCENARIOS, BenchSpec, max_sequence, run_scenario
 
 QUICK = dict(model="gpt2-tiny", set=["n_head=12"], batch=4, seq=64, p=4, steps=2, warmup=1,
              layouts="single,hf,tp1d,2d,metp,2d-metp", max_seq_layouts="tp1d,metp", max_seq_p=2, cap_mib=2.0,
@@ -41,9 +42,9 @@ def _ints(text: str) -> list[int]:
 
 def _names(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in LAYOUTS]
+    bad = [n for n in names if n not in SCENARIOS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown layouts {bad}; choose from {list(LAYOUTS)}")
+        raise argparse.ArgumentTypeError(f"unknown layouts {bad}; choose from {list(SCENARIOS)}")
     return names
 
 
@@ -131,6 +132,19 @@ def _drop_rank_detail(rows: list[dict]) -> list[dict]:
         for r in rows]
 
 
+def local_mlp_shape(layout: str, tokens: int, h: int, p: int) -> tuple[int, int, int]:
+    """``(m, k, n)`` of one rank's first MLP product ``[m, k] @ [k, n]`` with ``tokens`` tokens on ``p`` ranks.
+
+    Baselines: ``single`` (``p = 1``) holds everything, 1-D TP all tokens and ``4h/p`` columns. A layout splits
+    the tokens and the ``4h`` columns over its side (``q`` of a grid, ``p`` of a ring); a grid also splits the
+    ``h`` inputs over ``col``, a ring keeps them whole (the weight blocks travel instead)."""
+    if layout in BASELINES:  # single runs on p = 1
+        return tokens, h, 4 * h // p
+    rules = layouts.get_layout(layout)
+    side = rules.side(p)
+    return tokens // side, (h // side if rules.square else h), 4 * h // side
+
+
 def model_check(scenarios: list[dict], spec: BenchSpec, p: int) -> dict:
     """The cost model's step time for each measured scenario on this machine's calibrated rates.
 
@@ -138,8 +152,6 @@ def model_check(scenarios: list[dict], spec: BenchSpec, p: int) -> dict:
     scaled by ``cores / ranks`` when the ranks outnumber the cores; the link is a ping-pong fit between two ranks
     of the same backend. Everything the model leaves out (Python and autograd overhead per op, LayerNorm, the
     optimizer step, element-wise kernels, contention of ranks sharing cores) shows in the error."""
-    import math
-
     from lightning_tp2d.bench import calibrate, cost_model
 
     latency, bandwidth = calibrate.link(spec.device)
@@ -149,10 +161,7 @@ def model_check(scenarios: list[dict], spec: BenchSpec, p: int) -> dict:
         if r.get("status") != "ok" or r["layout"] == "hf" or "step_time_s" not in r:
             continue
         layout, n, cfg = r["layout"], r["p"], spec.config(r["seq"])
-        tokens, h = r["batch"] * r["seq"], cfg.n_embd
-        q = math.isqrt(n)
-        m, k, cols = {"single": (tokens, h, 4 * h), "tp1d": (tokens, h, 4 * h // n),
-                      "metp": (tokens // n, h, 4 * h // n)}.get(layout, (tokens // q, h // q, 4 * h // q))
+        m, k, cols = local_mlp_shape(layout, r["batch"] * r["seq"], cfg.n_embd, n)
         rate = calibrate.matmul_rate(m, k, cols, spec.device) * (min(1.0, cores / n) if spec.device == "cpu" else 1)
         link = cost_model.Link(latency, bandwidth)
         hw = cost_model.Hardware("this machine", rate, rate, intra=link, inter=link, gpus_per_node=1 << 30)
@@ -190,16 +199,18 @@ def projection(args: argparse.Namespace) -> dict:
         hw = replace(hw, name=f"{hw.name}; measured matmul {rate / 1e12:.3g} TFLOP/s ({args.device}, {dtype})",
                      matmul_flops_per_s=rate,
                      attention_flops_per_s=rate * hw.attention_flops_per_s / hw.matmul_flops_per_s)
+    grid = layouts.Grid2D.name
     rows = []
     for r in cost_model.projected_speedup(cfg, batch, seq, hw=hw):
         n = r["gpus"]
+        # a layout's ranks send different amounts (grid position); 1-D TP's all the same
         wire = {layout: max(wire_bytes(cost_model.comm_events(layout, cfg, batch, seq, n, 2, rank=k))
-                            for k in range(n if layout == "2d" else 1)) for layout in ("2d", "tp1d")}
+                            for k in range(1 if layout in BASELINES else n)) for layout in (grid, "tp1d")}
         rows.append({"gpus": n, "nodes": r["nodes"], "time_2d_s": r["2d_s"], "time_tp1d_s": r["tp1d_s"],
-                     "speedup": r["speedup"], "wire_bytes_2d": wire["2d"], "wire_bytes_tp1d": wire["tp1d"],
-                     "exposed_comm_2d_s": r["2d"]["exposed_comm_s"], "exposed_comm_tp1d_s": r["tp1d"]["exposed_comm_s"],
-                     "compute_2d_s": r["2d"]["compute_s"], "compute_tp1d_s": r["tp1d"]["compute_s"],
-                     "activation_bytes_2d": cost_model.activation_bytes("2d", cfg, batch, seq, n, 2),
+                     "speedup": r["speedup"], "wire_bytes_2d": wire[grid], "wire_bytes_tp1d": wire["tp1d"],
+                     "exposed_comm_2d_s": r[grid]["exposed_comm_s"], "exposed_comm_tp1d_s": r["tp1d"]["exposed_comm_s"],
+                     "compute_2d_s": r[grid]["compute_s"], "compute_tp1d_s": r["tp1d"]["compute_s"],
+                     "activation_bytes_2d": cost_model.activation_bytes(grid, cfg, batch, seq, n, 2),
                      "activation_bytes_tp1d": cost_model.activation_bytes("tp1d", cfg, batch, seq, n, 2)})
     return {"model": args.projection_model, "batch": batch, "seq": seq, "hardware": hw.name, "rows": rows,
             "metp_overlap_threshold": cost_model.metp_overlap_threshold(cfg, hw)}

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 
+from lightning_tp2d.layouts import Grid2D, Ring
+
 MIB = 1024 * 1024
+GRID, RING = Grid2D.name, Ring.name  # the layouts the targets compare with 1-D TP
 
 # (key, title, threshold, what "met" means) -- the targets, each a ratio measured in one run
 TARGETS = {
@@ -37,13 +40,13 @@ def evaluate_targets(results: dict) -> list[dict]:
                     "source": source})
 
     scen = results.get("scenarios", [])
-    a, b = _ok(scen, layout="2d", p=4), _ok(scen, layout="tp1d", p=4)
+    a, b = _ok(scen, layout=GRID, p=4), _ok(scen, layout="tp1d", p=4)
     add("activation_2d_vs_tp1d", a["activation_bytes"] / b["activation_bytes"] if a and b else None,
         "scenarios (activation bytes alive at the end of the forward)")
     add("peak_2d_vs_tp1d", (a["peak_bytes"] - a["resident_bytes"]) / (b["peak_bytes"] - b["resident_bytes"])
         if a and b else None, "scenarios (peak of the step minus resident bytes)")
     ms = results.get("max_seq", [])
-    m = next((r for r in ms if r["layout"] == "metp" and r.get("status") == "ok"), None)
+    m = next((r for r in ms if r["layout"] == RING and r.get("status") == "ok"), None)
     t = next((r for r in ms if r["layout"] == "tp1d" and r.get("status") == "ok" and m and r["p"] == m["p"]), None)
     ratio = m["max_seq"] / t["max_seq"] if m and t and t["max_seq"] else None
     add("max_seq_metp_vs_tp1d", ratio, f"max-sequence search at p = {m['p']}" if m else "max-sequence search")
@@ -52,7 +55,7 @@ def evaluate_targets(results: dict) -> list[dict]:
     weak = results.get("weak_scaling", [])
     big = sorted({r["p"] for r in weak if r["p"] >= 16 and r.get("status") == "ok"})
     if big:
-        a, b = _ok(weak, layout="2d", p=big[0]), _ok(weak, layout="tp1d", p=big[0])
+        a, b = _ok(weak, layout=GRID, p=big[0]), _ok(weak, layout="tp1d", p=big[0])
         add("wire_2d_vs_tp1d_p16", a["wire_bytes"] / b["wire_bytes"] if a and b else None,
             f"weak-scaling run at p = {big[0]} (wire bytes of the counted calls)")
     else:

@@ -1,9 +1,9 @@
 """Benchmark scenarios: one training step of the same model, batch and sequence under each layout.
 
-A *scenario* is a layout and a number of ranks:
+A *scenario* is a baseline or a layout (:func:`lightning_tp2d.layouts.layout_names`) and a number of ranks:
 
 =========  =====  ===========================================================================================
-layout     ranks  what runs
+scenario   ranks  what runs
 =========  =====  ===========================================================================================
 single     1      the plain :class:`~lightning_tp2d.models.GPT2` on one device
 hf         1      transformers' ``GPT2LMHeadModel`` (SDPA attention), same shapes (reference for ``single``)
@@ -12,6 +12,9 @@ tp1d       p      PyTorch's 1-D tensor parallelism (:mod:`lightning_tp2d.bench.t
 metp       p      METP ring over p ranks
 2d-metp    p      grid rows split the sequence, attention rings along rows
 =========  =====  ===========================================================================================
+
+The baselines are bench scenarios, not layouts; every rule about a layout (valid ``p``, what the model, batch and
+sequence must divide by) is asked of its :class:`~lightning_tp2d.layouts.Layout` object.
 
 Per scenario every rank reports (:func:`measure_rank`): the first loss (the same model and data everywhere, so
 the losses must agree), step times after warm-up, the bytes resident between steps (parameters and optimizer
@@ -33,10 +36,12 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
+from lightning_tp2d import layouts
 from lightning_tp2d.bench.procs import RunResult, run_ranks
 
-LAYOUTS = ("single", "hf", "tp1d", "2d", "metp", "2d-metp")
+BASELINES = ("single", "hf", "tp1d")  # bench scenarios that are not layouts
 SINGLE_DEVICE = ("single", "hf")
+SCENARIOS = BASELINES + layouts.layout_names()
 
 
 @dataclass(frozen=True)
@@ -70,13 +75,16 @@ def ranks_of(layout: str, p: int) -> int:
     return 1 if layout in SINGLE_DEVICE else p
 
 
+def input_multiples(layout: str, p: int) -> tuple[int, int]:
+    """``(batch, sequence)`` multiples the scenario's input needs on ``p`` ranks (baselines take any)."""
+    return (1, 1) if layout in BASELINES else layouts.get_layout(layout).input_multiples(p)
+
+
 def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -> str | None:
     """Why ``layout`` cannot run on ``p`` ranks with this batch and sequence (``None`` when it can); checked
     before any process starts, so the reason names the numbers."""
-    from lightning_tp2d.mesh import ParallelDims
-
-    if layout not in LAYOUTS:
-        return f"unknown layout {layout!r}; choose from {list(LAYOUTS)}"
+    if layout not in SCENARIOS:
+        return f"unknown layout {layout!r}; choose from {list(SCENARIOS)}"
     cfg = spec.config(seq)
     if seq > cfg.block_size:
         return f"seq {seq} > block_size {cfg.block_size}"
@@ -84,24 +92,20 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
         return f"transformers' GPT-2 has biases and is compared without dropout (bias={cfg.bias}, dropout={cfg.dropout})"
     if layout in SINGLE_DEVICE:
         return None
+    if not isinstance(p, int) or p < 1:
+        return f"p must be a positive int, got {p!r}"
     try:
         if layout == "tp1d":
-            bad = [f"{k}={v} is not divisible by p={p}" for k, v in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd))
-                   if v % p]
-            if bad:
-                raise ValueError("layout 'tp1d': " + "; ".join(bad))
+            from lightning_tp2d.bench.tp1d import check_tp1d
+
+            check_tp1d(cfg, p)
             return None
-        dims = ParallelDims(layout, p)
-        dims.check_model(cfg.n_head, cfg.n_embd)
+        rules = layouts.get_layout(layout)
+        rules.check_tensor_parallel_size(p)
+        rules.check_config(p, cfg)
+        rules.check_input(p, batch, seq)
     except ValueError as e:
         return str(e)
-    q = dims.q
-    if layout == "2d" and batch % q:
-        return f"batch {batch} is not divisible by q={q}"
-    if layout == "metp" and seq % (2 * p):
-        return f"sequence length {seq} is not divisible by 2*p={2 * p}"
-    if layout == "2d-metp" and seq % (2 * q):
-        return f"sequence length {seq} is not divisible by 2*q={2 * q}"
     return None
 
 
@@ -299,9 +303,8 @@ def max_sequence(layout: str, p: int, spec: BenchSpec, cap_bytes: int, unit: int
 
     Doubling from ``unit`` until a probe fails, then bisection; every probe is a fresh process group."""
     world = ranks_of(layout, p)
-    granule = {"metp": 2 * world, "2d-metp": 2 * math.isqrt(world)}.get(layout, 1)
+    batch, granule = input_multiples(layout, world)  # the smallest batch; sequences a multiple of the granule
     unit = unit * granule // math.gcd(unit, granule)
-    batch = math.isqrt(world) if layout == "2d" else 1
     probe_spec = replace(spec, batch=batch)
     probes: list[dict] = []
 
