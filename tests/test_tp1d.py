@@ -13,8 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter, count_functional_collectives
 from lightning_tp2d.bench.events import totals, wire_bytes
-from lightning_tp2d.bench.tp1d import (_loss_parallel_active, check_tp1d, full_state_dict_1d, init_tp1d_mesh,
-                                       param_groups_1d, parallelize_1d, qkv_permutation, tp1d_comm_events)
+from lightning_tp2d.bench.tp1d import (TP1DHandle, _loss_parallel_active, check_tp1d, full_state_dict_1d,
+                                       init_tp1d_mesh, param_groups_1d, parallelize_1d, qkv_permutation,
+                                       tp1d_comm_events)
+from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.models import GPT2, GPT2Config
 from tests.distributed import run_distributed
 
@@ -76,6 +78,7 @@ def _parity(rank, world_size, dtype):
     with pytest.raises(ValueError, match=rf"n_head={bad_heads} is not divisible by p={world_size}"):
         parallelize_1d(GPT2(GPT2Config.from_name("gpt2-tiny", n_layer=1, n_head=bad_heads)), mesh)
     parallelize_1d(model, mesh)
+    assert model.tp == TP1DHandle(mesh, world_size) and handle_of(model) is None  # a baseline, not our layout
     assert model.lm_head.weight is model.transformer.wte.weight
     V, p = cfg.vocab_size, world_size
     assert model.transformer.wte.weight.to_local().shape[0] == len(torch.arange(V).chunk(p)[rank])  # uneven

@@ -48,6 +48,8 @@ Plan (``parallelize_module`` styles on a 1-D mesh with axis ``"tp"`` of ``p`` ra
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -61,10 +63,27 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 from lightning_tp2d.bench.events import Comm
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 
-__all__ = ["init_tp1d_mesh", "check_tp1d", "parallelize_1d", "full_state_dict_1d", "param_groups_1d",
+__all__ = ["TP1DHandle", "init_tp1d_mesh", "check_tp1d", "parallelize_1d", "full_state_dict_1d", "param_groups_1d",
            "tp1d_comm_events", "qkv_permutation", "TP1DAttention", "TP1DLMHead"]
 
 AXIS = "tp"
+
+
+@dataclass(frozen=True)
+class TP1DHandle:
+    """What :func:`parallelize_1d` attaches as ``model.tp``: the 1-D mesh and its size ``p``.
+
+    Not a :class:`~lightning_tp2d.layouts.ParallelHandle` (1-D TP is a baseline, not one of our layouts), so
+    :func:`~lightning_tp2d.layouts.handle_of` returns ``None`` for such a model."""
+
+    mesh: DeviceMesh
+    tensor_parallel_size: int
+    name: ClassVar[str] = "1d"
+
+
+def _handle_name(handle) -> str:
+    """The layout name of whatever handle a parallelized model carries (ours or :class:`TP1DHandle`)."""
+    return getattr(getattr(handle, "layout", handle), "name", type(handle).__name__)
 
 
 def init_tp1d_mesh(p: int, device_type: str | None = None) -> DeviceMesh:
@@ -228,8 +247,9 @@ def parallelize_1d(model: GPT2, mesh: DeviceMesh) -> GPT2:
     """
     if not isinstance(model, GPT2):
         raise TypeError(f"parallelize_1d expects a lightning_tp2d.models.GPT2, got {type(model).__name__}")
-    if getattr(model, "tp_layout", None) is not None:
-        raise ValueError(f"model is already parallelized with layout {model.tp_layout!r}")
+    done = getattr(model, "tp", None)
+    if done is not None:
+        raise ValueError(f"model is already parallelized with layout {_handle_name(done)!r}")
     if mesh.ndim != 1:
         raise ValueError(f"parallelize_1d needs a 1-D mesh, got {mesh.ndim}-D mesh {tuple(mesh.shape)}")
     if any(p.is_meta for p in model.parameters()):
@@ -255,8 +275,7 @@ def parallelize_1d(model: GPT2, mesh: DeviceMesh) -> GPT2:
     parallelize_module(model, mesh, _tp_plan(cfg.n_layer))
     # RowwiseParallel registered a new (DTensor) Parameter on wte; tie the head to it again.
     model.lm_head = TP1DLMHead(tr.wte.weight, mesh)
-    model.tp_layout = "1d"
-    model.tp_mesh = mesh
+    model.tp = TP1DHandle(mesh, p)
     return model
 
 
@@ -264,9 +283,10 @@ def parallelize_1d(model: GPT2, mesh: DeviceMesh) -> GPT2:
 def full_state_dict_1d(model: GPT2) -> dict[str, torch.Tensor]:
     """Plain tensors with the keys of the plain model's ``state_dict()`` and the original (un-permuted) c_attn
     rows. A collective: every rank of the mesh must call it."""
-    if getattr(model, "tp_layout", None) != "1d":
+    handle = getattr(model, "tp", None)
+    if not isinstance(handle, TP1DHandle):
         raise ValueError("full_state_dict_1d expects a model parallelized by parallelize_1d")
-    p = model.tp_mesh.size()
+    p = handle.tensor_parallel_size
     inverse = torch.argsort(qkv_permutation(model.config.n_embd, p))
     out = {}
     for key, value in model.state_dict().items():
