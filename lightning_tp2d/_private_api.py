@@ -1,0 +1,249 @@
+"""Every private Lightning or torch API the package uses, where, why, and what public hook could replace it.
+
+Documentation only: nothing imports this module at run time. ``tests/test_private_api.py`` scans the package's
+code (comments and docstrings left out) for private names of torch and Lightning objects and fails when a use is
+missing here or an entry here is no longer used, so this list stays true. Paths are relative to
+``lightning_tp2d/``; ``file:function`` names the function (or class) that holds the use.
+
+Each entry: the API, **where** it is used, **why**, and the **public** hook that could replace it (or why none
+exists). *Replaceable* marks the ones a small public change could drop.
+
+Lightning (2.6)
+---------------
+
+``ModelParallelStrategy._configure_launcher`` (overridden; calls ``super()``)
+    where: strategy.py:TP2DStrategy._configure_launcher
+    why: the first strategy hook Lightning's accelerator connector calls once devices, nodes and the precision
+    plugin are set and before any process is launched; precision and ``(p, dp)`` are checked there, so a bad size
+    fails once, in the launching process.
+    public: none. ``__init__`` runs before those are known; ``setup_environment`` runs after the launch, in every
+    rank.
+
+``ModelParallelStrategy._setup_distributed``
+    where: strategy.py:TP2DStrategy.setup_environment
+    why: initialises the process group Lightning's way (world ranks, backend, timeout, ``device_id``) without the
+    base ``setup_environment``, which would also build Lightning's own ``(data_parallel, tensor_parallel)`` mesh.
+    public: none cheap. ``super().setup_environment()`` is public but builds a second mesh (sub-group creation on
+    every rank) and needs the private sizes below set first.
+
+``ModelParallelStrategy._device_mesh``
+    where: strategy.py:TP2DStrategy.setup_environment
+    why: where the base class's read-only ``device_mesh`` property (read by ``distributed_sampler_kwargs``) finds
+    the mesh.
+    public: *replaceable*: override the ``device_mesh`` property in ``TP2DStrategy`` to return an attribute of our
+    own (Lightning 2.6.6 reads ``_device_mesh`` only in ``ModelParallelStrategy.setup_environment``, which is
+    overridden).
+
+``ModelParallelStrategy._data_parallel_size``, ``ModelParallelStrategy._tensor_parallel_size``
+    where: strategy.py:TP2DStrategy.setup_environment
+    why: keep the base class's record of the sizes equal to the resolved ones.
+    public: *removable*: Lightning 2.6.6 reads them only in ``ModelParallelStrategy.setup_environment``, which is
+    overridden; ``parallel_dims`` holds the sizes.
+
+``ModelParallelStrategy._save_distributed_checkpoint``
+    where: strategy.py:TP2DStrategy.lightning_module_state_dict, strategy.py:TP2DStrategy.optimizer_state,
+    strategy.py:TP2DStrategy.save_checkpoint
+    why: the constructor's ``save_distributed_checkpoint`` flag; the base class keeps it only there.
+    public: *replaceable*: keep the flag in a public attribute of our own and read that (tests/test_checkpoint.py
+    flips the private one and would follow).
+
+``LightningModule._device_mesh``
+    where: strategy.py:TP2DStrategy.setup_environment (write), module.py:GPT2LightningModule.on_validation_start
+    (read)
+    why: ``LightningModule.device_mesh`` is a read-only property; the strategy hands the mesh to the module exactly
+    as Lightning's ``ModelParallelStrategy`` does.
+    public: *the read is replaceable* by the property ``self.device_mesh``; the write has no setter.
+
+``LightningModule._trainer``
+    where: module.py:GPT2LightningModule.configure_model, module.py:GPT2LightningModule.setup
+    why: whether the module is attached to a Trainer (the public ``trainer`` property raises when it is not).
+    public: ``try: self.trainer`` / ``except RuntimeError``: public, but no clearer.
+
+``lightning.fabric.utilities.optimizer._optimizers_to_device``
+    where: strategy.py:TP2DStrategy.setup
+    why: moves optimizer state to the root device, as ``ModelParallelStrategy.setup`` does.
+    public: *replaceable*: ``lightning.fabric.utilities.apply_func.move_data_to_device`` over each
+    ``optimizer.state``; the state is empty right after ``setup_optimizers`` anyway (checkpoints are restored after
+    ``setup``: ``restore_checkpoint_after_setup`` is ``True``).
+
+``LightningOptimizer._optimizer`` (``getattr`` with a fallback)
+    where: strategy.py:TP2DStrategy.optimizer_state, strategy.py:TP2DStrategy.load_checkpoint
+    why: unwraps a ``LightningOptimizer`` to the torch optimizer the checkpoint functions take.
+    public: *replaceable*: the property ``LightningOptimizer.optimizer``
+    (``o.optimizer if isinstance(o, LightningOptimizer) else o``).
+
+ModelCheckpoint: _should_skip_saving_checkpoint, _monitor_candidates, _save_topk_checkpoint, _save_last_checkpoint
+    where: callbacks.py:StepCheckpoint.on_train_end
+    why: saves the final step when ``every_n_train_steps`` does not divide ``max_steps``, with Lightning's own
+    "already saved" rule, monitor candidates and top-k / last bookkeeping.
+    public: partly: Lightning 2.6's ``ModelCheckpoint.on_train_end`` saves ``last.ckpt`` itself when
+    ``save_last=True``; the final step's top-k entry has no public hook.
+
+``Precision.clip_grad_by_norm = ...``, ``Precision.clip_grad_by_value = ...`` (replaced on the instance)
+    where: strategy.py:TP2DStrategy._install_gradient_clipping
+    why: ``Trainer(gradient_clip_val=...)`` clips through the precision plugin, whose own methods see only local
+    shards; the norm must span the mesh.
+    public: none cheap. ``LightningModule.configure_gradient_clipping`` is the user's hook; a subclass would have
+    to wrap each plugin class (``Precision``, ``MixedPrecision``, ``HalfPrecision``).
+
+torch (2.13)
+------------
+
+``torch.distributed.tensor.placement_types._StridedShard``
+    where: nn/linear.py:_out_shard, nn/ring.py:RingLinear.__init__, checkpoint.py:box_view
+    why: a rank's block of GPT-2's fused ``c_attn`` weight is three row blocks ``[q_i; k_i; v_i]``; this is the one
+    DTensor placement that describes it, so ``full_tensor()`` is the plain parameter and DCP can reshard it.
+    public: none. ``Shard(0)`` needs the rows permuted (as the 1-D baseline does), which changes what
+    ``full_tensor()`` and checkpoints hold.
+
+``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``
+    where: metp.py:_flash_cpu, metp.py:attend_block
+    why: the CPU flash-attention kernel also returns the log-sum-exp, which the ring's online-softmax merge needs.
+    public: none. ``F.scaled_dot_product_attention`` returns the output only (``flex_attention`` can return the
+    log-sum-exp but is fast only under ``torch.compile``).
+
+``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward``
+    where: metp.py:attend_block_backward
+    why: the block backward from the *global* output and log-sum-exp, as torch's own context-parallel ring
+    attention calls its flash backward.
+    public: none.
+
+``DTensor._op_dispatcher._custom_op_handlers``, ``torch.ops.aten._log_softmax``
+    where: bench/tp1d.py:_loss_parallel_active
+    why: whether torch's ``loss_parallel()`` handlers are installed now (keyed by the ops it replaces): entering
+    it again and leaving would remove the caller's handlers.
+    public: none; ``loss_parallel`` exposes no state.
+
+``torch._subclasses.fake_tensor.FakeTensor``, ``torch._subclasses.fake_tensor.FakeTensorMode``
+    where: bench/collectives.py:_shape_only, bench/measure.py:_storage_key, bench/trace.py:_run_here
+    why: DTensor's shape propagation runs ops on fake tensors, which are neither allocations nor communication;
+    the schedule tracer runs the parallel model on fake tensors, without memory or compute.
+    public: none; torch documents fake tensors but exports them only from ``torch._subclasses``.
+
+``torch.utils._python_dispatch.TorchDispatchMode``
+    where: bench/collectives.py:FunctionalCollectiveCounter, bench/measure.py:LiveTensorBytes,
+    bench/trace.py:_Recorder
+    why: sees every aten op: counts functional collectives with their bytes, tracks live tensor bytes, records the
+    traced schedule.
+    public: none for bytes. ``torch.distributed.tensor.debug.CommDebugMode`` counts collective calls but not
+    their bytes, and nothing tracks live bytes.
+
+``torch.utils._pytree.tree_flatten``
+    where: bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__,
+    bench/measure.py:LiveTensorBytes.__torch_dispatch__, bench/trace.py:_Recorder._track
+    why: the tensors among an op's nested arguments.
+    public: *replaceable* by a few-line recursive flatten of tuples, lists and dicts (torch 2.13 has no public
+    ``torch.utils.pytree``).
+
+``torch._ops.HigherOrderOperator``
+    where: bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__,
+    bench/measure.py:LiveTensorBytes.__torch_dispatch__
+    why: lets higher-order operators pass through a dispatch mode unexamined.
+    public: none; the class is not exported publicly.
+
+``OpOverload._overloadpacket``
+    where: bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__,
+    bench/trace.py:_Recorder.__torch_dispatch__
+    why: the op without its overload, to key counters and the schedule.
+    public: *replaceable*: the property ``OpOverload.overloadpacket`` (the same object).
+
+``OpOverload._schema``
+    where: bench/trace.py:_attention_flops
+    why: argument names of an attention op, to price its FLOPs.
+    public: none; the schema is exposed only there.
+
+``UntypedStorage._cdata``
+    where: bench/trace.py:_storage
+    why: the address of a tensor's StorageImpl tells storages apart while they live, fake ones too.
+    public: none. ``data_ptr()`` of a fake storage is 0 (and deprecated); ``id()`` of the Python storage object
+    changes from call to call.
+
+``torch.ops._c10d_functional``
+    where: bench/collectives.py:(module)
+    why: the native functional-collective ops DTensor redistributions issue: the op set the counter recognises.
+    public: none; the Python wrappers (``torch.distributed._functional_collectives``) are private too.
+
+``torch.testing._internal.distributed.fake_pg.FakeStore``
+    where: bench/trace.py:_run_here
+    why: importing the module registers the ``"fake"`` process-group backend the schedule tracer runs on (no
+    peers, no communication).
+    public: partly: ``torch.distributed.HashStore`` can replace ``FakeStore``, but only this import registers the
+    backend.
+"""
+
+from __future__ import annotations
+
+# (api, used_in, why): api names the owner and the private name (several names: comma-separated; an instance patch:
+# ``Owner.method = ...``); used_in is ``file:function`` relative to lightning_tp2d/ (``(module)`` for module level).
+PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    # ---- Lightning ----
+    ("ModelParallelStrategy._configure_launcher", ("strategy.py:TP2DStrategy._configure_launcher",),
+     "check precision and (p, dp) once devices, nodes and precision are known, before any process is launched"),
+    ("ModelParallelStrategy._setup_distributed", ("strategy.py:TP2DStrategy.setup_environment",),
+     "initialise the process group Lightning's way without building Lightning's own mesh"),
+    ("ModelParallelStrategy._device_mesh", ("strategy.py:TP2DStrategy.setup_environment",),
+     "where the base class's read-only device_mesh property finds our mesh"),
+    ("ModelParallelStrategy._data_parallel_size, ModelParallelStrategy._tensor_parallel_size",
+     ("strategy.py:TP2DStrategy.setup_environment",),
+     "keep the base class's record of the sizes equal to the resolved ones"),
+    ("ModelParallelStrategy._save_distributed_checkpoint",
+     ("strategy.py:TP2DStrategy.lightning_module_state_dict", "strategy.py:TP2DStrategy.optimizer_state",
+      "strategy.py:TP2DStrategy.save_checkpoint"),
+     "the constructor's save_distributed_checkpoint flag, kept by the base class only there"),
+    ("LightningModule._device_mesh",
+     ("strategy.py:TP2DStrategy.setup_environment", "module.py:GPT2LightningModule.on_validation_start"),
+     "LightningModule.device_mesh is a read-only property; the strategy hands the mesh over as Lightning does"),
+    ("LightningModule._trainer",
+     ("module.py:GPT2LightningModule.configure_model", "module.py:GPT2LightningModule.setup"),
+     "whether the module is attached to a Trainer (the trainer property raises when it is not)"),
+    ("lightning.fabric.utilities.optimizer._optimizers_to_device", ("strategy.py:TP2DStrategy.setup",),
+     "move optimizer state to the root device, as ModelParallelStrategy.setup does"),
+    ("LightningOptimizer._optimizer",
+     ("strategy.py:TP2DStrategy.optimizer_state", "strategy.py:TP2DStrategy.load_checkpoint"),
+     "unwrap a LightningOptimizer to the torch optimizer the checkpoint functions take"),
+    ("ModelCheckpoint._should_skip_saving_checkpoint, ModelCheckpoint._monitor_candidates, "
+     "ModelCheckpoint._save_topk_checkpoint, ModelCheckpoint._save_last_checkpoint",
+     ("callbacks.py:StepCheckpoint.on_train_end",),
+     "save the final step with Lightning's own skip rule, candidates and top-k / last bookkeeping"),
+    ("Precision.clip_grad_by_norm = ..., Precision.clip_grad_by_value = ...",
+     ("strategy.py:TP2DStrategy._install_gradient_clipping",),
+     "Trainer(gradient_clip_val=...) clips through the precision plugin; the norm must span every shard"),
+    # ---- torch ----
+    ("torch.distributed.tensor.placement_types._StridedShard",
+     ("nn/linear.py:_out_shard", "nn/ring.py:RingLinear.__init__", "checkpoint.py:box_view"),
+     "the only DTensor placement for the fused c_attn rows [q_i; k_i; v_i] of one rank"),
+    ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", ("metp.py:_flash_cpu", "metp.py:attend_block"),
+     "the CPU flash kernel returns the log-sum-exp the ring's online-softmax merge needs"),
+    ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", ("metp.py:attend_block_backward",),
+     "the block backward from the global output and log-sum-exp"),
+    ("DTensor._op_dispatcher._custom_op_handlers, torch.ops.aten._log_softmax",
+     ("bench/tp1d.py:_loss_parallel_active",),
+     "whether torch's loss_parallel() handlers are installed right now"),
+    ("torch._subclasses.fake_tensor.FakeTensor, torch._subclasses.fake_tensor.FakeTensorMode",
+     ("bench/collectives.py:_shape_only", "bench/measure.py:_storage_key", "bench/trace.py:_run_here"),
+     "recognise DTensor's shape-propagation tensors; trace the parallel model without memory or compute"),
+    ("torch.utils._python_dispatch.TorchDispatchMode",
+     ("bench/collectives.py:FunctionalCollectiveCounter", "bench/measure.py:LiveTensorBytes",
+      "bench/trace.py:_Recorder"),
+     "see every aten op: collectives with their bytes, live tensor bytes, the traced schedule"),
+    ("torch.utils._pytree.tree_flatten",
+     ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",
+      "bench/measure.py:LiveTensorBytes.__torch_dispatch__", "bench/trace.py:_Recorder._track"),
+     "the tensors among an op's nested arguments"),
+    ("torch._ops.HigherOrderOperator",
+     ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",
+      "bench/measure.py:LiveTensorBytes.__torch_dispatch__"),
+     "let higher-order operators pass through a dispatch mode unexamined"),
+    ("OpOverload._overloadpacket",
+     ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",
+      "bench/trace.py:_Recorder.__torch_dispatch__"),
+     "the op without its overload, to key counters and the schedule"),
+    ("OpOverload._schema", ("bench/trace.py:_attention_flops",),
+     "argument names of an attention op, to price its FLOPs"),
+    ("UntypedStorage._cdata", ("bench/trace.py:_storage",),
+     "the StorageImpl's address: a key that tells storages apart while they live, fake ones too"),
+    ("torch.ops._c10d_functional", ("bench/collectives.py:(module)",),
+     "the native functional-collective ops DTensor redistributions issue"),
+    ("torch.testing._internal.distributed.fake_pg.FakeStore", ("bench/trace.py:_run_here",),
+     "importing it registers the 'fake' process-group backend the schedule tracer runs on"),
+)
