@@ -3,25 +3,21 @@
 Importing the package registers the Lightning strategy names ``"tp2d"`` (layout "2d"), ``"metp"`` and
 ``"tp2d_metp"`` ("2d-metp"), so ``Trainer(strategy="tp2d")`` works (Lightning has no entry-point discovery for
 strategies).
+
+The import itself stays light: the public names below are loaded on first access (PEP 562), and nothing here
+imports torch or Lightning. The strategy names are registered as soon as ``lightning.pytorch.strategies`` exists:
+at once when Lightning is already imported, otherwise by a one-shot import hook right after Lightning's strategy
+package has executed. What is registered is a factory that imports :class:`~lightning_tp2d.strategy.TP2DStrategy`
+when a Trainer asks for the name, so registration never imports this package's Lightning code in the middle of
+Lightning's own import.
 """
 
-from lightning_tp2d.mesh import ParallelDims, init_mesh
-from lightning_tp2d.models import GPT2, GPT2Config
-from lightning_tp2d.parallelize import full_state_dict, local_parameter_bytes, parallelize
-from lightning_tp2d.checkpoint import read_state_dict
-from lightning_tp2d.export import export_hf, gpt2_state_dict, load_gpt2
-from lightning_tp2d.data import TextDataModule
-from lightning_tp2d.module import GPT2LightningModule
-from lightning_tp2d.strategy import TP2DStrategy
+from __future__ import annotations
 
-
-def _register_strategies() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    TP2DStrategy.register_strategies(StrategyRegistry)
-
-
-_register_strategies()
+import importlib
+import importlib.abc
+import sys
+import types
 
 __version__ = "0.1.0.dev0"
 
@@ -30,3 +26,118 @@ __all__ = [
     "full_state_dict", "gpt2_state_dict", "init_mesh", "load_gpt2", "local_parameter_bytes", "parallelize",
     "read_state_dict",
 ]
+
+# public name -> the module that defines it (imported on first access)
+_EXPORTS = {
+    "ParallelDims": "mesh", "init_mesh": "mesh",
+    "GPT2": "models", "GPT2Config": "models",
+    "full_state_dict": "parallelize", "local_parameter_bytes": "parallelize", "parallelize": "parallelize",
+    "read_state_dict": "checkpoint",
+    "export_hf": "export", "gpt2_state_dict": "export", "load_gpt2": "export",
+    "TextDataModule": "data",
+    "GPT2LightningModule": "module",
+    "TP2DStrategy": "strategy",
+}
+# names that are also submodules: importing ``lightning_tp2d.parallelize`` must not rebind ``tp.parallelize``
+_SHADOWED = {name for name, module in _EXPORTS.items() if name == module}
+
+# Lightning strategy name -> layout; the same table as lightning_tp2d.strategy.STRATEGY_NAMES (a test compares
+# them), kept here so that registering needs no import of the strategy module (which imports Lightning)
+_STRATEGY_LAYOUTS = {"tp2d": "2d", "metp": "metp", "tp2d_metp": "2d-metp"}
+_LIGHTNING_STRATEGIES = "lightning.pytorch.strategies"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """This package's module type: the import system binds a submodule onto its package after loading it, which
+    would turn ``lightning_tp2d.parallelize`` (the function) into the module of the same name."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+# ---- strategy names -----------------------------------------------------------------------------------------------
+
+
+def _make_strategy(**kwargs):
+    """What ``StrategyRegistry.get(name)`` calls: ``TP2DStrategy(layout=<the name's layout>, **kwargs)``."""
+    from lightning_tp2d.strategy import TP2DStrategy
+
+    return TP2DStrategy(**kwargs)
+
+
+def _register_strategy_names(strategy_registry) -> None:
+    """Register ``"tp2d"``, ``"metp"`` and ``"tp2d_metp"`` with a Lightning ``StrategyRegistry`` (lazily: see
+    :func:`_make_strategy`)."""
+    for name, layout in _STRATEGY_LAYOUTS.items():
+        strategy_registry.register(name, _make_strategy, description=f"tensor-parallel GPT-2, layout {layout!r}",
+                                   layout=layout, override=True)
+
+
+class _RegisterAfterExec(importlib.abc.Loader):
+    """Runs Lightning's own loader for its strategy package, then registers the names; afterwards the module's
+    ``__loader__`` and ``__spec__.loader`` are Lightning's loader again."""
+
+    def __init__(self, loader) -> None:
+        self._loader = loader
+
+    def __getattr__(self, name: str):  # get_source, get_filename, is_package, ... of the wrapped loader
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        try:
+            self._loader.exec_module(module)
+        finally:
+            module.__loader__ = self._loader
+            module.__spec__.loader = self._loader
+        sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _StrategyImportHook)]
+        _register_strategy_names(module.StrategyRegistry)
+
+
+class _StrategyImportHook(importlib.abc.MetaPathFinder):
+    """Finds ``lightning.pytorch.strategies`` with the other finders and wraps their loader; it leaves
+    ``sys.meta_path`` once that loader has run (a lookup without an import, ``importlib.util.find_spec``, keeps it)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _LIGHTNING_STRATEGIES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RegisterAfterExec(spec.loader)
+                return spec
+        return None
+
+
+def _register_when_lightning_loads() -> None:
+    strategies = sys.modules.get(_LIGHTNING_STRATEGIES)
+    if strategies is not None and hasattr(strategies, "StrategyRegistry"):
+        _register_strategy_names(strategies.StrategyRegistry)
+    elif not any(isinstance(finder, _StrategyImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _StrategyImportHook())
+
+
+_register_when_lightning_loads()

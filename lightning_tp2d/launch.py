@@ -30,7 +30,19 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+SOURCE_CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # <checkout>/conf
+PACKAGE_CONF_DIR = Path(__file__).resolve().parent / "conf"  # <site-packages>/lightning_tp2d/conf
+
+
+def _find_conf_dir() -> Path:
+    """The Hydra configs: a source checkout's top-level ``conf/`` (users edit it there, and editable installs read it
+    there), else the copy that the wheel ships as the package data ``lightning_tp2d/conf``."""
+    if (SOURCE_CONF_DIR.parent / "pyproject.toml").is_file() and (SOURCE_CONF_DIR / "config.yaml").is_file():
+        return SOURCE_CONF_DIR
+    return PACKAGE_CONF_DIR
+
+
+CONF_DIR = _find_conf_dir()
 RUN_DIR_ENV = "TP2D_RUN_DIR"
 CPU_PROCESSES = 4  # the CPU default: one 2x2 grid
 GPU_MODEL, CPU_MODEL = "gpt2", "gpt2-mini"

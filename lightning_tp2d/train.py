@@ -45,8 +45,12 @@ class ConfigError(ValueError):
 def main() -> None:
     """The console script: rank-aware Hydra arguments, a check of the override keys, then the Hydra job."""
     if not launch.CONF_DIR.is_dir():
-        raise SystemExit(f"tp2d-train: the configs are missing ({launch.CONF_DIR}); install from a source checkout "
-                         "with `pip install -e .`")
+        raise SystemExit(f"tp2d-train: the configs are missing: neither a source checkout's {launch.SOURCE_CONF_DIR} "
+                         f"nor the installed copy {launch.PACKAGE_CONF_DIR} exists; reinstall the package "
+                         "(`pip install .`, or `pip install -e .` in a source checkout)")
+    # Lightning before Hydra sets up logging (`import lightning_tp2d` no longer imports it): loaded under Hydra's
+    # root handler, Lightning would print each of its messages twice, in its format and in Hydra's
+    import lightning.pytorch  # noqa: F401
     launch.register_resolvers()
     sys.argv = launch.prepare_argv(sys.argv)
     if launch.is_rank_zero():
