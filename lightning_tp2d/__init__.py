@@ -24,7 +24,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "GPT2", "GPT2Config", "GPT2LightningModule", "ParallelDims", "TP2DStrategy", "TextDataModule", "export_hf",
     "full_state_dict", "gpt2_state_dict", "init_mesh", "load_gpt2", "local_parameter_bytes", "parallelize",
-    "read_state_dict",
+    "read_state_dict", "Layout", "Grid2D", "Ring", "GridRing", "get_layout", "register_layout", "RingOptions",
 ]
 
 # public name -> the module that defines it (imported on first access)
@@ -37,13 +37,15 @@ _EXPORTS = {
     "TextDataModule": "data",
     "GPT2LightningModule": "module",
     "TP2DStrategy": "strategy",
+    "Layout": "layouts", "Grid2D": "layouts", "Ring": "layouts", "GridRing": "layouts", "get_layout": "layouts",
+    "register_layout": "layouts",
+    "RingOptions": "metp",
 }
 # names that are also submodules: importing ``lightning_tp2d.parallelize`` must not rebind ``tp.parallelize``
 _SHADOWED = {name for name, module in _EXPORTS.items() if name == module}
 
-# Lightning strategy name -> layout; the same table as lightning_tp2d.strategy.STRATEGY_NAMES (a test compares
-# them), kept here so that registering needs no import of the strategy module (which imports Lightning)
-_STRATEGY_LAYOUTS = {"tp2d": "2d", "metp": "metp", "tp2d_metp": "2d-metp"}
+# Lightning strategy name -> layout: lightning_tp2d.layouts.STRATEGY_NAMES (pure Python, so registering needs no
+# import of the strategy module, which imports Lightning)
 _LIGHTNING_STRATEGIES = "lightning.pytorch.strategies"
 
 
@@ -85,7 +87,9 @@ def _make_strategy(**kwargs):
 def _register_strategy_names(strategy_registry) -> None:
     """Register ``"tp2d"``, ``"metp"`` and ``"tp2d_metp"`` with a Lightning ``StrategyRegistry`` (lazily: see
     :func:`_make_strategy`)."""
-    for name, layout in _STRATEGY_LAYOUTS.items():
+    from lightning_tp2d.layouts import STRATEGY_NAMES
+
+    for name, layout in STRATEGY_NAMES.items():
         strategy_registry.register(name, _make_strategy, description=f"tensor-parallel GPT-2, layout {layout!r}",
                                    layout=layout, override=True)
 

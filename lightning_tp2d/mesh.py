@@ -12,48 +12,42 @@ naming the numbers instead of hanging in a collective.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-LAYOUTS = ("2d", "metp", "2d-metp")
-GRID_LAYOUTS = ("2d", "2d-metp")
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+from lightning_tp2d.layouts import Layout, get_layout
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of one run: ``layout``, tensor-parallel size ``p`` and data-parallel size ``dp``."""
+    """Degrees of one run: ``layout`` (a name or a :class:`~lightning_tp2d.layouts.Layout`; kept as its name),
+    tensor-parallel size ``p`` and data-parallel size ``dp``. The rules are the layout's."""
 
     layout: str
     tensor_parallel_size: int  # p: ranks that share one model replica (q*q for the grid layouts)
     data_parallel_size: int = 1  # dp: model replicas, each fed its own batches
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; choose one of {list(LAYOUTS)}")
+        spec = get_layout(self.layout)
+        object.__setattr__(self, "layout", spec.name)
+        object.__setattr__(self, "_spec", spec)
         for name in ("tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.layout in GRID_LAYOUTS:
-            q = math.isqrt(self.tensor_parallel_size)
-            if q * q != self.tensor_parallel_size:
-                near = sorted({math.isqrt(self.tensor_parallel_size) ** 2, (math.isqrt(self.tensor_parallel_size) + 1) ** 2})
-                raise ValueError(
-                    f"layout {self.layout!r} needs a square tensor_parallel_size (q x q grid); "
-                    f"{self.tensor_parallel_size} is not a perfect square (nearest: {near})"
-                )
+        spec.check_tensor_parallel_size(self.tensor_parallel_size)
+
+    @property
+    def spec(self) -> Layout:
+        """The :class:`~lightning_tp2d.layouts.Layout` object."""
+        return self._spec  # type: ignore[attr-defined]
 
     @property
     def q(self) -> int:
         """Side of the grid (``p = q*q``); for the ring layout, the ring size ``p``."""
-        return math.isqrt(self.tensor_parallel_size) if self.layout in GRID_LAYOUTS else self.tensor_parallel_size
+        return self.spec.side(self.tensor_parallel_size)
 
     @property
     def world_size(self) -> int:
@@ -61,13 +55,11 @@ class ParallelDims:
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        return ("data_parallel", "row", "col") if self.layout in GRID_LAYOUTS else ("data_parallel", "ring")
+        return self.spec.mesh_dim_names
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        if self.layout in GRID_LAYOUTS:
-            return (self.data_parallel_size, self.q, self.q)
-        return (self.data_parallel_size, self.tensor_parallel_size)
+        return self.spec.mesh_shape(self.tensor_parallel_size, self.data_parallel_size)
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
@@ -76,21 +68,16 @@ class ParallelDims:
                 f"tensor_parallel_size {self.tensor_parallel_size} = {self.world_size}"
             )
 
-    def check_model(self, n_head: int, n_embd: int) -> None:
-        """Heads and hidden size must split evenly over the ``col`` axis (or the ring)."""
-        q = self.q
-        bad = [f"{name}={value} is not divisible by q={q}" for name, value in (("n_head", n_head), ("n_embd", n_embd))
-               if value % q]
-        if bad:
-            fits = _divisors(math.gcd(n_head, n_embd))
-            raise ValueError(f"layout {self.layout!r}: " + "; ".join(bad) + f"; use q in {fits}")
+    def check_model(self, n_head: int, n_embd: int, dropout: float = 0.0) -> None:
+        """Heads and hidden size must split evenly over the layout's side (the layout's rule)."""
+        self.spec.check_model(self.tensor_parallel_size, n_head, n_embd, dropout)
 
 
 def device_type_for_backend(backend: str) -> str:
     return "cuda" if "nccl" in backend else "cpu"
 
 
-def init_mesh(layout: str = "2d", tensor_parallel_size: int = 4, data_parallel_size: int = 1,
+def init_mesh(layout: str | Layout = "2d", tensor_parallel_size: int = 4, data_parallel_size: int = 1,
               device_type: str | None = None) -> DeviceMesh:
     """Build the layout's :class:`DeviceMesh` over the already-initialised default process group.
 
@@ -106,18 +93,11 @@ def init_mesh(layout: str = "2d", tensor_parallel_size: int = 4, data_parallel_s
     return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names)
 
 
-def parallel_dims_of(mesh: DeviceMesh, layout: str) -> ParallelDims:
+def parallel_dims_of(mesh: DeviceMesh, layout: str | Layout) -> ParallelDims:
     """Recover the :class:`ParallelDims` a mesh was built for, checking its axis names."""
-    names = tuple(mesh.mesh_dim_names or ())
-    expected = ParallelDims(layout, 1).mesh_dim_names
-    if names != expected:
-        raise ValueError(f"layout {layout!r} needs a mesh with axes {expected}, got {names}")
-    shape = tuple(mesh.shape)
-    if layout in GRID_LAYOUTS:
-        if shape[1] != shape[2]:
-            raise ValueError(f"grid mesh must be square, got row={shape[1]} x col={shape[2]}")
-        return ParallelDims(layout, shape[1] * shape[2], shape[0])
-    return ParallelDims(layout, shape[1], shape[0])
+    spec = get_layout(layout)
+    p, dp = spec.sizes_of_mesh(mesh)
+    return ParallelDims(spec.name, p, dp)
 
 
 def grid_coords(mesh: DeviceMesh) -> tuple[int, int]:
@@ -128,4 +108,8 @@ def grid_coords(mesh: DeviceMesh) -> tuple[int, int]:
 def transpose_peer(mesh: DeviceMesh) -> int:
     """Global rank of this rank's mirror ``(col, row)`` in the same data-parallel replica (itself on the diagonal)."""
     r, c = grid_coords(mesh)
-    return int(mesh.mesh[mesh.get_local_rank("data_parallel"), c, r])
+    # the col group of this rank's row holds (r, 0..q-1); its member at col r is (r, r); the mirror (c, r) is in
+    # the row group (same col) of (r, r)... a two-hop lookup. With init_mesh's row-major layout it is arithmetic
+    # (global rank d*p + r*q + c), and needs no tensor indexing (so it also runs under a fake-tensor trace).
+    q = mesh.size(mesh.mesh_dim_names.index("col"))
+    return dist.get_rank() + (c - r) * q + (r - c)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import Metric
 
+from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 
 
@@ -139,7 +140,7 @@ class GPT2LightningModule(L.LightningModule):
         self.log("val_perplexity", self.val_perplexity, on_step=False, on_epoch=True)
 
     def on_validation_start(self) -> None:
-        mesh = self._device_mesh
+        mesh = self.device_mesh
         if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
             # tensor-parallel ranks hold equal sums; reduce over the replicas that saw different data
             self.val_perplexity.process_group = mesh.get_group("data_parallel")
@@ -199,12 +200,6 @@ class GPT2LightningModule(L.LightningModule):
 
 
 def _input_multiples(model: GPT2) -> tuple[int, int]:
-    """``(batch, sequence)`` multiples a parallelized model's input must have: "2d" rows split the batch into
-    ``q``; "metp" cuts sequences into ``2p`` chunks and "2d-metp" into ``2q``."""
-    layout, mesh = getattr(model, "tp_layout", None), getattr(model, "tp_mesh", None)
-    if layout is None:
-        return 1, 1
-    if layout == "metp":
-        return 1, 2 * mesh.size(mesh.mesh_dim_names.index("ring"))
-    q = mesh.size(mesh.mesh_dim_names.index("row"))
-    return (q, 1) if layout == "2d" else (1, 2 * q)
+    """``(batch, sequence)`` multiples a parallelized model's input must have (its layout's rule; 1, 1 plain)."""
+    handle = handle_of(model)
+    return (1, 1) if handle is None else handle.input_multiples

@@ -28,62 +28,60 @@ shards, and attention is a ring along ``row``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_tp2d.mesh import parallel_dims_of
+from lightning_tp2d.layouts import Layout, ParallelHandle, get_layout
 from lightning_tp2d.models.gpt2 import GPT2
-from lightning_tp2d.nn import Attention2D, LayerNorm2D, LMHead2D, MLP2D, PositionEmbedding2D, TokenEmbedding2D
-from lightning_tp2d.nn.grid_metp import (Attention2DMetp, LMHead2DMetp, PositionEmbedding2DMetp,
-                                         TokenEmbedding2DMetp)
-from lightning_tp2d.nn.ring import (RingAttention, RingLayerNorm, RingLMHead, RingMLP, RingPositionEmbedding,
-                                    RingTokenEmbedding)
 
-# layout -> parallel classes for (wte, wpe, LayerNorm, attn, mlp, lm_head); each takes (plain module, mesh)
-PLANS = {
-    "2d": (TokenEmbedding2D, PositionEmbedding2D, LayerNorm2D, Attention2D, MLP2D, LMHead2D),
-    "metp": (RingTokenEmbedding, RingPositionEmbedding, RingLayerNorm, RingAttention, RingMLP, RingLMHead),
-    "2d-metp": (TokenEmbedding2DMetp, PositionEmbedding2DMetp, LayerNorm2D, Attention2DMetp, MLP2D, LMHead2DMetp),
-}
-IMPLEMENTED_LAYOUTS = tuple(PLANS)
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_tp2d.metp import RingOptions
 
 
-def parallelize(model: GPT2, mesh: DeviceMesh, layout: str = "2d") -> GPT2:
+def parallelize(model: GPT2, mesh: DeviceMesh, layout: str | Layout = "2d", *,
+                options: RingOptions | None = None) -> GPT2:
     """Parallelize ``model`` in place for ``layout`` on ``mesh`` (from :func:`~lightning_tp2d.init_mesh`) and
     return it. Every rank must pass the same plain model: each rank keeps its own shards of it.
+
+    ``layout`` is a name (``"2d"``, ``"metp"``, ``"2d-metp"``) or a :class:`~lightning_tp2d.layouts.Layout`
+    object; ``options`` (a :class:`~lightning_tp2d.metp.RingOptions`) configure the ring kernels. The layout's
+    plan decides which parallel module replaces each role; the model then carries one
+    :class:`~lightning_tp2d.layouts.ParallelHandle` as ``model.tp``.
 
     A model built under ``torch.device("meta")`` is materialised here, module by module, with GPT-2 init from
     the global CPU generator: seed it (the same on every rank) before calling, and the weights equal an eager
     ``GPT2(config)`` built after the same seed. Shards land on the mesh's device type."""
     if not isinstance(model, GPT2):
         raise TypeError(f"parallelize expects a lightning_tp2d.models.GPT2, got {type(model).__name__}")
-    if getattr(model, "tp_layout", None) is not None:
-        raise ValueError(f"model is already parallelized with layout {model.tp_layout!r}")
-    dims = parallel_dims_of(mesh, layout)
-    cfg = model.config
-    dims.check_model(cfg.n_head, cfg.n_embd)
-    if layout not in IMPLEMENTED_LAYOUTS:
-        raise NotImplementedError(f"layout {layout!r} is not implemented yet; available: {list(IMPLEMENTED_LAYOUTS)}")
+    done = getattr(model, "tp", None)  # ours (a ParallelHandle) or another parallelization's handle (1-D TP)
+    if done is not None:
+        name = done.layout.name if isinstance(done, ParallelHandle) else getattr(done, "name", type(done).__name__)
+        raise ValueError(f"model is already parallelized with layout {name!r}")
+    spec = get_layout(layout, options)
+    p, dp = spec.sizes_of_mesh(mesh)
+    spec.check_tensor_parallel_size(p)
+    spec.check_model(p, model.config.n_head, model.config.n_embd)  # dropout is refused by ring layers in training
     # A model built on the meta device is materialised one module at a time, on CPU, initialised in
     # init_weights' order (so a seed gives the same weights as an eager build) and then sharded: no rank
     # ever holds more than one full module.
     materialise = _materialiser(model) if any(p.is_meta for p in model.parameters()) else (lambda name, m: m)
 
-    Wte, Wpe, Norm, Attention, Mlp, Head = PLANS[layout]
     tr = model.transformer
-    tr.wte = Wte(materialise("transformer.wte", tr.wte), mesh)
-    tr.wpe = Wpe(materialise("transformer.wpe", tr.wpe), mesh)
+    tr.wte = spec.build("wte", materialise("transformer.wte", tr.wte), mesh)
+    tr.wpe = spec.build("wpe", materialise("transformer.wpe", tr.wpe), mesh)
     for i, block in enumerate(tr.h):
         prefix = f"transformer.h.{i}"
-        block.ln_1 = Norm(materialise(f"{prefix}.ln_1", block.ln_1), mesh)
-        block.attn = Attention(materialise(f"{prefix}.attn", block.attn), mesh)
-        block.ln_2 = Norm(materialise(f"{prefix}.ln_2", block.ln_2), mesh)
-        block.mlp = Mlp(materialise(f"{prefix}.mlp", block.mlp), mesh)
-    tr.ln_f = Norm(materialise("transformer.ln_f", tr.ln_f), mesh)
-    model.lm_head = Head(tr.wte.weight, mesh)
-    model.tp_layout, model.tp_mesh = layout, mesh
+        block.ln_1 = spec.build("norm", materialise(f"{prefix}.ln_1", block.ln_1), mesh)
+        block.attn = spec.build("attn", materialise(f"{prefix}.attn", block.attn), mesh)
+        block.ln_2 = spec.build("norm", materialise(f"{prefix}.ln_2", block.ln_2), mesh)
+        block.mlp = spec.build("mlp", materialise(f"{prefix}.mlp", block.mlp), mesh)
+    tr.ln_f = spec.build("norm", materialise("transformer.ln_f", tr.ln_f), mesh)
+    model.lm_head = spec.build("lm_head", tr.wte.weight, mesh)
+    model.tp = ParallelHandle(spec, mesh, p, dp)
     return model
 
 

@@ -8,7 +8,8 @@ process-group set-up, data-parallel sampler sharding and the DCP checkpoint plum
   them (no ``configure_model`` parallel code needed); models built on the meta device are materialised shard by
   shard from one seed, eager models are first made identical on every rank (broadcast from rank 0);
 * after each backward that ends an accumulation window, gradients are averaged over ``data_parallel`` (the tensor
-  axes are already summed inside the layers' backward);
+  axes are already summed inside the layers' backward) by :mod:`lightning_tp2d.training`, which also holds the
+  shard-aware clipping: Fabric and plain-torch loops use the same functions;
 * ``Trainer(gradient_clip_val=...)`` clips by the norm of the *whole* gradient across all shards (Lightning clips
   through the precision plugin; ``setup`` points its two clipping methods at :func:`clip_grad_norm_` and
   :func:`clip_grad_value_`);
@@ -19,7 +20,6 @@ Every rank of a tensor-parallel group is fed the same batch: the sampler shards 
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -31,26 +31,27 @@ import torch
 import torch.nn as nn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.tensor import DTensor
 
 from lightning_tp2d import checkpoint as ckpt
-from lightning_tp2d.comm import all_reduce_along, broadcast_along
-from lightning_tp2d.mesh import LAYOUTS, ParallelDims, init_mesh
+from lightning_tp2d.layouts import STRATEGY_NAMES, Layout, get_layout, handle_of
+from lightning_tp2d.mesh import ParallelDims, init_mesh
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.parallelize import parallelize
+from lightning_tp2d.training import average_gradients_, broadcast_module_, clip_grad_norm_, clip_grad_value_
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
-STRATEGY_NAMES = {"tp2d": "2d", "metp": "metp", "tp2d_metp": "2d-metp"}
 
 
 class TP2DStrategy(ModelParallelStrategy):
     """Tensor-parallel GPT-2 training on a ``dp x p`` mesh.
 
     Args:
-        layout: ``"2d"`` (SUMMA on a ``q x q`` grid), ``"metp"`` (ring of ``p``) or ``"2d-metp"``.
+        layout: ``"2d"`` (SUMMA on a ``q x q`` grid), ``"metp"`` (ring of ``p``) or ``"2d-metp"``, or a
+            :class:`~lightning_tp2d.layouts.Layout` object (which carries the ring kernels' options).
         tensor_parallel_size: ranks per model replica ``p``, or ``"auto"``: the largest size valid for the layout
             (square for the grid layouts; dividing the model's heads and width when the model is known) that
             divides the devices of one node.
@@ -63,18 +64,18 @@ class TP2DStrategy(ModelParallelStrategy):
 
     strategy_name = "tp2d"
 
-    def __init__(self, layout: str = "2d", tensor_parallel_size: Literal["auto"] | int = "auto",
+    def __init__(self, layout: str | Layout = "2d", tensor_parallel_size: Literal["auto"] | int = "auto",
                  data_parallel_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {layout!r}; choose one of {list(LAYOUTS)}")
+        spec = get_layout(layout)
         for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
             if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be 'auto' or a positive int, got {value!r}")
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self.layout = layout
+        self.layout_spec = spec
+        self.layout = spec.name
         self._requested = (tensor_parallel_size, data_parallel_size)
         self._dims: ParallelDims | None = None
         self._grad_sync_blocked = False
@@ -107,7 +108,7 @@ class TP2DStrategy(ModelParallelStrategy):
         world, per_node = self.num_nodes * self.num_processes, self.num_processes
         tp, dp = self._requested
         if tp == "auto" and dp == "auto":
-            tp = auto_tensor_parallel_size(self.layout, per_node, world, config)
+            tp = self.layout_spec.auto_tensor_parallel_size(per_node, world, config)
         elif tp == "auto":
             if world % dp:
                 raise ValueError(f"data_parallel_size={dp} does not divide the world size {world} "
@@ -118,7 +119,7 @@ class TP2DStrategy(ModelParallelStrategy):
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world} "
                                  f"({self.num_nodes} nodes x {per_node} devices)")
             dp = world // tp
-        dims = ParallelDims(self.layout, tp, dp)
+        dims = ParallelDims(self.layout_spec, tp, dp)
         dims.check_world_size(world)
         if config is not None:
             dims.check_model(config.n_head, config.n_embd)
@@ -135,7 +136,7 @@ class TP2DStrategy(ModelParallelStrategy):
         dims = self._resolve_dims(find_gpt2_config(self.lightning_module))
         self._dims = dims
         self._data_parallel_size, self._tensor_parallel_size = dims.data_parallel_size, dims.tensor_parallel_size
-        self._device_mesh = init_mesh(self.layout, dims.tensor_parallel_size, dims.data_parallel_size,
+        self._device_mesh = init_mesh(self.layout_spec, dims.tensor_parallel_size, dims.data_parallel_size,
                                       device_type=self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -165,19 +166,20 @@ class TP2DStrategy(ModelParallelStrategy):
                 "modules it finds inside the LightningModule (build one in __init__ or configure_model)")
         seed = None
         for index, (name, gpt) in enumerate(found):
-            if getattr(gpt, "tp_layout", None) is not None:
-                if gpt.tp_layout != self.layout or gpt.tp_mesh is not self.device_mesh:
-                    raise ValueError(f"GPT2 {name!r} is already parallelized with layout {gpt.tp_layout!r} on "
+            done = handle_of(gpt)
+            if done is not None:
+                if done.layout != self.layout_spec or done.mesh is not self.device_mesh:
+                    raise ValueError(f"GPT2 {name!r} is already parallelized with layout {done.layout.name!r} on "
                                      "another mesh")
                 continue
             if any(p.is_meta for p in gpt.parameters()):
                 seed = self._init_seed() if seed is None else seed
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(seed + index)  # the same full weights on every rank, whatever the layout
-                    parallelize(gpt, self.device_mesh, self.layout)
+                    parallelize(gpt, self.device_mesh, self.layout_spec)
             else:
                 broadcast_module_(gpt, self.device_mesh)
-                parallelize(gpt, self.device_mesh, self.layout)
+                parallelize(gpt, self.device_mesh, self.layout_spec)
         left = [n for n, p in module.named_parameters() if p.is_meta]
         if left:
             raise ValueError(f"parameters outside the GPT2 modules are still on the meta device: {left[:5]}")
@@ -214,12 +216,11 @@ class TP2DStrategy(ModelParallelStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self.layout == "2d":
-            q = self.parallel_dims.q
-            for size in train_batch_sizes(self.lightning_module.trainer):
-                if size % q:
-                    raise ValueError(f"batch size {size} is not divisible by the grid side q={q} (layout '2d' splits "
-                                     f"each batch over the {q} grid rows); use a multiple of {q}")
+        p = self.parallel_dims.tensor_parallel_size
+        for size in train_batch_sizes(self.lightning_module.trainer):
+            problem = self.layout_spec.batch_problem(p, size)
+            if problem:
+                raise ValueError(problem)
 
     # ---- checkpoints (lightning_tp2d.checkpoint) ----------------------------------------------------------
 
@@ -230,7 +231,7 @@ class TP2DStrategy(ModelParallelStrategy):
         return ckpt.full_model_state(self.model, self.global_rank)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = _unwrap(optimizer)
         if self._save_distributed_checkpoint:
             return ckpt.sharded_optimizer_state(self.model, optimizer)
         return ckpt.full_optimizer_state(self.model, optimizer, self.global_rank)
@@ -258,7 +259,7 @@ class TP2DStrategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        optimizers = [_unwrap(o) for o in self.optimizers]
         return ckpt.load_into(self.model, optimizers, path, strict=self.lightning_module.strict_loading)
 
     def checkpoint_info(self) -> dict[str, Any]:
@@ -272,6 +273,11 @@ class TP2DStrategy(ModelParallelStrategy):
 # ---- helpers (no Lightning state) ---------------------------------------------------------------------------
 
 
+def _unwrap(optimizer):
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or the optimizer itself)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
 def precision_name(plugin: Precision) -> str:
     """The Trainer ``precision`` string a plugin stands for (the class name when it is none we know)."""
     if isinstance(plugin, (MixedPrecision, HalfPrecision)):
@@ -281,17 +287,10 @@ def precision_name(plugin: Precision) -> str:
     return getattr(plugin, "precision", type(plugin).__name__)
 
 
-def auto_tensor_parallel_size(layout: str, per_node: int, world: int, config: GPT2Config | None) -> int:
+def auto_tensor_parallel_size(layout: str | Layout, per_node: int, world: int, config: GPT2Config | None) -> int:
     """Largest ``p`` dividing the devices of one node (and so the world) that is valid for ``layout`` and, if
-    known, splits the model's heads and width."""
-    grid = layout in ("2d", "2d-metp")
-    for p in range(per_node, 0, -1):
-        if per_node % p or world % p or (grid and math.isqrt(p) ** 2 != p):
-            continue
-        q = math.isqrt(p) if grid else p
-        if config is None or (config.n_head % q == 0 and config.n_embd % q == 0):
-            return p
-    return 1
+    known, splits the model's heads and width (the layout's rule)."""
+    return get_layout(layout).auto_tensor_parallel_size(per_node, world, config)
 
 
 def find_gpt2_config(module: nn.Module | None) -> GPT2Config | None:
@@ -314,91 +313,3 @@ def train_batch_sizes(trainer) -> list[int]:
     elif not isinstance(loaders, (list, tuple)):
         loaders = [loaders]
     return [dl.batch_size for dl in loaders if getattr(dl, "batch_size", None)]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-@torch.no_grad()
-def broadcast_module_(module: nn.Module, mesh) -> None:
-    """Make every parameter and buffer of ``module`` equal to global rank 0's: broadcast along each mesh axis in
-    turn from coordinate 0 (after axis ``k`` every rank whose later coordinates are 0 holds rank 0's values)."""
-    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
-    for dtype in {t.dtype for t in tensors}:
-        group = [t for t in tensors if t.dtype == dtype]
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        for axis in mesh.mesh_dim_names:
-            broadcast_along(flat, mesh, axis, src=0)
-        offset = 0
-        for t in group:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
-@torch.no_grad()
-def average_gradients_(module: nn.Module, mesh) -> None:
-    """``grad <- mean over data_parallel of grad`` for every parameter (local shards; one all-reduce per dtype)."""
-    dp = mesh.size(mesh.mesh_dim_names.index("data_parallel"))
-    if dp == 1:
-        return
-    grads = [_local(p.grad) for p in module.parameters() if p.grad is not None]
-    for dtype in {g.dtype for g in grads}:
-        group = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in group])
-        all_reduce_along(flat, mesh, "data_parallel")
-        flat.div_(dp)
-        offset = 0
-        for g in group:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
-def _counted_here(grad: torch.Tensor, mesh) -> bool:
-    """Whether this rank's shard of ``grad`` enters the norm: on axes (other than data_parallel) where the
-    gradient is replicated, only coordinate 0 counts, so every element is counted exactly once."""
-    names = mesh.mesh_dim_names
-    if isinstance(grad, DTensor):
-        replicated = [names[i] for i, pl in enumerate(grad.placements) if pl.is_replicate()]
-    else:
-        replicated = list(names)
-    return all(mesh.get_local_rank(a) == 0 for a in replicated if a != "data_parallel")
-
-
-@torch.no_grad()
-def grad_norm(parameters, mesh, norm_type: float = 2.0) -> torch.Tensor:
-    """Norm of the whole gradient (all shards of all parameters), the same float32 scalar on every rank.
-    Data-parallel replicas must already hold equal gradients (after :func:`average_gradients_`)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    device = _local(grads[0]).device if grads else torch.device("cpu")
-    inf = math.isinf(norm_type)
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        if not _counted_here(g, mesh):
-            continue
-        local = _local(g).float()
-        if local.numel():
-            total = torch.maximum(total, local.abs().max()) if inf else total + local.pow(norm_type).sum()
-    for axis in mesh.mesh_dim_names:
-        if axis != "data_parallel":
-            all_reduce_along(total, mesh, axis, op="max" if inf else "sum")
-    return total if inf else total.pow(1.0 / norm_type)
-
-
-@torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, mesh, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` with the global norm (as
-    ``torch.nn.utils.clip_grad_norm_`` on the unsharded model); returns the norm before clipping."""
-    parameters = [p for p in parameters if p.grad is not None]
-    total = grad_norm(parameters, mesh, norm_type)
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in parameters:
-        _local(p.grad).mul_(coef.to(_local(p.grad).dtype))
-    return total
-
-
-@torch.no_grad()
-def clip_grad_value_(parameters, clip_value: float) -> None:
-    for p in parameters:
-        if p.grad is not None:
-            _local(p.grad).clamp_(-clip_value, clip_value)

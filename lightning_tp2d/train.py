@@ -35,7 +35,6 @@ from lightning_tp2d import launch
 
 log = logging.getLogger("tp2d-train")
 TOKENIZER_IDS = {"byte": 257, "gpt2": 50257}  # ids each tokenizer of TextDataModule produces
-RING_LAYOUTS = ("metp", "2d-metp")
 
 
 class ConfigError(ValueError):
@@ -216,27 +215,22 @@ def check_config(cfg: DictConfig, model) -> str:
 
 
 def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, seq: int) -> str:
-    from lightning_tp2d.mesh import GRID_LAYOUTS
-    from lightning_tp2d.strategy import auto_tensor_parallel_size
+    from lightning_tp2d.layouts import get_layout
 
-    layout, world, grid = str(par.layout), devices * nodes, par.layout in GRID_LAYOUTS
+    try:
+        layout = get_layout(str(par.layout))
+    except ValueError as err:
+        raise ConfigError(f"parallel.layout: {err}") from None
+    world = devices * nodes
     here = f"trainer.devices={devices} x trainer.num_nodes={nodes} = {world} processes"
 
-    def side(p: int) -> int:
-        return math.isqrt(p) if grid else p
-
     def problem(p: int) -> str | None:
-        q = side(p)
-        if grid and q * q != p:
-            return f"layout {layout!r} needs a square number q*q of devices per replica, and {p} is not a square"
-        bad = [f"model.{n}={v} is not divisible by {'q' if grid else 'p'}={q}"
-               for n, v in (("n_head", model.n_head), ("n_embd", model.n_embd)) if v % q]
-        return "; ".join(bad) or None
+        return layout.size_problem(p) or "; ".join(layout.model_problems(p, model.n_head, model.n_embd, "model.")) or None
 
     fitting = [p for p in range(1, world + 1) if world % p == 0 and problem(p) is None]
     tp, dp = par.tensor_parallel_size, par.data_parallel_size
     if tp == "auto" and dp == "auto":
-        p = auto_tensor_parallel_size(layout, devices, world, model)
+        p = layout.auto_tensor_parallel_size(devices, world, model)
     elif tp == "auto":
         if world % int(dp):
             raise ConfigError(f"parallel.data_parallel_size={dp} does not divide the {here}; use one of "
@@ -254,21 +248,16 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
     if dp != "auto" and p * int(dp) != world:
         raise ConfigError(f"parallel.data_parallel_size={dp} x tensor_parallel_size={p} = {p * int(dp)} processes, "
                           f"but {here}; use parallel.data_parallel_size={world // p} (or auto)")
-    q = side(p)
-    if layout == "2d" and batch % q:
-        raise ConfigError(f"data.batch_size={batch} is not divisible by q={q} (layout '2d' splits each batch over the "
-                          f"{q} grid rows); use data.batch_size={q * math.ceil(batch / q)}")
-    if layout in RING_LAYOUTS:
-        if seq % (2 * q):
-            raise ConfigError(f"data.block_size={seq} is not divisible by {2 * q} (layout {layout!r} cuts every "
-                              f"sequence into 2x{q} zigzag chunks); use data.block_size={2 * q * max(1, seq // (2 * q))}")
-        if model.dropout:
-            raise ConfigError(f"model.dropout={model.dropout}: layout {layout!r} does not support dropout; set "
-                              "model.dropout=0")
-    shape = f"{q}x{q} grid" if grid else f"ring of {p}"
-    text = f"layout {layout!r}: {world // p} replica(s) x {shape} (p={p}) on {here}"
+    for bad in (layout.batch_problem(p, batch, key="data.batch_size"),
+                layout.sequence_problem(p, seq, key="data.block_size")):
+        if bad:
+            raise ConfigError(bad)
+    if model.dropout and not layout.supports_dropout:
+        raise ConfigError(f"model.dropout={model.dropout}: layout {layout.name!r} does not support dropout; set "
+                          "model.dropout=0")
+    text = f"layout {layout.name!r}: {world // p} replica(s) x {layout.describe(p)} (p={p}) on {here}"
     if p == 1 and world > 1:
-        text += (f" -- note: no {'grid' if grid else 'ring'} larger than 1 fits {devices} devices per machine, so "
+        text += (f" -- note: no {layout.arrangement} larger than 1 fits {devices} devices per machine, so "
                  "each device holds a whole model (data parallel only)")
     return text
 

@@ -159,15 +159,15 @@ def test_plan_of_the_cpu_default():
 @pytest.mark.parametrize("overrides,message", [
     (["trainer.devices=6", "parallel.tensor_parallel_size=4"],
      "needs a multiple of 4 processes, but trainer.devices=6 x trainer.num_nodes=1 = 6 processes; use trainer.devices=8"),
-    (["parallel.tensor_parallel_size=3"], "3 is not a square; sizes that fit this model on 4 processes: "
-                                           "parallel.tensor_parallel_size in [1, 4]"),
+    (["parallel.tensor_parallel_size=3"], "3 is not a perfect square (nearest: [1, 4]); sizes that fit this model on 4 "
+                                           "processes: parallel.tensor_parallel_size in [1, 4]"),
     (["model=gpt2-xl", "trainer.devices=4", "parallel.tensor_parallel_size=4", "data.tokenizer=byte"],
      "model.n_head=25 is not divisible by q=2"),
     (["parallel.data_parallel_size=3"], "parallel.data_parallel_size=3 does not divide the trainer.devices=4"),
     (["data.batch_size=5"], "data.batch_size=5 is not divisible by q=2 (layout '2d' splits each batch over the 2 grid "
                             "rows); use data.batch_size=6"),
-    (["parallel=metp", "data.block_size=102"], "data.block_size=102 is not divisible by 4 (layout 'metp' cuts every "
-                                             "sequence into 2x2 zigzag chunks); use data.block_size=100"),
+    (["parallel=metp", "data.block_size=102"], "data.block_size=102 is not divisible by 2*p=4 (layout 'metp' cuts "
+                                             "every sequence into 4 zigzag chunks); use data.block_size=100"),
     (["parallel=single", "trainer.devices=2"], "parallel=single runs one process, but trainer.devices=2"),
     (["data.block_size=4096"], "data.block_size=4096 exceeds model.block_size=128"),
     (["data.tokenizer=gpt2"], "data.tokenizer=gpt2 makes 50257 token ids but model.vocab_size=257"),

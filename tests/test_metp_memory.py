@@ -20,9 +20,9 @@ import torch
 
 import lightning_tp2d as tp
 from lightning_tp2d.bench.measure import LiveTensorBytes
+from lightning_tp2d.metp import RingOptions
 from lightning_tp2d.models import GPT2, GPT2Config
 from tests.distributed import run_distributed
-from tests.test_metp_model import set_ring_options
 
 T = 1024  # total sequence length: long against the hidden size 48, as METP is meant for
 RINGS = (1, 2, 4)
@@ -50,11 +50,10 @@ def _memory(rank, world_size):
         out["plain"] = _measure(lambda: _block_step(plain.transformer.h[0], x)).peak + x.nbytes
     for p in RINGS:
         mesh = tp.init_mesh("metp", p, world_size // p)
-        model = tp.parallelize(copy.deepcopy(plain), mesh, layout="metp")
         x = torch.randn(1, T // p, cfg.n_embd, requires_grad=True)  # this rank's zigzag chunks
         for kernel in ("auto", "math"):
-            # TODO(layouts): parallelize with layouts.get_layout("metp", options=RingOptions(attention_kernel=kernel))
-            set_ring_options(model, attention_kernel=kernel)
+            options = RingOptions(attention_kernel=kernel)
+            model = tp.parallelize(copy.deepcopy(plain), mesh, layout="metp", options=options)
             tracker = _measure(lambda: _block_step(model.transformer.h[0], x))
             out["block"][p, kernel] = {"peak": tracker.peak + x.nbytes, "shapes": set(tracker.shapes)}
     small = GPT2Config.from_name("gpt2-tiny", n_head=4)  # block_size 64: no dimension as large as the vocab 257

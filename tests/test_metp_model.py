@@ -9,7 +9,6 @@ schedule, with no collective on activations. Then bad input and a rank that dies
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import time
 
@@ -18,6 +17,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 import lightning_tp2d as tp
+from lightning_tp2d.layouts import get_layout
 from lightning_tp2d import comm, metp
 from lightning_tp2d.models import GPT2, GPT2Config
 from tests.distributed import run_distributed
@@ -25,17 +25,6 @@ from tests.test_parallel_2d import _batch, _check_parity, _rel, expected_block_c
 
 SEQ = 24  # divisible by 2p for p = 2, 4 and by 2q for q = 2
 HEADS = 12  # gpt2-tiny with 12 heads of 4: divisible by p = 4 (its default 6 is not)
-
-
-def set_ring_options(model: torch.nn.Module, **changes) -> None:
-    """Replace fields of ``.options`` on every layer of a parallelized model that has one.
-
-    TODO(layouts): stands in for ``tp.parallelize(model, mesh, layout=layouts.get_layout("metp",
-    options=RingOptions(...)))`` until parallelize passes a layout's options to the layers."""
-    layers = [m for m in model.modules() if isinstance(getattr(m, "options", None), metp.RingOptions)]
-    assert layers, "no layer with RingOptions: is the model parallelized with a ring layout?"
-    for m in layers:
-        m.options = dataclasses.replace(m.options, **changes)
 
 
 def _counts(stats) -> dict:
@@ -89,14 +78,15 @@ def _parity(rank, world_size, layout, batch):
     out["grads"] = {n: _rel(p.grad.full_tensor(), p0.grad)
                     for (n, p), p0 in zip(par.named_parameters(), plain.parameters())}
 
-    grads = [p.grad.to_local().clone() for p in par.parameters()]
-    par.zero_grad(set_to_none=True)
-    set_ring_options(par, double_buffer=False)  # TODO(layouts): a second model parallelized with these options
-    loss2 = par(idx, targets)
+    # the same model parallelized with double buffering off: the same arithmetic in the same order
+    waits = get_layout(layout, options=metp.RingOptions(double_buffer=False))
+    par2 = tp.parallelize(copy.deepcopy(plain), mesh, layout=waits)
+    out["options_reach_the_layers"] = all(m.options.double_buffer is False for m in par2.modules()
+                                          if isinstance(getattr(m, "options", None), metp.RingOptions))
+    loss2 = par2(idx, targets)
     loss2.backward()
-    set_ring_options(par, double_buffer=True)
     out["identical"] = loss2.item() == loss1.item() and all(
-        torch.equal(g, p.grad.to_local()) for g, p in zip(grads, par.parameters()))
+        torch.equal(p2.grad.to_local(), p.grad.to_local()) for p2, p in zip(par2.parameters(), par.parameters()))
 
     before = {k: v.clone() for k, v in plain.state_dict().items()}
     for opt in [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (plain, par)]:
@@ -131,7 +121,7 @@ def test_metp_layouts_match_plain_model_float64(layout, world_size, batch):
     r0 = results[0]
     assert r0["logits_shape"] == (batch, SEQ, cfg.vocab_size)
     for out in results:
-        assert out["identical"]  # double buffering off: the same bits
+        assert out["identical"] and out["options_reach_the_layers"]  # double buffering off: the same bits
     if layout == "metp":
         assert r0["placements"]["transformer.wte.weight"] == "(Replicate(), Shard(dim=0))"
         assert r0["placements"]["transformer.h.0.attn.c_attn.weight"].startswith("(Replicate(), _StridedShard(dim=0")
@@ -205,7 +195,7 @@ def _bad_input(rank, world_size):
 
 def test_bad_input_raises_value_error_naming_the_numbers_on_every_rank():
     for errors in run_distributed(_bad_input, 4, timeout=60):
-        assert "n_head=3 is not divisible by q=2" in errors["heads"]
+        assert "n_head=3 is not divisible by p=2" in errors["heads"]
         assert ("layout 'metp' needs a mesh with axes ('data_parallel', 'ring'), "
                 "got ('data_parallel', 'row', 'col')") in errors["mesh"]
         assert "world size 4 != data_parallel_size 1 x tensor_parallel_size 3 = 3" in errors["world"]
@@ -267,7 +257,7 @@ def _replicas_and_autocast(rank, world_size):
     cfg = GPT2Config.from_name("gpt2-tiny")
     plain = GPT2(cfg).double()
     par = tp.parallelize(copy.deepcopy(plain), tp.init_mesh("metp", 2, 2), layout="metp")
-    mesh = par.tp_mesh
+    mesh = par.tp.mesh
     replica = mesh.get_local_rank("data_parallel")
     idx, targets = _batch(cfg, batch=2, seq=16, seed=10 + replica)
     loss0, loss1 = plain(idx, targets), par(idx, targets)

@@ -111,10 +111,11 @@ def test_strategy_names_resolve_to_tp2d_strategies_in_either_import_order(import
     assert out["trainer"] == ["lightning_tp2d.strategy", "metp"]
 
 
-def test_registered_layouts_are_the_strategy_modules_table():
-    from lightning_tp2d.strategy import STRATEGY_NAMES
+def test_registration_and_the_strategy_module_share_the_layouts_table():
+    from lightning_tp2d import layouts, strategy
 
-    assert tp._STRATEGY_LAYOUTS == STRATEGY_NAMES
+    assert strategy.STRATEGY_NAMES is layouts.STRATEGY_NAMES
+    assert layouts.STRATEGY_NAMES == {"tp2d": "2d", "metp": "metp", "tp2d_metp": "2d-metp"}
 
 
 # ---- conf/ in the wheel ---------------------------------------------------------------------------------------

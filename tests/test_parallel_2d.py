@@ -222,7 +222,7 @@ def _bad_input(rank, world_size):
 def test_bad_input_raises_value_error_naming_the_numbers_on_every_rank():
     results = run_distributed(_bad_input, 4, timeout=60)
     for errors in results:
-        assert "batch size 3 is not divisible by the grid side q=2" in errors["batch"]
+        assert "batch size 3 is not divisible by q=2" in errors["batch"]
         assert "sequence length 65 exceeds block_size 64" in errors["seq"]
         assert "257" in errors["vocab"]
         assert "already parallelized" in errors["twice"]

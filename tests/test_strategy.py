@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 import lightning_tp2d as tp
 from lightning_tp2d.data import ByteTokenizer, TokenWindows, load_tokens
 from lightning_tp2d.models import GPT2, GPT2Config
-from lightning_tp2d.strategy import TP2DStrategy, auto_tensor_parallel_size, clip_grad_norm_, grad_norm
+from lightning_tp2d.strategy import TP2DStrategy, auto_tensor_parallel_size
+from lightning_tp2d.training import clip_grad_norm_, grad_norm
 from tests.distributed import run_distributed
 from tests.lightning_ranks import run_ranks
 
@@ -160,7 +161,7 @@ def test_module_without_gpt2_fails_before_training():
 
 def _fit_with_batch_3(rank, world_size):
     trainer = _trainer("tp2d", world_size, LossRecorder(), max_steps=1)
-    with pytest.raises(ValueError, match="batch size 3 is not divisible by the grid side q=2"):
+    with pytest.raises(ValueError, match="batch size 3 is not divisible by q=2"):
         trainer.fit(tp.GPT2LightningModule("gpt2-tiny"), tp.TextDataModule(batch_size=3, max_tokens=4000))
     return trainer.global_step
 

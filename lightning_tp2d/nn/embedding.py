@@ -22,15 +22,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from lightning_tp2d.comm import BroadcastPipeline, ReducePipeline
+from lightning_tp2d.layouts import Grid2D
 from lightning_tp2d.nn.functional import axis_index, shard_parameter, shard_range, sum_grad_along
 
 
-def shard_batch(x: torch.Tensor, mesh: DeviceMesh, what: str = "batch") -> torch.Tensor:
-    """Rank ``(r, c)``'s batch shard ``r`` of a full ``[B, ...]`` tensor; ``B`` must divide by ``q``."""
+def shard_batch(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Rank ``(r, c)``'s batch shard ``r`` of a full ``[B, ...]`` tensor; ``B`` must divide by ``q`` (the "2d"
+    layout's rule, checked before any communication)."""
     r, q = axis_index(mesh, "row")
-    if x.shape[0] % q:
-        raise ValueError(f"{what} size {x.shape[0]} is not divisible by the grid side q={q} "
-                         f"(every row of the grid takes B/q sequences); use a batch that is a multiple of {q}")
+    problem = Grid2D().batch_problem(q * q, x.shape[0])
+    if problem:
+        raise ValueError(problem)
     n = x.shape[0] // q
     return x[r * n:(r + 1) * n]
 

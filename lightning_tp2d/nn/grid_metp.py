@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_tp2d.layouts import GridRing
 from lightning_tp2d.metp import RingOptions, ring_attention, ring_options
 from lightning_tp2d.nn.attention import Attention2D
 from lightning_tp2d.nn.embedding import PositionEmbedding2D, TokenEmbedding2D, _EmbedToOwner
@@ -22,12 +23,12 @@ from lightning_tp2d.nn.head import LMHead2D
 from lightning_tp2d.nn.ring import refuse_attention_dropout
 from lightning_tp2d.nn.sequence import check_sequence_length, zigzag_inverse, zigzag_positions
 
-LAYOUT = "2d-metp"
+LAYOUT = GridRing()  # the layout these layers serve: its rules check their input
 
 
 def _row_positions(seq: int, mesh: DeviceMesh, device) -> torch.Tensor:
     r, q = axis_index(mesh, "row")
-    check_sequence_length(seq, q, LAYOUT, name="q")
+    check_sequence_length(seq, LAYOUT, q * q)
     return zigzag_positions(seq, q, r, device)
 
 

@@ -47,7 +47,7 @@ class LMHead2D(nn.Module):
 
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """Targets of this rank's tokens, flattened in the order of its logits rows (batch shard ``r``)."""
-        return shard_batch(targets, self.mesh, "targets batch").reshape(-1)
+        return shard_batch(targets, self.mesh).reshape(-1)
 
     def full_logits(self, full: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, V]`` from the gathered ``[B*T, V]`` rows (row blocks in grid-row order)."""

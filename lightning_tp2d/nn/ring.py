@@ -33,11 +33,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_tp2d.layouts import Ring
 from lightning_tp2d.metp import RingOptions, ring_attention, ring_mlp, ring_options
 from lightning_tp2d.nn.functional import autocast_operands, axis_index, pad_rows, shard_parameter, sum_grad_along
 from lightning_tp2d.nn.ring_stream import (ColumnBlocks, HeadBlocks, ring_cross_entropy, ring_embedding,
                                            ring_linear_in, ring_linear_out)
 from lightning_tp2d.nn.sequence import check_sequence_length, gather_sequence, zigzag_positions
+
+LAYOUT = Ring()  # the layout these layers serve: its rules check their input
 
 AXIS = "ring"
 REPLICATED = [Replicate(), Replicate()]
@@ -102,7 +105,7 @@ class RingLayerNorm(nn.Module):
 def refuse_attention_dropout(module: nn.Module) -> None:
     if module.training and module.dropout > 0:
         raise NotImplementedError(f"ring attention has no attention-probability dropout (dropout={module.dropout}); "
-                                  f"train with dropout=0.0, or use layout '2d'")
+                                  f"train with dropout=0.0, or a layout without a ring")
 
 
 class RingAttention(nn.Module):
@@ -163,7 +166,7 @@ class RingTokenEmbedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         i, p = axis_index(self.mesh, AXIS)
-        check_sequence_length(idx.shape[1], p, "metp")
+        check_sequence_length(idx.shape[1], LAYOUT, p)
         ids = idx[:, zigzag_positions(idx.shape[1], p, i, idx.device)]
         return ring_embedding(pad_rows(self.weight.to_local(), self.block_rows), ids, self.mesh, AXIS,
                               options=self.options)
@@ -183,7 +186,7 @@ class RingPositionEmbedding(nn.Module):
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         i, p = axis_index(self.mesh, AXIS)
-        check_sequence_length(pos.shape[0], p, "metp")
+        check_sequence_length(pos.shape[0], LAYOUT, p)
         mine = pos[zigzag_positions(pos.shape[0], p, i, pos.device)]
         return F.embedding(mine, sum_grad_along(self.weight.to_local(), self.mesh, AXIS))
 
@@ -203,7 +206,7 @@ class RingLMHead(nn.Module):
         i, p = axis_index(self.mesh, AXIS)
         B, S, h = x.shape
         if targets is not None:
-            check_sequence_length(targets.shape[1], p, "metp")
+            check_sequence_length(targets.shape[1], LAYOUT, p)
             targets = targets[:, zigzag_positions(targets.shape[1], p, i, targets.device)].reshape(-1)
         weight = pad_rows(self.weight.to_local(), self.block_rows)
         x2d, weight = autocast_operands(x.reshape(B * S, h), weight)

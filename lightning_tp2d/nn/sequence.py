@@ -11,14 +11,15 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import all_gather_along, axis_rank, axis_size
+from lightning_tp2d.layouts import Layout
 
 
-def check_sequence_length(seq: int, n: int, layout: str, name: str = "p") -> None:
-    """``ValueError`` unless ``seq`` splits into ``2n`` zigzag chunks (checked before any communication)."""
-    if seq % (2 * n):
-        raise ValueError(f"sequence length {seq} is not divisible by 2*{name}={2 * n} (layout {layout!r} cuts "
-                         f"every sequence into {2 * n} zigzag chunks); use a multiple of {2 * n}, e.g. "
-                         f"{seq - seq % (2 * n) or 2 * n} or {seq + 2 * n - seq % (2 * n)}")
+def check_sequence_length(seq: int, layout: Layout, p: int) -> None:
+    """``ValueError`` (the layout's message) unless ``seq`` splits into the layout's zigzag chunks on ``p`` ranks
+    (checked before any communication)."""
+    problem = layout.sequence_problem(p, seq)
+    if problem:
+        raise ValueError(problem)
 
 
 def zigzag_positions(seq: int, n: int, i: int, device=None) -> torch.Tensor:

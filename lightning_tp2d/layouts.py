@@ -1,0 +1,333 @@
+"""The layouts: how one transformer is cut over ``p`` ranks, one class each, and a registry by name.
+
+A layout owns every rule that depends on it (DESIGN 3, 4):
+
+* the mesh: tensor axes (``row``/``col`` or ``ring``) after ``data_parallel``, their shape for ``(p, dp)``, and
+  which tensor-parallel sizes are valid (square for the grids);
+* what the model, the batch and the sequence must satisfy (heads and width divisible by the grid side or the ring,
+  batch split over grid rows, sequences cut into zigzag chunks, dropout) -- each refusal a ``ValueError`` naming
+  the numbers that do not fit and one that would;
+* the automatic tensor-parallel size (the largest valid one inside a node);
+* the module plan: which parallel module replaces which role of a GPT-2 (:data:`ROLES`), built with the layout's
+  options (:class:`~lightning_tp2d.metp.RingOptions` for the ring kernels);
+* the handle a parallelized model carries (:class:`ParallelHandle`, ``model.tp``).
+
+Callers (``parallelize``, ``init_mesh``, the strategy, ``tp2d-train``'s checks, the LightningModule, the
+benchmarks and the cost model) ask the layout object instead of comparing names. A new layout is a subclass with
+``name``, ``tensor_axes`` and a plan, registered with :func:`register_layout`.
+
+Nothing here imports Lightning; the parallel layers are imported only when a plan is built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_tp2d.metp import RingOptions
+
+DATA_AXIS = "data_parallel"
+# The roles of a GPT-2 a plan fills: the token and position embeddings, every LayerNorm (ln_1, ln_2, ln_f), every
+# attention and MLP, and the LM head (built from the token embedding's weight, to which it is tied).
+ROLES = ("wte", "wpe", "norm", "attn", "mlp", "lm_head")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _round_to(value: int, multiple: int) -> int:
+    """The multiple of ``multiple`` nearest ``value`` from above (at least ``multiple``)."""
+    return max(multiple, -(-value // multiple) * multiple)
+
+
+class Layout:
+    """Base class: one tensor-parallel layout. Instances carry the options of the layers they build."""
+
+    name: ClassVar[str]
+    tensor_axes: ClassVar[tuple[str, ...]]
+    square: ClassVar[bool] = False  # p must be q*q (a grid); the side is then q, otherwise p
+    arrangement: ClassVar[str] = "ring"  # what the ranks of one replica form, in messages: "grid" or "ring"
+    side_symbol: ClassVar[str] = "p"  # how messages name the side ("q" on a grid)
+    splits_batch: ClassVar[bool] = False  # the batch is split over the side (grid rows)
+    zigzag: ClassVar[bool] = False  # sequences are cut into 2*side zigzag chunks
+    supports_dropout: ClassVar[bool] = True
+
+    def __init__(self, options: RingOptions | None = None) -> None:
+        self.options = options
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, options={self.options!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.options == self.options  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.options))
+
+    # ---- sizes and mesh ---------------------------------------------------------------------------------------
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return (DATA_AXIS, *self.tensor_axes)
+
+    def size_problem(self, p: int) -> str | None:
+        """Why ``p`` ranks cannot hold one replica in this layout (``None``: they can)."""
+        if self.square and math.isqrt(p) ** 2 != p:
+            near = sorted({math.isqrt(p) ** 2, (math.isqrt(p) + 1) ** 2})
+            return (f"layout {self.name!r} needs a square tensor_parallel_size (q x q grid); {p} is not a perfect "
+                    f"square (nearest: {near})")
+        return None
+
+    def check_tensor_parallel_size(self, p: int) -> None:
+        problem = self.size_problem(p)
+        if problem:
+            raise ValueError(problem)
+
+    def side(self, p: int) -> int:
+        """The size of each tensor axis: ``q`` of a ``q x q`` grid, ``p`` of a ring."""
+        return math.isqrt(p) if self.square else p
+
+    def mesh_shape(self, p: int, dp: int = 1) -> tuple[int, ...]:
+        return (dp, *(self.side(p),) * len(self.tensor_axes))
+
+    def sizes_of_mesh(self, mesh: DeviceMesh) -> tuple[int, int]:
+        """``(p, dp)`` of a mesh built for this layout; ``ValueError`` when its axes or shape do not fit."""
+        names = tuple(mesh.mesh_dim_names or ())
+        if names != self.mesh_dim_names:
+            raise ValueError(f"layout {self.name!r} needs a mesh with axes {self.mesh_dim_names}, got {names}")
+        shape = tuple(mesh.shape)
+        tensor = shape[1:]
+        if len(set(tensor)) > 1:
+            sizes = " x ".join(f"{a}={s}" for a, s in zip(self.tensor_axes, tensor))
+            raise ValueError(f"layout {self.name!r}: the mesh's tensor axes must be equal (square grid), got {sizes}")
+        return math.prod(tensor), shape[0]
+
+    def describe(self, p: int) -> str:
+        """``"2x2 grid"`` / ``"ring of 4"``: how ``p`` ranks are arranged."""
+        q = self.side(p)
+        return f"{q}x{q} {self.arrangement}" if self.square else f"{self.arrangement} of {p}"
+
+    # ---- the model, the batch, the sequence --------------------------------------------------------------------
+
+    def model_problems(self, p: int, n_head: int, n_embd: int, prefix: str = "") -> list[str]:
+        """Each way the model does not split over ``p`` ranks (heads and width must divide by the side)."""
+        q = self.side(p)
+        return [f"{prefix}{name}={value} is not divisible by {self.side_symbol}={q}"
+                for name, value in (("n_head", n_head), ("n_embd", n_embd)) if value % q]
+
+    def check_model(self, p: int, n_head: int, n_embd: int, dropout: float = 0.0) -> None:
+        """``ValueError`` naming the numbers when a model with these sizes cannot be split over ``p`` ranks."""
+        bad = self.model_problems(p, n_head, n_embd)
+        if bad:
+            fits = _divisors(math.gcd(n_head, n_embd))
+            raise ValueError(f"layout {self.name!r}: " + "; ".join(bad) + f"; use {self.side_symbol} in {fits}")
+        if dropout and not self.supports_dropout:
+            raise ValueError(f"layout {self.name!r} does not support dropout (dropout={dropout}); train with "
+                             "dropout=0.0")
+
+    def check_config(self, p: int, config: Any) -> None:
+        """:meth:`check_model` with a :class:`~lightning_tp2d.models.GPT2Config`."""
+        self.check_model(p, config.n_head, config.n_embd, getattr(config, "dropout", 0.0))
+
+    def input_multiples(self, p: int) -> tuple[int, int]:
+        """``(batch, sequence)`` multiples this layout's input must have on ``p`` ranks."""
+        q = self.side(p)
+        return (q if self.splits_batch else 1), (2 * q if self.zigzag else 1)
+
+    def batch_problem(self, p: int, batch: int, key: str | None = None) -> str | None:
+        """Why ``batch`` sequences cannot be split (``key``: the config key to name, e.g. ``data.batch_size``)."""
+        multiple = self.input_multiples(p)[0]
+        if batch % multiple == 0:
+            return None
+        label = f"{key}={batch}" if key else f"batch size {batch}"
+        fix = f"{key}={_round_to(batch, multiple)}" if key else f"a multiple of {multiple}"
+        return (f"{label} is not divisible by {self.side_symbol}={multiple} (layout {self.name!r} splits each batch "
+                f"over the {multiple} grid rows); use {fix}")
+
+    def sequence_problem(self, p: int, seq: int, key: str | None = None) -> str | None:
+        """Why sequences of ``seq`` tokens cannot be cut (zigzag layouts need ``2 * side`` chunks)."""
+        multiple = self.input_multiples(p)[1]
+        if seq % multiple == 0:
+            return None
+        label = f"{key}={seq}" if key else f"sequence length {seq}"
+        below = seq - seq % multiple
+        fix = (f"{key}={below or multiple}" if key else
+               f"a multiple of {multiple}, e.g. {below or multiple} or {seq + multiple - seq % multiple}")
+        return (f"{label} is not divisible by 2*{self.side_symbol}={multiple} (layout {self.name!r} cuts every "
+                f"sequence into {multiple} zigzag chunks); use {fix}")
+
+    def check_input(self, p: int, batch: int | None = None, seq: int | None = None) -> None:
+        """``ValueError`` when ``[batch, seq]`` token ids cannot be split over ``p`` ranks (checked before any
+        communication; ``None`` skips a dimension)."""
+        for problem in (None if batch is None else self.batch_problem(p, batch),
+                        None if seq is None else self.sequence_problem(p, seq)):
+            if problem:
+                raise ValueError(problem)
+
+    # ---- automatic size -----------------------------------------------------------------------------------------
+
+    def fits(self, p: int, config: Any = None) -> bool:
+        """Whether ``p`` ranks are a valid replica size, and split ``config``'s heads and width if it is given."""
+        if self.size_problem(p):
+            return False
+        return config is None or not self.model_problems(p, config.n_head, config.n_embd)
+
+    def auto_tensor_parallel_size(self, per_node: int, world: int, config: Any = None) -> int:
+        """Largest ``p`` dividing the devices of one node (and so the world) that is valid for this layout and, if
+        ``config`` is known, splits its heads and width."""
+        for p in range(per_node, 0, -1):
+            if per_node % p == 0 and world % p == 0 and self.fits(p, config):
+                return p
+        return 1
+
+    def distinct_ranks(self, p: int) -> list[int]:
+        """Tensor-parallel ranks (``0..p-1``) whose step schedules can differ, one of each kind: the cost model traces
+        only these (the default: every rank)."""
+        return list(range(p))
+
+    # ---- modules ---------------------------------------------------------------------------------------------
+
+    def plan(self) -> dict[str, type]:
+        """Role (:data:`ROLES`) -> parallel module class, each called ``cls(plain_module, mesh, options=...)`` (the
+        LM head with the token embedding's parallel weight). A role the plan omits keeps the plain module."""
+        raise NotImplementedError
+
+    def build(self, role: str, module: Any, mesh: DeviceMesh) -> Any:
+        """The parallel module for ``role`` (or ``module`` itself when the plan keeps it plain)."""
+        cls = self.plan().get(role)
+        return module if cls is None else cls(module, mesh, options=self.options)
+
+
+class Grid2D(Layout):
+    """``"2d"``: SUMMA on a ``q x q`` grid (DESIGN 3.1). Rows split the batch, columns the hidden size."""
+
+    name = "2d"
+    tensor_axes = ("row", "col")
+    square = True
+    arrangement = "grid"
+    side_symbol = "q"
+    splits_batch = True
+
+    def distinct_ranks(self, p: int) -> list[int]:
+        # Every rank runs the same SUMMA shapes; only the diagonal skips the LM head's mirror swap. First and last
+        # row and column (the vocabulary's short last block) are kept for good measure.
+        q = self.side(p)
+        return sorted({0, min(1, p - 1), p - 1, p - q})
+
+    def plan(self) -> dict[str, type]:
+        from lightning_tp2d.nn import (MLP2D, Attention2D, LayerNorm2D, LMHead2D, PositionEmbedding2D,
+                                       TokenEmbedding2D)
+
+        return {"wte": TokenEmbedding2D, "wpe": PositionEmbedding2D, "norm": LayerNorm2D, "attn": Attention2D,
+                "mlp": MLP2D, "lm_head": LMHead2D}
+
+
+class Ring(Layout):
+    """``"metp"``: the METP ring over ``p`` ranks (DESIGN 3.2). Ranks keep zigzag sequence chunks; weight blocks
+    and K/V travel round the ring."""
+
+    name = "metp"
+    tensor_axes = ("ring",)
+    zigzag = True
+    supports_dropout = False
+
+    def plan(self) -> dict[str, type]:
+        from lightning_tp2d.nn.ring import (RingAttention, RingLayerNorm, RingLMHead, RingMLP,
+                                            RingPositionEmbedding, RingTokenEmbedding)
+
+        return {"wte": RingTokenEmbedding, "wpe": RingPositionEmbedding, "norm": RingLayerNorm, "attn": RingAttention,
+                "mlp": RingMLP, "lm_head": RingLMHead}
+
+
+class GridRing(Layout):
+    """``"2d-metp"``: the ``"2d"`` grid with rows splitting the *sequence* (zigzag); attention is a METP ring along
+    ``row`` (DESIGN 3.3), so batch 1 works."""
+
+    name = "2d-metp"
+    tensor_axes = ("row", "col")
+    square = True
+    arrangement = "grid"
+    side_symbol = "q"
+    zigzag = True
+    supports_dropout = False
+
+    def distinct_ranks(self, p: int) -> list[int]:
+        # The attention ring along row sees different causal blocks at each row; diagonal vs off-diagonal as "2d".
+        q = self.side(p)
+        return sorted({r * q + c for r in range(q) for c in (r, (r + 1) % q)})
+
+    def plan(self) -> dict[str, type]:
+        from lightning_tp2d.nn import MLP2D, LayerNorm2D
+        from lightning_tp2d.nn.grid_metp import (Attention2DMetp, LMHead2DMetp, PositionEmbedding2DMetp,
+                                                 TokenEmbedding2DMetp)
+
+        return {"wte": TokenEmbedding2DMetp, "wpe": PositionEmbedding2DMetp, "norm": LayerNorm2D,
+                "attn": Attention2DMetp, "mlp": MLP2D, "lm_head": LMHead2DMetp}
+
+
+_REGISTRY: dict[str, type[Layout]] = {}
+
+
+def register_layout(cls: type[Layout], *, override: bool = False) -> type[Layout]:
+    """Make ``cls`` available by its ``name`` (usable as a class decorator)."""
+    if not override and cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"layout {cls.name!r} is already registered ({_REGISTRY[cls.name].__name__})")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def unregister_layout(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+for _cls in (Grid2D, Ring, GridRing):
+    register_layout(_cls)
+
+
+# Lightning strategy names (registered by ``import lightning_tp2d``) -> the layout each one trains with.
+STRATEGY_NAMES = {"tp2d": Grid2D.name, "metp": Ring.name, "tp2d_metp": GridRing.name}
+
+
+def layout_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get_layout(layout: str | Layout, options: RingOptions | None = None) -> Layout:
+    """The :class:`Layout` for a name (or the object itself); ``options`` configure the ring kernels."""
+    if isinstance(layout, Layout):
+        if options is not None and options != layout.options:
+            return type(layout)(options=options)
+        return layout
+    cls = _REGISTRY.get(layout) if isinstance(layout, str) else None
+    if cls is None:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {list(_REGISTRY)}")
+    return cls(options=options)
+
+
+@dataclass(frozen=True)
+class ParallelHandle:
+    """What a parallelized model carries as ``model.tp``: its layout, mesh and sizes."""
+
+    layout: Layout
+    mesh: Any  # DeviceMesh
+    tensor_parallel_size: int
+    data_parallel_size: int
+
+    @property
+    def input_multiples(self) -> tuple[int, int]:
+        """``(batch, sequence)`` multiples the model's input must have."""
+        return self.layout.input_multiples(self.tensor_parallel_size)
+
+    def check_input(self, batch: int | None = None, seq: int | None = None) -> None:
+        self.layout.check_input(self.tensor_parallel_size, batch, seq)
+
+
+def handle_of(model: Any) -> ParallelHandle | None:
+    """The :class:`ParallelHandle` of a parallelized model, ``None`` for a plain one."""
+    handle = getattr(model, "tp", None)
+    return handle if isinstance(handle, ParallelHandle) else None
