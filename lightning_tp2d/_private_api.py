@@ -48,11 +48,10 @@ Lightning (2.6)
     flips the private one and would follow).
 
 ``LightningModule._device_mesh``
-    where: strategy.py:TP2DStrategy.setup_environment (write), module.py:GPT2LightningModule.on_validation_start
-    (read)
+    where: strategy.py:TP2DStrategy.setup_environment (write; the module reads the public ``device_mesh``)
     why: ``LightningModule.device_mesh`` is a read-only property; the strategy hands the mesh to the module exactly
     as Lightning's ``ModelParallelStrategy`` does.
-    public: *the read is replaceable* by the property ``self.device_mesh``; the write has no setter.
+    public: none for the write (no setter).
 
 ``LightningModule._trainer``
     where: module.py:GPT2LightningModule.configure_model, module.py:GPT2LightningModule.setup
@@ -65,12 +64,6 @@ Lightning (2.6)
     public: *replaceable*: ``lightning.fabric.utilities.apply_func.move_data_to_device`` over each
     ``optimizer.state``; the state is empty right after ``setup_optimizers`` anyway (checkpoints are restored after
     ``setup``: ``restore_checkpoint_after_setup`` is ``True``).
-
-``LightningOptimizer._optimizer`` (``getattr`` with a fallback)
-    where: strategy.py:TP2DStrategy.optimizer_state, strategy.py:TP2DStrategy.load_checkpoint
-    why: unwraps a ``LightningOptimizer`` to the torch optimizer the checkpoint functions take.
-    public: *replaceable*: the property ``LightningOptimizer.optimizer``
-    (``o.optimizer if isinstance(o, LightningOptimizer) else o``).
 
 ModelCheckpoint: _should_skip_saving_checkpoint, _monitor_candidates, _save_topk_checkpoint, _save_last_checkpoint
     where: callbacks.py:StepCheckpoint.on_train_end
@@ -141,12 +134,6 @@ torch (2.13)
     why: lets higher-order operators pass through a dispatch mode unexamined.
     public: none; the class is not exported publicly.
 
-``OpOverload._overloadpacket``
-    where: bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__,
-    bench/trace.py:_Recorder.__torch_dispatch__
-    why: the op without its overload, to key counters and the schedule.
-    public: *replaceable*: the property ``OpOverload.overloadpacket`` (the same object).
-
 ``OpOverload._schema``
     where: bench/trace.py:_attention_flops
     why: argument names of an attention op, to price its FLOPs.
@@ -190,17 +177,13 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      ("strategy.py:TP2DStrategy.lightning_module_state_dict", "strategy.py:TP2DStrategy.optimizer_state",
       "strategy.py:TP2DStrategy.save_checkpoint"),
      "the constructor's save_distributed_checkpoint flag, kept by the base class only there"),
-    ("LightningModule._device_mesh",
-     ("strategy.py:TP2DStrategy.setup_environment", "module.py:GPT2LightningModule.on_validation_start"),
+    ("LightningModule._device_mesh", ("strategy.py:TP2DStrategy.setup_environment",),
      "LightningModule.device_mesh is a read-only property; the strategy hands the mesh over as Lightning does"),
     ("LightningModule._trainer",
      ("module.py:GPT2LightningModule.configure_model", "module.py:GPT2LightningModule.setup"),
      "whether the module is attached to a Trainer (the trainer property raises when it is not)"),
     ("lightning.fabric.utilities.optimizer._optimizers_to_device", ("strategy.py:TP2DStrategy.setup",),
      "move optimizer state to the root device, as ModelParallelStrategy.setup does"),
-    ("LightningOptimizer._optimizer",
-     ("strategy.py:TP2DStrategy.optimizer_state", "strategy.py:TP2DStrategy.load_checkpoint"),
-     "unwrap a LightningOptimizer to the torch optimizer the checkpoint functions take"),
     ("ModelCheckpoint._should_skip_saving_checkpoint, ModelCheckpoint._monitor_candidates, "
      "ModelCheckpoint._save_topk_checkpoint, ModelCheckpoint._save_last_checkpoint",
      ("callbacks.py:StepCheckpoint.on_train_end",),
@@ -234,10 +217,6 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",
       "bench/measure.py:LiveTensorBytes.__torch_dispatch__"),
      "let higher-order operators pass through a dispatch mode unexamined"),
-    ("OpOverload._overloadpacket",
-     ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",
-      "bench/trace.py:_Recorder.__torch_dispatch__"),
-     "the op without its overload, to key counters and the schedule"),
     ("OpOverload._schema", ("bench/trace.py:_attention_flops",),
      "argument names of an attention op, to price its FLOPs"),
     ("UntypedStorage._cdata", ("bench/trace.py:_storage",),

@@ -6,8 +6,9 @@ forward/backward duals. Each call
 * returns at once when the axis has one rank (size-1 bypass: nothing is sent and nothing is counted);
 * takes ``src``/``dst`` as the *coordinate along the axis*, not a global rank;
 * with ``async_op=True`` returns a :class:`Handle` whose ``wait()`` completes it;
-* is counted in :data:`STATS` (calls and payload bytes per kind) so tests can assert the communication a layer
-  performs. ``bytes`` is the payload of the tensor handed to the call on this rank: the broadcast/reduced/
+* is reported to the active recorders, if any: :func:`count_comm` (calls and payload bytes per kind, so tests can
+  assert the communication a layer performs) or the cost model's schedule tracer
+  (:mod:`lightning_tp2d.bench.trace`). Nothing is recorded outside such a context. ``bytes`` is the payload of the tensor handed to the call on this rank: the broadcast/reduced/
   all-reduced tensor, the local input of an all-gather, the full input of a reduce-scatter.
 
 Under gloo, ``broadcast`` and ``reduce`` of CUDA tensors are staged through host memory here (gloo has no CUDA
@@ -36,8 +37,21 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "send", "recv", "ring_exchange")
 
 
+class CommCall:
+    """One communication call as the recorders see it: ``kind``, the mesh ``axis`` (``"pair"`` for a point-to-point
+    swap), the global ``ranks`` it involves and the payload ``nbytes`` (the convention of the module docstring)."""
+
+    __slots__ = ("kind", "axis", "ranks", "nbytes")
+
+    def __init__(self, kind: str, axis: str, ranks: tuple[int, ...], nbytes: int) -> None:
+        self.kind, self.axis, self.ranks, self.nbytes = kind, axis, ranks, nbytes
+
+    def __repr__(self) -> str:
+        return f"CommCall({self.kind}, {self.axis}, ranks={self.ranks}, nbytes={self.nbytes})"
+
+
 class CommStats:
-    """Calls and bytes per collective kind, as seen by this rank."""
+    """Calls and bytes per collective kind, as seen by this rank (a recorder: see :func:`count_comm`)."""
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = defaultdict(int)
@@ -47,6 +61,13 @@ class CommStats:
         """One call of ``kind`` whose payload is ``tensors`` (several for a ring exchange of a tuple)."""
         self.calls[kind] += 1
         self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def posted(self, call: CommCall) -> None:
+        self.calls[call.kind] += 1
+        self.bytes[call.kind] += call.nbytes
+
+    def waited(self, call: CommCall) -> None:
+        pass
 
     def reset(self) -> None:
         self.calls.clear()
@@ -59,23 +80,54 @@ class CommStats:
         return f"CommStats({ {k: v for k, v in self.snapshot().items() if v['calls']} })"
 
 
-STATS = CommStats()
+# Recorders listening to this process's calls, innermost last. Empty (nothing is counted, no cost) unless a
+# count_comm() or a schedule trace is active; contexts nest, each sees the calls made while it is open.
+_RECORDERS: list = []
+
+
+@contextlib.contextmanager
+def recording(recorder) -> Iterator:
+    """Send every call made inside the block to ``recorder`` (``posted(call)`` when issued, ``waited(call)`` when
+    its handle completes; a blocking call is both at once)."""
+    _RECORDERS.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _RECORDERS.remove(recorder)
 
 
 @contextlib.contextmanager
 def count_comm() -> Iterator[CommStats]:
-    """Count the collectives issued inside the block (the global :data:`STATS` is reset on entry)."""
-    STATS.reset()
-    yield STATS
+    """Count the calls issued inside the block in a fresh :class:`CommStats` (nestable: an outer count also sees
+    the inner block's calls). Off by default: outside any such block nothing is counted."""
+    with recording(CommStats()) as stats:
+        yield stats
+
+
+def _post(kind: str, axis: str, group, tensors, peer: int | None = None) -> CommCall | None:
+    """Tell the active recorders about a call (nothing to do, and nothing computed, when none is active)."""
+    if not _RECORDERS:
+        return None
+    ranks = (dist.get_rank(), peer) if peer is not None else tuple(dist.get_process_group_ranks(group))
+    call = CommCall(kind, axis, ranks, sum(t.numel() * t.element_size() for t in tensors))
+    for recorder in list(_RECORDERS):
+        recorder.posted(call)
+    return call
+
+
+def _waited(call: CommCall | None) -> None:
+    if call is not None:
+        for recorder in list(_RECORDERS):
+            recorder.waited(call)
 
 
 class Handle:
     """Completion handle of an async call; ``wait()`` is idempotent and runs any host-staging copy-back."""
 
-    __slots__ = ("_work", "_then")
+    __slots__ = ("_work", "_then", "_call")
 
-    def __init__(self, work=None, then: Callable[[], None] | None = None) -> None:
-        self._work, self._then = work, then
+    def __init__(self, work=None, then: Callable[[], None] | None = None, call: CommCall | None = None) -> None:
+        self._work, self._then, self._call = work, then, call
 
     def wait(self) -> None:
         if self._work is not None:
@@ -84,6 +136,9 @@ class Handle:
         if self._then is not None:
             then, self._then = self._then, None
             then()
+        if self._call is not None:
+            call, self._call = self._call, None
+            _waited(call)
 
 
 DONE = Handle()
@@ -105,8 +160,8 @@ def _needs_host_staging(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return tensor.is_cuda and dist.get_backend(group) == "gloo"
 
 
-def _finish(work, async_op: bool, then: Callable[[], None] | None = None) -> Handle:
-    handle = Handle(work, then)
+def _finish(work, async_op: bool, then: Callable[[], None] | None = None, call: CommCall | None = None) -> Handle:
+    handle = Handle(work, then, call)
     if not async_op:
         handle.wait()
         return DONE
@@ -114,15 +169,15 @@ def _finish(work, async_op: bool, then: Callable[[], None] | None = None) -> Han
 
 
 def _issue(collective, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool, write_back: bool,
-           **kwargs) -> Handle:
+           call: CommCall | None, **kwargs) -> Handle:
     """Run the in-place ``collective`` on ``tensor``; under gloo a CUDA tensor travels through a host copy,
     copied back afterwards when ``write_back`` (gloo has no CUDA ``reduce``, and its own CUDA broadcast writes
     back into the source too, which would bump the version of a parameter shard that autograd saved)."""
     if not _needs_host_staging(tensor, group):
-        return _finish(collective(tensor, group=group, async_op=async_op, **kwargs), async_op)
+        return _finish(collective(tensor, group=group, async_op=async_op, **kwargs), async_op, call=call)
     host = tensor.detach().cpu()
     work = collective(host, group=group, async_op=async_op, **kwargs)
-    return _finish(work, async_op, then=(lambda: tensor.copy_(host)) if write_back else None)
+    return _finish(work, async_op, then=(lambda: tensor.copy_(host)) if write_back else None, call=call)
 
 
 def broadcast_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, src: int, async_op: bool = False) -> Handle:
@@ -130,8 +185,8 @@ def broadcast_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, src: int,
     if axis_size(mesh, axis) == 1:
         return DONE
     group = axis_group(mesh, axis)
-    STATS.add("broadcast", tensor)
-    return _issue(dist.broadcast, tensor, group, async_op, write_back=axis_rank(mesh, axis) != src,
+    call = _post("broadcast", axis, group, (tensor,))
+    return _issue(dist.broadcast, tensor, group, async_op, write_back=axis_rank(mesh, axis) != src, call=call,
                   src=dist.get_global_rank(group, src))
 
 
@@ -140,8 +195,8 @@ def reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dst: int, as
     if axis_size(mesh, axis) == 1:
         return DONE
     group = axis_group(mesh, axis)
-    STATS.add("reduce", tensor)
-    return _issue(dist.reduce, tensor, group, async_op, write_back=True, dst=dist.get_global_rank(group, dst),
+    call = _post("reduce", axis, group, (tensor,))
+    return _issue(dist.reduce, tensor, group, async_op, write_back=True, call=call, dst=dist.get_global_rank(group, dst),
                   op=dist.ReduceOp.SUM)
 
 
@@ -153,9 +208,10 @@ def all_reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, op: str 
     """In place: ``tensor`` becomes its ``op`` (sum, max or min) over the axis."""
     if axis_size(mesh, axis) == 1:
         return DONE
-    STATS.add("all_reduce", tensor)
-    work = dist.all_reduce(tensor, op=_OPS[op], group=axis_group(mesh, axis), async_op=async_op)
-    return _finish(work, async_op)
+    group = axis_group(mesh, axis)
+    call = _post("all_reduce", axis, group, (tensor,))
+    work = dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
+    return _finish(work, async_op, call=call)
 
 
 def exchange_with(tensor: torch.Tensor, peer: int) -> torch.Tensor:
@@ -168,14 +224,15 @@ def exchange_with(tensor: torch.Tensor, peer: int) -> torch.Tensor:
     if peer == dist.get_rank():
         return tensor
     tensor = tensor.contiguous()
-    STATS.add("send", tensor)
-    STATS.add("recv", tensor)
+    calls = [_post(kind, "pair", None, (tensor,), peer=peer) for kind in ("send", "recv")]
     staged = tensor.is_cuda and dist.get_backend() == "gloo"
     outgoing = tensor.cpu() if staged else tensor
     incoming = torch.empty_like(outgoing)
     works = [dist.isend(outgoing, dst=peer), dist.irecv(incoming, src=peer)]
     for work in works:
         work.wait()
+    for call in calls:
+        _waited(call)
     return incoming.to(tensor.device) if staged else incoming
 
 
@@ -185,9 +242,11 @@ def all_gather_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int
     if n == 1:
         return tensor
     tensor = tensor.contiguous()
-    STATS.add("all_gather", tensor)
+    group = axis_group(mesh, axis)
+    call = _post("all_gather", axis, group, (tensor,))
     out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _all_gather_single(out, tensor, group=axis_group(mesh, axis))
+    _all_gather_single(out, tensor, group=group)
+    _waited(call)
     if dim % tensor.dim() == 0:
         return out
     return torch.cat(out.chunk(n, dim=0), dim=dim)
@@ -201,9 +260,11 @@ def reduce_scatter_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dim:
     if tensor.shape[dim] % n:
         raise ValueError(f"reduce_scatter along {axis!r}: dim {dim} of size {tensor.shape[dim]} is not divisible by {n}")
     tensor = tensor.movedim(dim, 0).contiguous()
-    STATS.add("reduce_scatter", tensor)
+    group = axis_group(mesh, axis)
+    call = _post("reduce_scatter", axis, group, (tensor,))
     out = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _reduce_scatter_single(out, tensor, op=dist.ReduceOp.SUM, group=axis_group(mesh, axis))
+    _reduce_scatter_single(out, tensor, op=dist.ReduceOp.SUM, group=group)
+    _waited(call)
     return out.movedim(0, dim)
 
 
@@ -298,7 +359,7 @@ def ring_shift(send, recv, mesh: DeviceMesh, axis: str, tag: int = 0, async_op: 
             dst.copy_(src)
         return DONE
     group = axis_group(mesh, axis)
-    STATS.add("ring_exchange", *send)
+    call = _post("ring_exchange", axis, group, send)
     prev, nxt = ring_neighbours(mesh, axis)
     to, frm = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
     then = None
@@ -315,4 +376,4 @@ def ring_shift(send, recv, mesh: DeviceMesh, axis: str, tag: int = 0, async_op: 
     sends = lambda: [dist.isend(t.contiguous(), dst=to, group=group, tag=tag) for t in send]  # noqa: E731
     recvs = lambda: [dist.irecv(t, src=frm, group=group, tag=tag) for t in recv]  # noqa: E731
     works = sends() + recvs() if axis_rank(mesh, axis) % 2 == 0 else recvs() + sends()
-    return _finish(_Works(works), async_op, then)
+    return _finish(_Works(works), async_op, then, call)

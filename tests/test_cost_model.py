@@ -177,7 +177,7 @@ def test_single_and_one_rank_send_nothing_and_bad_shapes_raise():
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
     assert cm.comm_events("single", cfg, 2, 16, 1) == []
     assert cm.comm_events("2d", cfg, 2, 16, 1) == [] and cm.comm_events("metp", cfg, 2, 16, 1) == []
-    with pytest.raises(ValueError, match="batch 3 is not divisible by q=2"):
+    with pytest.raises(ValueError, match="batch size 3 is not divisible by q=2"):
         cm.comm_events("2d", cfg, 3, 16, 4)
     with pytest.raises(ValueError, match="square"):
         cm.comm_events("2d", cfg, 4, 16, 8)
@@ -198,7 +198,7 @@ def test_events_name_their_group_and_overlap_only_behind_compute(layout, p):
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
     batch, seq = (4, 48) if layout == "2d" else (1, 48)
     q = math.isqrt(p)
-    groups = {"row": q, "col": q, "tp": p} if layout != "metp" else {"ring": p}
+    groups = {"row": q, "col": q, "pair": 2} if layout != "metp" else {"ring": p}  # pair: the LM head's mirror swap
     fl = cm.flops(layout, cfg, batch, seq, p)
     for rank in range(p):
         events = cm.comm_events(layout, cfg, batch, seq, p, rank=rank)
@@ -296,3 +296,40 @@ def test_projected_speedup_reports_both_layouts_per_gpu_count():
         assert r["speedup"] == pytest.approx(r["tp1d_s"] / r["2d_s"]) and r["speedup"] > 0
         assert r["2d"]["total_s"] == r["2d_s"] > 0
     assert [r["nodes"] for r in rows] == [1, 2, 8]
+
+
+# ---- the schedule is traced from the layers ---------------------------------------------------------------------
+
+
+def test_turning_double_buffering_off_in_the_ring_layers_exposes_every_exchange_with_no_edit_to_the_model():
+    """The cost model has no event list of its own: a layer option that changes the schedule changes the model."""
+    from lightning_tp2d.layouts import Ring
+    from lightning_tp2d.metp import RingOptions
+
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
+    on, off = Ring(), Ring(options=RingOptions(double_buffer=False))
+    for rank in range(4):
+        overlapped = cm.comm_events(on, cfg, 1, 48, 4, rank=rank)
+        waited = cm.comm_events(off, cfg, 1, 48, 4, rank=rank)
+        assert totals(overlapped) == totals(waited)  # the same calls and bytes ...
+        rings = [e for e in overlapped if e.kind == "ring_exchange"]
+        assert sum(e.calls * e.overlap_flops for e in rings) > 0
+        assert all(e.overlap_flops == 0 for e in waited)  # ... none of them behind compute any more
+    hw = cm.H100_NVLINK4_NDR
+    t_on, t_off = cm.step_time(on, cfg, 1, 48, 4, hw), cm.step_time(off, cfg, 1, 48, 4, hw)
+    assert t_off["comm_s"] == pytest.approx(t_on["comm_s"])
+    assert t_off["exposed_comm_s"] == pytest.approx(t_off["comm_s"]) and t_on["exposed_comm_s"] < t_off["comm_s"]
+
+
+@pytest.mark.parametrize("layout, p, batch, seq", [("2d", 4, 4, 32), ("2d", 9, 3, 36), ("2d-metp", 9, 1, 36)])
+def test_the_ranks_each_layout_traces_for_the_step_time_include_the_slowest(layout, p, batch, seq, monkeypatch):
+    from lightning_tp2d.layouts import get_layout
+
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
+    hw = cm.H100_NVLINK4_NDR
+    few = cm.step_time(layout, cfg, batch, seq, p, hw)
+    assert len(get_layout(layout).distinct_ranks(p)) < p or p == 4
+    monkeypatch.setattr(cm, "_representative_ranks", lambda layout, p: list(range(p)))
+    every = cm.step_time(layout, cfg, batch, seq, p, hw)
+    assert few["total_s"] == every["total_s"] and few["comm_bytes"] == every["comm_bytes"]
+

@@ -131,11 +131,15 @@ def _no_process_group_calls():
 
 
 def _counted(fn):
-    """Run ``fn()`` inside count_comm (after dirtying STATS, to check the reset) and return its snapshot."""
-    comm.STATS.add("all_reduce", torch.zeros(7))
-    with comm.count_comm() as stats:
-        out = fn()
-        return out, stats.snapshot()
+    """Run ``fn()`` inside count_comm, itself inside an outer count (counts nest: the inner one starts from zero and
+    the outer one sees the inner block's calls too), and return the inner snapshot."""
+    assert not comm._RECORDERS  # off unless asked for
+    with comm.count_comm() as outer:
+        with comm.count_comm() as stats:
+            out = fn()
+        assert outer.snapshot() == stats.snapshot()
+    assert not comm._RECORDERS
+    return out, stats.snapshot()
 
 
 def _axis_checks(mesh, axis: str, rank: int, member) -> dict:

@@ -101,7 +101,7 @@ class FunctionalCollectiveCounter(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor desugar it; its local ops and collectives come back here
-        packet = func._overloadpacket
+        packet = func.overloadpacket
         kind = _COUNTED.get(packet)
         if kind is not None and _shape_only(args[0]):
             pass  # shape propagation (meta / fake tensors) sends nothing

@@ -177,6 +177,10 @@ class LMHead(nn.Module):
 class GPT2(nn.Module):
     """GPT-2 language model: token + position embedding, n_layer Blocks, final LayerNorm, tied head."""
 
+    # Check token-id *values* on every forward (shapes and dtypes are always checked). It reads the ids on the host;
+    # turn it off where the ids cannot be read (a fake-tensor schedule trace) or were checked already.
+    validate_inputs: bool = True
+
     def __init__(self, config: GPT2Config):
         super().__init__()
         self.config = config
@@ -250,6 +254,10 @@ class GPT2(nn.Module):
         T = idx.size(1)
         if T > block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {block_size}")
+        if not self.validate_inputs:
+            if targets is not None and targets.shape != idx.shape:
+                raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+            return
         if idx.numel() > 0 and idx.device.type != "meta":
             lo, hi = idx.min().item(), idx.max().item()
             if lo < 0 or hi >= V:
