@@ -100,9 +100,10 @@ def _check(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int) 
 
 
 def _traced(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, rank: int):
-    from lightning_tp2d.bench.trace import trace_step
+    from lightning_tp2d.bench.trace import trace_steps
 
-    return trace_step(layout, cfg, batch, seq, p, elem, rank)
+    # one child process traces every rank of a kind (and all ranks of a small group) at once; later calls hit the cache
+    return trace_steps(layout, cfg, batch, seq, p, elem, sorted({rank, *get_layout(layout).distinct_ranks(p)}))[rank]
 
 
 def _timed_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,

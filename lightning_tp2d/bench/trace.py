@@ -12,13 +12,13 @@ panels kept) changes the traced overlap with no edit here.
 
 One step is traced per rank, with ``n_layer`` 1 and 2: blocks are identical, so the second trace minus the first is
 one block's events, and a model of ``L`` blocks is ``trace(1) + (L - 1) * block``. Tracing needs this process to have
-no default process group of its own (it initialises and destroys the fake one).
+no default process group of its own; each trace runs in a forked child, so nothing of the fake group stays behind.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import multiprocessing as mp
 from collections import defaultdict
 
 import torch
@@ -147,30 +147,50 @@ def _config_key(cfg: GPT2Config) -> tuple:
     return tuple(sorted(vars(cfg).items()))
 
 
+_CACHE: dict[tuple, TracedStep] = {}
+_ALL_RANKS_UP_TO = 9  # trace every rank of groups this small at once (tests and tools ask for each in turn)
+
+
 def trace_step(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int = 4,
                rank: int = 0) -> TracedStep:
     """The traced step of tensor-parallel rank ``rank`` (``n_layer`` blocks, by the two-trace rule of the module
     docstring). ``elem``: 4 float32, 2 bf16 autocast (float32 parameters), 8 float64. Cached."""
+    return trace_steps(layout, cfg, batch, seq, p, elem, [rank])[rank]
+
+
+def trace_steps(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
+                ranks) -> dict[int, TracedStep]:
+    """:func:`trace_step` for several ranks; the ones not cached yet are traced together in one child process
+    (every rank when ``p`` is small)."""
     spec = get_layout(layout)
     if elem not in _DTYPES:
         raise ValueError(f"elem must be 2 (bf16 autocast), 4 (float32) or 8 (float64), got {elem}")
-    if not 0 <= rank < p:
-        raise ValueError(f"rank {rank} is not in [0, {p})")
-    return _trace_cached(type(spec), spec.options, _config_key(cfg), batch, seq, p, elem, rank)
+    ranks = list(ranks)
+    for rank in ranks:
+        if not 0 <= rank < p:
+            raise ValueError(f"rank {rank} is not in [0, {p})")
+    base = (type(spec), spec.options, _config_key(cfg), batch, seq, p, elem)
+    wanted = set(ranks) | (set(range(p)) if p <= _ALL_RANKS_UP_TO else set())
+    missing = sorted(r for r in wanted if base + (r,) not in _CACHE)
+    if missing:
+        for rank, step in _run(spec, _traceable(spec, cfg, p), batch, seq, p, elem, missing).items():
+            _CACHE[base + (rank,)] = step
+    return {rank: _CACHE[base + (rank,)] for rank in ranks}
 
 
-@functools.lru_cache(maxsize=4096)
-def _trace_cached(cls, options, cfg_key, batch, seq, p, elem, rank) -> TracedStep:
-    spec = cls(options=options)
-    cfg = GPT2Config(**dict(cfg_key))
+def _traceable(spec: Layout, cfg: GPT2Config, p: int) -> GPT2Config:
     side = spec.side(p)
     if cfg.n_head % side and cfg.n_embd % side == 0:
         # Bytes and FLOPs depend on the width, not on how it is cut into heads: trace with heads the layout takes.
         cfg = dataclasses.replace(cfg, n_head=side)
-    one = _run(spec, dataclasses.replace(cfg, n_layer=1), batch, seq, p, elem, rank)
+    return cfg
+
+
+def _trace_rank(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, rank: int) -> TracedStep:
+    one = _run_here(spec, dataclasses.replace(cfg, n_layer=1), batch, seq, p, elem, rank)
     if cfg.n_layer == 1:
         return one
-    two = _run(spec, dataclasses.replace(cfg, n_layer=2), batch, seq, p, elem, rank)
+    two = _run_here(spec, dataclasses.replace(cfg, n_layer=2), batch, seq, p, elem, rank)
     return _extrapolate(one, two, cfg.n_layer)
 
 
@@ -202,11 +222,35 @@ def _order(item) -> tuple:
     return (ev.phase, ev.kind, ev.group, ev.nbytes, ev.overlap_flops)
 
 
-def _run(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, rank: int) -> TracedStep:
+def _run(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, ranks) -> dict[int, TracedStep]:
+    """Trace ``ranks`` in a forked child process: the fake process group, its meshes and everything torch caches about
+    them (group names, DTensor's sharding-propagation cache keyed by mesh shape) stay out of this process, whose later
+    real process groups (or forked ranks) would otherwise meet them."""
     if dist.is_initialized():
         raise RuntimeError("the schedule tracer runs the layers on its own fake process group; call the cost model "
                            "from a process without a default process group (e.g. the benchmark's parent process)")
-    return _run_here(spec, cfg, batch, seq, p, elem, rank)
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(send, spec, cfg, batch, seq, p, elem, ranks), daemon=True)
+    child.start()
+    send.close()
+    try:
+        status, value = receive.recv()
+    except EOFError:
+        status, value = "error", f"the tracing process died (exit code {child.exitcode})"
+    child.join()
+    if status != "ok":
+        raise RuntimeError(f"tracing layout {spec.name!r} on ranks {ranks} of {p} failed: {value}")
+    return value
+
+
+def _child(send, spec, cfg, batch, seq, p, elem, ranks) -> None:
+    try:
+        send.send(("ok", {rank: _trace_rank(spec, cfg, batch, seq, p, elem, rank) for rank in ranks}))
+    except BaseException as err:  # noqa: BLE001 - reported by the parent
+        send.send(("error", f"{type(err).__name__}: {err}"))
+    finally:
+        send.close()
 
 
 def _run_here(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, rank: int) -> TracedStep:
