@@ -203,9 +203,10 @@ def projection(args: argparse.Namespace) -> dict:
     rows = []
     for r in cost_model.projected_speedup(cfg, batch, seq, hw=hw):
         n = r["gpus"]
-        # a layout's ranks send different amounts (grid position); 1-D TP's all the same
+        # a layout's ranks send different amounts (grid position: one of each kind, as the layout says); 1-D TP's alike
+        ranks = {grid: layouts.get_layout(grid).distinct_ranks(n), "tp1d": [0]}
         wire = {layout: max(wire_bytes(cost_model.comm_events(layout, cfg, batch, seq, n, 2, rank=k))
-                            for k in range(1 if layout in BASELINES else n)) for layout in (grid, "tp1d")}
+                            for k in ranks[layout]) for layout in (grid, "tp1d")}
         rows.append({"gpus": n, "nodes": r["nodes"], "time_2d_s": r["2d_s"], "time_tp1d_s": r["tp1d_s"],
                      "speedup": r["speedup"], "wire_bytes_2d": wire[grid], "wire_bytes_tp1d": wire["tp1d"],
                      "exposed_comm_2d_s": r[grid]["exposed_comm_s"], "exposed_comm_tp1d_s": r["tp1d"]["exposed_comm_s"],

@@ -100,10 +100,18 @@ def _check(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int) 
 
 
 def _traced(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, rank: int):
+    from lightning_tp2d.bench.trace import trace_step
+
+    return trace_step(layout, cfg, batch, seq, p, elem, rank)
+
+
+def _trace_distinct(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int) -> list[int]:
+    """Trace one rank of each kind the layout names in one request (later per-rank calls hit the cache)."""
     from lightning_tp2d.bench.trace import trace_steps
 
-    # one child process traces every rank of a kind (and all ranks of a small group) at once; later calls hit the cache
-    return trace_steps(layout, cfg, batch, seq, p, elem, sorted({rank, *get_layout(layout).distinct_ranks(p)}))[rank]
+    ranks = get_layout(layout).distinct_ranks(p)
+    trace_steps(layout, cfg, batch, seq, p, elem, ranks)
+    return ranks
 
 
 def _timed_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
@@ -212,7 +220,7 @@ def activation_bytes(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int,
     if rank is not None and not 0 <= rank < p:
         raise ValueError(f"rank {rank} is not in [0, {p})")
     if layout not in BASELINES:
-        ranks = get_layout(layout).distinct_ranks(p) if rank is None else [rank]
+        ranks = _trace_distinct(layout, cfg, batch, seq, p, elem) if rank is None else [rank]
         return max(_traced(layout, cfg, batch, seq, p, elem, r).activation_bytes for r in ranks)
     h, V, L, T, B, H = cfg.n_embd, cfg.vocab_size, cfg.n_layer, seq, batch, cfg.n_head
     N = B * T
@@ -303,7 +311,12 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
     rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
     compute = fl["matmul"] / rates["matmul"] + fl["attention"] / rates["attention"]
     worst = None
-    for rank in _representative_ranks(layout, p):
+    ranks = _representative_ranks(layout, p)
+    if layout not in BASELINES and p > 1:
+        from lightning_tp2d.bench.trace import trace_steps
+
+        trace_steps(layout, cfg, batch, seq, p, elem, ranks)  # one request for all of them
+    for rank in ranks:
         comm_s = exposed = 0.0
         nbytes = 0
         for ev, fm, fa, ranks in _timed_events(layout, cfg, batch, seq, p, elem, rank):

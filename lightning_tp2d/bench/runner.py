@@ -285,6 +285,10 @@ def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict])
     row["comm_bytes"] = max(sum(v["bytes"] for v in r["comm"].values()) for r in ranks)
     if layout != "hf":
         cfg = spec.config(seq)
+        if layout not in BASELINES:  # every rank is compared with its own count: trace them in one go
+            from lightning_tp2d.bench.trace import trace_steps
+
+            trace_steps(layout, cfg, spec.batch, seq, p, spec.elem, range(p))
         model_events = [cost_model.comm_events(layout, cfg, spec.batch, seq, p, spec.elem, rank=r) for r in range(p)]
         predicted = [totals(ev) for ev in model_events]
         row["model_comm_bytes"] = max(sum(v["bytes"] for v in t.values()) for t in predicted)
