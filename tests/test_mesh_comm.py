@@ -3,7 +3,7 @@
 Validation tests need no process group (DESIGN 5: bad configurations raise ``ValueError`` naming the numbers
 before any group work). The multi-rank tests run once per world size, 4 ranks (dp=1, 2x2 grid) and 8 ranks
 (dp=2 x 2x2), through one ``run_distributed`` call each (a module-scoped fixture); each rank returns numbers
-(coordinates, max errors, ``STATS`` snapshots) and the tests below assert them.
+(coordinates, max errors, ``count_comm`` snapshots) and the tests below assert them.
 
 Every rank's tensor is a formula of its global rank ``d*p + r*q + c``, so the expected result of a
 collective along an axis is computed from the global ranks of the axis members.
@@ -101,7 +101,7 @@ def test_init_mesh_validates_sizes_before_looking_for_a_process_group():
 
 
 def _only(kind: str, calls: int, nbytes: int) -> dict[str, dict[str, int]]:
-    """A STATS snapshot with ``calls`` and ``nbytes`` for ``kind`` and nothing for the other kinds."""
+    """A count_comm snapshot with ``calls`` and ``nbytes`` for ``kind`` and nothing for the other kinds."""
     snap = {k: {"calls": 0, "bytes": 0} for k in comm.KINDS}
     snap[kind] = {"calls": calls, "bytes": nbytes}
     return snap
@@ -143,7 +143,7 @@ def _counted(fn):
 
 
 def _axis_checks(mesh, axis: str, rank: int, member) -> dict:
-    """Every collective along ``axis``; returns {check: (max abs error, STATS snapshot)}.
+    """Every collective along ``axis``; returns {check: (max abs error, count_comm snapshot)}.
 
     ``member(k)`` is the global rank at coordinate ``k`` of this axis (other coordinates as this rank's)."""
     n, mine = comm.axis_size(mesh, axis), comm.axis_rank(mesh, axis)
@@ -302,7 +302,7 @@ def ranks(request):
 
 
 def _expected_axis_stats(n: int) -> dict[str, dict]:
-    """STATS per check of _axis_checks on an axis of ``n`` ranks, from the shapes and dtypes used there."""
+    """count_comm snapshots per check of _axis_checks on an axis of ``n`` ranks, from the shapes and dtypes used there."""
     f64, f32 = 8, 4
     exp = {f"broadcast_src{s}": _only("broadcast", 1, 3 * 5 * f64) for s in range(n)}
     exp |= {f"reduce_dst{s}": _only("reduce", 1, 4 * f32) for s in range(n)}

@@ -139,7 +139,7 @@ def test_transposed_b_gets_its_gradient_as_a_transposed_view_without_copy(grid, 
 
 
 def _expected_comm(product: str, q: int, itemsize: int) -> tuple[dict, dict]:
-    """(forward, backward) STATS of one product, from the schedule in summa.py and the block shapes.
+    """(forward, backward) count_comm snapshots of one product, from the schedule in summa.py and the block shapes.
 
     Per step l each broadcast moves one operand block and each reduce one output-shaped partial block:
       AB:  fwd bcast A, B                 bwd dA = dC Bᵀ (bcast B, reduce dA), dB = Aᵀ dC (bcast A, reduce dB)

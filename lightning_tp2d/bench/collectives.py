@@ -1,6 +1,6 @@
 """Count the functional collectives that PyTorch's DTensor issues, in the byte convention of :mod:`lightning_tp2d.comm`.
 
-Our own layouts count their communication in :data:`lightning_tp2d.comm.STATS` because every call goes through
+Our own layouts count their communication with :func:`lightning_tp2d.comm.count_comm` because every call goes through
 ``comm.py``. PyTorch's tensor parallelism (``torch.distributed.tensor.parallel``) does not: DTensor turns each
 redistribution into a functional collective (``torch.ops._c10d_functional.*``). To compare the two on the same
 scale, :class:`FunctionalCollectiveCounter` is a ``TorchDispatchMode`` that sees those ops and adds them to a
@@ -122,7 +122,7 @@ class FunctionalCollectiveCounter(TorchDispatchMode):
 @contextlib.contextmanager
 def count_functional_collectives(strict: bool = True) -> Iterator[CommStats]:
     """Count the functional collectives (forward and backward) issued inside the block; yields the
-    :class:`~lightning_tp2d.comm.CommStats` being filled (``.snapshot()`` has the shape of ``comm.STATS``).
+    :class:`~lightning_tp2d.comm.CommStats` being filled (``.snapshot()`` has the shape of a ``comm.count_comm()`` snapshot).
 
     With ``strict=False`` use :class:`FunctionalCollectiveCounter` directly to read its ``uncounted`` list."""
     counter = FunctionalCollectiveCounter(strict=strict)

@@ -16,14 +16,14 @@ from lightning_tp2d.comm import KINDS
 class Comm:
     """``calls`` calls of ``kind`` over a group of ``group_size`` ranks along ``group``.
 
-    ``nbytes`` is the payload of one call as :data:`lightning_tp2d.comm.STATS` counts it on this rank: the
+    ``nbytes`` is the payload of one call as :func:`lightning_tp2d.comm.count_comm` counts it on this rank: the
     broadcast / reduced / all-reduced tensor, the local input of an all-gather, the full input of a
     reduce-scatter, the tensors handed to one send, recv or ring exchange. ``overlap_flops`` is the compute
     (per call) the transfer can hide behind: 0 for a blocking call.
     """
 
     kind: str
-    group: str  # mesh axis: "row" | "col" | "ring" | "tp" (the whole tensor-parallel group)
+    group: str  # mesh axis: "row" | "col" | "ring", "pair" (a point-to-point swap), "tp" (1-D TP's whole group)
     group_size: int
     nbytes: int
     calls: int = 1
@@ -37,7 +37,7 @@ class Comm:
 
 def totals(events: list[Comm]) -> dict[str, dict[str, int]]:
     """``{kind: {"calls": n, "bytes": b}}`` for every kind in :data:`~lightning_tp2d.comm.KINDS` (zeros included),
-    the same shape as ``comm.STATS.snapshot()``."""
+    the same shape as ``comm.count_comm()``'s ``snapshot()``."""
     calls: dict[str, int] = defaultdict(int)
     nbytes: dict[str, int] = defaultdict(int)
     for e in events:
