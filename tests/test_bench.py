@@ -96,13 +96,16 @@ def test_scenario_rules_come_from_the_layouts():
     from lightning_tp2d.bench.cli import local_mlp_shape
     from lightning_tp2d.bench.runner import SCENARIOS, check_scenario, input_multiples
 
-    assert SCENARIOS == ("single", "hf", "tp1d", "2d", "metp", "2d-metp")
-    # (batch, sequence) multiples on 4 ranks: grid rows split the batch; zigzag layouts cut 2 * side chunks
-    assert [input_multiples(s, 4) for s in SCENARIOS] == [(1, 1), (1, 1), (1, 1), (2, 1), (1, 8), (1, 4)]
+    assert SCENARIOS == ("single", "hf", "tp1d", "tp1d-sp", "2d", "metp", "2d-metp")
+    # (batch, sequence) multiples on 4 ranks: grid rows split the batch; zigzag layouts cut 2 * side chunks;
+    # sequence parallelism splits the sequence
+    assert [input_multiples(s, 4) for s in SCENARIOS] == [(1, 1), (1, 1), (1, 1), (1, 4), (2, 1), (1, 8), (1, 4)]
     spec = BenchSpec(overrides={"n_head": 12})
     assert "sequence length 62 is not divisible by 2*q=4" in check_scenario("2d-metp", 4, spec, 1, 62)
     assert check_scenario("2d-metp", 4, spec, 1, 64) is None  # batch 1 on the grid that splits sequences
     assert "p must be a positive int" in check_scenario("metp", 0, spec, 1, 64)
+    assert "T=62 is not divisible by p=4" in check_scenario("tp1d-sp", 4, spec, 1, 62)
+    assert check_scenario("tp1d-sp", 4, spec, 1, 64) is None and check_scenario("tp1d", 4, spec, 1, 62) is None
     # one rank's first MLP product [m, k] @ [k, n]: 256 tokens, h = 48 on 4 ranks
     assert local_mlp_shape("single", 256, 48, 1) == (256, 48, 192)
     assert local_mlp_shape("tp1d", 256, 48, 4) == (256, 48, 48)

@@ -43,7 +43,10 @@ CASES_4 = [
     ("metp-bf16", "metp", 4, TINY, 2, 24, "bfloat16"),
     ("2d-metp-bf16", "2d-metp", 4, TINY, 2, 16, "bfloat16"),
     ("tp1d", "tp1d", 4, TINY, 2, 24, "float32"),  # activation bytes only (its comm is tested with tp1d.py)
+    ("tp1d-sp", "tp1d-sp", 4, TINY, 2, 24, "float32"),  # likewise
+    ("tp1d-sp-bf16", "tp1d-sp", 4, TINY, 2, 24, "bfloat16"),
 ]
+TP1D = ("tp1d", "tp1d-sp")
 CASES_9 = [
     ("2d-3x3", "2d", 9, TINY, 3, 16, "float32"),
     ("2d-metp-3x3", "2d-metp", 9, TINY, 1, 18, "float32"),
@@ -59,10 +62,10 @@ def _one_step(layout: str, p: int, world_size: int, overrides: dict, batch: int,
     torch.manual_seed(0)
     cfg = GPT2Config.from_name("gpt2-tiny", **overrides)
     model = GPT2(cfg)
-    if layout == "tp1d":
+    if layout in TP1D:
         from lightning_tp2d.bench.tp1d import init_tp1d_mesh, parallelize_1d
 
-        parallelize_1d(model, init_tp1d_mesh(world_size))
+        parallelize_1d(model, init_tp1d_mesh(world_size), sequence_parallel=layout == "tp1d-sp")
         tp_rank = torch.distributed.get_rank()
     else:
         mesh = tp.init_mesh(layout, p, world_size // p)
@@ -121,7 +124,7 @@ def _check_activation(results, case, tol: float = 0.01) -> None:
         assert abs(r["activation"] - model) <= tol * model, (name, r["rank"], r["activation"], model)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES_4 if c[1] != "tp1d"], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [c for c in CASES_4 if c[1] not in TP1D], ids=lambda c: c[0])
 def test_comm_events_equal_the_counted_communication_on_4_ranks(runs_4, case):
     _check_comm(runs_4, case)
 
@@ -191,6 +194,41 @@ def test_tp1d_is_delegated():
     tp1d = pytest.importorskip("lightning_tp2d.bench.tp1d")
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
     assert cm.comm_events("tp1d", cfg, 2, 16, 4, 4) == tp1d.tp1d_comm_events(cfg, 2, 16, 4, 4)
+
+
+def test_tp1d_sp_is_delegated_computes_like_tp1d_and_async_tp_hides_only_behind_its_matmuls():
+    from lightning_tp2d.bench.tp1d_sp import tp1d_sp_comm_events
+
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
+    assert cm.comm_events("tp1d-sp", cfg, 2, 16, 4, 4) == tp1d_sp_comm_events(cfg, 2, 16, 4, 4)
+    assert cm.flops("tp1d-sp", GPT2_SMALL, 8, 1024, 4) == cm.flops("tp1d", GPT2_SMALL, 8, 1024, 4)
+    with pytest.raises(ValueError, match="T=1022 is not divisible by p=4"):
+        cm.comm_events("tp1d-sp", GPT2_SMALL, 8, 1022, 4)
+    with pytest.raises(ValueError, match="async_tp"):
+        cm.step_time("tp1d", GPT2_SMALL, 8, 1024, 4, cm.H100_NVLINK4_NDR, async_tp=True)
+    # async events: the same calls and bytes; only the collectives next to a linear carry its matmul FLOPs
+    sync, overlapped = (tp1d_sp_comm_events(GPT2_SMALL, 8, 1024, 4, 2, async_tp=a) for a in (False, True))
+    assert totals(sync) == totals(overlapped) and all(e.overlap_flops == 0 for e in sync)
+    hidden = sum(e.calls * e.overlap_flops for e in overlapped)
+    fl = cm.flops("tp1d", GPT2_SMALL, 8, 1024, 4)
+    h, V, N, L = GPT2_SMALL.n_embd, GPT2_SMALL.vocab_size, 8 * 1024, GPT2_SMALL.n_layer
+    assert hidden == pytest.approx(2 * (L * 24 * N * h * h / 4 + 2 * N * h * -(-V // 4)))  # forward products, twice
+    assert hidden < fl["matmul"]
+    assert {e.kind for e in overlapped if e.overlap_flops == 0} == {"all_reduce", "all_gather", "reduce_scatter"}
+    hw = cm.H100_NVLINK4_NDR
+    for p in (4, 16):
+        blocking = cm.step_time("tp1d-sp", GPT2_SMALL, 8, 1024, p, hw)
+        pipelined = cm.step_time("tp1d-sp", GPT2_SMALL, 8, 1024, p, hw, async_tp=True)
+        assert pipelined["comm_s"] == pytest.approx(blocking["comm_s"])
+        assert blocking["exposed_comm_s"] == pytest.approx(blocking["comm_s"])  # the code blocks on every call
+        assert pipelined["exposed_comm_s"] < blocking["exposed_comm_s"]
+        # at least the first of p chunks of every overlapped call stays exposed
+        floor = sum(e.calls * cm.collective_time(e.kind, p, e.nbytes, cm._link(hw, range(p))) / p
+                    for e in tp1d_sp_comm_events(GPT2_SMALL, 8, 1024, p, 2, async_tp=True) if e.overlap_flops)
+        assert pipelined["exposed_comm_s"] >= floor
+    # on one node, the sequence-parallel all-gathers + reduce-scatters cost what tp1d's all-reduces cost
+    one = {k: cm.step_time(k, GPT2_SMALL, 8, 1024, 4, hw) for k in ("tp1d", "tp1d-sp")}
+    assert one["tp1d-sp"]["comm_s"] == pytest.approx(one["tp1d"]["comm_s"], rel=0.02)
 
 
 @pytest.mark.parametrize("layout, p", [("2d", 4), ("2d", 16), ("2d-metp", 9), ("metp", 4), ("metp", 8)])
@@ -292,7 +330,9 @@ def test_projected_speedup_reports_both_layouts_per_gpu_count():
     rows = cm.projected_speedup(GPT2_SMALL, 8, 1024)
     assert [r["gpus"] for r in rows] == [4, 16, 64] and [r["q"] for r in rows] == [2, 4, 8]
     for r in rows:
-        assert {"tp1d", "2d", "tp1d_s", "2d_s", "speedup", "nodes"} <= set(r)
+        assert {"tp1d", "2d", "tp1d_s", "2d_s", "speedup", "nodes", "tp1d_sp", "tp1d_sp_s", "tp1d_sp_async",
+                "tp1d_sp_async_s"} <= set(r)
+        assert 0 < r["tp1d_sp_async_s"] < r["tp1d_sp_s"] == r["tp1d_sp"]["total_s"]
         assert r["speedup"] == pytest.approx(r["tp1d_s"] / r["2d_s"]) and r["speedup"] > 0
         assert r["2d"]["total_s"] == r["2d_s"] > 0
     assert [r["nodes"] for r in rows] == [1, 2, 8]

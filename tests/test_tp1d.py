@@ -1,5 +1,6 @@
-"""The 1-D tensor-parallel baseline (torch's own TP styles on our GPT-2) against the plain model, and the counter
-of DTensor's functional collectives against the communication formula of ``tp1d_comm_events``."""
+"""The 1-D tensor-parallel baseline (torch's own TP styles on our GPT-2), without and with sequence parallelism,
+against the plain model, and the counter of DTensor's functional collectives against the communication formulas
+of ``tp1d_comm_events`` and ``tp1d_sp_comm_events``."""
 
 import copy
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -16,11 +17,13 @@ from lightning_tp2d.bench.events import totals, wire_bytes
 from lightning_tp2d.bench.tp1d import (TP1DHandle, _loss_parallel_active, check_tp1d, full_state_dict_1d,
                                        init_tp1d_mesh, param_groups_1d, parallelize_1d, qkv_permutation,
                                        tp1d_comm_events)
+from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel, tp1d_sp_comm_events
 from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.models import GPT2, GPT2Config
 from tests.distributed import run_distributed
 
 B, T = 3, 5  # N = 15 tokens: no dimension of gpt2-tiny (h 48, V 257, heads 12) is 15, 3 or 5 apart from these
+T_SP = 8  # sequence parallelism: T divisible by p = 2 and 4
 
 
 def tiny(**overrides) -> GPT2Config:
@@ -41,9 +44,9 @@ class VocabRows(TorchDispatchMode):
     one of its dims is V and it also has N, or both B and T. DTensor ops desugar into local ops seen here;
     shape-only (meta / fake) tensors are ignored."""
 
-    def __init__(self, V: int):
+    def __init__(self, V: int, b: int = B, t: int = T):
         super().__init__()
-        self.V, self.found = V, []
+        self.V, self.found, self.b, self.t = V, [], b, t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
@@ -52,21 +55,22 @@ class VocabRows(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor) and self.V in t.shape and not _shape_only(t):
                 dims = list(t.shape)
-                if B * T in dims or (B in dims and T in dims):
+                if self.b * self.t in dims or (self.b in dims and self.t in dims):
                     self.found.append((str(func), tuple(dims), type(t).__name__, str(t.device)))
         return out
 
 
-def _batch(V: int):
+def _batch(V: int, t: int = T):
     g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, V, (B, T), generator=g)
-    targets = torch.randint(0, V, (B, T), generator=g)
+    idx = torch.randint(0, V, (B, t), generator=g)
+    targets = torch.randint(0, V, (B, t), generator=g)
     targets[0, 1] = -100  # ignored position
     return idx, targets
 
 
-def _parity(rank, world_size, dtype):
+def _parity(rank, world_size, dtype, sp=False):
     cfg = tiny()
+    t = T_SP if sp else T
     torch.manual_seed(0)
     ref = GPT2(cfg).to(dtype)
     model = copy.deepcopy(ref)
@@ -77,25 +81,29 @@ def _parity(rank, world_size, dtype):
     bad_heads = 6 if world_size == 4 else 3
     with pytest.raises(ValueError, match=rf"n_head={bad_heads} is not divisible by p={world_size}"):
         parallelize_1d(GPT2(GPT2Config.from_name("gpt2-tiny", n_layer=1, n_head=bad_heads)), mesh)
-    parallelize_1d(model, mesh)
-    assert model.tp == TP1DHandle(mesh, world_size) and handle_of(model) is None  # a baseline, not our layout
+    parallelize_1d(model, mesh, sequence_parallel=sp)
+    assert model.tp == TP1DHandle(mesh, world_size, sp) and handle_of(model) is None  # a baseline, not our layout
     assert model.lm_head.weight is model.transformer.wte.weight
     V, p = cfg.vocab_size, world_size
     assert model.transformer.wte.weight.to_local().shape[0] == len(torch.arange(V).chunk(p)[rank])  # uneven
 
-    idx, targets = _batch(V)
+    idx, targets = _batch(V, t)
     elem = torch.finfo(dtype).bits // 8
-    events = tp1d_comm_events(cfg, B, T, p, elem)
-    with count_functional_collectives() as fwd, VocabRows(V) as vocab_rows:
+    events = (tp1d_sp_comm_events if sp else tp1d_comm_events)(cfg, B, t, p, elem)
+    stream = []  # the residual stream's local shape between blocks
+    hook = model.transformer.h[1].register_forward_pre_hook(lambda m, args: stream.append(tuple(args[0].shape)))
+    with count_functional_collectives() as fwd, VocabRows(V, B, t) as vocab_rows:
         loss = model(idx, targets)
-    with count_functional_collectives() as bwd, VocabRows(V) as vocab_rows_bwd:
+    hook.remove()
+    assert stream == [(B, t // p if sp else t, cfg.n_embd)]
+    with count_functional_collectives() as bwd, VocabRows(V, B, t) as vocab_rows_bwd:
         loss.backward()
     assert not _loss_parallel_active()  # the hooks left torch's loss_parallel handlers as they found them
     for stats, phase in ((fwd, "forward"), (bwd, "backward")):
         assert stats.snapshot() == totals([e for e in events if e.phase == phase]), phase
     assert vocab_rows.found == [] and vocab_rows_bwd.found == [], vocab_rows.found + vocab_rows_bwd.found
 
-    with VocabRows(V) as control:  # the detector does see the plain model's [B, T, V] logits
+    with VocabRows(V, B, t) as control:  # the detector does see the plain model's [B, T, V] logits
         ref_loss = ref(idx, targets)
         ref_loss.backward()
     assert control.found
@@ -127,19 +135,58 @@ def _parity(rank, world_size, dtype):
     assert list(sd) == list(ref_sd)
     out["step"] = max(rel(sd[k], ref_sd[k]) for k in ref_sd)
     assert all(v < tol for v in out.values()), out
-    # plain (replicated) parameters: returned so the parent can check every rank holds the same values
-    return {n: q.detach().flatten().tolist() for n, q in model.named_parameters() if not isinstance(q, DTensor)}
+    if sp:  # the sequence must split over the ranks, checked before any communication
+        bad = f"T={t - 1} is not divisible by p={p}"
+        with count_functional_collectives() as none, pytest.raises(ValueError, match=bad):
+            model(idx[:, :t - 1])
+        assert sum(v["calls"] for v in none.snapshot().values()) == 0
+    # replicated parameters (plain, or Replicate DTensors): returned so the parent can check every rank holds the
+    # same values
+    return {n: (q.to_local() if isinstance(q, DTensor) else q).detach().flatten().tolist()
+            for n, q in model.named_parameters() if not isinstance(q, DTensor) or q.placements == (Replicate(),)}
+
+
+def _parity_without_and_with_sp(rank, world_size, dtype):
+    out = [_parity(rank, world_size, dtype), _parity(rank, world_size, dtype, sp=True)]
+    if world_size == 4:  # the float32 count at p = 4 (p = 2: test_float32_parity_and_counter_conventions)
+        _count(world_size, True, autocast=False)
+    return out
+
+
+def _count(world_size, sp, autocast):
+    """One training step of a float32 model (optionally under bf16 autocast), counted against the formula."""
+    torch.manual_seed(0)
+    cfg = tiny(n_layer=1)
+    model = parallelize_1d(GPT2(cfg), init_tp1d_mesh(world_size), sequence_parallel=sp)
+    idx, targets = _batch(cfg.vocab_size, T_SP)
+    events = (tp1d_sp_comm_events if sp else tp1d_comm_events)(cfg, B, T_SP, world_size, 2 if autocast else 4)
+    with count_functional_collectives() as fwd, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(idx, targets)
+    with count_functional_collectives() as bwd:
+        loss.backward()
+    for stats, phase in ((fwd, "forward"), (bwd, "backward")):
+        assert stats.snapshot() == totals([e for e in events if e.phase == phase]), (phase, sp, autocast)
+    if not sp:
+        return
+    # every LayerNorm gradient was all-reduced to Replicate (in the one flat all-reduce counted above)
+    norms = [q for n, q in model.named_parameters() if ".ln_" in n]
+    assert norms and all(q.grad.placements == (Replicate(),) for q in norms)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_parity_and_communication_float64(world_size):
-    plain = run_distributed(_parity, world_size, torch.float64)
-    for other in plain[1:]:
-        assert other == plain[0]
+    """Without (tp1d) and with sequence parallelism (tp1d-sp), in one process group per world size."""
+    results = run_distributed(_parity_without_and_with_sp, world_size, torch.float64)
+    for mode in range(2):
+        for other in results[1:]:
+            assert other[mode] == results[0][mode]
 
 
 def _float32_and_counter(rank, world_size):
     _parity(rank, world_size, torch.float32)
+    for sp in (False, True):
+        _count(world_size, sp, autocast=True)
+    _count(world_size, True, autocast=False)
     mesh = init_tp1d_mesh(world_size)
     # a caller inside its own loss_parallel() (torch's documented usage) gets the same loss and gradients
     torch.manual_seed(0)
@@ -206,13 +253,38 @@ def test_qkv_permutation_groups_heads():
 
 def test_comm_events_formula():
     cfg = GPT2Config.from_name("gpt2")
-    N, h, L, e = 4 * 1024, 768, 12, 2
+    N, h, L, e, ep = 4 * 1024, 768, 12, 2, 4  # bf16 autocast: embeddings, loss rows, input gradients in float32
     ev = tp1d_comm_events(cfg, 4, 1024, 8, e)
     assert {(x.kind, x.group, x.group_size, x.overlap_flops) for x in ev} == {("all_reduce", "tp", 8, 0.0)}
     fwd = totals([x for x in ev if x.phase == "forward"])["all_reduce"]
     bwd = totals([x for x in ev if x.phase == "backward"])["all_reduce"]
-    assert fwd == {"calls": 2 * L + 4, "bytes": (2 * L + 1) * N * h * e + 3 * N * e}
-    assert bwd == {"calls": 2 * L + 1, "bytes": (2 * L + 1) * N * h * e}
+    assert fwd == {"calls": 2 * L + 4, "bytes": N * h * ep + 2 * L * N * h * e + 3 * N * ep}
+    assert bwd == {"calls": 2 * L + 1, "bytes": (2 * L + 1) * N * h * ep}
     # one rank: only loss_parallel's three [N, 1] all-reduces remain (over a group of one, nothing sent)
-    assert totals(tp1d_comm_events(cfg, 4, 1024, 1, e))["all_reduce"] == {"calls": 3, "bytes": 3 * N * e}
+    assert totals(tp1d_comm_events(cfg, 4, 1024, 1, e))["all_reduce"] == {"calls": 3, "bytes": 3 * N * ep}
     assert wire_bytes(tp1d_comm_events(cfg, 4, 1024, 1, e)) == 0
+
+
+def test_sp_comm_events_formula():
+    cfg = GPT2Config.from_name("gpt2")
+    B_, T_, p, e, ep = 4, 1024, 8, 2, 4
+    N, h, L = B_ * T_, cfg.n_embd, cfg.n_layer
+    ev = tp1d_sp_comm_events(cfg, B_, T_, p, e)
+    fwd = totals([x for x in ev if x.phase == "forward"])
+    bwd = totals([x for x in ev if x.phase == "backward"])
+    assert fwd["all_gather"] == {"calls": 2 * L + 1, "bytes": (2 * L + 1) * N * h * ep // p}
+    assert fwd["reduce_scatter"] == {"calls": 2 * L + 1, "bytes": N * h * ep + 2 * L * N * h * e}
+    assert fwd["all_reduce"] == {"calls": 3, "bytes": 3 * N * ep}
+    assert bwd["all_gather"] == {"calls": 2 * L + 2,
+                                 "bytes": 2 * L * N * h * e // p + N * h * ep // p + T_ * h * ep // p}
+    assert bwd["reduce_scatter"] == {"calls": 2 * L + 1, "bytes": (2 * L + 1) * N * h * ep}
+    assert bwd["all_reduce"] == {"calls": 1, "bytes": (2 * L + 1) * 2 * h * ep}  # LayerNorm grads, one buffer
+    # on the wire SP sends what tp1d's all-reduces send (ring all-reduce = reduce-scatter + all-gather), less the
+    # loss rows, plus the small embedding and LayerNorm terms
+    assert wire_bytes(ev) < wire_bytes(tp1d_comm_events(cfg, B_, T_, p, ep))
+    assert totals(tp1d_sp_comm_events(cfg, B_, T_, 1, e))["all_reduce"] == {"calls": 3, "bytes": 3 * N * ep}
+    fits = r"T=1020 is not divisible by p=8; use T a multiple of 8 \(or p in \[1, 2, 3, 4, 5, 6\]\)"
+    with pytest.raises(ValueError, match=fits):
+        tp1d_sp_comm_events(cfg, B_, 1020, p, e)
+    with pytest.raises(ValueError, match="T=6 is not divisible by p=4"):
+        check_sequence_parallel(6, 4)

@@ -67,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--p", type=int, default=4, help="ranks of the parallel scenarios")
-    ap.add_argument("--layouts", default="single,hf,tp1d,2d,metp,2d-metp")
+    ap.add_argument("--layouts", default="single,hf,tp1d,tp1d-sp,2d,metp,2d-metp")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per scenario (median reported)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -183,7 +183,8 @@ def model_check(scenarios: list[dict], spec: BenchSpec, p: int) -> dict:
 
 
 def projection(args: argparse.Namespace) -> dict:
-    """The cost model's "2d" against 1-D TP for one tensor-parallel group of 4, 16 and 64 GPUs: step time,
+    """The cost model's "2d" against 1-D TP (without and with sequence parallelism, the latter also with async TP
+    modelled) for one tensor-parallel group of 4, 16 and 64 GPUs: step time,
     bytes sent per rank and saved activations per rank (bf16), and METP's full-overlap threshold. With
     ``--measured-rates`` the matmul rate is this machine's (the "2d" local MLP product of a 2x2 grid) instead
     of the preset's; the links stay the preset's."""
@@ -204,15 +205,20 @@ def projection(args: argparse.Namespace) -> dict:
     for r in cost_model.projected_speedup(cfg, batch, seq, hw=hw):
         n = r["gpus"]
         # a layout's ranks send different amounts (grid position: one of each kind, as the layout says); 1-D TP's alike
-        ranks = {grid: layouts.get_layout(grid).distinct_ranks(n), "tp1d": [0]}
+        ranks = {grid: layouts.get_layout(grid).distinct_ranks(n), "tp1d": [0], "tp1d-sp": [0]}
         wire = {layout: max(wire_bytes(cost_model.comm_events(layout, cfg, batch, seq, n, 2, rank=k))
-                            for k in ranks[layout]) for layout in (grid, "tp1d")}
+                            for k in ranks[layout]) for layout in ranks}
         rows.append({"gpus": n, "nodes": r["nodes"], "time_2d_s": r["2d_s"], "time_tp1d_s": r["tp1d_s"],
                      "speedup": r["speedup"], "wire_bytes_2d": wire[grid], "wire_bytes_tp1d": wire["tp1d"],
                      "exposed_comm_2d_s": r[grid]["exposed_comm_s"], "exposed_comm_tp1d_s": r["tp1d"]["exposed_comm_s"],
                      "compute_2d_s": r[grid]["compute_s"], "compute_tp1d_s": r["tp1d"]["compute_s"],
                      "activation_bytes_2d": cost_model.activation_bytes(grid, cfg, batch, seq, n, 2),
-                     "activation_bytes_tp1d": cost_model.activation_bytes("tp1d", cfg, batch, seq, n, 2)})
+                     "activation_bytes_tp1d": cost_model.activation_bytes("tp1d", cfg, batch, seq, n, 2),
+                     # 1-D TP with sequence parallelism, as the code runs it and with torch's async TP modelled
+                     "time_tp1d_sp_s": r["tp1d_sp_s"], "time_tp1d_sp_async_s": r["tp1d_sp_async_s"],
+                     "wire_bytes_tp1d_sp": wire["tp1d-sp"], "exposed_comm_tp1d_sp_s": r["tp1d_sp"]["exposed_comm_s"],
+                     "exposed_comm_tp1d_sp_async_s": r["tp1d_sp_async"]["exposed_comm_s"],
+                     "activation_bytes_tp1d_sp": cost_model.activation_bytes("tp1d-sp", cfg, batch, seq, n, 2)})
     return {"model": args.projection_model, "batch": batch, "seq": seq, "hardware": hw.name, "rows": rows,
             "metp_overlap_threshold": cost_model.metp_overlap_threshold(cfg, hw)}
 

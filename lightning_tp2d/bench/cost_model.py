@@ -18,7 +18,8 @@ computed while it is in flight, so ``totals(comm_events(...))`` is what :func:`l
 counts on that rank by construction (``tests/test_cost_model.py`` still checks it against real gloo runs, float32 and
 bf16 autocast). There is no hand-written event list: a schedule change in a layer (a prefetch, double buffering, a
 new collective) changes the model with no edit here. ``"single"`` sends nothing; ``"tp1d"`` (torch's own tensor
-parallelism, the baseline) is :func:`lightning_tp2d.bench.tp1d.tp1d_comm_events`.
+parallelism, the baseline) is :func:`lightning_tp2d.bench.tp1d.tp1d_comm_events`, and ``"tp1d-sp"`` (the same with
+sequence parallelism) :func:`lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`.
 
 ``overlap_flops`` is the compute a transfer runs behind: every FLOP computed between posting a call and waiting for it
 is shared among the calls in flight in proportion to their bytes (SUMMA: the broadcast of panel ``l+1`` is posted
@@ -49,7 +50,9 @@ from lightning_tp2d.layouts import Grid2D, Layout, get_layout, layout_names
 from lightning_tp2d.models.gpt2 import GPT2Config
 
 GRID_2D = Grid2D.name  # the layout the projection compares with 1-D tensor parallelism
-BASELINES = ("single", "tp1d")  # not layouts of this package: the plain model and torch's 1-D tensor parallelism
+# not layouts of this package: the plain model and torch's 1-D tensor parallelism, without and with sequence parallelism
+BASELINES = ("single", "tp1d", "tp1d-sp")
+TP1D = ("tp1d", "tp1d-sp")
 
 
 def _layouts() -> tuple[str, ...]:
@@ -83,9 +86,13 @@ def _check(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int) 
         if p != 1:
             raise ValueError(f"layout 'single' runs on one rank, got p={p}")
         return 1
-    if layout == "tp1d":
+    if layout in TP1D:
         if h % p:
-            raise ValueError(f"layout 'tp1d': n_embd={h} is not divisible by p={p}")
+            raise ValueError(f"layout {layout!r}: n_embd={h} is not divisible by p={p}")
+        if layout == "tp1d-sp":
+            from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel
+
+            check_sequence_parallel(seq, p)
         return p
     spec = get_layout(layout)
     spec.check_tensor_parallel_size(p)
@@ -115,8 +122,9 @@ def _trace_distinct(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, 
 
 
 def _timed_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
-                  rank: int) -> list[tuple[Comm, float, float, tuple[int, ...]]]:
-    """``(event, overlapped matmul FLOPs, overlapped attention FLOPs, the group's global ranks)`` per call kind."""
+                  rank: int, async_tp: bool = False) -> list[tuple[Comm, float, float, tuple[int, ...]]]:
+    """``(event, overlapped matmul FLOPs, overlapped attention FLOPs, the group's global ranks)`` per call kind.
+    ``async_tp`` (``"tp1d-sp"`` only): the events carry the FLOPs of the matmul async TP would fuse them with."""
     _check(layout, cfg, batch, seq, p)
     if not 0 <= rank < p:
         raise ValueError(f"rank {rank} is not in [0, {p})")
@@ -124,6 +132,11 @@ def _timed_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, el
         from lightning_tp2d.bench.tp1d import tp1d_comm_events
 
         return [(ev, 0.0, 0.0, tuple(range(p))) for ev in tp1d_comm_events(cfg, batch, seq, p, elem)]
+    if layout == "tp1d-sp":
+        from lightning_tp2d.bench.tp1d_sp import tp1d_sp_comm_events
+
+        return [(ev, ev.overlap_flops, 0.0, tuple(range(p)))
+                for ev in tp1d_sp_comm_events(cfg, batch, seq, p, elem, async_tp=async_tp)]
     if layout == "single" or p == 1:
         return []
     return list(_traced(layout, cfg, batch, seq, p, elem, rank).events)
@@ -134,13 +147,14 @@ def comm_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem
     """The communication of one training step on tensor-parallel rank ``rank``, traced from the layers (module
     docstring); ``totals()`` of it is what :func:`lightning_tp2d.comm.count_comm` counts on that rank.
 
-    ``"single"`` and ``p == 1`` send nothing (``[]``), except ``"tp1d"``, which is
-    :func:`lightning_tp2d.bench.tp1d.tp1d_comm_events`. Events are merged where identical (same kind, group,
+    ``"single"`` and ``p == 1`` send nothing (``[]``), except ``"tp1d"`` and ``"tp1d-sp"``, which are
+    :func:`lightning_tp2d.bench.tp1d.tp1d_comm_events` and :func:`lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`
+    (as the code runs them: blocking, no overlap). Events are merged where identical (same kind, group,
     bytes, overlap and phase). Only the shapes that decide byte counts are validated (hidden size, batch or
     sequence divisibility); head-count divisibility is not checked.
     """
     timed = _timed_events(layout, cfg, batch, seq, p, elem, rank)
-    if layout == "tp1d":
+    if layout in TP1D:
         return [ev for ev, _, _, _ in timed]
     merged: dict[Comm, int] = {}
     for ev, _, _, _ in timed:
@@ -161,8 +175,8 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int) -> dict:
     run, causal blocks counting their visible scores), so METP's recomputations (``X W1`` in the MLP backward, the
     logits in the LM-head backward) and the 2-D LM head's padded vocabulary are whatever the code does.
     ``tests/test_cost_model.py`` checks them against closed forms. The baselines: linears ``24 N h²`` forward and
-    ``48 N h²`` backward per block (``/p`` for tp1d), attention over ``T(T+1)/2`` scores per sequence and head, LM head
-    ``2 N h V`` / ``4 N h V`` (tp1d: ``ceil(V/p)``).
+    ``48 N h²`` backward per block (``/p`` for tp1d and tp1d-sp, which compute the same), attention over ``T(T+1)/2``
+    scores per sequence and head, LM head ``2 N h V`` / ``4 N h V`` (tp1d, tp1d-sp: ``ceil(V/p)``).
     """
     _check(layout, cfg, batch, seq, p)
     h, V, L, T, B = cfg.n_embd, cfg.vocab_size, cfg.n_layer, seq, batch
@@ -215,6 +229,12 @@ def activation_bytes(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int,
         ``N h (2 ep + 2 e) + 12 N h e / p``: LayerNorm inputs and outputs full on every rank, the column-parallel
         outputs split; ``4 N ep``, ``B H T ep / p``; the local log-softmax ``N ceil(V/p) ep`` and the embedding's
         masked ids ``8 N``.
+    ``"tp1d-sp"`` (torch's SequenceParallel on the LayerNorms, the residual stream sequence-sharded)
+        ``2 N h ep / p + 2 N h e + 12 N h e / p``: the LayerNorm inputs and statistics (``4 N ep / p``) are
+        sharded, but the column-parallel linears save the *all-gathered* ``[N, h]`` input (DTensor keeps the
+        gathered tensor for the weight gradient; Megatron saves the shard and gathers again in backward), so the
+        LayerNorm-output term stays full; ``B H T ep / p``. Outside the blocks as tp1d, with the final LayerNorm's
+        input and statistics sharded.
     """
     _check(layout, cfg, batch, seq, p)
     if rank is not None and not 0 <= rank < p:
@@ -226,11 +246,14 @@ def activation_bytes(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int,
     N = B * T
     e, ep = elem, _ep(elem)
     k = 1 if layout == "single" else p
-    per_block = N * h * (2 * ep + 2 * e) + 12 * N * h * e / k + 4 * N * ep + B * H * T * ep / k
+    s = p if layout == "tp1d-sp" else 1  # what sequence parallelism shards: LayerNorm inputs and statistics
+    per_block = N * h * (2 * ep / s + 2 * e) + 12 * N * h * e / k + 4 * N * ep / s + B * H * T * ep / k
     vocab = V if layout == "single" else -(-V // p)
-    final_ln = N * h * ep + 2 * N * ep + N * h * e  # input (ep), mean and rstd (ep), output as the head saves it
+    if layout in TP1D and rank is not None:  # torch.chunk-style shards: the last rank(s) may hold fewer rows
+        vocab = max(0, min(vocab, V - rank * vocab))
+    final_ln = (N * h * ep + 2 * N * ep) / s + N * h * e  # input, mean and rstd (ep), output as the head saves it
     total = L * per_block + final_ln + N * vocab * ep + 8 * T
-    if layout == "tp1d":
+    if layout in TP1D:
         total += 8 * N  # the embedding's masked copy of the ids (DTensor _MaskPartial)
     if elem < 4:
         total += L * 12 * h * h * e / k + vocab * h * e  # bf16 copies of the weights (autocast)
@@ -300,13 +323,22 @@ def _link(hw: Hardware, ranks) -> Link:
     return hw.intra if len({g // hw.gpus_per_node for g in ranks}) == 1 else hw.inter
 
 
-def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2) -> dict:
+def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
+              async_tp: bool = False) -> dict:
     """Projected seconds of one training step: ``compute_s = matmul FLOPs / matmul rate + attention FLOPs /
     attention rate``; per call ``t`` from :func:`collective_time` on its group's link, exposed
     ``max(0, t - overlapped matmul FLOPs / matmul rate - overlapped attention FLOPs / attention rate)``;
     ``total_s = compute_s + exposed_comm_s``. Ranks wait for each other, so the step is its slowest rank's
     (returned, with ``rank``); ``comm_bytes`` is that rank's payload as :func:`lightning_tp2d.comm.count_comm` counts
-    it. Also returned: ``flops`` (:func:`flops`)."""
+    it. Also returned: ``flops`` (:func:`flops`).
+
+    ``async_tp`` (``"tp1d-sp"`` only) models torch's async tensor parallelism (micro-pipeline TP, which splits
+    each all-gather / reduce-scatter next to a column- / row-parallel matmul into ``p`` steps overlapped with the
+    matmul's pieces): the first of the ``p`` chunks cannot overlap, the other ``(p-1)/p`` of ``t`` hide behind the
+    matmul, so such a call exposes ``t / p + max(0, t (p-1)/p - matmul FLOPs / matmul rate)``: ``t / p`` when the
+    matmul covers the rest, never more than the blocking ``t``. The other calls stay blocking."""
+    if async_tp and layout != "tp1d-sp":
+        raise ValueError(f"async_tp models torch's async TP of the 'tp1d-sp' baseline, not layout {layout!r}")
     fl = flops(layout, cfg, batch, seq, p)
     rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
     compute = fl["matmul"] / rates["matmul"] + fl["attention"] / rates["attention"]
@@ -319,10 +351,14 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
     for rank in ranks:
         comm_s = exposed = 0.0
         nbytes = 0
-        for ev, fm, fa, ranks in _timed_events(layout, cfg, batch, seq, p, elem, rank):
+        for ev, fm, fa, ranks in _timed_events(layout, cfg, batch, seq, p, elem, rank, async_tp):
             t = collective_time(ev.kind, ev.group_size, ev.nbytes, _link(hw, ranks))
             comm_s += ev.calls * t
-            exposed += ev.calls * max(0.0, t - fm / rates["matmul"] - fa / rates["attention"])
+            if async_tp and fm > 0:  # micro-pipelined with its matmul: all but the first chunk can hide
+                first = t / ev.group_size
+                exposed += ev.calls * (first + max(0.0, t - first - fm / rates["matmul"]))
+            else:
+                exposed += ev.calls * max(0.0, t - fm / rates["matmul"] - fa / rates["attention"])
             nbytes += ev.calls * ev.nbytes
         result = {"compute_s": compute, "comm_s": comm_s, "exposed_comm_s": exposed, "total_s": compute + exposed,
                   "comm_bytes": nbytes, "rank": rank, "flops": fl}
@@ -341,9 +377,11 @@ def _representative_ranks(layout: str, p: int) -> list[int]:
 def projected_speedup(cfg: GPT2Config, batch: int, seq: int, gpus=(4, 16, 64), hw: Hardware = H100_NVLINK4_NDR,
                       elem: int = 2) -> list[dict]:
     """For each GPU count ``N`` (one tensor-parallel group of ``p = N`` ranks, no data parallelism): the step
-    time of ``"2d"`` (a ``sqrt(N) x sqrt(N)`` grid) and of ``"tp1d"``, and ``speedup = tp1d / 2d`` (> 1: 2d is
-    faster). Each entry: ``gpus``, ``q``, ``nodes``, ``tp1d`` and ``2d`` (:func:`step_time` dicts), ``tp1d_s``,
-    ``2d_s``, ``speedup``. Head-count divisibility is ignored (the model's widths are split, not its heads);
+    time of ``"2d"`` (a ``sqrt(N) x sqrt(N)`` grid), of ``"tp1d"`` and of ``"tp1d-sp"`` (as the code runs it, and
+    with torch's async TP modelled), and ``speedup = tp1d / 2d`` (> 1: 2d is faster). Each entry: ``gpus``, ``q``,
+    ``nodes``, ``tp1d``, ``tp1d_sp``, ``tp1d_sp_async`` and ``2d`` (:func:`step_time` dicts), ``tp1d_s``,
+    ``tp1d_sp_s``, ``tp1d_sp_async_s``, ``2d_s``, ``speedup``. ``seq`` must divide by every ``N`` (sequence
+    parallelism). Head-count divisibility is ignored (the model's widths are split, not its heads);
     ``batch`` must divide by every ``q`` and ``n_embd`` by every ``N``."""
     out = []
     for n in gpus:
@@ -352,8 +390,12 @@ def projected_speedup(cfg: GPT2Config, batch: int, seq: int, gpus=(4, 16, 64), h
             raise ValueError(f"the 2d layout needs a square number of GPUs, got {n}")
         t2d = step_time(GRID_2D, cfg, batch, seq, n, hw, elem)
         t1d = step_time("tp1d", cfg, batch, seq, n, hw, elem)
-        out.append({"gpus": n, "q": q, "nodes": -(-n // hw.gpus_per_node), "tp1d": t1d, "2d": t2d,
-                    "tp1d_s": t1d["total_s"], "2d_s": t2d["total_s"], "speedup": t1d["total_s"] / t2d["total_s"]})
+        sp = step_time("tp1d-sp", cfg, batch, seq, n, hw, elem)
+        sp_async = step_time("tp1d-sp", cfg, batch, seq, n, hw, elem, async_tp=True)
+        out.append({"gpus": n, "q": q, "nodes": -(-n // hw.gpus_per_node), "tp1d": t1d, "tp1d_sp": sp,
+                    "tp1d_sp_async": sp_async, "2d": t2d, "tp1d_s": t1d["total_s"], "tp1d_sp_s": sp["total_s"],
+                    "tp1d_sp_async_s": sp_async["total_s"], "2d_s": t2d["total_s"],
+                    "speedup": t1d["total_s"] / t2d["total_s"]})
     return out
 
 

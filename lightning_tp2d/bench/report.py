@@ -129,13 +129,16 @@ def markdown(results: dict) -> str:
     if proj:
         lines += ["", f"## Cost model: projected step time, {proj['model']} batch {proj['batch']} x {proj['seq']}, "
                   f"{proj['hardware']}", "",
-                  "| GPUs | 2d ms | 1-D TP ms | speedup 2d / 1-D | 2d wire MiB | 1-D wire MiB "
-                  "| 2d activation MiB | 1-D activation MiB |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| GPUs | 2d ms | 1-D TP ms | 1-D TP+SP ms | 1-D TP+SP async ms | speedup 2d / 1-D | 2d wire MiB "
+                  "| 1-D wire MiB | 2d activation MiB | 1-D activation MiB | 1-D TP+SP activation MiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in proj["rows"]:
+            sp, sp_async = (r.get(k) for k in ("time_tp1d_sp_s", "time_tp1d_sp_async_s"))
             lines.append(f"| {r['gpus']} | {r['time_2d_s'] * 1e3:.2f} | {r['time_tp1d_s'] * 1e3:.2f} | "
+                         f"{_fmt(sp and sp * 1e3, '.2f')} | {_fmt(sp_async and sp_async * 1e3, '.2f')} | "
                          f"{r['speedup']:.2f} | {_mib(r['wire_bytes_2d'])} | {_mib(r['wire_bytes_tp1d'])} "
-                         f"| {_mib(r.get('activation_bytes_2d'))} | {_mib(r.get('activation_bytes_tp1d'))} |")
+                         f"| {_mib(r.get('activation_bytes_2d'))} | {_mib(r.get('activation_bytes_tp1d'))} "
+                         f"| {_mib(r.get('activation_bytes_tp1d_sp'))} |")
         if "metp_overlap_threshold" in proj:
             lines += ["", f"METP full-overlap threshold ({proj['hardware']}): a ring step's attention covers its "
                       f"K/V transfer from {proj['metp_overlap_threshold']} tokens per rank."]

@@ -8,6 +8,7 @@ scenario   ranks  what runs
 single     1      the plain :class:`~lightning_tp2d.models.GPT2` on one device
 hf         1      transformers' ``GPT2LMHeadModel`` (SDPA attention), same shapes (reference for ``single``)
 tp1d       p      PyTorch's 1-D tensor parallelism (:mod:`lightning_tp2d.bench.tp1d`)
+tp1d-sp    p      the same with sequence parallelism (:mod:`lightning_tp2d.bench.tp1d_sp`; seq divisible by p)
 2d         p      TP2D, SUMMA on a q x q grid
 metp       p      METP ring over p ranks
 2d-metp    p      grid rows split the sequence, attention rings along rows
@@ -39,7 +40,8 @@ from dataclasses import dataclass, field, replace
 from lightning_tp2d import layouts
 from lightning_tp2d.bench.procs import RunResult, run_ranks
 
-BASELINES = ("single", "hf", "tp1d")  # bench scenarios that are not layouts
+BASELINES = ("single", "hf", "tp1d", "tp1d-sp")  # bench scenarios that are not layouts
+TP1D = ("tp1d", "tp1d-sp")  # torch's 1-D tensor parallelism, without and with sequence parallelism
 SINGLE_DEVICE = ("single", "hf")
 SCENARIOS = BASELINES + layouts.layout_names()
 
@@ -76,7 +78,10 @@ def ranks_of(layout: str, p: int) -> int:
 
 
 def input_multiples(layout: str, p: int) -> tuple[int, int]:
-    """``(batch, sequence)`` multiples the scenario's input needs on ``p`` ranks (baselines take any)."""
+    """``(batch, sequence)`` multiples the scenario's input needs on ``p`` ranks (baselines take any, but
+    sequence parallelism splits the sequence)."""
+    if layout == "tp1d-sp":
+        return 1, p
     return (1, 1) if layout in BASELINES else layouts.get_layout(layout).input_multiples(p)
 
 
@@ -95,10 +100,13 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
     if not isinstance(p, int) or p < 1:
         return f"p must be a positive int, got {p!r}"
     try:
-        if layout == "tp1d":
+        if layout in TP1D:
             from lightning_tp2d.bench.tp1d import check_tp1d
+            from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel
 
             check_tp1d(cfg, p)
+            if layout == "tp1d-sp":
+                check_sequence_parallel(seq, p)
             return None
         rules = layouts.get_layout(layout)
         rules.check_tensor_parallel_size(p)
@@ -138,16 +146,17 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
         model = GPT2(cfg)
         if layout == "single":
             model = model.to(device)
-        elif layout == "tp1d":
+        elif layout in TP1D:
             from lightning_tp2d.bench.tp1d import init_tp1d_mesh, parallelize_1d
 
-            parallelize_1d(model.to(device), init_tp1d_mesh(world_size, device_type=device.type))
+            parallelize_1d(model.to(device), init_tp1d_mesh(world_size, device_type=device.type),
+                           sequence_parallel=layout == "tp1d-sp")
         else:
             import lightning_tp2d as tp
 
             tp.parallelize(model, tp.init_mesh(layout, world_size, 1, device_type=device.type), layout=layout)
     model.train()
-    if layout == "tp1d":  # DTensor and plain parameters in separate groups (CUDA foreach kernels refuse a mix)
+    if layout in TP1D:  # DTensor and plain parameters in separate groups (CUDA foreach kernels refuse a mix)
         from lightning_tp2d.bench.tp1d import param_groups_1d
 
         optimizer = torch.optim.AdamW(param_groups_1d(model), lr=1e-4)

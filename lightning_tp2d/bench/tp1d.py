@@ -2,7 +2,9 @@
 
 This is what a Lightning ``ModelParallelStrategy`` user writes in ``configure_model`` (Megatron-style 1-D TP,
 as in torchtitan), so that the benchmarks compare our layouts against stock PyTorch rather than against a
-second implementation of our own. Every rank passes the same full micro-batch.
+second implementation of our own. Every rank passes the same full micro-batch. With
+``parallelize_1d(..., sequence_parallel=True)`` the plan is the sequence-parallel one of
+:mod:`lightning_tp2d.bench.tp1d_sp` (the same attention, QKV regrouping and LM head; described there).
 
 Plan (``parallelize_module`` styles on a 1-D mesh with axis ``"tp"`` of ``p`` ranks), per submodule:
 
@@ -78,6 +80,7 @@ class TP1DHandle:
 
     mesh: DeviceMesh
     tensor_parallel_size: int
+    sequence_parallel: bool = False  # the residual stream is sequence-sharded (:mod:`~lightning_tp2d.bench.tp1d_sp`)
     name: ClassVar[str] = "1d"
 
 
@@ -207,7 +210,8 @@ class TP1DLMHead(nn.Module):
     (DTensor, vocab Shard(0)), so the logits come out vocab-sharded (Shard(-1)); the loss is vocab-parallel.
 
     ``x`` is the replicated plain ``[B, T, h]``; its gradient is all-reduced in backward (``from_local`` with
-    Replicate turns the Partial gradient into a replicated one)."""
+    Replicate turns the Partial gradient into a replicated one). With sequence parallelism ``x`` is a DTensor
+    sharded on the sequence (Shard(1)): it is all-gathered, and its gradient reduce-scattered in backward."""
 
     def __init__(self, weight: nn.Parameter, mesh: DeviceMesh):
         super().__init__()
@@ -215,7 +219,10 @@ class TP1DLMHead(nn.Module):
         self.mesh = mesh
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        elif x.placements != (Replicate(),):
+            x = x.redistribute(self.mesh, [Replicate()])
         logits = F.linear(x, self.weight)  # DTensor [B, T, V], Shard(2)
         if targets is None:
             return logits.full_tensor()
@@ -237,8 +244,12 @@ def _tp_plan(n_layer: int) -> dict:
     return plan
 
 
-def parallelize_1d(model: GPT2, mesh: DeviceMesh) -> GPT2:
+def parallelize_1d(model: GPT2, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> GPT2:
     """Apply Megatron-style 1-D tensor parallelism with torch's TP styles to ``model`` in place; returns it.
+
+    ``sequence_parallel=True`` adds sequence parallelism (the plan of :mod:`lightning_tp2d.bench.tp1d_sp`):
+    LayerNorms and the residual stream on ``[B, T/p, h]`` sequence shards, all-gather / reduce-scatter around the
+    column- / row-parallel linears instead of all-reduces; the sequence length must then divide by ``p``.
 
     Every rank must pass the same plain model (same seed), on the mesh's device: sharded weights are scattered
     from rank 0 (``parallelize_module``'s default), the replicated LayerNorm/``wpe`` parameters are kept as each
@@ -272,10 +283,17 @@ def parallelize_1d(model: GPT2, mesh: DeviceMesh) -> GPT2:
                 c_attn.bias.copy_(c_attn.bias[perm])
     for block in tr.h:
         block.attn = TP1DAttention(block.attn, p)
-    parallelize_module(model, mesh, _tp_plan(cfg.n_layer))
+    if sequence_parallel:
+        from lightning_tp2d.bench.tp1d_sp import check_input_hook, reduce_norm_grads, sp_plan
+
+        parallelize_module(model, mesh, sp_plan(cfg.n_layer))
+        reduce_norm_grads(model, mesh)
+        model.register_forward_pre_hook(check_input_hook(p), with_kwargs=True)
+    else:
+        parallelize_module(model, mesh, _tp_plan(cfg.n_layer))
     # RowwiseParallel registered a new (DTensor) Parameter on wte; tie the head to it again.
     model.lm_head = TP1DLMHead(tr.wte.weight, mesh)
-    model.tp = TP1DHandle(mesh, p)
+    model.tp = TP1DHandle(mesh, p, sequence_parallel)
     return model
 
 
@@ -313,17 +331,20 @@ def tp1d_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int) -
     """The communication one rank performs for one training step ``loss = model(idx, targets); loss.backward()``
     with ``idx`` of shape ``[batch, seq]`` (``elem`` bytes per element), counted as ``comm.STATS`` does.
 
-    With ``N = batch * seq`` tokens and activations ``[N, h]`` (``N*h*elem`` bytes), all over the whole ``tp``
-    group, nothing overlapped with compute:
+    With ``N = batch * seq`` tokens and activations ``[N, h]``, all over the whole ``tp`` group, nothing overlapped
+    with compute. Element sizes: ``e = elem`` for matmul outputs; ``ep`` (4, or 8 for float64) for what stays float32
+    under bf16 autocast: the embedding output, the loss statistics, and the input gradients of the linears (the
+    all-reduce runs after autocast's cast back to the float32 input):
 
     forward
-        * token embedding (row-parallel, masked lookup): 1 all-reduce of ``[N, h]``;
-        * each block: 2 all-reduces of ``[N, h]`` (outputs of attention ``c_proj`` and ``mlp.c_proj``);
-        * vocab-parallel loss: 3 all-reduces of ``[N, 1]``: row max, row sum of exp (both in the log-softmax)
-          and the target's log-probability (masked gather: only the rank holding the target's row contributes).
+        * token embedding (row-parallel, masked lookup): 1 all-reduce of ``[N, h]`` (``ep``);
+        * each block: 2 all-reduces of ``[N, h]`` (``e``: outputs of attention ``c_proj`` and ``mlp.c_proj``);
+        * vocab-parallel loss: 3 all-reduces of ``[N, 1]`` (``ep``): row max, row sum of exp (both in the
+          log-softmax) and the target's log-probability (masked gather: only the rank holding the target's row
+          contributes).
     backward
-        * LM head: 1 all-reduce of ``[N, h]`` (gradient of its replicated input);
-        * each block: 2 all-reduces of ``[N, h]`` (gradients of the inputs of ``mlp.c_fc`` and ``c_attn``);
+        * LM head: 1 all-reduce of ``[N, h]`` (``ep``: gradient of its replicated input);
+        * each block: 2 all-reduces of ``[N, h]`` (``ep``: gradients of the inputs of ``mlp.c_fc`` and ``c_attn``);
         * the loss backward and the embedding's weight gradient are local; parameter gradients need nothing
           (sharded ones are local, replicated ones are computed identically everywhere).
 
@@ -333,8 +354,9 @@ def tp1d_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int) -
     if p < 1 or batch < 1 or seq < 1 or elem < 1:
         raise ValueError(f"need positive sizes, got batch={batch} seq={seq} p={p} elem={elem}")
     N = batch * seq
-    act = N * cfg.n_embd * elem
-    row = N * elem
+    ep = 8 if elem == 8 else 4
+    act, act_p = N * cfg.n_embd * elem, N * cfg.n_embd * ep
+    row = N * ep
     L = cfg.n_layer
 
     def ar(nbytes: int, calls: int, phase: str) -> Comm:
@@ -345,9 +367,9 @@ def tp1d_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int) -
     if p == 1:
         return loss
     return [
-        ar(act, 1, "forward"),  # wte: MaskPartial -> Replicate
+        ar(act_p, 1, "forward"),  # wte: MaskPartial -> Replicate
         ar(act, 2 * L, "forward"),  # attn.c_proj, mlp.c_proj: Partial -> Replicate
         *loss,
-        ar(act, 1, "backward"),  # lm_head input gradient: Partial -> Replicate
-        ar(act, 2 * L, "backward"),  # mlp.c_fc and attn.c_attn input gradients
+        ar(act_p, 1, "backward"),  # lm_head input gradient: Partial -> Replicate
+        ar(act_p, 2 * L, "backward"),  # mlp.c_fc and attn.c_attn input gradients
     ]

@@ -1,0 +1,193 @@
+"""1-D tensor parallelism *with sequence parallelism*: the fair baseline (DESIGN 9), PyTorch's own styles applied
+to our GPT-2 the way torchtitan applies them to Llama (``apply_tp``). Build it with
+``parallelize_1d(model, mesh, sequence_parallel=True)``; this module holds the plan and its communication.
+
+Between blocks the residual stream is this rank's sequence shard, a plain ``[B, T/p, h]``; only the
+column-parallel inputs are gathered to the full sequence, and the row-parallel outputs are reduce-scattered back
+(Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"). Per submodule:
+
+* ``transformer.wte``: ``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))``: masked vocab-row
+  lookup, then a reduce-scatter of ``[B, T, h]`` to sequence shards (backward: all-gather of the shard gradients).
+* ``transformer.wpe``: ``PrepareModuleOutput(Replicate() -> Shard(0))``: every rank looks up all ``T`` positions
+  (no communication) and keeps its ``T/p`` rows; backward all-gathers the ``[T/p, h]`` gradients so the plain
+  ``wpe`` weight gets the same full gradient on every rank.
+* ``ln_1``, ``ln_2``, ``ln_f``: ``SequenceParallel()``: LayerNorm of the local ``[B, T/p, h]``; weights are
+  Replicate DTensors whose gradients (Partial over the sequence shards) are all-reduced together, once per
+  backward (:func:`reduce_norm_grads`).
+* ``attn.c_attn``, ``mlp.c_fc``: ``ColwiseParallel(input_layouts=Shard(1))``: all-gather of the LayerNorm output
+  to ``[B, T, h]`` (backward: reduce-scatter of its gradient); c_attn rows regrouped as in tp1d and the attention
+  runs ``n_head/p`` local heads (:class:`~lightning_tp2d.bench.tp1d.TP1DAttention`).
+* ``attn.c_proj``, ``mlp.c_proj``: ``RowwiseParallel(output_layouts=Shard(1))``: the Partial ``[B, T, h]`` is
+  reduce-scattered to ``[B, T/p, h]`` (backward: all-gather of the gradient).
+* ``lm_head``: :class:`~lightning_tp2d.bench.tp1d.TP1DLMHead` all-gathers the ``ln_f`` output (backward:
+  reduce-scatter) and projects onto the vocab-sharded tied weight; the loss is ``loss_parallel``, as in tp1d.
+
+Dropout must be 0 as in tp1d (the check is shared), and the residual adds and dropouts run on plain local
+sequence shards, so no ``SequenceParallel`` wrapper is needed around them (with dropout 0 it would only add
+DTensor conversions). The sequence length must divide by ``p`` (:func:`check_sequence_parallel`; checked on every
+forward, before any communication).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel)
+
+from lightning_tp2d.bench.events import Comm
+from lightning_tp2d.models.gpt2 import GPT2Config
+
+__all__ = ["check_sequence_parallel", "sp_plan", "reduce_norm_grads", "tp1d_sp_comm_events"]
+
+AXIS = "tp"
+
+
+def check_sequence_parallel(seq: int, p: int) -> None:
+    """Raise ``ValueError`` naming the numbers unless the sequence length ``seq`` splits evenly over ``p`` ranks."""
+    if seq % p:
+        fits = [k for k in range(1, p + 1) if seq % k == 0]
+        raise ValueError(f"1-D tensor parallelism with sequence parallelism: sequence length T={seq} is not divisible "
+                         f"by p={p}; use T a multiple of {p} (or p in {fits})")
+
+
+def sp_plan(n_layer: int) -> dict:
+    """The ``parallelize_module`` plan, keyed by submodule name."""
+    plan = {
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "transformer.wpe": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+        "transformer.ln_f": SequenceParallel(),
+    }
+    for i in range(n_layer):
+        prefix = f"transformer.h.{i}"
+        plan[f"{prefix}.ln_1"] = SequenceParallel()
+        plan[f"{prefix}.attn.c_attn"] = ColwiseParallel(input_layouts=Shard(1))
+        plan[f"{prefix}.attn.c_proj"] = RowwiseParallel(output_layouts=Shard(1))
+        plan[f"{prefix}.ln_2"] = SequenceParallel()
+        plan[f"{prefix}.mlp.c_fc"] = ColwiseParallel(input_layouts=Shard(1))
+        plan[f"{prefix}.mlp.c_proj"] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
+def check_input_hook(p: int):
+    """A forward pre-hook for the model: the sequence length of ``idx`` must divide by ``p``."""
+
+    def hook(module, args, kwargs):
+        idx = args[0] if args else kwargs["idx"]
+        check_sequence_parallel(idx.size(1), p)
+
+    return hook
+
+
+class _NormGradReducer:
+    """Turns the Partial gradients of the LayerNorm weights (each rank's sum over its own sequence shard) into
+    Replicate ones with **one** all-reduce per backward: a post-accumulate-grad hook on each parameter collects
+    them; when the last one arrives, their local values are concatenated into one flat buffer, all-reduced
+    (``Partial -> Replicate``) and split back. Left Partial, every optimizer op that reads such a gradient would
+    all-reduce it again, and ``2 (2L + 1)`` separate ``[h]`` all-reduces would pay the latency ``2 (2L + 1)`` times.
+
+    Always correct, not always one call: a backward that does not reach every LayerNorm parameter leaves its
+    gradients Partial (``full_tensor()`` and DTensor ops reduce them where used) and the flush then comes early in a
+    later backward; gradients accumulated into existing Replicate ones (no ``zero_grad`` between backwards) are
+    reduced by DTensor's in-place add, one all-reduce per parameter. The measured step (fresh gradients, one
+    backward through the loss) makes exactly the one call."""
+
+    def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh):
+        self.params, self.mesh, self.ready = params, mesh, set()
+        for q in params:
+            q.register_post_accumulate_grad_hook(self._arrived)
+
+    def _arrived(self, param: nn.Parameter) -> None:
+        self.ready.add(id(param))
+        if len(self.ready) < len(self.params):
+            return
+        self.ready.clear()
+        partial = [q for q in self.params if isinstance(q.grad, DTensor) and q.grad.placements[0].is_partial()]
+        if not partial:
+            return
+        with torch.no_grad():
+            flat = torch.cat([q.grad.to_local().reshape(-1) for q in partial])
+            flat = DTensor.from_local(flat, self.mesh, [Partial()], run_check=False)
+            flat = flat.redistribute(self.mesh, [Replicate()]).to_local()
+            for q, g in zip(partial, flat.split([q.numel() for q in partial])):
+                q.grad = DTensor.from_local(g.view(q.shape), self.mesh, [Replicate()], run_check=False)
+
+
+def reduce_norm_grads(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Install :class:`_NormGradReducer` on the parameters of ``model``'s ``nn.LayerNorm`` modules."""
+    params = [q for m in model.modules() if isinstance(m, nn.LayerNorm) for q in m.parameters()]
+    if params:
+        _NormGradReducer(params, mesh)
+
+
+def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
+                        async_tp: bool = False) -> list[Comm]:
+    """The communication one rank performs for one training step ``loss = model(idx, targets); loss.backward()``
+    with ``idx [batch, seq]`` (``seq`` divisible by ``p``), in the byte convention of ``comm.STATS``: an all-gather
+    counts its local input, a reduce-scatter its full input.
+
+    ``N = batch * seq`` tokens, ``e = elem`` (matmul outputs and their gradients), ``ep`` (4, or 8 for float64:
+    what stays float32 under autocast: embeddings, LayerNorm outputs, the residual stream and their gradients):
+
+    forward
+        * token embedding: 1 reduce-scatter of ``[N, h]`` (``ep``) to sequence shards;
+        * each block: 2 all-gathers of ``[N/p, h]`` (``ep``: the ``ln_1`` / ``ln_2`` outputs for c_attn, c_fc) and
+          2 reduce-scatters of ``[N, h]`` (``e``: the attention and MLP ``c_proj`` outputs);
+        * LM head: 1 all-gather of ``[N/p, h]`` (``ep``: the ``ln_f`` output);
+        * vocab-parallel loss: 3 all-reduces of ``[N, 1]`` (``ep``; row max, sum of exp, target log-probability).
+    backward
+        * LM head: 1 reduce-scatter of ``[N, h]`` (``ep``: gradient of the gathered ``ln_f`` output);
+        * each block: 2 all-gathers of ``[N/p, h]`` (``e``: gradients of the ``c_proj`` outputs) and
+          2 reduce-scatters of ``[N, h]`` (``ep``: gradients of the gathered LayerNorm outputs);
+        * LayerNorm weights (and biases): 1 all-reduce of all their gradients in one flat buffer,
+          ``(2L + 1) h`` (``x2`` with biases, ``ep``), issued when the last of them is accumulated
+          (:class:`_NormGradReducer`: they are Partial over the sequence shards);
+        * token embedding: 1 all-gather of ``[N/p, h]`` (``ep``: the shard gradients back to the full lookup);
+        * position embedding: 1 all-gather of ``[T/p, h]`` (``ep``).
+
+    Every call is blocking in this code (``overlap_flops`` 0). ``async_tp=True`` prices torch's async TP
+    (micro-pipelined collective matmuls) instead: each all-gather / reduce-scatter next to a column- / row-parallel
+    linear carries that linear's matmul FLOPs as ``overlap_flops`` (the forward product; in backward the
+    input-gradient product, the same count); the embedding, LayerNorm-gradient and loss collectives stay exposed.
+    Calls and bytes are the same either way.
+
+    On one rank DTensor skips every redistribution; ``loss_parallel``'s three all-reduces remain (counted, nothing
+    sent), as in :func:`~lightning_tp2d.bench.tp1d.tp1d_comm_events`.
+    """
+    if p < 1 or batch < 1 or seq < 1 or elem < 1:
+        raise ValueError(f"need positive sizes, got batch={batch} seq={seq} p={p} elem={elem}")
+    check_sequence_parallel(seq, p)
+    h, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    e, ep = elem, (8 if elem == 8 else 4)
+    N = batch * seq
+    full_e, full_ep, shard_e, shard_ep = N * h * e, N * h * ep, N * h * e // p, N * h * ep // p
+    # matmul FLOPs per rank of each linear's forward (= its input-gradient product in backward)
+    qkv, proj, fc, fc_proj = 2 * N * h * 3 * h / p, 2 * N * h * h / p, 2 * N * h * 4 * h / p, 2 * N * 4 * h * h / p
+    head = 2 * N * h * -(-V // p)
+
+    def ev(kind: str, nbytes: int, calls: int, phase: str, matmul: float = 0.0) -> Comm:
+        return Comm(kind, AXIS, p, nbytes, calls=calls, overlap_flops=matmul if async_tp else 0.0, phase=phase)
+
+    loss = [ev("all_reduce", N * ep, 3, "forward")]
+    if p == 1:
+        return loss
+    norm_grads = (2 * L + 1) * (2 if cfg.bias else 1) * h * ep
+    return [
+        ev("reduce_scatter", full_ep, 1, "forward"),  # wte: MaskPartial -> Shard(1)
+        ev("all_gather", shard_ep, L, "forward", qkv),  # ln_1 output -> c_attn
+        ev("reduce_scatter", full_e, L, "forward", proj),  # attn.c_proj output: Partial -> Shard(1)
+        ev("all_gather", shard_ep, L, "forward", fc),  # ln_2 output -> c_fc
+        ev("reduce_scatter", full_e, L, "forward", fc_proj),  # mlp.c_proj output: Partial -> Shard(1)
+        ev("all_gather", shard_ep, 1, "forward", head),  # ln_f output -> lm_head
+        *loss,
+        ev("reduce_scatter", full_ep, 1, "backward", head),  # lm_head input gradient
+        ev("all_gather", shard_e, L, "backward", fc_proj),  # mlp.c_proj output gradient
+        ev("reduce_scatter", full_ep, L, "backward", fc),  # c_fc input gradient
+        ev("all_gather", shard_e, L, "backward", proj),  # attn.c_proj output gradient
+        ev("reduce_scatter", full_ep, L, "backward", qkv),  # c_attn input gradient
+        ev("all_reduce", norm_grads, 1, "backward"),  # LayerNorm weight / bias gradients, one flat buffer
+        ev("all_gather", shard_ep, 1, "backward"),  # wte output gradient
+        ev("all_gather", seq * h * ep // p, 1, "backward"),  # wpe output gradient
+    ]
