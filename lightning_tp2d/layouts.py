@@ -319,12 +319,14 @@ class ParallelHandle:
     data_parallel_size: int
 
     @property
+    def name(self) -> str:
+        """The layout's name (what an "already parallelized" message names)."""
+        return self.layout.name
+
+    @property
     def input_multiples(self) -> tuple[int, int]:
         """``(batch, sequence)`` multiples the model's input must have."""
         return self.layout.input_multiples(self.tensor_parallel_size)
-
-    def check_input(self, batch: int | None = None, seq: int | None = None) -> None:
-        self.layout.check_input(self.tensor_parallel_size, batch, seq)
 
 
 def handle_of(model: Any) -> ParallelHandle | None:

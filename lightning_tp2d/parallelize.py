@@ -59,8 +59,7 @@ def parallelize(model: GPT2, mesh: DeviceMesh, layout: str | Layout = "2d", *,
         raise TypeError(f"parallelize expects a lightning_tp2d.models.GPT2, got {type(model).__name__}")
     done = getattr(model, "tp", None)  # ours (a ParallelHandle) or another parallelization's handle (1-D TP)
     if done is not None:
-        name = done.layout.name if isinstance(done, ParallelHandle) else getattr(done, "name", type(done).__name__)
-        raise ValueError(f"model is already parallelized with layout {name!r}")
+        raise ValueError(f"model is already parallelized with layout {getattr(done, 'name', type(done).__name__)!r}")
     spec = get_layout(layout, options)
     p, dp = spec.sizes_of_mesh(mesh)
     spec.check_tensor_parallel_size(p)

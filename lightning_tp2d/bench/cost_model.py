@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_tp2d.bench.events import Comm
+from lightning_tp2d.bench.events import Comm, float32_bytes
 from lightning_tp2d.layouts import Grid2D, Layout, get_layout, layout_names
 from lightning_tp2d.models.gpt2 import GPT2Config
 
@@ -61,11 +61,6 @@ def _layouts() -> tuple[str, ...]:
 
 __all__ = ["Link", "Hardware", "H100_NVLINK4_NDR", "A100_NVLINK3_HDR", "comm_events", "flops",
            "activation_bytes", "collective_time", "step_time", "projected_speedup", "metp_overlap_threshold"]
-
-
-def _ep(elem: int) -> int:
-    """Bytes of what the code keeps in float32 whatever the compute dtype (float64 stays float64)."""
-    return 8 if elem == 8 else 4
 
 
 def _check(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int) -> int:
@@ -112,12 +107,13 @@ def _traced(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: in
     return trace_step(layout, cfg, batch, seq, p, elem, rank)
 
 
-def _trace_distinct(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int) -> list[int]:
-    """Trace one rank of each kind the layout names in one request (later per-rank calls hit the cache)."""
-    from lightning_tp2d.bench.trace import trace_steps
+def _ranks_to_price(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int) -> list[int]:
+    """:func:`_representative_ranks`, traced in one request for a layout (later per-rank calls hit the cache)."""
+    ranks = _representative_ranks(layout, p)
+    if layout not in BASELINES and p > 1:
+        from lightning_tp2d.bench.trace import trace_steps
 
-    ranks = get_layout(layout).distinct_ranks(p)
-    trace_steps(layout, cfg, batch, seq, p, elem, ranks)
+        trace_steps(layout, cfg, batch, seq, p, elem, ranks)
     return ranks
 
 
@@ -194,7 +190,7 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int) -> dict:
     lin_f, lin_b = 24.0 * N * h * h / k, 48.0 * N * h * h / k
     att_f, att_b = 4.0 * (h / k) * B * causal, 10.0 * (h / k) * B * causal
     head_f, head_b = 2.0 * N * h * vocab, 4.0 * N * h * vocab
-    fwd = L * (lin_f + att_f + 0.0) + head_f
+    fwd = L * (lin_f + att_f) + head_f
     bwd = L * (lin_b + att_b) + head_b
     attention = L * (att_f + att_b)
     return {"forward": fwd, "backward": bwd, "total": fwd + bwd, "matmul": fwd + bwd - attention,
@@ -240,11 +236,11 @@ def activation_bytes(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int,
     if rank is not None and not 0 <= rank < p:
         raise ValueError(f"rank {rank} is not in [0, {p})")
     if layout not in BASELINES:
-        ranks = _trace_distinct(layout, cfg, batch, seq, p, elem) if rank is None else [rank]
+        ranks = _ranks_to_price(layout, cfg, batch, seq, p, elem) if rank is None else [rank]
         return max(_traced(layout, cfg, batch, seq, p, elem, r).activation_bytes for r in ranks)
     h, V, L, T, B, H = cfg.n_embd, cfg.vocab_size, cfg.n_layer, seq, batch, cfg.n_head
     N = B * T
-    e, ep = elem, _ep(elem)
+    e, ep = elem, float32_bytes(elem)
     k = 1 if layout == "single" else p
     s = p if layout == "tp1d-sp" else 1  # what sequence parallelism shards: LayerNorm inputs and statistics
     per_block = N * h * (2 * ep / s + 2 * e) + 12 * N * h * e / k + 4 * N * ep / s + B * H * T * ep / k
@@ -343,16 +339,11 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
     rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
     compute = fl["matmul"] / rates["matmul"] + fl["attention"] / rates["attention"]
     worst = None
-    ranks = _representative_ranks(layout, p)
-    if layout not in BASELINES and p > 1:
-        from lightning_tp2d.bench.trace import trace_steps
-
-        trace_steps(layout, cfg, batch, seq, p, elem, ranks)  # one request for all of them
-    for rank in ranks:
+    for rank in _ranks_to_price(layout, cfg, batch, seq, p, elem):
         comm_s = exposed = 0.0
         nbytes = 0
-        for ev, fm, fa, ranks in _timed_events(layout, cfg, batch, seq, p, elem, rank, async_tp):
-            t = collective_time(ev.kind, ev.group_size, ev.nbytes, _link(hw, ranks))
+        for ev, fm, fa, group in _timed_events(layout, cfg, batch, seq, p, elem, rank, async_tp):
+            t = collective_time(ev.kind, ev.group_size, ev.nbytes, _link(hw, group))
             comm_s += ev.calls * t
             if async_tp and fm > 0:  # micro-pipelined with its matmul: all but the first chunk can hide
                 first = t / ev.group_size

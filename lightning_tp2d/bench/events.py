@@ -35,6 +35,12 @@ class Comm:
             raise ValueError(f"unknown communication kind {self.kind!r}; choose one of {list(KINDS)}")
 
 
+def float32_bytes(elem: int) -> int:
+    """Bytes per element of what the code keeps in float32 whatever the compute dtype ``elem`` (bf16 autocast keeps
+    parameters, their gradients, embeddings and statistics in float32; float64 stays float64)."""
+    return 8 if elem == 8 else 4
+
+
 def totals(events: list[Comm]) -> dict[str, dict[str, int]]:
     """``{kind: {"calls": n, "bytes": b}}`` for every kind in :data:`~lightning_tp2d.comm.KINDS` (zeros included),
     the same shape as ``comm.count_comm()``'s ``snapshot()``."""

@@ -62,7 +62,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                parallelize_module)
 
-from lightning_tp2d.bench.events import Comm
+from lightning_tp2d.bench.events import Comm, float32_bytes
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 
 __all__ = ["TP1DHandle", "init_tp1d_mesh", "check_tp1d", "parallelize_1d", "full_state_dict_1d", "param_groups_1d",
@@ -82,11 +82,6 @@ class TP1DHandle:
     tensor_parallel_size: int
     sequence_parallel: bool = False  # the residual stream is sequence-sharded (:mod:`~lightning_tp2d.bench.tp1d_sp`)
     name: ClassVar[str] = "1d"
-
-
-def _handle_name(handle) -> str:
-    """The layout name of whatever handle a parallelized model carries (ours or :class:`TP1DHandle`)."""
-    return getattr(getattr(handle, "layout", handle), "name", type(handle).__name__)
 
 
 def init_tp1d_mesh(p: int, device_type: str | None = None) -> DeviceMesh:
@@ -260,7 +255,7 @@ def parallelize_1d(model: GPT2, mesh: DeviceMesh, *, sequence_parallel: bool = F
         raise TypeError(f"parallelize_1d expects a lightning_tp2d.models.GPT2, got {type(model).__name__}")
     done = getattr(model, "tp", None)
     if done is not None:
-        raise ValueError(f"model is already parallelized with layout {_handle_name(done)!r}")
+        raise ValueError(f"model is already parallelized with layout {getattr(done, 'name', type(done).__name__)!r}")
     if mesh.ndim != 1:
         raise ValueError(f"parallelize_1d needs a 1-D mesh, got {mesh.ndim}-D mesh {tuple(mesh.shape)}")
     if any(p.is_meta for p in model.parameters()):
@@ -354,7 +349,7 @@ def tp1d_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int) -
     if p < 1 or batch < 1 or seq < 1 or elem < 1:
         raise ValueError(f"need positive sizes, got batch={batch} seq={seq} p={p} elem={elem}")
     N = batch * seq
-    ep = 8 if elem == 8 else 4
+    ep = float32_bytes(elem)
     act, act_p = N * cfg.n_embd * elem, N * cfg.n_embd * ep
     row = N * ep
     L = cfg.n_layer

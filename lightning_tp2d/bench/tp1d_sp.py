@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel)
 
-from lightning_tp2d.bench.events import Comm
+from lightning_tp2d.bench.events import Comm, float32_bytes
 from lightning_tp2d.models.gpt2 import GPT2Config
 
 __all__ = ["check_sequence_parallel", "sp_plan", "reduce_norm_grads", "tp1d_sp_comm_events"]
@@ -160,7 +160,7 @@ def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int
         raise ValueError(f"need positive sizes, got batch={batch} seq={seq} p={p} elem={elem}")
     check_sequence_parallel(seq, p)
     h, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
-    e, ep = elem, (8 if elem == 8 else 4)
+    e, ep = elem, float32_bytes(elem)
     N = batch * seq
     full_e, full_ep, shard_e, shard_ep = N * h * e, N * h * ep, N * h * e // p, N * h * ep // p
     # matmul FLOPs per rank of each linear's forward (= its input-gradient product in backward)
