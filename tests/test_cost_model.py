@@ -3,7 +3,7 @@
 Real runs (gloo, CPU, gpt2-tiny with 12 heads, vocabulary 257 which no grid or ring divides): every layout takes
 one training step ``loss = model(idx, targets); loss.backward()`` and on every rank
 
-* ``totals(comm_events(...))`` equals what ``comm.STATS`` counted, call for call and byte for byte, for the whole
+* ``totals(comm_events(...))`` equals what ``comm.count_comm()`` counted, call for call and byte for byte, for the whole
   step and for each phase: "2d" on 2x2 (with and without biases, a sequence shorter than ``block_size``) and 3x3,
   "metp" on rings of 4 and of 2 (two data-parallel replicas), "2d-metp" on 2x2 and 3x3; float32, and bf16
   autocast for the element-size rules (parameters, statistics and ring accumulators stay float32);

@@ -21,7 +21,7 @@ Per scenario every rank reports (:func:`measure_rank`): the first loss (the same
 the losses must agree), step times after warm-up, the bytes resident between steps (parameters and optimizer
 state), the activation bytes (allocated by the forward and still alive at its end), the peak of one whole step
 (resident + the most alive during forward, backward and optimizer step), and the communication calls and bytes
-of one step (our collectives from :data:`lightning_tp2d.comm.STATS`; DTensor's from
+of one step (our collectives from :func:`lightning_tp2d.comm.count_comm`; DTensor's from
 :mod:`lightning_tp2d.bench.collectives`). On CPU memory is the live tensor bytes of
 :class:`~lightning_tp2d.bench.measure.LiveTensorBytes`; on GPU the CUDA allocator's statistics.
 

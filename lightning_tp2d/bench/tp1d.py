@@ -324,7 +324,7 @@ def param_groups_1d(model: nn.Module, **options) -> list[dict]:
 
 def tp1d_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int) -> list[Comm]:
     """The communication one rank performs for one training step ``loss = model(idx, targets); loss.backward()``
-    with ``idx`` of shape ``[batch, seq]`` (``elem`` bytes per element), counted as ``comm.STATS`` does.
+    with ``idx`` of shape ``[batch, seq]`` (``elem`` bytes per element), counted as :func:`lightning_tp2d.comm.count_comm` counts.
 
     With ``N = batch * seq`` tokens and activations ``[N, h]``, all over the whole ``tp`` group, nothing overlapped
     with compute. Element sizes: ``e = elem`` for matmul outputs; ``ep`` (4, or 8 for float64) for what stays float32

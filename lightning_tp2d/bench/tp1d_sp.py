@@ -125,7 +125,7 @@ def reduce_norm_grads(model: nn.Module, mesh: DeviceMesh) -> None:
 def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
                         async_tp: bool = False) -> list[Comm]:
     """The communication one rank performs for one training step ``loss = model(idx, targets); loss.backward()``
-    with ``idx [batch, seq]`` (``seq`` divisible by ``p``), in the byte convention of ``comm.STATS``: an all-gather
+    with ``idx [batch, seq]`` (``seq`` divisible by ``p``), in the byte convention of :func:`lightning_tp2d.comm.count_comm`: an all-gather
     counts its local input, a reduce-scatter its full input.
 
     ``N = batch * seq`` tokens, ``e = elem`` (matmul outputs and their gradients), ``ep`` (4, or 8 for float64:
