@@ -25,6 +25,7 @@ __all__ = [
     "GPT2", "GPT2Config", "GPT2LightningModule", "ParallelDims", "TP2DStrategy", "TextDataModule", "export_hf",
     "full_state_dict", "gpt2_state_dict", "init_mesh", "load_gpt2", "local_parameter_bytes", "parallelize",
     "read_state_dict", "Layout", "Grid2D", "Ring", "GridRing", "get_layout", "register_layout", "RingOptions",
+    "TPOptions",
 ]
 
 # public name -> the module that defines it (imported on first access)
@@ -39,7 +40,7 @@ _EXPORTS = {
     "TP2DStrategy": "strategy",
     "Layout": "layouts", "Grid2D": "layouts", "Ring": "layouts", "GridRing": "layouts", "get_layout": "layouts",
     "register_layout": "layouts",
-    "RingOptions": "metp",
+    "RingOptions": "metp", "TPOptions": "options",
 }
 # names that are also submodules: importing ``lightning_tp2d.parallelize`` must not rebind ``tp.parallelize``
 _SHADOWED = {name for name, module in _EXPORTS.items() if name == module}

@@ -377,3 +377,86 @@ def ring_shift(send, recv, mesh: DeviceMesh, axis: str, tag: int = 0, async_op: 
     recvs = lambda: [dist.irecv(t, src=frm, group=group, tag=tag) for t in recv]  # noqa: E731
     works = sends() + recvs() if axis_rank(mesh, axis) % 2 == 0 else recvs() + sends()
     return _finish(_Works(works), async_op, then, call)
+
+
+def neighbour_exchange(mesh: DeviceMesh, axis: str, *, to_next=(), from_prev=(), to_prev=(), from_next=(),
+                       tag: int = 0) -> Handle:
+    """Async point-to-point transfers with both ring neighbours along ``axis`` at once (a bidirectional ring
+    step): each tensor of ``to_next`` goes to coordinate ``i+1 mod n`` and lands there in the matching buffer of
+    ``from_prev``; each of ``to_prev`` goes to ``i-1 mod n`` into ``from_next``. Every rank of the axis posts the
+    same pattern (same counts, shapes and dtypes), so ``len(to_next) == len(from_prev)`` and
+    ``len(to_prev) == len(from_next)``; receive buffers must be contiguous and must not alias a sent tensor.
+
+    The two directions use tags ``2 tag`` and ``2 tag + 1`` (with ``n == 2`` both neighbours are one rank), so a
+    caller keeping several exchanges in flight gives each its own ``tag``. Counted as one ``ring_exchange`` whose
+    bytes are everything this rank sends. Posted even/odd like :func:`ring_shift`; under gloo, CUDA tensors travel
+    through host buffers. On one rank nothing travels: ``from_prev`` / ``from_next`` receive copies of this rank's
+    own ``to_next`` / ``to_prev`` tensors (the ring of one)."""
+    to_next, from_prev, to_prev, from_next = list(to_next), list(from_prev), list(to_prev), list(from_next)
+    if len(to_next) != len(from_prev) or len(to_prev) != len(from_next):
+        raise ValueError(f"neighbour_exchange: {len(to_next)} tensors to send forward but {len(from_prev)} receive "
+                         f"buffers, {len(to_prev)} backward but {len(from_next)}")
+    recv = from_prev + from_next
+    if not all(t.is_contiguous() for t in recv):
+        raise ValueError("neighbour_exchange: receive buffers must be contiguous")
+    n = axis_size(mesh, axis)
+    if n == 1:
+        for dst, src in zip(recv, to_next + to_prev):
+            dst.copy_(src)
+        return DONE
+    group = axis_group(mesh, axis)
+    send = [t.contiguous() for t in to_next + to_prev]
+    call = _post("ring_exchange", axis, group, send)
+    prev, nxt = ring_neighbours(mesh, axis)
+    g_next, g_prev = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
+    peers_out = [(g_next, 2 * tag)] * len(to_next) + [(g_prev, 2 * tag + 1)] * len(to_prev)
+    peers_in = [(g_prev, 2 * tag)] * len(from_prev) + [(g_next, 2 * tag + 1)] * len(from_next)
+    then = None
+    if send and _needs_host_staging(send[0], group):
+        targets = recv
+        send = [t.detach().cpu() for t in send]
+        recv = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in targets]
+        host = recv
+
+        def then() -> None:
+            for dst, src in zip(targets, host):
+                dst.copy_(src)
+
+    sends = lambda: [dist.isend(t, dst=p, group=group, tag=k) for t, (p, k) in zip(send, peers_out)]  # noqa: E731
+    recvs = lambda: [dist.irecv(t, src=p, group=group, tag=k) for t, (p, k) in zip(recv, peers_in)]  # noqa: E731
+    works = sends() + recvs() if axis_rank(mesh, axis) % 2 == 0 else recvs() + sends()
+    return _finish(_Works(works), True, then, call)
+
+
+def all_gather_blocks(tensor: torch.Tensor, mesh: DeviceMesh, axis: str) -> tuple[torch.Tensor, Handle]:
+    """Async all-gather of equal blocks along ``axis``: returns ``(out, handle)`` with ``out [n, *tensor.shape]``,
+    ``out[k]`` the block of coordinate ``k`` once ``handle.wait()`` returns. Counted as ``all_gather`` of the local
+    block. On one rank ``out`` is ``tensor[None]``."""
+    n = axis_size(mesh, axis)
+    if n == 1:
+        return tensor.unsqueeze(0), DONE
+    tensor = tensor.contiguous()
+    group = axis_group(mesh, axis)
+    call = _post("all_gather", axis, group, (tensor,))
+    out = torch.empty((n, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    work = _all_gather_single(out.view(n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else out, tensor,
+                              group=group, async_op=True)
+    return out, _finish(work, True, call=call)
+
+
+def reduce_scatter_blocks(stacked: torch.Tensor, mesh: DeviceMesh, axis: str) -> tuple[torch.Tensor, Handle]:
+    """Async reduce-scatter of ``stacked [n, *shape]`` along ``axis``: returns ``(out, handle)``, ``out [*shape]``
+    the sum over the axis of every rank's ``stacked[k]``, ``k`` this rank's coordinate, once ``handle.wait()``
+    returns. Counted as ``reduce_scatter`` of the full input. On one rank ``out`` is ``stacked[0]``."""
+    n = axis_size(mesh, axis)
+    if stacked.shape[0] != n:
+        raise ValueError(f"reduce_scatter_blocks along {axis!r}: {stacked.shape[0]} blocks for {n} ranks")
+    if n == 1:
+        return stacked[0], DONE
+    stacked = stacked.contiguous()
+    group = axis_group(mesh, axis)
+    call = _post("reduce_scatter", axis, group, (stacked,))
+    out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
+    flat = stacked.view(n * stacked.shape[1], *stacked.shape[2:]) if stacked.dim() > 1 else stacked
+    work = _reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return out, _finish(work, True, call=call)

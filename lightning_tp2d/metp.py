@@ -34,45 +34,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import axis_rank, axis_size, ring_shift
+from lightning_tp2d.options import ATTENTION_KERNELS, TPOptions, tp_options  # noqa: F401 (re-exported)
 
-ATTENTION_KERNELS = ("auto", "math")
 _OPERANDS, _GRADS = 0, 1  # point-to-point tags of the two shifts the backward keeps in flight
 
 
-@dataclass(frozen=True)
-class RingOptions:
-    """How the ring layers run; none of it changes the maths. Every ring layer takes one (``options=``)."""
-
-    double_buffer: bool = True  # post the next exchange before computing with the current block, wait after
-    attention_kernel: str = "auto"  # per-block attention: "auto" (fused kernel returning the log-sum-exp
-    #                                 where available) or "math" (score tiles in plain torch)
-    math_tile: int = 128  # query rows per score tile of the "math" kernel: it holds [tile, keys] scores, never more
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.double_buffer, bool):
-            raise ValueError(f"double_buffer must be True or False, got {self.double_buffer!r}")
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ValueError(f"attention_kernel={self.attention_kernel!r} is not one of "
-                             f"{', '.join(map(repr, ATTENTION_KERNELS))}")
-        if isinstance(self.math_tile, bool) or not isinstance(self.math_tile, int) or self.math_tile < 1:
-            raise ValueError(f"math_tile={self.math_tile!r} must be a positive int (query rows per score tile), "
-                             f"e.g. 128")
+RingOptions = TPOptions  # the ring layers' options are the package's layer options (lightning_tp2d.options)
 
 
-def ring_options(options: RingOptions | None) -> RingOptions:
+def ring_options(options: TPOptions | None) -> TPOptions:
     """``options``, or the defaults for ``None``; anything else is a ``TypeError``."""
-    if options is None:
-        return RingOptions()
-    if not isinstance(options, RingOptions):
-        raise TypeError(f"options must be a lightning_tp2d.metp.RingOptions or None, got {type(options).__name__}")
-    return options
+    return tp_options(options)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -56,7 +56,7 @@ def test_ring_options_refuse_bad_values_naming_them_and_the_valid_ones():
         assert all(w in str(info.value) for w in words), (bad, str(info.value))
     with pytest.raises(dataclasses.FrozenInstanceError):
         metp.RingOptions().double_buffer = False
-    with pytest.raises(TypeError, match="RingOptions or None, got dict"):
+    with pytest.raises(TypeError, match=r"TPOptions \(alias RingOptions\) or None, got dict"):
         metp.ring_options({"double_buffer": False})
 
 

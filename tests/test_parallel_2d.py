@@ -17,6 +17,7 @@ from torch.distributed.tensor import distribute_tensor
 import lightning_tp2d as tp
 from lightning_tp2d import comm
 from lightning_tp2d.models import GPT2, GPT2Config
+from lightning_tp2d.summa import ab_form
 from tests.distributed import run_distributed
 
 
@@ -101,64 +102,116 @@ def test_2d_matches_plain_model_float32_without_bias():
 # ---- communication per block --------------------------------------------------------------------------
 
 
-def expected_block_comm(h: int, tokens: int, q: int, elem: int, bias: bool = True) -> dict:
+def expected_block_comm(h: int, tokens: int, q: int, elem: int, bias: bool = True, summa: str = "collective",
+                        keep_panels: bool = False, diagonal: bool = True) -> dict:
     """What SUMMA predicts for one Block on a q x q grid, per rank: ``tokens`` = B/q * T local tokens.
 
-    Linear (in -> out), blocks X [n, in/q], W [out/q, in/q]:
+    Linear (in -> out), blocks X [n, in/q], W [out/q, in/q]. ``summa="broadcast"``:
       forward  Y = XW:   q broadcasts of X and q of W                       (2q broadcasts)
       backward dX = dY Wᵀ: q broadcasts of W, q reduces of [n, in/q]
                dW = Xᵀ dY: q broadcasts of X, q reduces of [out/q, in/q]   (2q broadcasts, 2q reduces)
+    ``summa="collective"`` (a ring pass: q//2 exchanges sending q-1 blocks), gather form (c_attn, c_fc):
+      forward  one all-gather of W's block along row, one ring pass of X
+      backward one all-gather of W (dX), a ring pass of the dX sums, a ring pass of X and one reduce-scatter of the
+               q stacked dW partials (dW)
+    scatter form (the output projections: ``summa.ab_form``), off the diagonal one weight swap with the mirror rank
+    before each gather and after the dW reduce-scatter:
+      forward  one all-gather of W's mirrored block, one ring pass of Y's partial sums
+      backward one all-gather of W, one ring pass of dY, one reduce-scatter of the dW partials
+    ``keep_panels``: the backward neither broadcasts / gathers X and W again nor passes X round.
     LayerNorm: one all-reduce of [2, n] along col forward and one backward; its weight and bias gradients,
     like every bias gradient, one all-reduce along row each.
     """
     n = tokens
     linears = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]  # c_attn, attn.c_proj, c_fc, mlp.c_proj
-    fwd = {"broadcast": [0, 0], "reduce": [0, 0], "all_reduce": [2, 2 * 2 * n]}
-    bwd = {"broadcast": [0, 0], "reduce": [0, 0], "all_reduce": [2, 2 * 2 * n]}
+    kinds = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "ring_exchange", "send", "recv")
+    fwd = {k: [0, 0] for k in kinds}
+    bwd = {k: [0, 0] for k in kinds}
+    fwd["all_reduce"] = [2, 2 * 2 * n]
+    bwd["all_reduce"] = [2, 2 * 2 * n]
+
+    def add(d, kind, calls, nbytes):
+        d[kind][0] += calls
+        d[kind][1] += nbytes
+
     for i, o in linears:
         x_block, w_block = n * i // q, (o // q) * (i // q)
-        fwd["broadcast"][0] += 2 * q
-        fwd["broadcast"][1] += q * (x_block + w_block)
-        bwd["broadcast"][0] += 2 * q
-        bwd["broadcast"][1] += q * (w_block + x_block)
-        bwd["reduce"][0] += 2 * q
-        bwd["reduce"][1] += q * (x_block + w_block)
+        if summa == "broadcast":
+            add(fwd, "broadcast", 2 * q, q * (x_block + w_block))
+            if not keep_panels:
+                add(bwd, "broadcast", 2 * q, q * (w_block + x_block))
+            add(bwd, "reduce", 2 * q, q * (x_block + w_block))
+        elif ab_form(i, o, keep_panels) == "gather":
+            add(fwd, "all_gather", 1, w_block)
+            add(fwd, "ring_exchange", q // 2, (q - 1) * x_block)
+            if not keep_panels:
+                add(bwd, "all_gather", 1, w_block)
+                add(bwd, "ring_exchange", q // 2, (q - 1) * x_block)
+            add(bwd, "ring_exchange", q // 2, (q - 1) * x_block)
+            add(bwd, "reduce_scatter", 1, q * w_block)
+        else:  # scatter: Y's partial sums travel, dY once backward; W swapped with the mirror (not on the diagonal)
+            y_block = n * o // q
+            swaps = 0 if diagonal else 1
+            for kind in ("send", "recv"):
+                add(fwd, kind, swaps, swaps * w_block)
+                add(bwd, kind, swaps * (1 if keep_panels else 2), swaps * (1 if keep_panels else 2) * w_block)
+            add(fwd, "all_gather", 1, w_block)
+            add(fwd, "ring_exchange", q // 2, (q - 1) * y_block)
+            if not keep_panels:
+                add(bwd, "all_gather", 1, w_block)
+            add(bwd, "ring_exchange", q // 2, (q - 1) * y_block)
+            add(bwd, "reduce_scatter", 1, q * w_block)
         if bias:
-            bwd["all_reduce"][0] += 1
-            bwd["all_reduce"][1] += o // q
-    bwd["all_reduce"][0] += 4 if bias else 2  # ln_1, ln_2 weight (and bias) gradients over row
-    bwd["all_reduce"][1] += (4 if bias else 2) * h // q
+            add(bwd, "all_reduce", 1, o // q)
+    add(bwd, "all_reduce", 4 if bias else 2, (4 if bias else 2) * h // q)  # ln_1, ln_2 weight (and bias) over row
     scale = lambda d: {k: {"calls": v[0], "bytes": v[1] * elem} for k, v in d.items()}  # noqa: E731
     return {"forward": scale(fwd), "backward": scale(bwd)}
 
 
+SUMMA_CASES = (("collective", False), ("broadcast", False), ("collective", True), ("broadcast", True))
+
+
 def _block_comm(rank, world_size):
     q = int(round(world_size ** 0.5))
-    torch.manual_seed(0)
     cfg = GPT2Config.from_name("gpt2-tiny")
-    model = tp.parallelize(GPT2(cfg), tp.init_mesh("2d", world_size, 1))
-    block = model.transformer.h[0]
     batch, seq = 2, 8  # local: B/q sequences
-    x = torch.randn(batch, seq, cfg.n_embd // q, requires_grad=True)
-    with comm.count_comm() as stats:
-        y = block(x)
-    fwd = stats.snapshot()
-    with comm.count_comm() as stats:
-        y.backward(torch.ones_like(y))
-    bwd = stats.snapshot()
-    return {"forward": fwd, "backward": bwd, "tokens": batch * seq, "h": cfg.n_embd}
+    out = {"tokens": batch * seq, "h": cfg.n_embd, "diagonal": rank // q == rank % q}
+    for summa, keep in SUMMA_CASES:
+        torch.manual_seed(0)
+        options = tp.TPOptions(summa=summa, keep_panels=keep)
+        model = tp.parallelize(GPT2(cfg), tp.init_mesh("2d", world_size, 1), options=options)
+        block = model.transformer.h[0]
+        x = torch.randn(batch, seq, cfg.n_embd // q, requires_grad=True)
+        with comm.count_comm() as stats:
+            y = block(x)
+        fwd = stats.snapshot()
+        with comm.count_comm() as stats:
+            y.backward(torch.ones_like(y))
+        bwd = stats.snapshot()
+        out[summa, keep] = {"forward": fwd, "backward": bwd, "y": y.detach().clone(), "dx": x.grad.clone()}
+    ref_y, ref_dx = out["broadcast", False]["y"], out["broadcast", False]["dx"]
+    for case in SUMMA_CASES:  # the algorithms differ in schedule only: compared here (tensors do not travel back)
+        case_out = out[case]
+        case_out["y_err"] = (case_out.pop("y") - ref_y).abs().max().item() / ref_y.abs().max().item()
+        case_out["dx_err"] = (case_out.pop("dx") - ref_dx).abs().max().item() / ref_dx.abs().max().item()
+    return out
 
 
 @pytest.mark.parametrize("world_size", [4, 9])
 def test_block_communication_equals_summa_schedule(world_size):
     q = int(world_size ** 0.5)
     results = run_distributed(_block_comm, world_size)
-    expected = expected_block_comm(results[0]["h"], results[0]["tokens"], q, elem=4)
-    for out in results:
-        for phase in ("forward", "backward"):
-            got = {k: v for k, v in out[phase].items() if v["calls"]}
-            want = {k: v for k, v in expected[phase].items() if v["calls"]}
-            assert got == want, phase
+    for summa, keep in SUMMA_CASES:
+        for out in results:
+            expected = expected_block_comm(results[0]["h"], results[0]["tokens"], q, elem=4, summa=summa,
+                                           keep_panels=keep, diagonal=out["diagonal"])
+            for phase in ("forward", "backward"):
+                got = {k: v for k, v in out[summa, keep][phase].items() if v["calls"]}
+                want = {k: v for k, v in expected[phase].items() if v["calls"]}
+                assert got == want, (summa, keep, phase)
+    for out in results:  # the algorithms differ in schedule only
+        for case in SUMMA_CASES:
+            assert out[case]["y_err"] < 1e-5 and out[case]["dx_err"] < 1e-5, (case, out[case])
 
 
 # ---- memory per rank ----------------------------------------------------------------------------------
@@ -318,19 +371,21 @@ def test_meta_device_model_materialises_to_the_same_weights_as_an_eager_build():
 
 def _head_comm(rank, world_size):
     q = int(round(world_size ** 0.5))
-    torch.manual_seed(0)
     cfg = GPT2Config.from_name("gpt2-tiny")
-    model = tp.parallelize(GPT2(cfg), tp.init_mesh("2d", world_size, 1))
     batch, seq = 2 * q, 8
-    x = torch.randn(batch // q, seq, cfg.n_embd // q, requires_grad=True)
-    targets = torch.randint(0, cfg.vocab_size, (batch, seq))
-    with comm.count_comm() as stats:
-        loss = model.lm_head(x, targets)
-    fwd = stats.snapshot()
-    with comm.count_comm() as stats:
-        loss.backward()
-    bwd = stats.snapshot()
-    return {"forward": fwd, "backward": bwd, "diagonal": rank // q == rank % q}
+    out = {"diagonal": rank // q == rank % q}
+    for summa in ("collective", "broadcast"):
+        torch.manual_seed(0)
+        model = tp.parallelize(GPT2(cfg), tp.init_mesh("2d", world_size, 1), options=tp.TPOptions(summa=summa))
+        x = torch.randn(batch // q, seq, cfg.n_embd // q, requires_grad=True)
+        targets = torch.randint(0, cfg.vocab_size, (batch, seq))
+        with comm.count_comm() as stats:
+            loss = model.lm_head(x, targets)
+        fwd = stats.snapshot()
+        with comm.count_comm() as stats:
+            loss.backward()
+        out[summa] = {"forward": fwd, "backward": stats.snapshot()}
+    return out
 
 
 def test_lm_head_swaps_weight_blocks_with_the_mirror_rank_and_never_moves_logits():
@@ -339,14 +394,23 @@ def test_lm_head_swaps_weight_blocks_with_the_mirror_rank_and_never_moves_logits
     x_panel, w_panel, swap = tokens * h // q * e, rows * h // q * e, rows * h // q * e
     for out in run_distributed(_head_comm, q * q):
         p2p = 0 if out["diagonal"] else 1
-        fwd, bwd = out["forward"], out["backward"]
-        assert fwd["send"] == fwd["recv"] == {"calls": p2p, "bytes": p2p * swap}
-        assert fwd["broadcast"] == {"calls": 2 * q, "bytes": q * (x_panel + w_panel)}
-        assert fwd["reduce"]["calls"] == 0
-        # the loss: max, then [sum-exp, target logit] along col; [loss sum, count] along row
-        assert fwd["all_reduce"] == {"calls": 3, "bytes": tokens * e + 2 * tokens * e + 2 * e}
-        assert bwd["broadcast"] == {"calls": 2 * q, "bytes": q * (w_panel + x_panel)}
-        assert bwd["reduce"] == {"calls": 2 * q, "bytes": q * (x_panel + w_panel)}
-        assert bwd["send"] == bwd["recv"] == {"calls": p2p, "bytes": p2p * swap}
-        # every byte above is an activation panel [N/q, h/q], a weight panel or a statistic: no logits block
-        assert fwd["all_gather"]["calls"] == fwd["reduce_scatter"]["calls"] == 0
+        for summa in ("collective", "broadcast"):
+            fwd, bwd = out[summa]["forward"], out[summa]["backward"]
+            assert fwd["send"] == fwd["recv"] == {"calls": p2p, "bytes": p2p * swap}
+            assert bwd["send"] == bwd["recv"] == {"calls": p2p, "bytes": p2p * swap}
+            # the loss: max, then [sum-exp, target logit] along col; [loss sum, count] along row
+            assert fwd["all_reduce"] == {"calls": 3, "bytes": tokens * e + 2 * tokens * e + 2 * e}
+            # every byte below is an activation panel [N/q, h/q] or a weight panel: no logits block
+            if summa == "broadcast":
+                assert fwd["broadcast"] == {"calls": 2 * q, "bytes": q * (x_panel + w_panel)}
+                assert fwd["reduce"]["calls"] == 0
+                assert bwd["broadcast"] == {"calls": 2 * q, "bytes": q * (w_panel + x_panel)}
+                assert bwd["reduce"] == {"calls": 2 * q, "bytes": q * (x_panel + w_panel)}
+                assert fwd["all_gather"]["calls"] == fwd["reduce_scatter"]["calls"] == 0
+            else:
+                assert fwd["all_gather"] == {"calls": 1, "bytes": w_panel}
+                assert fwd["ring_exchange"] == {"calls": q // 2, "bytes": (q - 1) * x_panel}
+                assert fwd["broadcast"]["calls"] == fwd["reduce"]["calls"] == fwd["reduce_scatter"]["calls"] == 0
+                assert bwd["all_gather"] == {"calls": 1, "bytes": w_panel}
+                assert bwd["ring_exchange"] == {"calls": 2 * (q // 2), "bytes": 2 * (q - 1) * x_panel}
+                assert bwd["reduce_scatter"] == {"calls": 1, "bytes": q * w_panel}

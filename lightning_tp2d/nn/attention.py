@@ -19,16 +19,16 @@ from lightning_tp2d.nn.linear import Linear2D
 
 
 class Attention2D(nn.Module):
-    """SUMMA QKV, local causal attention of head group ``c``, SUMMA output projection. ``options`` is accepted
-    and ignored (the "2d" layout has no ring), so a layout builds every layer as ``Cls(module, mesh, options=...)``."""
+    """SUMMA QKV, local causal attention of head group ``c``, SUMMA output projection. ``options``
+    (:class:`~lightning_tp2d.options.TPOptions`): the SUMMA fields, for both linears."""
 
     def __init__(self, attn: nn.Module, mesh: DeviceMesh, *, options=None) -> None:
         super().__init__()
         q = axis_index(mesh, "col")[1]
         self.n_head, self.n_embd, self.dropout = attn.n_head, attn.n_embd, attn.dropout
         self.local_heads = self.n_head // q
-        self.c_attn = Linear2D(attn.c_attn, mesh, out_groups=3)
-        self.c_proj = Linear2D(attn.c_proj, mesh)
+        self.c_attn = Linear2D(attn.c_attn, mesh, out_groups=3, options=options)
+        self.c_proj = Linear2D(attn.c_proj, mesh, options=options)
         self.resid_dropout = nn.Dropout(attn.resid_dropout.p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,13 +43,13 @@ class Attention2D(nn.Module):
 
 
 class MLP2D(nn.Module):
-    """``c_proj(gelu(c_fc(x)))``: two SUMMA linears around a local tanh-GELU. ``options``: ignored, as in
+    """``c_proj(gelu(c_fc(x)))``: two SUMMA linears around a local tanh-GELU. ``options``: as in
     :class:`Attention2D`."""
 
     def __init__(self, mlp: nn.Module, mesh: DeviceMesh, *, options=None) -> None:
         super().__init__()
-        self.c_fc = Linear2D(mlp.c_fc, mesh)
-        self.c_proj = Linear2D(mlp.c_proj, mesh)
+        self.c_fc = Linear2D(mlp.c_fc, mesh, options=options)
+        self.c_proj = Linear2D(mlp.c_proj, mesh, options=options)
         self.dropout = nn.Dropout(mlp.dropout.p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

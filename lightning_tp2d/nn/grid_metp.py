@@ -5,8 +5,9 @@ rows) and hidden block ``c``: ``x_rc [B, S, h/q]``. So batch 1 works and the seq
 Linears stay SUMMA and LayerNorm stays as in "2d" (both are per-token, indifferent to which tokens a row
 holds); attention for head group ``c`` runs the METP ring along ``row`` (the ranks holding the other chunks of
 the same heads); the embeddings and the loss pick this row's zigzag tokens instead of its batch shard.
-Parameters are placed exactly as in "2d". Every layer takes ``options`` (:class:`~lightning_tp2d.metp.RingOptions`,
-``None``: the defaults) and keeps it as ``self.options``; only the attention's ring uses it.
+Parameters are placed exactly as in "2d". Every layer takes ``options`` (:class:`~lightning_tp2d.options.TPOptions`,
+``None``: the defaults) and keeps it as ``self.options``: the SUMMA linears and the head read its SUMMA fields, the
+attention's ring its ring fields.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Attention2DMetp(Attention2D):
     """SUMMA QKV, ring attention of head group ``c`` along ``row``, SUMMA output projection."""
 
     def __init__(self, attn: torch.nn.Module, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
-        super().__init__(attn, mesh)
+        super().__init__(attn, mesh, options=options)
         self.mesh, self.options = mesh, ring_options(options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,8 +81,7 @@ class LMHead2DMetp(LMHead2D):
     """As :class:`LMHead2D`; rows hold zigzag sequence chunks, so targets and gathered logits follow them."""
 
     def __init__(self, weight: torch.nn.Parameter, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
-        super().__init__(weight, mesh)
-        self.options = ring_options(options)  # no ring pass here; kept for a uniform constructor
+        super().__init__(weight, mesh, options=options)
 
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
         return targets[:, _row_positions(targets.shape[1], self.mesh, targets.device)].reshape(-1)

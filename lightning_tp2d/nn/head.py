@@ -24,16 +24,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_tp2d.nn.cross_entropy import vocab_parallel_cross_entropy
 from lightning_tp2d.nn.embedding import shard_batch
 from lightning_tp2d.nn.functional import autocast_operands, axis_index, gather_grid, pad_rows, transpose_grid
+from lightning_tp2d.options import tp_options
 from lightning_tp2d.summa import summa_ab
 
 
 class LMHead2D(nn.Module):
     """``x_rc [B/q, T, h/q]`` -> mean loss (with ``targets [B, T]``, the full batch) or logits ``[B, T, V]``.
-    ``options``: accepted and ignored, so a layout builds every layer as ``Cls(module, mesh, options=...)``."""
+    ``options`` (:class:`~lightning_tp2d.options.TPOptions`): the SUMMA fields."""
 
     def __init__(self, weight: nn.Parameter, mesh: DeviceMesh, *, options=None) -> None:
         super().__init__()
-        self.mesh = mesh
+        self.mesh, self.options = mesh, tp_options(options)
         self.weight = weight  # the token embedding's DTensor parameter (tied)
         self.vocab_size = weight.shape[0]
         q = axis_index(mesh, "row")[1]
@@ -43,7 +44,7 @@ class LMHead2D(nn.Module):
         """``[N/q, ceil(V/q)]`` logits block of this rank (padding columns hold zeros)."""
         x2d, weight = autocast_operands(x.reshape(-1, x.shape[-1]), self.weight.to_local())  # E[V_r, h_c]
         mirrored = transpose_grid(pad_rows(weight, self.block_rows), self.mesh)  # E[V_c, h_r]: (ceil(V/q), h/q)
-        return summa_ab(x2d, mirrored.t(), self.mesh)  # B block Eᵀ[h_r, V_c], travels as stored
+        return summa_ab(x2d, mirrored.t(), self.mesh, self.options)  # B block Eᵀ[h_r, V_c], travels as stored
 
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """Targets of this rank's tokens, flattened in the order of its logits rows (batch shard ``r``)."""

@@ -19,7 +19,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_tp2d.nn.functional import autocast_operands, shard_parameter, sum_grad_along
-from lightning_tp2d.summa import summa_ab
+from lightning_tp2d.options import tp_options
+from lightning_tp2d.summa import ab_form, summa_ab
 
 
 def _out_shard(out_groups: int):
@@ -28,12 +29,15 @@ def _out_shard(out_groups: int):
 
 class Linear2D(nn.Module):
     """SUMMA linear. Input ``[..., in/q]`` (tokens of row shard ``r``, features of col shard ``c``), output
-    ``[..., out/q]``. Forward: ``q`` steps of two broadcasts; backward: ``dX = dY Wᵀ`` and ``dW = Xᵀ dY``, each
-    ``q`` broadcasts and ``q`` reduces (see :mod:`lightning_tp2d.summa`)."""
+    ``[..., out/q]``. ``options`` (:class:`~lightning_tp2d.options.TPOptions`) pick the SUMMA algorithm and
+    whether panels are kept for the backward (see :mod:`lightning_tp2d.summa`)."""
 
-    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, out_groups: int = 1) -> None:
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, out_groups: int = 1, *, options=None) -> None:
         super().__init__()
-        self.mesh = mesh
+        self.mesh, self.options = mesh, tp_options(options)
+        # collective SUMMA: pass the narrower of input and output round the ring (the MLP's down projection and the
+        # attention's output projection reduce-scatter their output; the others gather their input)
+        self.form = ab_form(linear.in_features, linear.out_features, self.options.keep_panels)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         out = _out_shard(out_groups)
         # weight [out, in]: dim 1 (in) split over row, dim 0 (out) split over col.
@@ -46,10 +50,11 @@ class Linear2D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d, w_t = autocast_operands(x.reshape(-1, x.shape[-1]), self.weight.to_local())  # w_t [out/q, in/q] = W_rcᵀ
-        y = summa_ab(x2d, w_t.t(), self.mesh)  # (N/q, out/q); W travels as stored
+        y = summa_ab(x2d, w_t.t(), self.mesh, self.options, self.form)  # (N/q, out/q); W travels as stored
         if self.bias is not None:
             y = y + sum_grad_along(self.bias.to_local(), self.mesh, "row").to(y.dtype)  # bf16 under autocast
         return y.view(*lead, y.shape[-1])
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"summa={self.options.summa!r}" + (f", form={self.form!r}" if self.options.summa == "collective" else ""))

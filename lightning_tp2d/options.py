@@ -1,0 +1,66 @@
+"""How the parallel layers run: one frozen options object a layout hands to every layer it builds.
+
+None of it changes the maths (results agree to rounding; the ring's ``double_buffer`` is bit-identical). Each
+layer reads the fields that concern it and ignores the rest, so one object serves every layout ("2d-metp" uses
+both the SUMMA and the ring fields).
+
+=================  ==========  =======================================================================================
+field              default     meaning
+=================  ==========  =======================================================================================
+``summa``          collective  how a SUMMA product moves its panels (:mod:`lightning_tp2d.summa`): ``"collective"``
+                               (activation panels as point-to-point ring transfers in both directions, each panel's
+                               GEMM overlapped with the next transfer; weight blocks in one all-gather /
+                               reduce-scatter) or ``"broadcast"`` (Optimus' ``q`` broadcasts / reduces per operand)
+``keep_panels``    False       keep the activation panels the forward gathered for the weight gradient (no second
+                               gather in backward; ``q`` times the input block of activation memory per linear)
+``double_buffer``  True        ring layers post the next exchange before computing with the current block
+``attention_kernel`` auto      ring attention's per-block kernel: ``"auto"`` (fused, returns the log-sum-exp) or
+                               ``"math"`` (score tiles in plain torch)
+``math_tile``      128         query rows per score tile of the ``"math"`` kernel
+=================  ==========  =======================================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_KERNELS = ("auto", "math")
+SUMMA_ALGORITHMS = ("collective", "broadcast")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TPOptions:
+    """Options of the tensor-parallel layers (module docstring). ``lightning_tp2d.RingOptions`` is this class."""
+
+    summa: str = "collective"
+    keep_panels: bool = False
+    double_buffer: bool = True
+    attention_kernel: str = "auto"
+    math_tile: int = 128
+
+    def __post_init__(self) -> None:
+        if self.summa not in SUMMA_ALGORITHMS:
+            raise ValueError(f"summa={self.summa!r} is not one of {', '.join(map(repr, SUMMA_ALGORITHMS))}")
+        _check_bool("keep_panels", self.keep_panels)
+        _check_bool("double_buffer", self.double_buffer)
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel={self.attention_kernel!r} is not one of "
+                             f"{', '.join(map(repr, ATTENTION_KERNELS))}")
+        if isinstance(self.math_tile, bool) or not isinstance(self.math_tile, int) or self.math_tile < 1:
+            raise ValueError(f"math_tile={self.math_tile!r} must be a positive int (query rows per score tile), "
+                             f"e.g. 128")
+
+
+def tp_options(options: TPOptions | None) -> TPOptions:
+    """``options``, or the defaults for ``None``; anything else is a ``TypeError``."""
+    if options is None:
+        return TPOptions()
+    if not isinstance(options, TPOptions):
+        raise TypeError(f"options must be a lightning_tp2d.TPOptions (alias RingOptions) or None, "
+                        f"got {type(options).__name__}")
+    return options
