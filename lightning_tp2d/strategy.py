@@ -41,7 +41,7 @@ from lightning_tp2d.layouts import STRATEGY_NAMES, Layout, get_layout, handle_of
 from lightning_tp2d.mesh import ParallelDims, init_mesh
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.parallelize import parallelize
-from lightning_tp2d.training import average_gradients_, broadcast_module_, clip_grad_norm_, clip_grad_value_
+from lightning_tp2d.training import GradientSync, broadcast_module_, clip_grad_norm_, clip_grad_value_
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -79,6 +79,7 @@ class TP2DStrategy(ModelParallelStrategy):
         self._requested = (tensor_parallel_size, data_parallel_size)
         self._dims: ParallelDims | None = None
         self._grad_sync_blocked = False
+        self._grad_sync: GradientSync | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
@@ -156,6 +157,8 @@ class TP2DStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self._grad_sync is None:  # data-parallel all-reduces in buckets, overlapping the backward
+                self._grad_sync = GradientSync(self.model, self.device_mesh)
 
     def parallelize_gpt2_modules(self, module: nn.Module) -> None:
         """Parallelize every not yet parallel :class:`GPT2` inside ``module`` on this strategy's mesh."""
@@ -198,14 +201,18 @@ class TP2DStrategy(ModelParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip the data-parallel all-reduce while gradients accumulate (the last micro-batch syncs the sum)."""
         previous, self._grad_sync_blocked = self._grad_sync_blocked, True
+        if self._grad_sync is not None:
+            self._grad_sync.enabled = False
         try:
             yield None
         finally:
             self._grad_sync_blocked = previous
+            if self._grad_sync is not None:
+                self._grad_sync.enabled = not previous
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if not self._grad_sync_blocked:
-            average_gradients_(self.model, self.device_mesh)
+        if not self._grad_sync_blocked and self._grad_sync is not None:
+            self._grad_sync.finish()  # the buckets went out during the backward
 
     def _install_gradient_clipping(self) -> None:
         # Lightning clips through the precision plugin; route it to the shard-aware versions (idempotent).

@@ -10,6 +10,14 @@ Trainer (:class:`~lightning_tp2d.strategy.TP2DStrategy`), Fabric and plain-torch
     clip_grad_norm_(model.parameters(), 1.0, mesh)
     optimizer.step()
 
+or, overlapping the data-parallel all-reduces with the backward (DDP-style buckets; what the strategy runs):
+
+.. code-block:: python
+
+    sync = GradientSync(model, mesh)           # once
+    loss = model(idx, targets); loss.backward()
+    sync.finish()                              # wait for the buckets posted during the backward; mean
+
 Nothing here imports Lightning.
 """
 
@@ -24,7 +32,8 @@ from torch.distributed.tensor import DTensor
 from lightning_tp2d.comm import all_reduce_along, broadcast_along
 from lightning_tp2d.layouts import DATA_AXIS
 
-__all__ = ["average_gradients_", "broadcast_module_", "clip_grad_norm_", "clip_grad_value_", "grad_norm"]
+__all__ = ["GradientSync", "average_gradients_", "broadcast_module_", "clip_grad_norm_", "clip_grad_value_",
+           "grad_norm"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -63,6 +72,88 @@ def average_gradients_(module: nn.Module, mesh) -> None:
         for g in group:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+class _Bucket:
+    __slots__ = ("params", "waiting", "flat", "handle")
+
+    def __init__(self, params: list) -> None:
+        self.params, self.waiting, self.flat, self.handle = params, len(params), None, None
+
+
+class GradientSync:
+    """Averages gradients over ``data_parallel`` while the backward runs, as DDP does: the parameters are grouped
+    into buckets of about ``bucket_mib`` in reverse registration order (the order the backward produces their
+    gradients), one dtype per bucket; when the last gradient of a bucket has been accumulated its flattened local
+    shards go out in one async all-reduce, overlapping the rest of the backward. :meth:`finish` waits for them,
+    divides by ``dp``, copies back, and reduces synchronously whatever bucket did not fill (a parameter without a
+    gradient this step). While :attr:`enabled` is False (gradient accumulation) nothing is posted and
+    :meth:`finish` must not be called. On ``dp = 1`` it installs nothing and :meth:`finish` returns at once.
+    Every replica must run the same backward (the buckets are posted in the same order on every rank)."""
+
+    def __init__(self, module: nn.Module, mesh, bucket_mib: float = 25.0) -> None:
+        self.mesh, self.enabled = mesh, True
+        self.dp = mesh.size(mesh.mesh_dim_names.index(DATA_AXIS))
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._hooks = []
+        if self.dp == 1:
+            return
+        params = [p for p in module.parameters() if p.requires_grad]
+        limit = bucket_mib * 2 ** 20
+        for dtype in sorted({p.dtype for p in params}, key=str):
+            current, size = [], 0
+            for p in reversed([p for p in params if p.dtype == dtype]):
+                current.append(p)
+                size += _local(p).numel() * p.element_size()
+                if size >= limit:
+                    self.buckets.append(_Bucket(current))
+                    current, size = [], 0
+            if current:
+                self.buckets.append(_Bucket(current))
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self._bucket_of[id(p)] = bucket
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.waiting -= 1
+        if bucket.waiting == 0:
+            self._post(bucket)
+
+    def _post(self, bucket: _Bucket) -> None:
+        grads = [_local(p.grad) for p in bucket.params if p.grad is not None]
+        if not grads:
+            return
+        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        bucket.handle = all_reduce_along(bucket.flat, self.mesh, DATA_AXIS, async_op=True)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Complete this step's averaging (every rank calls it after the backward)."""
+        for bucket in self.buckets:
+            if bucket.handle is None:  # some parameter got no gradient this step: reduce what there is now
+                self._post(bucket)
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.flat.div_(self.dp)
+                offset = 0
+                for p in bucket.params:
+                    if p.grad is None:
+                        continue
+                    g = _local(p.grad)
+                    g.copy_(bucket.flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+            bucket.waiting, bucket.flat, bucket.handle = len(bucket.params), None, None
+
+    def remove(self) -> None:
+        """Remove the hooks (the module is back to plain accumulation)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
 
 def _counted_here(grad: torch.Tensor, mesh) -> bool:

@@ -145,10 +145,11 @@ def test_2d_lm_head_swap_is_skipped_on_the_diagonal_and_padding_shows_in_the_byt
             r = out[name]
             diagonal = r["rank"] // q == r["rank"] % q
             assert (r["step"]["send"]["calls"] == 0) == diagonal
-    # p = 9: the vocabulary block is ceil(257/3) = 86 rows on every rank (row 2 holds 85 and pads one)
+    # p = 9: the vocabulary block is ceil(257/3) = 86 rows on every rank (row 2 holds 85 and pads one); the other
+    # swaps are the weight blocks of the scatter-form linears (attention and MLP output projections, h = 48)
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
     swap = [e for e in cm.comm_events("2d", cfg, 3, 16, 9, rank=1) if e.kind == "send"]
-    assert {e.nbytes for e in swap} == {86 * 48 // 3 * 4}
+    assert {e.nbytes for e in swap} == {86 * 48 // 3 * 4, 16 * 16 * 4, 64 * 16 * 4}
 
 
 def _single_step(dtype: str) -> tuple[int, int]:
@@ -249,10 +250,23 @@ def test_events_name_their_group_and_overlap_only_behind_compute(layout, p):
         for phase in ("forward", "backward"):
             hidden = sum(e.calls * e.overlap_flops for e in events if e.phase == phase)
             assert 0 < hidden <= fl[phase] * (1 + 1e-9)
-    if layout == "2d":  # every panel multiply but the last of each SUMMA hides the next transfers
+    if layout == "2d":
+        # collective SUMMA: a gather-form product hides every step's multiplies but the last step's (one panel for
+        # even q, two for odd q) behind the next transfers; a scatter-form product hides all but its first step's
+        # partials (two once q > 2), the own partial overlapping the last transfer
+        from lightning_tp2d.summa import ab_form, ring_order
+
         fwd = sum(e.calls * e.overlap_flops for e in cm.comm_events(layout, cfg, batch, seq, p) if e.phase == "forward")
         attention_fwd = fl["attention"] * 4 / 14  # 4 d of the 14 d per score are forward
-        assert fwd == pytest.approx((fl["forward"] - attention_fwd) * (q - 1) / q)
+        order = ring_order(q, 0)
+        hidden = {"gather": (q - len(order[-1])) / q, "scatter": (q - len(order[1] if q > 2 else order[0])) / q}
+        n_local, h = batch // q * seq, cfg.n_embd
+        linear = lambda i, o: 2 * n_local * i * o / q  # noqa: E731 - q panel products of [n, i/q] @ [i/q, o/q]
+        shapes = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]
+        head = linear(h, q * -(-cfg.vocab_size // q))
+        assert cfg.n_layer * sum(linear(i, o) for i, o in shapes) + head == pytest.approx(fl["forward"] - attention_fwd)
+        want = cfg.n_layer * sum(linear(i, o) * hidden[ab_form(i, o)] for i, o in shapes) + head * hidden["gather"]
+        assert fwd == pytest.approx(want)
 
 
 def test_flops_split_the_plain_model_and_the_ring_computes_exactly_the_causal_scores():
@@ -332,7 +346,9 @@ def test_projected_speedup_reports_both_layouts_per_gpu_count():
     for r in rows:
         assert {"tp1d", "2d", "tp1d_s", "2d_s", "speedup", "nodes", "tp1d_sp", "tp1d_sp_s", "tp1d_sp_async",
                 "tp1d_sp_async_s"} <= set(r)
-        assert 0 < r["tp1d_sp_async_s"] < r["tp1d_sp_s"] == r["tp1d_sp"]["total_s"]
+        # (async TP is not always faster: its p chunk products per matmul each pay the GEMM overhead)
+        assert 0 < r["tp1d_sp_async_s"] and r["tp1d_sp_s"] == r["tp1d_sp"]["total_s"]
+        assert r["tp1d_sp"]["exposed_comm_s"] >= r["tp1d_sp_async"]["exposed_comm_s"]
         assert r["speedup"] == pytest.approx(r["tp1d_s"] / r["2d_s"]) and r["speedup"] > 0
         assert r["2d"]["total_s"] == r["2d_s"] > 0
     assert [r["nodes"] for r in rows] == [1, 2, 8]
@@ -373,3 +389,82 @@ def test_the_ranks_each_layout_traces_for_the_step_time_include_the_slowest(layo
     every = cm.step_time(layout, cfg, batch, seq, p, hw)
     assert few["total_s"] == every["total_s"] and few["comm_bytes"] == every["comm_bytes"]
 
+
+
+# ---- issue 11: shape-dependent GEMM rates, fair multi-node rows ------------------------------------------------
+
+
+def test_gemm_table_fit_reproduces_the_committed_h200_points_and_prices_the_h100_preset():
+    from lightning_tp2d.bench import gemm_rates
+
+    rate, overhead = gemm_rates.fit(gemm_rates.H200_BF16)
+    for point in gemm_rates.H200_BF16:  # two points, two parameters: an exact fit
+        assert gemm_rates.gemm_seconds(point.flops, 1, rate, overhead) == pytest.approx(point.seconds, rel=1e-9)
+    assert 7.5e14 < rate < 8e14 and 4e-6 < overhead < 7e-6
+    assert (cm.H100_NVLINK4_NDR.matmul_flops_per_s, cm.H100_NVLINK4_NDR.gemm_overhead_s) == (rate, overhead)
+    # a machine whose small products are as fast as its large ones fits no overhead
+    flat = [gemm_rates.GemmPoint(m, 64, 64, 1e9) for m in (64, 128, 256)]
+    assert gemm_rates.fit(flat) == (pytest.approx(1e9), 0.0)
+    with pytest.raises(ValueError, match="at least two sizes"):
+        gemm_rates.fit(flat[:1])
+    assert gemm_rates.table_shapes(8192, 1024, max_m=4096) == [(4096, 1024, 4096), (4096, 512, 2048),
+                                                               (2730, 341, 1365)]
+
+
+def test_gemm_counts_are_traced_and_each_kernel_pays_the_overhead():
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
+    L = cfg.n_layer
+    single = cm.flops("single", cfg, 4, 48, 1)
+    assert single["gemms"] == 12 * L + 3
+    for p, q in ((4, 2), (9, 3)):
+        # collective SUMMA: q panel products forward, 2q backward, for the 4 linears and the head
+        assert cm.flops("2d", cfg, q * 2, 48, p)["gemms"] == (4 * L + 1) * 3 * q
+    hw = cm.H100_NVLINK4_NDR
+    free = dataclasses.replace(hw, gemm_overhead_s=0.0)
+    a, b = cm.step_time("2d", cfg, 4, 48, 4, hw), cm.step_time("2d", cfg, 4, 48, 4, free)
+    assert a["compute_s"] - b["compute_s"] == pytest.approx(a["flops"]["gemms"] * hw.gemm_overhead_s)
+
+
+def test_lean_wire_counts_the_1d_activation_collectives_in_bf16_and_nothing_else_changes():
+    from lightning_tp2d.bench.tp1d_sp import tp1d_sp_comm_events
+
+    as_run, lean = (tp1d_sp_comm_events(GPT2_SMALL, 8, 1024, 4, 2, lean_wire=w) for w in (False, True))
+    assert [(e.kind, e.calls, e.phase) for e in as_run] == [(e.kind, e.calls, e.phase) for e in lean]
+    for a, b in zip(as_run, lean):
+        if a.kind == "all_reduce":  # loss statistics and LayerNorm gradients stay float32
+            assert a.nbytes == b.nbytes
+        else:
+            assert b.nbytes <= a.nbytes
+    assert sum(e.calls * e.nbytes for e in lean) < 0.8 * sum(e.calls * e.nbytes for e in as_run)
+    with pytest.raises(ValueError, match="lean_wire"):
+        cm.step_time("tp1d", GPT2_SMALL, 8, 1024, 4, cm.H100_NVLINK4_NDR, lean_wire=True)
+
+
+def test_data_parallel_all_reduce_is_hierarchical_across_nodes():
+    hw = cm.H100_NVLINK4_NDR
+    nbytes = 1e8
+    assert cm.data_parallel_all_reduce_time(nbytes, 8, 8, hw) == 0.0  # one replica
+    # 2 replicas of 4 in one node: a ring on NVLink
+    assert cm.data_parallel_all_reduce_time(nbytes, 8, 4, hw) == cm.collective_time("all_reduce", 2, nbytes, hw.intra)
+    # 16 replicas of 4 over 8 nodes: 2 per node share the inter-node all-reduce, each sending half
+    t = cm.data_parallel_all_reduce_time(nbytes, 64, 4, hw)
+    inter = cm.collective_time("all_reduce", 8, nbytes / 2, hw.inter)
+    assert t == pytest.approx(inter + 2 * (hw.intra.latency_s + nbytes / (2 * hw.intra.bandwidth_Bps)))
+    # its inter-node part is that of 8 replicas of 8 reducing half as many numbers each
+    assert inter == pytest.approx(cm.data_parallel_all_reduce_time(nbytes / 2, 64, 8, hw))
+
+
+def test_fair_configurations_price_every_tensor_x_data_split_of_each_family():
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
+    f = cm.fair_configurations(cfg, 16, 48, 16)
+    assert {(c["layout"], c["tp"], c["dp"]) for c in f["tp1d"]} == {
+        ("single", 1, 16), ("tp1d-sp", 2, 8), ("tp1d-sp", 4, 4), ("tp1d-sp", 8, 2)}  # TP inside a node of 8
+    assert {(c["tp"], c["dp"]) for c in f["2d"]} == {(4, 4), (16, 1)}  # 2x2 grids x 4, one 4x4 grid
+    for c in f["tp1d"] + f["2d"]:
+        assert c["batch"] * c["dp"] == 16
+        assert c["total_s"] == pytest.approx(c["step"]["total_s"] + c["dp_exposed_s"])
+        assert 0 <= c["dp_exposed_s"] <= c["dp_comm_s"]
+    assert f["best_tp1d"] is min(f["tp1d"], key=lambda c: c["total_s"])
+    assert f["speedup"] == pytest.approx(f["best_tp1d"]["total_s"] / f["best_2d"]["total_s"])
+    with pytest.raises(ValueError, match="no 2-D configuration"):
+        cm.fair_configurations(cfg, 1, 48, 4)

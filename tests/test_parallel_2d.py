@@ -119,8 +119,8 @@ def expected_block_comm(h: int, tokens: int, q: int, elem: int, bias: bool = Tru
       forward  one all-gather of W's mirrored block, one ring pass of Y's partial sums
       backward one all-gather of W, one ring pass of dY, one reduce-scatter of the dW partials
     ``keep_panels``: the backward neither broadcasts / gathers X and W again nor passes X round.
-    LayerNorm: one all-reduce of [2, n] along col forward and one backward; its weight and bias gradients,
-    like every bias gradient, one all-reduce along row each.
+    LayerNorm: one all-reduce of [2, n] along col forward and one backward; its weight and bias gradients one
+    all-reduce along row together, every linear's bias gradient one.
     """
     n = tokens
     linears = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]  # c_attn, attn.c_proj, c_fc, mlp.c_proj
@@ -163,7 +163,7 @@ def expected_block_comm(h: int, tokens: int, q: int, elem: int, bias: bool = Tru
             add(bwd, "reduce_scatter", 1, q * w_block)
         if bias:
             add(bwd, "all_reduce", 1, o // q)
-    add(bwd, "all_reduce", 4 if bias else 2, (4 if bias else 2) * h // q)  # ln_1, ln_2 weight (and bias) over row
+    add(bwd, "all_reduce", 2, (4 if bias else 2) * h // q)  # ln_1, ln_2: weight (and bias) in one call over row
     scale = lambda d: {k: {"calls": v[0], "bytes": v[1] * elem} for k, v in d.items()}  # noqa: E731
     return {"forward": scale(fwd), "backward": scale(bwd)}
 

@@ -88,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--projection-seq", type=int, default=1024)
     ap.add_argument("--hardware", default="h100", choices=["h100", "a100"], help="preset of the projection")
     ap.add_argument("--measured-rates", action="store_true",
-                    help="project with this machine's measured matmul rate instead of the preset's")
+                    help="project with a GEMM table measured on this machine instead of the committed H200 one")
     ap.add_argument("--model-check", action="store_true",
                     help="calibrate this machine (matmul rate, link) and compare the cost model's step times")
     ap.add_argument("--out", default=None, help="results folder (default results/bench-<time>)")
@@ -182,25 +182,55 @@ def model_check(scenarios: list[dict], spec: BenchSpec, p: int) -> dict:
             "summary": "\n".join(lines)}
 
 
+def _summary(row: dict) -> dict:
+    """A configuration of :func:`~lightning_tp2d.bench.cost_model.fair_configurations` without its step detail."""
+    step = row["step"]
+    return {"layout": row["layout"], "tp": row["tp"], "dp": row["dp"], "batch": row["batch"], "step_s": step["total_s"],
+            "compute_s": step["compute_s"], "exposed_comm_s": step["exposed_comm_s"], "comm_s": step["comm_s"],
+            "dp_comm_s": row["dp_comm_s"], "dp_exposed_s": row["dp_exposed_s"], "total_s": row["total_s"]}
+
+
+def gemm_calibration(args: argparse.Namespace, cfg, batch: int, seq: int) -> dict:
+    """The GEMM table the projection is priced with: the committed H200 one, or with ``--measured-rates`` one measured
+    here (the local MLP product of 1x1, 2x2 and 3x3 grids; ``m`` capped at 4096 on CPU), and its fit."""
+    from lightning_tp2d.bench import gemm_rates
+
+    if args.measured_rates:
+        dtype = "bfloat16" if args.device == "cuda" else "float32"
+        shapes = gemm_rates.table_shapes(batch * seq, cfg.n_embd, max_m=None if args.device == "cuda" else 4096)
+        table, source = gemm_rates.measure_table(shapes, args.device, dtype), f"measured here ({args.device}, {dtype})"
+    else:
+        table, source = gemm_rates.H200_BF16, "committed H200 bf16 table (lightning_tp2d.bench.gemm_rates)"
+    rate, overhead = gemm_rates.fit(table)
+    return {"source": source, "table": [{"m": p.m, "k": p.k, "n": p.n, "flops_per_s": p.flops_per_s,
+                                         "source": p.source} for p in table],
+            "rate_flops_per_s": rate, "overhead_s": overhead}
+
+
 def projection(args: argparse.Namespace) -> dict:
-    """The cost model's "2d" against 1-D TP (without and with sequence parallelism, the latter also with async TP
-    modelled) for one tensor-parallel group of 4, 16 and 64 GPUs: step time,
-    bytes sent per rank and saved activations per rank (bf16), and METP's full-overlap threshold. With
-    ``--measured-rates`` the matmul rate is this machine's (the "2d" local MLP product of a 2x2 grid) instead
-    of the preset's; the links stay the preset's."""
-    from lightning_tp2d.bench import calibrate, cost_model
+    """The cost model's "2d" against 1-D TP for one tensor-parallel group of 4, 16 and 64 GPUs (1-D TP without and
+    with sequence parallelism, the latter blocking and with async TP modelled, bf16 on the wire), with "2d"'s
+    broadcast SUMMA and kept panels beside its default; step time, exposed and hidden communication, bytes sent
+    and saved activations per rank (bf16); the fair rows at 16 and 64 GPUs (the best tensor x data parallel
+    configuration of each family, :func:`~lightning_tp2d.bench.cost_model.fair_configurations`); METP's
+    full-overlap threshold. GEMMs are priced by :func:`gemm_calibration` (``--measured-rates``: this machine's
+    table, the preset's links and attention-to-GEMM rate ratio)."""
+    from lightning_tp2d.bench import cost_model
+    from lightning_tp2d.options import TPOptions
 
     hw = {"h100": cost_model.H100_NVLINK4_NDR, "a100": cost_model.A100_NVLINK3_HDR}[args.hardware]
     cfg = BenchSpec(model=args.projection_model).config(args.projection_seq)
     batch, seq = args.projection_batch, args.projection_seq
+    calibration = gemm_calibration(args, cfg, batch, seq)  # the h100 preset is the committed table's fit already
     if args.measured_rates:
-        dtype = "bfloat16" if args.device == "cuda" else "float32"
-        m = batch * seq // 2 if args.device == "cuda" else min(batch * seq // 2, 4096)
-        rate = calibrate.matmul_rate(m, cfg.n_embd // 2, 2 * cfg.n_embd, args.device, dtype, repeats=5)
-        hw = replace(hw, name=f"{hw.name}; measured matmul {rate / 1e12:.3g} TFLOP/s ({args.device}, {dtype})",
-                     matmul_flops_per_s=rate,
-                     attention_flops_per_s=rate * hw.attention_flops_per_s / hw.matmul_flops_per_s)
+        rate = calibration["rate_flops_per_s"]
+        name = (f"{hw.name}; GEMMs {calibration['source']}: {rate / 1e12:.3g} TFLOP/s + "
+                f"{calibration['overhead_s'] * 1e6:.2g} us per kernel")
+        hw = replace(hw, name=name, matmul_flops_per_s=rate, gemm_overhead_s=calibration["overhead_s"],
+                     attention_flops_per_s=hw.attention_flops_per_s * rate / hw.matmul_flops_per_s)
     grid = layouts.Grid2D.name
+    variants = {"keep": layouts.Grid2D(options=TPOptions(keep_panels=True)),
+                "broadcast": layouts.Grid2D(options=TPOptions(summa="broadcast"))}
     rows = []
     for r in cost_model.projected_speedup(cfg, batch, seq, hw=hw):
         n = r["gpus"]
@@ -208,18 +238,39 @@ def projection(args: argparse.Namespace) -> dict:
         ranks = {grid: layouts.get_layout(grid).distinct_ranks(n), "tp1d": [0], "tp1d-sp": [0]}
         wire = {layout: max(wire_bytes(cost_model.comm_events(layout, cfg, batch, seq, n, 2, rank=k))
                             for k in ranks[layout]) for layout in ranks}
-        rows.append({"gpus": n, "nodes": r["nodes"], "time_2d_s": r["2d_s"], "time_tp1d_s": r["tp1d_s"],
-                     "speedup": r["speedup"], "wire_bytes_2d": wire[grid], "wire_bytes_tp1d": wire["tp1d"],
-                     "exposed_comm_2d_s": r[grid]["exposed_comm_s"], "exposed_comm_tp1d_s": r["tp1d"]["exposed_comm_s"],
-                     "compute_2d_s": r[grid]["compute_s"], "compute_tp1d_s": r["tp1d"]["compute_s"],
-                     "activation_bytes_2d": cost_model.activation_bytes(grid, cfg, batch, seq, n, 2),
-                     "activation_bytes_tp1d": cost_model.activation_bytes("tp1d", cfg, batch, seq, n, 2),
-                     # 1-D TP with sequence parallelism, as the code runs it and with torch's async TP modelled
-                     "time_tp1d_sp_s": r["tp1d_sp_s"], "time_tp1d_sp_async_s": r["tp1d_sp_async_s"],
-                     "wire_bytes_tp1d_sp": wire["tp1d-sp"], "exposed_comm_tp1d_sp_s": r["tp1d_sp"]["exposed_comm_s"],
-                     "exposed_comm_tp1d_sp_async_s": r["tp1d_sp_async"]["exposed_comm_s"],
-                     "activation_bytes_tp1d_sp": cost_model.activation_bytes("tp1d-sp", cfg, batch, seq, n, 2)})
+        row = {"gpus": n, "nodes": r["nodes"], "time_2d_s": r["2d_s"], "time_tp1d_s": r["tp1d_s"],
+               "speedup": r["speedup"], "wire_bytes_2d": wire[grid], "wire_bytes_tp1d": wire["tp1d"],
+               "exposed_comm_2d_s": r[grid]["exposed_comm_s"], "exposed_comm_tp1d_s": r["tp1d"]["exposed_comm_s"],
+               "hidden_comm_2d_s": r[grid]["comm_s"] - r[grid]["exposed_comm_s"],
+               "compute_2d_s": r[grid]["compute_s"], "compute_tp1d_s": r["tp1d"]["compute_s"],
+               "activation_bytes_2d": cost_model.activation_bytes(grid, cfg, batch, seq, n, 2),
+               "activation_bytes_tp1d": cost_model.activation_bytes("tp1d", cfg, batch, seq, n, 2),
+               # 1-D TP with sequence parallelism (bf16 on the wire), blocking and with torch's async TP modelled
+               "time_tp1d_sp_s": r["tp1d_sp_s"], "time_tp1d_sp_async_s": r["tp1d_sp_async_s"],
+               "speedup_vs_tp1d_sp": r["tp1d_sp_s"] / r["2d_s"],
+               "speedup_vs_tp1d_sp_async": r["tp1d_sp_async_s"] / r["2d_s"],
+               "wire_bytes_tp1d_sp": wire["tp1d-sp"], "exposed_comm_tp1d_sp_s": r["tp1d_sp"]["exposed_comm_s"],
+               "hidden_comm_tp1d_sp_s": r["tp1d_sp"]["comm_s"] - r["tp1d_sp"]["exposed_comm_s"],
+               "exposed_comm_tp1d_sp_async_s": r["tp1d_sp_async"]["exposed_comm_s"],
+               "hidden_comm_tp1d_sp_async_s": r["tp1d_sp_async"]["comm_s"] - r["tp1d_sp_async"]["exposed_comm_s"],
+               "activation_bytes_tp1d_sp": cost_model.activation_bytes("tp1d-sp", cfg, batch, seq, n, 2)}
+        if n == 4:  # the SUMMA variants of "2d" in one node: kept panels (no second gather) and broadcast SUMMA
+            for key, spec in variants.items():
+                t = cost_model.step_time(spec, cfg, batch, seq, n, hw)
+                row[f"time_2d_{key}_s"] = t["total_s"]
+                row[f"exposed_comm_2d_{key}_s"] = t["exposed_comm_s"]
+                row[f"activation_bytes_2d_{key}"] = cost_model.activation_bytes(spec, cfg, batch, seq, n, 2)
+        rows.append(row)
+    fair = []
+    for n in (16, 64):
+        f = cost_model.fair_configurations(cfg, batch, seq, n, hw)
+        tp_only = min((c for c in f["tp1d"] if c["tp"] > 1), key=lambda c: c["total_s"])
+        fair.append({"gpus": n, "best_tp1d": _summary(f["best_tp1d"]), "best_2d": _summary(f["best_2d"]),
+                     "speedup": f["speedup"], "best_tp1d_tp_ge_2": _summary(tp_only),
+                     "speedup_vs_tp_ge_2": tp_only["total_s"] / f["best_2d"]["total_s"],
+                     "configurations": [_summary(c) for c in f["tp1d"] + f["2d"]]})
     return {"model": args.projection_model, "batch": batch, "seq": seq, "hardware": hw.name, "rows": rows,
+            "fair": fair, "gemm_calibration": calibration,
             "metp_overlap_threshold": cost_model.metp_overlap_threshold(cfg, hw)}
 
 

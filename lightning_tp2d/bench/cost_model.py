@@ -46,6 +46,8 @@ import math
 from dataclasses import dataclass
 
 from lightning_tp2d.bench.events import Comm, float32_bytes
+from lightning_tp2d.bench.gemm_rates import H200_BF16
+from lightning_tp2d.bench.gemm_rates import fit as fit_gemm_rates
 from lightning_tp2d.layouts import Grid2D, Layout, get_layout, layout_names
 from lightning_tp2d.models.gpt2 import GPT2Config
 
@@ -118,7 +120,8 @@ def _ranks_to_price(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, 
 
 
 def _timed_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
-                  rank: int, async_tp: bool = False) -> list[tuple[Comm, float, float, tuple[int, ...]]]:
+                  rank: int, async_tp: bool = False,
+                  lean_wire: bool = False) -> list[tuple[Comm, float, float, tuple[int, ...]]]:
     """``(event, overlapped matmul FLOPs, overlapped attention FLOPs, the group's global ranks)`` per call kind.
     ``async_tp`` (``"tp1d-sp"`` only): the events carry the FLOPs of the matmul async TP would fuse them with."""
     _check(layout, cfg, batch, seq, p)
@@ -132,7 +135,7 @@ def _timed_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, el
         from lightning_tp2d.bench.tp1d_sp import tp1d_sp_comm_events
 
         return [(ev, ev.overlap_flops, 0.0, tuple(range(p)))
-                for ev in tp1d_sp_comm_events(cfg, batch, seq, p, elem, async_tp=async_tp)]
+                for ev in tp1d_sp_comm_events(cfg, batch, seq, p, elem, async_tp=async_tp, lean_wire=lean_wire)]
     if layout == "single" or p == 1:
         return []
     return list(_traced(layout, cfg, batch, seq, p, elem, rank).events)
@@ -173,16 +176,20 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int) -> dict:
     ``tests/test_cost_model.py`` checks them against closed forms. The baselines: linears ``24 N h²`` forward and
     ``48 N h²`` backward per block (``/p`` for tp1d and tp1d-sp, which compute the same), attention over ``T(T+1)/2``
     scores per sequence and head, LM head ``2 N h V`` / ``4 N h V`` (tp1d, tp1d-sp: ``ceil(V/p)``).
+
+    ``gemms``: matrix-product kernels launched (traced: every ``mm``/``addmm``/``bmm``; a SUMMA product is ``q`` panel
+    products forward and ``2q`` backward; the baselines ``12 L + 3``), each charged the hardware's GEMM overhead.
     """
     _check(layout, cfg, batch, seq, p)
     h, V, L, T, B = cfg.n_embd, cfg.vocab_size, cfg.n_layer, seq, batch
     if layout not in BASELINES:
         # what the layers compute, traced (any rank: every rank of a layout computes the same)
-        fl = _traced(layout, cfg, batch, seq, p, 4, 0).flops
+        traced = _traced(layout, cfg, batch, seq, p, 4, 0)
+        fl = traced.flops
         fwd, bwd = sum(fl["forward"].values()), sum(fl["backward"].values())
         attention = fl["forward"]["attention"] + fl["backward"]["attention"]
         return {"forward": fwd, "backward": bwd, "total": fwd + bwd, "matmul": fwd + bwd - attention,
-                "attention": attention}
+                "attention": attention, "gemms": sum(traced.gemms.values())}
     N = B * T
     causal = T * (T + 1) / 2  # visible scores per sequence and head
     k = 1 if layout == "single" else p
@@ -193,8 +200,9 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int) -> dict:
     fwd = L * (lin_f + att_f) + head_f
     bwd = L * (lin_b + att_b) + head_b
     attention = L * (att_f + att_b)
+    gemms = L * 12 + 3  # per block 4 linears forward, dX and dW of each backward; the head 1 + 2
     return {"forward": fwd, "backward": bwd, "total": fwd + bwd, "matmul": fwd + bwd - attention,
-            "attention": attention}
+            "attention": attention, "gemms": gemms}
 
 
 # ---- saved activations --------------------------------------------------------------------------------------
@@ -277,14 +285,19 @@ class Hardware:
     intra: Link
     inter: Link
     gpus_per_node: int
+    gemm_overhead_s: float = 0.0  # fixed seconds per GEMM kernel on top of FLOPs / rate (lightning_tp2d.bench.gemm_rates)
 
 
-# Assumptions, not measurements: realistic sustained rates, not datasheet peaks. H100 SXM: bf16 dense peak
-# ~989e12, large GEMMs sustain ~700e12; flash attention (FA2/FA3) ~500e12. NVLink 4: 900 GB/s total = ~450 GB/s
-# per direction, ~3 us per message; NDR InfiniBand 400 Gb/s = 50 GB/s per GPU (one NIC each), ~5 us.
-H100_NVLINK4_NDR = Hardware("H100 SXM, NVLink 4 (8/node), NDR 400G", 700e12, 500e12,
-                            intra=Link(3e-6, 450e9), inter=Link(5e-6, 50e9), gpus_per_node=8)
-# A100 SXM: bf16 dense peak 312e12, GEMMs ~230e12, FA2 ~190e12. NVLink 3: 600 GB/s total = ~300 GB/s per
+# H100 SXM (bf16 dense peak ~989e12). GEMMs: the fit of the committed H200 calibration table
+# (lightning_tp2d.bench.gemm_rates.H200_BF16: 730e12 at 8192x1024x4096, 525e12 at its 2x2 shard; an H200 is an H100's
+# compute with more HBM): ~773e12 for large products plus ~5.3 us per kernel. Assumptions, not measurements: flash
+# attention (FA2/FA3) ~500e12; NVLink 4: 900 GB/s total = ~450 GB/s per direction, ~3 us per message; NDR InfiniBand
+# 400 Gb/s = 50 GB/s per GPU (one NIC each), ~5 us.
+_H100_GEMM_RATE, _H100_GEMM_OVERHEAD = fit_gemm_rates(H200_BF16)
+H100_NVLINK4_NDR = Hardware("H100 SXM, NVLink 4 (8/node), NDR 400G", _H100_GEMM_RATE, 500e12,
+                            intra=Link(3e-6, 450e9), inter=Link(5e-6, 50e9), gpus_per_node=8,
+                            gemm_overhead_s=_H100_GEMM_OVERHEAD)
+# A100 SXM: bf16 dense peak 312e12, GEMMs ~230e12 (not calibrated: no per-kernel overhead), FA2 ~190e12. NVLink 3: 600 GB/s total = ~300 GB/s per
 # direction; HDR InfiniBand 200 Gb/s = 25 GB/s per GPU.
 A100_NVLINK3_HDR = Hardware("A100 SXM, NVLink 3 (8/node), HDR 200G", 230e12, 190e12,
                             intra=Link(3e-6, 300e9), inter=Link(5e-6, 25e9), gpus_per_node=8)
@@ -320,9 +333,9 @@ def _link(hw: Hardware, ranks) -> Link:
 
 
 def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
-              async_tp: bool = False) -> dict:
-    """Projected seconds of one training step: ``compute_s = matmul FLOPs / matmul rate + attention FLOPs /
-    attention rate``; per call ``t`` from :func:`collective_time` on its group's link, exposed
+              async_tp: bool = False, lean_wire: bool = False) -> dict:
+    """Projected seconds of one training step: ``compute_s = matmul FLOPs / matmul rate + GEMM kernels * GEMM
+    overhead + attention FLOPs / attention rate`` (shape-dependent GEMM rates: :mod:`lightning_tp2d.bench.gemm_rates`); per call ``t`` from :func:`collective_time` on its group's link, exposed
     ``max(0, t - overlapped matmul FLOPs / matmul rate - overlapped attention FLOPs / attention rate)``;
     ``total_s = compute_s + exposed_comm_s``. Ranks wait for each other, so the step is its slowest rank's
     (returned, with ``rank``); ``comm_bytes`` is that rank's payload as :func:`lightning_tp2d.comm.count_comm` counts
@@ -332,27 +345,32 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
     each all-gather / reduce-scatter next to a column- / row-parallel matmul into ``p`` steps overlapped with the
     matmul's pieces): the first of the ``p`` chunks cannot overlap, the other ``(p-1)/p`` of ``t`` hide behind the
     matmul, so such a call exposes ``t / p + max(0, t (p-1)/p - matmul FLOPs / matmul rate)``: ``t / p`` when the
-    matmul covers the rest, never more than the blocking ``t``. The other calls stay blocking."""
-    if async_tp and layout != "tp1d-sp":
-        raise ValueError(f"async_tp models torch's async TP of the 'tp1d-sp' baseline, not layout {layout!r}")
+    matmul covers the rest, never more than the blocking ``t``; the ``p - 1`` extra chunk products each pay the GEMM
+    overhead. The other calls stay blocking. ``lean_wire`` (``"tp1d-sp"`` only): its activation collectives in the
+    compute dtype, as Megatron-LM with bf16 parameters sends them (:func:`~lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`)."""
+    if (async_tp or lean_wire) and layout != "tp1d-sp":
+        raise ValueError(f"async_tp and lean_wire model the 'tp1d-sp' baseline, not layout {layout!r}")
     fl = flops(layout, cfg, batch, seq, p)
     rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
-    compute = fl["matmul"] / rates["matmul"] + fl["attention"] / rates["attention"]
+    compute = fl["matmul"] / rates["matmul"] + fl["gemms"] * hw.gemm_overhead_s + fl["attention"] / rates["attention"]
     worst = None
     for rank in _ranks_to_price(layout, cfg, batch, seq, p, elem):
         comm_s = exposed = 0.0
         nbytes = 0
-        for ev, fm, fa, group in _timed_events(layout, cfg, batch, seq, p, elem, rank, async_tp):
+        split_gemms = 0  # async TP cuts each fused matmul into p chunk products: p - 1 more kernels each
+        for ev, fm, fa, group in _timed_events(layout, cfg, batch, seq, p, elem, rank, async_tp, lean_wire):
             t = collective_time(ev.kind, ev.group_size, ev.nbytes, _link(hw, group))
             comm_s += ev.calls * t
             if async_tp and fm > 0:  # micro-pipelined with its matmul: all but the first chunk can hide
                 first = t / ev.group_size
                 exposed += ev.calls * (first + max(0.0, t - first - fm / rates["matmul"]))
+                split_gemms += ev.calls * (ev.group_size - 1)
             else:
                 exposed += ev.calls * max(0.0, t - fm / rates["matmul"] - fa / rates["attention"])
             nbytes += ev.calls * ev.nbytes
-        result = {"compute_s": compute, "comm_s": comm_s, "exposed_comm_s": exposed, "total_s": compute + exposed,
-                  "comm_bytes": nbytes, "rank": rank, "flops": fl}
+        rank_compute = compute + split_gemms * hw.gemm_overhead_s
+        result = {"compute_s": rank_compute, "comm_s": comm_s, "exposed_comm_s": exposed,
+                  "total_s": rank_compute + exposed, "comm_bytes": nbytes, "rank": rank, "flops": fl}
         if worst is None or result["total_s"] > worst["total_s"]:
             worst = result
     return worst
@@ -368,8 +386,10 @@ def _representative_ranks(layout: str, p: int) -> list[int]:
 def projected_speedup(cfg: GPT2Config, batch: int, seq: int, gpus=(4, 16, 64), hw: Hardware = H100_NVLINK4_NDR,
                       elem: int = 2) -> list[dict]:
     """For each GPU count ``N`` (one tensor-parallel group of ``p = N`` ranks, no data parallelism): the step
-    time of ``"2d"`` (a ``sqrt(N) x sqrt(N)`` grid), of ``"tp1d"`` and of ``"tp1d-sp"`` (as the code runs it, and
-    with torch's async TP modelled), and ``speedup = tp1d / 2d`` (> 1: 2d is faster). Each entry: ``gpus``, ``q``,
+    time of ``"2d"`` (a ``sqrt(N) x sqrt(N)`` grid), of ``"tp1d"`` and of ``"tp1d-sp"`` (blocking, as the code runs it,
+    and with torch's async TP modelled; both with bf16 on the wire, ``lean_wire``: the strongest form of the
+    baseline), and ``speedup = tp1d / 2d`` (> 1: 2d is faster). One group across nodes is not how 1-D TP runs at 16
+    and 64 GPUs: :func:`fair_configurations` compares the best tensor x data parallel configurations instead. Each entry: ``gpus``, ``q``,
     ``nodes``, ``tp1d``, ``tp1d_sp``, ``tp1d_sp_async`` and ``2d`` (:func:`step_time` dicts), ``tp1d_s``,
     ``tp1d_sp_s``, ``tp1d_sp_async_s``, ``2d_s``, ``speedup``. ``seq`` must divide by every ``N`` (sequence
     parallelism). Head-count divisibility is ignored (the model's widths are split, not its heads);
@@ -381,13 +401,92 @@ def projected_speedup(cfg: GPT2Config, batch: int, seq: int, gpus=(4, 16, 64), h
             raise ValueError(f"the 2d layout needs a square number of GPUs, got {n}")
         t2d = step_time(GRID_2D, cfg, batch, seq, n, hw, elem)
         t1d = step_time("tp1d", cfg, batch, seq, n, hw, elem)
-        sp = step_time("tp1d-sp", cfg, batch, seq, n, hw, elem)
-        sp_async = step_time("tp1d-sp", cfg, batch, seq, n, hw, elem, async_tp=True)
+        sp = step_time("tp1d-sp", cfg, batch, seq, n, hw, elem, lean_wire=True)
+        sp_async = step_time("tp1d-sp", cfg, batch, seq, n, hw, elem, async_tp=True, lean_wire=True)
         out.append({"gpus": n, "q": q, "nodes": -(-n // hw.gpus_per_node), "tp1d": t1d, "tp1d_sp": sp,
                     "tp1d_sp_async": sp_async, "2d": t2d, "tp1d_s": t1d["total_s"], "tp1d_sp_s": sp["total_s"],
                     "tp1d_sp_async_s": sp_async["total_s"], "2d_s": t2d["total_s"],
                     "speedup": t1d["total_s"] / t2d["total_s"]})
     return out
+
+
+def parameter_count(cfg: GPT2Config) -> int:
+    """Parameters of the (tied) GPT-2: ``L (12 h² + 13 h)`` with biases (``12 h² + 4 h`` without: the two
+    LayerNorms' weights only... and no linear biases), ``V h + block_size h`` embeddings, ``ln_f``."""
+    h, L = cfg.n_embd, cfg.n_layer
+    per_block = 12 * h * h + (13 * h if cfg.bias else 2 * h)
+    return L * per_block + cfg.vocab_size * h + cfg.block_size * h + (2 * h if cfg.bias else h)
+
+
+def data_parallel_all_reduce_time(nbytes: float, n: int, size: int, hw: Hardware) -> float:
+    """Seconds of the gradient all-reduce of ``nbytes`` per rank over the data-parallel group of ``n / size``
+    replicas of ``size`` consecutive ranks (the layout :func:`lightning_tp2d.mesh.init_mesh` builds). Inside one node
+    a ring on NVLink; across nodes hierarchical (as NCCL's tree / PyTorch's hybrid sharding run it): a reduce-scatter
+    among the group's ``k`` ranks of each node, an all-reduce of ``nbytes / k`` across the ``m`` nodes on InfiniBand,
+    an all-gather back inside the node. Both families of :func:`fair_configurations` are priced by this one rule."""
+    dp = n // size
+    if dp <= 1:
+        return 0.0
+    per_node = max(1, min(dp, hw.gpus_per_node // size)) if size <= hw.gpus_per_node else 1
+    nodes = -(-dp // per_node)
+    if nodes == 1:
+        return collective_time("all_reduce", dp, nbytes, hw.intra)
+    local = 0.0
+    if per_node > 1:  # reduce-scatter and all-gather of nbytes among the node's per_node ranks
+        local = 2 * (per_node - 1) * (hw.intra.latency_s + nbytes / (per_node * hw.intra.bandwidth_Bps))
+    return local + collective_time("all_reduce", nodes, nbytes / per_node, hw.inter)
+
+
+def fair_configurations(cfg: GPT2Config, batch: int, seq: int, n: int, hw: Hardware = H100_NVLINK4_NDR,
+                        elem: int = 2) -> dict:
+    """Every way to run ``batch x seq`` on ``n`` GPUs as tensor parallelism x data parallelism, priced per step:
+    ``{"tp1d": [...], "2d": [...], "best_tp1d": row, "best_2d": row, "speedup": best_tp1d / best_2d}``.
+
+    1-D rows (the strongest baseline): ``tp <= gpus_per_node`` ranks of ``"tp1d-sp"`` with bf16 on the wire
+    (``lean_wire``), without and with async TP (the faster counts), ``tp = 1`` the plain model, times
+    ``dp = n / tp`` replicas of ``batch / dp`` sequences; their float32 gradient all-reduce (``P / tp`` numbers per
+    rank, :func:`data_parallel_all_reduce_time`) overlaps the backward as DDP's buckets do: exposed
+    ``max(0, t - backward compute)``.
+    2-D rows: ``q x q`` grids (inside a node, or one grid across nodes) x ``dp = n / q²``; the gradient all-reduce of
+    ``P / q²`` numbers overlaps the backward by the same rule (the strategy's
+    :class:`~lightning_tp2d.training.GradientSync` posts its buckets during the backward). A configuration whose shapes do not divide (batch over replicas and grid rows, width, sequence) is
+    skipped. Each row: ``layout``, ``tp`` (ranks per replica), ``dp``, ``batch`` (per replica), ``step`` (the
+    :func:`step_time` dict), ``dp_comm_s``, ``dp_exposed_s``, ``total_s``."""
+    P = parameter_count(cfg)
+    rows: dict[str, list] = {"tp1d": [], "2d": []}
+    for tp in range(1, n + 1):
+        if n % tp:
+            continue
+        dp = n // tp
+        if batch % dp:
+            continue
+        b = batch // dp
+        q = math.isqrt(tp)
+        candidates = []
+        if tp <= hw.gpus_per_node and cfg.n_embd % tp == 0 and seq % tp == 0:
+            if tp == 1:
+                candidates.append(("tp1d", "single", step_time("single", cfg, b, seq, 1, hw, elem)))
+            else:
+                candidates.append(("tp1d", "tp1d-sp", min(
+                    (step_time("tp1d-sp", cfg, b, seq, tp, hw, elem, async_tp=a, lean_wire=True) for a in (False, True)),
+                    key=lambda r: r["total_s"])))
+        if q > 1 and q * q == tp and b % q == 0 and cfg.n_embd % q == 0:
+            candidates.append(("2d", GRID_2D, step_time(GRID_2D, cfg, b, seq, tp, hw, elem)))
+        for family, layout, step in candidates:
+            grads = float32_bytes(elem) * P / tp
+            dp_comm = data_parallel_all_reduce_time(grads, n, tp, hw)
+            fl = step["flops"]
+            backward_s = step["compute_s"] * fl["backward"] / fl["total"]
+            dp_exposed = max(0.0, dp_comm - backward_s)
+            rows[family].append({"layout": layout, "tp": tp, "dp": dp, "batch": b, "step": step,
+                                 "dp_comm_s": dp_comm, "dp_exposed_s": dp_exposed,
+                                 "total_s": step["total_s"] + dp_exposed})
+    if not rows["tp1d"] or not rows["2d"]:
+        raise ValueError(f"no {'1-D' if not rows['tp1d'] else '2-D'} configuration of batch {batch} x seq {seq} "
+                         f"fits {n} GPUs")
+    best = {k: min(v, key=lambda r: r["total_s"]) for k, v in rows.items()}
+    return {**rows, "best_tp1d": best["tp1d"], "best_2d": best["2d"],
+            "speedup": best["tp1d"]["total_s"] / best["2d"]["total_s"]}
 
 
 def metp_overlap_threshold(cfg: GPT2Config, hw: Hardware, elem: int = 2, causal: bool = True) -> int:

@@ -18,6 +18,11 @@ TARGETS = {
     "max_seq_metp_vs_tp1d": ("METP max sequence / 1-D TP's, same cap", 2.38, ">="),
     "wire_2d_vs_tp1d_p16": ("\"2d\" communication bytes per rank / 1-D TP's, p >= 16", 1.0, "<"),
     "single_vs_hf_tokens": ("plain GPT2 tokens/s / transformers GPT2LMHeadModel (SDPA)", 0.95, ">="),
+    # issue 11 (SUMMA v2), from the cost model's projection
+    "proj_2d_vs_tp1d_sp_p4": ("cost model, 4 GPUs: \"2d\" step time / 1-D TP+SP's (blocking)", 0.8, "<="),
+    "proj_2d_vs_tp1d_sp_async_p4": ("cost model, 4 GPUs: \"2d\" step time / 1-D TP+SP's with async TP", 1.0, "<="),
+    "fair_speedup_p16": ("cost model, 16 GPUs: best 1-D (TP x DP) step time / best \"2d\" (grid x DP)", 1.3, ">="),
+    "fair_speedup_p64": ("cost model, 64 GPUs: best 1-D (TP x DP) step time / best \"2d\" (grid x DP)", 1.3, ">="),
 }
 
 
@@ -65,6 +70,16 @@ def evaluate_targets(results: dict) -> list[dict]:
     s, h = _ok(scen, layout="single"), _ok(scen, layout="hf")
     add("single_vs_hf_tokens", s["tokens_per_s"] / h["tokens_per_s"] if s and h and "tokens_per_s" in s else None,
         "scenarios (median step time after warm-up)")
+    proj = results.get("projection", {})
+    p4 = next((r for r in proj.get("rows", []) if r["gpus"] == 4 and "time_tp1d_sp_s" in r), None)
+    where = f"projection, {proj.get('model')} batch {proj.get('batch')} x {proj.get('seq')}"
+    add("proj_2d_vs_tp1d_sp_p4", p4["time_2d_s"] / p4["time_tp1d_sp_s"] if p4 else None, where)
+    add("proj_2d_vs_tp1d_sp_async_p4", p4["time_2d_s"] / p4["time_tp1d_sp_async_s"] if p4 else None, where)
+    for n in (16, 64):
+        f = next((x for x in proj.get("fair", []) if x["gpus"] == n), None)
+        add(f"fair_speedup_p{n}", f["speedup"] if f else None,
+            where + (f": 1-D {f['best_tp1d']['layout']} tp {f['best_tp1d']['tp']} x dp {f['best_tp1d']['dp']} against "
+                     f"2d {f['best_2d']['tp']} ranks x dp {f['best_2d']['dp']}" if f else ""))
     return out
 
 
@@ -139,6 +154,37 @@ def markdown(results: dict) -> str:
                          f"{r['speedup']:.2f} | {_mib(r['wire_bytes_2d'])} | {_mib(r['wire_bytes_tp1d'])} "
                          f"| {_mib(r.get('activation_bytes_2d'))} | {_mib(r.get('activation_bytes_tp1d'))} "
                          f"| {_mib(r.get('activation_bytes_tp1d_sp'))} |")
+        variants = [r for r in proj["rows"] if "time_2d_keep_s" in r]
+        if variants:
+            lines += ["", "\"2d\" SUMMA variants (the default is collective SUMMA re-gathering panels in backward):", "",
+                      "| GPUs | variant | step ms | exposed comm ms | activation MiB |", "|---|---|---|---|---|"]
+            for r in variants:
+                lines.append(f"| {r['gpus']} | collective (default) | {r['time_2d_s'] * 1e3:.2f} | "
+                             f"{r['exposed_comm_2d_s'] * 1e3:.2f} | {_mib(r['activation_bytes_2d'])} |")
+                for key, name in (("keep", "collective, keep panels"), ("broadcast", "broadcast (Optimus)")):
+                    lines.append(f"| {r['gpus']} | {name} | {r[f'time_2d_{key}_s'] * 1e3:.2f} | "
+                                 f"{r[f'exposed_comm_2d_{key}_s'] * 1e3:.2f} | {_mib(r[f'activation_bytes_2d_{key}'])} |")
+        if proj.get("fair"):
+            lines += ["", "Fair rows: every tensor x data parallel configuration (1-D: TP+SP inside a node, bf16 on "
+                      "the wire, blocking or async TP, whichever is faster; TP 1 is plain data parallelism), the "
+                      "float32 gradient all-reduce hierarchical across nodes and overlapped with the backward:", "",
+                      "| GPUs | family | TP ranks | DP | batch/replica | step ms | DP all-reduce ms (exposed) | total ms |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for f in proj["fair"]:
+                for c in f["configurations"]:
+                    best = " **best**" if c in (f["best_tp1d"], f["best_2d"]) else ""
+                    lines.append(f"| {f['gpus']} | {c['layout']}{best} | {c['tp']} | {c['dp']} | {c['batch']} | "
+                                 f"{c['step_s'] * 1e3:.2f} | {c['dp_comm_s'] * 1e3:.2f} ({c['dp_exposed_s'] * 1e3:.2f}) "
+                                 f"| {c['total_s'] * 1e3:.2f} |")
+                lines.append(f"| {f['gpus']} | speedup best 1-D / best 2d: {f['speedup']:.2f} (1-D with TP >= 2 "
+                             f"only: {f['speedup_vs_tp_ge_2']:.2f}) | | | | | | |")
+        cal = proj.get("gemm_calibration")
+        if cal:
+            lines += ["", f"GEMMs priced as FLOPs / {cal['rate_flops_per_s'] / 1e12:.3g} TFLOP/s + "
+                      f"{cal['overhead_s'] * 1e6:.3g} us per kernel, the fit of the {cal['source']}:", "",
+                      "| m | k | n | TFLOP/s | source |", "|---|---|---|---|---|"]
+            lines += [f"| {p['m']} | {p['k']} | {p['n']} | {p['flops_per_s'] / 1e12:.3g} | {p['source']} |"
+                      for p in cal["table"]]
         if "metp_overlap_threshold" in proj:
             lines += ["", f"METP full-overlap threshold ({proj['hardware']}): a ring step's attention covers its "
                       f"K/V transfer from {proj['metp_overlap_threshold']} tokens per rank."]

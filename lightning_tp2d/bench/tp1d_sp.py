@@ -123,7 +123,7 @@ def reduce_norm_grads(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
-                        async_tp: bool = False) -> list[Comm]:
+                        async_tp: bool = False, lean_wire: bool = False) -> list[Comm]:
     """The communication one rank performs for one training step ``loss = model(idx, targets); loss.backward()``
     with ``idx [batch, seq]`` (``seq`` divisible by ``p``), in the byte convention of :func:`lightning_tp2d.comm.count_comm`: an all-gather
     counts its local input, a reduce-scatter its full input.
@@ -153,6 +153,10 @@ def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int
     input-gradient product, the same count); the embedding, LayerNorm-gradient and loss collectives stay exposed.
     Calls and bytes are the same either way.
 
+    ``lean_wire=True`` counts every activation collective in the compute dtype (``e`` for ``ep`` above), as Megatron-LM
+    with bf16 parameters runs them (its LayerNorm outputs, residual stream and their gradients are bf16): the strongest
+    form of this baseline, used by the projection. torch's code under autocast sends the ``ep`` bytes.
+
     On one rank DTensor skips every redistribution; ``loss_parallel``'s three all-reduces remain (counted, nothing
     sent), as in :func:`~lightning_tp2d.bench.tp1d.tp1d_comm_events`.
     """
@@ -161,8 +165,9 @@ def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int
     check_sequence_parallel(seq, p)
     h, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
     e, ep = elem, float32_bytes(elem)
+    ea = e if lean_wire else ep  # the float32 activations' bytes on the wire
     N = batch * seq
-    full_e, full_ep, shard_e, shard_ep = N * h * e, N * h * ep, N * h * e // p, N * h * ep // p
+    full_e, full_ep, shard_e, shard_ep = N * h * e, N * h * ea, N * h * e // p, N * h * ea // p
     # matmul FLOPs per rank of each linear's forward (= its input-gradient product in backward)
     qkv, proj, fc, fc_proj = 2 * N * h * 3 * h / p, 2 * N * h * h / p, 2 * N * h * 4 * h / p, 2 * N * 4 * h * h / p
     head = 2 * N * h * -(-V // p)
@@ -189,5 +194,5 @@ def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int
         ev("reduce_scatter", full_ep, L, "backward", qkv),  # c_attn input gradient
         ev("all_reduce", norm_grads, 1, "backward"),  # LayerNorm weight / bias gradients, one flat buffer
         ev("all_gather", shard_ep, 1, "backward"),  # wte output gradient
-        ev("all_gather", seq * h * ep // p, 1, "backward"),  # wpe output gradient
+        ev("all_gather", seq * h * ea // p, 1, "backward"),  # wpe output gradient
     ]

@@ -49,6 +49,7 @@ class TracedStep:
     events: tuple[tuple[Comm, float, float, tuple[int, ...]], ...]
     flops: dict  # {"forward": {"matmul": f, "attention": f}, "backward": {...}}
     activation_bytes: int  # storages the forward created that autograd saved for the backward
+    gemms: dict  # {"forward": n, "backward": n}: matmul kernels launched (each pays the GEMM overhead of the rates)
 
 
 class _Recorder(TorchDispatchMode):
@@ -61,6 +62,7 @@ class _Recorder(TorchDispatchMode):
         self.in_flight: dict[int, list] = {}  # id(call) -> [call, phase, matmul FLOPs, attention FLOPs]
         self.done: list[list] = []
         self.flops = {phase: {"matmul": 0.0, "attention": 0.0} for phase in ("forward", "backward")}
+        self.gemms = {"forward": 0, "backward": 0}
         self._created: dict[int, int] = {}  # storages created in the forward: key -> bytes
         self._saved: set[int] = set()  # of those, the ones autograd saved for the backward
 
@@ -97,6 +99,7 @@ class _Recorder(TorchDispatchMode):
         else:
             formula = _MATMUL_FLOPS.get(name.rstrip("_"))  # addmm_ and friends: the in-place forms
             if formula is not None:
+                self.gemms[self.phase] += 1
                 self._compute(float(formula(*args, **kwargs, out_val=out)), "matmul")
         return out
 
@@ -216,7 +219,8 @@ def _extrapolate(one: TracedStep, two: TracedStep, layers: int) -> TracedStep:
     flops = {ph: {r: one.flops[ph][r] + (layers - 1) * (two.flops[ph][r] - one.flops[ph][r])
                   for r in one.flops[ph]} for ph in one.flops}
     activation = one.activation_bytes + (layers - 1) * (two.activation_bytes - one.activation_bytes)
-    return TracedStep(tuple(sorted(events, key=_order)), flops, activation)
+    gemms = {ph: one.gemms[ph] + (layers - 1) * (two.gemms[ph] - one.gemms[ph]) for ph in one.gemms}
+    return TracedStep(tuple(sorted(events, key=_order)), flops, activation, gemms)
 
 
 def _order(item) -> tuple:
@@ -318,4 +322,4 @@ def _run_here(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem:
         merged[(ev, fm, fa, call.ranks)] += 1
     events = tuple(sorted(((dataclasses.replace(ev, calls=n), fm, fa, ranks)
                            for (ev, fm, fa, ranks), n in merged.items()), key=_order))
-    return TracedStep(events, recorder.flops, activation)
+    return TracedStep(events, recorder.flops, activation, recorder.gemms)

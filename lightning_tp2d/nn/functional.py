@@ -35,6 +35,35 @@ def sum_grad_along(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor
     return _SumGradAlong.apply(x, mesh, axis)
 
 
+class _SumGradsAlong(torch.autograd.Function):
+    """:class:`_SumGradAlong` for several tensors of one dtype with one all-reduce of their concatenated gradients
+    (LayerNorm's weight and bias: one call instead of two)."""
+
+    @staticmethod
+    def forward(ctx, mesh, axis, *xs):
+        ctx.mesh, ctx.axis, ctx.shapes = mesh, axis, [x.shape for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce_along(flat, ctx.mesh, ctx.axis)
+        out, offset = [], 0
+        for shape in ctx.shapes:
+            n = shape.numel()
+            out.append(flat[offset:offset + n].view(shape))
+            offset += n
+        return (None, None, *out)
+
+
+def sum_grads_along(xs, mesh: DeviceMesh, axis: str) -> tuple[torch.Tensor, ...]:
+    """Identity on each of ``xs`` forward; backward sums all their gradients over ``axis`` in one all-reduce."""
+    xs = tuple(xs)
+    if len(xs) == 1:
+        return (sum_grad_along(xs[0], mesh, axis),)
+    return _SumGradsAlong.apply(mesh, axis, *xs)
+
+
 class _GatherGrid(torch.autograd.Function):
     """Forward: all-gather a ``[rows/q, cols/q]`` block into the full ``[rows, cols]`` matrix on every rank
     (gather along ``col`` on the last dim, then along ``row`` on the first). Backward: keep the local block."""

@@ -3,7 +3,7 @@
 Rank ``(r, c)`` holds ``x_rc [N/q, h/q]``. Statistics come from local sums ``Σx`` and ``Σx²`` all-reduced
 along ``col`` (one call of ``2 * N/q`` numbers); the backward needs ``Σ dx̂`` and ``Σ dx̂·x̂`` over the full
 hidden size, again one all-reduce along ``col``. Weight and bias ``[h]`` are split over ``col`` and replicated
-over ``row``; their gradients are summed over ``row``.
+over ``row``; their gradients are summed over ``row`` in one all-reduce.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from lightning_tp2d.comm import all_reduce_along
-from lightning_tp2d.nn.functional import shard_parameter, sum_grad_along
+from lightning_tp2d.nn.functional import shard_parameter, sum_grads_along
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -73,9 +73,9 @@ class LayerNorm2D(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = sum_grad_along(self.weight.to_local(), self.mesh, "row")
-        b = sum_grad_along(self.bias.to_local(), self.mesh, "row") if self.bias is not None else None
-        return _LayerNormAlongCol.apply(x, w, b, self.mesh, self.hidden, self.eps)
+        local = [self.weight.to_local()] + ([self.bias.to_local()] if self.bias is not None else [])
+        w, *b = sum_grads_along(local, self.mesh, "row")  # both gradients in one all-reduce over row
+        return _LayerNormAlongCol.apply(x, w, b[0] if b else None, self.mesh, self.hidden, self.eps)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, eps={self.eps}"
