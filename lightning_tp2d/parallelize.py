@@ -18,6 +18,9 @@ h.*.mlp                    MLP2D               weight [out, in]: R, Shard(1), Sh
 lm_head                    LMHead2D            tied to transformer.wte.weight
 =========================  ==================  ==========================================================
 
+With the collective SUMMA (the default) the two output projections (``attn.c_proj``, ``mlp.c_proj``: output no
+wider than input) run in its scatter form and store the mirror blocks: weight R, Shard(0), Shard(1).
+
 ``"metp"`` (DESIGN 3.2, :mod:`lightning_tp2d.nn.ring`, :mod:`lightning_tp2d.nn.ring_stream`) on the mesh
 ``(data_parallel, ring)``: rank ``i`` holds the zigzag chunks ``i`` and ``2p-1-i`` of every sequence with the full
 hidden size; ``wte`` Shard(0) (vocab rows), ``c_attn`` _StridedShard(0, 3), ``c_fc`` Shard(0), both ``c_proj``

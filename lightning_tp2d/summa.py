@@ -320,20 +320,24 @@ def collective_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor,
     return da, db
 
 
-def _mirror_column(b: torch.Tensor, mesh: DeviceMesh) -> _Column:
+def _mirror_column(b: torch.Tensor, mesh: DeviceMesh, mirrored: bool = False) -> _Column:
     """Row ``k`` of ``B`` on the ranks of grid column ``k``: swap ``B``'s block with the mirror rank (rank ``(r, k)``
-    then holds ``B_kr``), then all-gather along ``row`` (block ``c`` of the result is ``B_kc``)."""
+    then holds ``B_kr``; ``mirrored``: it already does), then all-gather along ``row`` (block ``c`` of the result is
+    ``B_kc``)."""
     wire, transposed = _wire(b)
-    blocks, handle = all_gather_blocks(exchange_with(wire, transpose_peer(mesh)), mesh, "row")
+    if not mirrored:
+        wire = exchange_with(wire, transpose_peer(mesh))
+    blocks, handle = all_gather_blocks(wire, mesh, "row")
     return _Column(blocks, transposed, handle)
 
 
-def scatter_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = False):
+def scatter_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = False, mirrored: bool = False):
     """``C = A B`` in the *scatter* form, no autograd: ``(c, column)`` (the mirrored column when ``keep``). Rank
     ``(r, k)`` multiplies its own ``A_rk`` by row ``k`` of ``B`` and the partials ``A_rk B_kc`` are reduce-scattered
     round the ``col`` ring, so ``C``-sized blocks travel instead of ``A``-sized ones (the MLP's down projection:
-    ``h``-wide instead of ``4h``-wide)."""
-    column = _mirror_column(b, mesh)
+    ``h``-wide instead of ``4h``-wide). ``mirrored``: ``b`` is already the mirror rank's block ``B_kr`` (a weight
+    stored that way, :class:`~lightning_tp2d.nn.linear.Linear2D`), so no swap."""
+    column = _mirror_column(b, mesh, mirrored)
     ring = _RingReduce(mesh, _REDUCE)
     for s in range(ring_steps(ring.n)):
         out = ring.step(s, lambda c: a @ column.get(c))
@@ -341,14 +345,15 @@ def scatter_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = 
 
 
 def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, mesh: DeviceMesh, need_a: bool,
-                        need_b: bool, column: _Column | None = None):
+                        need_b: bool, column: _Column | None = None, mirrored: bool = False):
     """``(dA, dB)`` of :func:`scatter_ab`: one ring pass of ``dC`` along ``col`` feeds both, ``dA_rk = sum_c dC_rc
     B_kcᵀ`` accumulated locally and ``dB_kc`` partials ``A_rkᵀ dC_rc`` stacked, reduce-scattered along ``row`` (posted
-    before the last ``dA`` multiplies) and swapped back to the owner of ``B_kc``."""
+    before the last ``dA`` multiplies) and swapped back to the owner of ``B_kc`` (not when ``mirrored``: this rank
+    owns it)."""
     n = axis_size(mesh, "col")
     out_t = _is_transposed(b)
     if need_a and column is None:
-        column = _mirror_column(b, mesh)
+        column = _mirror_column(b, mesh, mirrored)
     ring = _RingGather(grad, mesh, _GATHER)
     parts: list = [None] * n
     da = db = db_handle = None
@@ -366,7 +371,8 @@ def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, me
                 da = g @ b_c.t() if da is None else da.addmm_(g, b_c.t())
     if db_handle is not None:
         db_handle.wait()
-        db = exchange_with(db, transpose_peer(mesh))
+        if not mirrored:
+            db = exchange_with(db, transpose_peer(mesh))
         db = db.t() if out_t else db
     return da, db
 
@@ -376,14 +382,14 @@ def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, me
 
 class _SummaAB(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, mesh, options, form):
-        ctx.mesh, ctx.algorithm, ctx.keep, ctx.form = mesh, options.summa, options.keep_panels, form
+    def forward(ctx, a, b, mesh, options, form, mirrored):
+        ctx.mesh, ctx.algorithm, ctx.keep, ctx.form, ctx.mirrored = mesh, options.summa, options.keep_panels, form, mirrored
         if ctx.algorithm == "broadcast":
             out, a_panels, b_panels = broadcast_ab(a, b, mesh, ctx.keep)
             ctx.save_for_backward(a, b, *(a_panels + b_panels if ctx.keep else []))
             return out
         if ctx.form == "scatter":
-            out, column = scatter_ab(a, b, mesh, ctx.keep)
+            out, column = scatter_ab(a, b, mesh, ctx.keep, mirrored)
             a_panels = []
         else:
             out, a_panels, column = collective_ab(a, b, mesh, ctx.keep)
@@ -401,13 +407,13 @@ class _SummaAB(torch.autograd.Function):
             a_panels, b_panels = (kept[:q], kept[q:]) if ctx.keep else (None, None)
             da = broadcast_abt(grad, b, ctx.mesh, b_panels) if need_a else None  # dA = dC Bᵀ
             db = broadcast_atb(a, grad, ctx.mesh, _is_transposed(b), a_panels) if need_b else None  # dB = Aᵀ dC
-            return da, db, None, None, None
+            return da, db, None, None, None, None
         a_panels, column = (kept[:-1], _Column(kept[-1], ctx.transposed)) if ctx.keep else (None, None)
         if ctx.form == "scatter":
-            da, db = scatter_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, column)
+            da, db = scatter_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, column, ctx.mirrored)
         else:
             da, db = collective_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, a_panels, column)
-        return da, db, None, None, None
+        return da, db, None, None, None, None
 
 
 def _abt(a, b, mesh, algorithm):
@@ -467,14 +473,19 @@ def ab_form(in_features: int, out_features: int, keep_panels: bool = False) -> s
 
 
 def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, options: TPOptions | None = None,
-             form: str = "gather") -> torch.Tensor:
+             form: str = "gather", b_mirrored: bool = False) -> torch.Tensor:
     """``C = A B`` with ``A``, ``B``, ``C`` block-distributed on the grid; differentiable. ``options``:
     :class:`~lightning_tp2d.options.TPOptions` (``summa`` algorithm, ``keep_panels``). ``form`` (collective
     algorithm only; :func:`ab_form` picks one): ``"gather"`` passes ``A``'s blocks round the ring,
-    ``"scatter"`` the partial sums of ``C`` (module docstring)."""
+    ``"scatter"`` the partial sums of ``C`` (module docstring). ``b_mirrored`` (scatter form only): rank ``(r, c)``
+    passes block ``B_cr``, the mirror rank's, so the scatter form needs no swap (its gradient comes back the same
+    way)."""
+    options = tp_options(options)
     if form not in FORMS:
         raise ValueError(f"form={form!r} is not one of {', '.join(map(repr, FORMS))}")
-    return _SummaAB.apply(a, b, mesh, tp_options(options), form)
+    if b_mirrored and (form != "scatter" or options.summa != "collective"):
+        raise ValueError(f"b_mirrored needs the collective scatter form, got summa={options.summa!r} form={form!r}")
+    return _SummaAB.apply(a, b, mesh, options, form, b_mirrored)
 
 
 def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, options: TPOptions | None = None) -> torch.Tensor:

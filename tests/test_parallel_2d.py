@@ -114,8 +114,7 @@ def expected_block_comm(h: int, tokens: int, q: int, elem: int, bias: bool = Tru
       forward  one all-gather of W's block along row, one ring pass of X
       backward one all-gather of W (dX), a ring pass of the dX sums, a ring pass of X and one reduce-scatter of the
                q stacked dW partials (dW)
-    scatter form (the output projections: ``summa.ab_form``), off the diagonal one weight swap with the mirror rank
-    before each gather and after the dW reduce-scatter:
+    scatter form (the output projections: ``summa.ab_form``; their weights stored as the mirror rank's blocks):
       forward  one all-gather of W's mirrored block, one ring pass of Y's partial sums
       backward one all-gather of W, one ring pass of dY, one reduce-scatter of the dW partials
     ``keep_panels``: the backward neither broadcasts / gathers X and W again nor passes X round.
@@ -149,12 +148,8 @@ def expected_block_comm(h: int, tokens: int, q: int, elem: int, bias: bool = Tru
                 add(bwd, "ring_exchange", q // 2, (q - 1) * x_block)
             add(bwd, "ring_exchange", q // 2, (q - 1) * x_block)
             add(bwd, "reduce_scatter", 1, q * w_block)
-        else:  # scatter: Y's partial sums travel, dY once backward; W swapped with the mirror (not on the diagonal)
+        else:  # scatter: Y's partial sums travel, dY once backward (W stored mirrored: no swap)
             y_block = n * o // q
-            swaps = 0 if diagonal else 1
-            for kind in ("send", "recv"):
-                add(fwd, kind, swaps, swaps * w_block)
-                add(bwd, kind, swaps * (1 if keep_panels else 2), swaps * (1 if keep_panels else 2) * w_block)
             add(fwd, "all_gather", 1, w_block)
             add(fwd, "ring_exchange", q // 2, (q - 1) * y_block)
             if not keep_panels:

@@ -27,11 +27,12 @@ PRODUCTS = ("ab", "abt", "atb")
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 # (algorithm, keep_panels, form); panels are kept, and the scatter form exists, for the A B product only
 ALGOS = (("collective", False, "gather"), ("broadcast", False, "gather"), ("collective", True, "gather"),
-         ("broadcast", True, "gather"), ("collective", False, "scatter"), ("collective", True, "scatter"))
+         ("broadcast", True, "gather"), ("collective", False, "scatter"), ("collective", True, "scatter"),
+         ("collective", False, "scatter-mirrored"))
 
 
 def _algo_id(algo) -> str:
-    return algo[0] + ("-keep" if algo[1] else "") + ("-scatter" if algo[2] == "scatter" else "")
+    return algo[0] + ("-keep" if algo[1] else "") + ("-" + algo[2] if algo[2] != "gather" else "")
 
 
 def _shapes(product: str, q: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -69,18 +70,19 @@ def _one_product(mesh, q: int, i: int, j: int, product: str, dtype: torch.dtype,
     c_full.backward(dc_full)
 
     a = _block(a_full.detach(), q, i, j).to(dtype).clone().requires_grad_()
+    bi, bj = (j, i) if algo[2] == "scatter-mirrored" else (i, j)  # mirrored: rank (i, j) holds B's block (j, i)
     if b_transposed:  # storage [.., ..]ᵀ contiguous, passed as its .t() view (Linear2D's w_local.t())
-        storage = _block(b_full.detach(), q, i, j).to(dtype).t().contiguous().requires_grad_()
+        storage = _block(b_full.detach(), q, bi, bj).to(dtype).t().contiguous().requires_grad_()
         b = storage.t()
     else:
-        storage = b = _block(b_full.detach(), q, i, j).to(dtype).clone().requires_grad_()
+        storage = b = _block(b_full.detach(), q, bi, bj).to(dtype).clone().requires_grad_()
     dc = _block(dc_full, q, i, j).to(dtype).contiguous()
 
     layout = []  # the gradient SUMMA hands to b: a transposed view of contiguous storage, or contiguous
     if b_transposed:
         b.register_hook(lambda grad: layout.append(grad.t().is_contiguous() and not grad.is_contiguous()))
     with comm.count_comm() as stats:
-        form = {"form": algo[2]} if product == "ab" else {}
+        form = {"form": algo[2].split("-")[0], "b_mirrored": algo[2] == "scatter-mirrored"} if product == "ab" else {}
         c = FUNCS[product](a, b, mesh, TPOptions(summa=algo[0], keep_panels=algo[1]), **form)
         fwd = stats.snapshot()
     with comm.count_comm() as stats:
@@ -92,7 +94,7 @@ def _one_product(mesh, q: int, i: int, j: int, product: str, dtype: torch.dtype,
         "c": _rel(c.detach().double(), _block(c_full.detach(), q, i, j)),
         "c_shape": tuple(c.shape),
         "da": _rel(a.grad.double(), _block(a_full.grad, q, i, j)),
-        "db": _rel(grad_b.double(), _block(b_full.grad, q, i, j)),
+        "db": _rel(grad_b.double(), _block(b_full.grad, q, bi, bj)),
         "storage_grad_contiguous": storage.grad.is_contiguous(),
         "b_grad_transposed_view": layout[0] if layout else None,
         "fwd": fwd,
@@ -223,8 +225,8 @@ def test_communication_per_product_matches_the_summa_schedule(grid, product, dty
     expected = _expected_collective if algo[0] == "collective" else _expected_broadcast
     for rank, out in enumerate(outs):
         r = out[(product, str(dtype), b_transposed, algo)]
-        if algo[2] == "scatter":
-            fwd, bwd = _expected_scatter(q, itemsize, algo[1], r["diagonal"])
+        if algo[2].startswith("scatter"):
+            fwd, bwd = _expected_scatter(q, itemsize, algo[1], r["diagonal"] or algo[2] == "scatter-mirrored")
         else:
             fwd, bwd = expected(product, q, itemsize, algo[1])
         assert r["fwd"] == fwd, (rank, "forward")
@@ -297,3 +299,15 @@ def test_bidirectional_rings_deliver_every_block_once_and_sum_every_partial(n):
         assert out["sum_ok"], rank
         # n//2 steps, n-1 blocks of 2x3 float32 sent in all (each travels the shorter way round)
         assert out["exchange"] == {"calls": n // 2, "bytes": (n - 1) * 6 * 4}, (rank, out["exchange"])
+
+
+def test_bad_form_or_mirrored_weight_outside_the_scatter_form_is_refused():
+    a = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match="form='rows' is not one of 'gather', 'scatter'"):
+        summa_ab(a, a, None, form="rows")
+    with pytest.raises(ValueError, match="b_mirrored needs the collective scatter form, got summa='broadcast'"):
+        summa_ab(a, a, None, TPOptions(summa="broadcast"), form="scatter", b_mirrored=True)
+    with pytest.raises(ValueError, match="summa='nope' is not one of 'collective', 'broadcast'"):
+        TPOptions(summa="nope")
+    with pytest.raises(ValueError, match="keep_panels must be True or False, got 1"):
+        TPOptions(keep_panels=1)

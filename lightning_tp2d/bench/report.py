@@ -110,17 +110,18 @@ def markdown(results: dict) -> str:
     if results.get("scenarios"):
         lines += ["", "## Scenarios", "",
                   "| layout | ranks | status | loss | step ms | tokens/s | resident MiB | activation MiB | peak MiB "
-                  "| comm calls | comm MiB | = model | wire MiB |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| comm calls | calls per block | comm MiB | = model | wire MiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results.get("scenarios", []):
         if r["status"] != "ok":
-            lines.append(f"| {r['layout']} | {r['p']} | {r['status']}: {r['reason']} |" + " |" * 10)
+            lines.append(f"| {r['layout']} | {r['p']} | {r['status']}: {r['reason']} |" + " |" * 11)
             continue
         match = {True: "yes", False: "**no**", None: "n/a"}[r.get("comm_matches_model")]
         lines.append(
             f"| {r['layout']} | {r['p']} | ok | {r['loss']:.5f} | {_fmt(r.get('step_time_s', 0) * 1e3, '.1f')} "
             f"| {_fmt(r.get('tokens_per_s'), '.0f')} | {_mib(r['resident_bytes'])} | {_mib(r['activation_bytes'])} "
-            f"| {_mib(r['peak_bytes'])} | {r['comm_calls']} | {_mib(r['comm_bytes'])} | {match} "
+            f"| {_mib(r['peak_bytes'])} | {r['comm_calls']} | {r.get('calls_per_block', '')} | {_mib(r['comm_bytes'])} "
+            f"| {match} "
             f"| {_mib(r.get('wire_bytes'))} |")
     if results.get("max_seq"):
         lines += ["", "## Maximum sequence length under a per-rank cap", "",

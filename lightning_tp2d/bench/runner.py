@@ -307,7 +307,24 @@ def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict])
                 {k: v for k, v in r["comm"].items() if v["calls"]} == {k: v for k, v in t.items() if v["calls"]}
                 for r, t in zip(ranks, predicted))
         row["model_activation_bytes"] = cost_model.activation_bytes(layout, cfg, spec.batch, seq, p, spec.elem)
+        row["calls_per_block"] = calls_per_block(layout, cfg, spec.batch, seq, p, spec.elem)
     return row
+
+
+def calls_per_block(layout: str, cfg, batch: int, seq: int, p: int, elem: int) -> int:
+    """Communication calls one transformer block adds to a step, forward and backward, on the rank that makes the
+    most (the cost model's events of a 2-block model minus those of a 1-block one; off the grid's diagonal "2d"
+    swaps the output projections' weight blocks with the mirror rank)."""
+    from dataclasses import replace
+
+    from lightning_tp2d.bench import cost_model
+
+    ranks = [0] if layout in BASELINES else layouts.get_layout(layout).distinct_ranks(p)
+
+    def count(n: int, rank: int) -> int:
+        return sum(e.calls for e in cost_model.comm_events(layout, replace(cfg, n_layer=n), batch, seq, p, elem, rank))
+
+    return max(count(2, r) - count(1, r) for r in ranks)
 
 
 def max_sequence(layout: str, p: int, spec: BenchSpec, cap_bytes: int, unit: int = 64, limit: int = 1 << 17,

@@ -3,7 +3,9 @@
 Layout (DESIGN 3.1): ``X [N, in]`` block ``(r, c)`` is ``X[N_r, in_c]``; the weight ``W [in, out]`` block
 ``(r, c)`` is ``W[in_r, out_c]``. torch stores ``W`` transposed (``weight [out, in]``), so the local block
 of the ``weight`` DTensor is ``weight[out_c, in_r]``: placements ``Shard(1)`` over ``row`` and ``Shard(0)``
-over ``col``. The bias ``[out]`` is split over ``col`` and replicated over ``row``; its gradient is summed
+over ``col``. A linear in the collective SUMMA's scatter form (output narrower than input: the output projections)
+stores the mirror block instead, ``weight[out_r, in_c]`` (``Shard(0)`` over ``row``, ``Shard(1)`` over ``col``), which
+is what that form multiplies, so no block is swapped at run time. The bias ``[out]`` is split over ``col`` and replicated over ``row``; its gradient is summed
 over ``row`` (rows see different tokens).
 
 ``out_groups`` (GPT-2's fused ``c_attn`` has 3: q, k, v) makes ``col`` rank ``c`` own block ``c`` of *each*
@@ -37,11 +39,15 @@ class Linear2D(nn.Module):
         self.mesh, self.options = mesh, tp_options(options)
         # collective SUMMA: pass the narrower of input and output round the ring (the MLP's down projection and the
         # attention's output projection reduce-scatter their output; the others gather their input)
-        self.form = ab_form(linear.in_features, linear.out_features, self.options.keep_panels)
+        form = ab_form(linear.in_features, linear.out_features, self.options.keep_panels) if out_groups == 1 else "gather"
+        self.form = form if self.options.summa == "collective" else "gather"
+        self.mirrored = self.form == "scatter"
         self.in_features, self.out_features = linear.in_features, linear.out_features
         out = _out_shard(out_groups)
-        # weight [out, in]: dim 1 (in) split over row, dim 0 (out) split over col.
-        self.weight = shard_parameter(linear.weight, mesh, [Replicate(), Shard(1), out])
+        if self.mirrored:  # the scatter form multiplies block W[in_c, out_r] on rank (r, c): out over row, in over col
+            self.weight = shard_parameter(linear.weight, mesh, [Replicate(), Shard(0), Shard(1)])
+        else:  # weight [out, in]: dim 1 (in) split over row, dim 0 (out) split over col
+            self.weight = shard_parameter(linear.weight, mesh, [Replicate(), Shard(1), out])
         if linear.bias is not None:
             self.bias = shard_parameter(linear.bias, mesh, [Replicate(), Replicate(), out])
         else:
@@ -50,7 +56,7 @@ class Linear2D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d, w_t = autocast_operands(x.reshape(-1, x.shape[-1]), self.weight.to_local())  # w_t [out/q, in/q] = W_rcᵀ
-        y = summa_ab(x2d, w_t.t(), self.mesh, self.options, self.form)  # (N/q, out/q); W travels as stored
+        y = summa_ab(x2d, w_t.t(), self.mesh, self.options, self.form, self.mirrored)  # (N/q, out/q); W travels as stored
         if self.bias is not None:
             y = y + sum_grad_along(self.bias.to_local(), self.mesh, "row").to(y.dtype)  # bf16 under autocast
         return y.view(*lead, y.shape[-1])

@@ -23,3 +23,8 @@ tp2d-bench --model gpt2 --set n_layer=2 --set n_embd=256 --set n_head=8 --set vo
 tp2d-bench --model gpt2 --set n_layer=2 --set n_embd=576 --set n_head=144 --set vocab_size=257 --seq 288 \
   --layouts "" --weak-scaling 1,4,9,16 --weak-layouts tp1d,2d,metp --weak-batch 1 --steps 2 --warmup 1 \
   --out "$here/weak_scaling"
+
+# 4. SUMMA v2 (issue 11): "2d" (collective SUMMA) beside 1-D TP with and without sequence parallelism on GPT-2 small,
+#    p = 4: bytes per rank and calls per block as counted; the projection with the SUMMA variants and fair rows.
+tp2d-bench --model gpt2 --batch 4 --seq 256 --p 4 --steps 2 --warmup 1 --layouts tp1d,tp1d-sp,2d \
+  --out "$here/summa_v2"
