@@ -57,7 +57,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tp2d.comm import (BroadcastPipeline, ReducePipeline, all_gather_blocks, axis_rank, axis_size,
+from lightning_tp2d.comm import (BroadcastPipeline, ReducePipeline, all_gather_blocks, axis_rank, axis_size, broadcast_along,
                                  exchange_with, neighbour_exchange, reduce_scatter_blocks)
 from lightning_tp2d.mesh import transpose_peer
 from lightning_tp2d.options import TPOptions, tp_options
@@ -172,6 +172,57 @@ class _Column:
         return block.t() if self.transposed else block
 
 
+def reduce_order(n: int, i: int) -> list[int]:
+    """The targets :class:`_RingReduce` computes partials for on rank ``i``, in order: each step's rightward sum's
+    target, then its leftward one's, the own block last."""
+    right, left = n // 2, (n - 1) // 2
+    order = []
+    for s in range(right):
+        order.append((i + right - s) % n)
+        if s < left:
+            order.append((i - left + s) % n)
+    return order + [i]
+
+
+class _ColumnStream:
+    """The ``row`` axis' blocks of a weight-sized operand one broadcast each, in the order ``get`` will ask for them
+    (the same on every rank of the axis: it depends on the ``col`` coordinate only), at most ``depth`` ahead. For a
+    weight column larger than the activation block that travels (the LM head at a few thousand tokens), ``q`` blocks
+    at once would cost more memory than one call saves; the broadcast form holds two or three."""
+
+    def __init__(self, b: torch.Tensor, mesh: DeviceMesh, order, depth: int = 2, mirrored: bool = True) -> None:
+        wire, self.transposed = _wire(b)
+        if not mirrored:
+            wire = exchange_with(wire, transpose_peer(mesh))
+        self.wire, self.mesh, self.mine = wire, mesh, axis_rank(mesh, "row")
+        self.order, self.next, self.pending = list(order), 0, {}
+        for _ in range(depth):
+            self._post()
+
+    def _post(self) -> None:
+        if self.next < len(self.order):
+            k = self.order[self.next]
+            self.next += 1
+            buf = self.wire if k == self.mine else torch.empty_like(self.wire)
+            self.pending[k] = (buf, broadcast_along(buf, self.mesh, "row", src=k, async_op=True))
+
+    def get(self, k: int) -> torch.Tensor:
+        buf, handle = self.pending.pop(k)
+        self._post()
+        handle.wait()
+        return buf.t() if self.transposed else buf
+
+
+def _streams(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool) -> bool:
+    """Stream the weight column (:class:`_ColumnStream`) rather than gather it: when it outweighs the block ``a`` and
+    is not kept for the backward."""
+    return not keep and axis_size(mesh, "row") * b.numel() * b.element_size() > a.numel() * a.element_size()
+
+
+def _flat(order: list[list[int]]) -> list[int]:
+    return [k for step in order for k in step]
+
+
 class _RingGather:
     """An operand's ``col``-axis blocks, travelling both ways round the ring (:func:`ring_order`). ``step(s)``,
     called for ``s = 0 .. ring_steps - 1`` in order, returns ``[(k, block k)]`` after posting step ``s+1``'s
@@ -248,8 +299,12 @@ class _RingReduce:
 
 def collective_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = False):
     """``C = A B`` on local blocks, no autograd: ``(c, a_panels, column)``; with ``keep`` the ``A`` blocks in
-    coordinate order and the gathered :class:`_Column` of ``B``, else ``None``."""
-    column = _Column.gather(b, mesh)
+    coordinate order and the gathered :class:`_Column` of ``B``, else ``None``. A weight column that outweighs
+    ``A``'s block is streamed block by block instead (:class:`_ColumnStream`; never kept)."""
+    if _streams(a, b, mesh, keep):
+        column = _ColumnStream(b, mesh, _flat(ring_order(axis_size(mesh, "col"), axis_rank(mesh, "col"))))
+    else:
+        column = _Column.gather(b, mesh)
     ring = _RingGather(a, mesh, _GATHER)
     out, kept = None, {}
     for s in range(ring_steps(ring.n)):
@@ -270,9 +325,21 @@ def collective_abt(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, column: _
     return out
 
 
-def _stacked_reduce(parts: list[torch.Tensor], mesh: DeviceMesh):
-    """Post the reduce-scatter along ``row`` of the stacked ``parts`` (async)."""
-    return reduce_scatter_blocks(torch.stack(parts), mesh, "row")
+class _Partials:
+    """The ``q`` weight-gradient partials of one product, written into one preallocated ``[q, ...]`` buffer as they
+    are computed (no second copy to stack them), then reduce-scattered along ``row`` in one async call."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.buffer = n, None
+
+    def put(self, k: int, part: torch.Tensor) -> None:
+        if self.buffer is None:
+            self.buffer = part.new_empty((self.n, *part.shape))
+        self.buffer[k].copy_(part)
+
+    def reduce(self, mesh: DeviceMesh):
+        """Post the reduce-scatter (async): ``(out, handle)``."""
+        return reduce_scatter_blocks(self.buffer, mesh, "row")
 
 
 def collective_atb(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, out_transposed: bool = False,
@@ -280,13 +347,13 @@ def collective_atb(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, out_trans
     """``C = Aᵀ B`` on local blocks, no autograd. ``a`` [M/q, K/q], ``b`` [M/q, N/q] -> [K/q, N/q]
     (``out_transposed``: as :func:`broadcast_atb`). ``a_panels``: the kept ``A`` blocks, no ring pass."""
     n, i = axis_size(mesh, "col"), axis_rank(mesh, "col")
-    parts: list = [None] * n
+    parts = _Partials(n)
     ring = _RingGather(a, mesh, _GATHER) if a_panels is None else None
     for s, ks in enumerate(ring_order(n, i)):
         held = ring.step(s) if ring is not None else [(k, a_panels[k]) for k in ks]
         for k, a_k in held:
-            parts[k] = b.t() @ a_k if out_transposed else a_k.t() @ b
-    out, handle = _stacked_reduce(parts, mesh)
+            parts.put(k, b.t() @ a_k if out_transposed else a_k.t() @ b)
+    out, handle = parts.reduce(mesh)
     handle.wait()
     return out.t() if out_transposed else out
 
@@ -299,19 +366,19 @@ def collective_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor,
     n, i = axis_size(mesh, "col"), axis_rank(mesh, "col")
     out_t = _is_transposed(b)
     if need_a and column is None:
-        column = _Column.gather(b, mesh)
+        column = _ColumnStream(b, mesh, reduce_order(n, i)) if _streams(grad, b, mesh, False) else _Column.gather(b, mesh)
     gather = _RingGather(a, mesh, _GATHER) if need_b and a_panels is None else None
     reduce = _RingReduce(mesh, _REDUCE) if need_a else None
-    parts: list = [None] * n
+    parts = _Partials(n)
     da = db = db_handle = None
     order = ring_order(n, i)
     for s in range(len(order)):
         if need_b:
             held = gather.step(s) if gather is not None else [(k, a_panels[k]) for k in order[s]]
             for k, a_k in held:
-                parts[k] = grad.t() @ a_k if out_t else a_k.t() @ grad
+                parts.put(k, grad.t() @ a_k if out_t else a_k.t() @ grad)
             if s == len(order) - 1:
-                db, db_handle = _stacked_reduce(parts, mesh)
+                db, db_handle = parts.reduce(mesh)
         if need_a:
             da = reduce.step(s, lambda k: grad @ column.get(k).t())
     if db_handle is not None:
@@ -337,7 +404,11 @@ def scatter_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = 
     round the ``col`` ring, so ``C``-sized blocks travel instead of ``A``-sized ones (the MLP's down projection:
     ``h``-wide instead of ``4h``-wide). ``mirrored``: ``b`` is already the mirror rank's block ``B_kr`` (a weight
     stored that way, :class:`~lightning_tp2d.nn.linear.Linear2D`), so no swap."""
-    column = _mirror_column(b, mesh, mirrored)
+    n, i = axis_size(mesh, "col"), axis_rank(mesh, "col")
+    if _streams(a, b, mesh, keep):
+        column = _ColumnStream(b, mesh, reduce_order(n, i), mirrored=mirrored)
+    else:
+        column = _mirror_column(b, mesh, mirrored)
     ring = _RingReduce(mesh, _REDUCE)
     for s in range(ring_steps(ring.n)):
         out = ring.step(s, lambda c: a @ column.get(c))
@@ -353,18 +424,21 @@ def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, me
     n = axis_size(mesh, "col")
     out_t = _is_transposed(b)
     if need_a and column is None:
-        column = _mirror_column(b, mesh, mirrored)
+        if _streams(grad, b, mesh, False):
+            column = _ColumnStream(b, mesh, _flat(ring_order(n, axis_rank(mesh, "col"))), mirrored=mirrored)
+        else:
+            column = _mirror_column(b, mesh, mirrored)
     ring = _RingGather(grad, mesh, _GATHER)
-    parts: list = [None] * n
+    parts = _Partials(n)
     da = db = db_handle = None
     steps = ring_steps(n)
     for s in range(steps):
         held = ring.step(s)
         if need_b:
             for c, g in held:
-                parts[c] = g.t() @ a if out_t else a.t() @ g
+                parts.put(c, g.t() @ a if out_t else a.t() @ g)
             if s == steps - 1:
-                db, db_handle = _stacked_reduce(parts, mesh)
+                db, db_handle = parts.reduce(mesh)
         if need_a:
             for c, g in held:
                 b_c = column.get(c)

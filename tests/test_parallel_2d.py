@@ -33,14 +33,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def _parity(rank, world_size, dtype, config_overrides):
+def _parity(rank, world_size, dtype, config_overrides, options=None):
     q = int(round(world_size ** 0.5))
     torch.manual_seed(0)
     cfg = GPT2Config.from_name("gpt2-tiny", **config_overrides)
     plain = GPT2(cfg).to(dtype)
     par = copy.deepcopy(plain)
     mesh = tp.init_mesh("2d", world_size, 1)
-    tp.parallelize(par, mesh, layout="2d")
+    tp.parallelize(par, mesh, layout="2d", options=tp.TPOptions(**(options or {})))
     idx, targets = _batch(cfg, batch=2 * q, seq=24)
 
     out = {"names": [n for n, _ in par.named_parameters()] == [n for n, _ in plain.named_parameters()]}
@@ -93,6 +93,14 @@ def test_2d_matches_plain_model_float64(world_size):
     assert results[0]["logits_shape"] == (2 * q, 24, 257)
 
 
+@pytest.mark.parametrize("options", [dict(summa="broadcast"), dict(keep_panels=True),
+                                     dict(summa="broadcast", keep_panels=True)],
+                         ids=["broadcast", "keep-panels", "broadcast-keep-panels"])
+def test_2d_summa_variants_match_plain_model_float64(options):
+    # the default (collective SUMMA, panels gathered again in backward) is the test above
+    _check_parity(run_distributed(_parity, 4, torch.float64, {}, options), tol=1e-10)
+
+
 def test_2d_matches_plain_model_float32_without_bias():
     results = run_distributed(_parity, 4, torch.float32, {"bias": False})
     _check_parity(results, tol=2e-5)
@@ -135,29 +143,37 @@ def expected_block_comm(h: int, tokens: int, q: int, elem: int, bias: bool = Tru
 
     for i, o in linears:
         x_block, w_block = n * i // q, (o // q) * (i // q)
+        if bias:
+            add(bwd, "all_reduce", 1, o // q)
         if summa == "broadcast":
             add(fwd, "broadcast", 2 * q, q * (x_block + w_block))
             if not keep_panels:
                 add(bwd, "broadcast", 2 * q, q * (w_block + x_block))
             add(bwd, "reduce", 2 * q, q * (x_block + w_block))
-        elif ab_form(i, o, keep_panels) == "gather":
-            add(fwd, "all_gather", 1, w_block)
+            continue
+        y_block = n * o // q
+
+        def column(d, against, keep=False):  # streamed (q broadcasts) when it outweighs the block: summa._streams
+            if not keep and q * w_block > against:
+                add(d, "broadcast", q, q * w_block)
+            else:
+                add(d, "all_gather", 1, w_block)
+
+        if ab_form(i, o, keep_panels) == "gather":
+            column(fwd, x_block, keep_panels)
             add(fwd, "ring_exchange", q // 2, (q - 1) * x_block)
             if not keep_panels:
-                add(bwd, "all_gather", 1, w_block)
+                column(bwd, y_block)
                 add(bwd, "ring_exchange", q // 2, (q - 1) * x_block)
             add(bwd, "ring_exchange", q // 2, (q - 1) * x_block)
             add(bwd, "reduce_scatter", 1, q * w_block)
         else:  # scatter: Y's partial sums travel, dY once backward (W stored mirrored: no swap)
-            y_block = n * o // q
-            add(fwd, "all_gather", 1, w_block)
+            column(fwd, x_block, keep_panels)
             add(fwd, "ring_exchange", q // 2, (q - 1) * y_block)
             if not keep_panels:
-                add(bwd, "all_gather", 1, w_block)
+                column(bwd, y_block)
             add(bwd, "ring_exchange", q // 2, (q - 1) * y_block)
             add(bwd, "reduce_scatter", 1, q * w_block)
-        if bias:
-            add(bwd, "all_reduce", 1, o // q)
     add(bwd, "all_reduce", 2, (4 if bias else 2) * h // q)  # ln_1, ln_2: weight (and bias) in one call over row
     scale = lambda d: {k: {"calls": v[0], "bytes": v[1] * elem} for k, v in d.items()}  # noqa: E731
     return {"forward": scale(fwd), "backward": scale(bwd)}
@@ -402,10 +418,10 @@ def test_lm_head_swaps_weight_blocks_with_the_mirror_rank_and_never_moves_logits
                 assert bwd["broadcast"] == {"calls": 2 * q, "bytes": q * (w_panel + x_panel)}
                 assert bwd["reduce"] == {"calls": 2 * q, "bytes": q * (x_panel + w_panel)}
                 assert fwd["all_gather"]["calls"] == fwd["reduce_scatter"]["calls"] == 0
-            else:
-                assert fwd["all_gather"] == {"calls": 1, "bytes": w_panel}
+            else:  # at 16 tokens per rank the head's weight column outweighs the activations: streamed
+                assert fwd["broadcast"] == {"calls": q, "bytes": q * w_panel}
                 assert fwd["ring_exchange"] == {"calls": q // 2, "bytes": (q - 1) * x_panel}
-                assert fwd["broadcast"]["calls"] == fwd["reduce"]["calls"] == fwd["reduce_scatter"]["calls"] == 0
-                assert bwd["all_gather"] == {"calls": 1, "bytes": w_panel}
+                assert fwd["all_gather"]["calls"] == fwd["reduce"]["calls"] == fwd["reduce_scatter"]["calls"] == 0
+                assert bwd["broadcast"] == {"calls": q, "bytes": q * w_panel}
                 assert bwd["ring_exchange"] == {"calls": 2 * (q // 2), "bytes": 2 * (q - 1) * x_panel}
                 assert bwd["reduce_scatter"] == {"calls": 1, "bytes": q * w_panel}

@@ -23,6 +23,8 @@ from lightning_tp2d.summa import summa_ab, summa_abt, summa_atb
 from tests.distributed import run_distributed
 
 MB, KB, NB = 3, 5, 4  # block shape factors: A is [M, K] = [MB*q, KB*q], and so on
+TALL = 48  # MB of the "tall" cases: activation blocks outweigh the weight column, which is then all-gathered
+#            (with MB = 3 the collective SUMMA streams the weight blocks instead: summa._streams)
 PRODUCTS = ("ab", "abt", "atb")
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 # (algorithm, keep_panels, form); panels are kept, and the scatter form exists, for the A B product only
@@ -35,9 +37,9 @@ def _algo_id(algo) -> str:
     return algo[0] + ("-keep" if algo[1] else "") + ("-" + algo[2] if algo[2] != "gather" else "")
 
 
-def _shapes(product: str, q: int) -> tuple[tuple[int, int], tuple[int, int]]:
+def _shapes(product: str, q: int, mb: int = MB) -> tuple[tuple[int, int], tuple[int, int]]:
     """Full shapes of A and B for ``product``: C = A B, A Bᵀ or Aᵀ B."""
-    M, K, N = MB * q, KB * q, NB * q
+    M, K, N = mb * q, KB * q, NB * q
     return {"ab": ((M, K), (K, N)), "abt": ((M, K), (N, K)), "atb": ((M, K), (M, N))}[product]
 
 
@@ -59,10 +61,10 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _one_product(mesh, q: int, i: int, j: int, product: str, dtype: torch.dtype, b_transposed: bool,
-                 algo: tuple[str, bool]) -> dict:
+                 algo: tuple[str, bool, str], mb: int) -> dict:
     """Forward and backward of one product on this rank's blocks; errors relative to torch.matmul."""
     g = torch.Generator().manual_seed(PRODUCTS.index(product) * 10 + q)
-    shape_a, shape_b = _shapes(product, q)
+    shape_a, shape_b = _shapes(product, q, mb)
     a_full = torch.randn(shape_a, generator=g, dtype=torch.float64).requires_grad_()
     b_full = torch.randn(shape_b, generator=g, dtype=torch.float64).requires_grad_()
     c_full = _reference(product, a_full, b_full)
@@ -106,8 +108,8 @@ def _one_product(mesh, q: int, i: int, j: int, product: str, dtype: torch.dtype,
 def _summa_worker(rank: int, world_size: int, q: int) -> dict:
     mesh = init_mesh("2d", q * q, 1)
     i, j = grid_coords(mesh)
-    return {(product, str(dtype), b_t, algo): _one_product(mesh, q, i, j, product, dtype, b_t, algo)
-            for product, dtype, b_t, algo in CASES}
+    return {(product, str(dtype), b_t, algo, mb): _one_product(mesh, q, i, j, product, dtype, b_t, algo, mb)
+            for product, dtype, b_t, algo, mb in CASES}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2x2", "3x3"])
@@ -116,20 +118,21 @@ def grid(request):
     return q, run_distributed(_summa_worker, q * q, q)
 
 
-CASES = [(p, dtype, b_t, algo) for p in PRODUCTS for dtype in TOL for b_t in (False, True) for algo in ALGOS
-         if p == "ab" or algo[1:] == (False, "gather")]
-CASE_IDS = [f"{p}-{str(d).removeprefix('torch.')}-{'bT' if b_t else 'b'}-{_algo_id(a)}" for p, d, b_t, a in CASES]
+CASES = [(p, dtype, b_t, algo, mb) for p in PRODUCTS for dtype in TOL for b_t in (False, True) for algo in ALGOS
+         for mb in (MB, TALL) if (p == "ab" or algo[1:] == (False, "gather")) and (mb == MB or algo[0] == "collective")]
+CASE_IDS = [f"{p}-{str(d).removeprefix('torch.')}-{'bT' if b_t else 'b'}-{_algo_id(a)}{'-tall' if mb == TALL else ''}"
+            for p, d, b_t, a, mb in CASES]
 
 
-@pytest.mark.parametrize("product, dtype, b_transposed, algo", CASES, ids=CASE_IDS)
-def test_product_and_gradients_match_matmul(grid, product, dtype, b_transposed, algo):
+@pytest.mark.parametrize("product, dtype, b_transposed, algo, mb", CASES, ids=CASE_IDS)
+def test_product_and_gradients_match_matmul(grid, product, dtype, b_transposed, algo, mb):
     q, outs = grid
-    shape_a, shape_b = _shapes(product, q)
+    shape_a, shape_b = _shapes(product, q, mb)
     c_rows = shape_a[1] if product == "atb" else shape_a[0]
     c_cols = shape_b[0] if product == "abt" else shape_b[1]
     tol = TOL[dtype]
     for rank, out in enumerate(outs):
-        r = out[(product, str(dtype), b_transposed, algo)]
+        r = out[(product, str(dtype), b_transposed, algo, mb)]
         assert r["c_shape"] == (c_rows // q, c_cols // q), rank
         assert r["c"] < tol and r["da"] < tol and r["db"] < tol, (rank, r["c"], r["da"], r["db"])
 
@@ -140,7 +143,7 @@ def test_transposed_b_storage_receives_a_contiguous_correct_gradient(grid, produ
     q, outs = grid
     for rank, out in enumerate(outs):
         for dtype in TOL:
-            r = out[(product, str(dtype), True, algo)]
+            r = out[(product, str(dtype), True, algo, MB)]
             assert r["storage_grad_contiguous"], rank
             assert r["db"] < TOL[dtype], (rank, dtype, r["db"])
 
@@ -151,11 +154,11 @@ def test_transposed_b_gets_its_gradient_as_a_transposed_view_without_copy(grid, 
     q, outs = grid
     for rank, out in enumerate(outs):
         for dtype in TOL:
-            assert out[(product, str(dtype), True, algo)]["b_grad_transposed_view"] is True, (rank, dtype)
+            assert out[(product, str(dtype), True, algo, MB)]["b_grad_transposed_view"] is True, (rank, dtype)
 
 
-def _block_bytes(product: str, q: int, itemsize: int) -> dict[str, int]:
-    shape_a, shape_b = _shapes(product, q)
+def _block_bytes(product: str, q: int, itemsize: int, mb: int = MB) -> dict[str, int]:
+    shape_a, shape_b = _shapes(product, q, mb)
     c_shape = {"ab": (shape_a[0], shape_b[1]), "abt": (shape_a[0], shape_b[0]), "atb": (shape_a[1], shape_b[1])}[product]
     return {name: rows * cols // (q * q) * itemsize for name, (rows, cols) in
             (("A", shape_a), ("B", shape_b), ("C", c_shape))}
@@ -186,49 +189,61 @@ def _expected_broadcast(product: str, q: int, itemsize: int, keep: bool) -> tupl
     return snap(*schedule[product]), snap(*backward[product])
 
 
-def _expected_scatter(q: int, itemsize: int, keep: bool, diagonal: bool) -> tuple[dict, dict]:
+def _column(q: int, nb: dict, against: str, keep: bool = False) -> tuple:
+    """How a weight column of ``B`` blocks moves (summa._streams): streamed as ``q`` broadcasts when it outweighs
+    the block ``against`` and is not kept, else one all-gather of the local block."""
+    if not keep and q * nb["B"] > nb[against]:
+        return ("broadcast", q, nb["B"])
+    return ("all_gather", 1, nb["B"])
+
+
+def _expected_scatter(q: int, itemsize: int, keep: bool, diagonal: bool, mb: int = MB) -> tuple[dict, dict]:
     """A B in the scatter form: forward swaps B's block with the mirror rank (diagonal ranks keep theirs), gathers
-    row k of B along ``row`` and passes C's partial sums round the ring; backward swaps and gathers again (not with
-    kept panels), passes dC round, reduce-scatters the q stacked dB partials and swaps the result back."""
-    nb = _block_bytes("ab", q, itemsize)
+    (or streams) row k of B along ``row`` and passes C's partial sums round the ring; backward swaps and gathers
+    again (not with kept panels), passes dC round, reduce-scatters the q stacked dB partials and swaps the result
+    back."""
+    nb = _block_bytes("ab", q, itemsize, mb)
     swap = [] if diagonal else [("send", 1, nb["B"]), ("recv", 1, nb["B"])]
     ring = ("ring_exchange", q // 2, (q - 1) * nb["C"] // (q // 2))
-    column = swap + [("all_gather", 1, nb["B"])]
-    fwd = column + [ring]
-    bwd = ([] if keep else column) + [ring, ("reduce_scatter", 1, q * nb["B"])] + swap
+    fwd = swap + [_column(q, nb, "A", keep), ring]
+    bwd = ([] if keep else swap + [_column(q, nb, "C")]) + [ring, ("reduce_scatter", 1, q * nb["B"])] + swap
     return _snap(q, fwd), _snap(q, bwd)
 
 
-def _expected_collective(product: str, q: int, itemsize: int, keep: bool) -> tuple[dict, dict]:
+def _expected_collective(product: str, q: int, itemsize: int, keep: bool, mb: int = MB) -> tuple[dict, dict]:
     """Collective SUMMA (summa.py): a ring pass of an ``X``-sized block is ``q//2`` exchanges sending ``q-1``
     blocks in all; the weight-sized operand is one all-gather (its local block) or one reduce-scatter (``q``
     blocks) along ``row``:
       AB:  fwd gather B, ring A            bwd gather B + reduce ring dA; ring A + reduce-scatter dB
       ABᵀ: fwd gather B, reduce ring C     bwd dA = dC B (gather B, ring dC); dB = dCᵀ A (ring dC, reduce-scatter dB)
       AᵀB: fwd ring A, reduce-scatter C    bwd dA = B dCᵀ (gather dC, reduce ring dA); dB = A dC (gather dC, ring A)
-    With kept panels A B's backward neither gathers B nor passes A round again."""
-    nb = _block_bytes(product, q, itemsize)
+    With kept panels A B's backward neither gathers B nor passes A round again. In a product ``X W`` the weight
+    column is streamed block by block when it outweighs ``X``'s block (``_column``); ABᵀ alone always gathers."""
+    nb = _block_bytes(product, q, itemsize, mb)
     ring = lambda x: ("ring_exchange", q // 2, (q - 1) * nb[x] // (q // 2))  # noqa: E731
     gather = lambda x: ("all_gather", 1, nb[x])  # noqa: E731
     scatter = lambda x: ("reduce_scatter", 1, q * nb[x])  # noqa: E731
-    fwd = {"ab": [gather("B"), ring("A")], "abt": [gather("B"), ring("C")], "atb": [ring("A"), scatter("C")]}
-    bwd = {"ab": ([] if keep else [gather("B"), ring("A")]) + [ring("A"), scatter("B")],
-           "abt": [gather("B"), ring("C"), ring("C"), scatter("B")],
-           "atb": [gather("C"), ring("A"), gather("C"), ring("A")]}
+    as_b = lambda w, x: _column(q, {"B": nb[w], x: nb[x]}, x)  # noqa: E731 - w the weight-side block of an X W
+    fwd = {"ab": [_column(q, nb, "A", keep), ring("A")], "abt": [gather("B"), ring("C")],
+           "atb": [ring("A"), scatter("C")]}
+    bwd = {"ab": ([] if keep else [_column(q, nb, "C"), ring("A")]) + [ring("A"), scatter("B")],
+           "abt": [as_b("B", "C"), ring("C"), ring("C"), scatter("B")],  # dA = dC B: B's column against dC
+           "atb": [gather("C"), ring("A"), as_b("C", "A"), ring("A")]}  # dB = A dC: dC's column against A
     return _snap(q, fwd[product]), _snap(q, bwd[product])
 
 
-@pytest.mark.parametrize("product, dtype, b_transposed, algo", CASES, ids=CASE_IDS)
-def test_communication_per_product_matches_the_summa_schedule(grid, product, dtype, b_transposed, algo):
+@pytest.mark.parametrize("product, dtype, b_transposed, algo, mb", CASES, ids=CASE_IDS)
+def test_communication_per_product_matches_the_summa_schedule(grid, product, dtype, b_transposed, algo, mb):
     q, outs = grid
     itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = _expected_collective if algo[0] == "collective" else _expected_broadcast
     for rank, out in enumerate(outs):
-        r = out[(product, str(dtype), b_transposed, algo)]
+        r = out[(product, str(dtype), b_transposed, algo, mb)]
         if algo[2].startswith("scatter"):
-            fwd, bwd = _expected_scatter(q, itemsize, algo[1], r["diagonal"] or algo[2] == "scatter-mirrored")
+            fwd, bwd = _expected_scatter(q, itemsize, algo[1], r["diagonal"] or algo[2] == "scatter-mirrored", mb)
+        elif algo[0] == "collective":
+            fwd, bwd = _expected_collective(product, q, itemsize, algo[1], mb)
         else:
-            fwd, bwd = expected(product, q, itemsize, algo[1])
+            fwd, bwd = _expected_broadcast(product, q, itemsize, algo[1])
         assert r["fwd"] == fwd, (rank, "forward")
         assert r["bwd"] == bwd, (rank, "backward")
 
@@ -239,7 +254,7 @@ def test_broadcast_ab_forward_is_2q_broadcasts_and_backward_2q_broadcasts_2q_red
     f64 = 8
     a_blk, b_blk = MB * KB * f64, KB * NB * f64
     for out in outs:
-        r = out[("ab", str(torch.float64), True, ("broadcast", False, "gather"))]
+        r = out[("ab", str(torch.float64), True, ("broadcast", False, "gather"), MB)]
         assert r["fwd"]["broadcast"] == {"calls": 2 * q, "bytes": q * (a_blk + b_blk)}
         assert r["fwd"]["reduce"]["calls"] == 0
         assert r["bwd"]["broadcast"] == {"calls": 2 * q, "bytes": q * (a_blk + b_blk)}
@@ -251,15 +266,15 @@ def test_collective_ab_sends_q_minus_1_activation_blocks_each_way_and_one_weight
     # backward twice the A traffic (the dA sums and A again) and the dB reduce-scatter; kept panels halve it.
     q, outs = grid
     f64 = 8
-    a_blk, b_blk = MB * KB * f64, KB * NB * f64
+    a_blk, b_blk = TALL * KB * f64, KB * NB * f64
     for out in outs:
-        r = out[("ab", str(torch.float64), True, ("collective", False, "gather"))]
+        r = out[("ab", str(torch.float64), True, ("collective", False, "gather"), TALL)]
         assert r["fwd"]["ring_exchange"] == {"calls": q // 2, "bytes": (q - 1) * a_blk}
         assert r["fwd"]["all_gather"] == {"calls": 1, "bytes": b_blk}
         assert r["fwd"]["broadcast"]["calls"] == r["fwd"]["reduce"]["calls"] == 0
         assert r["bwd"]["ring_exchange"] == {"calls": 2 * (q // 2), "bytes": 2 * (q - 1) * a_blk}
         assert r["bwd"]["reduce_scatter"] == {"calls": 1, "bytes": q * b_blk}
-        kept = out[("ab", str(torch.float64), True, ("collective", True, "gather"))]
+        kept = out[("ab", str(torch.float64), True, ("collective", True, "gather"), TALL)]
         assert kept["bwd"]["ring_exchange"] == {"calls": q // 2, "bytes": (q - 1) * a_blk}
         assert kept["bwd"]["all_gather"]["calls"] == 0
 
