@@ -28,3 +28,5 @@ tp2d-bench --model gpt2 --set n_layer=2 --set n_embd=576 --set n_head=144 --set 
 #    p = 4: bytes per rank and calls per block as counted; the projection with the SUMMA variants and fair rows.
 tp2d-bench --model gpt2 --batch 4 --seq 256 --p 4 --steps 2 --warmup 1 --layouts tp1d,tp1d-sp,2d \
   --out "$here/summa_v2"
+#    This machine's GEMM table (--measured-rates) and the projection priced with it.
+tp2d-bench --layouts "" --measured-rates --out "$here/cpu_rates"
