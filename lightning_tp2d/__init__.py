@@ -40,7 +40,7 @@ _EXPORTS = {
     "TP2DStrategy": "strategy",
     "Layout": "layouts", "Grid2D": "layouts", "Ring": "layouts", "GridRing": "layouts", "get_layout": "layouts",
     "register_layout": "layouts",
-    "RingOptions": "metp", "TPOptions": "options",
+    "RingOptions": "options", "TPOptions": "options",
 }
 # names that are also submodules: importing ``lightning_tp2d.parallelize`` must not rebind ``tp.parallelize``
 _SHADOWED = {name for name, module in _EXPORTS.items() if name == module}

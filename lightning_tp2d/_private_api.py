@@ -115,9 +115,9 @@ torch (2.13)
 
 ``torch.utils._python_dispatch.TorchDispatchMode``
     where: bench/collectives.py:FunctionalCollectiveCounter, bench/measure.py:LiveTensorBytes,
-    bench/trace.py:_Recorder
-    why: sees every aten op: counts functional collectives with their bytes, tracks live tensor bytes, records the
-    traced schedule.
+    bench/measure.py:HostSyncCounter, bench/trace.py:_Recorder
+    why: sees every aten op: counts functional collectives with their bytes, tracks live tensor bytes, counts the ops
+    that make the host wait for the device, records the traced schedule.
     public: none for bytes. ``torch.distributed.tensor.debug.CommDebugMode`` counts collective calls but not
     their bytes, and nothing tracks live bytes.
 
@@ -207,8 +207,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "recognise DTensor's shape-propagation tensors; trace the parallel model without memory or compute"),
     ("torch.utils._python_dispatch.TorchDispatchMode",
      ("bench/collectives.py:FunctionalCollectiveCounter", "bench/measure.py:LiveTensorBytes",
-      "bench/trace.py:_Recorder"),
-     "see every aten op: collectives with their bytes, live tensor bytes, the traced schedule"),
+      "bench/measure.py:HostSyncCounter", "bench/trace.py:_Recorder"),
+     "see every aten op: collectives with their bytes, live tensor bytes, host syncs, the traced schedule"),
     ("torch.utils._pytree.tree_flatten",
      ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",
       "bench/measure.py:LiveTensorBytes.__torch_dispatch__", "bench/trace.py:_Recorder._track"),

@@ -40,12 +40,11 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import axis_rank, axis_size, ring_shift
-from lightning_tp2d.options import ATTENTION_KERNELS, TPOptions, tp_options  # noqa: F401 (re-exported)
+from lightning_tp2d.options import ATTENTION_KERNELS, RingOptions, TPOptions, tp_options  # noqa: F401 (re-exported)
 
 _OPERANDS, _GRADS = 0, 1  # point-to-point tags of the two shifts the backward keeps in flight
 
 
-RingOptions = TPOptions  # the ring layers' options are the package's layer options (lightning_tp2d.options)
 
 
 def ring_options(options: TPOptions | None) -> TPOptions:

@@ -64,3 +64,6 @@ def tp_options(options: TPOptions | None) -> TPOptions:
         raise TypeError(f"options must be a lightning_tp2d.TPOptions (alias RingOptions) or None, "
                         f"got {type(options).__name__}")
     return options
+
+
+RingOptions = TPOptions  # the name the ring layers' options had before they served every layer

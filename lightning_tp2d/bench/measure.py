@@ -116,3 +116,38 @@ def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
                 if isinstance(value, torch.Tensor) and value.numel() > 1:  # skip scalar step counters
                     add(value)
     return total
+
+
+# ops whose result the host must read from the device before it can go on (or whose output shape depends on data)
+_SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave")
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts the aten ops of a region that stop a device stream on the host: ``.item()`` / ``bool(t)``
+    (``_local_scalar_dense``), ``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave`` and indexing with a
+    boolean mask (``index`` / ``index_put`` with bool indices). On CPU they cost nothing, but each one is a stall
+    on a GPU and a graph break under ``torch.compile``; a training step should have none (``counts`` by op name,
+    ``total``). DTensor operations are let through first, so the local ops they desugar into are seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in _SYNC_OPS or (name in ("index", "index_put", "index_put_") and _bool_index(args)):
+            key = name if name in _SYNC_OPS else f"{name}[bool]"
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **kwargs)
+
+
+def _bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in (indices or ()))
