@@ -4,9 +4,12 @@ The module holds a plain :class:`~lightning_tp2d.models.GPT2` and no parallel co
 :class:`~lightning_tp2d.strategy.TP2DStrategy` it is built on the meta device and the strategy materialises only
 each rank's shards (from ``init_seed``, so the full weights equal an eager build with that seed on one device).
 
-Optimisation: AdamW with decoupled weight decay on matrices and embeddings only (no decay on biases and
-LayerNorm), learning rate ``lr * f(step)`` with linear warmup to 1 over ``warmup_steps`` then cosine decay to
+Optimisation: AdamW (the fused kernel where the device has one, else foreach) with decoupled weight decay on
+matrices and embeddings only (no decay on biases and LayerNorm), learning rate ``lr * f(step)`` with linear warmup to 1 over ``warmup_steps`` then cosine decay to
 ``min_lr_ratio`` at ``max_steps`` (default: the Trainer's estimated optimizer steps).
+
+Token ids are checked on the host batch before it moves to the device (``on_before_batch_transfer``); the model's
+own per-forward value check is off, so a training step never waits for the device to read ids back.
 
 Metrics: ``train_loss`` (every step) and ``val_loss`` / ``val_perplexity`` (per validation epoch), averaged over
 data-parallel replicas. Perplexity is ``exp(Σ nll / Σ tokens)`` accumulated by a torchmetrics ``Metric``: the
@@ -106,6 +109,9 @@ class GPT2LightningModule(L.LightningModule):
                     self.model = GPT2(self.config)
             else:
                 self.model = GPT2(self.config)
+        # token ids are checked on the host batch before it moves to the device (on_before_batch_transfer), so the
+        # training step itself never waits on the device to read them
+        self.model.validate_inputs = False
 
     def setup(self, stage: str) -> None:
         """Check the data against the model before any training: ids within the vocabulary, windows that fit."""
@@ -120,6 +126,14 @@ class GPT2LightningModule(L.LightningModule):
         block = getattr(dm, "block_size", None)
         if block is not None and block > T:
             raise ValueError(f"data block_size {block} exceeds the model's block_size {T}")
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """Check the ``(idx, targets)`` batch's token ids while it is still on the host (a ``ValueError`` naming the
+        ids that do not fit), so no step reads them back from the device."""
+        if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
+            if self.model is not None and batch[0].device.type == "cpu":
+                self.model.check_input(batch[0], batch[1], values=True)
+        return batch
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(idx, targets)
@@ -151,9 +165,12 @@ class GPT2LightningModule(L.LightningModule):
         hp = self.hparams
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
-                                       {"params": no_decay, "weight_decay": 0.0}],
-                                      lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps)
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        kwargs = dict(lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps)
+        try:  # the fused kernel: one launch for all parameters, and no .item() of the step count per parameter
+            optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
+        except (RuntimeError, ValueError):  # parameters on a device (or of a dtype) without the fused kernel
+            optimizer = torch.optim.AdamW(groups, foreach=True, **kwargs)
         total = hp.max_steps or self.trainer.estimated_stepping_batches
         if not math.isfinite(total):
             raise ValueError("set max_steps (the cosine schedule needs a length) when training has no step limit")
@@ -170,6 +187,7 @@ class GPT2LightningModule(L.LightningModule):
         call it with the same ``idx`` and ``seed``: the gathered logits are identical on all ranks, and so are the
         samples drawn from one seeded generator."""
         was_training = self.model.training
+        self.model.check_input(idx, values=True)
         self.model.eval()
         B = idx.size(0)
         batch_multiple, seq_multiple = _input_multiples(self.model)

@@ -177,8 +177,9 @@ class LMHead(nn.Module):
 class GPT2(nn.Module):
     """GPT-2 language model: token + position embedding, n_layer Blocks, final LayerNorm, tied head."""
 
-    # Check token-id *values* on every forward (shapes and dtypes are always checked). It reads the ids on the host;
-    # turn it off where the ids cannot be read (a fake-tensor schedule trace) or were checked already.
+    # Check token-id *values* on every forward (shapes and dtypes are always checked). It reads the ids on the host: a
+    # device-to-host sync per step on a GPU. GPT2LightningModule turns it off and checks each batch on the host before
+    # it moves to the device instead; turn it off too where the ids cannot be read (a fake-tensor schedule trace).
     validate_inputs: bool = True
 
     def __init__(self, config: GPT2Config):
@@ -244,9 +245,10 @@ class GPT2(nn.Module):
         """Number of distinct parameter entries; the tied wte/lm_head matrix counts once."""
         return sum(p.numel() for p in self.parameters())  # parameters() yields each tensor once
 
-    def check_input(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> None:
+    def check_input(self, idx: torch.Tensor, targets: torch.Tensor | None = None, values: bool | None = None) -> None:
         """Raise ValueError unless idx is (B, T) integer ids in [0, V) with T <= block_size, and targets
-        (if given) has idx's shape with values in [0, V) or -100 (ignored)."""
+        (if given) has idx's shape with values in [0, V) or -100 (ignored). ``values``: whether to read the ids
+        (``None``: :attr:`validate_inputs`)."""
         V, block_size = self.config.vocab_size, self.config.block_size
         if idx.dim() != 2 or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
             raise ValueError(f"idx must be a 2-D (B, T) integer tensor, got shape {tuple(idx.shape)} "
@@ -254,7 +256,7 @@ class GPT2(nn.Module):
         T = idx.size(1)
         if T > block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {block_size}")
-        if not self.validate_inputs:
+        if not (self.validate_inputs if values is None else values):
             if targets is not None and targets.shape != idx.shape:
                 raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
             return
