@@ -359,9 +359,20 @@ def ring_shift(send, recv, mesh: DeviceMesh, axis: str, tag: int = 0, async_op: 
             dst.copy_(src)
         return DONE
     group = axis_group(mesh, axis)
+    send = [t.contiguous() for t in send]
     call = _post("ring_exchange", axis, group, send)
     prev, nxt = ring_neighbours(mesh, axis)
     to, frm = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
+    works, then = _point_to_point(send, recv, [(to, tag)] * len(send), [(frm, tag)] * len(recv), group,
+                                  axis_rank(mesh, axis) % 2 == 0)
+    return _finish(works, async_op, then, call)
+
+
+def _point_to_point(send: list, recv: list, peers_out: list, peers_in: list, group, sends_first: bool):
+    """Post ``isend`` of each ``send[i]`` to ``peers_out[i] = (global rank, tag)`` and ``irecv`` into each
+    ``recv[i]`` from ``peers_in[i]``, sends first or receives first (ranks alternate, so that no pair of blocking
+    transports waits on each other); under gloo CUDA tensors travel through host buffers. Returns the works and
+    the copy-back to run after them (or ``None``)."""
     then = None
     if send and _needs_host_staging(send[0], group):
         targets = recv
@@ -373,10 +384,9 @@ def ring_shift(send, recv, mesh: DeviceMesh, axis: str, tag: int = 0, async_op: 
             for dst, src in zip(targets, host):
                 dst.copy_(src)
 
-    sends = lambda: [dist.isend(t.contiguous(), dst=to, group=group, tag=tag) for t in send]  # noqa: E731
-    recvs = lambda: [dist.irecv(t, src=frm, group=group, tag=tag) for t in recv]  # noqa: E731
-    works = sends() + recvs() if axis_rank(mesh, axis) % 2 == 0 else recvs() + sends()
-    return _finish(_Works(works), async_op, then, call)
+    sends = lambda: [dist.isend(t, dst=p, group=group, tag=k) for t, (p, k) in zip(send, peers_out)]  # noqa: E731
+    recvs = lambda: [dist.irecv(t, src=p, group=group, tag=k) for t, (p, k) in zip(recv, peers_in)]  # noqa: E731
+    return _Works(sends() + recvs() if sends_first else recvs() + sends()), then
 
 
 def neighbour_exchange(mesh: DeviceMesh, axis: str, *, to_next=(), from_prev=(), to_prev=(), from_next=(),
@@ -411,21 +421,8 @@ def neighbour_exchange(mesh: DeviceMesh, axis: str, *, to_next=(), from_prev=(),
     g_next, g_prev = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
     peers_out = [(g_next, 2 * tag)] * len(to_next) + [(g_prev, 2 * tag + 1)] * len(to_prev)
     peers_in = [(g_prev, 2 * tag)] * len(from_prev) + [(g_next, 2 * tag + 1)] * len(from_next)
-    then = None
-    if send and _needs_host_staging(send[0], group):
-        targets = recv
-        send = [t.detach().cpu() for t in send]
-        recv = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in targets]
-        host = recv
-
-        def then() -> None:
-            for dst, src in zip(targets, host):
-                dst.copy_(src)
-
-    sends = lambda: [dist.isend(t, dst=p, group=group, tag=k) for t, (p, k) in zip(send, peers_out)]  # noqa: E731
-    recvs = lambda: [dist.irecv(t, src=p, group=group, tag=k) for t, (p, k) in zip(recv, peers_in)]  # noqa: E731
-    works = sends() + recvs() if axis_rank(mesh, axis) % 2 == 0 else recvs() + sends()
-    return _finish(_Works(works), True, then, call)
+    works, then = _point_to_point(send, recv, peers_out, peers_in, group, axis_rank(mesh, axis) % 2 == 0)
+    return _finish(works, True, then, call)
 
 
 def all_gather_blocks(tensor: torch.Tensor, mesh: DeviceMesh, axis: str) -> tuple[torch.Tensor, Handle]:

@@ -48,6 +48,14 @@ def test_quick_run_reports_every_field_of_every_scenario(quick):
         assert (out / name).stat().st_size > 0, name
     assert {t["key"] for t in results["targets"]} == set(report.TARGETS)
     assert results["machine"]["cores"] >= 1 and results["command"].startswith("tp2d-bench --quick")
+    assert all(r["calls_per_block"] > 0 for layout, r in rows.items() if layout not in ("single", "hf"))
+    proj = results["projection"]  # --quick projects 4 and 16 GPUs: fair rows at 16
+    assert [r["gpus"] for r in proj["rows"]] == [4, 16] and [f["gpus"] for f in proj["fair"]] == [16]
+    assert {"time_tp1d_sp_s", "time_tp1d_sp_async_s", "time_2d_keep_s", "time_2d_broadcast_s",
+            "hidden_comm_2d_s", "exposed_comm_2d_s"} <= set(proj["rows"][0])
+    fair = proj["fair"][0]
+    assert fair["best_2d"]["layout"] == "2d" and fair["speedup"] > 0 and len(fair["configurations"]) >= 4
+    assert len(proj["gemm_calibration"]["table"]) == 2 and proj["gemm_calibration"]["overhead_s"] > 0
 
 
 def test_counted_communication_equals_the_cost_model(quick):

@@ -33,7 +33,8 @@ from lightning_tp2d.bench.runner import BASELINES, SCENARIOS, BenchSpec, max_seq
 
 QUICK = dict(model="gpt2-tiny", set=["n_head=12"], batch=4, seq=64, p=4, steps=2, warmup=1,
              layouts="single,hf,tp1d,2d,metp,2d-metp", max_seq_layouts="tp1d,metp", max_seq_p=2, cap_mib=2.0,
-             max_seq_limit=512, weak_scaling="1,4", weak_layouts="tp1d,2d", memory_seqs="32,64")
+             max_seq_limit=512, weak_scaling="1,4", weak_layouts="tp1d,2d", memory_seqs="32,64",
+             projection_gpus="4,16")
 
 
 def _ints(text: str) -> list[int]:
@@ -86,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--projection-model", default="gpt2-medium")
     ap.add_argument("--projection-batch", type=int, default=64)
     ap.add_argument("--projection-seq", type=int, default=1024)
+    ap.add_argument("--projection-gpus", default="4,16,64",
+                    help="GPU counts of the projection (square numbers); fair rows for those beyond one node")
     ap.add_argument("--hardware", default="h100", choices=["h100", "a100"], help="preset of the projection")
     ap.add_argument("--measured-rates", action="store_true",
                     help="project with a GEMM table measured on this machine instead of the committed H200 one")
@@ -232,7 +235,8 @@ def projection(args: argparse.Namespace) -> dict:
     variants = {"keep": layouts.Grid2D(options=TPOptions(keep_panels=True)),
                 "broadcast": layouts.Grid2D(options=TPOptions(summa="broadcast"))}
     rows = []
-    for r in cost_model.projected_speedup(cfg, batch, seq, hw=hw):
+    gpus = _ints(args.projection_gpus)
+    for r in cost_model.projected_speedup(cfg, batch, seq, gpus=gpus, hw=hw):
         n = r["gpus"]
         # a layout's ranks send different amounts (grid position: one of each kind, as the layout says); 1-D TP's alike
         ranks = {grid: layouts.get_layout(grid).distinct_ranks(n), "tp1d": [0], "tp1d-sp": [0]}
@@ -262,7 +266,7 @@ def projection(args: argparse.Namespace) -> dict:
                 row[f"activation_bytes_2d_{key}"] = cost_model.activation_bytes(spec, cfg, batch, seq, n, 2)
         rows.append(row)
     fair = []
-    for n in (16, 64):
+    for n in (g for g in gpus if g > hw.gpus_per_node):
         f = cost_model.fair_configurations(cfg, batch, seq, n, hw)
         tp_only = min((c for c in f["tp1d"] if c["tp"] > 1), key=lambda c: c["total_s"])
         fair.append({"gpus": n, "best_tp1d": _summary(f["best_tp1d"]), "best_2d": _summary(f["best_2d"]),

@@ -313,18 +313,22 @@ def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict])
 
 def calls_per_block(layout: str, cfg, batch: int, seq: int, p: int, elem: int) -> int:
     """Communication calls one transformer block adds to a step, forward and backward, on the rank that makes the
-    most (the cost model's events of a 2-block model minus those of a 1-block one; off the grid's diagonal "2d"
-    swaps the output projections' weight blocks with the mirror rank)."""
+    most: read from the traced step of a layout (no extra trace unless the model has one block), the difference of
+    the closed forms for the 1-D baselines."""
     from dataclasses import replace
 
     from lightning_tp2d.bench import cost_model
 
-    ranks = [0] if layout in BASELINES else layouts.get_layout(layout).distinct_ranks(p)
+    if layout in BASELINES:
+        count = lambda n: sum(e.calls for e in cost_model.comm_events(layout, replace(cfg, n_layer=n), batch, seq,  # noqa: E731
+                                                                       p, elem))
+        return count(2) - count(1)
+    from lightning_tp2d.bench.trace import trace_steps
 
-    def count(n: int, rank: int) -> int:
-        return sum(e.calls for e in cost_model.comm_events(layout, replace(cfg, n_layer=n), batch, seq, p, elem, rank))
-
-    return max(count(2, r) - count(1, r) for r in ranks)
+    if cfg.n_layer < 2:
+        cfg = replace(cfg, n_layer=2)
+    steps = trace_steps(layout, cfg, batch, seq, p, elem, layouts.get_layout(layout).distinct_ranks(p))
+    return max(step.block_calls for step in steps.values())
 
 
 def max_sequence(layout: str, p: int, spec: BenchSpec, cap_bytes: int, unit: int = 64, limit: int = 1 << 17,

@@ -50,6 +50,7 @@ class TracedStep:
     flops: dict  # {"forward": {"matmul": f, "attention": f}, "backward": {...}}
     activation_bytes: int  # storages the forward created that autograd saved for the backward
     gemms: dict  # {"forward": n, "backward": n}: matmul kernels launched (each pays the GEMM overhead of the rates)
+    block_calls: int | None = None  # communication calls one transformer block adds (None: traced with one block)
 
 
 class _Recorder(TorchDispatchMode):
@@ -220,7 +221,8 @@ def _extrapolate(one: TracedStep, two: TracedStep, layers: int) -> TracedStep:
                   for r in one.flops[ph]} for ph in one.flops}
     activation = one.activation_bytes + (layers - 1) * (two.activation_bytes - one.activation_bytes)
     gemms = {ph: one.gemms[ph] + (layers - 1) * (two.gemms[ph] - one.gemms[ph]) for ph in one.gemms}
-    return TracedStep(tuple(sorted(events, key=_order)), flops, activation, gemms)
+    block_calls = sum(c2.values()) - sum(c1.values())
+    return TracedStep(tuple(sorted(events, key=_order)), flops, activation, gemms, block_calls)
 
 
 def _order(item) -> tuple:
