@@ -25,7 +25,7 @@ __all__ = [
     "GPT2", "GPT2Config", "GPT2LightningModule", "ParallelDims", "TP2DStrategy", "TextDataModule", "export_hf",
     "full_state_dict", "gpt2_state_dict", "init_mesh", "load_gpt2", "local_parameter_bytes", "parallelize",
     "read_state_dict", "Layout", "Grid2D", "Ring", "GridRing", "get_layout", "register_layout", "RingOptions",
-    "TPOptions",
+    "TPOptions", "checkpoint_activations",
 ]
 
 # public name -> the module that defines it (imported on first access)
@@ -33,6 +33,7 @@ _EXPORTS = {
     "ParallelDims": "mesh", "init_mesh": "mesh",
     "GPT2": "models", "GPT2Config": "models",
     "full_state_dict": "parallelize", "local_parameter_bytes": "parallelize", "parallelize": "parallelize",
+    "checkpoint_activations": "parallelize",
     "read_state_dict": "checkpoint",
     "export_hf": "export", "gpt2_state_dict": "export", "load_gpt2": "export",
     "TextDataModule": "data",

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -84,6 +85,40 @@ def parallelize(model: GPT2, mesh: DeviceMesh, layout: str | Layout = "2d", *,
     tr.ln_f = spec.build("norm", materialise("transformer.ln_f", tr.ln_f), mesh)
     model.lm_head = spec.build("lm_head", tr.wte.weight, mesh)
     model.tp = ParallelHandle(spec, mesh, p, dp)
+    return model
+
+
+ACTIVATION_CHECKPOINTING = ("none", "full")
+
+
+def _recomputed(block: nn.Module):
+    forward = block.forward
+
+    def checkpointed(x: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and block.training):
+            return forward(x)
+        return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)
+
+    checkpointed.recomputes = forward  # what the wrapper recomputes; marks the block as wrapped
+    return checkpointed
+
+
+def checkpoint_activations(model: GPT2, mode: str = "full") -> GPT2:
+    """Activation checkpointing of a (parallel or plain) GPT2's transformer blocks, in place; returns ``model``.
+
+    ``"full"``: each block keeps only its input for the backward and runs its forward again there (its collectives
+    included: every rank of a tensor-parallel group recomputes the same blocks in the same order), trading one more
+    forward of the blocks for their saved activations. ``"none"``: nothing changes. The module tree and parameter
+    names stay as they are (checkpoints are unaffected); applying it twice wraps once. Dropout draws the same mask
+    in the recomputation (the RNG state is restored). Apply it after :func:`parallelize` or before: the wrapper
+    calls whatever the block's submodules are when it runs."""
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing={mode!r} is not one of "
+                         f"{', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
+    if mode == "full":
+        for block in model.transformer.h:
+            if not hasattr(block.forward, "recomputes"):
+                block.forward = _recomputed(block)
     return model
 
 

@@ -40,7 +40,7 @@ from lightning_tp2d import checkpoint as ckpt
 from lightning_tp2d.layouts import STRATEGY_NAMES, Layout, get_layout, handle_of
 from lightning_tp2d.mesh import ParallelDims, init_mesh
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
-from lightning_tp2d.parallelize import parallelize
+from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 from lightning_tp2d.training import GradientSync, broadcast_module_, clip_grad_norm_, clip_grad_value_
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
@@ -51,7 +51,7 @@ class TP2DStrategy(ModelParallelStrategy):
 
     Args:
         layout: ``"2d"`` (SUMMA on a ``q x q`` grid), ``"metp"`` (ring of ``p``) or ``"2d-metp"``, or a
-            :class:`~lightning_tp2d.layouts.Layout` object (which carries the ring kernels' options).
+            :class:`~lightning_tp2d.layouts.Layout` object (which carries the layers' ``TPOptions``).
         tensor_parallel_size: ranks per model replica ``p``, or ``"auto"``: the largest size valid for the layout
             (square for the grid layouts; dividing the model's heads and width when the model is known) that
             divides the devices of one node.
@@ -60,14 +60,21 @@ class TP2DStrategy(ModelParallelStrategy):
             per rank; ``False`` gathers everything into one full file on rank 0.
         process_group_backend: ``"gloo"``, ``"nccl"`` ...; default from the device.
         timeout: collective timeout.
+        activation_checkpointing: ``"none"`` or ``"full"`` (each transformer block recomputes its forward in the
+            backward and keeps only its input: :func:`~lightning_tp2d.parallelize.checkpoint_activations`).
     """
 
     strategy_name = "tp2d"
 
     def __init__(self, layout: str | Layout = "2d", tensor_parallel_size: Literal["auto"] | int = "auto",
                  data_parallel_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
-                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 activation_checkpointing: str = "none") -> None:
         spec = get_layout(layout)
+        if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of "
+                             f"{', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
+        self.activation_checkpointing = activation_checkpointing
         for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
             if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be 'auto' or a positive int, got {value!r}")
@@ -183,6 +190,7 @@ class TP2DStrategy(ModelParallelStrategy):
             else:
                 broadcast_module_(gpt, self.device_mesh)
                 parallelize(gpt, self.device_mesh, self.layout_spec)
+            checkpoint_activations(gpt, self.activation_checkpointing)
         left = [n for n, p in module.named_parameters() if p.is_meta]
         if left:
             raise ValueError(f"parameters outside the GPT2 modules are still on the meta device: {left[:5]}")

@@ -1,0 +1,55 @@
+"""``checkpoint_activations``: blocks recompute their forward in the backward, with the same gradients and less
+memory alive between forward and backward, for every layout; the strategy and ``tp2d-train`` take it as an option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_tp2d as tp
+from lightning_tp2d.bench.measure import LiveTensorBytes
+from lightning_tp2d.models import GPT2, GPT2Config
+from lightning_tp2d.parallelize import checkpoint_activations
+from tests.distributed import run_distributed
+
+
+def _compare(rank: int, world_size: int, layout: str) -> dict:
+    cfg = GPT2Config.from_name("gpt2-tiny", n_head=4, dropout=0.0)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for mode in ("none", "full"):
+        torch.manual_seed(0)
+        model = tp.parallelize(GPT2(cfg).double(), tp.init_mesh(layout, world_size, 1), layout)
+        checkpoint_activations(model, mode)
+        checkpoint_activations(model, mode)  # idempotent
+        with LiveTensorBytes(record_shapes=False) as live:
+            loss = model(idx, idx)
+            kept = live.live
+        loss.backward()
+        out[mode] = {"loss": loss.item(), "kept": kept,
+                     "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()}}
+    diff = max((out["none"]["grads"][n] - g).abs().max().item() for n, g in out["full"]["grads"].items())
+    return {"loss": (out["none"]["loss"], out["full"]["loss"]), "grad_diff": diff,
+            "kept": (out["none"]["kept"], out["full"]["kept"])}
+
+
+@pytest.mark.parametrize("layout, world_size", [("2d", 4), ("metp", 2), ("2d-metp", 4)])
+def test_full_checkpointing_gives_the_same_gradients_and_keeps_less(layout, world_size):
+    for rank, out in enumerate(run_distributed(_compare, world_size, layout)):
+        plain, ckpt = out["loss"]
+        assert plain == ckpt, rank
+        assert out["grad_diff"] <= 1e-12, (rank, out["grad_diff"])
+        assert out["kept"][1] < 0.6 * out["kept"][0], (rank, out["kept"])
+
+
+def test_bad_mode_is_refused_naming_the_choices():
+    model = GPT2(GPT2Config.from_name("gpt2-tiny"))
+    with pytest.raises(ValueError, match="activation_checkpointing='selective' is not one of 'none', 'full'"):
+        checkpoint_activations(model, "selective")
+    with pytest.raises(ValueError, match="activation_checkpointing='yes' is not one of"):
+        tp.TP2DStrategy(activation_checkpointing="yes")
+    plain = GPT2(GPT2Config.from_name("gpt2-tiny"))
+    checkpoint_activations(plain, "full")  # works on the plain model too, with its own gradients
+    idx = torch.randint(0, 257, (2, 8))
+    plain(idx, idx).backward()
+    assert all(p.grad is not None for p in plain.parameters())
