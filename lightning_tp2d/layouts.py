@@ -56,6 +56,7 @@ class Layout:
     splits_batch: ClassVar[bool] = False  # the batch is split over the side (grid rows)
     zigzag: ClassVar[bool] = False  # sequences are cut into 2*side zigzag chunks
     supports_dropout: ClassVar[bool] = True
+    splits_heads: ClassVar[bool] = True  # heads are split over the side (else only the width must divide)
 
     def __init__(self, options: RingOptions | None = None) -> None:
         self.options = options
@@ -115,16 +116,18 @@ class Layout:
     # ---- the model, the batch, the sequence --------------------------------------------------------------------
 
     def model_problems(self, p: int, n_head: int, n_embd: int, prefix: str = "") -> list[str]:
-        """Each way the model does not split over ``p`` ranks (heads and width must divide by the side)."""
+        """Each way the model does not split over ``p`` ranks (heads, where the layout splits them, and width must
+        divide by the side)."""
         q = self.side(p)
-        return [f"{prefix}{name}={value} is not divisible by {self.side_symbol}={q}"
-                for name, value in (("n_head", n_head), ("n_embd", n_embd)) if value % q]
+        sizes = (("n_head", n_head), ("n_embd", n_embd)) if self.splits_heads else (("n_embd", n_embd),)
+        return [f"{prefix}{name}={value} is not divisible by {self.side_symbol}={q}" for name, value in sizes
+                if value % q]
 
     def check_model(self, p: int, n_head: int, n_embd: int, dropout: float = 0.0) -> None:
         """``ValueError`` naming the numbers when a model with these sizes cannot be split over ``p`` ranks."""
         bad = self.model_problems(p, n_head, n_embd)
         if bad:
-            fits = _divisors(math.gcd(n_head, n_embd))
+            fits = _divisors(math.gcd(n_head, n_embd) if self.splits_heads else n_embd)
             raise ValueError(f"layout {self.name!r}: " + "; ".join(bad) + f"; use {self.side_symbol} in {fits}")
         if dropout and not self.supports_dropout:
             raise ValueError(f"layout {self.name!r} does not support dropout (dropout={dropout}); train with "
@@ -235,6 +238,7 @@ class Ring(Layout):
     tensor_axes = ("ring",)
     zigzag = True
     supports_dropout = False
+    splits_heads = False  # only the width must divide: weight and head blocks are column blocks (any head count)
 
     def plan(self) -> dict[str, type]:
         from lightning_tp2d.nn.ring import (RingAttention, RingLayerNorm, RingLMHead, RingMLP,

@@ -45,14 +45,14 @@ def _block_comm(model, layout, mesh, batch, seq):
     return {"forward": fwd, "backward": _counts(stats)}
 
 
-def _parity(rank, world_size, layout, batch):
+def _parity(rank, world_size, layout, batch, seq=SEQ, heads=HEADS):
     torch.manual_seed(0)
-    cfg = GPT2Config.from_name("gpt2-tiny", n_head=HEADS)
+    cfg = GPT2Config.from_name("gpt2-tiny", n_head=heads)
     plain = GPT2(cfg).double()
     par = copy.deepcopy(plain)
     mesh = tp.init_mesh(layout, world_size, 1)
     tp.parallelize(par, mesh, layout=layout)
-    idx, targets = _batch(cfg, batch=batch, seq=SEQ)
+    idx, targets = _batch(cfg, batch=batch, seq=seq)
 
     out = {"names": [n for n, _ in par.named_parameters()] == [n for n, _ in plain.named_parameters()]}
     out["shapes"] = all(p.shape == p0.shape for p, p0 in zip(par.parameters(), plain.parameters()))
@@ -95,7 +95,7 @@ def _parity(rank, world_size, layout, batch):
     out["keys"] = list(full) == list(ref)
     out["step"] = max(((full[k] - ref[k]).norm() / (ref[k] - before[k]).norm()).item() for k in ref)
     out["plain_tensors"] = all(type(v) is torch.Tensor for v in full.values())
-    out["block"] = _block_comm(par, layout, mesh, batch, SEQ)
+    out["block"] = _block_comm(par, layout, mesh, batch, seq)
     return out
 
 
@@ -159,6 +159,13 @@ def test_metp_layouts_match_plain_model_float64(layout, world_size, batch):
                 assert out["block"][phase] == {k: v for k, v in want[phase].items() if v["calls"]}, (rank, phase)
 
 
+@pytest.mark.parametrize("world_size, heads, seq", [(8, 12, 32), (2, 3, 24)], ids=["12-heads-on-8", "3-heads-on-2"])
+def test_metp_takes_any_head_count_whose_width_divides_the_ring(world_size, heads, seq):
+    # GPT-2's 12 heads on an 8-rank ring (width blocks of 6 cut through heads of 4), and 3 heads of 16 on 2 ranks
+    results = run_distributed(_parity, world_size, "metp", 1, seq, heads)
+    _check_parity(results, tol=1e-10)
+
+
 # ---- bad input ----------------------------------------------------------------------------------------
 
 
@@ -167,7 +174,7 @@ def _bad_input(rank, world_size):
     errors = {}
     ring, grid = tp.init_mesh("metp", 2, 2), tp.init_mesh("2d-metp", 4, 1)
     for key, call in {
-        "heads": lambda: tp.parallelize(GPT2(GPT2Config.from_name("gpt2-tiny", n_head=3, n_embd=48)), ring, "metp"),
+        "heads": lambda: tp.parallelize(GPT2(GPT2Config.from_name("gpt2-tiny", n_head=3, n_embd=45)), ring, "metp"),
         "mesh": lambda: tp.parallelize(GPT2(cfg), grid, "metp"),
         "world": lambda: tp.init_mesh("metp", 3, 1),
     }.items():
@@ -196,7 +203,8 @@ def _bad_input(rank, world_size):
 
 def test_bad_input_raises_value_error_naming_the_numbers_on_every_rank():
     for errors in run_distributed(_bad_input, 4, timeout=60):
-        assert "n_head=3 is not divisible by p=2" in errors["heads"]
+        # the ring splits the width, not the heads: any head count fits a ring that divides n_embd
+        assert "n_embd=45 is not divisible by p=2; use p in [1, 3, 5, 9, 15, 45]" in errors["heads"]
         assert ("layout 'metp' needs a mesh with axes ('data_parallel', 'ring'), "
                 "got ('data_parallel', 'row', 'col')") in errors["mesh"]
         assert "world size 4 != data_parallel_size 1 x tensor_parallel_size 3 = 3" in errors["world"]

@@ -129,7 +129,7 @@ def test_auto_tensor_size_is_the_largest_valid_within_a_node():
     assert auto_tensor_parallel_size("2d", 9, 9, tiny) == 9  # q=3 splits 6 heads
     assert auto_tensor_parallel_size("metp", 8, 8, None) == 8
     assert auto_tensor_parallel_size("2d", 8, 8, xl) == 1  # 25 heads: q=2 does not divide them
-    assert auto_tensor_parallel_size("metp", 8, 8, xl) == 1
+    assert auto_tensor_parallel_size("metp", 8, 8, xl) == 8  # the ring splits the 1600 width, not the 25 heads
     assert auto_tensor_parallel_size("metp", 5, 10, xl) == 5
     trainer = L.Trainer(strategy="tp2d", accelerator="cpu", devices=4, num_nodes=2, logger=False)
     dims = trainer.strategy.parallel_dims

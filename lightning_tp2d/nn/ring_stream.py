@@ -51,23 +51,41 @@ class ColumnBlocks:
 
 class HeadBlocks:
     """A ``[g, B, H, S, d]`` tensor (``g = 3`` for q|k|v, ``1`` for an attention output) whose block ``j`` is
-    heads ``[j*H/n, (j+1)*H/n)`` of each group, read as the ``[B*S, g*H/n*d]`` matrix whose columns follow
-    torch's ``Linear`` order for that block (``c_attn`` rows regrouped as ``[q_j | k_j | v_j]``)."""
+    columns ``[j*w, (j+1)*w)``, ``w = H*d/n``, of each group's ``[B*S, H*d]`` matrix (torch's ``Linear`` order;
+    ``c_attn`` rows regrouped as ``[q_j | k_j | v_j]``), read as the ``[B*S, g*w]`` matrix. When ``n`` divides the
+    heads a block is whole heads; otherwise blocks cut through heads (any head count fits a ring that divides the
+    width), and ``read`` / ``write`` go head by head over the few heads a block touches."""
 
     def __init__(self, groups: int, batch: int, seq: int, heads: int, head_size: int, n: int) -> None:
         self.shape = (groups, batch, heads, seq, head_size)
-        self.n, self.per = n, heads // n
+        self.n, self.width = n, heads * head_size // n
 
-    def _heads(self, t: torch.Tensor, j: int) -> torch.Tensor:
-        return t[:, :, j * self.per:(j + 1) * self.per]  # (g, B, H/n, S, d)
+    def _touched(self, j: int):
+        """``(head, first column in it, last + 1, column of the block)`` for each head block ``j`` touches."""
+        d = self.shape[4]
+        start, stop = j * self.width, (j + 1) * self.width
+        for head in range(start // d, -(-stop // d)):
+            lo, hi = max(start, head * d), min(stop, (head + 1) * d)
+            yield head, lo - head * d, hi - head * d, lo - start
 
     def read(self, t: torch.Tensor, j: int) -> torch.Tensor:
         g, B, _, S, d = self.shape
-        return self._heads(t, j).permute(1, 3, 0, 2, 4).reshape(B * S, g * self.per * d)
+        if self.width % d == 0:  # whole heads: one strided read
+            per = self.width // d
+            block = t[:, :, j * per:(j + 1) * per]  # (g, B, H/n, S, d)
+            return block.permute(1, 3, 0, 2, 4).reshape(B * S, g * self.width)
+        parts = [t[:, :, head, :, lo:hi] for head, lo, hi, _ in self._touched(j)]  # each (g, B, S, cols)
+        return torch.cat(parts, dim=-1).permute(1, 2, 0, 3).reshape(B * S, g * self.width)
 
     def write(self, t: torch.Tensor, j: int, block: torch.Tensor) -> None:
         g, B, _, S, d = self.shape
-        self._heads(t, j).copy_(block.view(B, S, g, self.per, d).permute(2, 0, 3, 1, 4))
+        if self.width % d == 0:
+            per = self.width // d
+            t[:, :, j * per:(j + 1) * per].copy_(block.view(B, S, g, per, d).permute(2, 0, 3, 1, 4))
+            return
+        cols = block.view(B, S, g, self.width)
+        for head, lo, hi, at in self._touched(j):
+            t[:, :, head, :, lo:hi].copy_(cols[..., at:at + hi - lo].permute(2, 0, 1, 3))
 
     def bias_block(self, bias: torch.Tensor, j: int) -> torch.Tensor:
         g = self.shape[0]
