@@ -241,15 +241,11 @@ def all_gather_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int
     n = axis_size(mesh, axis)
     if n == 1:
         return tensor
-    tensor = tensor.contiguous()
-    group = axis_group(mesh, axis)
-    call = _post("all_gather", axis, group, (tensor,))
-    out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _all_gather_single(out, tensor, group=group)
-    _waited(call)
+    blocks, handle = all_gather_blocks(tensor, mesh, axis)
+    handle.wait()
     if dim % tensor.dim() == 0:
-        return out
-    return torch.cat(out.chunk(n, dim=0), dim=dim)
+        return blocks.view(n * tensor.shape[0], *tensor.shape[1:])
+    return torch.cat(blocks.unbind(0), dim=dim)
 
 
 def reduce_scatter_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int = 0) -> torch.Tensor:
@@ -259,33 +255,35 @@ def reduce_scatter_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dim:
         return tensor
     if tensor.shape[dim] % n:
         raise ValueError(f"reduce_scatter along {axis!r}: dim {dim} of size {tensor.shape[dim]} is not divisible by {n}")
-    tensor = tensor.movedim(dim, 0).contiguous()
-    group = axis_group(mesh, axis)
-    call = _post("reduce_scatter", axis, group, (tensor,))
-    out = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _reduce_scatter_single(out, tensor, op=dist.ReduceOp.SUM, group=group)
-    _waited(call)
+    moved = tensor.movedim(dim, 0)
+    out, handle = reduce_scatter_blocks(moved.reshape(n, moved.shape[0] // n, *moved.shape[1:]), mesh, axis)
+    handle.wait()
     return out.movedim(0, dim)
 
 
 class BroadcastPipeline:
-    """Every rank of ``axis`` broadcasts its ``tensor`` in turn, coordinate 0, 1, ...; ``get(l)`` returns rank
-    ``l``'s tensor, having first posted the broadcast of ``l + 1`` (double buffering: two buffers in flight).
-    ``get`` must be called with ``l = 0, 1, ...`` in order; all ranks' tensors share shape and dtype."""
+    """Every rank of ``axis`` broadcasts its ``tensor`` in turn, in ``order`` (default: coordinate 0, 1, ...; the
+    same on every rank of the axis); ``get(l)`` returns rank ``l``'s tensor, having first posted the next broadcast of
+    the order, so that ``ahead`` of them are in flight behind the one returned (``ahead=1``: double buffering).
+    ``get`` must be called in ``order``; all ranks' tensors share shape and dtype."""
 
-    def __init__(self, tensor: torch.Tensor, mesh: DeviceMesh, axis: str) -> None:
+    def __init__(self, tensor: torch.Tensor, mesh: DeviceMesh, axis: str, order=None, ahead: int = 1) -> None:
         self.tensor, self.mesh, self.axis = tensor, mesh, axis
-        self.size, self.mine = axis_size(mesh, axis), axis_rank(mesh, axis)
-        self._pending = self._post(0)
+        self.mine = axis_rank(mesh, axis)
+        self._order = iter(range(axis_size(mesh, axis)) if order is None else order)
+        self._pending: dict[int, tuple[torch.Tensor, Handle]] = {}
+        for _ in range(ahead):
+            self._post_next()
 
-    def _post(self, l: int) -> tuple[torch.Tensor, Handle]:
-        buf = self.tensor if l == self.mine else torch.empty_like(self.tensor)
-        return buf, broadcast_along(buf, self.mesh, self.axis, src=l, async_op=True)
+    def _post_next(self) -> None:
+        l = next(self._order, None)
+        if l is not None:
+            buf = self.tensor if l == self.mine else torch.empty_like(self.tensor)
+            self._pending[l] = (buf, broadcast_along(buf, self.mesh, self.axis, src=l, async_op=True))
 
     def get(self, l: int) -> torch.Tensor:
-        buf, handle = self._pending
-        if l + 1 < self.size:
-            self._pending = self._post(l + 1)
+        buf, handle = self._pending.pop(l)
+        self._post_next()
         handle.wait()
         return buf
 

@@ -47,9 +47,7 @@ _OPERANDS, _GRADS = 0, 1  # point-to-point tags of the two shifts the backward k
 
 
 
-def ring_options(options: TPOptions | None) -> TPOptions:
-    """``options``, or the defaults for ``None``; anything else is a ``TypeError``."""
-    return tp_options(options)
+ring_options = tp_options  # ``options``, or the defaults for ``None``; anything else is a ``TypeError``
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

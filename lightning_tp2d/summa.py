@@ -57,7 +57,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tp2d.comm import (BroadcastPipeline, ReducePipeline, all_gather_blocks, axis_rank, axis_size, broadcast_along,
+from lightning_tp2d.comm import (BroadcastPipeline, ReducePipeline, all_gather_blocks, axis_rank, axis_size,
                                  exchange_with, neighbour_exchange, reduce_scatter_blocks)
 from lightning_tp2d.mesh import transpose_peer
 from lightning_tp2d.options import TPOptions, tp_options
@@ -185,31 +185,19 @@ def reduce_order(n: int, i: int) -> list[int]:
 
 
 class _ColumnStream:
-    """The ``row`` axis' blocks of a weight-sized operand one broadcast each, in the order ``get`` will ask for them
-    (the same on every rank of the axis: it depends on the ``col`` coordinate only), at most ``depth`` ahead. For a
-    weight column larger than the activation block that travels (the LM head at a few thousand tokens), ``q`` blocks
-    at once would cost more memory than one call saves; the broadcast form holds two or three."""
+    """The ``row`` axis' blocks of a weight-sized operand one broadcast each (:class:`BroadcastPipeline`), in the
+    order ``get`` will ask for them (the same on every rank of the axis: it depends on the ``col`` coordinate only),
+    two ahead. For a weight column larger than the activation block that travels (the LM head at a few thousand
+    tokens), ``q`` blocks at once would cost more memory than one call saves; the stream holds three."""
 
-    def __init__(self, b: torch.Tensor, mesh: DeviceMesh, order, depth: int = 2, mirrored: bool = True) -> None:
+    def __init__(self, b: torch.Tensor, mesh: DeviceMesh, order, mirrored: bool = True) -> None:
         wire, self.transposed = _wire(b)
         if not mirrored:
             wire = exchange_with(wire, transpose_peer(mesh))
-        self.wire, self.mesh, self.mine = wire, mesh, axis_rank(mesh, "row")
-        self.order, self.next, self.pending = list(order), 0, {}
-        for _ in range(depth):
-            self._post()
-
-    def _post(self) -> None:
-        if self.next < len(self.order):
-            k = self.order[self.next]
-            self.next += 1
-            buf = self.wire if k == self.mine else torch.empty_like(self.wire)
-            self.pending[k] = (buf, broadcast_along(buf, self.mesh, "row", src=k, async_op=True))
+        self.pipeline = BroadcastPipeline(wire, mesh, "row", order=order, ahead=2)
 
     def get(self, k: int) -> torch.Tensor:
-        buf, handle = self.pending.pop(k)
-        self._post()
-        handle.wait()
+        buf = self.pipeline.get(k)
         return buf.t() if self.transposed else buf
 
 

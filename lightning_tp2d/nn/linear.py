@@ -41,10 +41,9 @@ class Linear2D(nn.Module):
         # attention's output projection reduce-scatter their output; the others gather their input)
         form = ab_form(linear.in_features, linear.out_features, self.options.keep_panels) if out_groups == 1 else "gather"
         self.form = form if self.options.summa == "collective" else "gather"
-        self.mirrored = self.form == "scatter"
         self.in_features, self.out_features = linear.in_features, linear.out_features
         out = _out_shard(out_groups)
-        if self.mirrored:  # the scatter form multiplies block W[in_c, out_r] on rank (r, c): out over row, in over col
+        if self.form == "scatter":  # the scatter form multiplies block W[in_c, out_r] on rank (r, c): out over row, in over col
             self.weight = shard_parameter(linear.weight, mesh, [Replicate(), Shard(0), Shard(1)])
         else:  # weight [out, in]: dim 1 (in) split over row, dim 0 (out) split over col
             self.weight = shard_parameter(linear.weight, mesh, [Replicate(), Shard(1), out])
@@ -56,7 +55,7 @@ class Linear2D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d, w_t = autocast_operands(x.reshape(-1, x.shape[-1]), self.weight.to_local())  # w_t [out/q, in/q] = W_rcᵀ
-        y = summa_ab(x2d, w_t.t(), self.mesh, self.options, self.form, self.mirrored)  # (N/q, out/q); W travels as stored
+        y = summa_ab(x2d, w_t.t(), self.mesh, self.options, self.form, self.form == "scatter")  # (N/q, out/q); W travels as stored
         if self.bias is not None:
             y = y + sum_grad_along(self.bias.to_local(), self.mesh, "row").to(y.dtype)  # bf16 under autocast
         return y.view(*lead, y.shape[-1])
