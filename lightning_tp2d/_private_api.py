@@ -156,6 +156,24 @@ torch (2.13)
     peers, no communication).
     public: partly: ``torch.distributed.HashStore`` can replace ``FakeStore``, but only this import registers the
     backend.
+
+``torch._C._is_alias_of``
+    where: ops.py:_aliases
+    why: whether a registered op's output shares memory with an input or an earlier output (custom ops must return
+    fresh memory; such outputs are copied). Works on fake tensors, where storage pointers are not available.
+    public: none; ``untyped_storage().data_ptr()`` is 0 on fake tensors.
+
+``Tensor._version``
+    where: ops.py:_versions
+    why: an in-place write into an input of a registered op that the op does not declare is a bug that would
+    silently break compiled graphs; comparing version counters before and after catches it.
+    public: none; autograd's own check (``saved tensor ... modified by an inplace operation``) uses the same counter.
+
+``FakeScriptObject.real_obj`` (read with ``object.__getattribute__``)
+    where: ops.py:_real
+    why: under ``torch.compile`` a ``DeviceMesh`` (a reference-type opaque object since torch 2.10) reaches
+    ``assume_constant_result`` functions as a ``FakeScriptObject``; the table of op constants keeps the real mesh.
+    public: none. Not found by the scan (the attribute name has no underscore); listed for the reader.
 """
 
 from __future__ import annotations
@@ -223,6 +241,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "the StorageImpl's address: a key that tells storages apart while they live, fake ones too"),
     ("torch.ops._c10d_functional", ("bench/collectives.py:(module)",),
      "the native functional-collective ops DTensor redistributions issue"),
+    ("torch._C._is_alias_of", ("ops.py:_aliases",), "custom ops must return fresh memory: copy outputs that alias"),
+    ("Tensor._version", ("ops.py:_versions",), "catch an undeclared in-place write into a registered op's input"),
     ("torch.testing._internal.distributed.fake_pg.FakeStore", ("bench/trace.py:_run_here",),
      "importing it registers the 'fake' process-group backend the schedule tracer runs on"),
 )

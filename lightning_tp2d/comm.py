@@ -80,6 +80,23 @@ class CommStats:
         return f"CommStats({ {k: v for k, v in self.snapshot().items() if v['calls']} })"
 
 
+# True while :func:`shapes_only` is active: every call allocates its outputs but nothing is sent or counted.
+_SHAPES_ONLY = False
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Inside the block no call communicates or is recorded: receive and output buffers are allocated but left
+    unwritten. The fake (shape-propagation) kernels of :mod:`lightning_tp2d.ops` run a layer's real forward and
+    backward this way on fake tensors, so torch.compile learns its output shapes without a second implementation."""
+    global _SHAPES_ONLY
+    before, _SHAPES_ONLY = _SHAPES_ONLY, True
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY = before
+
+
 # Recorders listening to this process's calls, innermost last. Empty (nothing is counted, no cost) unless a
 # count_comm() or a schedule trace is active; contexts nest, each sees the calls made while it is open.
 _RECORDERS: list = []
@@ -106,7 +123,7 @@ def count_comm() -> Iterator[CommStats]:
 
 def _post(kind: str, axis: str, group, tensors, peer: int | None = None) -> CommCall | None:
     """Tell the active recorders about a call (nothing to do, and nothing computed, when none is active)."""
-    if not _RECORDERS:
+    if not _RECORDERS or _SHAPES_ONLY:
         return None
     ranks = (dist.get_rank(), peer) if peer is not None else tuple(dist.get_process_group_ranks(group))
     call = CommCall(kind, axis, ranks, sum(t.numel() * t.element_size() for t in tensors))
@@ -173,6 +190,8 @@ def _issue(collective, tensor: torch.Tensor, group: dist.ProcessGroup, async_op:
     """Run the in-place ``collective`` on ``tensor``; under gloo a CUDA tensor travels through a host copy,
     copied back afterwards when ``write_back`` (gloo has no CUDA ``reduce``, and its own CUDA broadcast writes
     back into the source too, which would bump the version of a parameter shard that autograd saved)."""
+    if _SHAPES_ONLY:
+        return DONE
     if not _needs_host_staging(tensor, group):
         return _finish(collective(tensor, group=group, async_op=async_op, **kwargs), async_op, call=call)
     host = tensor.detach().cpu()
@@ -210,6 +229,8 @@ def all_reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, op: str 
         return DONE
     group = axis_group(mesh, axis)
     call = _post("all_reduce", axis, group, (tensor,))
+    if _SHAPES_ONLY:
+        return DONE
     work = dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
     return _finish(work, async_op, call=call)
 
@@ -224,6 +245,8 @@ def exchange_with(tensor: torch.Tensor, peer: int) -> torch.Tensor:
     if peer == dist.get_rank():
         return tensor
     tensor = tensor.contiguous()
+    if _SHAPES_ONLY:
+        return torch.empty_like(tensor)
     calls = [_post(kind, "pair", None, (tensor,), peer=peer) for kind in ("send", "recv")]
     staged = tensor.is_cuda and dist.get_backend() == "gloo"
     outgoing = tensor.cpu() if staged else tensor
@@ -371,6 +394,8 @@ def _point_to_point(send: list, recv: list, peers_out: list, peers_in: list, gro
     ``recv[i]`` from ``peers_in[i]``, sends first or receives first (ranks alternate, so that no pair of blocking
     transports waits on each other); under gloo CUDA tensors travel through host buffers. Returns the works and
     the copy-back to run after them (or ``None``)."""
+    if _SHAPES_ONLY:
+        return _Works([]), None
     then = None
     if send and _needs_host_staging(send[0], group):
         targets = recv
@@ -434,6 +459,8 @@ def all_gather_blocks(tensor: torch.Tensor, mesh: DeviceMesh, axis: str) -> tupl
     group = axis_group(mesh, axis)
     call = _post("all_gather", axis, group, (tensor,))
     out = torch.empty((n, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    if _SHAPES_ONLY:
+        return out, DONE
     work = _all_gather_single(out.view(n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else out, tensor,
                               group=group, async_op=True)
     return out, _finish(work, True, call=call)
@@ -452,6 +479,8 @@ def reduce_scatter_blocks(stacked: torch.Tensor, mesh: DeviceMesh, axis: str) ->
     group = axis_group(mesh, axis)
     call = _post("reduce_scatter", axis, group, (stacked,))
     out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
+    if _SHAPES_ONLY:
+        return out, DONE
     flat = stacked.view(n * stacked.shape[1], *stacked.shape[2:]) if stacked.dim() > 1 else stacked
     work = _reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return out, _finish(work, True, call=call)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_tp2d.layouts import Layout, get_layout
+from lightning_tp2d.ops import register_mesh
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,9 @@ def init_mesh(layout: str | Layout = "2d", tensor_parallel_size: int = 4, data_p
     dims.check_world_size(dist.get_world_size())
     if device_type is None:
         device_type = device_type_for_backend(str(dist.get_backend()))
-    return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names)
+    mesh = init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names)
+    register_mesh(mesh)
+    return mesh
 
 
 def parallel_dims_of(mesh: DeviceMesh, layout: str | Layout) -> ParallelDims:

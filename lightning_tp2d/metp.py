@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import axis_rank, axis_size, ring_shift
 from lightning_tp2d.options import ATTENTION_KERNELS, RingOptions, TPOptions, tp_options  # noqa: F401 (re-exported)
+from lightning_tp2d.ops import registered
 
 _OPERANDS, _GRADS = 0, 1  # point-to-point tags of the two shifts the backward keeps in flight
 
@@ -219,6 +220,7 @@ def visible(i: int, j: int, c: int) -> tuple[slice, slice, bool]:
     return slice(c, None), slice(None), False
 
 
+@registered("ring_attention")
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, mesh, axis, scale, options):
@@ -298,6 +300,7 @@ def _hidden(x, w1, b1, j):
     return pre if b1 is None else pre.add_(b1[j * f:(j + 1) * f])
 
 
+@registered("ring_mlp")
 class _RingMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, mesh, axis, options):

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_tp2d.layouts import Layout, ParallelHandle, get_layout
 from lightning_tp2d.models.gpt2 import GPT2
+from lightning_tp2d.ops import register_mesh
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_tp2d.metp import RingOptions
@@ -67,6 +68,7 @@ def parallelize(model: GPT2, mesh: DeviceMesh, layout: str | Layout = "2d", *,
     spec = get_layout(layout, options)
     p, dp = spec.sizes_of_mesh(mesh)
     spec.check_tensor_parallel_size(p)
+    register_mesh(mesh)  # the registered ops find it again under torch.compile
     spec.check_model(p, model.config.n_head, model.config.n_embd)  # dropout is refused by ring layers in training
     # A model built on the meta device is materialised one module at a time, on CPU, initialised in
     # init_weights' order (so a seed gives the same weights as an eager build) and then sharded: no rank

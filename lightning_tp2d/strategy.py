@@ -21,7 +21,7 @@ Every rank of a tensor-parallel group is fed the same batch: the sampler shards 
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -46,6 +46,23 @@ from lightning_tp2d.training import GradientSync, broadcast_module_, clip_grad_n
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
+def compile_options(compile: bool | str | dict | None) -> dict | None:
+    """``torch.compile`` keyword arguments for the strategy's ``compile`` argument (``None``: no compilation)."""
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        options: dict = {}
+    elif isinstance(compile, str):
+        options = {"backend": compile}
+    elif isinstance(compile, Mapping):
+        options = dict(compile)
+    else:
+        raise ValueError(f"compile must be a bool, a backend name or a dict of torch.compile arguments, "
+                         f"got {compile!r}")
+    options.setdefault("dynamic", False)
+    return options
+
+
 class TP2DStrategy(ModelParallelStrategy):
     """Tensor-parallel GPT-2 training on a ``dp x p`` mesh.
 
@@ -62,6 +79,11 @@ class TP2DStrategy(ModelParallelStrategy):
         timeout: collective timeout.
         activation_checkpointing: ``"none"`` or ``"full"`` (each transformer block recomputes its forward in the
             backward and keeps only its input: :func:`~lightning_tp2d.parallelize.checkpoint_activations`).
+        compile: ``torch.compile`` every parallelized ``GPT2`` in place (``nn.Module.compile``: parameter names and
+            checkpoints unchanged) after sharding: ``False`` (default), ``True`` (the inductor backend), a backend
+            name (``"aot_eager"`` ...) or a dict of ``torch.compile`` keyword arguments. Graphs specialise on
+            shapes (``dynamic=False`` unless given); every communicating layer is one registered op
+            (:mod:`lightning_tp2d.ops`), so the model compiles into one graph without breaks.
     """
 
     strategy_name = "tp2d"
@@ -69,12 +91,17 @@ class TP2DStrategy(ModelParallelStrategy):
     def __init__(self, layout: str | Layout = "2d", tensor_parallel_size: Literal["auto"] | int = "auto",
                  data_parallel_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
-                 activation_checkpointing: str = "none") -> None:
+                 activation_checkpointing: str = "none", compile: bool | str | dict = False) -> None:
         spec = get_layout(layout)
         if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of "
                              f"{', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
         self.activation_checkpointing = activation_checkpointing
+        self.compile_options = compile_options(compile)
+        if self.compile_options is not None and activation_checkpointing != "none" and spec.name == "2d":
+            raise ValueError(f"compile with activation_checkpointing={activation_checkpointing!r} is not supported "
+                             "for layout '2d' yet: torch 2.13's AOTAutograd fails to save the DTensor parameters' "
+                             "metadata inside a checkpointed region (use one of them, or layout 'metp' / '2d-metp')")
         for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
             if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be 'auto' or a positive int, got {value!r}")
@@ -191,6 +218,8 @@ class TP2DStrategy(ModelParallelStrategy):
                 broadcast_module_(gpt, self.device_mesh)
                 parallelize(gpt, self.device_mesh, self.layout_spec)
             checkpoint_activations(gpt, self.activation_checkpointing)
+            if self.compile_options is not None:
+                gpt.compile(**self.compile_options)
         left = [n for n, p in module.named_parameters() if p.is_meta]
         if left:
             raise ValueError(f"parameters outside the GPT2 modules are still on the meta device: {left[:5]}")

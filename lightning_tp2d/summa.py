@@ -60,6 +60,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_tp2d.comm import (BroadcastPipeline, ReducePipeline, all_gather_blocks, axis_rank, axis_size,
                                  exchange_with, neighbour_exchange, reduce_scatter_blocks)
 from lightning_tp2d.mesh import transpose_peer
+from lightning_tp2d.ops import registered
 from lightning_tp2d.options import TPOptions, tp_options
 
 _GATHER, _REDUCE = 0, 1  # point-to-point tags of the two rings the collective backward keeps in flight
@@ -442,6 +443,7 @@ def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, me
 # ---- autograd -----------------------------------------------------------------------------------------------------
 
 
+@registered("summa_ab")
 class _SummaAB(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, mesh, options, form, mirrored):
@@ -492,6 +494,7 @@ def _ab(a, b, mesh, algorithm):
     return fn(a, b, mesh)[0]
 
 
+@registered("summa_abt")
 class _SummaABt(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, mesh, options):
@@ -508,6 +511,7 @@ class _SummaABt(torch.autograd.Function):
         return da, db, None, None
 
 
+@registered("summa_atb")
 class _SummaAtB(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, mesh, options):

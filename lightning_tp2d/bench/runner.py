@@ -60,6 +60,7 @@ class BenchSpec:
     device: str = "cpu"
     seed: int = 0
     timeout: float = 900.0
+    compile: str = ""  # a torch.compile backend ("inductor", "aot_eager"): compile the model after sharding
 
     def config(self, seq: int | None = None):
         from lightning_tp2d.models import GPT2Config
@@ -156,6 +157,10 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
 
             tp.parallelize(model, tp.init_mesh(layout, world_size, 1, device_type=device.type), layout=layout)
     model.train()
+    if spec.compile:  # the timed steps run compiled; the measured step's dispatch modes make Dynamo run it eagerly
+        if layout != "hf":
+            model.validate_inputs = False  # the ids are drawn in range; value checks would read the device
+        model.compile(backend=spec.compile, dynamic=False)
     if layout in TP1D:  # DTensor and plain parameters in separate groups (CUDA foreach kernels refuse a mix)
         from lightning_tp2d.bench.tp1d import param_groups_1d
 

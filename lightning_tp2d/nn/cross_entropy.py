@@ -16,10 +16,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import all_reduce_along
 from lightning_tp2d.nn.functional import axis_index
+from lightning_tp2d.ops import registered
 
 IGNORE_INDEX = -100
 
 
+@registered("vocab_parallel_cross_entropy", mutates=(0,))
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, mesh, vocab_size):

@@ -24,6 +24,7 @@ from torch.distributed.tensor import Replicate, Shard
 from lightning_tp2d.comm import BroadcastPipeline, ReducePipeline
 from lightning_tp2d.layouts import Grid2D
 from lightning_tp2d.nn.functional import axis_index, shard_parameter, shard_range, sum_grad_along
+from lightning_tp2d.ops import registered
 
 
 def shard_batch(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -46,6 +47,7 @@ def _lookup(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor
     return F.embedding(local.clamp(0, weight.shape[0] - 1), weight) * hit.unsqueeze(-1).to(weight.dtype)
 
 
+@registered("embed_to_owner")
 class _EmbedToOwner(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, idx, mesh, start):

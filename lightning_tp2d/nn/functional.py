@@ -10,8 +10,10 @@ from torch.distributed.tensor import distribute_tensor
 
 from lightning_tp2d.comm import all_gather_along, all_reduce_along, axis_rank, axis_size, exchange_with
 from lightning_tp2d.mesh import transpose_peer
+from lightning_tp2d.ops import registered
 
 
+@registered("sum_grad_along")
 class _SumGradAlong(torch.autograd.Function):
     """Forward: identity. Backward: sum the gradient over ``axis``.
 
@@ -35,6 +37,7 @@ def sum_grad_along(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor
     return _SumGradAlong.apply(x, mesh, axis)
 
 
+@registered("sum_grads_along")
 class _SumGradsAlong(torch.autograd.Function):
     """:class:`_SumGradAlong` for several tensors of one dtype with one all-reduce of their concatenated gradients
     (LayerNorm's weight and bias: one call instead of two)."""
@@ -64,6 +67,7 @@ def sum_grads_along(xs, mesh: DeviceMesh, axis: str) -> tuple[torch.Tensor, ...]
     return _SumGradsAlong.apply(mesh, axis, *xs)
 
 
+@registered("gather_grid")
 class _GatherGrid(torch.autograd.Function):
     """Forward: all-gather a ``[rows/q, cols/q]`` block into the full ``[rows, cols]`` matrix on every rank
     (gather along ``col`` on the last dim, then along ``row`` on the first). Backward: keep the local block."""
@@ -86,6 +90,7 @@ def gather_grid(block: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return _GatherGrid.apply(block, mesh)
 
 
+@registered("transpose_grid")
 class _TransposeGrid(torch.autograd.Function):
     """Forward: rank ``(r, c)`` swaps its block with rank ``(c, r)`` (diagonal ranks keep theirs): a matrix
     whose block ``(i, j)`` sat on rank ``(i, j)`` now has it on rank ``(j, i)``. Backward: the same swap."""

@@ -15,12 +15,14 @@ from torch.distributed.tensor import Replicate, Shard
 
 from lightning_tp2d.comm import all_reduce_along
 from lightning_tp2d.nn.functional import shard_parameter, sum_grads_along
+from lightning_tp2d.ops import registered
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@registered("layer_norm_2d")
 class _LayerNormAlongCol(torch.autograd.Function):
     """``y = (x - μ) / sqrt(σ² + eps) * w + b`` with μ, σ² over the hidden dim split along ``col``."""
 

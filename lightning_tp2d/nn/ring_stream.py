@@ -22,19 +22,29 @@ shape, so the functions also run on the ``meta`` device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import all_reduce_along
 from lightning_tp2d.metp import RingOptions, acc_dtype, ring_backward, ring_forward, ring_options
 from lightning_tp2d.nn.cross_entropy import IGNORE_INDEX
+from lightning_tp2d.ops import registered
 
 
+@dataclass(frozen=True)
 class ColumnBlocks:
-    """Block ``j`` of an ``[N, n*w]`` matrix is its columns ``[j*w, (j+1)*w)`` (read as a view)."""
+    """Block ``j`` of an ``[N, n*w]`` matrix is its columns ``[j*w, (j+1)*w)`` (read as a view). A value (frozen
+    dataclass), so a compiled graph specialises on it rather than on an object's identity."""
 
-    def __init__(self, rows: int, n: int, width: int) -> None:
-        self.shape, self.width = (rows, n * width), width
+    rows: int
+    n: int
+    width: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.n * self.width
 
     def read(self, t: torch.Tensor, j: int) -> torch.Tensor:
         return t[:, j * self.width:(j + 1) * self.width]
@@ -49,16 +59,29 @@ class ColumnBlocks:
         return dt.sum(0)
 
 
+@dataclass(frozen=True)
 class HeadBlocks:
     """A ``[g, B, H, S, d]`` tensor (``g = 3`` for q|k|v, ``1`` for an attention output) whose block ``j`` is
     columns ``[j*w, (j+1)*w)``, ``w = H*d/n``, of each group's ``[B*S, H*d]`` matrix (torch's ``Linear`` order;
     ``c_attn`` rows regrouped as ``[q_j | k_j | v_j]``), read as the ``[B*S, g*w]`` matrix. When ``n`` divides the
     heads a block is whole heads; otherwise blocks cut through heads (any head count fits a ring that divides the
-    width), and ``read`` / ``write`` go head by head over the few heads a block touches."""
+    width), and ``read`` / ``write`` go head by head over the few heads a block touches. A value, like
+    :class:`ColumnBlocks`."""
 
-    def __init__(self, groups: int, batch: int, seq: int, heads: int, head_size: int, n: int) -> None:
-        self.shape = (groups, batch, heads, seq, head_size)
-        self.n, self.width = n, heads * head_size // n
+    groups: int
+    batch: int
+    seq: int
+    heads: int
+    head_size: int
+    n: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return self.groups, self.batch, self.heads, self.seq, self.head_size
+
+    @property
+    def width(self) -> int:
+        return self.heads * self.head_size // self.n
 
     def _touched(self, j: int):
         """``(head, first column in it, last + 1, column of the block)`` for each head block ``j`` touches."""
@@ -95,6 +118,7 @@ class HeadBlocks:
         return dt.sum((1, 3)).reshape(-1)  # (g, H, d) in torch's order
 
 
+@registered("ring_linear_out")
 class _RingLinearOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, mesh, axis, layout, options):
@@ -130,6 +154,7 @@ class _RingLinearOut(torch.autograd.Function):
         return dx, dw.to(w.dtype), db, None, None, None, None
 
 
+@registered("ring_linear_in")
 class _RingLinearIn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, mesh, axis, layout, options):
@@ -195,6 +220,7 @@ def _block_hits(ids: torch.Tensor, j: int, rows: int, valid: int | None = None) 
     return local.clamp(0, valid - 1), (local >= 0) & (local < valid)
 
 
+@registered("ring_embedding")
 class _RingEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, ids, mesh, axis, options):
@@ -224,6 +250,7 @@ class _RingEmbedding(torch.autograd.Function):
         return dweight.to(ctx.dtype), None, None, None, None
 
 
+@registered("ring_cross_entropy")
 class _RingCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, mesh, axis, vocab_size, options):

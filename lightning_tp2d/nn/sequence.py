@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import all_gather_along, axis_rank, axis_size
 from lightning_tp2d.layouts import Layout
+from lightning_tp2d.ops import registered
 
 
 def check_sequence_length(seq: int, layout: Layout, p: int) -> None:
@@ -35,6 +36,7 @@ def zigzag_inverse(seq: int, n: int, device=None) -> torch.Tensor:
     return torch.argsort(order).to(device)
 
 
+@registered("gather_sequence")
 class _GatherSequence(torch.autograd.Function):
     """Forward: all-gather the zigzag shards ``[B, S, ...]`` along ``axis`` into ``[B, T, ...]`` in sequence
     order on every rank. Backward: keep this rank's rows (the output is replicated: every rank computes the
