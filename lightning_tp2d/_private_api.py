@@ -169,6 +169,19 @@ torch (2.13)
     silently break compiled graphs; comparing version counters before and after catches it.
     public: none; autograd's own check (``saved tensor ... modified by an inplace operation``) uses the same counter.
 
+``DeviceMesh._dim_group_names``
+    where: ops.py:_mesh_names
+    why: names a mesh by its process groups inside traced code: torch.compile reads it on the real mesh at trace
+    time (a ``USE_REAL`` member of the opaque mesh type), so the registered ops' constants hold a name, not the
+    mesh object (which would become a graph input that activation checkpointing's recompute cannot save).
+    public: none; ``mesh.get_group(axis).group_name`` is the same name but is traced through the process group.
+
+``Tensor._base``
+    where: recompute.py:recipe_for
+    why: a consumer often saves a view of a marked tensor (``x.reshape(-1, h)`` before a SUMMA product); its base
+    tells which recipe rebuilds it, and the view's geometry is replayed on the rebuilt base.
+    public: none; ``Tensor.is_view()`` says whether, not of what.
+
 ``FakeScriptObject.real_obj`` (read with ``object.__getattribute__``)
     where: ops.py:_real
     why: under ``torch.compile`` a ``DeviceMesh`` (a reference-type opaque object since torch 2.10) reaches
@@ -243,6 +256,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "the native functional-collective ops DTensor redistributions issue"),
     ("torch._C._is_alias_of", ("ops.py:_aliases",), "custom ops must return fresh memory: copy outputs that alias"),
     ("Tensor._version", ("ops.py:_versions",), "catch an undeclared in-place write into a registered op's input"),
+    ("Tensor._base", ("recompute.py:recipe_for",), "the marked tensor a saved view was taken of"),
+    ("DeviceMesh._dim_group_names", ("ops.py:_mesh_names",), "a mesh's name, read at trace time, for op constants"),
     ("torch.testing._internal.distributed.fake_pg.FakeStore", ("bench/trace.py:_run_here",),
      "importing it registers the 'fake' process-group backend the schedule tracer runs on"),
 )

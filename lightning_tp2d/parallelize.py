@@ -39,6 +39,7 @@ import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_tp2d import recompute
 from lightning_tp2d.layouts import Layout, ParallelHandle, get_layout
 from lightning_tp2d.models.gpt2 import GPT2
 from lightning_tp2d.ops import register_mesh
@@ -90,7 +91,28 @@ def parallelize(model: GPT2, mesh: DeviceMesh, layout: str | Layout = "2d", *,
     return model
 
 
-ACTIVATION_CHECKPOINTING = ("none", "full")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+def _selective(model: GPT2):
+    forward = model.forward
+
+    def selective(*args, **kwargs):
+        if not (torch.is_grad_enabled() and model.training):
+            return forward(*args, **kwargs)
+        with recompute.saving_recipes():
+            return forward(*args, **kwargs)
+
+    selective.recomputes = forward
+    return selective
+
+
+def _mode_of(model: GPT2) -> str:
+    if hasattr(model.forward, "recomputes"):
+        return "selective"
+    if any(hasattr(block.forward, "recomputes") for block in model.transformer.h):
+        return "full"
+    return "none"
 
 
 def _recomputed(block: nn.Module):
@@ -110,17 +132,27 @@ def checkpoint_activations(model: GPT2, mode: str = "full") -> GPT2:
 
     ``"full"``: each block keeps only its input for the backward and runs its forward again there (its collectives
     included: every rank of a tensor-parallel group recomputes the same blocks in the same order), trading one more
-    forward of the blocks for their saved activations. ``"none"``: nothing changes. The module tree and parameter
-    names stay as they are (checkpoints are unaffected); applying it twice wraps once. Dropout draws the same mask
+    forward of the blocks for their saved activations. ``"selective"``: the blocks keep their matmul and attention
+    outputs but store the cheap, large tensors as recipes rebuilt in the backward (:mod:`lightning_tp2d.recompute`):
+    LayerNorm outputs and the GELU output (elementwise, from tensors the backward keeps anyway) and, in the grid
+    layouts, the LM head's mirrored embedding block (swapped again with the mirror rank); gradients are
+    bit-identical. ``"none"``: nothing changes. The module tree and parameter names stay as they are (checkpoints
+    are unaffected); applying a mode twice wraps once, and a model keeps the first mode applied. Dropout draws the same mask
     in the recomputation (the RNG state is restored). Apply it after :func:`parallelize` or before: the wrapper
     calls whatever the block's submodules are when it runs."""
     if mode not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation_checkpointing={mode!r} is not one of "
                          f"{', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
+    current = _mode_of(model)
+    if mode == "none" or mode == current:
+        return model
+    if current != "none":
+        raise ValueError(f"model already uses activation_checkpointing={current!r}; cannot also apply {mode!r}")
     if mode == "full":
         for block in model.transformer.h:
-            if not hasattr(block.forward, "recomputes"):
-                block.forward = _recomputed(block)
+            block.forward = _recomputed(block)
+    else:
+        model.forward = _selective(model)
     return model
 
 

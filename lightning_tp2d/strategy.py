@@ -77,8 +77,9 @@ class TP2DStrategy(ModelParallelStrategy):
             per rank; ``False`` gathers everything into one full file on rank 0.
         process_group_backend: ``"gloo"``, ``"nccl"`` ...; default from the device.
         timeout: collective timeout.
-        activation_checkpointing: ``"none"`` or ``"full"`` (each transformer block recomputes its forward in the
-            backward and keeps only its input: :func:`~lightning_tp2d.parallelize.checkpoint_activations`).
+        activation_checkpointing: ``"none"``, ``"full"`` (each transformer block recomputes its forward in the
+            backward and keeps only its input) or ``"selective"`` (LayerNorm and GELU outputs and the mirrored head
+            block are rebuilt in the backward; matmul outputs kept): :func:`~lightning_tp2d.parallelize.checkpoint_activations`.
         compile: ``torch.compile`` every parallelized ``GPT2`` in place (``nn.Module.compile``: parameter names and
             checkpoints unchanged) after sharding: ``False`` (default), ``True`` (the inductor backend), a backend
             name (``"aot_eager"`` ...) or a dict of ``torch.compile`` keyword arguments. Graphs specialise on
@@ -98,6 +99,9 @@ class TP2DStrategy(ModelParallelStrategy):
                              f"{', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
         self.activation_checkpointing = activation_checkpointing
         self.compile_options = compile_options(compile)
+        if self.compile_options is not None and activation_checkpointing == "selective":
+            raise ValueError("compile with activation_checkpointing='selective' is not supported: its saved-tensor "
+                             "hooks and recipes run in eager mode only (use 'full', or no compile)")
         if self.compile_options is not None and activation_checkpointing != "none" and spec.name == "2d":
             raise ValueError(f"compile with activation_checkpointing={activation_checkpointing!r} is not supported "
                              "for layout '2d' yet: torch 2.13's AOTAutograd fails to save the DTensor parameters' "

@@ -226,6 +226,8 @@ def test_compile_argument_is_checked():
         tp.TP2DStrategy(compile=3)
     with pytest.raises(ValueError, match="not supported for layout '2d' yet"):
         tp.TP2DStrategy(compile=True, activation_checkpointing="full")
+    with pytest.raises(ValueError, match="activation_checkpointing='selective' is not supported"):
+        tp.TP2DStrategy(layout="metp", compile=True, activation_checkpointing="selective")
 
 
 class UserModule(L.LightningModule):

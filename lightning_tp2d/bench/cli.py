@@ -73,6 +73,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"],
+                    help="for the package's layouts (the baselines run without)")
     ap.add_argument("--compile", nargs="?", const="inductor", default="", metavar="BACKEND",
                     help="torch.compile every scenario's model (default backend inductor); the timed steps run "
                          "compiled, memory and communication are measured on an eager step")
@@ -284,7 +286,8 @@ def projection(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
     spec = BenchSpec(model=args.model, overrides=_overrides(args.set), batch=args.batch, seq=args.seq,
                      steps=args.steps, warmup=args.warmup, dtype=args.dtype, device=args.device,
-                     timeout=args.timeout, compile=args.compile)
+                     timeout=args.timeout, compile=args.compile,
+                     activation_checkpointing=args.activation_checkpointing)
     results: dict = {"command": "tp2d-bench " + shlex.join(argv), "machine": machine(),
                      "date": datetime.datetime.now().isoformat(timespec="seconds"), "spec": asdict(spec)}
     t0 = time.perf_counter()

@@ -98,6 +98,9 @@ def markdown(results: dict) -> str:
     model = f"`{spec['model']}`" + (f" with {spec['overrides']}" if spec["overrides"] else "")
     lines += [f"Model {model}, {spec['dtype']}, device {spec['device']}"
               + (f"; scenarios at batch {spec['batch']} x sequence {spec['seq']}" if results.get("scenarios") else "")
+              + (f"; the package's layouts with activation checkpointing `{spec['activation_checkpointing']}` "
+                 "(baselines without)" if spec.get("activation_checkpointing", "none") != "none" else "")
+              + (f"; models compiled (`{spec['compile']}`)" if spec.get("compile") else "")
               + ". Memory on CPU is live tensor bytes (parameters, gradients, optimizer state, activations), on GPU "
               "the CUDA allocator's; activation = allocated by the forward and alive at its end; peak = the most "
               "alive during one whole step. Communication: payload bytes per rank per step as counted (`= model`: "

@@ -61,6 +61,7 @@ class BenchSpec:
     seed: int = 0
     timeout: float = 900.0
     compile: str = ""  # a torch.compile backend ("inductor", "aot_eager"): compile the model after sharding
+    activation_checkpointing: str = "none"  # for the package's layouts: none | full | selective
 
     def config(self, seq: int | None = None):
         from lightning_tp2d.models import GPT2Config
@@ -156,6 +157,7 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
             import lightning_tp2d as tp
 
             tp.parallelize(model, tp.init_mesh(layout, world_size, 1, device_type=device.type), layout=layout)
+            tp.checkpoint_activations(model, spec.activation_checkpointing)
     model.train()
     if spec.compile:  # the timed steps run compiled; the measured step's dispatch modes make Dynamo run it eagerly
         if layout != "hf":

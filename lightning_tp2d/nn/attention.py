@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_tp2d import recompute
 from lightning_tp2d.nn.functional import axis_index
 from lightning_tp2d.nn.linear import Linear2D
 
@@ -53,4 +54,6 @@ class MLP2D(nn.Module):
         self.dropout = nn.Dropout(mlp.dropout.p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        h = self.c_fc(x)
+        g = recompute.mark(F.gelu(h, approximate="tanh"), lambda: F.gelu(h, approximate="tanh"))
+        return self.dropout(self.c_proj(g))

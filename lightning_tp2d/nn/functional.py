@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch.distributed.tensor import distribute_tensor
 
+from lightning_tp2d import recompute
 from lightning_tp2d.comm import all_gather_along, all_reduce_along, axis_rank, axis_size, exchange_with
 from lightning_tp2d.mesh import transpose_peer
 from lightning_tp2d.ops import registered
@@ -152,4 +153,4 @@ def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if not torch.is_autocast_enabled(device):
         return tensors
     dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) for t in tensors)
+    return tuple(recompute.follow(t.to(dtype), t, lambda s: s.to(dtype)) for t in tensors)

@@ -21,6 +21,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_tp2d import recompute
+from lightning_tp2d.comm import exchange_with
+from lightning_tp2d.mesh import transpose_peer
 from lightning_tp2d.nn.cross_entropy import vocab_parallel_cross_entropy
 from lightning_tp2d.nn.embedding import shard_batch
 from lightning_tp2d.nn.functional import autocast_operands, axis_index, gather_grid, pad_rows, transpose_grid
@@ -44,7 +47,14 @@ class LMHead2D(nn.Module):
         """``[N/q, ceil(V/q)]`` logits block of this rank (padding columns hold zeros)."""
         x2d, weight = autocast_operands(x.reshape(-1, x.shape[-1]), self.weight.to_local())  # E[V_r, h_c]
         mirrored = transpose_grid(pad_rows(weight, self.block_rows), self.mesh)  # E[V_c, h_r]: (ceil(V/q), h/q)
+        recompute.mark(mirrored, lambda dtype=weight.dtype: self._mirror(dtype))  # selective: swapped again
         return summa_ab(x2d, mirrored.t(), self.mesh, self.options)  # B block Eᵀ[h_r, V_c], travels as stored
+
+    def _mirror(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mirror rank's embedding block, fetched again (selective recomputation, in the backward: every rank
+        of the grid unpacks it at the same point of the head's backward, so the pairwise swaps meet)."""
+        block = pad_rows(self.weight.to_local().detach().to(dtype), self.block_rows).contiguous()
+        return exchange_with(block, transpose_peer(self.mesh)).view_as(block)
 
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """Targets of this rank's tokens, flattened in the order of its logits rows (batch shard ``r``)."""

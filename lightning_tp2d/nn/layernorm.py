@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from lightning_tp2d import recompute
 from lightning_tp2d.comm import all_reduce_along
 from lightning_tp2d.nn.functional import shard_parameter, sum_grads_along
 from lightning_tp2d.ops import registered
@@ -20,6 +21,15 @@ from lightning_tp2d.ops import registered
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _affine(x, mean, rstd, weight, bias) -> torch.Tensor:
+    """``((x - μ) · rstd) · w + b`` in the statistics' dtype, returned in ``x``'s."""
+    xhat = (x.to(mean.dtype) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    y = xhat * weight
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype)
 
 
 @registered("layer_norm_2d")
@@ -34,13 +44,11 @@ class _LayerNormAlongCol(torch.autograd.Function):
         mean = sums[0] / hidden
         var = (sums[1] / hidden - mean * mean).clamp_min(0)
         rstd = torch.rsqrt(var + eps)
-        xhat = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
-        y = xhat * weight
-        if bias is not None:
-            y = y + bias
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.mesh, ctx.hidden, ctx.has_bias = mesh, hidden, bias is not None
-        return y.to(x.dtype)
+        y = _affine(x, mean, rstd, weight, bias)
+        # selective recomputation: rebuilt from what the backward keeps anyway, locally (no all-reduce)
+        return recompute.mark(y, lambda: _affine(x, mean, rstd, weight, bias))
 
     @staticmethod
     def backward(ctx, grad):

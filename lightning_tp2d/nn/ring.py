@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_tp2d import recompute
 from lightning_tp2d.layouts import Ring
 from lightning_tp2d.metp import RingOptions, ring_attention, ring_mlp, ring_options
 from lightning_tp2d.nn.functional import autocast_operands, axis_index, pad_rows, shard_parameter, sum_grad_along
@@ -99,7 +100,8 @@ class RingLayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = sum_grad_along(self.weight.to_local(), self.mesh, AXIS)
         b = None if self.bias is None else sum_grad_along(self.bias.to_local(), self.mesh, AXIS)
-        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+        y = F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+        return recompute.mark(y, lambda: F.layer_norm(x, self.normalized_shape, w, b, self.eps))
 
 
 def refuse_attention_dropout(module: nn.Module) -> None:
