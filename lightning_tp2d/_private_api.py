@@ -90,16 +90,26 @@ torch (2.13)
     ``full_tensor()`` and checkpoints hold.
 
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``
-    where: metp.py:_flash_cpu, metp.py:attend_block
+    where: metp.py:block_kernel, metp.py:_fused_forward
     why: the CPU flash-attention kernel also returns the log-sum-exp, which the ring's online-softmax merge needs.
     public: none. ``F.scaled_dot_product_attention`` returns the output only (``flex_attention`` can return the
     log-sum-exp but is fast only under ``torch.compile``).
 
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward``
-    where: metp.py:attend_block_backward
+    where: metp.py:_fused_backward
     why: the block backward from the *global* output and log-sum-exp, as torch's own context-parallel ring
     attention calls its flash backward.
     public: none.
+
+``torch.ops.aten._scaled_dot_product_flash_attention``, ``torch.ops.aten._scaled_dot_product_efficient_attention``,
+``torch.ops.aten._scaled_dot_product_flash_attention_backward``,
+``torch.ops.aten._scaled_dot_product_efficient_attention_backward``
+    where: metp.py:_fused_forward, metp.py:_fused_backward
+    why: the CUDA fused kernels that return the log-sum-exp (flash for fp16/bf16, memory-efficient otherwise) and
+    take the global output and log-sum-exp in the backward, as torch's own context-parallel ring attention calls
+    them. Checked once per process against the math kernel before use (metp.py:_check_kernel); not yet run on a GPU
+    by this project's tests (no GPU in CI).
+    public: none, as for the CPU kernel.
 
 ``DTensor._op_dispatcher._custom_op_handlers``, ``torch.ops.aten._log_softmax``
     where: bench/tp1d.py:_loss_parallel_active
@@ -177,7 +187,7 @@ torch (2.13)
     public: none; ``mesh.get_group(axis).group_name`` is the same name but is traced through the process group.
 
 ``Tensor._base``
-    where: recompute.py:recipe_for
+    where: recompute.py:recipe_for, recompute.py:mark
     why: a consumer often saves a view of a marked tensor (``x.reshape(-1, h)`` before a SUMMA product); its base
     tells which recipe rebuilds it, and the view's geometry is replayed on the rebuilt base.
     public: none; ``Tensor.is_view()`` says whether, not of what.
@@ -226,10 +236,15 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("torch.distributed.tensor.placement_types._StridedShard",
      ("nn/linear.py:_out_shard", "nn/ring.py:RingLinear.__init__", "checkpoint.py:box_view"),
      "the only DTensor placement for the fused c_attn rows [q_i; k_i; v_i] of one rank"),
-    ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", ("metp.py:_flash_cpu", "metp.py:attend_block"),
+    ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", ("metp.py:block_kernel", "metp.py:_fused_forward"),
      "the CPU flash kernel returns the log-sum-exp the ring's online-softmax merge needs"),
-    ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", ("metp.py:attend_block_backward",),
+    ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", ("metp.py:_fused_backward",),
      "the block backward from the global output and log-sum-exp"),
+    ("torch.ops.aten._scaled_dot_product_flash_attention, torch.ops.aten._scaled_dot_product_efficient_attention",
+     ("metp.py:_fused_forward",), "CUDA fused attention returning the log-sum-exp the ring merge needs"),
+    ("torch.ops.aten._scaled_dot_product_flash_attention_backward, "
+     "torch.ops.aten._scaled_dot_product_efficient_attention_backward",
+     ("metp.py:_fused_backward",), "their block backward from the global output and log-sum-exp"),
     ("DTensor._op_dispatcher._custom_op_handlers, torch.ops.aten._log_softmax",
      ("bench/tp1d.py:_loss_parallel_active",),
      "whether torch's loss_parallel() handlers are installed right now"),
@@ -256,7 +271,7 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "the native functional-collective ops DTensor redistributions issue"),
     ("torch._C._is_alias_of", ("ops.py:_aliases",), "custom ops must return fresh memory: copy outputs that alias"),
     ("Tensor._version", ("ops.py:_versions",), "catch an undeclared in-place write into a registered op's input"),
-    ("Tensor._base", ("recompute.py:recipe_for",), "the marked tensor a saved view was taken of"),
+    ("Tensor._base", ("recompute.py:recipe_for", "recompute.py:mark"), "the marked tensor a saved view was taken of"),
     ("DeviceMesh._dim_group_names", ("ops.py:_mesh_names",), "a mesh's name, read at trace time, for op constants"),
     ("torch.testing._internal.distributed.fake_pg.FakeStore", ("bench/trace.py:_run_here",),
      "importing it registers the 'fake' process-group backend the schedule tracer runs on"),

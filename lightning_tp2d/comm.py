@@ -248,15 +248,14 @@ def exchange_with(tensor: torch.Tensor, peer: int) -> torch.Tensor:
     if _SHAPES_ONLY:
         return torch.empty_like(tensor)
     calls = [_post(kind, "pair", None, (tensor,), peer=peer) for kind in ("send", "recv")]
-    staged = tensor.is_cuda and dist.get_backend() == "gloo"
-    outgoing = tensor.cpu() if staged else tensor
-    incoming = torch.empty_like(outgoing)
-    works = [dist.isend(outgoing, dst=peer), dist.irecv(incoming, src=peer)]
-    for work in works:
-        work.wait()
+    incoming = torch.empty_like(tensor)
+    works, then = _point_to_point([tensor], [incoming], [(peer, 0)], [(peer, 0)], None, dist.get_rank() < peer)
+    works.wait()
+    if then is not None:
+        then()
     for call in calls:
         _waited(call)
-    return incoming.to(tensor.device) if staged else incoming
+    return incoming
 
 
 def all_gather_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int = 0) -> torch.Tensor:
@@ -364,7 +363,7 @@ def ring_shift(send, recv, mesh: DeviceMesh, axis: str, tag: int = 0, async_op: 
     every rank; ``recv`` must not alias ``send``).
 
     Point-to-point ``isend``/``irecv``, posted even/odd (even coordinates send first, odd ones receive first)
-    so that no pair of blocking transports waits on each other; ``batch_isend_irecv`` is not used (gloo).
+    so that no pair of blocking transports waits on each other; on NCCL one ``batch_isend_irecv``.
     ``tag`` keeps two shifts in flight at once apart (the ring backward overlaps operand and gradient shifts).
     Counted as one ``ring_exchange`` call whose bytes are all of ``send``. On one rank the tensors are copied
     across and nothing is counted. Under gloo, CUDA tensors travel through host buffers.
@@ -392,7 +391,8 @@ def ring_shift(send, recv, mesh: DeviceMesh, axis: str, tag: int = 0, async_op: 
 def _point_to_point(send: list, recv: list, peers_out: list, peers_in: list, group, sends_first: bool):
     """Post ``isend`` of each ``send[i]`` to ``peers_out[i] = (global rank, tag)`` and ``irecv`` into each
     ``recv[i]`` from ``peers_in[i]``, sends first or receives first (ranks alternate, so that no pair of blocking
-    transports waits on each other); under gloo CUDA tensors travel through host buffers. Returns the works and
+    transports waits on each other); on NCCL all of them in one ``batch_isend_irecv`` (a grouped launch, both
+    directions at once); under gloo CUDA tensors travel through host buffers. Returns the works and
     the copy-back to run after them (or ``None``)."""
     if _SHAPES_ONLY:
         return _Works([]), None
@@ -407,6 +407,10 @@ def _point_to_point(send: list, recv: list, peers_out: list, peers_in: list, gro
             for dst, src in zip(targets, host):
                 dst.copy_(src)
 
+    if dist.get_backend(group) == "nccl":  # one grouped launch: both directions in flight together
+        ops = ([dist.P2POp(dist.isend, t, p, group=group, tag=k) for t, (p, k) in zip(send, peers_out)]
+               + [dist.P2POp(dist.irecv, t, p, group=group, tag=k) for t, (p, k) in zip(recv, peers_in)])
+        return _Works(dist.batch_isend_irecv(ops)), then
     sends = lambda: [dist.isend(t, dst=p, group=group, tag=k) for t, (p, k) in zip(send, peers_out)]  # noqa: E731
     recvs = lambda: [dist.irecv(t, src=p, group=group, tag=k) for t, (p, k) in zip(recv, peers_in)]  # noqa: E731
     return _Works(sends() + recvs() if sends_first else recvs() + sends()), then

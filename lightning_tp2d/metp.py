@@ -103,7 +103,7 @@ def ring_forward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step:
 
 def ring_backward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step: Step,
                   home: Sequence[torch.Tensor] | None = None, *,
-                  double_buffer: bool = True) -> tuple[torch.Tensor, ...]:
+                  double_buffer: bool = True, wire_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
     """Rotate ``own`` again and sum gradients of the travelling blocks round the ring.
 
     ``step(j, blocks)`` returns fresh tensors: this rank's contribution to the gradients of rank ``j``'s blocks.
@@ -111,7 +111,9 @@ def ring_backward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step
     compute) is added and the total sent on. Returns the complete gradients of this rank's own blocks (received
     into ``home`` if given). With operands: ``p-1`` operand and ``p`` gradient exchanges; with ``own == ()``
     the sums start one rank early and need ``p-1`` gradient exchanges only. ``double_buffer`` as in
-    :func:`ring_forward`.
+    :func:`ring_forward`. ``wire_dtype``: the dtype the sums travel in (``None``: the contributions' own, float32
+    for bf16 operands); each rank adds the arriving sum into its float32 contribution and sends the total on in
+    ``wire_dtype`` (bf16 halves the bytes at one rounding per hop).
     """
     i, p = axis_rank(mesh, axis), axis_size(mesh, axis)
     shift = 0 if own else 1
@@ -128,24 +130,117 @@ def ring_backward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step
             free = acc_in
         last = t == p - 1
         if not (shift and last):
-            acc_in = tuple(home) if last and home is not None else (
-                free if free is not None else tuple(torch.empty_like(a) for a in acc))
-            acc_wait = ring_shift(acc, acc_in, mesh, axis, tag=_GRADS, async_op=True)
+            send = acc if wire_dtype is None else tuple(a.to(wire_dtype) for a in acc)
+            homed = last and home is not None and all(h.dtype == s.dtype for h, s in zip(home, send))
+            acc_in = tuple(home) if homed else (
+                free if free is not None else tuple(torch.empty_like(s) for s in send))
+            acc_wait = ring_shift(send, acc_in, mesh, axis, tag=_GRADS, async_op=True)
             if not double_buffer:
                 acc_wait.wait()
         blocks.advance()
     if shift:
         return acc
     acc_wait.wait()
+    if home is not None and not homed:
+        for h, a in zip(home, acc_in):
+            h.copy_(a)
+        return tuple(home)
     return acc_in
 
 
 # ---- attention blocks -------------------------------------------------------------------------------------
 
 
-def _flash_cpu(q: torch.Tensor, options: RingOptions) -> bool:
-    return options.attention_kernel == "auto" and q.device.type == "cpu" and hasattr(
-        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+KERNELS = ("flash_cpu", "flash_cuda", "efficient_cuda", "math")
+_VERIFIED: dict[tuple, bool] = {}  # (kernel, device, dtype, head size) -> the fused kernel matched the math one
+_AUX: dict[tuple, tuple] = {}  # (kernel, device, dtype, shapes, causal) -> the forward's extra outputs (no dropout)
+
+
+def block_kernel(q: torch.Tensor, options: RingOptions | None = None) -> str:
+    """The per-block attention kernel :func:`attend_block` uses for ``q``: ``"math"`` when
+    ``options.attention_kernel == "math"``; otherwise the fused kernel that returns the log-sum-exp: torch's CPU flash
+    kernel on CPU; on CUDA the flash kernel (fp16/bf16, head size a multiple of 8 up to 256) or the memory-efficient
+    one. A CUDA kernel is first checked once per process (device, dtype, head size) against the math kernel on a
+    small block, forward and backward; if it fails or disagrees, a warning says so and the math kernel is used."""
+    options = ring_options(options)
+    if options.attention_kernel == "math":
+        return "math"
+    if q.device.type == "cpu":
+        return "flash_cpu" if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") else "math"
+    if q.device.type == "cuda":
+        d = q.shape[-1]
+        if q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256 and _verified("flash_cuda", q):
+            return "flash_cuda"
+        if _verified("efficient_cuda", q):
+            return "efficient_cuda"
+    return "math"
+
+
+def _verified(kernel: str, q: torch.Tensor) -> bool:
+    key = (kernel, q.device, q.dtype, q.shape[-1])
+    if key not in _VERIFIED:
+        _VERIFIED[key] = _check_kernel(kernel, q.device, q.dtype, q.shape[-1])
+    return _VERIFIED[key]
+
+
+def _check_kernel(kernel: str, device, dtype, d: int) -> bool:
+    """Does ``kernel`` give the math kernel's output, log-sum-exp and block gradients (given a global output and
+    log-sum-exp) on a small random block, causal and not?"""
+    import warnings
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    try:
+        for causal in (True, False):
+            q, k, v, dout = (torch.randn(1, 2, 64, d, generator=g).to(device, dtype) for _ in range(4))
+            scale = d ** -0.5
+            out, lse = _fused_forward(kernel, q, k, v, causal, scale)
+            ref_out, ref_lse = attend_block(q, k, v, causal, scale, TPOptions(attention_kernel="math"))
+            grads = _fused_backward(kernel, dout, q, k, v, ref_out, ref_lse, causal, scale)
+            ref = attend_block_backward(dout, q, k, v, ref_out, ref_lse, causal, scale, TPOptions(attention_kernel="math"))
+            pairs = [(out, ref_out), (lse, ref_lse), *zip(grads, ref)]
+            for a, b in pairs:
+                if a.shape != b.shape or ((a.float() - b.float()).abs().max() > tol * (1 + b.float().abs().max())):
+                    raise ValueError(f"differs from the math kernel (shapes {tuple(a.shape)} vs {tuple(b.shape)})")
+        return True
+    except Exception as err:  # noqa: BLE001 - any failure means: do not use this kernel here
+        warnings.warn(f"ring attention: the fused {kernel} kernel is not usable for {dtype} head size {d} on {device} "
+                      f"({type(err).__name__}: {err}); using the math kernel", RuntimeWarning, stacklevel=3)
+        return False
+
+
+def _fused_forward(kernel: str, q, k, v, causal: bool, scale: float):
+    aten = torch.ops.aten
+    if kernel == "flash_cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.to(acc_dtype(q.dtype))
+    if kernel == "flash_cuda":
+        out, lse, *aux = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    else:  # efficient_cuda
+        out, lse, *aux = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        lse = lse[..., : q.shape[-2]]  # some releases pad the rows to a multiple of 32
+    _AUX[(kernel, q.device, q.dtype, q.shape, k.shape, causal)] = tuple(aux)
+    return out, lse.float()
+
+
+def _fused_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float):
+    aten = torch.ops.aten
+    if kernel == "flash_cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), 0.0, causal, scale=scale)
+    key = (kernel, q.device, q.dtype, q.shape, k.shape, causal)
+    if key not in _AUX:  # the forward's bookkeeping outputs (no dropout: the same for any values)
+        _fused_forward(kernel, q, k, v, causal, scale)
+    aux = _AUX[key]
+    lse = lse.float().contiguous()
+    if kernel == "flash_cuda":
+        cum_q, cum_k, max_q, max_k, seed, offset = aux[:6]
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+    seed, offset = aux[:2]
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
 
 
 def _causal_mask(r0: int, r1: int, cols: int, device) -> torch.Tensor:
@@ -157,10 +252,11 @@ def attend_block(q, k, v, causal: bool, scale: float,
                  options: RingOptions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(softmax(q kᵀ·scale [+ causal]) v, logsumexp)`` of one block. ``q [.., Lq, d]``, ``k, v [.., Lk, d]``;
     ``causal`` needs ``Lq == Lk``. Output in ``q``'s dtype, log-sum-exp ``[.., Lq]`` in :func:`acc_dtype`.
-    ``options.attention_kernel`` picks the fused kernel or ``options.math_tile``-row score tiles."""
+    The kernel is :func:`block_kernel`'s choice: a fused one, or ``options.math_tile``-row score tiles."""
     options = ring_options(options)
-    if _flash_cpu(q, options):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    kernel = block_kernel(q, options)
+    if kernel != "math":
+        out, lse = _fused_forward(kernel, q, k, v, causal, scale)
         return out, lse.to(acc_dtype(q.dtype))
     acc = acc_dtype(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -183,9 +279,9 @@ def attend_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, o
     queries (so ``P = exp(q kᵀ·scale - lse)`` is this block's share of the full softmax); kernel as in
     :func:`attend_block`."""
     options = ring_options(options)
-    if _flash_cpu(q, options):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), 0.0, causal, scale=scale)
+    kernel = block_kernel(q, options)
+    if kernel != "math":
+        return _fused_backward(kernel, dout, q, k, v, out, lse, causal, scale)
     acc = acc_dtype(q.dtype)
     q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
     delta = (dout * out.to(acc)).sum(-1)  # rowsum(dO ∘ O)
@@ -273,7 +369,8 @@ class _RingAttention(torch.autograd.Function):
             dkv[1][..., cols, :] = dv_b
             return (dkv,)
 
-        ring_backward((kv,), ctx.mesh, ctx.axis, step, home=(dqkv[1:],), double_buffer=ctx.options.double_buffer)
+        ring_backward((kv,), ctx.mesh, ctx.axis, step, home=(dqkv[1:],), double_buffer=ctx.options.double_buffer,
+                      wire_dtype=ctx.options.wire_dtype(kv.dtype))
         return dqkv.to(qkv.dtype), None, None, None, None
 
 
@@ -337,7 +434,8 @@ class _RingMLP(torch.autograd.Function):
             dx.addmm_(dpre, w1_j)
             return (dpre.t() @ x).to(acc), dw2
 
-        dw1, dw2 = ring_backward((w1, w2), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer)
+        dw1, dw2 = ring_backward((w1, w2), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
+                                 wire_dtype=ctx.options.wire_dtype(w1.dtype))
         db2 = dout.sum(0) if ctx.has_b2 else None
         db1 = None if db1 is None else db1.to(b1.dtype)
         return dx, dw1.to(w1.dtype), db1, dw2.to(w2.dtype), db2, None, None, None

@@ -17,6 +17,9 @@ field              default     meaning
 ``attention_kernel`` auto      ring attention's per-block kernel: ``"auto"`` (fused, returns the log-sum-exp) or
                                ``"math"`` (score tiles in plain torch)
 ``math_tile``      128         query rows per score tile of the ``"math"`` kernel
+``ring_grad_dtype`` activation gradient sums travelling round a ring (weight blocks, K|V): ``"activation"`` (the
+                               travelling operand's dtype: bf16 under autocast, each hop adding into a float32
+                               contribution) or ``"float32"`` (float32 on the wire)
 =================  ==========  =======================================================================================
 """
 
@@ -24,7 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 ATTENTION_KERNELS = ("auto", "math")
+RING_GRAD_DTYPES = ("activation", "float32")
 SUMMA_ALGORITHMS = ("collective", "broadcast")
 
 
@@ -42,6 +48,14 @@ class TPOptions:
     double_buffer: bool = True
     attention_kernel: str = "auto"
     math_tile: int = 128
+    ring_grad_dtype: str = "activation"
+
+    def wire_dtype(self, operand: torch.dtype) -> torch.dtype | None:
+        """The dtype ring gradient sums of an ``operand``-typed block travel in (``None``: float32 / float64, the
+        accumulation dtype)."""
+        if self.ring_grad_dtype == "float32" or operand in (torch.float32, torch.float64):
+            return None
+        return operand
 
     def __post_init__(self) -> None:
         if self.summa not in SUMMA_ALGORITHMS:
@@ -51,6 +65,9 @@ class TPOptions:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel={self.attention_kernel!r} is not one of "
                              f"{', '.join(map(repr, ATTENTION_KERNELS))}")
+        if self.ring_grad_dtype not in RING_GRAD_DTYPES:
+            raise ValueError(f"ring_grad_dtype={self.ring_grad_dtype!r} is not one of "
+                             f"{', '.join(map(repr, RING_GRAD_DTYPES))}")
         if isinstance(self.math_tile, bool) or not isinstance(self.math_tile, int) or self.math_tile < 1:
             raise ValueError(f"math_tile={self.math_tile!r} must be a positive int (query rows per score tile), "
                              f"e.g. 128")

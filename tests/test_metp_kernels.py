@@ -225,3 +225,49 @@ def test_vocab_functions_run_on_meta_tensors_so_nothing_depends_on_the_ids_value
     # hits are masks (gather / scatter_add / where), never nonzero() or boolean indexing: no data-dependent shape
     (shapes,) = run_distributed(_vocab_on_meta, 1)
     assert shapes == [(), (2, 3, 4), (6, 4), (7, 4)]
+
+
+def _bf16_wire(rank, world_size):
+    """bf16 ring MLP and attention: gradient sums travel in bf16 by default (float32 with ``ring_grad_dtype``)."""
+    p = world_size
+    mesh = tp.init_mesh("metp", p, 1)
+    i = mesh.get_local_rank("ring")
+    h, f, n = 16, 8, 12
+    g = torch.Generator().manual_seed(3)
+    x_all, dout = torch.randn(p, n, h, generator=g), torch.randn(p, n, h, generator=g)
+    w1, w2 = torch.randn(p * f, h, generator=g) / 4, torch.randn(h, p * f, generator=g) / 4
+    rx, rw1, rw2 = [t.double().requires_grad_() for t in (x_all, w1, w2)]
+    F.linear(F.gelu(F.linear(rx, rw1), approximate="tanh"), rw2).backward(dout.double())
+    qkv_full = torch.randn(3, 1, 2, 2 * p * 4, 8, generator=g)
+    dy_full = torch.randn(1, 2, 2 * p * 4, 8, generator=g)
+    ref_in = qkv_full.double().requires_grad_()
+    F.scaled_dot_product_attention(*ref_in.unbind(0), is_causal=True).backward(dy_full.double())
+    pos = zigzag_positions(2 * p * 4, p, i)
+    out = {}
+    for wire in ("activation", "float32"):
+        options = metp.RingOptions(ring_grad_dtype=wire)
+        x, lw1, lw2 = [t.to(torch.bfloat16).requires_grad_() for t in
+                       (x_all[i], w1[i * f:(i + 1) * f], w2[:, i * f:(i + 1) * f])]
+        y = metp.ring_mlp(x, lw1, None, lw2, None, mesh, "ring", options=options)
+        _, mlp_bwd = _counted(lambda: y.backward(dout[i].to(torch.bfloat16)))
+        qkv = qkv_full[..., pos, :].to(torch.bfloat16).requires_grad_()
+        ya = metp.ring_attention(qkv, mesh, "ring", options=options)
+        _, att_bwd = _counted(lambda: ya.backward(dy_full[..., pos, :].to(torch.bfloat16)))
+        out[wire] = {"mlp_bytes": mlp_bwd["ring_exchange"]["bytes"], "att_bytes": att_bwd["ring_exchange"]["bytes"],
+                     "dw1": _rel(lw1.grad.double(), rw1.grad[i * f:(i + 1) * f]),
+                     "dw2": _rel(lw2.grad.double(), rw2.grad[:, i * f:(i + 1) * f]),
+                     "dqkv": _rel(qkv.grad.double(), ref_in.grad[..., pos, :])}
+    return out
+
+
+def test_bf16_ring_gradients_travel_in_bf16_and_stay_accurate():
+    p = 4
+    for r in run_distributed(_bf16_wire, p):
+        bf16, f32 = r["activation"], r["float32"]
+        # backward: p-1 operand shifts (bf16 either way) and p gradient shifts (bf16 or float32)
+        mlp_operands = (p - 1) * 2 * 8 * 16 * 2
+        assert bf16["mlp_bytes"] - mlp_operands == (f32["mlp_bytes"] - mlp_operands) // 2
+        kv_operands = (p - 1) * 2 * 2 * 8 * 8 * 2
+        assert bf16["att_bytes"] - kv_operands == (f32["att_bytes"] - kv_operands) // 2
+        for name in ("dw1", "dw2", "dqkv"):
+            assert bf16[name] < 2e-2 and f32[name] < 2e-2, (name, r)  # bf16 rounding of the results themselves

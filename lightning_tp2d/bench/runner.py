@@ -309,7 +309,8 @@ def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict])
         predicted = [totals(ev) for ev in model_events]
         row["model_comm_bytes"] = max(sum(v["bytes"] for v in t.values()) for t in predicted)
         row["wire_bytes"] = max(wire_bytes(ev) for ev in model_events)
-        if spec.dtype == "float32":
+        # exact only in float32 and without checkpointing (the model does not count recomputation's collectives)
+        if spec.dtype == "float32" and (layout in BASELINES or spec.activation_checkpointing == "none"):
             row["comm_matches_model"] = all(
                 {k: v for k, v in r["comm"].items() if v["calls"]} == {k: v for k, v in t.items() if v["calls"]}
                 for r, t in zip(ranks, predicted))

@@ -149,7 +149,8 @@ class _RingLinearOut(torch.autograd.Function):
             dx.addmm_(g, w_j)  # dX += dY_j W_j
             return ((g.t() @ x).to(acc),)  # dW_j += dY_jᵀ X
 
-        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer)
+        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
+                              wire_dtype=ctx.options.wire_dtype(w.dtype))
         db = ctx.layout.bias_grad(dy) if ctx.has_bias else None
         return dx, dw.to(w.dtype), db, None, None, None, None
 
@@ -186,7 +187,8 @@ class _RingLinearIn(torch.autograd.Function):
             ctx.layout.write(dx, j, dout @ w_j)  # dX_j = dY W_j
             return ((dout.t() @ ctx.layout.read(x, j)).to(acc),)  # dW_j += dYᵀ X_j
 
-        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer)
+        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
+                              wire_dtype=ctx.options.wire_dtype(w.dtype))
         db = dout.sum(0) if ctx.has_bias else None
         return dx, dw.to(w.dtype), db, None, None, None, None
 
@@ -299,7 +301,8 @@ class _RingCrossEntropy(torch.autograd.Function):
             dweight[:valid] = dz.t() @ x
             return (dweight,)
 
-        (dweight,) = ring_backward((weight,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer)
+        (dweight,) = ring_backward((weight,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
+                                   wire_dtype=ctx.options.wire_dtype(weight.dtype))
         return dx, dweight.to(weight.dtype), None, None, None, None, None
 
 
