@@ -271,3 +271,14 @@ def test_bf16_ring_gradients_travel_in_bf16_and_stay_accurate():
         assert bf16["att_bytes"] - kv_operands == (f32["att_bytes"] - kv_operands) // 2
         for name in ("dw1", "dw2", "dqkv"):
             assert bf16[name] < 2e-2 and f32[name] < 2e-2, (name, r)  # bf16 rounding of the results themselves
+
+
+def test_block_kernel_choice_and_the_first_use_check():
+    q = torch.empty(1, 1, 4, 16)
+    assert metp.block_kernel(q) == "flash_cpu"
+    assert metp.block_kernel(q, metp.RingOptions(attention_kernel="math")) == "math"
+    # the check a CUDA kernel passes before its first use, run here on the CPU flash kernel: it agrees
+    assert metp._check_kernel("flash_cpu", torch.device("cpu"), torch.float32, 16)
+    # a kernel that fails (no CUDA here) is refused with a warning naming it, and the math kernel is used
+    with pytest.warns(RuntimeWarning, match="fused flash_cuda kernel is not usable"):
+        assert not metp._check_kernel("flash_cuda", torch.device("cpu"), torch.bfloat16, 16)

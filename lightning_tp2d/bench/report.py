@@ -126,13 +126,18 @@ def markdown(results: dict) -> str:
             f"| {_mib(r['peak_bytes'])} | {r['comm_calls']} | {r.get('calls_per_block', '')} | {_mib(r['comm_bytes'])} "
             f"| {match} "
             f"| {_mib(r.get('wire_bytes'))} |")
+    kernels = [f"{r['layout']}: `{r['attention_kernel']}`" for r in results.get("scenarios", [])
+               if r.get("attention_kernel")]
+    if kernels:
+        lines += ["", "Ring attention's per-block kernel: " + ", ".join(kernels) + "."]
     if results.get("max_seq"):
         lines += ["", "## Maximum sequence length under a per-rank cap", "",
-                  "| layout | ranks | batch | cap MiB | max seq | probes |", "|---|---|---|---|---|---|"]
+                  "| layout | ranks | batch | cap MiB | max seq | probes | attention kernel |",
+                  "|---|---|---|---|---|---|---|"]
         for r in results["max_seq"]:
             value = r.get("max_seq", r.get("reason", ""))
             lines.append(f"| {r['layout']} | {r['p']} | {r['batch']} | {_mib(r['cap_bytes'])} | {value} "
-                         f"| {len(r.get('probes', []))} |")
+                         f"| {len(r.get('probes', []))} | {r.get('attention_kernel', '')} |")
     if results.get("weak_scaling"):
         lines += ["", "## Weak scaling (batch grows with p)", "",
                   "| layout | p | batch | status | step ms | comm MiB | wire MiB | activation MiB | note |",

@@ -203,6 +203,9 @@ def measure_rank(rank: int, world_size: int, layout: str, spec: BenchSpec, seq: 
 
     model, optimizer, forward = _build(layout, spec, seq, world_size)
     out: dict = {"rank": rank}
+    kernel = ring_attention_kernel(layout, spec, seq)
+    if kernel is not None:
+        out["attention_kernel"] = kernel
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -285,12 +288,30 @@ def run_scenario(layout: str, p: int, spec: BenchSpec, seq: int | None = None, c
     return {**row, "status": "ok", **summarise(layout, world, spec, seq, result.values)}
 
 
+def ring_attention_kernel(layout: str, spec: BenchSpec, seq: int) -> str | None:
+    """The per-block kernel a ring layout's attention uses in this process (:func:`lightning_tp2d.metp.block_kernel`),
+    ``None`` for layouts without ring attention."""
+    if layout not in ("metp", "2d-metp"):
+        return None
+    import torch
+
+    from lightning_tp2d.metp import block_kernel
+
+    cfg = spec.config(seq)
+    dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
+    device = torch.device(spec.device, torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
+    sample = torch.empty(1, 1, 1, cfg.n_embd // cfg.n_head, dtype=dtype, device=device)
+    return block_kernel(sample, layouts.get_layout(layout).options)
+
+
 def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict]) -> dict:
     """Per-scenario numbers from the per-rank reports, with the cost model's communication prediction."""
     from lightning_tp2d.bench import cost_model
     from lightning_tp2d.bench.events import totals, wire_bytes
 
     row: dict = {"loss": ranks[0]["loss"], "ranks": ranks}
+    if "attention_kernel" in ranks[0]:
+        row["attention_kernel"] = ranks[0]["attention_kernel"]
     if "step_times" in ranks[0]:
         per_step = [max(r["step_times"][i] for r in ranks) for i in range(len(ranks[0]["step_times"]))]
         row["step_time_s"] = statistics.median(per_step)
@@ -358,6 +379,8 @@ def max_sequence(layout: str, p: int, spec: BenchSpec, cap_bytes: int, unit: int
         r = run_scenario(layout, p, probe_spec, seq=seq, cap_bytes=cap_bytes, full=False)
         probes.append({"seq": seq, "status": r["status"], "peak_bytes": r.get("peak_bytes"),
                        "reason": r.get("reason", "")})
+        if r.get("attention_kernel"):
+            row["attention_kernel"] = r["attention_kernel"]
         log(f"  probe {layout} p={world} seq={seq}: {r['status']} {r.get('peak_bytes', '')}")
         if r["status"] not in ("ok", "oom"):
             raise RuntimeError(f"probe {layout} seq={seq} failed: {r['reason']}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU benchmark runs whose results are committed next to this script (gloo, one thread per rank).
-# Each writes results.json, results.md and plots into its own folder. About 40 minutes on 2 cores.
+# Each writes results.json, results.md and plots into its own folder. About 50 minutes on 2 cores.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 
@@ -30,3 +30,10 @@ tp2d-bench --model gpt2 --batch 4 --seq 256 --p 4 --steps 2 --warmup 1 --layouts
   --out "$here/summa_v2"
 #    This machine's GEMM table (--measured-rates) and the projection priced with it.
 tp2d-bench --layouts "" --measured-rates --out "$here/cpu_rates"
+
+# 5. Activation checkpointing (issue 12): GPT-2 small at p = 4, "2d" with none / selective / full beside 1-D TP.
+for mode in none selective full; do
+  layouts=2d; [ "$mode" = none ] && layouts=tp1d,2d
+  tp2d-bench --model gpt2 --batch 4 --seq 256 --p 4 --steps 3 --warmup 1 --layouts "$layouts" \
+    --activation-checkpointing "$mode" --projection-gpus 4 --out "$here/activation_checkpointing/$mode"
+done
