@@ -2,8 +2,9 @@
 
 Every communicating layer is a registered op (:mod:`lightning_tp2d.ops`), so Dynamo sees the whole model —
 embedding, every block, head and loss — as one graph in every layout. Compared in float32 on 4 ranks against the
-same model run eagerly: loss and every parameter gradient for two steps (the second after an AdamW step, with no
-recompilation). ``aot_eager`` for all layouts (one process group), ``inductor`` for one (it builds C++ kernels).
+same model run eagerly: loss and every parameter gradient for two steps (the second after an SGD step, with no
+recompilation). ``aot_eager`` for all layouts (one process group), ``inductor`` for "metp" on one rank (it builds
+C++ kernels, so it is kept small; the registered ops run there as everywhere, their communication size-1).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def _compare(rank: int, world_size: int, layouts, backend: str) -> dict:
         eager, cfg = _model(layout, mesh)
         compiled_model, _ = _model(layout, mesh)
         compiled = torch.compile(compiled_model, backend=backend, dynamic=False)
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (eager, compiled_model)]
+        # SGD: linear in the gradients (AdamW's first step turns 1e-7 gradient differences into lr-sized ones)
+        opts = [torch.optim.SGD(m.parameters(), lr=1e-1) for m in (eager, compiled_model)]
         g = torch.Generator().manual_seed(1)
         worst_loss = worst_grad = 0.0
         for _ in range(2):
@@ -74,8 +76,8 @@ def test_every_layout_compiles_to_one_graph_and_matches_eager():
 
 
 @pytest.mark.slow
-def test_inductor_compiles_the_2d_model_and_matches_eager():
-    for rank, result in enumerate(run_distributed(_compare, 4, ("2d",), "inductor", timeout=900)):
-        r = result["2d"]
+def test_inductor_compiles_a_ring_model_and_matches_eager():
+    for rank, result in enumerate(run_distributed(_compare, 1, ("metp",), "inductor", timeout=900)):
+        r = result["metp"]
         assert r["breaks"] == 0, (rank, r)
-        assert r["loss"] < 1e-5 and r["grad"] < 1e-4, (rank, r)
+        assert r["loss"] < 1e-6 and r["grad"] < 1e-5, (rank, r)
