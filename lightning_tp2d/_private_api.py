@@ -179,6 +179,20 @@ torch (2.13)
     silently break compiled graphs; comparing version counters before and after catches it.
     public: none; autograd's own check (``saved tensor ... modified by an inplace operation``) uses the same counter.
 
+``ProcessGroupGloo._Options``, ``Backend.Options._timeout`` (``ProcessGroupNCCL.Options._timeout``)
+    where: mesh.py:_timeout_override
+    why: ``init_device_mesh`` creates its axis groups with torch's 30-minute default whatever timeout the default
+    group got; its ``backend_override`` takes backend options, and the timeout is their ``_timeout`` (torch's own
+    DeviceMesh reads it back from there).
+    public: none; ``init_device_mesh`` has no timeout argument. *Replaceable* by creating the axis groups with
+    ``new_group(timeout=...)`` and ``DeviceMesh.from_group``, at the cost of rebuilding the mesh layout by hand.
+
+``ProcessGroup._get_backend``, ``Backend.options._timeout``
+    where: mesh.py:group_timeout
+    why: the timeout a group was created with (the default group's, for the axis groups to inherit; tests check the
+    axis groups').
+    public: none; torch does not expose a group's timeout.
+
 ``DeviceMesh._dim_group_names``
     where: ops.py:_mesh_names
     why: names a mesh by its process groups inside traced code: torch.compile reads it on the real mesh at trace
@@ -272,6 +286,10 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("torch._C._is_alias_of", ("ops.py:_aliases",), "custom ops must return fresh memory: copy outputs that alias"),
     ("Tensor._version", ("ops.py:_versions",), "catch an undeclared in-place write into a registered op's input"),
     ("Tensor._base", ("recompute.py:recipe_for", "recompute.py:mark"), "the marked tensor a saved view was taken of"),
+    ("ProcessGroupGloo._Options, Backend.Options._timeout", ("mesh.py:_timeout_override",),
+     "give init_device_mesh's axis groups the job's timeout (its backend_override takes options)"),
+    ("ProcessGroup._get_backend, Backend.options._timeout", ("mesh.py:group_timeout",),
+     "the timeout a process group was created with"),
     ("DeviceMesh._dim_group_names", ("ops.py:_mesh_names",), "a mesh's name, read at trace time, for op constants"),
     ("torch.testing._internal.distributed.fake_pg.FakeStore", ("bench/trace.py:_run_here",),
      "importing it registers the 'fake' process-group backend the schedule tracer runs on"),

@@ -138,17 +138,51 @@ def _waited(call: CommCall | None) -> None:
             recorder.waited(call)
 
 
+class CommError(RuntimeError):
+    """A collective or point-to-point transfer that failed or timed out (a rank stalled past the process group's
+    timeout, or died), named by its kind, the mesh axis and the ranks involved; the backend's error is chained."""
+
+
+def _where(kind: str, axis: str, group, peers: tuple[int, ...] = ()) -> tuple:
+    return kind, axis, group, peers
+
+
+@contextlib.contextmanager
+def _named(where: tuple | None) -> Iterator[None]:
+    """Re-raise a backend error from the block as a :class:`CommError` naming ``where``."""
+    try:
+        yield
+    except CommError:
+        raise
+    except RuntimeError as err:
+        if where is None:
+            raise
+        kind, axis, group, peers = where
+        try:
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+        except (RuntimeError, ValueError):
+            ranks = ()
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        with_peers = f", exchanging with global rank(s) {', '.join(map(str, peers))}" if peers else ""
+        raise CommError(f"{kind} along mesh axis {axis!r} (global ranks {list(ranks)}{with_peers}) did not complete "
+                        f"on rank {dist.get_rank()}: {detail}. A rank of that axis stalled past the process "
+                        f"group's timeout or died; its own log says which.") from err
+
+
 class Handle:
-    """Completion handle of an async call; ``wait()`` is idempotent and runs any host-staging copy-back."""
+    """Completion handle of an async call; ``wait()`` is idempotent and runs any host-staging copy-back. A failure
+    or timeout raises :class:`CommError` naming the call."""
 
-    __slots__ = ("_work", "_then", "_call")
+    __slots__ = ("_work", "_then", "_call", "_where")
 
-    def __init__(self, work=None, then: Callable[[], None] | None = None, call: CommCall | None = None) -> None:
-        self._work, self._then, self._call = work, then, call
+    def __init__(self, work=None, then: Callable[[], None] | None = None, call: CommCall | None = None,
+                 where: tuple | None = None) -> None:
+        self._work, self._then, self._call, self._where = work, then, call, where
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            with _named(self._where):
+                self._work.wait()
             self._work = None
         if self._then is not None:
             then, self._then = self._then, None
@@ -177,8 +211,9 @@ def _needs_host_staging(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return tensor.is_cuda and dist.get_backend(group) == "gloo"
 
 
-def _finish(work, async_op: bool, then: Callable[[], None] | None = None, call: CommCall | None = None) -> Handle:
-    handle = Handle(work, then, call)
+def _finish(work, async_op: bool, then: Callable[[], None] | None = None, call: CommCall | None = None,
+            where: tuple | None = None) -> Handle:
+    handle = Handle(work, then, call, where)
     if not async_op:
         handle.wait()
         return DONE
@@ -186,17 +221,20 @@ def _finish(work, async_op: bool, then: Callable[[], None] | None = None, call: 
 
 
 def _issue(collective, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool, write_back: bool,
-           call: CommCall | None, **kwargs) -> Handle:
+           call: CommCall | None, where: tuple | None = None, **kwargs) -> Handle:
     """Run the in-place ``collective`` on ``tensor``; under gloo a CUDA tensor travels through a host copy,
     copied back afterwards when ``write_back`` (gloo has no CUDA ``reduce``, and its own CUDA broadcast writes
     back into the source too, which would bump the version of a parameter shard that autograd saved)."""
     if _SHAPES_ONLY:
         return DONE
     if not _needs_host_staging(tensor, group):
-        return _finish(collective(tensor, group=group, async_op=async_op, **kwargs), async_op, call=call)
+        with _named(where):
+            work = collective(tensor, group=group, async_op=async_op, **kwargs)
+        return _finish(work, async_op, call=call, where=where)
     host = tensor.detach().cpu()
-    work = collective(host, group=group, async_op=async_op, **kwargs)
-    return _finish(work, async_op, then=(lambda: tensor.copy_(host)) if write_back else None, call=call)
+    with _named(where):
+        work = collective(host, group=group, async_op=async_op, **kwargs)
+    return _finish(work, async_op, then=(lambda: tensor.copy_(host)) if write_back else None, call=call, where=where)
 
 
 def broadcast_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, src: int, async_op: bool = False) -> Handle:
@@ -206,7 +244,7 @@ def broadcast_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, src: int,
     group = axis_group(mesh, axis)
     call = _post("broadcast", axis, group, (tensor,))
     return _issue(dist.broadcast, tensor, group, async_op, write_back=axis_rank(mesh, axis) != src, call=call,
-                  src=dist.get_global_rank(group, src))
+                  where=_where("broadcast", axis, group), src=dist.get_global_rank(group, src))
 
 
 def reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dst: int, async_op: bool = False) -> Handle:
@@ -215,8 +253,8 @@ def reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, dst: int, as
         return DONE
     group = axis_group(mesh, axis)
     call = _post("reduce", axis, group, (tensor,))
-    return _issue(dist.reduce, tensor, group, async_op, write_back=True, call=call, dst=dist.get_global_rank(group, dst),
-                  op=dist.ReduceOp.SUM)
+    return _issue(dist.reduce, tensor, group, async_op, write_back=True, call=call, where=_where("reduce", axis, group),
+                  dst=dist.get_global_rank(group, dst), op=dist.ReduceOp.SUM)
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -231,8 +269,10 @@ def all_reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, op: str 
     call = _post("all_reduce", axis, group, (tensor,))
     if _SHAPES_ONLY:
         return DONE
-    work = dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
-    return _finish(work, async_op, call=call)
+    where = _where("all_reduce", axis, group)
+    with _named(where):
+        work = dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
+    return _finish(work, async_op, call=call, where=where)
 
 
 def exchange_with(tensor: torch.Tensor, peer: int) -> torch.Tensor:
@@ -249,8 +289,10 @@ def exchange_with(tensor: torch.Tensor, peer: int) -> torch.Tensor:
         return torch.empty_like(tensor)
     calls = [_post(kind, "pair", None, (tensor,), peer=peer) for kind in ("send", "recv")]
     incoming = torch.empty_like(tensor)
-    works, then = _point_to_point([tensor], [incoming], [(peer, 0)], [(peer, 0)], None, dist.get_rank() < peer)
-    works.wait()
+    where = _where("exchange", "pair", None, (peer,))
+    with _named(where):
+        works, then = _point_to_point([tensor], [incoming], [(peer, 0)], [(peer, 0)], None, dist.get_rank() < peer)
+        works.wait()
     if then is not None:
         then()
     for call in calls:
@@ -383,9 +425,11 @@ def ring_shift(send, recv, mesh: DeviceMesh, axis: str, tag: int = 0, async_op: 
     call = _post("ring_exchange", axis, group, send)
     prev, nxt = ring_neighbours(mesh, axis)
     to, frm = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
-    works, then = _point_to_point(send, recv, [(to, tag)] * len(send), [(frm, tag)] * len(recv), group,
-                                  axis_rank(mesh, axis) % 2 == 0)
-    return _finish(works, async_op, then, call)
+    where = _where("ring_exchange", axis, group, (frm, to))
+    with _named(where):
+        works, then = _point_to_point(send, recv, [(to, tag)] * len(send), [(frm, tag)] * len(recv), group,
+                                      axis_rank(mesh, axis) % 2 == 0)
+    return _finish(works, async_op, then, call, where)
 
 
 def _point_to_point(send: list, recv: list, peers_out: list, peers_in: list, group, sends_first: bool):
@@ -448,8 +492,10 @@ def neighbour_exchange(mesh: DeviceMesh, axis: str, *, to_next=(), from_prev=(),
     g_next, g_prev = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
     peers_out = [(g_next, 2 * tag)] * len(to_next) + [(g_prev, 2 * tag + 1)] * len(to_prev)
     peers_in = [(g_prev, 2 * tag)] * len(from_prev) + [(g_next, 2 * tag + 1)] * len(from_next)
-    works, then = _point_to_point(send, recv, peers_out, peers_in, group, axis_rank(mesh, axis) % 2 == 0)
-    return _finish(works, True, then, call)
+    where = _where("ring_exchange", axis, group, (g_prev, g_next))
+    with _named(where):
+        works, then = _point_to_point(send, recv, peers_out, peers_in, group, axis_rank(mesh, axis) % 2 == 0)
+    return _finish(works, True, then, call, where)
 
 
 def all_gather_blocks(tensor: torch.Tensor, mesh: DeviceMesh, axis: str) -> tuple[torch.Tensor, Handle]:
@@ -465,9 +511,11 @@ def all_gather_blocks(tensor: torch.Tensor, mesh: DeviceMesh, axis: str) -> tupl
     out = torch.empty((n, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
     if _SHAPES_ONLY:
         return out, DONE
-    work = _all_gather_single(out.view(n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else out, tensor,
-                              group=group, async_op=True)
-    return out, _finish(work, True, call=call)
+    where = _where("all_gather", axis, group)
+    with _named(where):
+        work = _all_gather_single(out.view(n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else out, tensor,
+                                  group=group, async_op=True)
+    return out, _finish(work, True, call=call, where=where)
 
 
 def reduce_scatter_blocks(stacked: torch.Tensor, mesh: DeviceMesh, axis: str) -> tuple[torch.Tensor, Handle]:
@@ -486,5 +534,7 @@ def reduce_scatter_blocks(stacked: torch.Tensor, mesh: DeviceMesh, axis: str) ->
     if _SHAPES_ONLY:
         return out, DONE
     flat = stacked.view(n * stacked.shape[1], *stacked.shape[2:]) if stacked.dim() > 1 else stacked
-    work = _reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return out, _finish(work, True, call=call)
+    where = _where("reduce_scatter", axis, group)
+    with _named(where):
+        work = _reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return out, _finish(work, True, call=call, where=where)

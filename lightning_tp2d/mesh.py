@@ -13,7 +13,9 @@ naming the numbers instead of hanging in a collective.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -78,20 +80,65 @@ def device_type_for_backend(backend: str) -> str:
     return "cuda" if "nccl" in backend else "cpu"
 
 
+def as_timeout(timeout: timedelta | float | int | None) -> timedelta | None:
+    """``timeout`` as a ``timedelta`` (numbers are seconds); ``None`` stays ``None``. Refuses non-positive values."""
+    if timeout is None or isinstance(timeout, timedelta):
+        value = timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = timedelta(seconds=timeout)
+    else:
+        raise ValueError(f"timeout must be seconds (a number) or a datetime.timedelta, got {timeout!r}")
+    if value is not None and value.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {value.total_seconds()} s")
+    return value
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The timeout ``group``'s backend was created with (the default group when ``None``), if torch tells it."""
+    group = group if group is not None else dist.group.WORLD
+    backend = str(dist.get_backend(group))
+    try:
+        device = torch.device("cuda" if backend == "nccl" else "cpu")
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _timeout_override(names: tuple[str, ...], timeout: timedelta | None) -> dict | None:
+    """``init_device_mesh``'s ``backend_override`` giving every axis group ``timeout`` (torch otherwise creates
+    them with its 30-minute default, whatever the default group was given)."""
+    if timeout is None:
+        return None
+    backend = str(dist.get_backend())
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timeout
+    return {name: options for name in names}
+
+
 def init_mesh(layout: str | Layout = "2d", tensor_parallel_size: int = 4, data_parallel_size: int = 1,
-              device_type: str | None = None) -> DeviceMesh:
+              device_type: str | None = None, timeout: timedelta | float | None = None) -> DeviceMesh:
     """Build the layout's :class:`DeviceMesh` over the already-initialised default process group.
 
-    ``device_type`` defaults from the backend (``cuda`` for NCCL, ``cpu`` otherwise). Raises ``ValueError``
-    before creating any group when the sizes do not fit the world.
+    ``device_type`` defaults from the backend (``cuda`` for NCCL, ``cpu`` otherwise). ``timeout`` (a ``timedelta``
+    or seconds) bounds every collective of every axis group; by default the axis groups get the default group's
+    timeout (the one given to ``init_process_group``). Raises ``ValueError`` before creating any group when the
+    sizes do not fit the world.
     """
+    timeout = as_timeout(timeout)
     dims = ParallelDims(layout, tensor_parallel_size, data_parallel_size)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("init_mesh needs an initialised process group: call torch.distributed.init_process_group first")
     dims.check_world_size(dist.get_world_size())
     if device_type is None:
         device_type = device_type_for_backend(str(dist.get_backend()))
-    mesh = init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names)
+    override = _timeout_override(dims.mesh_dim_names, timeout if timeout is not None else group_timeout())
+    mesh = init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names,
+                            **({"backend_override": override} if override else {}))
     register_mesh(mesh)
     return mesh
 

@@ -38,7 +38,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_tp2d import checkpoint as ckpt
 from lightning_tp2d.layouts import STRATEGY_NAMES, Layout, get_layout, handle_of
-from lightning_tp2d.mesh import ParallelDims, init_mesh
+from lightning_tp2d.mesh import ParallelDims, as_timeout, init_mesh
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 from lightning_tp2d.training import GradientSync, broadcast_module_, clip_grad_norm_, clip_grad_value_
@@ -76,7 +76,9 @@ class TP2DStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: ``True`` writes a sharded directory (torch.distributed.checkpoint), one file
             per rank; ``False`` gathers everything into one full file on rank 0.
         process_group_backend: ``"gloo"``, ``"nccl"`` ...; default from the device.
-        timeout: collective timeout.
+        timeout: how long any collective may wait for a rank (a ``timedelta`` or seconds): the default process group
+            and every mesh axis group get it, so a stalled or dead rank ends the job within about this time, with an
+            error naming the axis (:func:`~lightning_tp2d.mesh.init_mesh`).
         activation_checkpointing: ``"none"``, ``"full"`` (each transformer block recomputes its forward in the
             backward and keeps only its input) or ``"selective"`` (LayerNorm and GELU outputs and the mirrored head
             block are rebuilt in the backward; matmul outputs kept): :func:`~lightning_tp2d.parallelize.checkpoint_activations`.
@@ -91,7 +93,7 @@ class TP2DStrategy(ModelParallelStrategy):
 
     def __init__(self, layout: str | Layout = "2d", tensor_parallel_size: Literal["auto"] | int = "auto",
                  data_parallel_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
-                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 process_group_backend: str | None = None, timeout: timedelta | float | None = default_pg_timeout,
                  activation_checkpointing: str = "none", compile: bool | str | dict = False) -> None:
         spec = get_layout(layout)
         if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
@@ -109,9 +111,10 @@ class TP2DStrategy(ModelParallelStrategy):
         for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
             if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be 'auto' or a positive int, got {value!r}")
+        self.timeout = as_timeout(timeout)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+                         process_group_backend=process_group_backend, timeout=self.timeout)
         self.layout_spec = spec
         self.layout = spec.name
         self._requested = (tensor_parallel_size, data_parallel_size)
@@ -176,7 +179,7 @@ class TP2DStrategy(ModelParallelStrategy):
         self._dims = dims
         self._data_parallel_size, self._tensor_parallel_size = dims.data_parallel_size, dims.tensor_parallel_size
         self._device_mesh = init_mesh(self.layout_spec, dims.tensor_parallel_size, dims.data_parallel_size,
-                                      device_type=self.root_device.type)
+                                      device_type=self.root_device.type, timeout=self.timeout)
         self.lightning_module._device_mesh = self._device_mesh
 
     def setup(self, trainer) -> None:
