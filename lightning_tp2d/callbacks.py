@@ -10,6 +10,8 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_tp2d.errors import DivergenceError
+
 
 class StepCheckpoint(ModelCheckpoint):
     """:class:`~lightning.pytorch.callbacks.ModelCheckpoint` that also saves the final step when training stops
@@ -111,3 +113,51 @@ class SpeedMonitor(Callback):
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._start = None  # the next window starts after validation
+
+
+class DivergenceGuard(Callback):
+    """Stops training when the loss stops being finite, and never lets a non-finite model be checkpointed.
+
+    Each step's loss is checked on the device (``isfinite``, folded into one flag: no host sync); the flag is read,
+    and agreed on by every rank, every ``check_every_n_steps`` optimizer steps (default: the trainer's
+    ``log_every_n_steps``, when logging reads values anyway), before every checkpoint save and at the end of
+    training. A non-finite loss raises :class:`DivergenceError` (the job exits non-zero) naming the window of steps;
+    a save requested after it is refused by raising before anything is written, so the previous checkpoint (the
+    last finite one) survives whatever ``save_top_k`` says, since :class:`ModelCheckpoint` removes an older
+    checkpoint only after a newer one is saved. Non-finite gradients make the next loss non-finite and are caught
+    one step later."""
+
+    def __init__(self, check_every_n_steps: int | None = None) -> None:
+        if check_every_n_steps is not None and (not isinstance(check_every_n_steps, int) or check_every_n_steps < 1):
+            raise ValueError(f"check_every_n_steps must be a positive int or None, got {check_every_n_steps!r}")
+        self.check_every_n_steps = check_every_n_steps
+        self._bad: torch.Tensor | None = None
+        self._since = 0  # first step of the unchecked window
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            bad = ~torch.isfinite(loss.detach()).all()
+            self._bad = bad if self._bad is None else self._bad | bad
+        every = self.check_every_n_steps or max(1, trainer.log_every_n_steps)
+        if trainer.global_step % every == 0:
+            self.check(trainer)
+
+    def check(self, trainer) -> None:
+        """Read the flag (one host sync and one all-reduce) and raise if any rank saw a non-finite loss."""
+        bad = bool(self._bad) if self._bad is not None else False
+        bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        first, self._since, self._bad = self._since, trainer.global_step + 1, None
+        if bad:
+            when = f"at step {first}" if first >= trainer.global_step else f"between steps {first} and {trainer.global_step}"
+            raise DivergenceError(
+                f"the training loss became non-finite (NaN or inf) {when}; "
+                f"training stopped and no checkpoint of the diverged model was saved (the last saved checkpoint, if "
+                f"any, is the last finite one). Lower the learning rate, or enable gradient clipping "
+                f"(trainer.gradient_clip_val), and resume from that checkpoint.")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.check(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.check(trainer)

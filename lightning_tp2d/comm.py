@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_tp2d.errors import CommError  # noqa: F401 (raised here; public name lightning_tp2d.comm.CommError)
+
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -136,11 +138,6 @@ def _waited(call: CommCall | None) -> None:
     if call is not None:
         for recorder in list(_RECORDERS):
             recorder.waited(call)
-
-
-class CommError(RuntimeError):
-    """A collective or point-to-point transfer that failed or timed out (a rank stalled past the process group's
-    timeout, or died), named by its kind, the mesh axis and the ranks involved; the backend's error is chained."""
 
 
 def _where(kind: str, axis: str, group, peers: tuple[int, ...] = ()) -> tuple:

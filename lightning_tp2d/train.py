@@ -32,6 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from lightning_tp2d import launch
+from lightning_tp2d.errors import CommError, DivergenceError
 
 log = logging.getLogger("tp2d-train")
 TOKENIZER_IDS = {"byte": 257, "gpt2": 50257}  # ids each tokenizer of TextDataModule produces
@@ -73,6 +74,10 @@ def run(cfg: DictConfig) -> float | None:
             if launch.is_rank_zero():
                 launch.remove_unused_run_dir(run_dir)
             sys.exit(2)
+        except (DivergenceError, CommError) as err:  # one line, not a traceback per rank
+            if isinstance(err, CommError) or launch.is_rank_zero():  # every rank's CommError names its own call
+                print(f"tp2d-train: error: {err}", file=sys.stderr, flush=True)
+            sys.exit(1)
 
 
 _hydra_main = hydra.main(version_base="1.3", config_path=str(launch.CONF_DIR), config_name="config")(run)
@@ -87,7 +92,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     from hydra.utils import instantiate
 
     import lightning_tp2d  # noqa: F401  (registers the strategy names)
-    from lightning_tp2d.callbacks import GracefulInterrupt, SpeedMonitor
+    from lightning_tp2d.callbacks import DivergenceGuard, GracefulInterrupt, SpeedMonitor
 
     rank_zero = launch.is_rank_zero()
     try:
@@ -106,7 +111,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     module = instantiate(cfg.module)
     checkpoint = instantiate(cfg.checkpoint, dirpath=cfg.checkpoint.dirpath or str(run_dir / "checkpoints"))
     interrupt = GracefulInterrupt()
-    callbacks = [interrupt, checkpoint] + ([SpeedMonitor()] if cfg.logging.speed else [])
+    callbacks = [interrupt, DivergenceGuard(), checkpoint] + ([SpeedMonitor()] if cfg.logging.speed else [])
     if cfg.trainer.enable_progress_bar:
         callbacks.append(instantiate(cfg.progress_bar))
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.parallel), logger=make_loggers(cfg.logging, run_dir),

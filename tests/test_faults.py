@@ -65,3 +65,40 @@ def test_timeout_values_are_seconds_or_timedeltas():
     with pytest.raises(ValueError, match="timeout must be positive"):
         as_timeout(0)
     assert tp.TP2DStrategy(timeout=60).timeout == timedelta(seconds=60)
+
+
+def _diverge(rank: int, world_size: int, tmp: str) -> dict:
+    import glob
+
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_tp2d.callbacks import DivergenceGuard
+    from lightning_tp2d.errors import DivergenceError
+
+    L.seed_everything(0)
+    checkpoints = ModelCheckpoint(dirpath=tmp, every_n_train_steps=1, save_top_k=1)  # keeps only the newest
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=30, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, log_every_n_steps=5,
+                        callbacks=[DivergenceGuard(), checkpoints])
+    module = tp.GPT2LightningModule("gpt2-tiny", learning_rate=1e6, warmup_steps=0)  # diverges within a few steps
+    data = tp.TextDataModule(block_size=32, batch_size=4, max_tokens=20_000)
+    try:
+        trainer.fit(module, data)
+        error = None
+    except DivergenceError as err:
+        error = str(err)
+    kept = sorted(glob.glob(f"{tmp}/*.ckpt"))
+    states = [torch.load(path, map_location="cpu", weights_only=False) for path in kept]
+    return {"error": error, "stopped_at": trainer.global_step, "kept": [s["global_step"] for s in states],
+            "finite": [all(torch.isfinite(v).all().item() for v in s["state_dict"].values()) for s in states]}
+
+
+def test_divergence_stops_training_and_keeps_the_last_finite_checkpoint(tmp_path):
+    from tests.lightning_ranks import run_ranks
+
+    r = run_ranks(_diverge, 1, str(tmp_path))[0]
+    assert r["error"] is not None and "non-finite" in r["error"], r
+    assert r["stopped_at"] < 30  # stopped, not trained to the end on NaN
+    assert r["kept"] and all(r["finite"]), r  # a checkpoint survives, and it is finite
+    assert max(r["kept"]) < r["stopped_at"], r  # from before the divergence
