@@ -66,9 +66,10 @@ Lightning (2.6)
     ``setup``: ``restore_checkpoint_after_setup`` is ``True``).
 
 ModelCheckpoint: _should_skip_saving_checkpoint, _monitor_candidates, _save_topk_checkpoint, _save_last_checkpoint
-    where: callbacks.py:StepCheckpoint.on_train_end
-    why: saves the final step when ``every_n_train_steps`` does not divide ``max_steps``, with Lightning's own
-    "already saved" rule, monitor candidates and top-k / last bookkeeping.
+    where: callbacks.py:StepCheckpoint.save_now
+    why: saves the final step when ``every_n_train_steps`` does not divide ``max_steps``, and the step a signal
+    stopped training at (from the batch-end hook, so it resumes exactly), with Lightning's own "already saved" rule,
+    monitor candidates and top-k / last bookkeeping.
     public: partly: Lightning 2.6's ``ModelCheckpoint.on_train_end`` saves ``last.ckpt`` itself when
     ``save_last=True``; the final step's top-k entry has no public hook.
 
@@ -241,7 +242,7 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "move optimizer state to the root device, as ModelParallelStrategy.setup does"),
     ("ModelCheckpoint._should_skip_saving_checkpoint, ModelCheckpoint._monitor_candidates, "
      "ModelCheckpoint._save_topk_checkpoint, ModelCheckpoint._save_last_checkpoint",
-     ("callbacks.py:StepCheckpoint.on_train_end",),
+     ("callbacks.py:StepCheckpoint.save_now",),
      "save the final step with Lightning's own skip rule, candidates and top-k / last bookkeeping"),
     ("Precision.clip_grad_by_norm = ..., Precision.clip_grad_by_value = ...",
      ("strategy.py:TP2DStrategy._install_gradient_clipping",),

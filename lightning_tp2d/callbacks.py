@@ -21,51 +21,80 @@ class StepCheckpoint(ModelCheckpoint):
     previous checkpoint in place (:mod:`lightning_tp2d.checkpoint` writes to a staging path, then renames)."""
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self.save_now(trainer)
+        super().on_train_end(trainer, pl_module)
+
+    def save_now(self, trainer) -> None:
+        """Save this step (top-k and ``last``) unless it is saved already. Called from a batch-end hook the
+        checkpoint is the same as a periodic one, data position included (exact resume)."""
         # Lightning's private helpers (stable since 2.0) decide "already saved at this step" and do the saving.
         if not self._should_skip_saving_checkpoint(trainer):
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
-        super().on_train_end(trainer, pl_module)
 
     def newest(self) -> str:
         """Path of the newest complete checkpoint ('' if none): ``last.ckpt`` when it exists, else the newest one."""
         return self.last_model_path or self.best_model_path
 
 
-class GracefulInterrupt(Callback):
-    """Ctrl-C stops training after the current step on every rank together, instead of interrupting ranks in the
-    middle of a collective (where the others would wait for them until the process-group timeout).
+PREEMPTION_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 
-    Rank 0 turns the first SIGINT into a request; the other ranks of the machine ignore SIGINT (a terminal sends
-    it to the whole process group). After every training batch one all-reduce of a flag tells all ranks whether
-    to stop; then Lightning ends the loop and the checkpoint callback saves the step reached. A second Ctrl-C on
-    rank 0 aborts at once (an unfinished save never replaces the previous checkpoint).
+
+class GracefulInterrupt(Callback):
+    """Ctrl-C and preemption (SIGTERM; SIGUSR1/2, which SLURM sends with ``--signal``) stop training after the
+    current step on every rank together, instead of interrupting ranks in the middle of a collective (where the
+    others would wait for them until the process-group timeout).
+
+    A signal handler only records the signal: rank 0 takes SIGINT (the other ranks of the machine ignore it, a
+    terminal sends it to the whole process group), every rank takes the preemption signals. After every training
+    batch one all-reduce (the largest signal number seen) tells all ranks whether and why to stop; then Lightning
+    ends the loop and the checkpoint callback saves the step reached. ``signum`` holds that signal afterwards
+    (``tp2d-train`` exits with ``128 + signum`` for preemption, as a process killed by it would, so requeue scripts
+    recognise it). A second signal aborts at once (an unfinished save never replaces the previous checkpoint).
+    The preemption handlers replace Lightning's, which broadcasts from inside the handler and deadlocks when the
+    other ranks sit in a tensor-parallel collective; they are installed when training starts, after Lightning's.
     """
 
     def __init__(self) -> None:
-        self.requested = False  # rank 0: SIGINT seen
-        self.stopped = False  # every rank: training stopped because of it
-        self._previous = None
+        self.requested = 0  # the signal seen by this rank (0: none)
+        self.stopped = False  # every rank: training stopped because of a signal
+        self.signum = 0  # every rank, once stopped: the signal that stopped training
+        self._previous: dict = {}
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        handler = self._on_sigint if trainer.global_rank == 0 else signal.SIG_IGN
-        self._previous = signal.signal(signal.SIGINT, handler)
+        handler = self._on_signal if trainer.global_rank == 0 else signal.SIG_IGN
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, handler)
 
-    def _on_sigint(self, signum, frame) -> None:
-        if self.requested:  # the second Ctrl-C: stop waiting for the step to end
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\ntp2d-train: Ctrl-C: stopping after this step (Ctrl-C again to abort now)", flush=True)
+    def on_train_start(self, trainer, pl_module) -> None:
+        for signum in PREEMPTION_SIGNALS:
+            self._previous.setdefault(signum, signal.signal(signum, self._on_signal))
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.requested:  # the second signal: stop waiting for the step to end
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self.requested = signum
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\ntp2d-train: {what}: stopping after this step and saving it (again to abort now)", flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.strategy.reduce_boolean_decision(self.requested, all=False):
-            self.stopped = trainer.should_stop = True
+        flag = torch.tensor(float(self.requested), device=trainer.strategy.root_device)
+        seen = trainer.strategy.reduce(flag, reduce_op="max")
+        signum = int(seen.item()) if isinstance(seen, torch.Tensor) else int(seen)
+        if signum:
+            self.signum, self.stopped = signum, True
+            trainer.should_stop = True
+            for callback in trainer.checkpoint_callbacks:  # save here, at the step boundary, not after the loop
+                if isinstance(callback, StepCheckpoint):  # ended (which marks the epoch done: resume would skip data)
+                    callback.save_now(trainer)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, handler in self._previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        self._previous = {}
 
 
 class SpeedMonitor(Callback):

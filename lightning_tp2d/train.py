@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -131,7 +132,9 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
             return None  # exit 0: Lightning's launcher kills the whole job when a child rank exits non-zero
         report_interrupt(trainer, checkpoint)
         wait_for_ranks(trainer)
-        sys.exit(1)
+        # Ctrl-C: 1; preemption: 128 + signal (143 for SIGTERM), what a killed process reports, so requeue scripts
+        # tell "stopped and saved, run me again" from a failure
+        sys.exit(1 if interrupt.signum == signal.SIGINT else 128 + interrupt.signum)
 
     sample = generate_sample(cfg, module, datamodule, trainer)  # collective: every rank of a grid takes part
     if rank_zero:

@@ -1,7 +1,8 @@
 """Faults a shared cluster produces, scripted: each case asserts the outcome, the time to end and what is left.
 
 Covered so far (issue 13): a stalled rank under a short timeout (every mesh axis group gets the timeout; the
-surviving ranks end within about that time with an error naming the axis and ranks).
+surviving ranks end within about that time with an error naming the axis and ranks); a diverging loss (training
+stops, the last finite checkpoint survives); SIGTERM to every rank (one step boundary, that step saved, exit 143).
 """
 
 from __future__ import annotations
@@ -102,3 +103,44 @@ def test_divergence_stops_training_and_keeps_the_last_finite_checkpoint(tmp_path
     assert r["stopped_at"] < 30  # stopped, not trained to the end on NaN
     assert r["kept"] and all(r["finite"]), r  # a checkpoint survives, and it is finite
     assert max(r["kept"]) < r["stopped_at"], r  # from before the divergence
+
+
+def test_sigterm_to_every_rank_stops_them_at_one_step_saves_it_and_exits_143(tmp_path):
+    """Preemption (``scancel``, Kubernetes, torchrun's SIGTERM) reaches every rank at once: the case that deadlocked
+    in Lightning's own handler. Every rank stops after the same step, that step is saved, and the command exits
+    with 143 (128 + SIGTERM) within seconds. (A signal on rank 0 alone travels in the same per-step all-reduce as
+    Ctrl-C, tested in test_train.py.)"""
+    import glob
+    import os
+    import re
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    from lightning_tp2d import load_gpt2
+    from tests.test_train import command, environment
+
+    args = ["experiment=quick", "trainer.max_steps=500", "checkpoint.every_n_train_steps=4",
+            "trainer.val_check_interval=1000", "data.max_tokens=20000"]
+    proc = subprocess.Popen(command(args), cwd=tmp_path, env=environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not glob.glob(str(tmp_path / "outputs/*/*/checkpoints/step=4.ckpt/.metadata")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.1)
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out[-3000:]
+    assert time.monotonic() - sent < 60
+    assert "SIGTERM: stopping after this step" in out
+    found = re.search(r"interrupted at step (\d+); the last complete checkpoint is (\S+)", out)
+    assert found, out[-3000:]
+    step, newest = int(found.group(1)), Path(found.group(2))
+    target = newest.parent / os.readlink(newest)
+    assert target.name == f"step={step}.ckpt" and (target / ".metadata").is_file()  # the step stopped at, saved
+    assert load_gpt2(newest) is not None
+    # saved at the step boundary like the periodic checkpoints (which resume exactly), not after Lightning closed the
+    # epoch (which made resume start a new, reshuffled epoch): the loop state says epoch 0, still open
+    meta = torch.load(target / "meta.pt", weights_only=False)
+    assert meta["epoch"] == 0 and meta["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 0

@@ -242,7 +242,7 @@ def test_the_scan_finds_each_kind_of_private_use():
     assert ("strategy.py", "TP2DStrategy._configure_launcher", "_configure_launcher") in found  # override
     assert ("strategy.py", "TP2DStrategy.setup", "_optimizers_to_device") in found  # imported name, used
     assert ("bench/tp1d.py", "_loss_parallel_active", "_op_dispatcher") in found  # getattr string
-    assert ("callbacks.py", "StepCheckpoint.on_train_end", "_monitor_candidates") in found  # base method on self
+    assert ("callbacks.py", "StepCheckpoint.save_now", "_monitor_candidates") in found  # base method on self
     assert ("strategy.py", "TP2DStrategy._install_gradient_clipping", "clip_grad_by_norm") in found  # patch
     names = {name for _, _, name in found}
     assert not names & {"_int", "_cuda_devices", "_exit", "_dims", "_grad_sync_blocked"}  # ours, or stdlib
