@@ -15,13 +15,20 @@ from lightning_tp2d.errors import DivergenceError
 
 class StepCheckpoint(ModelCheckpoint):
     """:class:`~lightning.pytorch.callbacks.ModelCheckpoint` that also saves the final step when training stops
-    between two periodic saves (``every_n_train_steps`` that does not divide ``max_steps``).
+    between two periodic saves (``every_n_train_steps`` that does not divide ``max_steps``). The ``max_steps`` step
+    is saved from the batch-end hook like a periodic one (Lightning's own end-of-training save comes after it has
+    closed the epoch, so resuming from it would skip the rest of the epoch's data).
 
     Saving is collective (every rank writes its shards), so it runs on all ranks; an interrupted save leaves the
     previous checkpoint in place (:mod:`lightning_tp2d.checkpoint` writes to a staging path, then renames)."""
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if 0 < trainer.max_steps <= trainer.global_step:  # the last step: saved here, with the data position
+            self.save_now(trainer)
+
     def on_train_end(self, trainer, pl_module) -> None:
-        self.save_now(trainer)
+        self.save_now(trainer)  # training that ended otherwise (max_epochs, early stopping); no-op if saved
         super().on_train_end(trainer, pl_module)
 
     def save_now(self, trainer) -> None:

@@ -56,8 +56,9 @@ class SaveEvery(L.Callback):
 
 def _fit(world_size, callbacks, max_steps, ckpt_path=None, strategy=None):
     L.seed_everything(0)
+    checkpointing = any(isinstance(c, L.callbacks.ModelCheckpoint) for c in callbacks)
     trainer = L.Trainer(strategy=strategy or "tp2d", accelerator="cpu", devices=world_size, max_steps=max_steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        logger=False, enable_checkpointing=checkpointing, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
     module = tp.GPT2LightningModule(CONFIG, learning_rate=3e-3, warmup_steps=3, max_steps=12)
     # 19 training windows: 4 batches per epoch, so 12 steps cross epochs and a resume lands mid-epoch
@@ -72,9 +73,14 @@ def fit_and_save(rank, world_size, path, max_steps, crash_at, ckpt_path):
     return losses.losses
 
 
-def test_resume_after_a_kill_during_save_continues_the_loss_curve(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    """Losses of 12 steps on 2x2 without interruption (the schedule is the module's 12 steps whatever max_steps)."""
+    return run_ranks(fit_and_save, 4, tmp_path_factory.mktemp("uninterrupted") / "a.ckpt", 12, None, None)[0]
+
+
+def test_resume_after_a_kill_during_save_continues_the_loss_curve(tmp_path, uninterrupted):
     path = tmp_path / "run.ckpt"
-    uninterrupted = run_ranks(fit_and_save, 4, tmp_path / "a.ckpt", 12, None, None)[0]
     # killed at step 8 in the middle of overwriting the step-4 checkpoint
     assert run_ranks(fit_and_save, 4, path, 12, 8, None, allow_exit=True) == [None] * 4
     assert ckpt.is_sharded(path) and ckpt.staging_path(path).exists()  # the old one, and the half-written one
@@ -256,3 +262,23 @@ def test_checkpoint_of_another_model_is_refused_naming_the_keys(tmp_path, fmt):
     fresh = _module(5)
     ckpt.load_into(fresh, [], path)  # the same model loads
     assert torch.equal(fresh.model.lm_head.weight, _module(0).model.transformer.wte.weight)
+
+
+def fit_with_step_checkpoint(rank, world_size, directory, max_steps, ckpt_path):
+    from lightning_tp2d.callbacks import StepCheckpoint
+
+    losses = StepLosses()
+    saver = StepCheckpoint(dirpath=directory, every_n_train_steps=1000, save_top_k=1, save_last=True)
+    _fit(world_size, [losses, saver], max_steps, ckpt_path)
+    return losses.losses, saver.newest()
+
+
+def test_the_final_checkpoint_resumes_exactly(tmp_path, uninterrupted):
+    """``max_steps`` reached mid-epoch: the final checkpoint keeps the data position, so training on from it
+    repeats the uninterrupted run's losses (it used to be written after the epoch was closed)."""
+    first, final = run_ranks(fit_with_step_checkpoint, 4, str(tmp_path / "ckpts"), 6, None)[0]
+    assert sorted(first) == list(range(1, 7)) and final
+    resumed, _ = run_ranks(fit_with_step_checkpoint, 4, str(tmp_path / "more"), 10, final)[0]
+    assert sorted(resumed) == list(range(7, 11))  # 6 steps done; 4 batches per epoch: mid-epoch
+    worst = max(abs(resumed[s] - uninterrupted[s]) for s in resumed)
+    assert worst <= 1e-6, f"resumed losses differ from the uninterrupted run by {worst:.2e}"
