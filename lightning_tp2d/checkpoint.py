@@ -18,15 +18,23 @@ gathered and saved whole (correct, only slower).
 Reading a checkpoint on one device and exporting to transformers live in :mod:`lightning_tp2d.export`.
 
 Saving is crash-safe: everything is written to ``<path>.tmp-tp2d`` and renamed into place only when complete,
-so a crash mid-save leaves the previous checkpoint at ``path`` untouched (see :func:`commit`).
+so a crash mid-save leaves the previous checkpoint at ``path`` untouched (see :func:`commit`); a save that fails on
+any rank (a full disk) removes the staging folder on every rank's word and raises :class:`CheckpointError` naming
+the cause (:func:`save`). A sharded checkpoint records the size and BLAKE2b digest of every file in
+``checksums.json``; loading verifies them first (each rank a share of the files) and names every missing,
+truncated or damaged file in one error (:func:`verify`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
+import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +46,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
+CHECKSUMS = "checksums.json"  # sizes and digests of a sharded checkpoint's files
 QKV = ("attn.c_attn.weight", "attn.c_attn.bias")
 MODEL = "state_dict."
 _dcp_save = dcp.save  # indirection so tests can interrupt a save
@@ -245,6 +254,117 @@ def write_full(checkpoint: dict[str, Any], file: Path) -> None:
     torch.save(checkpoint, file)
 
 
+class CheckpointError(OSError):
+    """A checkpoint could not be written (nothing was replaced) or fails its checksums."""
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """``{"bytes": size, "blake2b": hex digest}`` of one file (read in 8 MiB blocks)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    return {"bytes": path.stat().st_size, "blake2b": h.hexdigest()}
+
+
+def own_files(directory: Path, rank: int) -> list[Path]:
+    """The shard files rank ``rank`` wrote into a sharded checkpoint (DCP names them ``__<rank>_<i>.distcp``)."""
+    return sorted(directory.glob(f"__{rank}_*.distcp"))
+
+
+def write_checksums(directory: Path, digests: dict[str, dict]) -> None:
+    """Rank 0, after every rank wrote: ``checksums.json`` with ``digests`` (every rank's shard files) and the
+    digests of DCP's ``.metadata`` and ``meta.pt``."""
+    files = dict(digests)
+    for name in (".metadata", META):
+        if (directory / name).is_file():
+            files[name] = file_digest(directory / name)
+    (directory / CHECKSUMS).write_text(json.dumps({"algorithm": "blake2b-128", "files": files}, indent=1,
+                                                  sort_keys=True))
+
+
+def verify(path: Path, rank: int = 0, world_size: int = 1,
+           all_gather: Callable[[list], list] | None = None) -> None:
+    """Check a sharded checkpoint's files against ``checksums.json`` (this rank checks every ``world_size``-th
+    file; ``all_gather`` pools the findings so every rank raises the same :class:`CheckpointError`). A checkpoint
+    written before checksums existed is not checked."""
+    record = path / CHECKSUMS
+    if not record.is_file():
+        return
+    try:
+        files = json.loads(record.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        problems = [f"{CHECKSUMS}: unreadable ({err})"]
+        files = {}
+    else:
+        problems = []
+    for name in sorted(files)[rank::world_size]:
+        expected, file = files[name], path / name
+        if not file.is_file():
+            problems.append(f"{name}: missing")
+        elif file.stat().st_size != expected["bytes"]:
+            problems.append(f"{name}: {file.stat().st_size} bytes, written with {expected['bytes']} (truncated or "
+                            f"overwritten)")
+        elif file_digest(file)["blake2b"] != expected["blake2b"]:
+            problems.append(f"{name}: contents differ from what was written (damaged)")
+    if all_gather is not None:
+        problems = sorted({p for found in all_gather(problems) for p in found})
+    if problems:
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged and was not loaded: " + "; ".join(problems)
+                              + ". Load an earlier checkpoint (every save is a separate directory unless "
+                              "save_top_k removed it), or restore the files from a copy.")
+
+
+def save(checkpoint: dict[str, Any], path: Path, *, rank: int, sharded: bool,
+         barrier: Callable[[str], None] = lambda name: None,
+         all_gather: Callable[[Any], list] = lambda obj: [obj]) -> None:
+    """Write ``checkpoint`` to ``path`` the crash-safe way (module docstring). Every rank calls it; ``barrier`` and
+    ``all_gather`` are the job's collectives (no-ops in one process). A failure on any rank while writing (a full
+    disk, a permission error, a DCP error) is agreed on by all ranks: the staging folder is removed, the previous
+    checkpoint stays, and every rank raises :class:`CheckpointError` naming the rank and the cause."""
+    staging = staging_path(path)
+    if rank == 0:
+        clear(staging)  # debris of a save that crashed
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if sharded:
+            staging.mkdir()
+    barrier("tp2d_save_start")
+    failure, digests = None, {}
+    try:
+        if sharded:
+            write_sharded(checkpoint, staging, rank)
+            digests = {f.name: file_digest(f) for f in own_files(staging, rank)}
+        elif rank == 0:
+            write_full(checkpoint, staging)
+    except Exception as err:  # noqa: BLE001 - agreed on below, then raised on every rank
+        failure = _describe_failure(err)
+    results = all_gather((failure, digests))
+    failures = [f"rank {r}: {f}" for r, (f, _) in enumerate(results) if f]
+    if failures:
+        if rank == 0:
+            clear(staging)
+        barrier("tp2d_save_failed")
+        raise CheckpointError(f"saving checkpoint {str(path)!r} failed ({'; '.join(failures)}); the half-written "
+                              f"copy was removed and the previous checkpoint at that path, if any, is intact")
+    if rank == 0:
+        if sharded:
+            write_checksums(staging, {name: d for _, ds in results for name, d in ds.items()})
+        commit(staging, path)
+    barrier("tp2d_save_done")
+
+
+def _describe_failure(err: BaseException) -> str:
+    cause = err
+    while not isinstance(cause, OSError) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    if isinstance(err, Exception) and "No space left on device" in str(err):
+        return "the disk is full (No space left on device)"
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        return "the disk is full (No space left on device)"
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
 def commit(staging: Path, path: Path) -> None:
     """Move a complete checkpoint from ``staging`` to ``path``. Replacing an existing one takes two renames;
     between them the previous checkpoint survives as ``<path>.old-tp2d``, which loading falls back to."""
@@ -308,7 +428,18 @@ def _live_model(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k not in aliases and isinstance(v, torch.Tensor)}
 
 
+def _gather_objects(obj) -> list:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
+    verify(path, rank, world, _gather_objects if distributed else None)
     meta = torch.load(path / META, weights_only=False)
     stored = _stored_tensors(path)
     live = _live_model(module)
@@ -363,7 +494,11 @@ def _load_param_groups(optimizer, saved: list[dict], params: dict[str, torch.Ten
 
 
 def _load_full(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
-    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+    try:
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - torch's messages do not name the file
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({_describe_failure(err)}): the file is "
+                              f"damaged, truncated or not a torch checkpoint") from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict')")
     state = checkpoint.pop("state_dict")

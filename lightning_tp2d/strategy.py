@@ -292,21 +292,13 @@ class TP2DStrategy(ModelParallelStrategy):
             raise TypeError("TP2DStrategy.save_checkpoint(..., storage_options=...) is not supported")
         path = Path(self.broadcast(str(filepath)))
         checkpoint["tp2d"] = self.checkpoint_info()
-        staging = ckpt.staging_path(path)
-        if self.global_rank == 0:
-            ckpt.clear(staging)  # debris of a save that crashed
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if self._save_distributed_checkpoint:
-                staging.mkdir()
-        self.barrier("tp2d_save_start")
-        if self._save_distributed_checkpoint:
-            ckpt.write_sharded(checkpoint, staging, self.global_rank)
-        elif self.global_rank == 0:
-            ckpt.write_full(checkpoint, staging)
-        self.barrier("tp2d_save_written")
-        if self.global_rank == 0:
-            ckpt.commit(staging, path)
-        self.barrier("tp2d_save_done")
+        ckpt.save(checkpoint, path, rank=self.global_rank, sharded=self._save_distributed_checkpoint,
+                  barrier=self.barrier, all_gather=self._all_gather_object)
+
+    def _all_gather_object(self, obj) -> list:
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))

@@ -144,3 +144,82 @@ def test_sigterm_to_every_rank_stops_them_at_one_step_saves_it_and_exits_143(tmp
     # epoch (which made resume start a new, reshuffled epoch): the loop state says epoch 0, still open
     meta = torch.load(target / "meta.pt", weights_only=False)
     assert meta["epoch"] == 0 and meta["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 0
+
+
+# ---- checkpoint integrity (one process: the same code every rank runs, with its collectives as no-ops) ----------
+
+
+def _model_and_checkpoint(seed: int = 0):
+    torch.manual_seed(seed)
+    model = GPT2(GPT2Config.from_name("gpt2-tiny"))
+    return model, {"state_dict": model.state_dict(keep_vars=True), "optimizer_states": [], "epoch": 0,
+                   "global_step": seed}
+
+
+def _save(path, seed=0):
+    from lightning_tp2d import checkpoint as ckpt
+
+    _, checkpoint = _model_and_checkpoint(seed)
+    ckpt.save(checkpoint, path, rank=0, sharded=True)
+
+
+def _load(path) -> dict:
+    from lightning_tp2d import checkpoint as ckpt
+
+    model, _ = _model_and_checkpoint(seed=99)
+    return ckpt.load_into(model, [], path)
+
+
+def test_damaged_truncated_or_missing_checkpoint_files_are_named_not_loaded(tmp_path):
+    from lightning_tp2d.checkpoint import CHECKSUMS, CheckpointError
+
+    path = tmp_path / "step=1.ckpt"
+    _save(path, seed=1)
+    assert (path / CHECKSUMS).is_file() and _load(path)["global_step"] == 1
+    shard = sorted(path.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)  # 64 bytes overwritten: used to load NaNs silently
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: contents differ from what was written \(damaged\)"):
+        _load(path)
+    shard.write_bytes(bytes(data[: len(data) // 3]))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: \d+ bytes, written with \d+ \(truncated"):
+        _load(path)
+    (path / "meta.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"was not loaded: .*meta.pt: missing"):
+        _load(path)
+
+
+def test_a_full_disk_is_named_and_leaves_the_previous_checkpoint_and_no_staging_folder(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from lightning_tp2d import checkpoint as ckpt
+
+    path = tmp_path / "last.ckpt"
+    _save(path, seed=1)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ckpt, "_dcp_save", full_disk)
+    with pytest.raises(ckpt.CheckpointError, match=r"rank 0: the disk is full \(No space left on device\).*previous "
+                                                    r"checkpoint at that path, if any, is intact"):
+        _save(path, seed=2)
+    assert not ckpt.staging_path(path).exists()  # no debris keeping the disk full
+    assert _load(path)["global_step"] == 1
+
+
+def test_a_garbage_or_truncated_single_file_checkpoint_is_named(tmp_path):
+    from lightning_tp2d import checkpoint as ckpt
+
+    model, checkpoint = _model_and_checkpoint(1)
+    full = tmp_path / "full.ckpt"
+    ckpt.save(checkpoint, full, rank=0, sharded=False)
+    assert _load(full)["global_step"] == 1
+    full.write_bytes(full.read_bytes()[:1000])
+    with pytest.raises(ckpt.CheckpointError, match=r"full.ckpt' cannot be read .*damaged, truncated or not a torch"):
+        _load(full)
+    full.write_bytes(b"\x7fELF" + bytes(4000))  # a binary that is not a checkpoint
+    with pytest.raises(ckpt.CheckpointError, match=r"full.ckpt' cannot be read"):
+        _load(full)
