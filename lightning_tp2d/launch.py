@@ -96,9 +96,24 @@ def _override_keys(args: list[str]) -> set[str]:
     return {a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a and not a.startswith("-")}
 
 
+PATH_KEYS = ("ckpt_path", "data.path", "data.val_path", "checkpoint.dirpath")
+
+
+def quote_path_override(arg: str) -> str:
+    """``ckpt_path=.../step=20.ckpt`` (our own checkpoint names hold ``=``) quoted for Hydra's override grammar,
+    which would refuse the bare value; already quoted values and other overrides pass unchanged."""
+    key, sep, value = arg.partition("=")
+    if not sep or key.lstrip("+~") not in PATH_KEYS or "=" not in value or value[:1] in ("'", '"'):
+        return arg
+    if "'" in value:
+        return arg  # leave what we cannot quote simply to Hydra's own message
+    return f"{key}='{value}'"
+
+
 def prepare_argv(argv: list[str], env: Mapping[str, str] = os.environ) -> list[str]:
     """The command line Hydra should parse in this process (see the module docstring). Refuses sweeps that every
     process of an externally launched job would run on its own."""
+    argv = [argv[0], *map(quote_path_override, argv[1:])]
     args = argv[1:]
     why = external_launch(env)
     if _is_multirun(args) and why:

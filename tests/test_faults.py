@@ -223,3 +223,15 @@ def test_a_garbage_or_truncated_single_file_checkpoint_is_named(tmp_path):
     full.write_bytes(b"\x7fELF" + bytes(4000))  # a binary that is not a checkpoint
     with pytest.raises(ckpt.CheckpointError, match=r"full.ckpt' cannot be read"):
         _load(full)
+
+
+def test_our_own_checkpoint_names_need_no_quoting_on_the_command_line():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from lightning_tp2d.launch import prepare_argv
+
+    path = "outputs/2026-11-30/18-00-00/checkpoints/step=20.ckpt"
+    argv = prepare_argv(["tp2d-train", f"ckpt_path={path}", "trainer.max_steps=40", "data.path='a=b.txt'"], env={})
+    assert argv[1] == f"ckpt_path='{path}'" and argv[2:] == ["trainer.max_steps=40", "data.path='a=b.txt'"]
+    parsed = OverridesParser.create().parse_overrides(argv[1:])
+    assert parsed[0].value() == path  # what Hydra hands to the job
