@@ -17,7 +17,9 @@ Lightning checkpoints, and a resumed run continues with the next unseen batch.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
 import lightning.pytorch as L
 import numpy as np
 import torch
@@ -86,13 +88,58 @@ def default_corpus() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def _read_text_files(path: Path) -> list[str]:
+def _text_files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         if not files:
             raise ValueError(f"folder {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
-    else:
-        files = [path]
+        return files
+    return [path]
+
+
+def _binary_reason(file: Path, head: int = 1 << 16) -> str | None:
+    """Why ``file`` is not text (a NUL byte or invalid UTF-8 in its first 64 KiB), or ``None``."""
+    data = file.read_bytes()[:head] if file.stat().st_size <= head else open(file, "rb").read(head)
+    if b"\0" in data:
+        return f"a NUL byte at offset {data.index(bytes(1))}"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.start < len(data) - 4:  # not just a character cut at the end of the sample
+            return f"invalid UTF-8 at offset {err.start}"
+    return None
+
+
+def check_path(path: str | os.PathLike, vocab_size: int | None = None) -> None:
+    """Check a data path before any process starts (``tp2d-train`` does, on the launching process): it exists; a
+    ``.bin`` token file is non-empty, whole ``uint16`` ids and (with ``vocab_size``) holds only ids below it; text
+    files are text (a binary given as ``data=text`` is refused by content, not trained on). Raises ``ValueError``
+    (``FileNotFoundError``) naming the file and the numbers that do not fit."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"data path {str(p)!r} does not exist")
+    if p.is_file() and p.suffix == TOKEN_SUFFIX:
+        size = p.stat().st_size
+        if size == 0:
+            raise ValueError(f"token file {str(p)!r} is empty")
+        if size % 2:
+            raise ValueError(f"token file {str(p)!r} has {size} bytes, not a whole number of uint16 ids")
+        if vocab_size is not None:
+            top = int(np.memmap(p, dtype=np.uint16, mode="r").max())
+            if top >= vocab_size:
+                raise ValueError(f"token file {str(p)!r} holds id {top}, but the model's vocabulary has {vocab_size} "
+                                 f"ids (0..{vocab_size - 1}): use a model with vocab_size > {top}, or the file made "
+                                 "for this model")
+        return
+    for file in _text_files(p):
+        reason = _binary_reason(file)
+        if reason is not None:
+            raise ValueError(f"{str(file)!r} is not a text file ({reason}): data=text reads UTF-8 text; for "
+                             f"pre-tokenised ids use a {TOKEN_SUFFIX} file (data=tokens)")
+
+
+def _read_text_files(path: Path) -> list[str]:
+    files = _text_files(path)
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
     if not any(texts):
         raise ValueError(f"{str(path)!r} is empty: no text to train on")

@@ -196,6 +196,13 @@ def check_config(cfg: DictConfig, model) -> str:
     if path is not None and not Path(str(path)).expanduser().exists():
         raise ConfigError(f"data.path={str(path)!r} does not exist (looked for {Path(str(path)).expanduser().absolute()}; "
                           f"relative paths start from the directory tp2d-train runs in, {os.getcwd()})")
+    if path is not None:
+        from lightning_tp2d.data import check_path
+
+        try:
+            check_path(str(path), vocab_size=model.vocab_size)
+        except ValueError as err:
+            raise ConfigError(f"data.path: {err}") from None
     ids = None if tokens_file else TOKENIZER_IDS.get(data.tokenizer)
     if ids is not None and ids > model.vocab_size:
         raise ConfigError(f"data.tokenizer={data.tokenizer} makes {ids} token ids but model.vocab_size="

@@ -235,3 +235,31 @@ def test_our_own_checkpoint_names_need_no_quoting_on_the_command_line():
     assert argv[1] == f"ckpt_path='{path}'" and argv[2:] == ["trainer.max_steps=40", "data.path='a=b.txt'"]
     parsed = OverridesParser.create().parse_overrides(argv[1:])
     assert parsed[0].value() == path  # what Hydra hands to the job
+
+
+def test_bad_data_is_refused_before_any_process_starts(tmp_path):
+    """What ``tp2d-train`` checks on the launching process (``train.check_config`` calls it)."""
+    import numpy as np
+
+    from lightning_tp2d.data import check_path
+
+    binary = tmp_path / "lib.so"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(100))  # a shared library given as data=text
+    with pytest.raises(ValueError, match=r"lib.so' is not a text file \(a NUL byte at offset 7\)"):
+        check_path(binary)
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("hello")
+    (folder / "b.txt").write_bytes("caf\u00e9".encode("latin-1") + b" more text")
+    with pytest.raises(ValueError, match=r"b.txt' is not a text file \(invalid UTF-8 at offset 3\)"):
+        check_path(folder)
+    tokens = tmp_path / "train.bin"
+    np.array([1, 2, 300], dtype=np.uint16).tofile(tokens)
+    check_path(tokens, vocab_size=50257)
+    with pytest.raises(ValueError, match=r"holds id 300, but the model's vocabulary has 257 ids"):
+        check_path(tokens, vocab_size=257)
+    tokens.write_bytes(b"\x01\x00\x02")
+    with pytest.raises(ValueError, match=r"has 3 bytes, not a whole number of uint16 ids"):
+        check_path(tokens)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_path(tmp_path / "nowhere.txt")
