@@ -85,6 +85,56 @@ def external_launch(env: Mapping[str, str] = os.environ) -> str | None:
     return None
 
 
+# ---- rendezvous --------------------------------------------------------------------------------------------------
+
+
+def check_master_port(env: Mapping[str, str] = os.environ) -> None:
+    """On the process that starts a job's ranks itself: an exported ``MASTER_PORT`` that something on this machine
+    already listens on (another job's rendezvous) is refused, since this job's ranks would join that job's store
+    and hang. Without ``MASTER_PORT`` Lightning picks a free port."""
+    if external_launch(env) or "MASTER_PORT" not in env:
+        return
+    import socket
+
+    port = _int(env, "MASTER_PORT", -1)
+    if not 0 < port < 65536:
+        raise SystemExit(f"tp2d-train: MASTER_PORT={env['MASTER_PORT']!r} is not a port number (1..65535)")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as err:
+            raise SystemExit(f"tp2d-train: MASTER_PORT={port} is already in use on this machine ({err.strerror}): "
+                             "another job's ranks are listening there, and this job's would join them. Unset "
+                             "MASTER_PORT (tp2d-train then picks a free port) or export another one.") from None
+
+
+def watch_parent(poll_s: float = 1.0, name: str = "tp2d-train") -> None:
+    """In a rank that the job's first process started: exit when that process is gone (``kill -9`` of rank 0
+    during start-up would otherwise leave this rank waiting in the rendezvous until the process-group timeout)."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                print(f"{name}: the job's first process (pid {parent}) is gone; this rank (pid {os.getpid()}) exits",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="tp2d-parent-watch", daemon=True).start()
+
+
+def started_by_this_job(env: Mapping[str, str] = os.environ) -> bool:
+    """A rank that tp2d-train's own launcher started (rank 0 passes ``TP2D_RUN_DIR`` to them), not a torchrun /
+    SLURM task."""
+    return RUN_DIR_ENV in env and _int(env, "LOCAL_RANK") > 0 and "TORCHELASTIC_RUN_ID" not in env \
+        and not slurm_tasks(env)
+
+
 # ---- command lines -----------------------------------------------------------------------------------------------
 
 

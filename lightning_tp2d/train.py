@@ -54,7 +54,10 @@ def main() -> None:
     import lightning.pytorch  # noqa: F401
     launch.register_resolvers()
     sys.argv = launch.prepare_argv(sys.argv)
+    if launch.started_by_this_job():
+        launch.watch_parent()
     if launch.is_rank_zero():
+        launch.check_master_port()
         launch.check_override_keys(sys.argv)
     _hydra_main()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +264,70 @@ def test_bad_data_is_refused_before_any_process_starts(tmp_path):
         check_path(tokens)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         check_path(tmp_path / "nowhere.txt")
+
+
+# ---- rendezvous ----------------------------------------------------------------------------------------------------
+
+
+def test_an_occupied_master_port_is_refused_before_any_rank_starts():
+    import socket
+
+    from lightning_tp2d.launch import check_master_port
+
+    with socket.socket() as other_job:  # another job's rendezvous store listening on the exported port
+        other_job.bind(("127.0.0.1", 0))
+        other_job.listen()
+        port = other_job.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"MASTER_PORT={port} is already in use on this machine"):
+            check_master_port({"MASTER_PORT": str(port)})
+        check_master_port({"MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "4"})  # torchrun owns its port
+    check_master_port({})  # unset: Lightning picks a free one
+    with pytest.raises(SystemExit, match="is not a port number"):
+        check_master_port({"MASTER_PORT": "http"})
+
+
+def test_a_rank_whose_launching_process_dies_exits_instead_of_waiting(tmp_path):
+    """``kill -9`` of rank 0 while the other ranks wait in the rendezvous: they notice within a second or two."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    child_pid = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", '''
+import os, time
+from lightning_tp2d.launch import watch_parent
+watch_parent(0.2)
+open({str(child_pid)!r}, "w").write(str(os.getpid()))
+time.sleep(120)
+'''])
+time.sleep(120)
+"""], env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    deadline = time.monotonic() + 60
+    while not child_pid.exists() or not child_pid.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    pid = int(child_pid.read_text())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    killed = time.monotonic()
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        if _reaped_zombie(pid):
+            break
+        assert time.monotonic() - killed < 10, "the orphaned rank is still running"
+        time.sleep(0.1)
+    assert time.monotonic() - killed < 5
+
+
+def _reaped_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
