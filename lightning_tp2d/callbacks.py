@@ -161,17 +161,43 @@ class DivergenceGuard(Callback):
     a save requested after it is refused by raising before anything is written, so the previous checkpoint (the
     last finite one) survives whatever ``save_top_k`` says, since :class:`ModelCheckpoint` removes an older
     checkpoint only after a newer one is saved. Non-finite gradients make the next loss non-finite and are caught
-    one step later."""
+    one step later.
 
-    def __init__(self, check_every_n_steps: int | None = None) -> None:
+    ``skip_bad_steps=True`` skips an optimizer step whose gradients are not all finite instead (as large-run
+    trainers do: a rare loss spike passes, a real divergence still trips the loss check): every rank agrees before
+    the step (one all-reduce and host read per step: this mode costs a sync), the gradients are dropped so the
+    optimizer leaves the parameters and its state untouched, and ``skipped`` counts the steps skipped."""
+
+    def __init__(self, check_every_n_steps: int | None = None, skip_bad_steps: bool = False) -> None:
         if check_every_n_steps is not None and (not isinstance(check_every_n_steps, int) or check_every_n_steps < 1):
             raise ValueError(f"check_every_n_steps must be a positive int or None, got {check_every_n_steps!r}")
         self.check_every_n_steps = check_every_n_steps
+        self.skip_bad_steps = skip_bad_steps
+        self.skipped = 0
         self._bad: torch.Tensor | None = None
         self._since = 0  # first step of the unchecked window
+        self._skipping = False  # this step's gradients were dropped: its loss is not held against the run
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not self.skip_bad_steps:
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        bad = bool(local) and not bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
+        self._skipping = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if self._skipping:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None  # the optimizer skips parameters without gradients: nothing changes
+            self.skipped += 1
+            if trainer.is_global_zero:
+                print(f"tp2d: step {trainer.global_step}: non-finite gradients, step skipped ({self.skipped} so far)",
+                      flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if self._skipping:
+            self._skipping, loss = False, None
         if isinstance(loss, torch.Tensor):
             bad = ~torch.isfinite(loss.detach()).all()
             self._bad = bad if self._bad is None else self._bad | bad

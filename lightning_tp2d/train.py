@@ -96,7 +96,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     from hydra.utils import instantiate
 
     import lightning_tp2d  # noqa: F401  (registers the strategy names)
-    from lightning_tp2d.callbacks import DivergenceGuard, GracefulInterrupt, SpeedMonitor
+    from lightning_tp2d.callbacks import GracefulInterrupt, SpeedMonitor
 
     rank_zero = launch.is_rank_zero()
     try:
@@ -115,7 +115,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     module = instantiate(cfg.module)
     checkpoint = instantiate(cfg.checkpoint, dirpath=cfg.checkpoint.dirpath or str(run_dir / "checkpoints"))
     interrupt = GracefulInterrupt()
-    callbacks = [interrupt, DivergenceGuard(), checkpoint] + ([SpeedMonitor()] if cfg.logging.speed else [])
+    callbacks = [interrupt, instantiate(cfg.divergence), checkpoint] + ([SpeedMonitor()] if cfg.logging.speed else [])
     if cfg.trainer.enable_progress_bar:
         callbacks.append(instantiate(cfg.progress_bar))
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.parallel), logger=make_loggers(cfg.logging, run_dir),

@@ -331,3 +331,30 @@ def _reaped_zombie(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def _skip_one_bad_step(rank: int, world_size: int) -> dict:
+    import lightning.pytorch as L
+
+    from lightning_tp2d.callbacks import DivergenceGuard
+
+    class Spiky(tp.GPT2LightningModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if self.global_step == 3 else loss  # one bad batch
+
+    L.seed_everything(0)
+    guard = DivergenceGuard(check_every_n_steps=1, skip_bad_steps=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[guard])
+    module = Spiky("gpt2-tiny", learning_rate=1e-3, warmup_steps=0)
+    trainer.fit(module, tp.TextDataModule(block_size=32, batch_size=4, max_tokens=20_000))
+    return {"steps": trainer.global_step, "skipped": guard.skipped,
+            "finite": all(torch.isfinite(p).all().item() for p in module.parameters())}
+
+
+def test_a_bad_step_can_be_skipped_instead_of_stopping():
+    from tests.lightning_ranks import run_ranks
+
+    r = run_ranks(_skip_one_bad_step, 1)[0]
+    assert r == {"steps": 6, "skipped": 1, "finite": True}, r
