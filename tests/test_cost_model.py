@@ -309,18 +309,21 @@ def test_time_model_more_bandwidth_means_less_time_and_totals_add_up():
         assert cm.collective_time(kind, 4, 1 << 20, link) > cm.collective_time(kind, 4, 1 << 10, link) > 0
     assert cm.collective_time("recv", 4, 1 << 20, link) == 0  # charged on the matching send
     hw = cm.H100_NVLINK4_NDR
-    for layout, p, batch, seq in (("2d", 4, 8, 1024), ("2d", 16, 8, 1024), ("metp", 8, 1, 1024),
+    # the properties hold for any size: one narrow block with a small vocabulary traces in a third of the time
+    small = dataclasses.replace(GPT2_SMALL, n_layer=1, n_embd=192, vocab_size=257)
+    for layout, p, batch, seq in (("2d", 4, 8, 1024), ("2d", 16, 8, 1024), ("metp", 4, 1, 1024),
                                   ("2d-metp", 16, 1, 1024), ("tp1d", 16, 8, 1024)):
-        slow, quick = (cm.step_time(layout, GPT2_SMALL, batch, seq, p, h) for h in (hw, _faster(hw, 4)))
+        slow, quick = (cm.step_time(layout, small, batch, seq, p, h) for h in (hw, _faster(hw, 4)))
         for t in (slow, quick):
             assert t["total_s"] == pytest.approx(t["compute_s"] + t["exposed_comm_s"])
             assert 0 <= t["exposed_comm_s"] <= t["comm_s"] and t["comm_bytes"] > 0
         assert quick["comm_s"] < slow["comm_s"] and quick["total_s"] < slow["total_s"], layout
         assert quick["compute_s"] == slow["compute_s"]
     # a grid that leaves the node pays the inter-node link on its row groups
-    one_node = cm.step_time("2d", GPT2_SMALL, 8, 1024, 4, hw)
+    one_node = cm.step_time("2d", small, 8, 1024, 4, hw)
     wide = dataclasses.replace(hw, gpus_per_node=2)
-    assert cm.step_time("2d", GPT2_SMALL, 8, 1024, 4, wide)["comm_s"] > one_node["comm_s"]
+    assert cm.step_time("2d", small, 8, 1024, 4, wide)["comm_s"] > one_node["comm_s"]
+    one_node = cm.step_time("2d", GPT2_SMALL, 8, 1024, 4, hw)  # at a real size a grid computes less than one GPU
     single = cm.step_time("single", GPT2_SMALL, 8, 1024, 1, hw)
     assert single["comm_s"] == 0 and single["total_s"] == single["compute_s"] > one_node["compute_s"]
 

@@ -111,24 +111,14 @@ def test_sigterm_to_every_rank_stops_them_at_one_step_saves_it_and_exits_143(tmp
     in Lightning's own handler. Every rank stops after the same step, that step is saved, and the command exits
     with 143 (128 + SIGTERM) within seconds. (A signal on rank 0 alone travels in the same per-step all-reduce as
     Ctrl-C, tested in test_train.py.)"""
-    import glob
     import os
     import re
     import signal
-    import subprocess
-    from pathlib import Path
 
     from lightning_tp2d import load_gpt2
-    from tests.test_train import command, environment
+    from tests.test_train import long_run_until_checkpoint
 
-    args = ["experiment=quick", "trainer.max_steps=500", "checkpoint.every_n_train_steps=4",
-            "trainer.val_check_interval=1000", "data.max_tokens=20000"]
-    proc = subprocess.Popen(command(args), cwd=tmp_path, env=environment(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not glob.glob(str(tmp_path / "outputs/*/*/checkpoints/step=4.ckpt/.metadata")):
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
-        time.sleep(0.1)
+    proc = long_run_until_checkpoint(tmp_path, every=4, step=4)
     sent = time.monotonic()
     os.killpg(proc.pid, signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]

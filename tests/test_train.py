@@ -140,18 +140,25 @@ def test_multirun_launches_each_job_once_in_its_own_folder(tmp_path):
         assert len(train) == steps and (sweep / job / "checkpoints" / f"step={steps}.ckpt" / ".metadata").is_file()
 
 
+def long_run_until_checkpoint(cwd: Path, every: int, step: int) -> subprocess.Popen:
+    """A 4-process ``experiment=quick`` run of 500 steps saving every ``every`` steps, in its own process group,
+    returned once the checkpoint of ``step`` is complete (for signal tests)."""
+    args = ["experiment=quick", "trainer.max_steps=500", f"checkpoint.every_n_train_steps={every}",
+            "trainer.val_check_interval=1000", "data.max_tokens=20000"]
+    proc = subprocess.Popen(command(args), cwd=cwd, env=environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not glob.glob(str(cwd / f"outputs/*/*/checkpoints/step={step}.ckpt/.metadata")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.1)
+    return proc
+
+
 def test_ctrl_c_keeps_the_last_complete_checkpoint(tmp_path):
     """SIGINT to the whole process group (what Ctrl-C in a terminal sends) while checkpoints are being written
     every two steps: every rank stops after the same step, the command exits within seconds and the newest
     complete checkpoint loads."""
-    args = ["experiment=quick", "trainer.max_steps=500", "checkpoint.every_n_train_steps=2",
-            "trainer.val_check_interval=1000", "data.max_tokens=20000"]
-    proc = subprocess.Popen(command(args), cwd=tmp_path, env=environment(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not glob.glob(str(tmp_path / "outputs/*/*/checkpoints/step=6.ckpt/.metadata")):
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
-        time.sleep(0.1)
+    proc = long_run_until_checkpoint(tmp_path, every=2, step=6)
     time.sleep(0.3)  # somewhere in the next steps (and saves)
     os.killpg(proc.pid, signal.SIGINT)
     out = proc.communicate(timeout=60)[0]
