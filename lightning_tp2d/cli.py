@@ -17,8 +17,15 @@ from lightning_tp2d.data import TextDataModule
 from lightning_tp2d.module import GPT2LightningModule
 
 
-def main(args: list[str] | None = None) -> LightningCLI:
+def cli(args: list[str] | None = None) -> LightningCLI:
+    """Build and run the LightningCLI; returns it (its ``trainer``, ``model``, ``datamodule``) for scripts."""
     return LightningCLI(GPT2LightningModule, TextDataModule, args=args, save_config_kwargs={"overwrite": True})
+
+
+def main(args: list[str] | None = None) -> None:
+    """The ``tp2d`` console script: exits 0 after a successful run (the wrapper exits with what this returns, so
+    returning the CLI object made it print the object and exit 1)."""
+    cli(args)
 
 
 if __name__ == "__main__":

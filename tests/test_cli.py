@@ -50,3 +50,16 @@ def test_tp2d_fit_with_yaml_config_trains_on_4_processes(tmp_path):
     (checkpoint,) = (version / "checkpoints").iterdir()
     assert checkpoint.name == "epoch=0-step=6.ckpt"
     assert sorted(p.name for p in checkpoint.iterdir() if p.suffix == ".distcp") == [f"__{r}_0.distcp" for r in range(4)]
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_the_console_script_exits_0_after_a_successful_run(tmp_path, capsys):
+    """The console-script wrapper does ``sys.exit(main())``: ``main`` must return nothing (it returned the CLI
+    object, which printed it and exited 1 on every rank)."""
+    from lightning_tp2d.cli import cli
+
+    args = ["fit", "--model.model=gpt2-tiny", "--data.max_tokens=2000", "--data.block_size=16", "--data.batch_size=2",
+            "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.fast_dev_run=1", "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"]
+    assert main(args) is None
+    assert cli(args).trainer.state.finished  # the CLI object stays reachable for scripts

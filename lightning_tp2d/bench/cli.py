@@ -99,7 +99,7 @@ def parser() -> argparse.ArgumentParser:
                     help="project with a GEMM table measured on this machine instead of the committed H200 one")
     ap.add_argument("--model-check", action="store_true",
                     help="calibrate this machine (matmul rate, link) and compare the cost model's step times")
-    ap.add_argument("--out", default=None, help="results folder (default results/bench-<time>)")
+    ap.add_argument("--out", default=None, help="results folder (default outputs/bench-<time>, as tp2d-train's runs)")
     return ap
 
 
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             BenchSpec(model=model, overrides=_overrides(sets)).config()  # a bad name or field fails here
     except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
         ap.error(str(e))
-    out = args.out or os.path.join("results", "bench-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    out = args.out or os.path.join("outputs", "bench-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     results = run(args, argv)
     files = report.write(results, out)
     for t in results["targets"]:
