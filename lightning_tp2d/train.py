@@ -29,7 +29,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from lightning_tp2d import launch
@@ -107,6 +107,13 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     if rank_zero:
         log.info("tp2d-train: %s", plan)
         log.info("run directory: %s", run_dir)
+
+    steps, every = int(cfg.trainer.max_steps), int(cfg.trainer.log_every_n_steps)
+    if 0 < steps < every:  # a run shorter than the logging interval would log nothing: no metrics.csv, no plot
+        with open_dict(cfg):
+            cfg.trainer.log_every_n_steps = steps
+        if rank_zero:
+            log.info("trainer.max_steps=%d < trainer.log_every_n_steps=%d: logging every %d steps", steps, every, steps)
 
     # Lightning 2.6 under torch >= 2.10 warns about its own pytree use once per rank: not the user's business
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
