@@ -313,5 +313,9 @@ class TextDataModule(L.LightningDataModule):
         self.setup()
         return self._loader(self.val_set, train=False)
 
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split (the validation windows: the corpus has no separate test split)."""
+        return self.val_dataloader()
+
     def decode(self, ids) -> str:
         return (self.tokenizer or ByteTokenizer()).decode(ids)

@@ -153,6 +153,11 @@ class GPT2LightningModule(L.LightningModule):
         self.log("val_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=idx.size(0))
         self.log("val_perplexity", self.val_perplexity, on_step=False, on_epoch=True)
 
+    def test_step(self, batch, batch_idx: int) -> None:
+        idx, targets = batch
+        loss = self.model(idx, targets)
+        self.log("test_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=idx.size(0))
+
     def on_validation_start(self) -> None:
         mesh = self.device_mesh
         if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):

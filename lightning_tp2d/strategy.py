@@ -178,9 +178,24 @@ class TP2DStrategy(ModelParallelStrategy):
         dims = self._resolve_dims(find_gpt2_config(self.lightning_module))
         self._dims = dims
         self._data_parallel_size, self._tensor_parallel_size = dims.data_parallel_size, dims.tensor_parallel_size
-        self._device_mesh = init_mesh(self.layout_spec, dims.tensor_parallel_size, dims.data_parallel_size,
-                                      device_type=self.root_device.type, timeout=self.timeout)
+        self._device_mesh = self._reusable_mesh(dims) or init_mesh(
+            self.layout_spec, dims.tensor_parallel_size, dims.data_parallel_size, device_type=self.root_device.type,
+            timeout=self.timeout)
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _reusable_mesh(self, dims: ParallelDims):
+        """The mesh a GPT2 inside the module is already parallelized on, when it is this layout and these sizes:
+        ``trainer.validate/test`` after ``fit``, or a second Trainer on the same module, then keep its shards (a new
+        mesh would make them foreign). ``None`` when there is none, or it does not fit (then parallelizing
+        refuses, naming both)."""
+        for module in self.lightning_module.modules():
+            handle = handle_of(module) if isinstance(module, GPT2) else None
+            if handle is None or handle.layout != self.layout_spec:
+                continue
+            if (handle.tensor_parallel_size, handle.data_parallel_size) == (dims.tensor_parallel_size,
+                                                                           dims.data_parallel_size):
+                return handle.mesh
+        return None
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None

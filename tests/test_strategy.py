@@ -322,3 +322,31 @@ def test_dp2_by_2x2_on_8_processes_trains_like_one_device():
     assert len(losses[0]) == len(ref)
     worst = max(abs(a - b) for a, b in zip(losses[0], ref))
     assert worst <= 2e-5, f"losses differ from the single-device run by up to {worst:.2e}"
+
+
+def _lifecycle(rank, world_size):
+    L.seed_everything(0)
+    module = tp.GPT2LightningModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=2)
+    data = tp.TextDataModule(block_size=32, batch_size=4, max_tokens=20_000)
+
+    def trainer(**kw):
+        return L.Trainer(strategy="tp2d", accelerator="cpu", devices=world_size, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=4, limit_test_batches=2, **kw)
+
+    first = trainer(max_steps=3, num_sanity_val_steps=0, val_check_interval=3)
+    first.fit(module, data)
+    validated = first.validate(module, data, verbose=False)[0]["val_loss"]
+    tested = first.test(module, data, verbose=False)[0]["test_loss"]
+    again = trainer().validate(module, data, verbose=False)[0]["val_loss"]
+    return validated, tested, again
+
+
+def test_validate_and_test_after_fit_and_on_a_second_trainer():
+    """The same process keeps the module's shards and mesh: validate and test after fit, then another Trainer (each
+    entry used to build a new mesh and refuse the already parallelized model)."""
+    runs = run_ranks(_lifecycle, 4)
+    assert all(run == runs[0] for run in runs)
+    validated, tested, again = runs[0]
+    assert 0 < validated < 6 and 0 < tested < 6
+    assert again == pytest.approx(validated, rel=1e-5)  # the same model and the same validation windows
