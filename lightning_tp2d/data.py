@@ -185,6 +185,19 @@ class TokenWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+class _EveryRank(torch.utils.data.Sampler):
+    """Every index in order, on every rank (Lightning leaves a custom sampler alone: prompts are not split)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+
 class ResumableSampler(DistributedSampler):
     """A ``DistributedSampler`` (over data-parallel replicas) that can start its next epoch part-way."""
 
@@ -241,11 +254,13 @@ class TextDataModule(L.LightningDataModule):
         seed: shuffling seed.
         max_tokens: use only the first ``max_tokens`` tokens (quick runs).
         num_workers: DataLoader worker processes.
+        prompts: texts for ``trainer.predict``: each is one batch of one sequence, given to every rank (a
+            tensor-parallel group must see the same prompt); the module continues them (``predict_step``).
     """
 
     def __init__(self, path: str | None = None, tokenizer: str = "byte", block_size: int = 64, batch_size: int = 8,
                  val_fraction: float = 0.05, shuffle: bool = True, seed: int = 0, max_tokens: int | None = None,
-                 num_workers: int = 0) -> None:
+                 num_workers: int = 0, prompts: list[str] | None = None) -> None:
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -256,6 +271,7 @@ class TextDataModule(L.LightningDataModule):
         self.path, self.block_size, self.batch_size = path, block_size, batch_size
         self.val_fraction, self.shuffle, self.seed, self.max_tokens = val_fraction, shuffle, seed, max_tokens
         self.num_workers = num_workers
+        self.prompts = list(prompts or [])
         self.tokenizer_name = tokenizer
         self.tokenizer = None if path is not None and str(path).endswith(TOKEN_SUFFIX) else get_tokenizer(tokenizer)
         self.tokens: np.ndarray | None = None
@@ -316,6 +332,17 @@ class TextDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """The held-out split (the validation windows: the corpus has no separate test split)."""
         return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """Each prompt as a ``[1, T]`` batch of token ids, on every rank."""
+        if not self.prompts:
+            raise ValueError("TextDataModule(prompts=[...]) is needed for trainer.predict: the texts to continue")
+        tokenizer = self.tokenizer or ByteTokenizer()
+        encoded = [torch.as_tensor(tokenizer.encode(p).astype(np.int64)) for p in self.prompts]
+        empty = [i for i, t in enumerate(encoded) if t.numel() == 0]
+        if empty:
+            raise ValueError(f"prompts {empty} encode to no tokens")
+        return DataLoader(encoded, batch_size=1, sampler=_EveryRank(len(encoded)), collate_fn=torch.stack)
 
     def decode(self, ids) -> str:
         return (self.tokenizer or ByteTokenizer()).decode(ids)

@@ -76,12 +76,16 @@ class GPT2LightningModule(L.LightningModule):
         init_seed: the weights are drawn from this seed, the same whatever the strategy, layout or grid.
         meta_init: build on the meta device (materialised shard by shard by TP2DStrategy); ``None``: exactly when
             the strategy is a TP2DStrategy.
+        predict_max_new_tokens, predict_temperature, predict_top_k: how ``trainer.predict`` continues each prompt
+            (:meth:`generate`; temperature 0: greedy). Prompts come from ``TextDataModule(prompts=[...])``; decode
+            the returned ids with its ``decode``.
     """
 
     def __init__(self, model: str | GPT2Config | dict = "gpt2-tiny", learning_rate: float = 6e-4, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, warmup_steps: int = 100,
                  max_steps: int | None = None, min_lr_ratio: float = 0.1, init_seed: int = 0,
-                 meta_init: bool | None = None) -> None:
+                 meta_init: bool | None = None, predict_max_new_tokens: int = 32, predict_temperature: float = 1.0,
+                 predict_top_k: int | None = None) -> None:
         super().__init__()
         if isinstance(model, dict):
             model = GPT2Config(**model)
@@ -152,6 +156,15 @@ class GPT2LightningModule(L.LightningModule):
         self.val_perplexity.update(loss, (targets != -100).sum())
         self.log("val_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=idx.size(0))
         self.log("val_perplexity", self.val_perplexity, on_step=False, on_epoch=True)
+
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """The prompt ``batch [B, T]`` (token ids) continued by ``predict_max_new_tokens`` sampled tokens; the same
+        on every rank (one seed per batch)."""
+        idx = batch[0] if isinstance(batch, (tuple, list)) else batch
+        hp = self.hparams
+        out = self.generate(idx, hp.predict_max_new_tokens, temperature=hp.predict_temperature, top_k=hp.predict_top_k,
+                            seed=batch_idx)
+        return out.cpu()
 
     def test_step(self, batch, batch_idx: int) -> None:
         idx, targets = batch

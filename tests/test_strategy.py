@@ -326,8 +326,8 @@ def test_dp2_by_2x2_on_8_processes_trains_like_one_device():
 
 def _lifecycle(rank, world_size):
     L.seed_everything(0)
-    module = tp.GPT2LightningModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=2)
-    data = tp.TextDataModule(block_size=32, batch_size=4, max_tokens=20_000)
+    module = tp.GPT2LightningModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=2, predict_max_new_tokens=6)
+    data = tp.TextDataModule(block_size=32, batch_size=4, max_tokens=20_000, prompts=["The ", "def f(x):"])
 
     def trainer(**kw):
         return L.Trainer(strategy="tp2d", accelerator="cpu", devices=world_size, logger=False,
@@ -339,14 +339,17 @@ def _lifecycle(rank, world_size):
     validated = first.validate(module, data, verbose=False)[0]["val_loss"]
     tested = first.test(module, data, verbose=False)[0]["test_loss"]
     again = trainer().validate(module, data, verbose=False)[0]["val_loss"]
-    return validated, tested, again
+    texts = [(ids.shape[1], data.decode(ids[0].tolist())) for ids in first.predict(module, data)]
+    return validated, tested, again, texts
 
 
-def test_validate_and_test_after_fit_and_on_a_second_trainer():
-    """The same process keeps the module's shards and mesh: validate and test after fit, then another Trainer (each
-    entry used to build a new mesh and refuse the already parallelized model)."""
+def test_validate_test_and_predict_after_fit_and_on_a_second_trainer():
+    """The same process keeps the module's shards and mesh: validate, test and predict (prompts continued) after
+    fit, then another Trainer (each entry used to build a new mesh and refuse the already parallelized model)."""
     runs = run_ranks(_lifecycle, 4)
-    assert all(run == runs[0] for run in runs)
-    validated, tested, again = runs[0]
+    assert all(run == runs[0] for run in runs)  # predictions too: every rank of the grid samples the same text
+    validated, tested, again, texts = runs[0]
+    assert [n for n, _ in texts] == [4 + 6, 9 + 6]  # each prompt's tokens and 6 new ones
+    assert texts[0][1].startswith("The ") and texts[1][1].startswith("def f(x):")
     assert 0 < validated < 6 and 0 < tested < 6
     assert again == pytest.approx(validated, rel=1e-5)  # the same model and the same validation windows
