@@ -254,6 +254,15 @@ def write_full(checkpoint: dict[str, Any], file: Path) -> None:
     torch.save(checkpoint, file)
 
 
+def gather_objects(obj) -> list:
+    """Every rank's ``obj`` (an all-gather over the default group; ``[obj]`` without one)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 class CheckpointError(OSError):
     """A checkpoint could not be written (nothing was replaced) or fails its checksums."""
 
@@ -317,9 +326,9 @@ def verify(path: Path, rank: int = 0, world_size: int = 1,
 
 def save(checkpoint: dict[str, Any], path: Path, *, rank: int, sharded: bool,
          barrier: Callable[[str], None] = lambda name: None,
-         all_gather: Callable[[Any], list] = lambda obj: [obj]) -> None:
+         all_gather: Callable[[Any], list] = gather_objects) -> None:
     """Write ``checkpoint`` to ``path`` the crash-safe way (module docstring). Every rank calls it; ``barrier`` and
-    ``all_gather`` are the job's collectives (no-ops in one process). A failure on any rank while writing (a full
+    ``all_gather`` are the job's collectives (``barrier`` a no-op and ``all_gather`` ``[obj]`` in one process). A failure on any rank while writing (a full
     disk, a permission error, a DCP error) is agreed on by all ranks: the staging folder is removed, the previous
     checkpoint stays, and every rank raises :class:`CheckpointError` naming the rank and the cause."""
     staging = staging_path(path)
@@ -354,13 +363,12 @@ def save(checkpoint: dict[str, Any], path: Path, *, rank: int, sharded: bool,
 
 
 def _describe_failure(err: BaseException) -> str:
-    cause = err
-    while not isinstance(cause, OSError) and cause.__cause__ is not None:
+    """One line for a failed write or read; a full disk is said as such, however deep DCP wrapped it."""
+    cause: BaseException | None = err
+    while cause is not None:
+        if (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or "No space left on device" in str(cause):
+            return "the disk is full (No space left on device)"
         cause = cause.__cause__
-    if isinstance(err, Exception) and "No space left on device" in str(err):
-        return "the disk is full (No space left on device)"
-    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-        return "the disk is full (No space left on device)"
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
 
@@ -428,18 +436,10 @@ def _live_model(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k not in aliases and isinstance(v, torch.Tensor)}
 
 
-def _gather_objects(obj) -> list:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [obj]
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
 def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
-    verify(path, rank, world, _gather_objects if distributed else None)
+    verify(path, rank, world, gather_objects)
     meta = torch.load(path / META, weights_only=False)
     stored = _stored_tensors(path)
     live = _live_model(module)

@@ -99,7 +99,8 @@ def _text_files(path: Path) -> list[Path]:
 
 def _binary_reason(file: Path, head: int = 1 << 16) -> str | None:
     """Why ``file`` is not text (a NUL byte or invalid UTF-8 in its first 64 KiB), or ``None``."""
-    data = file.read_bytes()[:head] if file.stat().st_size <= head else open(file, "rb").read(head)
+    with open(file, "rb") as f:
+        data = f.read(head)
     if b"\0" in data:
         return f"a NUL byte at offset {data.index(bytes(1))}"
     try:

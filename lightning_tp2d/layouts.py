@@ -57,6 +57,9 @@ class Layout:
     zigzag: ClassVar[bool] = False  # sequences are cut into 2*side zigzag chunks
     supports_dropout: ClassVar[bool] = True
     splits_heads: ClassVar[bool] = True  # heads are split over the side (else only the width must divide)
+    # torch.compile of activation-checkpointed blocks works (torch 2.13's AOTAutograd fails to save the DTensor
+    # parameters' metadata inside a checkpointed "2d" block)
+    compiles_checkpointed: ClassVar[bool] = True
 
     def __init__(self, options: RingOptions | None = None) -> None:
         self.options = options
@@ -215,6 +218,7 @@ class Grid2D(Layout):
     arrangement = "grid"
     side_symbol = "q"
     splits_batch = True
+    compiles_checkpointed = False
 
     def distinct_ranks(self, p: int) -> list[int]:
         # Every rank runs the same SUMMA shapes; only the diagonal skips the LM head's mirror swap. First and last

@@ -167,6 +167,11 @@ def _fresh(tensors, inputs) -> list[torch.Tensor]:
     return out
 
 
+def _tensor_refs(saved_at: tuple, state: tuple) -> list[tuple]:
+    """Where each tensor the backward needs comes from: the saved tensors, then the tensor-valued ctx attributes."""
+    return list(saved_at) + [v for _, v in state if v[0] != "value"]
+
+
 def _versions(tensors) -> list[int]:
     return [t._version if t is not None else -1 for t in tensors]
 
@@ -260,7 +265,7 @@ class RegisteredFunction:
     def _backward(self, grads, saved, needs, key, ctx_key) -> list[torch.Tensor]:
         slots = constants(key)[0]
         _, _, _, n_out, _, saved_at, state, in_meta, out_meta = constants(ctx_key)
-        refs = [r for r in saved_at] + [v for _, v in state if v[0] != "value"]
+        refs = _tensor_refs(saved_at, state)
         by_ref = dict(zip(refs, saved))
         ctx = _Ctx()
         ctx.saved_tensors = tuple(by_ref[r] for r in saved_at)
@@ -288,7 +293,7 @@ class RegisteredFunction:
         tensors, key = inputs
         ctx.key, ctx.ctx_key = key, _LAST.key
         _, _, _, n_out, _, saved_at, state, _, _ = constants(ctx.ctx_key)
-        refs = list(saved_at) + [v for _, v in state if v[0] != "value"]
+        refs = _tensor_refs(saved_at, state)
         slots = constants(key)[0]
         pick = {("input", pos): t for pos, t in zip(slots, tensors)}
         residuals = output[n_out:]

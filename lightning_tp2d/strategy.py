@@ -104,10 +104,12 @@ class TP2DStrategy(ModelParallelStrategy):
         if self.compile_options is not None and activation_checkpointing == "selective":
             raise ValueError("compile with activation_checkpointing='selective' is not supported: its saved-tensor "
                              "hooks and recipes run in eager mode only (use 'full', or no compile)")
-        if self.compile_options is not None and activation_checkpointing != "none" and spec.name == "2d":
+        checkpointed = activation_checkpointing != "none"
+        if self.compile_options is not None and checkpointed and not spec.compiles_checkpointed:
             raise ValueError(f"compile with activation_checkpointing={activation_checkpointing!r} is not supported "
-                             "for layout '2d' yet: torch 2.13's AOTAutograd fails to save the DTensor parameters' "
-                             "metadata inside a checkpointed region (use one of them, or layout 'metp' / '2d-metp')")
+                             f"for layout {spec.name!r} yet: torch 2.13's AOTAutograd fails to save the DTensor "
+                             "parameters' metadata inside a checkpointed region (use one of them, or layout 'metp' / "
+                             "'2d-metp')")
         for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
             if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be 'auto' or a positive int, got {value!r}")
@@ -308,12 +310,7 @@ class TP2DStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         checkpoint["tp2d"] = self.checkpoint_info()
         ckpt.save(checkpoint, path, rank=self.global_rank, sharded=self._save_distributed_checkpoint,
-                  barrier=self.barrier, all_gather=self._all_gather_object)
-
-    def _all_gather_object(self, obj) -> list:
-        out = [None] * self.world_size
-        torch.distributed.all_gather_object(out, obj)
-        return out
+                  barrier=self.barrier)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))

@@ -291,7 +291,7 @@ def run_scenario(layout: str, p: int, spec: BenchSpec, seq: int | None = None, c
 def ring_attention_kernel(layout: str, spec: BenchSpec, seq: int) -> str | None:
     """The per-block kernel a ring layout's attention uses in this process (:func:`lightning_tp2d.metp.block_kernel`),
     ``None`` for layouts without ring attention."""
-    if layout not in ("metp", "2d-metp"):
+    if layout in BASELINES or not layouts.get_layout(layout).zigzag:  # ring attention: the zigzag layouts
         return None
     import torch
 
