@@ -1,15 +1,23 @@
 """One device: a plain :class:`~lightning_tp2d.models.GPT2` from a checkpoint of any layout, and export to
-transformers' GPT-2 format. No process group needed; the checkpoint may be sharded (DCP directory) or full."""
+transformers' GPT-2 format. No process group needed; the checkpoint may be sharded (DCP directory) or full.
+
+The other direction, :func:`load_hf_weights`, fills a GPT2 (plain or parallelized with any layout) from a local
+transformers GPT-2 directory, one tensor at a time: each rank reads a full tensor, keeps its own shard (cut by the
+checkpoint module's rules, so the layouts' q/k/v arrangements are handled in one place) and drops the rest, so no
+rank ever holds more than one full tensor it does not keep.
+"""
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from lightning_tp2d.checkpoint import META, is_sharded, read_state_dict, resolve
-from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+from lightning_tp2d.checkpoint import META, _aliases, _assign, is_sharded, read_state_dict, resolve
+from lightning_tp2d.models.gpt2 import HF_TRANSPOSED, GPT2, GPT2Config, from_hf_key, from_hf_tensor
 
 
 def gpt2_state_dict(path, prefix: str | None = None) -> dict[str, torch.Tensor]:
@@ -68,3 +76,191 @@ def export_hf(source, directory, config: GPT2Config | None = None) -> Path:
     }
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return directory
+
+
+# ---- transformers GPT-2 directories -> a live GPT2 ------------------------------------------------------------
+
+# Weight files of a transformers directory, in the order transformers prefers them.
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
+# transformers' GPT2Config defaults: save_pretrained writes only the values that differ from them.
+_HF_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
+                    activation_function="gelu_new", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+                    layer_norm_epsilon=1e-5, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                    reorder_and_upcast_attn=False, add_cross_attention=False)
+
+
+def is_hf_directory(path) -> bool:
+    """Whether ``path`` is a transformers checkpoint directory: ``config.json`` and one of :data:`HF_WEIGHT_FILES`."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any((path / f).is_file() for f in HF_WEIGHT_FILES)
+
+
+def hf_config(directory) -> GPT2Config:
+    """Our :class:`GPT2Config` for a transformers GPT-2 directory's ``config.json`` (read as JSON: transformers is
+    not needed); refuses what this model does not implement (:meth:`GPT2Config.from_hf`)."""
+    file = Path(directory) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{str(directory)!r} is not a transformers GPT-2 directory: no config.json")
+    raw = json.loads(file.read_text())
+    if raw.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"{str(file)!r} describes a {raw['model_type']!r} model, not 'gpt2'")
+    hf = SimpleNamespace(**{**_HF_DEFAULTS, **raw})
+    problems = []
+    if hf.n_inner not in (None, 4 * hf.n_embd):
+        problems.append(f"n_inner={hf.n_inner} (need 4 * n_embd = {4 * hf.n_embd})")
+    if hf.add_cross_attention:
+        problems.append("add_cross_attention=True (need False)")
+    if problems:
+        raise ValueError(f"unsupported transformers GPT2Config in {str(file)!r}: " + "; ".join(problems))
+    try:
+        return GPT2Config.from_hf(hf)
+    except ValueError as err:
+        raise ValueError(f"{str(file)!r}: {err}") from None
+
+
+class _HFWeights:
+    """The tensors of a transformers directory, read one at a time and never as a whole state dict: safetensors
+    through ``safe_open`` (a tensor or rows of one on request), ``pytorch_model.bin`` memory-mapped; sharded
+    variants through their ``*.index.json``."""
+
+    def __init__(self, directory: Path) -> None:
+        for name in HF_WEIGHT_FILES:
+            if (directory / name).is_file():
+                break
+        else:
+            raise FileNotFoundError(f"{str(directory)!r} holds no GPT-2 weights (none of {', '.join(HF_WEIGHT_FILES)})")
+        self._handles: dict[Path, object] = {}
+        if name.endswith(".index.json"):
+            weight_map = json.loads((directory / name).read_text())["weight_map"]
+            self.files = {key: directory / file for key, file in weight_map.items()}
+        else:
+            self.files = {key: directory / name for key in self._open(directory / name).keys()}
+
+    def _open(self, file: Path):
+        handle = self._handles.get(file)
+        if handle is not None:
+            return handle
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        else:
+            try:
+                handle = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            except RuntimeError as err:  # the pre-1.6 (non-zip) format cannot be memory-mapped
+                if "mmap" not in str(err):
+                    raise
+                warnings.warn(f"{file} is in torch's legacy format and cannot be memory-mapped: it is read whole")
+                handle = torch.load(file, map_location="cpu", weights_only=True)
+        self._handles[file] = handle
+        return handle
+
+    def keys(self) -> list[str]:
+        return list(self.files)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        handle = self._open(self.files[key])
+        return tuple(handle[key].shape) if isinstance(handle, dict) else tuple(handle.get_slice(key).get_shape())
+
+    def get(self, key: str) -> torch.Tensor:
+        """The full tensor ``key`` (for a ``.bin`` a memory-mapped view: read when copied)."""
+        handle = self._open(self.files[key])
+        return handle[key] if isinstance(handle, dict) else handle.get_tensor(key)
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        handle = self._open(self.files[key])
+        return handle[key][start:stop] if isinstance(handle, dict) else handle.get_slice(key)[start:stop]
+
+
+def _check_fits(ours: GPT2Config, theirs: GPT2Config, directory) -> None:
+    """Raise ValueError naming every size of ``ours`` the transformers checkpoint cannot fill."""
+    problems = [f"{name}: model {getattr(ours, name)}, checkpoint {getattr(theirs, name)}"
+                for name in ("n_layer", "n_head", "n_embd", "vocab_size")
+                if getattr(ours, name) != getattr(theirs, name)]
+    if ours.block_size > theirs.block_size:
+        problems.append(f"block_size: model {ours.block_size} exceeds the checkpoint's n_positions "
+                        f"{theirs.block_size} (the rows of its position embedding; a smaller block_size is fine)")
+    if not ours.bias:
+        problems.append("bias: model False, but GPT-2 checkpoints hold biases")
+    if problems:
+        raise ValueError(f"transformers checkpoint {str(directory)!r} does not fit this model: " + "; ".join(problems)
+                         + ". Build the model with the checkpoint's sizes (GPT2LightningModule(model=None, "
+                         "init_from=...) takes them from its config.json)")
+
+
+@torch.no_grad()
+def load_hf_weights(model: GPT2, directory) -> GPT2:
+    """Fill ``model``'s weights, in place, from a local transformers GPT-2 directory (``config.json`` and
+    ``model.safetensors``, a sharded ``model.safetensors.index.json`` or ``pytorch_model.bin``); returns ``model``.
+
+    ``model`` may be plain or parallelized with any layout (DTensor parameters; then every rank of the mesh calls
+    this): each tensor is read whole, this rank's shard is copied into the live parameter and the full tensor is
+    dropped before the next is read, so the extra memory is one full tensor, never a state dict. Sizes must match
+    the checkpoint's except ``block_size``, which may be smaller than its ``n_positions`` (the position embedding's
+    first rows are used). Conv1D weights are transposed and the tied ``lm_head.weight``, when stored, must equal
+    ``transformer.wte.weight``, as in :meth:`GPT2.load_hf_state_dict`; missing, unexpected and mis-shaped keys are
+    reported together in one ValueError. Dropout is the model's own.
+    """
+    from lightning_tp2d.layouts import handle_of
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"transformers checkpoint directory {str(directory)!r} does not exist")
+    _check_fits(model.config, hf_config(directory), directory)
+    if handle_of(model) is None:
+        model.tie_weights()  # after to_empty() lm_head is a separate, uninitialised Parameter
+    state = model.state_dict(keep_vars=True)
+    aliases = _aliases(state)
+    live = {k: v for k, v in state.items() if k not in aliases and isinstance(v, torch.Tensor)}
+    weights = _HFWeights(directory)
+    names: dict[str, str] = {}  # our key -> stored key
+    unexpected = []
+    for stored in weights.keys():
+        key = from_hf_key(stored)
+        if key is None:
+            continue
+        if key in names or (key not in live and key not in aliases):
+            unexpected.append(stored)
+        else:
+            names[key] = stored
+    wte = "transformer.wte.weight"
+    if "lm_head.weight" in live and "lm_head.weight" not in names and wte in names:
+        names["lm_head.weight"] = names[wte]  # an untied model: its head starts from the embedding, as HF's does
+    missing = [k for k in live if k not in names]
+    misshaped = []
+    for key, stored in names.items():
+        shape = tuple(state[key].shape)
+        expected = shape[::-1] if key.endswith(HF_TRANSPOSED) else shape
+        got = weights.shape(stored)
+        if key == "transformer.wpe.weight" and len(got) == 2 and got[0] >= shape[0]:
+            got = (shape[0], got[1])  # truncated to the model's block_size
+        if got != expected:
+            misshaped.append(f"{stored}: expected {expected}, got {weights.shape(stored)}")
+    problems = ([f"missing keys: {missing}"] if missing else []) + \
+               ([f"unexpected keys: {unexpected}"] if unexpected else []) + \
+               ([f"mis-shaped keys (HF layout): {misshaped}"] if misshaped else [])
+    if not problems and "lm_head.weight" in aliases and "lm_head.weight" in names and not _same_rows(
+            weights, names["lm_head.weight"], names[aliases["lm_head.weight"]]):
+        problems.append("lm_head.weight differs from transformer.wte.weight, but this model ties them")
+    if problems:
+        raise ValueError(f"cannot load transformers checkpoint {str(directory)!r}:\n  " + "\n  ".join(problems))
+    for key, tensor in live.items():
+        _copy_one(weights, names[key], key, tensor)
+    return model
+
+
+def _copy_one(weights: _HFWeights, stored: str, key: str, live: torch.Tensor) -> None:
+    """Copy one stored tensor into ``live`` (this rank's shard of it); the full tensor dies on return."""
+    full = from_hf_tensor(key, weights.get(stored))
+    if key == "transformer.wpe.weight":
+        full = full[: live.shape[0]]
+    _assign(live, full)
+
+
+def _same_rows(weights: _HFWeights, a: str, b: str, rows: int = 4096) -> bool:
+    """Whether two stored tensors of equal shape are equal, compared ``rows`` rows at a time."""
+    if a == b:
+        return True
+    n = weights.shape(a)[0]
+    return all(torch.equal(weights.rows(a, i, i + rows), weights.rows(b, i, i + rows)) for i in range(0, n, rows))

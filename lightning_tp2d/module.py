@@ -3,6 +3,10 @@
 The module holds a plain :class:`~lightning_tp2d.models.GPT2` and no parallel code: under
 :class:`~lightning_tp2d.strategy.TP2DStrategy` it is built on the meta device and the strategy materialises only
 each rank's shards (from ``init_seed``, so the full weights equal an eager build with that seed on one device).
+With ``init_from`` the weights come from a local transformers GPT-2 directory instead (fine-tuning): on one device
+loaded right after the build in ``configure_model``; under TP2DStrategy each rank loads only its shards, tensor by
+tensor, right after the strategy materialised them (:func:`~lightning_tp2d.export.load_hf_weights`), which is before
+Lightning restores a ``ckpt_path``, so a resumed fine-tuning run continues from its checkpoint's weights.
 
 Optimisation: AdamW (the fused kernel where the device has one, else foreach) with decoupled weight decay on
 matrices and embeddings only (no decay on biases and LayerNorm), learning rate ``lr * f(step)`` with linear warmup to 1 over ``warmup_steps`` then cosine decay to
@@ -74,6 +78,11 @@ class GPT2LightningModule(L.LightningModule):
         max_steps: end of the cosine decay; ``None``: the Trainer's estimated optimizer steps.
         min_lr_ratio: final learning rate as a fraction of ``learning_rate``.
         init_seed: the weights are drawn from this seed, the same whatever the strategy, layout or grid.
+        init_from: a local transformers GPT-2 directory (``config.json`` + ``model.safetensors`` or
+            ``pytorch_model.bin``) to start from instead of the random init; ``model`` must have its sizes (a smaller
+            ``block_size`` is fine), or be ``None`` to take them from its ``config.json``. Recorded in the
+            hyper-parameters: ``load_from_checkpoint(path, init_from=None)`` skips re-reading it (the checkpoint's
+            weights replace it anyway).
         meta_init: build on the meta device (materialised shard by shard by TP2DStrategy); ``None``: exactly when
             the strategy is a TP2DStrategy.
         predict_max_new_tokens, predict_temperature, predict_top_k: how ``trainer.predict`` continues each prompt
@@ -81,18 +90,26 @@ class GPT2LightningModule(L.LightningModule):
             the returned ids with its ``decode``.
     """
 
-    def __init__(self, model: str | GPT2Config | dict = "gpt2-tiny", learning_rate: float = 6e-4, weight_decay: float = 0.1,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, warmup_steps: int = 100,
-                 max_steps: int | None = None, min_lr_ratio: float = 0.1, init_seed: int = 0,
+    def __init__(self, model: str | GPT2Config | dict | None = "gpt2-tiny", learning_rate: float = 6e-4,
+                 weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 warmup_steps: int = 100, max_steps: int | None = None, min_lr_ratio: float = 0.1, init_seed: int = 0,
                  meta_init: bool | None = None, predict_max_new_tokens: int = 32, predict_temperature: float = 1.0,
-                 predict_top_k: int | None = None) -> None:
+                 predict_top_k: int | None = None, init_from: str | None = None) -> None:
         super().__init__()
+        if model is None:
+            if init_from is None:
+                raise ValueError("model=None takes the sizes from init_from's config.json; pass init_from, or a model")
+            from lightning_tp2d.export import hf_config
+
+            model = hf_config(init_from)
         if isinstance(model, dict):
             model = GPT2Config(**model)
         self.config = model if isinstance(model, GPT2Config) else GPT2Config.from_name(model)
         self.save_hyperparameters(ignore=["model"])
         self.hparams["model"] = model if isinstance(model, str) else dict(vars(self.config))  # plain types only
         self.init_seed = init_seed
+        # read by TP2DStrategy too: it loads this into the shards it materialises from the meta device
+        self.init_from = None if init_from is None else str(init_from)
         self.model: GPT2 | None = None
         self.val_perplexity = TokenPerplexity()
 
@@ -113,6 +130,10 @@ class GPT2LightningModule(L.LightningModule):
                     self.model = GPT2(self.config)
             else:
                 self.model = GPT2(self.config)
+        if self.init_from is not None and not meta:  # a meta model gets them from TP2DStrategy, shard by shard
+            from lightning_tp2d.export import load_hf_weights
+
+            load_hf_weights(self.model, self.init_from)
         # token ids are checked on the host batch before it moves to the device (on_before_batch_transfer), so the
         # training step itself never waits on the device to read them
         self.model.validate_inputs = False
@@ -198,41 +219,51 @@ class GPT2LightningModule(L.LightningModule):
 
     # ---- sampling ------------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  seed: int = 0) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``idx [B, T]``. Under tensor parallelism every rank must
-        call it with the same ``idx`` and ``seed``: the gathered logits are identical on all ranks, and so are the
-        samples drawn from one seeded generator."""
-        was_training = self.model.training
-        self.model.check_input(idx, values=True)
-        self.model.eval()
-        B = idx.size(0)
-        batch_multiple, seq_multiple = _input_multiples(self.model)
-        pad = (-B) % batch_multiple
-        # ring layouts cut each sequence into 2p chunks: right-pad the context (causal attention keeps the
-        # padding from touching earlier positions) and read the logits of the last real token
-        window = self.config.block_size - self.config.block_size % seq_multiple
-        generator = torch.Generator(device=idx.device).manual_seed(seed)
-        for _ in range(max_new_tokens):
-            cond = idx[:, -window:]
-            T = cond.size(1)
-            if pad:
-                cond = torch.cat([cond, cond[:1].expand(pad, -1)])  # the grid splits the batch into q rows
-            if T % seq_multiple:
-                cond = torch.cat([cond, cond[:, -1:].expand(-1, seq_multiple - T % seq_multiple)], dim=1)
-            logits = self.model(cond)[:B, T - 1, :].float()
-            if temperature <= 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        self.model.train(was_training)
-        return idx
+        """Append ``max_new_tokens`` sampled tokens to ``idx [B, T]`` (:func:`sample`). Under tensor parallelism every
+        rank must call it with the same ``idx`` and ``seed``: the gathered logits are identical on all ranks, and so
+        are the samples drawn from one seeded generator."""
+        return sample(self.model, idx, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+
+
+@torch.no_grad()
+def sample(model: GPT2, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+           seed: int = 0) -> torch.Tensor:
+    """``idx [B, T]`` followed by ``max_new_tokens`` tokens sampled from ``model`` (plain or parallelized): from
+    ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely (all if ``None``), or greedy for
+    ``temperature <= 0``, drawn from one generator seeded with ``seed``. ``T <= block_size``; the model then sees the
+    last ``block_size`` tokens. A parallelized model needs the same call on every rank of its mesh (same tokens out)."""
+    was_training = model.training
+    model.check_input(idx, values=True)
+    model.eval()
+    B = idx.size(0)
+    batch_multiple, seq_multiple = _input_multiples(model)
+    pad = (-B) % batch_multiple
+    # ring layouts cut each sequence into 2p chunks: right-pad the context (causal attention keeps the
+    # padding from touching earlier positions) and read the logits of the last real token
+    block_size = model.config.block_size
+    window = block_size - block_size % seq_multiple
+    generator = torch.Generator(device=idx.device).manual_seed(seed)
+    for _ in range(max_new_tokens):
+        cond = idx[:, -window:]
+        T = cond.size(1)
+        if pad:
+            cond = torch.cat([cond, cond[:1].expand(pad, -1)])  # the grid splits the batch into q rows
+        if T % seq_multiple:
+            cond = torch.cat([cond, cond[:, -1:].expand(-1, seq_multiple - T % seq_multiple)], dim=1)
+        logits = model(cond)[:B, T - 1, :].float()
+        if temperature <= 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    model.train(was_training)
+    return idx
 
 
 def _input_multiples(model: GPT2) -> tuple[int, int]:

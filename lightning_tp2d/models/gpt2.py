@@ -24,6 +24,23 @@ HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", 
 HF_IGNORED = (".attn.bias", ".attn.masked_bias")
 
 
+def from_hf_key(key: str) -> str | None:
+    """Our state-dict key for a key of a transformers GPT-2 checkpoint, or ``None`` for a buffer to ignore.
+
+    ``GPT2LMHeadModel`` keys are ours; checkpoints saved from the bare ``GPT2Model`` (the hub's original ``gpt2``
+    files) lack the ``transformer.`` prefix, which is added. The one rule :meth:`GPT2.load_hf_state_dict` and
+    :func:`lightning_tp2d.export.load_hf_weights` share (with :func:`from_hf_tensor`).
+    """
+    if key.endswith(HF_IGNORED):
+        return None
+    return key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
+
+
+def from_hf_tensor(key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A transformers tensor in our layout (a view): the Conv1D weights (:data:`HF_TRANSPOSED`) transposed."""
+    return tensor.t() if key.endswith(HF_TRANSPOSED) else tensor
+
+
 @dataclass
 class GPT2Config:
     n_layer: int  # number of transformer blocks
@@ -302,15 +319,17 @@ class GPT2(nn.Module):
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy a transformers ``GPT2LMHeadModel.state_dict()`` into this model's parameters.
 
-        Ignores old mask buffers (``*.attn.bias``, ``*.attn.masked_bias``); ``lm_head.weight`` is
+        Ignores old mask buffers (``*.attn.bias``, ``*.attn.masked_bias``) and accepts ``GPT2Model`` keys (no
+        ``transformer.`` prefix: :func:`from_hf_key`); ``lm_head.weight`` is
         optional but, if present, must equal ``transformer.wte.weight`` (this model is tied). All
         problems are collected and reported in one ValueError, shapes given in HF layout.
         """
         self.tie_weights()  # after to_empty() lm_head would otherwise keep uninitialised memory
         ours = self.state_dict()  # tensors share storage with the parameters
+        sd = {ours_key: v for k, v in sd.items() if (ours_key := from_hf_key(k)) is not None}
         expected = {k: (v.shape[::-1] if k.endswith(HF_TRANSPOSED) else v.shape) for k, v in ours.items()}
         missing = [k for k in expected if k not in sd and k != "lm_head.weight"]
-        unexpected = [k for k in sd if k not in expected and not k.endswith(HF_IGNORED)]
+        unexpected = [k for k in sd if k not in expected]
         misshaped = [f"{k}: expected {tuple(expected[k])}, got {tuple(sd[k].shape)}"
                      for k in expected if k in sd and tuple(sd[k].shape) != tuple(expected[k])]
         untied = []
@@ -326,8 +345,7 @@ class GPT2(nn.Module):
         for k, dst in ours.items():
             if k == "lm_head.weight":
                 continue  # same storage as transformer.wte.weight, copied under that name
-            src = sd[k].t() if k.endswith(HF_TRANSPOSED) else sd[k]
-            dst.copy_(src)
+            dst.copy_(from_hf_tensor(k, sd[k]))
 
 
 def _fill_normal_(t: torch.Tensor, std: float) -> None:

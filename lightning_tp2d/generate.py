@@ -1,0 +1,161 @@
+"""``tp2d-generate``: sample text from a checkpoint on one device.
+
+Reads any checkpoint this package writes (a sharded directory or one full file, whatever layout, grid and data
+parallelism trained it; :func:`~lightning_tp2d.export.load_gpt2` reassembles the full weights) or a transformers
+GPT-2 directory (``--hf DIR``, or detected by its ``config.json``), and prints the prompt followed by the sampled
+continuation. The model's sizes come from the checkpoint (what TP2DStrategy records, else the LightningModule's
+``model`` hyper-parameter), the tokenizer from the run's ``TextDataModule`` hyper-parameters when recorded, else from
+``--tokenizer`` (default: ``gpt2`` for a 50257-token vocabulary, ``byte`` otherwise). An explicit ``--tokenizer`` wins.
+
+Sampling is :func:`lightning_tp2d.module.sample`, the code behind ``GPT2LightningModule.generate``, so one device
+samples exactly what a tensor-parallel ``trainer.predict`` with the same seed samples. Any error (missing checkpoint,
+a prompt the model cannot read, no CUDA) is one line on stderr and exit code 2.
+
+Example::
+
+    tp2d-generate outputs/2025-01-01/12-00-00/checkpoints/last.ckpt --prompt "def main(" --max-new-tokens 200
+    tp2d-generate --hf ./gpt2 --prompt "Hello" --tokenizer gpt2 --temperature 0.8 --top-k 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+PROG = "tp2d-generate"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROG, description="Sample text from a lightning_tp2d checkpoint (any "
+                                     "layout, sharded or full) or a transformers GPT-2 directory, on one device.")
+    parser.add_argument("checkpoint", nargs="?", help="checkpoint: a sharded directory, a full .ckpt file, or a "
+                        "transformers GPT-2 directory (config.json + weights)")
+    parser.add_argument("--hf", metavar="DIR", help="a transformers GPT-2 directory to sample from (instead of "
+                        "CHECKPOINT)")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default 100)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0: greedy (default 1)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    parser.add_argument("--tokenizer", choices=("byte", "gpt2"), default=None,
+                        help="default: the checkpoint's run's, else gpt2 for a 50257-token vocabulary, else byte")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    args = parser.parse_args(argv)
+    if (args.checkpoint is None) == (args.hf is None):
+        parser.error("give one checkpoint: CHECKPOINT or --hf DIR")
+    if args.max_new_tokens < 0:
+        parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"--top-k must be >= 1, got {args.top_k}")
+    return args
+
+
+def checkpoint_meta(path: Path) -> dict[str, Any]:
+    """The non-tensor part of one of our checkpoints: ``hyper_parameters``, ``datamodule_hyper_parameters``,
+    ``tp2d`` (what the strategy records) ..."""
+    import torch
+
+    from lightning_tp2d.checkpoint import META, is_sharded
+
+    if is_sharded(path):
+        return torch.load(path / META, map_location="cpu", weights_only=False)
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory but neither a sharded checkpoint (no .metadata) nor a "
+                         "transformers GPT-2 directory (config.json + model.safetensors or pytorch_model.bin)")
+    meta = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    if not isinstance(meta, dict) or "state_dict" not in meta:
+        raise ValueError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict')")
+    return {k: v for k, v in meta.items() if k not in ("state_dict", "optimizer_states")}
+
+
+def checkpoint_config(meta: dict[str, Any], path: Path):
+    """The GPT2Config a checkpoint was trained with: TP2DStrategy's record, else GPT2LightningModule's ``model``
+    hyper-parameter (a size name or the config's fields)."""
+    from lightning_tp2d.models.gpt2 import GPT2Config
+
+    configs = meta.get("tp2d", {}).get("gpt2_configs", {})
+    if len(configs) == 1:
+        return GPT2Config(**next(iter(configs.values())))
+    if len(configs) > 1:
+        raise ValueError(f"checkpoint {str(path)!r} holds {len(configs)} GPT2 models ({sorted(configs)}); "
+                         "tp2d-generate samples from checkpoints of one")
+    model = meta.get("hyper_parameters", {}).get("model")
+    if isinstance(model, str):
+        return GPT2Config.from_name(model)
+    if isinstance(model, dict):
+        return GPT2Config(**model)
+    raise ValueError(f"checkpoint {str(path)!r} records no GPT-2 config (neither TP2DStrategy's nor a 'model' "
+                     "hyper-parameter)")
+
+
+def recorded_tokenizer(meta: dict[str, Any]) -> str | None:
+    """The tokenizer of the run's TextDataModule, when the checkpoint records one that was used (a ``.bin`` token
+    file carries ids of an unknown tokenizer)."""
+    data = meta.get("datamodule_hyper_parameters") or {}
+    name, path = data.get("tokenizer"), data.get("path")
+    if not isinstance(name, str) or (path is not None and str(path).endswith(".bin")):
+        return None
+    return name
+
+
+def load_model(source: str, hf: bool):
+    """``(plain GPT2 on the CPU, recorded tokenizer name or None)`` for a checkpoint or transformers directory."""
+    import torch
+
+    from lightning_tp2d.checkpoint import is_sharded, resolve
+    from lightning_tp2d.export import hf_config, is_hf_directory, load_gpt2, load_hf_weights
+    from lightning_tp2d.models.gpt2 import GPT2
+
+    if hf or (Path(source).is_dir() and not is_sharded(Path(source)) and is_hf_directory(source)):
+        if not Path(source).is_dir():
+            raise FileNotFoundError(f"transformers checkpoint directory {source!r} does not exist")
+        with torch.device("meta"):
+            model = GPT2(hf_config(source))
+        model.to_empty(device="cpu")
+        return load_hf_weights(model, source), None
+    path = resolve(source)
+    meta = checkpoint_meta(path)
+    return load_gpt2(path, checkpoint_config(meta, path)), recorded_tokenizer(meta)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        print(generate(args))
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        message = " ".join(line.strip() for line in str(err).strip().splitlines()) or type(err).__name__
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def generate(args: argparse.Namespace) -> str:
+    """The text ``main`` prints: prompt and continuation, decoded together."""
+    import torch
+
+    from lightning_tp2d.data import get_tokenizer
+    from lightning_tp2d.module import sample
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {args.device}: CUDA is not available here (use --device cpu)")
+    model, recorded = load_model(args.hf or args.checkpoint, args.hf is not None)
+    cfg = model.config
+    tokenizer = get_tokenizer(args.tokenizer or recorded or ("gpt2" if cfg.vocab_size == 50257 else "byte"))
+    ids = [int(i) for i in tokenizer.encode(args.prompt)] or [tokenizer.eot]
+    if max(ids) >= cfg.vocab_size:
+        raise ValueError(f"the prompt holds token id {max(ids)} (tokenizer {tokenizer.name!r}, {tokenizer.vocab_size} "
+                         f"ids) but the model's vocab_size is {cfg.vocab_size}: use the tokenizer the model was "
+                         "trained with (--tokenizer)")
+    if len(ids) > cfg.block_size:
+        raise ValueError(f"the prompt is {len(ids)} tokens, more than the model's block_size {cfg.block_size}")
+    model = model.to(device)
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    out = sample(model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    return tokenizer.decode(out[0].tolist())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
