@@ -80,6 +80,32 @@ ModelCheckpoint: _should_skip_saving_checkpoint, _monitor_candidates, _save_topk
     public: none cheap. ``LightningModule.configure_gradient_clipping`` is the user's hook; a subclass would have
     to wrap each plugin class (``Precision``, ``MixedPrecision``, ``HalfPrecision``).
 
+Lightning Fabric (2.6): the same base-class internals as the Trainer strategy's, in Fabric's ``ModelParallelStrategy``
+
+``lightning.fabric.strategies.ModelParallelStrategy._configure_launcher`` (overridden; calls ``super()``)
+    where: fabric.py:TP2DFabricStrategy._configure_launcher
+    why: Fabric's connector calls it once devices, nodes and precision are known, before processes are launched:
+    precision and ``(p, dp)`` fail there once, in the launching process.
+    public: none (``__init__`` runs before those are known).
+
+``lightning.fabric.strategies.ModelParallelStrategy._setup_distributed``
+    where: fabric.py:TP2DFabricStrategy.setup_environment
+    why: the process group Lightning's way (ranks, backend, timeout, ``device_id``), without the base
+    ``setup_environment``'s own ``(data_parallel, tensor_parallel)`` mesh.
+    public: none cheap (as for the Trainer strategy).
+
+``lightning.fabric.strategies.ModelParallelStrategy._device_mesh``
+    where: fabric.py:TP2DFabricStrategy.setup_environment
+    why: where the base class's read-only ``device_mesh`` property (read by ``distributed_sampler_kwargs``) finds
+    the mesh.
+    public: *replaceable*: override the ``device_mesh`` property.
+
+``lightning.fabric.strategies.strategy._BackwardSyncControl``, ``Strategy._backward_sync_control``
+    where: fabric.py:_GradientSyncControl, fabric.py:TP2DFabricStrategy.__init__
+    why: ``fabric.no_backward_sync(model)`` asks the strategy's ``_backward_sync_control`` (an instance of this
+    interface) for the context that skips gradient synchronisation; ours pauses the data-parallel buckets.
+    public: none: it is the interface Fabric's own strategies implement.
+
 torch (2.13)
 ------------
 
@@ -247,6 +273,18 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("Precision.clip_grad_by_norm = ..., Precision.clip_grad_by_value = ...",
      ("strategy.py:TP2DStrategy._install_gradient_clipping",),
      "Trainer(gradient_clip_val=...) clips through the precision plugin; the norm must span every shard"),
+    # ---- Lightning Fabric ----
+    ("lightning.fabric.strategies.ModelParallelStrategy._configure_launcher",
+     ("fabric.py:TP2DFabricStrategy._configure_launcher",),
+     "check precision and (p, dp) in the launching process, before any process starts"),
+    ("lightning.fabric.strategies.ModelParallelStrategy._setup_distributed",
+     ("fabric.py:TP2DFabricStrategy.setup_environment",),
+     "initialise the process group Lightning's way without building Lightning's own mesh"),
+    ("lightning.fabric.strategies.ModelParallelStrategy._device_mesh", ("fabric.py:TP2DFabricStrategy.setup_environment",),
+     "where the base class's read-only device_mesh property finds our mesh"),
+    ("lightning.fabric.strategies.strategy._BackwardSyncControl, Strategy._backward_sync_control",
+     ("fabric.py:_GradientSyncControl", "fabric.py:TP2DFabricStrategy.__init__"),
+     "fabric.no_backward_sync asks the strategy's _backward_sync_control for the context that skips the sync"),
     # ---- torch ----
     ("torch.distributed.tensor.placement_types._StridedShard",
      ("nn/linear.py:_out_shard", "nn/ring.py:RingLinear.__init__", "checkpoint.py:box_view"),

@@ -44,6 +44,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_tp2d.zero import full_param_groups, sharding_of
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 CHECKSUMS = "checksums.json"  # sizes and digests of a sharded checkpoint's files
@@ -178,11 +179,12 @@ def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer)
     """``{"state": {param name: {field: tensor}}, "param_groups": [{..., "params": [names]}]}`` with live
     (sharded) tensors."""
     names = _param_names(module)
-    if any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
+    full_groups = full_param_groups(optimizer)  # with ZeRO: also the parameters other replicas step
+    if any(id(p) not in names for g in full_groups for p in g):
         raise ValueError("the optimizer holds parameters that are not in the LightningModule")
     state = {names[id(p)]: dict(s) for p, s in optimizer.state.items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in full]}
+              for g, full in zip(optimizer.param_groups, full_groups)]
     return {"state": state, "param_groups": groups}
 
 
@@ -192,9 +194,18 @@ def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, ra
     collective; empty on the other ranks)."""
     sharded = sharded_optimizer_state(module, optimizer)
     order = [name for g in sharded["param_groups"] for name in g["params"]]
+    sharding = sharding_of(optimizer)
+    owned_fields = {}
+    if sharding is not None:  # ZeRO: each parameter's state comes from the replica that owns it
+        for fields in gather_objects(sharding.state_fields()):
+            owned_fields.update(fields)
     state = {}
     for index, name in enumerate(order):
-        fields = sharded["state"].get(name)
+        if sharding is not None:
+            fields = (sharding.owner_state(sharding.params[index], owned_fields[index]) if index in owned_fields
+                      else None)
+        else:
+            fields = sharded["state"].get(name)
         if fields is not None:
             full = {k: (_full(v).cpu() if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
             state[index] = full
@@ -449,8 +460,9 @@ def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any
     targets = {MODEL + k: box_view(v.detach(), _is_qkv(k)) for k, v in live.items() if k in shapes}
     params = {name: p for name, p in module.named_parameters()}
     optim_targets: list[dict[str, torch.Tensor]] = []
-    for i, _ in enumerate(optimizers):
+    for i, optimizer in enumerate(optimizers):
         prefix = f"optimizer_{i}."
+        sharding = sharding_of(optimizer)
         fields = {}
         for key, md in stored.items():
             if not key.startswith(prefix):
@@ -461,6 +473,8 @@ def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any
                     raise ValueError(f"checkpoint {str(path)!r} has optimizer state for {name!r}, not in this model")
                 continue
             p = params[name]
+            if sharding is not None and not sharding.owns(p):
+                continue  # ZeRO: another replica keeps this state
             like_param = _unview_shape(key, md.size) == tuple(p.shape) and len(md.size) > 0
             fields[key] = (name, field, torch.zeros_like(p.detach(), dtype=md.properties.dtype) if like_param
                            else torch.zeros(tuple(md.size), dtype=md.properties.dtype))
@@ -484,9 +498,9 @@ def _load_param_groups(optimizer, saved: list[dict], params: dict[str, torch.Ten
     if len(saved) != len(optimizer.param_groups):
         raise ValueError(f"checkpoint {str(path)!r}: optimizer has {len(optimizer.param_groups)} parameter groups, "
                          f"checkpoint {len(saved)}")
-    for group, old in zip(optimizer.param_groups, saved):
+    for group, full, old in zip(optimizer.param_groups, full_param_groups(optimizer), saved):
         old_names = old.get("param_names", old["params"])
-        new_names = [names[id(p)] for p in group["params"]]
+        new_names = [names[id(p)] for p in full]
         if all(isinstance(n, str) for n in old_names) and list(old_names) != new_names:
             raise ValueError(f"checkpoint {str(path)!r}: optimizer parameter groups differ: saved {old_names}, "
                              f"model {new_names}")
@@ -509,14 +523,15 @@ def _load_full(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
             _assign(v, state[k])
     params = {name: p for name, p in module.named_parameters()}
     for optimizer, saved in zip(optimizers, checkpoint.get("optimizer_states", [])):
-        order = [p for g in optimizer.param_groups for p in g["params"]]
+        order = [p for g in full_param_groups(optimizer) for p in g]
+        sharding = sharding_of(optimizer)
         saved_order = [i for g in saved["param_groups"] for i in g["params"]]
         if len(order) != len(saved_order):
             raise ValueError(f"checkpoint {str(path)!r}: optimizer holds {len(saved_order)} parameters, "
                              f"this one {len(order)}")
         _load_param_groups(optimizer, saved["param_groups"], params, path)
         for param, index in zip(order, saved_order):
-            if index not in saved["state"]:
+            if index not in saved["state"] or (sharding is not None and not sharding.owns(param)):
                 continue
             fields = {}
             for field, v in saved["state"][index].items():

@@ -1,0 +1,222 @@
+"""What the Trainer strategy (:class:`~lightning_tp2d.strategy.TP2DStrategy`) and the Fabric strategy
+(:class:`~lightning_tp2d.fabric.TP2DFabricStrategy`) share: the arguments and their checks, resolving the
+tensor- and data-parallel sizes, the mesh, finding and parallelizing the :class:`~lightning_tp2d.models.GPT2`
+modules (meta-device models from one seed or a transformers directory, eager ones made identical on every rank,
+then activation checkpointing and ``torch.compile``), and what a checkpoint records about the run.
+
+A mixin: the Lightning base class (Trainer's or Fabric's ``ModelParallelStrategy``) brings ``num_nodes``,
+``num_processes``, ``root_device``, ``broadcast`` and the process group; nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+
+from lightning_tp2d.layouts import Layout, get_layout, handle_of
+from lightning_tp2d.mesh import ParallelDims, as_timeout, init_mesh
+from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
+from lightning_tp2d.training import broadcast_module_
+from lightning_tp2d.zero import ZERO_STAGES
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+__all__ = ["SUPPORTED_PRECISION", "TensorParallelCore", "compile_options", "find_gpt2_config"]
+
+
+def compile_options(compile: bool | str | dict | None) -> dict | None:
+    """``torch.compile`` keyword arguments for the strategy's ``compile`` argument (``None``: no compilation)."""
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        options: dict = {}
+    elif isinstance(compile, str):
+        options = {"backend": compile}
+    elif isinstance(compile, Mapping):
+        options = dict(compile)
+    else:
+        raise ValueError(f"compile must be a bool, a backend name or a dict of torch.compile arguments, "
+                         f"got {compile!r}")
+    options.setdefault("dynamic", False)
+    return options
+
+
+def find_gpt2_config(module: nn.Module | None) -> GPT2Config | None:
+    """The config of the (first) GPT2 inside ``module``, or of a ``config`` attribute before it is built."""
+    if module is None:
+        return None
+    for m in module.modules():
+        if isinstance(m, GPT2):
+            return m.config
+    config = getattr(module, "config", None)
+    return config if isinstance(config, GPT2Config) else None
+
+
+class TensorParallelCore:
+    """The layout, sizes, mesh and model handling of both strategies (module docstring)."""
+
+    layout_spec: Layout
+    _dims: ParallelDims | None = None
+    _device_mesh: Any = None
+
+    def _init_core(self, layout: str | Layout, tensor_parallel_size: Literal["auto"] | int,
+                   data_parallel_size: Literal["auto"] | int, timeout: timedelta | float | None,
+                   activation_checkpointing: str, compile: bool | str | dict, allow_fallback: bool,
+                   zero_stage: int) -> None:
+        """Check and keep the strategy arguments (before the Lightning base class is initialised)."""
+        spec = get_layout(layout)
+        if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of "
+                             f"{', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
+        self.activation_checkpointing = activation_checkpointing
+        self.compile_options = compile_options(compile)
+        if self.compile_options is not None and activation_checkpointing == "selective":
+            raise ValueError("compile with activation_checkpointing='selective' is not supported: its saved-tensor "
+                             "hooks and recipes run in eager mode only (use 'full', or no compile)")
+        checkpointed = activation_checkpointing != "none"
+        if self.compile_options is not None and checkpointed and not spec.compiles_checkpointed:
+            raise ValueError(f"compile with activation_checkpointing={activation_checkpointing!r} is not supported "
+                             f"for layout {spec.name!r} yet: torch 2.13's AOTAutograd fails to save the DTensor "
+                             "parameters' metadata inside a checkpointed region (use one of them, or layout 'metp' / "
+                             "'2d-metp')")
+        for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
+            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be 'auto' or a positive int, got {value!r}")
+        if zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage={zero_stage!r} is not supported: {list(ZERO_STAGES)} (0: every data-parallel "
+                             "replica keeps the full optimizer state of its tensor shard; 1: the state is sharded "
+                             "over the replicas). Gradient (2) and parameter (3) sharding are not implemented")
+        self.timeout = as_timeout(timeout)
+        self.layout_spec = spec
+        self.layout = spec.name
+        self._requested = (tensor_parallel_size, data_parallel_size)
+        self.allow_fallback = bool(allow_fallback)
+        self.zero_stage = zero_stage
+        self._dims = None
+
+    # ---- sizes --------------------------------------------------------------------------------------------
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._dims is None:
+            raise RuntimeError(f"{type(self).__name__} sizes are resolved when the Trainer (or Fabric) is built")
+        return self._dims
+
+    def _check_precision_name(self, name: str) -> None:
+        if name not in SUPPORTED_PRECISION:
+            raise ValueError(f"{type(self).__name__} supports precision {list(SUPPORTED_PRECISION)}, got {name!r}")
+
+    def _resolve_dims(self, config: GPT2Config | None) -> ParallelDims:
+        world, per_node = self.num_nodes * self.num_processes, self.num_processes
+        tp, dp = self._requested
+        if tp == "auto" and dp == "auto":
+            tp = self.layout_spec.auto_tensor_parallel_size(per_node, world, config)
+            if tp == 1 and world > 1 and not self.allow_fallback:
+                spec = self.layout_spec
+                fits = [p for p in range(2, 65) if spec.fits(p, config)]
+                model = "" if config is None else f" and the model ({config.n_head} heads, width {config.n_embd})"
+                spanning = [p for p in fits if world % p == 0]
+                raise ValueError(
+                    f"tensor_parallel_size='auto': no {spec.arrangement} of layout {spec.name!r} larger than 1 fits "
+                    f"{per_node} devices per node{model} ({self.num_nodes} node(s)), so every device would hold a "
+                    f"whole model. Use a multiple of a size that fits as devices per node "
+                    f"({', '.join(map(str, fits[:5])) or 'none up to 64'})"
+                    + (f", or tensor_parallel_size={spanning[0]} (across nodes)" if spanning else "")
+                    + f", or allow_fallback=True to train {world} data-parallel replicas of the whole model")
+        elif tp == "auto":
+            if world % dp:
+                raise ValueError(f"data_parallel_size={dp} does not divide the world size {world} "
+                                 f"({self.num_nodes} nodes x {per_node} devices)")
+            tp = world // dp
+        if dp == "auto":
+            if world % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world} "
+                                 f"({self.num_nodes} nodes x {per_node} devices)")
+            dp = world // tp
+        dims = ParallelDims(self.layout_spec, tp, dp)
+        dims.check_world_size(world)
+        if config is not None:
+            dims.check_model(config.n_head, config.n_embd)
+        return dims
+
+    # ---- environment --------------------------------------------------------------------------------------
+
+    def _limit_cpu_threads(self) -> None:
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # CPU ranks share the node's cores; more threads than cores makes every collective wait (torchrun
+            # sets OMP_NUM_THREADS=1 for the same reason)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
+
+    def _build_mesh(self, dims: ParallelDims, module: nn.Module | None):
+        """The mesh a GPT2 inside ``module`` is already parallelized on, when it is this layout and these sizes
+        (validate/test after fit, a second Trainer on the same module: its shards stay valid), else a new one."""
+        for m in module.modules() if module is not None else ():
+            handle = handle_of(m) if isinstance(m, GPT2) else None
+            if handle is None or handle.layout != self.layout_spec:
+                continue
+            if (handle.tensor_parallel_size, handle.data_parallel_size) == (dims.tensor_parallel_size,
+                                                                           dims.data_parallel_size):
+                return handle.mesh
+        return init_mesh(self.layout_spec, dims.tensor_parallel_size, dims.data_parallel_size,
+                         device_type=self.root_device.type, timeout=self.timeout)
+
+    # ---- the model ----------------------------------------------------------------------------------------
+
+    def _check_model(self, module: nn.Module) -> None:
+        """The sizes fit the model's heads and width (a ValueError naming them)."""
+        config = find_gpt2_config(module)
+        if config is not None:
+            self.parallel_dims.check_model(config.n_head, config.n_embd)
+
+    def parallelize_gpt2_modules(self, module: nn.Module, seed: Callable[[], int] | None = None) -> None:
+        """Parallelize every not yet parallel :class:`GPT2` inside ``module`` on this strategy's mesh. A GPT2 built on
+        the meta device takes its weights from ``module.init_from`` (a transformers GPT-2 directory) when ``module``
+        has that attribute set, else from ``seed()`` (the i-th GPT2 from ``seed() + i``: the same full weights on
+        every rank, whatever the layout); an eager GPT2 is first made equal to rank 0's."""
+        found = [(name, m) for name, m in module.named_modules() if isinstance(m, GPT2)]
+        if not found:
+            raise TypeError(
+                f"{type(module).__name__} holds no lightning_tp2d.models.GPT2: {type(self).__name__} parallelizes the "
+                "GPT2 modules it finds inside the module (build one in __init__ or configure_model)")
+        base = None
+        for index, (name, gpt) in enumerate(found):
+            done = handle_of(gpt)
+            if done is not None:
+                if done.layout != self.layout_spec or done.mesh is not self._device_mesh:
+                    raise ValueError(f"GPT2 {name!r} is already parallelized with layout {done.layout.name!r} on "
+                                     "another mesh")
+                continue
+            if any(p.is_meta for p in gpt.parameters()):
+                if base is None:
+                    base = int(seed()) if seed is not None else int(self.broadcast(torch.initial_seed()))
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(base + index)  # the same full weights on every rank, whatever the layout
+                    parallelize(gpt, self._device_mesh, self.layout_spec)
+                init_from = getattr(module, "init_from", None)  # GPT2LightningModule(init_from=<HF directory>)
+                if init_from is not None:  # before Lightning restores a ckpt_path, which then wins
+                    from lightning_tp2d.export import load_hf_weights
+
+                    load_hf_weights(gpt, init_from)  # tensor by tensor, each rank keeping its shards
+            else:
+                broadcast_module_(gpt, self._device_mesh)
+                parallelize(gpt, self._device_mesh, self.layout_spec)
+            checkpoint_activations(gpt, self.activation_checkpointing)
+            if self.compile_options is not None:
+                gpt.compile(**self.compile_options)
+        left = [n for n, p in module.named_parameters() if p.is_meta]
+        if left:
+            raise ValueError(f"parameters outside the GPT2 modules are still on the meta device: {left[:5]}")
+
+    def checkpoint_info(self, module: nn.Module) -> dict[str, Any]:
+        """What a checkpoint records about the run that wrote it (informative; loading needs none of it)."""
+        dims = self.parallel_dims
+        configs = {name: vars(m.config) for name, m in module.named_modules() if isinstance(m, GPT2)}
+        return {"layout": dims.layout, "tensor_parallel_size": dims.tensor_parallel_size,
+                "data_parallel_size": dims.data_parallel_size, "zero_stage": self.zero_stage,
+                "gpt2_configs": configs}
