@@ -1,0 +1,445 @@
+"""Llama on one device (Llama 2 / Llama 3 family), with transformers' ``LlamaForCausalLM`` parameter names.
+
+Like :mod:`lightning_tp2d.models.gpt2`, the model knows nothing about parallelism: parallel plans swap its
+submodules by name, so the names below and the generic :meth:`Llama.forward` are a contract.
+
+Names: ``state_dict()`` keys *are* transformers' ``LlamaForCausalLM`` keys (same order too), so the HF conversion
+is the identity apart from ignored RoPE buffers and the optional tied ``lm_head.weight``::
+
+    model.embed_tokens                            nn.Embedding   weight [V, h]
+    model.layers.{i}.self_attn.q_proj             nn.Linear      weight [nh*hs, h]   (no biases anywhere)
+    model.layers.{i}.self_attn.k_proj / v_proj    nn.Linear      weight [nkv*hs, h]
+    model.layers.{i}.self_attn.o_proj             nn.Linear      weight [h, nh*hs]
+    model.layers.{i}.mlp.gate_proj / up_proj      nn.Linear      weight [I, h]
+    model.layers.{i}.mlp.down_proj                nn.Linear      weight [h, I]
+    model.layers.{i}.input_layernorm              RMSNorm        weight [h]
+    model.layers.{i}.post_attention_layernorm     RMSNorm        weight [h]
+    model.norm                                    RMSNorm        weight [h]
+    lm_head                                       LMHead         weight [V, h]; the embed_tokens Parameter if tied
+
+Shapes: B batch, T sequence length, h = n_embd, nh = n_head, nkv = n_kv_head, hs = h // nh, g = nh // nkv (query
+heads per key/value head, GQA), I = intermediate_size, V = vocab_size. Block:
+``x = x + o_proj(attn(rope(q), rope(k), v))`` on ``input_layernorm(x)``, then
+``x = x + down_proj(silu(gate_proj(y)) * up_proj(y))`` with ``y = post_attention_layernorm(x)``. Query head ``j``
+reads key/value head ``j // g`` (transformers' ``repeat_kv`` / SDPA ``enable_gqa`` grouping).
+
+RoPE is the "rotate half" form of transformers (feature ``i`` pairs with ``i + hs/2`` inside each head; HF
+checkpoints are already permuted for it). It has no parameters or buffers: :func:`rope_cache` computes cos/sin
+(float32, like transformers) for ``T`` or for any tensor of absolute positions, and :func:`apply_rope` applies
+them, optionally gathering rows by a position tensor. Llama 3.1 / 3.2's ``rope_scaling`` (``rope_type="llama3"``)
+is not implemented: ``LlamaConfig.from_hf`` refuses it, and the named ``llama-3.*`` configs have those models'
+shapes (for training from scratch) with ``block_size`` 8192, their pre-training context.
+
+What the parallel plans need (the GPT-2 plans carry over role by role):
+
+* Attention splits by heads: ``q_proj`` rows by query head, ``k_proj`` / ``v_proj`` rows by key/value head,
+  ``o_proj`` columns by query head; a rank holding query heads ``[r*nh/q, (r+1)*nh/q)`` must hold key/value heads
+  ``[r*nkv/q, (r+1)*nkv/q)`` (contiguous grouping), so head-split layouts need ``n_kv_head % q == 0`` as well as
+  ``n_head % q == 0``. Heads are never split inside: RoPE pairs features ``i`` and ``i + hs/2``. Separate q/k/v
+  matrices mean plain ``Shard(0)`` placements (no ``_StridedShard`` as for GPT-2's fused ``c_attn``).
+  :meth:`LlamaAttention.forward` uses ``-1`` for head counts, so it runs unchanged on row-sharded local weights.
+* MLP: ``gate_proj`` and ``up_proj`` like GPT-2's ``c_fc`` (split the same way, so ``silu(gate) * up`` is local),
+  ``down_proj`` like ``mlp.c_proj``; ``intermediate_size % q == 0``.
+* RMSNorm has a weight only; over a hidden dimension sharded on a grid the mean of squares needs a sum over the
+  shards (an all-reduce of ``x.pow(2).sum(-1)``, then divide by the full ``h``); :func:`rms_norm` is the local
+  formula.
+* Ring / zigzag layouts: pass each chunk's absolute positions, ``rope_cache(positions, ...)`` or
+  ``apply_rope(x, cos, sin, positions)`` with a full-length cache; both equal slicing the full sequence's result.
+* ``lm_head`` is the shared :class:`~lightning_tp2d.models.gpt2.LMHead` (logits or loss); untied models own its
+  weight, so a vocab-parallel head must shard ``lm_head.weight`` itself instead of reusing the embedding's shard.
+* Materialising a meta model: call :meth:`Llama.init_module_` in ``named_modules()`` order (embed_tokens, then per
+  layer self_attn, mlp, the two norms, then norm, lm_head); only Linear / Embedding / untied LMHead draw numbers.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_tp2d.models.gpt2 import GPT2, LMHead, _fill_normal_
+
+# Non-persistent RoPE buffers that some transformers versions saved in checkpoints (Llama 2 era files carry
+# ``model.layers.{i}.self_attn.rotary_emb.inv_freq``); this model recomputes them.
+HF_IGNORED = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
+INIT_STD = 0.02  # transformers' initializer_range for Llama
+
+
+def from_hf_key(key: str) -> str | None:
+    """Our state-dict key for a key of a transformers Llama checkpoint, or ``None`` for a buffer to ignore.
+
+    ``LlamaForCausalLM`` keys are ours; checkpoints of the bare ``LlamaModel`` lack the ``model.`` prefix, which is
+    added (the same rule as :func:`lightning_tp2d.models.gpt2.from_hf_key`)."""
+    if key.endswith(HF_IGNORED):
+        return None
+    return key if key.startswith(("model.", "lm_head.")) else "model." + key
+
+
+def from_hf_tensor(key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A transformers tensor in our layout: Llama stores every weight as we do, so the tensor itself."""
+    return tensor
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int  # number of token ids (Llama 2: 32000, Llama 3: 128256)
+    n_layer: int  # number of decoder layers (HF: num_hidden_layers)
+    n_head: int  # query heads per layer; must divide n_embd (HF: num_attention_heads)
+    n_kv_head: int  # key/value heads; must divide n_head, < n_head is GQA (HF: num_key_value_heads)
+    n_embd: int  # hidden size h (HF: hidden_size)
+    intermediate_size: int  # width I of the SwiGLU MLP
+    block_size: int  # longest sequence accepted (HF: max_position_embeddings); RoPE itself has no limit
+    rope_theta: float = 10000.0  # RoPE base (Llama 3: 500000)
+    norm_eps: float = 1e-5  # RMSNorm epsilon (HF: rms_norm_eps)
+    tie_embeddings: bool = False  # lm_head.weight is model.embed_tokens.weight (HF: tie_word_embeddings)
+    dropout: float = 0.0  # attention-probability dropout (HF: attention_dropout); Llama has no other dropout
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                f"n_embd % n_head = {self.n_embd % self.n_head}"
+            )
+        if self.n_head % self.n_kv_head != 0:
+            raise ValueError(
+                f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}; "
+                f"n_head % n_kv_head = {self.n_head % self.n_kv_head} (each key/value head serves a whole group "
+                f"of query heads)"
+            )
+        if self.head_size % 2 != 0:
+            raise ValueError(f"head_size = n_embd // n_head = {self.n_embd} // {self.n_head} = {self.head_size} is "
+                             f"odd; RoPE rotates pairs of features and needs an even head size")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"LlamaConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_size(self) -> int:
+        """hs = n_embd // n_head, the width of one attention head (query, key and value alike)."""
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_groups(self) -> int:
+        """g = n_head // n_kv_head, query heads per key/value head (1: multi-head attention)."""
+        return self.n_head // self.n_kv_head
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "LlamaConfig":
+        """A named size, e.g. ``LlamaConfig.from_name("llama-tiny", tie_embeddings=True)``."""
+        if name not in _NAMED_CONFIGS:
+            raise ValueError(f"unknown Llama config {name!r}; valid names: {sorted(_NAMED_CONFIGS)}")
+        return cls(**{**_NAMED_CONFIGS[name], **overrides})
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "LlamaConfig":
+        """Our config for a transformers ``LlamaConfig``; refuses variants this model does not implement."""
+        problems = []
+        if hf_config.hidden_act != "silu":
+            problems.append(f"hidden_act={hf_config.hidden_act!r} (need 'silu')")
+        for flag in ("attention_bias", "mlp_bias"):
+            if getattr(hf_config, flag, False):
+                problems.append(f"{flag}=True (need False: this model has no biases)")
+        n_head = hf_config.num_attention_heads
+        n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
+        head_dim = getattr(hf_config, "head_dim", None)
+        if head_dim is not None and head_dim * n_head != hf_config.hidden_size:
+            problems.append(f"head_dim={head_dim} (need hidden_size // num_attention_heads = "
+                            f"{hf_config.hidden_size} // {n_head})")
+        # transformers 5 keeps rope_theta and the rope type in rope_parameters (rope_scaling is an alias of it);
+        # transformers 4 has rope_theta and rope_scaling (None unless scaled) as attributes.
+        rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            problems.append(f"rope_type={rope_type!r} in rope_scaling/rope_parameters (need 'default': RoPE "
+                            f"scaling such as Llama 3.1's 'llama3' is not implemented)")
+        theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        if problems:
+            raise ValueError("unsupported transformers LlamaConfig: " + "; ".join(problems))
+        return cls(vocab_size=hf_config.vocab_size, n_layer=hf_config.num_hidden_layers, n_head=n_head,
+                   n_kv_head=n_kv_head, n_embd=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
+                   block_size=hf_config.max_position_embeddings, rope_theta=float(theta),
+                   norm_eps=float(hf_config.rms_norm_eps), tie_embeddings=bool(hf_config.tie_word_embeddings),
+                   dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0))
+
+
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, block_size=8192)
+_NAMED_CONFIGS = {
+    # Test sizes: 12 query and 6 key/value heads (GQA, g = 2) split over 2 or 3 ranks per grid side; hs = 8;
+    # n_embd 96 and intermediate 264 divide by 2, 3, 4 and 6; vocab 257 (bytes + 1) divides by none of them.
+    "llama-tiny": dict(vocab_size=257, n_layer=2, n_head=12, n_kv_head=6, n_embd=96, intermediate_size=264,
+                       block_size=64),
+    "llama-mini": dict(vocab_size=257, n_layer=4, n_head=12, n_kv_head=6, n_embd=192, intermediate_size=528,
+                       block_size=128),
+    # Shapes of real models. Llama 2 loads exactly from its checkpoints; the Llama 3.x ones use RoPE scaling
+    # ('llama3', not implemented here) and a 131072 context: their shapes, theta and a block_size of 8192.
+    "llama-2-7b": dict(vocab_size=32000, n_layer=32, n_head=32, n_kv_head=32, n_embd=4096, intermediate_size=11008,
+                       block_size=4096),  # 6.74B
+    "llama-3.2-1b": dict(_LLAMA3, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192,
+                         tie_embeddings=True),  # 1.24B
+    "llama-3.2-3b": dict(_LLAMA3, n_layer=28, n_head=24, n_kv_head=8, n_embd=3072, intermediate_size=8192,
+                         tie_embeddings=True),  # 3.21B
+    "llama-3.1-8b": dict(_LLAMA3, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336),  # 8.03B
+}
+
+
+# ---- functions the parallel layers reuse ---------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x², last dim) + eps), normalised in at least float32 and cast back before the
+    weight multiplies, as transformers' ``LlamaRMSNorm`` (which also downcasts float64; this keeps float64)."""
+    dtype = x.dtype
+    xf = x.to(torch.promote_types(dtype, torch.float32))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rope_inv_freq(head_size: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """Float32 inverse frequencies theta^(-2i/hs), i < hs/2 (transformers' default RoPE)."""
+    exponents = torch.arange(0, head_size, 2, dtype=torch.int64, device=device).to(torch.float32) / head_size
+    return 1.0 / (theta ** exponents)
+
+
+def rope_cache(positions: int | torch.Tensor, head_size: int, theta: float,
+               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), float32, of shape ``(T, hs)`` for positions ``0 .. T-1`` (``positions`` an int T), or
+    ``positions.shape + (hs,)`` for a tensor of absolute positions (any integer tensor, e.g. a zigzag chunk's;
+    ``device`` is then the tensor's). Each row depends only on its position, so rows equal those of a longer cache.
+    """
+    if not isinstance(positions, torch.Tensor):  # an int (or a SymInt under torch.compile)
+        positions = torch.arange(positions, device=device)
+    freqs = positions[..., None].to(torch.float32) * rope_inv_freq(head_size, theta, positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (..., hs): feature i and i + hs/2 share a frequency
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dimension (halves of a head)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin for x of shape (B, heads, T, hs), in x's dtype.
+
+    ``cos`` / ``sin`` from :func:`rope_cache`: ``(T_cache, hs)`` rows per position or ``(B, T, hs)`` per sequence.
+    With ``positions`` (``(T,)`` or ``(B, T)`` integer indices) the rows for those positions are gathered from a
+    ``(T_cache, hs)`` cache; without, the first T rows are used (a longer cache serves shorter sequences)."""
+    T = x.size(-2)
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
+    elif cos.dim() == 2:
+        if cos.size(0) < T:
+            raise ValueError(f"RoPE cache has {cos.size(0)} positions, the sequence {T}")
+        cos, sin = cos[:T], sin[:T]
+    if cos.dim() == 3:  # (B, T, hs) -> (B, 1, T, hs), broadcast over heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+# ---- modules -------------------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension with a learned scale (no bias, no mean subtraction)."""
+
+    def __init__(self, n_embd: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n_embd))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class LlamaAttention(nn.Module):
+    """Causal GQA self-attention with RoPE: q = x Wqᵀ (nh heads), k, v = x Wkᵀ, x Wvᵀ (nkv heads each),
+    y = softmax(rope(q) rope(k)ᵀ / sqrt(hs) + causal mask) v, out = y Woᵀ. No biases."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, hs = config.n_embd, config.head_size
+        self.q_proj = nn.Linear(h, config.n_head * hs, bias=False)
+        self.k_proj = nn.Linear(h, config.n_kv_head * hs, bias=False)
+        self.v_proj = nn.Linear(h, config.n_kv_head * hs, bias=False)
+        self.o_proj = nn.Linear(config.n_head * hs, h, bias=False)
+        self.head_size = hs
+        self.rope_theta = config.rope_theta
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, h) -> (B, T, h). ``positions``: absolute positions of x's T rows ((T,) or (B, T)); default
+        ``0 .. T-1``. The causal mask is by row order, so rows must be in increasing position order."""
+        B, T, _ = x.shape
+        hs = self.head_size
+        q = self.q_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        cos, sin = rope_cache(T if positions is None else positions, hs, self.rope_theta, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.size(1) != k.size(1),
+        )  # (B, nh, T, hs); query head j reads key/value head j // g
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
+        return self.o_proj(y)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)), hidden width intermediate_size, no biases."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-RMSNorm residual block: x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).
+
+    Submodules are declared in transformers' order (self_attn, mlp, input_layernorm, post_attention_layernorm), so
+    state-dict keys come in ``LlamaForCausalLM``'s order."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.n_embd, config.norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Only submodule calls here: parallel versions may hand around a sharded x.
+        x = x + self.self_attn(self.input_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x
+
+
+class Llama(nn.Module):
+    """Llama language model: token embedding, n_layer LlamaBlocks, final RMSNorm, LM head (tied or not)."""
+
+    # Check token-id values on every forward (see GPT2.validate_inputs: a host sync per step on a GPU).
+    validate_inputs: bool = True
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        # As in GPT2: default inits are overwritten by init_weights(); keep them from consuming the CPU seed, so
+        # Llama(config) right after manual_seed(s) equals a meta build + to_empty() + manual_seed(s) + init_weights().
+        with torch.random.fork_rng(devices=[]):
+            self.model = nn.ModuleDict(dict(
+                embed_tokens=nn.Embedding(config.vocab_size, config.n_embd),  # E [V, h]
+                layers=nn.ModuleList([LlamaBlock(config) for _ in range(config.n_layer)]),
+                norm=RMSNorm(config.n_embd, config.norm_eps),
+            ))
+            head = (self.model.embed_tokens.weight if config.tie_embeddings
+                    else nn.Parameter(torch.empty(config.vocab_size, config.n_embd)))
+            self.lm_head = LMHead(head)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """transformers' Llama init: Linear / Embedding weights (and an untied lm_head) ~ N(0, 0.02²), RMSNorm
+        weights 1. Draws come from the global CPU generator in float32 (device- and dtype-independent, as GPT2's);
+        meta tensors are skipped: build on meta, ``to_empty(device=...)``, then call this (it re-ties first)."""
+        self.tie_weights()
+        for name, module in self.named_modules():
+            self.init_module_(name, module)
+
+    @torch.no_grad()
+    def init_module_(self, name: str, module: nn.Module) -> None:
+        """Init of one module (its own parameters only), drawing from the global CPU generator. Called in
+        ``named_modules()`` order it equals :meth:`init_weights` (the materialisation contract of
+        :meth:`GPT2.init_module_ <lightning_tp2d.models.gpt2.GPT2.init_module_>`). A tied ``lm_head`` draws nothing
+        (it is ``embed_tokens``)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            _fill_normal_(module.weight, INIT_STD)
+        elif isinstance(module, LMHead):
+            if not self.config.tie_embeddings:
+                _fill_normal_(module.weight, INIT_STD)
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+
+    def tie_weights(self) -> None:
+        """With ``tie_embeddings``, make lm_head.weight the very Parameter model.embed_tokens.weight again (after
+        ``to_empty()`` from meta, which unties); otherwise nothing."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameter entries; a tied embed_tokens/lm_head matrix counts once."""
+        return sum(p.numel() for p in self.parameters())
+
+    # The same checks and messages as GPT-2 (they only read config.vocab_size / block_size and validate_inputs).
+    check_input = GPT2.check_input
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) -> logits (B, T, V), or the mean next-token loss (a scalar; targets -100 ignored) if targets
+        (B, T) given. Generic on purpose: parallel versions swap embed_tokens / layers / norms / lm_head."""
+        self.check_input(idx, targets)
+        m = self.model
+        x = m.embed_tokens(idx)  # (B, T, h)
+        for layer in m.layers:
+            x = layer(x)
+        x = m.norm(x)
+        return self.lm_head(x, targets)
+
+    # ---- transformers LlamaForCausalLM layout ------------------------------------------------------------------
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Our weights under transformers' keys (the same keys; copies), including ``lm_head.weight`` when tied,
+        as transformers' ``state_dict()`` does."""
+        return {k: v.detach().clone().contiguous() for k, v in self.state_dict().items()}
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy a transformers ``LlamaForCausalLM.state_dict()`` (or ``LlamaModel``'s plus ``lm_head.weight``)
+        into this model's parameters.
+
+        Ignores RoPE buffers (:data:`HF_IGNORED`); with ``tie_embeddings`` ``lm_head.weight`` is optional (tied
+        checkpoints often omit it) but, if present, must equal ``model.embed_tokens.weight``. All problems are
+        collected and reported in one ValueError, and nothing is copied unless all is well."""
+        self.tie_weights()  # after to_empty() lm_head would otherwise keep uninitialised memory
+        ours = self.state_dict()  # tensors share storage with the parameters
+        tied = self.config.tie_embeddings
+        sd = {ours_key: v for k, v in sd.items() if (ours_key := from_hf_key(k)) is not None}
+        missing = [k for k in ours if k not in sd and not (tied and k == "lm_head.weight")]
+        unexpected = [k for k in sd if k not in ours]
+        misshaped = [f"{k}: expected {tuple(ours[k].shape)}, got {tuple(sd[k].shape)}"
+                     for k in ours if k in sd and tuple(sd[k].shape) != tuple(ours[k].shape)]
+        notes = []
+        if "lm_head.weight" in missing:
+            notes.append("(a checkpoint without lm_head.weight has tied embeddings: use tie_embeddings=True)")
+        emb = "model.embed_tokens.weight"
+        if tied and "lm_head.weight" in sd and emb in sd and sd[emb].shape == sd["lm_head.weight"].shape:
+            if not torch.equal(sd["lm_head.weight"].to(sd[emb].device), sd[emb]):
+                notes.append("lm_head.weight differs from model.embed_tokens.weight, but this model ties them "
+                             "(tie_embeddings=True)")
+        if missing or unexpected or misshaped or notes:
+            lines = ([f"missing keys: {missing}"] if missing else []) + \
+                    ([f"unexpected keys: {unexpected}"] if unexpected else []) + \
+                    ([f"mis-shaped keys: {misshaped}"] if misshaped else []) + notes
+            raise ValueError("cannot load Llama state dict:\n  " + "\n  ".join(lines))
+        for k, dst in ours.items():
+            if tied and k == "lm_head.weight":
+                continue  # same storage as model.embed_tokens.weight, copied under that name
+            dst.copy_(from_hf_tensor(k, sd[k]))
+
+
+__all__ = ["Llama", "LlamaConfig", "LlamaAttention", "LlamaBlock", "LlamaMLP", "RMSNorm", "apply_rope",
+           "from_hf_key", "from_hf_tensor", "rms_norm", "rope_cache", "rope_inv_freq", "rotate_half"]
