@@ -23,19 +23,19 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "GPT2", "GPT2Config", "GPT2LightningModule", "ParallelDims", "TP2DStrategy", "TextDataModule", "export_hf",
-    "full_state_dict", "gpt2_state_dict", "init_mesh", "load_gpt2", "local_parameter_bytes", "parallelize",
-    "read_state_dict", "Layout", "Grid2D", "Ring", "GridRing", "get_layout", "register_layout", "RingOptions",
-    "TPOptions", "checkpoint_activations",
+    "full_state_dict", "gpt2_state_dict", "init_mesh", "load_gpt2", "load_hf_weights", "local_parameter_bytes",
+    "parallelize", "read_state_dict", "Layout", "Grid2D", "Ring", "GridRing", "get_layout", "register_layout",
+    "RingOptions", "TPOptions", "checkpoint_activations", "Llama", "LlamaConfig",
 ]
 
 # public name -> the module that defines it (imported on first access)
 _EXPORTS = {
     "ParallelDims": "mesh", "init_mesh": "mesh",
-    "GPT2": "models", "GPT2Config": "models",
+    "GPT2": "models", "GPT2Config": "models", "Llama": "models", "LlamaConfig": "models",
     "full_state_dict": "parallelize", "local_parameter_bytes": "parallelize", "parallelize": "parallelize",
     "checkpoint_activations": "parallelize",
     "read_state_dict": "checkpoint",
-    "export_hf": "export", "gpt2_state_dict": "export", "load_gpt2": "export",
+    "export_hf": "export", "gpt2_state_dict": "export", "load_gpt2": "export", "load_hf_weights": "export",
     "TextDataModule": "data",
     "GPT2LightningModule": "module",
     "TP2DStrategy": "strategy",
@@ -49,6 +49,7 @@ _SHADOWED = {name for name, module in _EXPORTS.items() if name == module}
 # Lightning strategy name -> layout: lightning_tp2d.layouts.STRATEGY_NAMES (pure Python, so registering needs no
 # import of the strategy module, which imports Lightning)
 _LIGHTNING_STRATEGIES = "lightning.pytorch.strategies"
+_FABRIC_STRATEGIES = "lightning.fabric.strategies"
 
 
 def __getattr__(name: str):
@@ -80,24 +81,41 @@ sys.modules[__name__].__class__ = _Package
 
 
 def _make_strategy(**kwargs):
-    """What ``StrategyRegistry.get(name)`` calls: ``TP2DStrategy(layout=<the name's layout>, **kwargs)``."""
+    """What the Trainer's ``StrategyRegistry.get(name)`` calls: ``TP2DStrategy(layout=<the name's layout>, **kwargs)``."""
     from lightning_tp2d.strategy import TP2DStrategy
 
     return TP2DStrategy(**kwargs)
 
 
-def _register_strategy_names(strategy_registry) -> None:
-    """Register ``"tp2d"``, ``"metp"`` and ``"tp2d_metp"`` with a Lightning ``StrategyRegistry`` (lazily: see
-    :func:`_make_strategy`)."""
+def _make_fabric_strategy(**kwargs):
+    """What Fabric's ``STRATEGY_REGISTRY.get(name)`` calls: ``TP2DFabricStrategy(layout=..., **kwargs)``."""
+    from lightning_tp2d.fabric import TP2DFabricStrategy
+
+    return TP2DFabricStrategy(**kwargs)
+
+
+# Lightning module holding a strategy registry -> (the registry's name in it, the factory its names get)
+_REGISTRIES = {_LIGHTNING_STRATEGIES: ("StrategyRegistry", _make_strategy),
+               _FABRIC_STRATEGIES: ("STRATEGY_REGISTRY", _make_fabric_strategy)}
+
+
+def _register_strategy_names(strategy_registry, factory=_make_strategy) -> None:
+    """Register ``"tp2d"``, ``"metp"`` and ``"tp2d_metp"`` with a Lightning (Trainer or Fabric) strategy registry,
+    lazily: ``factory`` imports the strategy class when a name is asked for."""
     from lightning_tp2d.layouts import STRATEGY_NAMES
 
     for name, layout in STRATEGY_NAMES.items():
-        strategy_registry.register(name, _make_strategy, description=f"tensor-parallel GPT-2, layout {layout!r}",
+        strategy_registry.register(name, factory, description=f"tensor-parallel GPT-2, layout {layout!r}",
                                    layout=layout, override=True)
 
 
+def _register_in(module) -> None:
+    attribute, factory = _REGISTRIES[module.__name__]
+    _register_strategy_names(getattr(module, attribute), factory)
+
+
 class _RegisterAfterExec(importlib.abc.Loader):
-    """Runs Lightning's own loader for its strategy package, then registers the names; afterwards the module's
+    """Runs Lightning's own loader for a strategy package, then registers the names; afterwards the module's
     ``__loader__`` and ``__spec__.loader`` are Lightning's loader again."""
 
     def __init__(self, loader) -> None:
@@ -115,16 +133,18 @@ class _RegisterAfterExec(importlib.abc.Loader):
         finally:
             module.__loader__ = self._loader
             module.__spec__.loader = self._loader
-        sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _StrategyImportHook)]
-        _register_strategy_names(module.StrategyRegistry)
+        _register_in(module)
+        if all(name in sys.modules for name in _REGISTRIES):
+            sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _StrategyImportHook)]
 
 
 class _StrategyImportHook(importlib.abc.MetaPathFinder):
-    """Finds ``lightning.pytorch.strategies`` with the other finders and wraps their loader; it leaves
-    ``sys.meta_path`` once that loader has run (a lookup without an import, ``importlib.util.find_spec``, keeps it)."""
+    """Finds Lightning's two strategy packages (Trainer's and Fabric's) with the other finders and wraps their
+    loaders; it leaves ``sys.meta_path`` once both have run (a lookup without an import, ``importlib.util.find_spec``,
+    keeps it)."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _LIGHTNING_STRATEGIES:
+        if fullname not in _REGISTRIES:
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -139,10 +159,14 @@ class _StrategyImportHook(importlib.abc.MetaPathFinder):
 
 
 def _register_when_lightning_loads() -> None:
-    strategies = sys.modules.get(_LIGHTNING_STRATEGIES)
-    if strategies is not None and hasattr(strategies, "StrategyRegistry"):
-        _register_strategy_names(strategies.StrategyRegistry)
-    elif not any(isinstance(finder, _StrategyImportHook) for finder in sys.meta_path):
+    waiting = False
+    for name, (attribute, _) in _REGISTRIES.items():
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, attribute):
+            _register_in(module)
+        else:
+            waiting = True
+    if waiting and not any(isinstance(finder, _StrategyImportHook) for finder in sys.meta_path):
         sys.meta_path.insert(0, _StrategyImportHook())
 
 

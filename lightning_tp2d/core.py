@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from lightning_tp2d.layouts import Layout, get_layout, handle_of
+from lightning_tp2d.layouts import STRATEGY_NAMES, Layout, get_layout, handle_of
 from lightning_tp2d.mesh import ParallelDims, as_timeout, init_mesh
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
@@ -99,6 +99,14 @@ class TensorParallelCore:
         self.allow_fallback = bool(allow_fallback)
         self.zero_stage = zero_stage
         self._dims = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """Register ``"tp2d"``, ``"metp"`` and ``"tp2d_metp"`` for this class in a Lightning strategy registry
+        (``import lightning_tp2d`` does it for both Trainer and Fabric)."""
+        for name, layout in STRATEGY_NAMES.items():
+            strategy_registry.register(name, cls, description=f"tensor-parallel GPT-2, layout {layout!r}",
+                                       layout=layout, override=True)
 
     # ---- sizes --------------------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 
 from lightning_tp2d import checkpoint as ckpt
 from lightning_tp2d.core import TensorParallelCore
-from lightning_tp2d.layouts import STRATEGY_NAMES, Layout
+from lightning_tp2d.layouts import Layout
 from lightning_tp2d.training import GradientSync, clip_grad_norm_, clip_grad_value_
 from lightning_tp2d.zero import shard_optimizer_state, sharding_of
 
@@ -75,12 +75,6 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
     @staticmethod
     def _parallelize_fn_unused(module, mesh):  # setup_module parallelizes the GPT2 modules itself
         return module
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        for name, layout in STRATEGY_NAMES.items():
-            strategy_registry.register(name, cls, description=f"tensor-parallel GPT-2, layout {layout!r}",
-                                       layout=layout, override=True)
 
     # ---- sizes and the mesh -------------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ its own timestamped run directory. The rules here:
   directory: ranks that tp2d-train starts inherit it as ``TP2D_RUN_DIR`` (and Lightning adds ``hydra.run.dir=``);
   ranks that a launcher starts use ``TP2D_RUN_DIR`` when it is exported (the recipes do) and otherwise the working
   directory, where they create nothing: the checkpoint directory is broadcast from rank 0.
+* A run resumed from a checkpoint in a run directory (``ckpt_path=<run>/checkpoints/last.ckpt``) continues in that
+  directory: rank 0 sets ``TP2D_RUN_DIR`` to it before Hydra starts (:func:`pin_resume_run_dir`).
 * ``--multirun`` runs the jobs one after the other in the first process. For each job the re-run command of the
   other ranks is that job's own overrides (one plain run in the job's folder), and the process group and the
   environment are reset between jobs. Under an external launcher (torchrun, SLURM, several machines) each process
@@ -24,7 +26,7 @@ import difflib
 import functools
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -146,7 +148,7 @@ def _override_keys(args: list[str]) -> set[str]:
     return {a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a and not a.startswith("-")}
 
 
-PATH_KEYS = ("ckpt_path", "data.path", "data.val_path", "checkpoint.dirpath")
+PATH_KEYS = ("ckpt_path", "data.path", "data.val_path", "callbacks.model_checkpoint.dirpath")
 
 
 def quote_path_override(arg: str) -> str:
@@ -180,6 +182,29 @@ def prepare_argv(argv: list[str], env: Mapping[str, str] = os.environ) -> list[s
     if RUN_DIR_ENV not in env and "hydra.run.dir" not in keys:
         extra.append("hydra.run.dir=.")  # rank 0's directory is unknown here: create none (checkpoints are broadcast)
     return list(argv) + extra
+
+
+def resume_run_dir(ckpt_path: str) -> Path | None:
+    """The tp2d-train run directory a checkpoint was saved in: ``<run>/checkpoints/<name>`` where ``<run>/.hydra``
+    exists (``None`` for a checkpoint anywhere else, e.g. a ``callbacks.model_checkpoint.dirpath`` of its own)."""
+    path = Path(ckpt_path.strip().strip("'\"")).expanduser()  # not resolved: last.ckpt links into the same folder
+    run = path.parent.parent
+    return run if path.parent.name == "checkpoints" and (run / ".hydra").is_dir() else None
+
+
+def pin_resume_run_dir(args: list[str], env: MutableMapping[str, str] = os.environ) -> Path | None:
+    """On rank 0 before Hydra starts: a run resumed from a checkpoint inside a run directory (``ckpt_path=<run>/
+    checkpoints/last.ckpt``) continues in that directory, so its metrics, checkpoints and log stay together: set
+    ``TP2D_RUN_DIR`` (what ``hydra.run.dir`` reads). Not when ``TP2D_RUN_DIR`` or ``hydra.run.dir`` is given, nor in
+    a sweep (one folder per job). Returns the directory pinned (``None``: Hydra makes a new one; the job says
+    so)."""
+    if RUN_DIR_ENV in env or "hydra.run.dir" in _override_keys(args) or _is_multirun(args):
+        return None
+    ckpt = [a.split("=", 1)[1] for a in args if "=" in a and a.split("=", 1)[0].lstrip("+~") == "ckpt_path"]
+    run = resume_run_dir(ckpt[-1]) if ckpt and ckpt[-1].strip("'\"") not in ("", "null") else None
+    if run is not None:
+        env[RUN_DIR_ENV] = str(run)
+    return run
 
 
 @contextmanager
@@ -295,6 +320,37 @@ def register_resolvers() -> None:
 # ---- override keys ----------------------------------------------------------------------------------------------
 
 
+# keys of earlier versions, now in the callbacks/ and logger/ groups: renamed (the keys below them too) ...
+RENAMED_KEYS = {"checkpoint": "callbacks.model_checkpoint", "divergence": "callbacks.divergence_guard",
+                "progress_bar": "callbacks.progress_bar", "logging.plot": "plot"}
+# ... or replaced by a choice
+REPLACED_KEYS = {"logging.speed": "callbacks.speed_monitor=null to turn speed logging off",
+                 "logging.csv": "logger=<option> without csv (e.g. logger=tensorboard), or logger.csv=null",
+                 "logging.tensorboard": "logger=tensorboard or logger=many_loggers (logger.tensorboard=null: off)",
+                 "logging": "logger=<option> (logger/: csv, tensorboard, wandb, many_loggers) and plot"}
+
+
+def moved_key_message(key: str, line: str) -> str | None:
+    """What an override of a key that moved to the callbacks/ or logger/ group is called now (``None``: not moved)."""
+    now = next((new + key[len(old):] for old, new in RENAMED_KEYS.items()
+                if key == old or key.startswith(old + ".")), None)
+    now = now or next((new for old, new in REPLACED_KEYS.items() if key == old or key.startswith(old + ".")), None)
+    if now is None:
+        return None
+    return (f"tp2d-train: {key!r} (in {line!r}) has moved; now: {now} (callbacks and loggers are the callbacks/ "
+            "and logger/ config groups, see conf/README.md)")
+
+
+def group_option_hint(conf_dir: Path, key: str) -> str | None:
+    """For ``callbacks.early_stopping.patience=5`` when ``early_stopping`` is an option of ``callbacks/`` that the
+    run does not use: how to add it."""
+    parts = key.split(".")
+    if len(parts) >= 2 and parts[0] in ("callbacks", "logger") and (conf_dir / parts[0] / f"{parts[1]}.yaml").is_file():
+        return (f"  {parts[1]!r} is an option of {parts[0]}/ that this run does not use: list it with the others, "
+                f"e.g. '{parts[0]}=[default,{parts[1]}]'")
+    return None
+
+
 def config_groups(conf_dir: Path = CONF_DIR) -> list[str]:
     return sorted(p.name for p in conf_dir.iterdir() if p.is_dir())
 
@@ -340,7 +396,7 @@ def check_override_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
     except Exception:  # noqa: BLE001 - a syntax error: Hydra reports it with its grammar
         return
     groups = set(config_groups(conf_dir))
-    choices, keys = [], []
+    choices, values = [], []
     for o in overrides:
         if o.is_hydra_override() or o.is_delete():
             continue
@@ -353,8 +409,14 @@ def check_override_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
                 choices.append(f"{o.get_key_element()}={first}")
             else:
                 choices.append(o.input_line)
-        elif not (o.is_add() or o.is_force_add()):
-            keys.append(o)
+        else:
+            values.append(o)
+    keys = [o for o in values if not (o.is_add() or o.is_force_add())]
+    for o in values:  # (+checkpoint.dirpath=... would be added and then ignored)
+        msg = moved_key_message(o.key_or_group, o.input_line)
+        if msg:
+            print(msg, file=sys.stderr)
+            sys.exit(2)
     if not keys:
         return
     try:
@@ -366,5 +428,6 @@ def check_override_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
     for o in keys:
         msg = unknown_key_message(plain, o.key_or_group, o.input_line)
         if msg:
-            print(msg, file=sys.stderr)
+            hint = group_option_hint(conf_dir, o.key_or_group)
+            print(msg + (f"\n{hint}" if hint else ""), file=sys.stderr)
             sys.exit(2)

@@ -4,12 +4,14 @@ With no arguments it trains ``gpt2`` (124M) on every GPU of the machine (NCCL, b
 CPU processes (gloo, one 2x2 grid of the "2d" layout), on the Python documentation with the byte tokenizer. A run
 leaves in ``outputs/<date>/<time>/``: ``logs/metrics.csv`` (train_loss, val_loss, val_perplexity, speed),
 ``logs/loss.png``, ``logs/tensorboard/`` (when tensorboard is installed), ``checkpoints/`` (``last.ckpt`` links the
-newest), ``sample.txt`` (the generated text, also printed), Hydra's ``.hydra/`` and ``train.log``.
+newest), ``sample.txt`` (the generated text, also printed), Hydra's ``.hydra/`` and ``train.log``. A run resumed
+with ``ckpt_path=<run dir>/checkpoints/last.ckpt`` continues in that run directory (and its metrics.csv).
 
-The configuration is ``conf/`` (groups model, parallel, trainer, data, experiment; every key commented; objects
-built from ``_target_``). Before any process starts, :func:`check_config` turns configurations that cannot run
-into one message naming the numbers and a choice that fits. How the processes of a job share one run directory,
-and how sweeps run, is :mod:`lightning_tp2d.launch`.
+The configuration is ``conf/`` (groups model, parallel, trainer, data, callbacks, logger, experiment; every key
+commented; objects built from ``_target_``). Before any process starts, :func:`check_config` turns configurations
+that cannot run into one message naming the numbers and a choice that fits, and the callbacks and loggers are built
+(a missing package, a ``+callbacks.<name>`` entry without a class, are errors then). How the processes of a job
+share one run directory, and how sweeps run, is :mod:`lightning_tp2d.launch`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
@@ -59,6 +63,7 @@ def main() -> None:
     if launch.is_rank_zero():
         launch.check_master_port()
         launch.check_override_keys(sys.argv)
+        launch.pin_resume_run_dir(sys.argv[1:])  # a resumed run continues in its checkpoint's run directory
     _hydra_main()
 
 
@@ -96,7 +101,6 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     from hydra.utils import instantiate
 
     import lightning_tp2d  # noqa: F401  (registers the strategy names)
-    from lightning_tp2d.callbacks import GracefulInterrupt, SpeedMonitor
 
     rank_zero = launch.is_rank_zero()
     try:
@@ -104,9 +108,11 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     except Exception as err:  # noqa: BLE001 - GPT2Config's ValueError, wrapped by Hydra
         raise ConfigError(f"model: {err.__cause__ or err}") from err
     plan = check_config(cfg, model_config)
+    loggers = make_loggers(cfg.get("logger"), run_dir)  # before any process starts: a missing package is a ConfigError
+    callbacks, interrupt, checkpoint = make_callbacks(cfg, run_dir)
     if rank_zero:
         log.info("tp2d-train: %s", plan)
-        log.info("run directory: %s", run_dir)
+        log.info("%s", resume_note(cfg.ckpt_path, run_dir) or f"run directory: {run_dir}")
 
     steps, every = int(cfg.trainer.max_steps), int(cfg.trainer.log_every_n_steps)
     if 0 < steps < every:  # a run shorter than the logging interval would log nothing: no metrics.csv, no plot
@@ -117,16 +123,15 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
 
     # Lightning 2.6 under torch >= 2.10 warns about its own pytree use once per rank: not the user's business
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    if continues_run(cfg.ckpt_path, run_dir):  # of course the checkpoints/ it resumes from is not empty
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     L.seed_everything(cfg.seed, verbose=False)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.module)
-    checkpoint = instantiate(cfg.checkpoint, dirpath=cfg.checkpoint.dirpath or str(run_dir / "checkpoints"))
-    interrupt = GracefulInterrupt()
-    callbacks = [interrupt, instantiate(cfg.divergence), checkpoint] + ([SpeedMonitor()] if cfg.logging.speed else [])
-    if cfg.trainer.enable_progress_bar:
-        callbacks.append(instantiate(cfg.progress_bar))
-    trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.parallel), logger=make_loggers(cfg.logging, run_dir),
-                          callbacks=callbacks, default_root_dir=str(run_dir))
+    # no ModelCheckpoint listed (callbacks=none, callbacks.model_checkpoint=null): none of Lightning's either
+    extra = {} if checkpoint is not None or "enable_checkpointing" in cfg.trainer else {"enable_checkpointing": False}
+    trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.parallel), logger=loggers or False,
+                          callbacks=callbacks, default_root_dir=str(run_dir), **extra)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     except SystemExit:  # Lightning's Ctrl-C handling ends with sys.exit(1)
@@ -154,18 +159,128 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     return float(val_loss) if val_loss is not None else None
 
 
-def make_loggers(cfg_logging: DictConfig, run_dir: Path) -> list:
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+def make_callbacks(cfg: DictConfig, run_dir: Path) -> tuple[list, object, object | None]:
+    """The Trainer's callbacks: :class:`~lightning_tp2d.callbacks.GracefulInterrupt` (always: Ctrl-C and preemption
+    stop every rank after the same step), then every entry of ``callbacks`` that is not null, in order, built from
+    its ``_target_`` (``callbacks/`` options and ``+callbacks.<name>._target_=...`` alike). A ModelCheckpoint without
+    ``dirpath`` writes to ``<run dir>/checkpoints``; progress bars are dropped under ``trainer.enable_progress_bar=
+    false``, and of several the last one listed is kept. Returns the list, the interrupt callback and the checkpoint
+    callback that reports and resumes use (``callbacks.model_checkpoint``, else the first ModelCheckpoint)."""
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
+
+    from lightning_tp2d.callbacks import GracefulInterrupt
+
+    interrupt = GracefulInterrupt()
+    built: dict[str, Callback] = {}
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigError(f"callbacks.{name} has no _target_ (a Lightning callback class), e.g. +callbacks.{name}."
+                              f"_target_=lightning.pytorch.callbacks.LearningRateMonitor; callbacks.{name}=null "
+                              "removes the entry")
+        try:
+            callback = instantiate(node)
+        except Exception as err:  # noqa: BLE001 - a bad class name or argument, wrapped by Hydra
+            raise ConfigError(f"callbacks.{name}: {err.__cause__ or err}") from err
+        if not isinstance(callback, Callback):
+            raise ConfigError(f"callbacks.{name}: {node['_target_']} built a {type(callback).__name__}, not a "
+                              "lightning.pytorch.callbacks.Callback")
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+            callback.dirpath = os.path.realpath(run_dir / "checkpoints")
+        built[name] = callback
+    bars = [name for name, c in built.items() if isinstance(c, ProgressBar)]
+    for name in bars if not cfg.trainer.enable_progress_bar else bars[:-1]:
+        del built[name]
+    checkpoints = [c for c in built.values() if isinstance(c, ModelCheckpoint)]
+    checkpoint = built.get("model_checkpoint") if isinstance(built.get("model_checkpoint"), ModelCheckpoint) else \
+        (checkpoints[0] if checkpoints else None)
+    return [interrupt, *built.values()], interrupt, checkpoint
+
+
+def make_loggers(cfg_logger: DictConfig | None, run_dir: Path) -> list:
+    """Every entry of ``logger`` that is not null, built from its ``_target_`` (``save_dir: null``: the run
+    directory). A logger whose package is missing is a :class:`ConfigError` naming the ``pip install``."""
+    from hydra.utils import instantiate
 
     loggers = []
-    if cfg_logging.csv:
-        loggers.append(CSVLogger(save_dir=run_dir, name="logs", version=""))  # logs/metrics.csv, logs/hparams.yaml
-    tensorboard = cfg_logging.tensorboard
-    if tensorboard == "auto":
-        tensorboard = any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX"))
-    if tensorboard:
-        loggers.append(TensorBoardLogger(save_dir=run_dir, name="logs", version="tensorboard", default_hp_metric=False))
+    for name, node in (cfg_logger or {}).items():
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigError(f"logger.{name} has no _target_ (a Lightning logger class), e.g. +logger.{name}._target_="
+                              f"lightning.pytorch.loggers.CSVLogger; logger.{name}=null removes it")
+        target = str(node["_target_"])
+        for cls, packages, hint in (("WandbLogger", ("wandb",), "wandb"),
+                                    ("TensorBoardLogger", ("tensorboard", "tensorboardX"), "tensorboard")):
+            if target.endswith(cls) and not any(importlib.util.find_spec(m) for m in packages):
+                raise ConfigError(f"logger.{name} ({target}) needs the {hint} package, which is not installed: "
+                                  f"pip install {hint} (or choose another logger: logger=csv)")
+        extra = {"save_dir": str(run_dir)} if "save_dir" in node and node.save_dir is None else {}
+        try:
+            logger = instantiate(node, **extra)
+        except Exception as err:  # noqa: BLE001 - a bad class name or argument, wrapped by Hydra
+            raise ConfigError(f"logger.{name}: {err.__cause__ or err}") from err
+        if logger is not None:  # tensorboard_if_installed without tensorboard
+            loggers.append(logger)
     return loggers
+
+
+def tensorboard_if_installed(**kwargs):
+    """``logger=default``'s TensorBoard entry: a ``TensorBoardLogger(**kwargs)`` when tensorboard (or tensorboardX)
+    is installed, else ``None`` (no event files; ``logger=tensorboard`` asks for them and says what to install)."""
+    if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
+        return None
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    return TensorBoardLogger(**kwargs)
+
+
+class ContinuingCSVLogger(CSVLogger):
+    """Lightning's CSVLogger (``logger/csv.yaml``), except that an existing ``metrics.csv`` is continued instead of
+    deleted: a run resumed in its run directory keeps the rows logged before the step it resumed from (the rows
+    from that step on, which the first run logged after its last checkpoint, go when the first new rows are saved)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.earlier_rows: list[dict] | None = None  # rank 0: the rows metrics.csv held, once the writer exists
+
+    @property
+    def experiment(self):
+        if self.earlier_rows is not None or rank_zero_only.rank != 0:
+            return super().experiment
+        metrics = Path(self.log_dir) / "metrics.csv"
+        rows, header = [], []
+        if metrics.is_file():
+            with open(metrics, newline="") as f:
+                reader = csv.DictReader(f)
+                rows, header = [r for r in reader if r.get("step")], sorted(reader.fieldnames or [])
+        with warnings.catch_warnings():  # "Previous log files in this directory will be deleted": not by us
+            warnings.filterwarnings("ignore", message=".*exists and is not empty")
+            writer = super().experiment  # (Lightning's writer deletes metrics.csv here)
+        self.earlier_rows = rows
+        if rows:
+            self.rewrite(metrics, header, rows)
+            writer.metrics_keys = header  # the writer appends under this header (and widens it for new keys)
+        return writer
+
+    @rank_zero_only
+    def save(self) -> None:
+        writer = self.experiment
+        if self.earlier_rows and writer.metrics:  # the first rows of this run: drop what they replace
+            first = min(int(m["step"]) for m in writer.metrics)
+            kept = [r for r in self.earlier_rows if int(r["step"]) < first]
+            self.rewrite(Path(self.log_dir) / "metrics.csv", writer.metrics_keys, kept)
+            self.earlier_rows = []
+        super().save()
+
+    @staticmethod
+    def rewrite(path: Path, header: list[str], rows: list[dict]) -> None:
+        with open(path, "w", newline="") as f:
+            out = csv.DictWriter(f, fieldnames=header)
+            out.writeheader()
+            out.writerows(rows)
 
 
 # ---- checks before any process starts ----------------------------------------------------------------------------
@@ -202,22 +317,31 @@ def check_config(cfg: DictConfig, model) -> str:
     except MissingMandatoryValue:
         raise ConfigError("data.path is required with this data config: a text file or folder (data=text) or a "
                           ".bin token file (data=tokens), e.g. data.path=$HOME/corpus.txt") from None
-    tokens_file = path is not None and str(path).endswith(".bin")
-    if path is not None and not Path(str(path)).expanduser().exists():
-        raise ConfigError(f"data.path={str(path)!r} does not exist (looked for {Path(str(path)).expanduser().absolute()}; "
-                          f"relative paths start from the directory tp2d-train runs in, {os.getcwd()})")
-    if path is not None:
-        from lightning_tp2d.data import check_path
+    from lightning_tp2d.data import check_path, is_token_file, tokenizer_vocab_size
 
+    val_path = data.get("val_path")
+    for key, source in (("data.path", path), ("data.val_path", val_path)):
+        if source is None:
+            continue
+        if not Path(str(source)).expanduser().exists():
+            raise ConfigError(f"{key}={str(source)!r} does not exist (looked for "
+                              f"{Path(str(source)).expanduser().absolute()}; relative paths start from the directory "
+                              f"tp2d-train runs in, {os.getcwd()})")
         try:
-            check_path(str(path), vocab_size=model.vocab_size)
+            check_path(str(source), vocab_size=model.vocab_size, dtype=data.get("dtype", "uint16"))
         except ValueError as err:
-            raise ConfigError(f"data.path: {err}") from None
-    ids = None if tokens_file else TOKENIZER_IDS.get(data.tokenizer)
-    if ids is not None and ids > model.vocab_size:
-        raise ConfigError(f"data.tokenizer={data.tokenizer} makes {ids} token ids but model.vocab_size="
-                          f"{model.vocab_size}: use a model with vocab_size >= {ids} (model=gpt2 or larger) or "
-                          "data.tokenizer=byte")
+            raise ConfigError(f"{key}: {err}") from None
+    text = path is None or not is_token_file(path) or (val_path is not None and not is_token_file(val_path))
+    if text:  # the tokenizer makes the ids (with token files only, it just prints the sample)
+        try:
+            ids = tokenizer_vocab_size(str(data.tokenizer))
+        except (ValueError, OSError, RuntimeError) as err:
+            raise ConfigError(f"data.tokenizer: {err}") from None
+        if ids > model.vocab_size:
+            fit = "model=gpt2 or larger" if ids <= TOKENIZER_IDS["gpt2"] else f"model.vocab_size={ids}"
+            raise ConfigError(f"data.tokenizer={data.tokenizer} makes {ids} token ids but model.vocab_size="
+                              f"{model.vocab_size}: use a model with vocab_size >= {ids} ({fit}) or "
+                              "data.tokenizer=byte")
     seq, batch = int(data.block_size), int(data.batch_size)
     if seq > model.block_size:
         raise ConfigError(f"data.block_size={seq} exceeds model.block_size={model.block_size} (the positions the "
@@ -256,6 +380,8 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
     tp, dp = par.tensor_parallel_size, par.data_parallel_size
     if tp == "auto" and dp == "auto":
         p = layout.auto_tensor_parallel_size(devices, world, model)
+        if p == 1 and world > 1 and not par.get("allow_fallback", False):
+            raise ConfigError(no_fit_message(layout, model, devices, nodes, fitting))
     elif tp == "auto":
         if world % int(dp):
             raise ConfigError(f"parallel.data_parallel_size={dp} does not divide the {here}; use one of "
@@ -283,8 +409,30 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
     text = f"layout {layout.name!r}: {world // p} replica(s) x {layout.describe(p)} (p={p}) on {here}"
     if p == 1 and world > 1:
         text += (f" -- note: no {layout.arrangement} larger than 1 fits {devices} devices per machine, so "
-                 "each device holds a whole model (data parallel only)")
+                 "each device holds a whole model (data parallel only, parallel.allow_fallback=true)")
     return text
+
+
+def no_fit_message(layout, model, devices: int, nodes: int, fitting: list[int]) -> str:
+    """Why ``tensor_parallel_size: auto`` found no replica larger than one device, and the device counts, sizes
+    and keys that would fit (training whole-model replicas instead has to be asked for: ``allow_fallback``)."""
+    sizes = [p for p in range(2, 65) if layout.fits(p, model)][:3]
+    needs = (f"model.n_head={model.n_head} and " if layout.splits_heads else "") + f"model.n_embd={model.n_embd}"
+    why = f"layout {layout.name!r} needs a " + (f"q x q grid, q dividing {needs}" if layout.square else
+                                                 f"ring whose size divides {needs}")
+    ways = []
+    if sizes:
+        shapes = ", ".join(layout.describe(p) for p in sizes)
+        ways.append(f"trainer.devices={', '.join(map(str, sizes))} (or a multiple: data-parallel replicas of a "
+                    f"{shapes})")
+    else:
+        ways.append(f"a model that splits (no {layout.arrangement} up to 64 devices fits this one)")
+    if max(fitting) > 1:
+        ways.append(f"parallel.tensor_parallel_size={max(fitting)} (replicas spanning machines)")
+    ways.append(f"parallel.allow_fallback=true to train {devices * nodes} data-parallel replicas of the whole model")
+    ways.append("parallel=single with trainer.devices=1")
+    return (f"parallel.tensor_parallel_size=auto: no {layout.arrangement} larger than 1 fits trainer.devices={devices} "
+            f"per machine ({why}). Use " + "; or ".join(ways))
 
 
 # ---- after training ----------------------------------------------------------------------------------------------
@@ -342,10 +490,40 @@ def plot_losses(metrics_csv: Path, png: Path) -> Path | None:
     return png
 
 
+def continues_run(ckpt_path, run_dir: Path) -> bool:
+    """Whether this run resumes from a checkpoint of ``run_dir`` itself (tp2d-train pins a resumed run's directory
+    to the checkpoint's: :func:`lightning_tp2d.launch.pin_resume_run_dir`)."""
+    previous = None if ckpt_path is None else launch.resume_run_dir(str(ckpt_path))
+    return previous is not None and previous.resolve() == run_dir.resolve()
+
+
+def resume_note(ckpt_path, run_dir: Path) -> str | None:
+    """Where a resumed run writes: in the checkpoint's own run directory, or in a new one (``None``: not resuming)."""
+    if ckpt_path is None:
+        return None
+    if continues_run(ckpt_path, run_dir):
+        return (f"resuming from {ckpt_path} in its run directory {run_dir} (logs/metrics.csv continues; .hydra/ "
+                "now holds this run's config)")
+    previous = launch.resume_run_dir(str(ckpt_path))
+    why = f"its run directory is {previous}" if previous else "it is not inside a run directory's checkpoints/"
+    return f"resuming from {ckpt_path} ({why}); this run writes to {run_dir}"
+
+
+def newest_checkpoint(checkpoint) -> str:
+    """The newest complete checkpoint a ModelCheckpoint wrote ('' if none, or no checkpoint callback)."""
+    if checkpoint is None:
+        return ""
+    return checkpoint.newest() if hasattr(checkpoint, "newest") else checkpoint.last_model_path or \
+        checkpoint.best_model_path
+
+
 def report(cfg: DictConfig, trainer, checkpoint, run_dir: Path, sample: str | None, seconds: float) -> None:
-    metrics_csv = run_dir / "logs" / "metrics.csv"
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+
+    csv_logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
+    metrics_csv = Path(csv_logger.log_dir) / "metrics.csv" if csv_logger else None
     lines = [f"tp2d-train: done in {seconds / 60:.1f} min, {trainer.global_step} steps"]
-    if metrics_csv.exists():
+    if metrics_csv is not None and metrics_csv.exists():
         with open(metrics_csv, newline="") as f:
             rows = list(csv.DictReader(f))
         train = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
@@ -355,13 +533,17 @@ def report(cfg: DictConfig, trainer, checkpoint, run_dir: Path, sample: str | No
         if ppl:
             lines[0] += f", validation perplexity {ppl[-1]:.2f}"
         lines.append(f"  metrics     {metrics_csv}")
-        if cfg.logging.plot:
-            png = plot_losses(metrics_csv, run_dir / "logs" / "loss.png")
+        if cfg.get("plot", True):
+            png = plot_losses(metrics_csv, metrics_csv.parent / "loss.png")
             if png:
                 lines.append(f"  loss curve  {png}")
-    if (run_dir / "logs" / "tensorboard").exists():
-        lines.append(f"  tensorboard tensorboard --logdir {run_dir / 'logs' / 'tensorboard'}")
-    newest = checkpoint.newest()
+    for lg in trainer.loggers:
+        if isinstance(lg, TensorBoardLogger):
+            lines.append(f"  tensorboard tensorboard --logdir {lg.log_dir}")
+        elif isinstance(lg, WandbLogger):
+            lines.append(f"  wandb       {Path(lg.save_dir or '.') / 'wandb'}   (an offline run uploads with "
+                         "wandb sync <that folder>/offline-run-*)")
+    newest = newest_checkpoint(checkpoint)
     if newest:
         lines.append(f"  checkpoint  {newest}   (resume: tp2d-train <same overrides> ckpt_path={newest})")
     if sample is not None:
@@ -376,9 +558,9 @@ def report_interrupt(trainer, checkpoint) -> None:
     from lightning_tp2d.checkpoint import clear, staging_path
 
     suffix = staging_path(Path("x")).name[1:]  # what an unfinished save is called
-    for partial in Path(checkpoint.dirpath or ".").glob(f"*{suffix}"):
+    for partial in Path(checkpoint.dirpath or ".").glob(f"*{suffix}") if checkpoint is not None else ():
         clear(partial)
-    newest = checkpoint.newest()
+    newest = newest_checkpoint(checkpoint)
     where = (f"the last complete checkpoint is {newest} (resume: tp2d-train <same overrides> ckpt_path={newest})"
              if newest else "no checkpoint had been written yet")
     log.warning("tp2d-train: interrupted at step %d; %s", trainer.global_step, where)

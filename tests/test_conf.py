@@ -4,15 +4,18 @@ parses, override-key checks and the layout checks that run before any process st
 
 from __future__ import annotations
 
+import csv
 import importlib
+import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_tp2d import launch
+from lightning_tp2d import launch, train
 from lightning_tp2d.models import GPT2Config
 from lightning_tp2d.train import ConfigError, check_config, device_count
 
@@ -20,7 +23,10 @@ CONF = launch.CONF_DIR
 GROUPS = {"model": ["gpt2", "gpt2-large", "gpt2-medium", "gpt2-mini", "gpt2-tiny", "gpt2-xl"],
           "parallel": ["metp", "single", "tp2d", "tp2d_metp"],
           "trainer": ["auto", "cpu", "gpu", "multinode"],
-          "data": ["default", "text", "tokens"]}
+          "data": ["default", "text", "tokens"],
+          "callbacks": ["default", "divergence_guard", "early_stopping", "lr_monitor", "model_checkpoint", "none",
+                        "progress_bar", "rich_progress_bar", "speed_monitor"],
+          "logger": ["csv", "default", "many_loggers", "none", "tensorboard", "wandb"]}
 
 launch.register_resolvers()
 
@@ -68,10 +74,12 @@ def test_every_yaml_key_carries_a_comment():
 
 
 def test_targets_import_and_the_default_objects_build():
-    cfg = composed("trainer=cpu")
-    for node in ("model", "module", "parallel", "data", "checkpoint", "progress_bar", "trainer"):
-        module_name, _, name = cfg[node]["_target_"].rpartition(".")
-        assert hasattr(importlib.import_module(module_name), name), cfg[node]["_target_"]
+    cfg = composed("trainer=cpu", "callbacks=[default,lr_monitor,early_stopping,rich_progress_bar]",
+                   "logger=many_loggers")
+    nodes = [cfg[n] for n in ("model", "module", "parallel", "data", "trainer")]
+    for node in nodes + list(cfg.callbacks.values()) + list(cfg.logger.values()) + [composed().logger.tensorboard]:
+        module_name, _, name = node["_target_"].rpartition(".")
+        assert hasattr(importlib.import_module(module_name), name), node["_target_"]
     config = instantiate(cfg.model)
     assert config == GPT2Config.from_name("gpt2-mini")  # the CPU default size
     module = instantiate(cfg.module)
@@ -142,6 +150,105 @@ def test_unknown_key_lists_the_valid_ones_and_the_closest(capsys):
 def test_known_keys_sweeps_and_additions_pass():
     launch.check_override_keys(["tp2d-train", "model=gpt2-tiny,gpt2-mini", "model.n_layer=3", "data=text",
                                 "data.path=x.txt", "+trainer.detect_anomaly=true", "-m", "trainer.max_steps=1,2"])
+    launch.check_override_keys(["tp2d-train", "callbacks=[default,early_stopping]",
+                                "callbacks.early_stopping.patience=5", "callbacks.progress_bar=null",
+                                "+callbacks.lr._target_=x.Y", "logger=many_loggers",
+                                "logger.wandb.project=p", "parallel.allow_fallback=true", "plot=false"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["checkpoint.every_n_train_steps=5"], "'checkpoint.every_n_train_steps' (in 'checkpoint.every_n_train_steps=5') "
+                                           "has moved; now: callbacks.model_checkpoint.every_n_train_steps"),
+    (["logging.tensorboard=false"], "now: logger=tensorboard or logger=many_loggers (logger.tensorboard=null: off)"),
+    (["+checkpoint.dirpath=x"], "has moved; now: callbacks.model_checkpoint.dirpath"),  # (would be added, unused)
+    (["callbacks.early_stopping.patience=5"], "'early_stopping' is an option of callbacks/ that this run does not use: "
+                                              "list it with the others, e.g. 'callbacks=[default,early_stopping]'"),
+    (["callbacks.lr._target_=x.Y"], "keys under 'callbacks': divergence_guard, model_checkpoint, progress_bar, "
+                                    "speed_monitor\n  (to add a key the config does not have, write +callbacks.lr"),
+])
+def test_moved_keys_and_unlisted_group_options_say_what_to_write(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        launch.check_override_keys(["tp2d-train", *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_resumed_run_continues_in_its_checkpoints_run_directory(tmp_path):
+    run = tmp_path / "outputs" / "2025-01-01" / "10-00-00"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    ckpt = f"ckpt_path='{run}/checkpoints/step=6.ckpt'"  # quoted, as quote_path_override passes it to Hydra
+    env = {}
+    assert launch.pin_resume_run_dir([ckpt, "trainer.max_steps=9"], env) == run
+    assert env == {launch.RUN_DIR_ENV: str(run)}
+    for args, env in (([ckpt], {launch.RUN_DIR_ENV: "mine"}), ([ckpt, "hydra.run.dir=x"], {}), ([ckpt, "-m"], {}),
+                      ([f"ckpt_path={tmp_path}/elsewhere/last.ckpt"], {}), (["ckpt_path=null"], {})):
+        before = dict(env)
+        assert launch.pin_resume_run_dir(args, env) is None and env == before
+    assert train.resume_note(f"{run}/checkpoints/last.ckpt", run).startswith(
+        f"resuming from {run}/checkpoints/last.ckpt in its run directory {run} (logs/metrics.csv continues")
+    assert train.resume_note(f"{run}/checkpoints/last.ckpt", tmp_path / "new") == (
+        f"resuming from {run}/checkpoints/last.ckpt (its run directory is {run}); this run writes to "
+        f"{tmp_path / 'new'}")
+    assert "(it is not inside a run directory's checkpoints/)" in train.resume_note("x/last.ckpt", tmp_path)
+
+
+# ---- callbacks and loggers -------------------------------------------------------------------------------------
+
+
+def built(*overrides: str, run_dir="/runs/a"):
+    cfg = composed(*overrides)
+    callbacks, interrupt, checkpoint = train.make_callbacks(cfg, Path(run_dir))
+    return [type(c).__name__ for c in callbacks], checkpoint, train.make_loggers(cfg.get("logger"), Path(run_dir))
+
+
+def test_callbacks_default_is_what_every_run_had_and_entries_add_or_remove_callbacks():
+    names, checkpoint, loggers = built()
+    assert names == ["GracefulInterrupt", "StepCheckpoint", "DivergenceGuard", "SpeedMonitor", "TQDMProgressBar"]
+    assert checkpoint.dirpath == "/runs/a/checkpoints" and checkpoint.save_last == "link"
+    assert [type(lg).__name__ for lg in loggers][0] == "ContinuingCSVLogger" and loggers[0].log_dir == "/runs/a/logs/"
+    names, _, _ = built("callbacks=[default,lr_monitor,early_stopping,rich_progress_bar]",
+                        "callbacks.speed_monitor=null")
+    assert names == ["GracefulInterrupt", "StepCheckpoint", "DivergenceGuard", "LearningRateMonitor", "EarlyStopping",
+                     "RichProgressBar"]  # the last progress bar listed replaces the tqdm one
+    names, checkpoint, _ = built("+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
+                                 "+callbacks.lr.logging_interval=step", "trainer.enable_progress_bar=false",
+                                 "callbacks.model_checkpoint=null")
+    assert names == ["GracefulInterrupt", "DivergenceGuard", "SpeedMonitor", "LearningRateMonitor"]
+    assert checkpoint is None
+    names, checkpoint, loggers = built("callbacks=none", "logger=none")
+    assert names == ["GracefulInterrupt"] and checkpoint is None and loggers == []
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["+callbacks.x.patience=1"], "callbacks.x has no _target_ (a Lightning callback class), e.g. +callbacks.x."),
+    (["+callbacks.x._target_=builtins.dict"], "callbacks.x: builtins.dict built a dict, not a lightning.pytorch"),
+    (["+callbacks.x._target_=lightning.pytorch.callbacks.EarlyStopping"], "callbacks.x: "),
+    (["logger=wandb"], "logger.wandb (lightning.pytorch.loggers.WandbLogger) needs the wandb package, which is not "
+                       "installed: pip install wandb"),
+])
+def test_callbacks_and_loggers_that_cannot_be_built_are_config_errors(overrides, message):
+    if "logger=wandb" in overrides and importlib.util.find_spec("wandb"):
+        pytest.skip("wandb is installed")
+    with pytest.raises(ConfigError) as err:
+        built(*overrides)
+    assert message in str(err.value)
+
+
+def test_the_csv_logger_continues_the_metrics_of_the_run_it_resumes(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "metrics.csv").write_text("epoch,step,train_loss,val_loss\n" + "".join(
+        f"0,{s},{5 - s / 10},{'' if s % 3 else 4}\n" for s in range(6)))
+    logger = instantiate(composed("logger=csv").logger.csv, save_dir=str(tmp_path))
+    logger.log_metrics({"train_loss": 4.6, "lr": 1e-3}, step=4)  # resumed from step 4: the old 4 and 5 go
+    logger.save()
+    logger.log_metrics({"train_loss": 4.5}, step=5)
+    logger.save()
+    with open(logs / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["train_loss"], r["lr"]) for r in rows] == [
+        ("0", "5.0", ""), ("1", "4.9", ""), ("2", "4.8", ""), ("3", "4.7", ""), ("4", "4.6", "0.001"), ("5", "4.5", "")]
+    assert rows[0]["val_loss"] == rows[3]["val_loss"] == "4" and rows[0]["epoch"] == "0"
 
 
 # ---- checks before any process starts --------------------------------------------------------------------------
@@ -188,8 +295,29 @@ def test_node_rank_beyond_the_node_count_is_refused(monkeypatch):
         checked("trainer=cpu")
 
 
-def test_devices_without_a_grid_fall_back_to_data_parallel_with_a_note():
-    assert "no grid larger than 1 fits 3 devices" in checked("trainer.devices=3", "data.batch_size=3")
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.devices=3"],
+     "no grid larger than 1 fits trainer.devices=3 per machine (layout '2d' needs a q x q grid, q dividing "
+     "model.n_head=6 and model.n_embd=96). Use trainer.devices=4, 9, 36 (or a multiple"),
+    (["trainer=cpu", "trainer.devices=2", "trainer.num_nodes=2"],
+     "; or parallel.tensor_parallel_size=4 (replicas spanning machines); or parallel.allow_fallback=true"),
+    (["parallel=metp", "trainer.devices=1", "trainer.num_nodes=3"],
+     "no ring larger than 1 fits trainer.devices=1 per machine (layout 'metp' needs a ring whose size divides "
+     "model.n_embd=96). Use trainer.devices=2, 3, 4"),
+])
+def test_devices_without_a_grid_name_the_counts_that_fit(overrides, message):
+    """``tensor_parallel_size: auto`` finding no replica larger than one device is an error naming the device
+    counts that fit, unless whole-model replicas are asked for."""
+    with pytest.raises(ConfigError) as err:
+        checked(*overrides)
+    assert message in str(err.value) and "parallel.allow_fallback=true to train" in str(err.value)
+    assert "parallel=single with trainer.devices=1" in str(err.value)
+
+
+def test_fallback_to_whole_model_replicas_only_when_asked():
+    plan = checked("trainer.devices=3", "data.batch_size=3", "parallel.allow_fallback=true")
+    assert plan.startswith("layout '2d': 3 replica(s) x 1x1 grid (p=1)") and "data parallel only" in plan
+    assert "3 replica(s) x 1x1 grid" in checked("trainer.devices=3", "parallel.data_parallel_size=3")  # explicit
     assert device_count("0,1", "gpu") == 2 and device_count([0, 1, 2], "gpu") == 3 and device_count("x", "cpu") is None
 
 

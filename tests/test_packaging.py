@@ -92,6 +92,9 @@ REGISTRY_CHECK = """
     trainer = Trainer(strategy="metp", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
     out["trainer"] = [type(trainer.strategy).__module__, trainer.strategy.layout]
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
+    out["fabric"] = {{n: [type(s).__name__, s.layout] for n in ("tp2d", "metp", "tp2d_metp")
+                     for s in [FABRIC_REGISTRY.get(n)]}}
     print(json.dumps(out))
 """
 
@@ -109,12 +112,14 @@ def test_strategy_names_resolve_to_tp2d_strategies_in_either_import_order(import
     assert out["layouts"] == {"tp2d": ["TP2DStrategy", "2d"], "metp": ["TP2DStrategy", "metp"],
                               "tp2d_metp": ["TP2DStrategy", "2d-metp"]}
     assert out["trainer"] == ["lightning_tp2d.strategy", "metp"]
+    assert out["fabric"] == {"tp2d": ["TP2DFabricStrategy", "2d"], "metp": ["TP2DFabricStrategy", "metp"],
+                             "tp2d_metp": ["TP2DFabricStrategy", "2d-metp"]}
 
 
 def test_registration_and_the_strategy_module_share_the_layouts_table():
-    from lightning_tp2d import layouts, strategy
+    from lightning_tp2d import core, layouts
 
-    assert strategy.STRATEGY_NAMES is layouts.STRATEGY_NAMES
+    assert core.STRATEGY_NAMES is layouts.STRATEGY_NAMES
     assert layouts.STRATEGY_NAMES == {"tp2d": "2d", "metp": "metp", "tp2d_metp": "2d-metp"}
 
 
@@ -166,7 +171,8 @@ def test_an_installed_copy_reads_the_configs_it_ships(wheel, tmp_path):
     """, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)})
     assert found["package"] == str(site / "lightning_tp2d" / "__init__.py")
     assert found["conf"] == str(site / "lightning_tp2d" / "conf")
-    assert found["groups"] == launch.config_groups(CONF) == ["data", "experiment", "model", "parallel", "trainer"]
+    groups = ["callbacks", "data", "experiment", "logger", "model", "parallel", "trainer"]
+    assert found["groups"] == launch.config_groups(CONF) == groups
     assert (found["layout"], found["max_steps"]) == ("2d", 30)  # parallel/tp2d.yaml, experiment/quick.yaml
 
 

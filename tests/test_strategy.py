@@ -21,6 +21,7 @@ from lightning_tp2d.data import ByteTokenizer, TokenWindows, load_tokens
 from lightning_tp2d.models import GPT2, GPT2Config
 from lightning_tp2d.strategy import TP2DStrategy, auto_tensor_parallel_size
 from lightning_tp2d.training import clip_grad_norm_, grad_norm
+from lightning_tp2d.zero import sharding_of
 from tests.distributed import run_distributed
 from tests.lightning_ranks import run_ranks
 
@@ -78,6 +79,11 @@ def fit_gpt2(rank, world_size, strategy, batch_size, trainer_kw=(), module_kw=()
     module = tp.GPT2LightningModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=5, **dict(module_kw))
     data = tp.TextDataModule(block_size=32, batch_size=batch_size, max_tokens=40_000)
     trainer.fit(module, data)
+    if getattr(strategy, "zero_stage", 0):  # the state really is sharded: this replica holds ~1/dp of it
+        sharding = sharding_of(trainer.optimizers[0])
+        held = {id(p) for p in trainer.optimizers[0].state}
+        assert sharding is not None and held == {id(p) for p in sharding.params if sharding.owns(p)}
+        assert 0 < len(held) < len(sharding.params)
     return recorder.losses if not dict(trainer_kw).get("precision") else (recorder.losses, recorder.dtypes)
 
 
@@ -111,6 +117,7 @@ def test_strategy_names_resolve_after_import(name, layout):
     (dict(tensor_parallel_size=4), 6, "tensor_parallel_size=4 does not divide the world size 6"),
     (dict(layout="3d"), 4, "unknown layout '3d'"),
     (dict(tensor_parallel_size=0), 4, "positive int"),
+    (dict(), 3, r"no grid of layout '2d' larger than 1 fits 3 devices per node .*\(4, 9, 16, 25, 36\).*allow_fallback"),
 ])
 def test_sizes_that_do_not_fit_fail_when_the_trainer_is_built(kwargs, devices, message):
     with pytest.raises(ValueError, match=message):
@@ -134,6 +141,9 @@ def test_auto_tensor_size_is_the_largest_valid_within_a_node():
     trainer = L.Trainer(strategy="tp2d", accelerator="cpu", devices=4, num_nodes=2, logger=False)
     dims = trainer.strategy.parallel_dims
     assert (dims.tensor_parallel_size, dims.data_parallel_size) == (4, 2)
+    trainer = L.Trainer(strategy=TP2DStrategy(allow_fallback=True), accelerator="cpu", devices=3, logger=False)
+    dims = trainer.strategy.parallel_dims  # asked for: whole-model replicas
+    assert (dims.tensor_parallel_size, dims.data_parallel_size) == (1, 3)
 
 
 class _NoGPT2(L.LightningModule):
@@ -313,43 +323,54 @@ def test_bf16_training_runs_in_bf16_and_matches_one_device(precision, parameters
 
 @pytest.mark.slow
 def test_dp2_by_2x2_on_8_processes_trains_like_one_device():
-    """Data parallel 2 x a 2x2 grid, with gradient accumulation: replicas take batches of 2 (the sampler
-    interleaves them), one device takes both as one batch of 4; gradients average over replicas."""
-    accumulate = (("accumulate_grad_batches", 2),)
-    losses = run_ranks(fit_gpt2, 8, "tp2d", 2, accumulate, timeout=400)
+    """Data parallel 2 x a 2x2 grid, with gradient accumulation, clipping and the optimizer state sharded over the
+    replicas (ZeRO-1): replicas take batches of 2 (the sampler interleaves them), one device takes both as one
+    batch of 4; gradients average over replicas, each replica steps its share and broadcasts it."""
+    options = (("accumulate_grad_batches", 2), ("gradient_clip_val", 0.05))
+    strategy = tp.TP2DStrategy("2d", tensor_parallel_size=4, zero_stage=1)
+    losses = run_ranks(fit_gpt2, 8, strategy, 2, options, timeout=400)
     assert all(run == losses[0] for run in losses)
-    ref = reference(4, accumulate)
+    ref = reference(4, options)
     assert len(losses[0]) == len(ref)
     worst = max(abs(a - b) for a, b in zip(losses[0], ref))
     assert worst <= 2e-5, f"losses differ from the single-device run by up to {worst:.2e}"
 
 
-def _lifecycle(rank, world_size):
+def _lifecycle(rank, world_size, directory):
     L.seed_everything(0)
     module = tp.GPT2LightningModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=2, predict_max_new_tokens=6)
     data = tp.TextDataModule(block_size=32, batch_size=4, max_tokens=20_000, prompts=["The ", "def f(x):"])
 
     def trainer(**kw):
         return L.Trainer(strategy="tp2d", accelerator="cpu", devices=world_size, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=4, limit_test_batches=2, **kw)
 
-    first = trainer(max_steps=3, num_sanity_val_steps=0, val_check_interval=3)
+    best = L.callbacks.ModelCheckpoint(dirpath=directory, monitor="val_loss", save_last=True)
+    first = trainer(max_steps=3, num_sanity_val_steps=0, val_check_interval=3, callbacks=[best])
     first.fit(module, data)
     validated = first.validate(module, data, verbose=False)[0]["val_loss"]
     tested = first.test(module, data, verbose=False)[0]["test_loss"]
-    again = trainer().validate(module, data, verbose=False)[0]["val_loss"]
+    again = trainer(enable_checkpointing=False).validate(module, data, verbose=False)[0]["val_loss"]
     texts = [(ids.shape[1], data.decode(ids[0].tolist())) for ids in first.predict(module, data)]
-    return validated, tested, again, texts
+    with torch.no_grad():  # spoil the weights: the checkpoints must bring the trained ones back
+        for p in module.parameters():
+            p.mul_(0.5)
+    spoiled = first.validate(module, data, verbose=False)[0]["val_loss"]
+    from_ckpt = [first.validate(module, data, ckpt_path=which, verbose=False)[0]["val_loss"] for which in ("best", "last")]
+    return validated, tested, again, texts, spoiled, from_ckpt
 
 
-def test_validate_test_and_predict_after_fit_and_on_a_second_trainer():
+def test_validate_test_and_predict_after_fit_and_on_a_second_trainer(tmp_path):
     """The same process keeps the module's shards and mesh: validate, test and predict (prompts continued) after
-    fit, then another Trainer (each entry used to build a new mesh and refuse the already parallelized model)."""
-    runs = run_ranks(_lifecycle, 4)
+    fit, then another Trainer (each entry used to build a new mesh and refuse the already parallelized model);
+    validate(ckpt_path="best" | "last") restores the checkpointed weights."""
+    runs = run_ranks(_lifecycle, 4, str(tmp_path))
     assert all(run == runs[0] for run in runs)  # predictions too: every rank of the grid samples the same text
-    validated, tested, again, texts = runs[0]
+    validated, tested, again, texts, spoiled, from_ckpt = runs[0]
     assert [n for n, _ in texts] == [4 + 6, 9 + 6]  # each prompt's tokens and 6 new ones
     assert texts[0][1].startswith("The ") and texts[1][1].startswith("def f(x):")
     assert 0 < validated < 6 and 0 < tested < 6
+    assert abs(spoiled - validated) > 0.01
+    assert from_ckpt == pytest.approx([validated, validated], rel=1e-5)
     assert again == pytest.approx(validated, rel=1e-5)  # the same model and the same validation windows

@@ -10,6 +10,7 @@ import glob
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,6 +127,28 @@ def test_two_machines_on_loopback_match_the_single_machine_run(single_node, tmp_
         [f"__{r}_0.distcp" for r in range(4)]
 
 
+def test_resume_continues_in_the_run_directory_and_command_line_callbacks_are_used(single_node, tmp_path):
+    """``ckpt_path=<run>/checkpoints/last.ckpt`` continues the 6-step run to step 8 in that run directory (metrics.csv
+    keeps the first run's rows), and ``+callbacks.<name>._target_=...`` is built and used (the learning rate logged)."""
+    cwd, _ = single_node
+    (reference,) = run_dirs(cwd)
+    run_dir = tmp_path / "outputs" / "2020-01-01" / "00-00-00"
+    shutil.copytree(cwd / reference, run_dir, symlinks=True)
+    args = [a for a in SMALL if not a.startswith(("trainer.max_steps=", "sample."))] + [
+        "trainer.max_steps=8", "sample.max_new_tokens=0", f"ckpt_path={run_dir}/checkpoints/last.ckpt",
+        "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor"]
+    run = tp2d_train(args, tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert run_dirs(tmp_path) == ["outputs/2020-01-01/00-00-00"]  # no new run directory
+    assert f"in its run directory {run_dir} (logs/metrics.csv continues" in (run_dir / "train.log").read_text()
+    train, val, _ = losses(run_dir)
+    first_train, first_val, _ = losses(cwd / reference)
+    assert len(train) == 8 and train[:6] == first_train and val == first_val  # (no validation after step 6)
+    with open(run_dir / "logs" / "metrics.csv", newline="") as f:
+        assert [float(r["lr-AdamW/pg1"]) > 0 for r in csv.DictReader(f) if r.get("lr-AdamW/pg1")] == [True, True]
+    assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == "step=8.ckpt"
+
+
 def test_multirun_launches_each_job_once_in_its_own_folder(tmp_path):
     args = ["-m", "experiment=quick", "trainer.max_steps=2,3", "trainer.val_check_interval=2",
             "trainer.limit_val_batches=1", "data.max_tokens=20000", "sample.max_new_tokens=0"]
@@ -144,7 +167,7 @@ def test_multirun_launches_each_job_once_in_its_own_folder(tmp_path):
 def long_run_until_checkpoint(cwd: Path, every: int, step: int) -> subprocess.Popen:
     """A 4-process ``experiment=quick`` run of 500 steps saving every ``every`` steps, in its own process group,
     returned once the checkpoint of ``step`` is complete (for signal tests)."""
-    args = ["experiment=quick", "trainer.max_steps=500", f"checkpoint.every_n_train_steps={every}",
+    args = ["experiment=quick", "trainer.max_steps=500", f"callbacks.model_checkpoint.every_n_train_steps={every}",
             "trainer.val_check_interval=1000", "data.max_tokens=20000"]
     proc = subprocess.Popen(command(args), cwd=cwd, env=environment(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
