@@ -28,6 +28,7 @@ HEAD = r"tp2d-train|-m lightning_tp2d\.train|bash recipes/[\w./]+|sbatch recipes
 COMMAND = re.compile(rf"({HEAD})((?:(?!{HEAD})[^`\n|#;])*)")
 OVERRIDE = re.compile(r"^[+~]{0,2}[\w./@-]+=\S*$")
 PLACEHOLDER = re.compile(r"[<>$\[\]]|\.\.\.")
+LIST_CHOICE = re.compile(r"^[\w.]+=\[[\w,]+\]$")  # options of a group listed together: callbacks=[default,x]
 
 
 def cfg_job(args: list[str], capsys, monkeypatch) -> dict:
@@ -50,7 +51,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                 tokens = []
                 for token in tail.split():
                     token = token.strip(",.'\"")
-                    if PLACEHOLDER.search(token) or not token:
+                    if (PLACEHOLDER.search(token) and not LIST_CHOICE.match(token)) or not token:
                         continue
                     if not OVERRIDE.match(token):
                         break  # prose after the command
