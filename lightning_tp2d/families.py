@@ -215,5 +215,44 @@ class _LayoutPlans(Mapping):
 register_family(_gpt2_family())
 
 
+# ---- Llama ---------------------------------------------------------------------------------------------------
+
+
+def _llama_roles(model: nn.Module) -> list[tuple[str, str]]:
+    roles = [("model.embed_tokens", "embed")]
+    for i in range(len(model.model.layers)):
+        prefix = f"model.layers.{i}"
+        roles += [(f"{prefix}.self_attn", "attn"), (f"{prefix}.mlp", "mlp"), (f"{prefix}.input_layernorm", "norm"),
+                  (f"{prefix}.post_attention_layernorm", "norm")]
+    return roles + [("model.norm", "norm"), ("lm_head", "lm_head" if model.config.tie_embeddings else "untied_head")]
+
+
+def _llama_sizes(config: Any, layout: Layout) -> list[tuple[str, int]]:
+    heads = [("n_head", config.n_head), ("n_kv_head", config.n_kv_head)] if layout.splits_heads else []
+    return heads + [("n_embd", config.n_embd), ("intermediate_size", config.intermediate_size)]
+
+
+def _llama_2d(layout: Layout) -> dict[str, type]:
+    from lightning_tp2d.nn import LMHead2D, TokenEmbedding2D
+    from lightning_tp2d.nn.llama2d import LlamaAttention2D, RMSNorm2D, SwiGLU2D, UntiedLMHead2D
+
+    return {"embed": TokenEmbedding2D, "norm": RMSNorm2D, "attn": LlamaAttention2D, "mlp": SwiGLU2D,
+            "lm_head": LMHead2D, "untied_head": UntiedLMHead2D}
+
+
+def _llama_family() -> ModelFamily:
+    from lightning_tp2d.models.llama import Llama, LlamaConfig
+
+    # Roles: embed (model.embed_tokens), norm (every RMSNorm), attn, mlp, lm_head (tied: from embed_tokens' parallel
+    # weight) or untied_head (its own weight). Plans so far: "2d" only.
+    return ModelFamily(
+        name="llama", model_class=Llama, config_class=LlamaConfig, module_roles=_llama_roles,
+        plans={"2d": _llama_2d}, blocks="model.layers",
+        tied=lambda model: {"lm_head": "model.embed_tokens"} if model.config.tie_embeddings else {},
+        split_sizes=_llama_sizes, config_key="llama_configs")
+
+
+register_family(_llama_family())
+
 __all__ = ["ModelFamily", "families", "family_of", "family_of_config", "fused_qkv_suffixes", "get_family",
            "register_family", "unregister_family"]
