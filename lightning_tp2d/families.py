@@ -169,7 +169,7 @@ def _gpt2_roles(model: nn.Module) -> list[tuple[str, str]]:
     return roles + [("transformer.ln_f", "norm"), ("lm_head", "lm_head")]
 
 
-def _gpt2_export_hf(*args, **kwargs):
+def _gpt2_export_hf(*args, **kwargs):  # export_hf writes GPT-2 or Llama, by the model (or checkpoint) it gets
     from lightning_tp2d.export import export_hf
 
     return export_hf(*args, **kwargs)
@@ -249,7 +249,7 @@ def _llama_family() -> ModelFamily:
         name="llama", model_class=Llama, config_class=LlamaConfig, module_roles=_llama_roles,
         plans={"2d": _llama_2d}, blocks="model.layers",
         tied=lambda model: {"lm_head": "model.embed_tokens"} if model.config.tie_embeddings else {},
-        split_sizes=_llama_sizes, config_key="llama_configs")
+        split_sizes=_llama_sizes, export_hf=_gpt2_export_hf, config_key="llama_configs")
 
 
 register_family(_llama_family())

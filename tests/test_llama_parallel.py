@@ -191,3 +191,155 @@ def test_a_registered_user_family_is_parallelized_with_its_own_plan():
         assert out["family"] == "mygpt" and out["mlp"] == "_CountingMLP"
         assert out["calls"] == GPT2Config.from_name("gpt2-tiny").n_layer
         assert abs(out["loss"][0] - out["loss"][1]) <= 1e-5 * out["loss"][0]
+
+
+# ---- checkpoints: sharded and full, resharded, on one device, exported ---------------------------------------
+
+
+def _save_2x2(rank, world_size, directory):
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from lightning_tp2d import checkpoint as ckpt
+
+    cfg = LlamaConfig.from_name("llama-tiny")  # GQA, untied
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.model = Llama(cfg)
+    tp.parallelize(module.model, tp.init_mesh("2d", world_size, 1), "2d")
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    idx, targets = _batch(cfg.vocab_size, 4, 12)
+    module.model(idx, targets).backward()
+    optimizer.step()
+    info = {"tp2d": {"llama_configs": {"model": vars(cfg)}}, "global_step": 1}
+    barrier = lambda name: dist.barrier()  # noqa: E731
+    ckpt.save({**info, "state_dict": module.state_dict(keep_vars=True),
+               "optimizer_states": [ckpt.sharded_optimizer_state(module, optimizer)]},
+              Path(directory) / "sharded.ckpt", rank=rank, sharded=True, barrier=barrier)
+    ckpt.save({**info, "state_dict": ckpt.full_model_state(module, rank),
+               "optimizer_states": [ckpt.full_optimizer_state(module, optimizer, rank)]},
+              Path(directory) / "full.ckpt", rank=rank, sharded=False, barrier=barrier)
+    exp_avg = optimizer.state[module.model.model.layers[1].self_attn.k_proj.weight]["exp_avg"]
+    return ({k: v.numpy() for k, v in tp.full_state_dict(module).items()}, ckpt._full(exp_avg).numpy())
+
+
+def _load_3x3(rank, world_size, directory):
+    from pathlib import Path
+
+    from lightning_tp2d import checkpoint as ckpt
+
+    torch.manual_seed(1)  # other weights than the saved ones
+    module = nn.Module()
+    module.model = Llama(LlamaConfig.from_name("llama-tiny"))
+    tp.parallelize(module.model, tp.init_mesh("2d", world_size, 1), "2d")
+    out = {}
+    for name in ("sharded.ckpt", "full.ckpt"):
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        meta = ckpt.load_into(module, [optimizer], Path(directory) / name)
+        exp_avg = optimizer.state[module.model.model.layers[1].self_attn.k_proj.weight]["exp_avg"]
+        out[name] = ({k: v.numpy() for k, v in tp.full_state_dict(module).items()}, meta["global_step"],
+                     ckpt._full(exp_avg).numpy())
+    return out
+
+
+def test_llama_checkpoints_reshard_load_on_one_device_and_export_to_transformers(tmp_path):
+    import numpy as np
+
+    from lightning_tp2d import checkpoint as ckpt
+
+    weights, exp_avg = run_distributed(_save_2x2, 4, str(tmp_path))[0]
+    assert not any(ckpt._is_qkv(k) for k in weights)  # separate q/k/v: plain boxes, no [3, n/3] view
+    for out in run_distributed(_load_3x3, 9, str(tmp_path)):  # 2x2 -> 3x3 (vocab 257 in other blocks)
+        for name, (state, step, avg) in out.items():
+            assert step == 1 and list(state) == list(weights), name
+            assert all(np.array_equal(state[k], weights[k]) for k in weights), name
+            assert np.array_equal(avg, exp_avg) and np.abs(avg).max() > 0, name
+    for name in ("sharded.ckpt", "full.ckpt"):  # one device, no process group
+        plain = Llama(LlamaConfig.from_name("llama-tiny"))
+        plain.load_state_dict({k[len("model."):]: v for k, v in ckpt.read_state_dict(tmp_path / name).items()})
+        assert all(np.array_equal(v.numpy(), weights["model." + k]) for k, v in plain.state_dict().items())
+        loaded = tp.load_llama(tmp_path / name)  # the config recorded in the checkpoint
+        assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), plain.state_dict().values()))
+    transformers = pytest.importorskip("transformers")
+    out = tp.export_hf(tmp_path / "sharded.ckpt", tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    idx = torch.randint(0, 257, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, plain.eval()(idx), rtol=1e-5, atol=1e-5)
+
+
+# ---- Lightning: the strategy finds and parallelizes a Llama --------------------------------------------------
+
+FIT_STEPS = 8
+
+
+def _fit_llama(rank, world_size, strategy):
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from lightning_tp2d.data import ByteTokenizer, TokenWindows, load_tokens
+
+    class LlamaModule(L.LightningModule):
+        """What a user writes: a Llama and a training step, no parallel code."""
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.llama = Llama(LlamaConfig.from_name("llama-tiny"))
+
+        def training_step(self, batch, batch_idx):
+            loss = self.llama(*batch)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    class Losses(L.Callback):
+        def __init__(self):
+            self.losses = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(trainer.callback_metrics["train_loss"].item())
+
+    losses = Losses()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, callbacks=[losses], max_steps=FIT_STEPS)
+    windows = TokenWindows(load_tokens(None, ByteTokenizer(), 20_000), block_size=32)
+    if strategy == "auto":  # the order Lightning's distributed sampler gives a training set: shuffled, seed 0
+        loader = DataLoader(windows, batch_size=4, sampler=DistributedSampler(windows, 1, 0, shuffle=True, seed=0))
+    else:
+        loader = DataLoader(windows, batch_size=4)
+    module = LlamaModule()
+    trainer.fit(module, loader)
+    attn = type(module.llama.model.layers[0].self_attn).__name__
+    return losses.losses, attn, trainer.strategy.checkpoint_info(module) if strategy != "auto" else None
+
+
+def test_tp2d_strategy_trains_a_module_holding_a_llama_like_one_device():
+    from tests.lightning_ranks import run_ranks
+
+    results = run_ranks(_fit_llama, 4, "tp2d")
+    losses, attn, info = results[0]
+    assert attn == "LlamaAttention2D" and all(r[0] == losses for r in results)
+    assert info["llama_configs"]["llama"]["n_kv_head"] == 6 and info["gpt2_configs"] == {}
+    ref, attn1, _ = run_ranks(_fit_llama, 1, "auto")[0]
+    assert attn1 == "LlamaAttention" and len(losses) == len(ref) == FIT_STEPS
+    worst = max(abs(a - b) for a, b in zip(losses, ref))
+    assert worst <= 2e-5, f"losses differ from the single-device run by up to {worst:.2e}"
+    assert losses[-1] < losses[0]
+
+
+def test_activation_checkpointing_finds_the_llama_blocks():
+    cfg = LlamaConfig.from_name("llama-tiny")
+    torch.manual_seed(0)
+    plain = Llama(cfg)
+    wrapped = tp.checkpoint_activations(copy.deepcopy(plain), "full")
+    assert all(hasattr(block.forward, "recomputes") for block in wrapped.model.layers)
+    idx, targets = _batch(cfg.vocab_size, 2, 10)
+    plain(idx, targets).backward()
+    wrapped(idx, targets).backward()
+    for (name, p), p0 in zip(wrapped.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, p0.grad, rtol=0, atol=0, msg=name)
