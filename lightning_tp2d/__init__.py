@@ -25,7 +25,8 @@ __all__ = [
     "GPT2", "GPT2Config", "GPT2LightningModule", "ParallelDims", "TP2DStrategy", "TextDataModule", "export_hf",
     "full_state_dict", "gpt2_state_dict", "init_mesh", "load_gpt2", "load_hf_weights", "local_parameter_bytes",
     "parallelize", "read_state_dict", "Layout", "Grid2D", "Ring", "GridRing", "get_layout", "register_layout",
-    "RingOptions", "TPOptions", "checkpoint_activations", "Llama", "LlamaConfig",
+    "RingOptions", "TPOptions", "checkpoint_activations", "Llama", "LlamaConfig", "ModelFamily", "register_family",
+    "family_of", "load_llama", "llama_state_dict",
 ]
 
 # public name -> the module that defines it (imported on first access)
@@ -36,12 +37,14 @@ _EXPORTS = {
     "checkpoint_activations": "parallelize",
     "read_state_dict": "checkpoint",
     "export_hf": "export", "gpt2_state_dict": "export", "load_gpt2": "export", "load_hf_weights": "export",
+    "load_llama": "export", "llama_state_dict": "export",
     "TextDataModule": "data",
     "GPT2LightningModule": "module",
     "TP2DStrategy": "strategy",
     "Layout": "layouts", "Grid2D": "layouts", "Ring": "layouts", "GridRing": "layouts", "get_layout": "layouts",
     "register_layout": "layouts",
     "RingOptions": "options", "TPOptions": "options",
+    "ModelFamily": "families", "register_family": "families", "family_of": "families",
 }
 # names that are also submodules: importing ``lightning_tp2d.parallelize`` must not rebind ``tp.parallelize``
 _SHADOWED = {name for name, module in _EXPORTS.items() if name == module}

@@ -12,8 +12,9 @@ Two formats (``TP2DStrategy(save_distributed_checkpoint=...)``):
 The layout trap: "2d" keeps q, k and v of one head group on one rank, so a rank's block of the fused
 ``c_attn`` ``[3h, in]`` is three separate row blocks (``_StridedShard``), which is not a box and which DCP cannot
 describe. The sharded format therefore stores every ``attn.c_attn`` weight, bias and their optimizer states as
-``[3, h, ...]`` (q/k/v first), whatever the layout: there the block is a box. A shard no box describes is
-gathered and saved whole (correct, only slower).
+``[3, h, ...]`` (q/k/v first), whatever the layout (the model family names its fused q/k/v keys:
+:attr:`~lightning_tp2d.families.ModelFamily.fused_qkv`; Llama's separate projections need none): there the
+block is a box. A shard no box describes is gathered and saved whole (correct, only slower).
 
 Reading a checkpoint on one device and exporting to transformers live in :mod:`lightning_tp2d.export`.
 
@@ -44,11 +45,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_tp2d.families import fused_qkv_suffixes
 from lightning_tp2d.zero import full_param_groups, sharding_of
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 CHECKSUMS = "checksums.json"  # sizes and digests of a sharded checkpoint's files
-QKV = ("attn.c_attn.weight", "attn.c_attn.bias")
 MODEL = "state_dict."
 _dcp_save = dcp.save  # indirection so tests can interrupt a save
 
@@ -74,7 +75,10 @@ def _unview_shape(key: str, shape) -> tuple[int, ...]:
 
 
 def _is_qkv(key: str) -> bool:
-    return key.endswith(QKV) or any(key.rsplit(".", 1)[0].endswith(s) for s in QKV)
+    """Whether ``key`` (a parameter, or an optimizer state ``<parameter>.<field>``) is a fused q/k/v tensor of a
+    registered model family (GPT-2's ``attn.c_attn``; keys carry no model, so every family's suffixes count)."""
+    fused = fused_qkv_suffixes()
+    return bool(fused) and (key.endswith(fused) or any(key.rsplit(".", 1)[0].endswith(s) for s in fused))
 
 
 def box_view(t: torch.Tensor, qkv: bool) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """What the Trainer strategy (:class:`~lightning_tp2d.strategy.TP2DStrategy`) and the Fabric strategy
 (:class:`~lightning_tp2d.fabric.TP2DFabricStrategy`) share: the arguments and their checks, resolving the
 tensor- and data-parallel sizes, the mesh, finding and parallelizing the :class:`~lightning_tp2d.models.GPT2`
-modules (meta-device models from one seed or a transformers directory, eager ones made identical on every rank,
-then activation checkpointing and ``torch.compile``), and what a checkpoint records about the run.
+(or other registered model family: :mod:`lightning_tp2d.families`) modules (meta-device models from one seed or
+a transformers directory, eager ones made identical on every rank, then activation checkpointing and
+``torch.compile``), and what a checkpoint records about the run.
 
 A mixin: the Lightning base class (Trainer's or Fabric's ``ModelParallelStrategy``) brings ``num_nodes``,
 ``num_processes``, ``root_device``, ``broadcast`` and the process group; nothing here imports Lightning.
@@ -18,16 +19,17 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
+from lightning_tp2d.families import family_of, family_of_config, model_names
 from lightning_tp2d.layouts import STRATEGY_NAMES, Layout, get_layout, handle_of
 from lightning_tp2d.mesh import ParallelDims, as_timeout, init_mesh
-from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 from lightning_tp2d.training import broadcast_module_
 from lightning_tp2d.zero import ZERO_STAGES
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
-__all__ = ["SUPPORTED_PRECISION", "TensorParallelCore", "compile_options", "find_gpt2_config"]
+__all__ = ["SUPPORTED_PRECISION", "TensorParallelCore", "compile_options", "find_gpt2_config", "find_model_config"]
 
 
 def compile_options(compile: bool | str | dict | None) -> dict | None:
@@ -47,15 +49,24 @@ def compile_options(compile: bool | str | dict | None) -> dict | None:
     return options
 
 
-def find_gpt2_config(module: nn.Module | None) -> GPT2Config | None:
-    """The config of the (first) GPT2 inside ``module``, or of a ``config`` attribute before it is built."""
+def find_model_config(module: nn.Module | None) -> Any:
+    """The config of the (first) model of a registered family (:mod:`lightning_tp2d.families`: GPT2, Llama ...)
+    inside ``module``, or of a ``config`` attribute of such a family's config class before the model is built."""
     if module is None:
         return None
     for m in module.modules():
-        if isinstance(m, GPT2):
+        if family_of(m) is not None:
             return m.config
     config = getattr(module, "config", None)
-    return config if isinstance(config, GPT2Config) else None
+    return config if family_of_config(config) is not None else None
+
+
+find_gpt2_config = find_model_config  # the name from when GPT2 was the only model
+
+
+def _models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, model)`` of every model of a registered family inside ``module``."""
+    return [(name, m) for name, m in module.named_modules() if family_of(m) is not None]
 
 
 class TensorParallelCore:
@@ -149,8 +160,9 @@ class TensorParallelCore:
             dp = world // tp
         dims = ParallelDims(self.layout_spec, tp, dp)
         dims.check_world_size(world)
-        if config is not None:
-            dims.check_model(config.n_head, config.n_embd)
+        family = family_of_config(config)
+        if family is not None:  # the family's sizes (heads, key/value heads, MLP width ...) over the layout's side
+            family.check_model(dims.spec, dims.tensor_parallel_size, config)
         return dims
 
     # ---- environment --------------------------------------------------------------------------------------
@@ -165,7 +177,7 @@ class TensorParallelCore:
         """The mesh a GPT2 inside ``module`` is already parallelized on, when it is this layout and these sizes
         (validate/test after fit, a second Trainer on the same module: its shards stay valid), else a new one."""
         for m in module.modules() if module is not None else ():
-            handle = handle_of(m) if isinstance(m, GPT2) else None
+            handle = handle_of(m) if family_of(m) is not None else None
             if handle is None or handle.layout != self.layout_spec:
                 continue
             if (handle.tensor_parallel_size, handle.data_parallel_size) == (dims.tensor_parallel_size,
@@ -178,26 +190,29 @@ class TensorParallelCore:
 
     def _check_model(self, module: nn.Module) -> None:
         """The sizes fit the model's heads and width (a ValueError naming them)."""
-        config = find_gpt2_config(module)
-        if config is not None:
-            self.parallel_dims.check_model(config.n_head, config.n_embd)
+        config = find_model_config(module)
+        family = family_of_config(config)
+        if family is not None:
+            dims = self.parallel_dims
+            family.check_model(dims.spec, dims.tensor_parallel_size, config)
 
     def parallelize_gpt2_modules(self, module: nn.Module, seed: Callable[[], int] | None = None) -> None:
-        """Parallelize every not yet parallel :class:`GPT2` inside ``module`` on this strategy's mesh. A GPT2 built on
+        """Parallelize every not yet parallel :class:`GPT2` (or model of another registered family) inside ``module`` on this strategy's mesh. A GPT2 built on
         the meta device takes its weights from ``module.init_from`` (a transformers GPT-2 directory) when ``module``
         has that attribute set, else from ``seed()`` (the i-th GPT2 from ``seed() + i``: the same full weights on
         every rank, whatever the layout); an eager GPT2 is first made equal to rank 0's."""
-        found = [(name, m) for name, m in module.named_modules() if isinstance(m, GPT2)]
+        found = _models(module)
         if not found:
             raise TypeError(
-                f"{type(module).__name__} holds no lightning_tp2d.models.GPT2: {type(self).__name__} parallelizes the "
-                "GPT2 modules it finds inside the module (build one in __init__ or configure_model)")
+                f"{type(module).__name__} holds no lightning_tp2d.models.GPT2 or other registered model "
+                f"({model_names()}): {type(self).__name__} parallelizes the models it finds inside the module (build "
+                "one in __init__ or configure_model)")
         base = None
         for index, (name, gpt) in enumerate(found):
             done = handle_of(gpt)
             if done is not None:
                 if done.layout != self.layout_spec or done.mesh is not self._device_mesh:
-                    raise ValueError(f"GPT2 {name!r} is already parallelized with layout {done.layout.name!r} on "
+                    raise ValueError(f"{type(gpt).__name__} {name!r} is already parallelized with layout {done.layout.name!r} on "
                                      "another mesh")
                 continue
             if any(p.is_meta for p in gpt.parameters()):
@@ -208,9 +223,11 @@ class TensorParallelCore:
                     parallelize(gpt, self._device_mesh, self.layout_spec)
                 init_from = getattr(module, "init_from", None)  # GPT2LightningModule(init_from=<HF directory>)
                 if init_from is not None:  # before Lightning restores a ckpt_path, which then wins
-                    from lightning_tp2d.export import load_hf_weights
-
-                    load_hf_weights(gpt, init_from)  # tensor by tensor, each rank keeping its shards
+                    load_hf = family_of(gpt).load_hf
+                    if load_hf is None:
+                        raise ValueError(f"init_from: model family {family_of(gpt).name!r} has no transformers "
+                                         "import")
+                    load_hf(gpt, init_from)  # tensor by tensor, each rank keeping its shards
             else:
                 broadcast_module_(gpt, self._device_mesh)
                 parallelize(gpt, self._device_mesh, self.layout_spec)
@@ -219,12 +236,15 @@ class TensorParallelCore:
                 gpt.compile(**self.compile_options)
         left = [n for n, p in module.named_parameters() if p.is_meta]
         if left:
-            raise ValueError(f"parameters outside the GPT2 modules are still on the meta device: {left[:5]}")
+            raise ValueError(f"parameters outside the {'/'.join(sorted({type(m).__name__ for _, m in found}))} modules are "
+                             f"still on the meta device: {left[:5]}")
 
     def checkpoint_info(self, module: nn.Module) -> dict[str, Any]:
         """What a checkpoint records about the run that wrote it (informative; loading needs none of it)."""
         dims = self.parallel_dims
-        configs = {name: vars(m.config) for name, m in module.named_modules() if isinstance(m, GPT2)}
-        return {"layout": dims.layout, "tensor_parallel_size": dims.tensor_parallel_size,
-                "data_parallel_size": dims.data_parallel_size, "zero_stage": self.zero_stage,
-                "gpt2_configs": configs}
+        info = {"layout": dims.layout, "tensor_parallel_size": dims.tensor_parallel_size,
+                "data_parallel_size": dims.data_parallel_size, "zero_stage": self.zero_stage, "gpt2_configs": {}}
+        for name, m in _models(module):  # each family's configs under its key (GPT-2's: gpt2_configs)
+            family = family_of(m)
+            info.setdefault(family.config_key or f"{family.name}_configs", {})[name] = vars(m.config)
+        return info

@@ -18,18 +18,49 @@ import torch
 
 from lightning_tp2d.checkpoint import META, _aliases, _assign, is_sharded, read_state_dict, resolve
 from lightning_tp2d.models.gpt2 import HF_TRANSPOSED, GPT2, GPT2Config, from_hf_key, from_hf_tensor
+from lightning_tp2d.models.llama import Llama, LlamaConfig
+
+# A key every model of the class has (relative to the model), which finds the model's prefix in a checkpoint.
+_MARKERS = {"GPT2": "transformer.wte.weight", "Llama": "model.embed_tokens.weight"}
+
+
+def _model_state_dict(path, kind: str, prefix: str | None) -> dict[str, torch.Tensor]:
+    state = read_state_dict(path)
+    if prefix is None:
+        marker = _MARKERS[kind]
+        found = sorted(k[: -len(marker)] for k in state if k.endswith(marker))
+        if kind == "Llama":  # a Llama under prefix "model." has "model.model.embed_tokens.weight": both end so
+            found = [f for f in found if f + "model.embed_tokens.weight" in state and f + "lm_head.weight" in state]
+        if len(found) != 1:
+            raise ValueError(f"checkpoint holds {len(found)} {kind} models (prefixes {found}); pass prefix=")
+        prefix = found[0]
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def gpt2_state_dict(path, prefix: str | None = None) -> dict[str, torch.Tensor]:
     """The weights of the GPT2 inside a checkpoint under plain ``GPT2`` keys; ``prefix`` (e.g. ``"model."``) picks
     one when the LightningModule holds several."""
-    state = read_state_dict(path)
-    if prefix is None:
-        found = sorted(k[: -len("transformer.wte.weight")] for k in state if k.endswith("transformer.wte.weight"))
-        if len(found) != 1:
-            raise ValueError(f"checkpoint holds {len(found)} GPT2 models (prefixes {found}); pass prefix=")
-        prefix = found[0]
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    return _model_state_dict(path, "GPT2", prefix)
+
+
+def llama_state_dict(path, prefix: str | None = None) -> dict[str, torch.Tensor]:
+    """The weights of the Llama inside a checkpoint under plain ``Llama`` keys (transformers' too); ``prefix`` as in
+    :func:`gpt2_state_dict`."""
+    return _model_state_dict(path, "Llama", prefix)
+
+
+def load_llama(path, config: LlamaConfig | None = None, prefix: str | None = None) -> Llama:
+    """A plain single-device :class:`~lightning_tp2d.models.Llama` with a checkpoint's weights (config from the
+    checkpoint if recorded)."""
+    state = llama_state_dict(path, prefix)
+    if config is None:
+        config = LlamaConfig(**_recorded(resolve(path), prefix, "llama_configs", "Llama"))
+    with torch.device("meta"):
+        model = Llama(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.load_state_dict(state)
+    return model
 
 
 def load_gpt2(path, config: GPT2Config | None = None, prefix: str | None = None) -> GPT2:
@@ -46,19 +77,38 @@ def load_gpt2(path, config: GPT2Config | None = None, prefix: str | None = None)
 
 
 def _recorded_config(path: Path, prefix: str | None) -> GPT2Config:
+    return GPT2Config(**_recorded(path, prefix, "gpt2_configs", "GPT2"))
+
+
+def _recorded(path: Path, prefix: str | None, field: str, kind: str) -> dict:
     meta = torch.load(path / META if is_sharded(path) else path, map_location="cpu", weights_only=False, mmap=True)
-    configs = meta.get("tp2d", {}).get("gpt2_configs", {})
+    configs = meta.get("tp2d", {}).get(field, {})
     key = (prefix or "").rstrip(".")
     if key not in configs and len(configs) == 1:
         key = next(iter(configs))
     if key not in configs:
-        raise ValueError(f"checkpoint records no GPT2 config for {key!r} (has {sorted(configs)}); pass config=")
-    return GPT2Config(**configs[key])
+        raise ValueError(f"checkpoint records no {kind} config for {key!r} (has {sorted(configs)}); pass config=")
+    return configs[key]
 
 
-def export_hf(source, directory, config: GPT2Config | None = None) -> Path:
-    """Write transformers' GPT-2 format (``config.json`` + ``model.safetensors``) from a plain :class:`GPT2` or a
-    checkpoint path; ``GPT2LMHeadModel.from_pretrained(directory)`` loads it."""
+def _is_llama_checkpoint(path) -> bool:
+    path = resolve(path)
+    if is_sharded(path):
+        from lightning_tp2d.checkpoint import MODEL, _stored_tensors
+
+        keys = [k[len(MODEL):] for k in _stored_tensors(path)]
+    else:
+        keys = list(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["state_dict"])
+    return any(k.endswith(_MARKERS["Llama"]) for k in keys) and not any(k.endswith(_MARKERS["GPT2"]) for k in keys)
+
+
+def export_hf(source, directory, config: GPT2Config | LlamaConfig | None = None) -> Path:
+    """Write transformers' format (``config.json`` + ``model.safetensors``) from a plain :class:`GPT2` or
+    :class:`~lightning_tp2d.models.Llama`, or a checkpoint path holding one; ``GPT2LMHeadModel`` /
+    ``LlamaForCausalLM.from_pretrained(directory)`` loads it."""
+    if isinstance(source, Llama) or isinstance(config, LlamaConfig) or (
+            not isinstance(source, GPT2) and config is None and _is_llama_checkpoint(source)):
+        return _export_llama(source if isinstance(source, Llama) else load_llama(source, config), Path(directory))
     model = source if isinstance(source, GPT2) else load_gpt2(source, config)
     cfg = model.config
     directory = Path(directory)
@@ -73,6 +123,28 @@ def export_hf(source, directory, config: GPT2Config | None = None) -> Path:
         "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "resid_pdrop": cfg.dropout,
         "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "scale_attn_weights": True,
         "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1, "tie_word_embeddings": True,
+    }
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    return directory
+
+
+def _export_llama(model: Llama, directory: Path) -> Path:
+    cfg = model.config
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = {k: v.contiguous() for k, v in model.hf_state_dict().items()
+          if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    from safetensors.torch import save_file
+
+    save_file(hf, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_size,
+        "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+        # transformers 5 reads rope_parameters, 4 reads rope_theta (and rope_scaling None)
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": cfg.dropout, "torch_dtype": "float32",
     }
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return directory

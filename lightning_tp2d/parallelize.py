@@ -1,8 +1,9 @@
 """``parallelize(model, mesh, layout)``: turn a plain :class:`~lightning_tp2d.models.GPT2` into its parallel form.
 
 The model file knows nothing about parallelism; this module swaps its submodules, by name, for the parallel
-layers of the layout and shards their weights. ``GPT2.forward`` itself is reused unchanged: the parallel
-``wte`` takes the full ``idx`` and returns this rank's shard, the blocks work on shards, and the parallel
+layers of the layout and shards their weights. Which submodules, and which parallel class replaces each, is
+the model family's plan (:mod:`lightning_tp2d.families`); GPT-2's is described here. ``GPT2.forward`` itself is
+reused unchanged: the parallel ``wte`` takes the full ``idx`` and returns this rank's shard, the blocks work on shards, and the parallel
 ``lm_head`` returns the loss (vocab-parallel) or the gathered logits.
 
 Plan for ``"2d"`` (DESIGN 3.1), per submodule:
@@ -40,53 +41,54 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_tp2d import recompute
+from lightning_tp2d.families import family_of, model_names
 from lightning_tp2d.layouts import Layout, ParallelHandle, get_layout
-from lightning_tp2d.models.gpt2 import GPT2
 from lightning_tp2d.ops import register_mesh
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_tp2d.metp import RingOptions
 
 
-def parallelize(model: GPT2, mesh: DeviceMesh, layout: str | Layout = "2d", *,
-                options: RingOptions | None = None) -> GPT2:
+def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = "2d", *,
+                options: RingOptions | None = None) -> nn.Module:
     """Parallelize ``model`` in place for ``layout`` on ``mesh`` (from :func:`~lightning_tp2d.init_mesh`) and
     return it. Every rank must pass the same plain model: each rank keeps its own shards of it.
 
-    ``layout`` is a name (``"2d"``, ``"metp"``, ``"2d-metp"``) or a :class:`~lightning_tp2d.layouts.Layout`
-    object; ``options`` (a :class:`~lightning_tp2d.metp.RingOptions`) configure the ring kernels. The layout's
-    plan decides which parallel module replaces each role; the model then carries one
-    :class:`~lightning_tp2d.layouts.ParallelHandle` as ``model.tp``.
+    ``model`` is an instance of a registered model family (:mod:`lightning_tp2d.families`: GPT2, Llama, or one a
+    user registered). ``layout`` is a name (``"2d"``, ``"metp"``, ``"2d-metp"``) or a
+    :class:`~lightning_tp2d.layouts.Layout` object; ``options`` (a :class:`~lightning_tp2d.metp.RingOptions`)
+    configure the ring kernels. The family's plan for the layout decides which parallel module replaces each of its
+    roles; the model then carries one :class:`~lightning_tp2d.layouts.ParallelHandle` as ``model.tp``.
 
-    A model built under ``torch.device("meta")`` is materialised here, module by module, with GPT-2 init from
-    the global CPU generator: seed it (the same on every rank) before calling, and the weights equal an eager
-    ``GPT2(config)`` built after the same seed. Shards land on the mesh's device type."""
-    if not isinstance(model, GPT2):
-        raise TypeError(f"parallelize expects a lightning_tp2d.models.GPT2, got {type(model).__name__}")
+    A model built under ``torch.device("meta")`` is materialised here, module by module, with the model's init from
+    the global CPU generator (its ``init_module_``): seed it (the same on every rank) before calling, and the
+    weights equal an eager build after the same seed. Shards land on the mesh's device type."""
+    family = family_of(model)
+    if family is None:
+        raise TypeError(f"parallelize expects a lightning_tp2d.models.GPT2 or another registered model family "
+                        f"({model_names()}), got {type(model).__name__}")
     done = getattr(model, "tp", None)  # ours (a ParallelHandle) or another parallelization's handle (1-D TP)
     if done is not None:
         raise ValueError(f"model is already parallelized with layout {getattr(done, 'name', type(done).__name__)!r}")
     spec = get_layout(layout, options)
     p, dp = spec.sizes_of_mesh(mesh)
     spec.check_tensor_parallel_size(p)
+    family.plan(spec)  # a family without a plan for this layout is refused before anything changes
     register_mesh(mesh)  # the registered ops find it again under torch.compile
-    spec.check_model(p, model.config.n_head, model.config.n_embd)  # dropout is refused by ring layers in training
+    family.check_model(spec, p, model.config)  # dropout is refused by ring layers in training
     # A model built on the meta device is materialised one module at a time, on CPU, initialised in
     # init_weights' order (so a seed gives the same weights as an eager build) and then sharded: no rank
     # ever holds more than one full module.
     materialise = _materialiser(model) if any(p.is_meta for p in model.parameters()) else (lambda name, m: m)
-
-    tr = model.transformer
-    tr.wte = spec.build("wte", materialise("transformer.wte", tr.wte), mesh)
-    tr.wpe = spec.build("wpe", materialise("transformer.wpe", tr.wpe), mesh)
-    for i, block in enumerate(tr.h):
-        prefix = f"transformer.h.{i}"
-        block.ln_1 = spec.build("norm", materialise(f"{prefix}.ln_1", block.ln_1), mesh)
-        block.attn = spec.build("attn", materialise(f"{prefix}.attn", block.attn), mesh)
-        block.ln_2 = spec.build("norm", materialise(f"{prefix}.ln_2", block.ln_2), mesh)
-        block.mlp = spec.build("mlp", materialise(f"{prefix}.mlp", block.mlp), mesh)
-    tr.ln_f = spec.build("norm", materialise("transformer.ln_f", tr.ln_f), mesh)
-    model.lm_head = spec.build("lm_head", tr.wte.weight, mesh)
+    tied = family.tied(model)
+    for path, role in family.module_roles(model):
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        if path in tied:  # built from the (already parallel) weight of the module it is tied to
+            new = family.build(spec, role, model.get_submodule(tied[path]).weight, mesh)
+        else:
+            new = family.build(spec, role, materialise(path, getattr(parent, attr)), mesh)
+        setattr(parent, attr, new)
     model.tp = ParallelHandle(spec, mesh, p, dp)
     return model
 
@@ -94,7 +96,7 @@ def parallelize(model: GPT2, mesh: DeviceMesh, layout: str | Layout = "2d", *,
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
-def _selective(model: GPT2):
+def _selective(model: nn.Module):
     forward = model.forward
 
     def selective(*args, **kwargs):
@@ -107,12 +109,20 @@ def _selective(model: GPT2):
     return selective
 
 
-def _mode_of(model: GPT2) -> str:
+def _mode_of(model: nn.Module) -> str:
     if hasattr(model.forward, "recomputes"):
         return "selective"
-    if any(hasattr(block.forward, "recomputes") for block in model.transformer.h):
+    if any(hasattr(block.forward, "recomputes") for block in _blocks(model)):
         return "full"
     return "none"
+
+
+def _blocks(model: nn.Module):
+    family = family_of(model)
+    if family is None:
+        raise TypeError(f"activation checkpointing expects a registered model family ({model_names()}), got "
+                        f"{type(model).__name__}")
+    return family.block_modules(model)
 
 
 def _recomputed(block: nn.Module):
@@ -127,8 +137,8 @@ def _recomputed(block: nn.Module):
     return checkpointed
 
 
-def checkpoint_activations(model: GPT2, mode: str = "full") -> GPT2:
-    """Activation checkpointing of a (parallel or plain) GPT2's transformer blocks, in place; returns ``model``.
+def checkpoint_activations(model: nn.Module, mode: str = "full") -> nn.Module:
+    """Activation checkpointing of a (parallel or plain) GPT2's (or other registered model's) transformer blocks, in place; returns ``model``.
 
     ``"full"``: each block keeps only its input for the backward and runs its forward again there (its collectives
     included: every rank of a tensor-parallel group recomputes the same blocks in the same order), trading one more
@@ -149,15 +159,16 @@ def checkpoint_activations(model: GPT2, mode: str = "full") -> GPT2:
     if current != "none":
         raise ValueError(f"model already uses activation_checkpointing={current!r}; cannot also apply {mode!r}")
     if mode == "full":
-        for block in model.transformer.h:
+        for block in _blocks(model):
             block.forward = _recomputed(block)
     else:
         model.forward = _selective(model)
     return model
 
 
-def _materialiser(model: GPT2):
-    """``(name, module) -> module`` on CPU with GPT-2 init; call in ``named_modules()`` order."""
+def _materialiser(model: nn.Module):
+    """``(name, module) -> module`` on CPU with the model's init (``model.init_module_``); call in
+    ``named_modules()`` order."""
 
     def materialise(name: str, module: nn.Module) -> nn.Module:
         module.to_empty(device="cpu")

@@ -1,0 +1,258 @@
+"""Model families: what :func:`~lightning_tp2d.parallelize` needs to know about a model class, and a registry.
+
+A :class:`ModelFamily` describes one model class (GPT-2, Llama, or a user's own) by what the package asks of it:
+
+* ``module_roles(model)``: the ordered ``(module path, role)`` pairs that a plan replaces, in materialisation
+  (``named_modules()``) order; a role is a name such as ``"attn"`` that the family's plan maps to a parallel class;
+* ``tied(model)``: the paths whose parallel module is built from another module's parallel weight instead of from
+  the plain module (GPT-2's ``lm_head`` from ``transformer.wte``; a tied Llama's ``lm_head`` from
+  ``model.embed_tokens``);
+* ``plans``: layout name -> a function returning ``{role: parallel class}``; each class is called
+  ``cls(plain_module_or_weight, mesh, options=layout.options)``. A layout missing here cannot parallelize the
+  family (a ``ValueError`` naming the layouts that can);
+* ``split_sizes(config, layout)``: the named sizes that must divide by the layout's side (heads, key/value heads,
+  width, MLP width), checked with one ``ValueError`` naming every number that does not fit;
+* ``fused_qkv``: state-dict key suffixes of fused q/k/v tensors (GPT-2's ``attn.c_attn``): checkpoints store them as
+  ``[3, n/3, ...]`` boxes (:mod:`lightning_tp2d.checkpoint`). Separate q/k/v projections need none;
+* ``blocks``: the path of the ``ModuleList`` of transformer blocks (activation checkpointing);
+* ``export_hf`` / ``load_hf``: the transformers conversion hooks (``None``: not available).
+
+:func:`register_family` makes a family known; :func:`family_of` finds the family of a model (by ``isinstance``, the
+most derived registered class first), so the strategies and ``parallelize`` accept any registered model. GPT-2 and
+Llama are registered on import. Nothing here imports the parallel layers until a plan is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch.nn as nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_tp2d.layouts import Layout
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model class and its parallel plans (module docstring)."""
+
+    name: str
+    model_class: type
+    config_class: type
+    module_roles: Callable[[nn.Module], list[tuple[str, str]]]
+    plans: Mapping[str, Callable[[Any], Mapping[str, type]]]  # layout name -> (layout -> role -> class)
+    blocks: str  # path of the ModuleList of blocks
+    tied: Callable[[nn.Module], Mapping[str, str]] = lambda model: {}
+    split_sizes: Callable[[Any, Any], list[tuple[str, int]]] | None = None
+    fused_qkv: tuple[str, ...] = ()
+    export_hf: Callable[..., Any] | None = None
+    load_hf: Callable[..., Any] | None = None
+    config_key: str = field(default="")  # the key checkpoints record this family's configs under
+
+    # ---- plans ------------------------------------------------------------------------------------------------
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        """The names of the layouts this family has a plan for."""
+        return tuple(self.plans)
+
+    def plan(self, layout: Layout) -> Mapping[str, type]:
+        """Role -> parallel class of this family in ``layout``; ``ValueError`` when the family has no such plan."""
+        make = self.plans.get(layout.name)
+        if make is None:
+            raise ValueError(f"model family {self.name!r} has no plan for layout {layout.name!r} yet; "
+                             f"layouts with a plan: {list(self.plans)}")
+        return make(layout)
+
+    def build(self, layout: Layout, role: str, module: Any, mesh: Any) -> Any:
+        """The parallel module for ``role`` (``module`` itself when the plan keeps the role plain)."""
+        cls = self.plan(layout).get(role)
+        return module if cls is None else cls(module, mesh, options=layout.options)
+
+    # ---- sizes ------------------------------------------------------------------------------------------------
+
+    def sizes(self, config: Any, layout: Layout) -> list[tuple[str, int]]:
+        """The named sizes of ``config`` that ``layout`` splits over its side."""
+        if self.split_sizes is not None:
+            return list(self.split_sizes(config, layout))
+        return ([("n_head", config.n_head)] if layout.splits_heads else []) + [("n_embd", config.n_embd)]
+
+    def model_problems(self, layout: Layout, p: int, config: Any) -> list[str]:
+        q = layout.side(p)
+        return [f"{name}={value} is not divisible by {layout.side_symbol}={q}"
+                for name, value in self.sizes(config, layout) if value % q]
+
+    def check_model(self, layout: Layout, p: int, config: Any, dropout: float = 0.0) -> None:
+        """``ValueError`` naming the numbers when ``config`` cannot be split over ``p`` ranks in ``layout`` (the
+        layout's own message format; the family decides which sizes count)."""
+        bad = self.model_problems(layout, p, config)
+        if bad:
+            fits = [k for k in range(1, 65) if all(v % k == 0 for _, v in self.sizes(config, layout))]
+            raise ValueError(f"layout {layout.name!r}: " + "; ".join(bad) + f"; use {layout.side_symbol} in "
+                             f"{fits or [1]}")
+        layout.check_model(p, config.n_head, config.n_embd, dropout)  # dropout (and anything the layout adds)
+
+    def fits(self, layout: Layout, p: int, config: Any) -> bool:
+        return not layout.size_problem(p) and not self.model_problems(layout, p, config)
+
+    # ---- the model ----------------------------------------------------------------------------------------------
+
+    def block_modules(self, model: nn.Module) -> Iterable[nn.Module]:
+        return model.get_submodule(self.blocks)
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily, *, override: bool = False) -> ModelFamily:
+    """Make ``family`` known by its name and model class (``override`` replaces one of the same name)."""
+    old = _FAMILIES.get(family.name)
+    if old is not None and not override and old is not family:
+        raise ValueError(f"model family {family.name!r} is already registered (for {old.model_class.__name__})")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def unregister_family(name: str) -> None:
+    _FAMILIES.pop(name, None)
+
+
+def families() -> tuple[ModelFamily, ...]:
+    return tuple(_FAMILIES.values())
+
+
+def get_family(name: str) -> ModelFamily:
+    if name not in _FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; registered: {list(_FAMILIES)}")
+    return _FAMILIES[name]
+
+
+def family_of(model: Any) -> ModelFamily | None:
+    """The family of ``model`` (an instance of a registered model class; the most derived class wins), else
+    ``None``."""
+    best = None
+    for fam in _FAMILIES.values():
+        if isinstance(model, fam.model_class) and (best is None or issubclass(fam.model_class, best.model_class)):
+            best = fam
+    return best
+
+
+def family_of_config(config: Any) -> ModelFamily | None:
+    """The family whose config class ``config`` is an instance of, else ``None``."""
+    for fam in _FAMILIES.values():
+        if isinstance(config, fam.config_class):
+            return fam
+    return None
+
+
+def model_names() -> str:
+    """``"GPT2, Llama"``: the registered model classes, for messages."""
+    return ", ".join(f.model_class.__name__ for f in _FAMILIES.values())
+
+
+def fused_qkv_suffixes() -> tuple[str, ...]:
+    """Every registered family's fused q/k/v key suffixes (checkpoint keys carry no model, so all are asked)."""
+    return tuple(s for f in _FAMILIES.values() for s in f.fused_qkv)
+
+
+# ---- GPT-2 ---------------------------------------------------------------------------------------------------
+
+
+def _gpt2_roles(model: nn.Module) -> list[tuple[str, str]]:
+    roles = [("transformer.wte", "wte"), ("transformer.wpe", "wpe")]
+    for i in range(len(model.transformer.h)):
+        prefix = f"transformer.h.{i}"
+        roles += [(f"{prefix}.ln_1", "norm"), (f"{prefix}.attn", "attn"), (f"{prefix}.ln_2", "norm"),
+                  (f"{prefix}.mlp", "mlp")]
+    return roles + [("transformer.ln_f", "norm"), ("lm_head", "lm_head")]
+
+
+def _gpt2_export_hf(*args, **kwargs):  # export_hf writes GPT-2 or Llama, by the model (or checkpoint) it gets
+    from lightning_tp2d.export import export_hf
+
+    return export_hf(*args, **kwargs)
+
+
+def _gpt2_load_hf(*args, **kwargs):
+    from lightning_tp2d.export import load_hf_weights
+
+    return load_hf_weights(*args, **kwargs)
+
+
+def _gpt2_family() -> ModelFamily:
+    from lightning_tp2d.layouts import layout_names
+    from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+
+    # GPT-2's plan is each layout's own (Layout.plan(), whose roles are layouts.ROLES)
+    return ModelFamily(
+        name="gpt2", model_class=GPT2, config_class=GPT2Config, module_roles=_gpt2_roles,
+        plans=_LayoutPlans(layout_names), blocks="transformer.h",
+        tied=lambda model: {"lm_head": "transformer.wte"}, fused_qkv=("attn.c_attn.weight", "attn.c_attn.bias"),
+        export_hf=_gpt2_export_hf, load_hf=_gpt2_load_hf, config_key="gpt2_configs")
+
+
+class _LayoutPlans(Mapping):
+    """GPT-2's plans: every registered layout's :meth:`~lightning_tp2d.layouts.Layout.plan` (a layout registered
+    later is included)."""
+
+    def __init__(self, names: Callable[[], tuple[str, ...]]) -> None:
+        self._names = names
+
+    def __getitem__(self, name: str):
+        if name not in self._names():
+            raise KeyError(name)
+        return lambda layout: layout.plan()
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+register_family(_gpt2_family())
+
+
+# ---- Llama ---------------------------------------------------------------------------------------------------
+
+
+def _llama_roles(model: nn.Module) -> list[tuple[str, str]]:
+    roles = [("model.embed_tokens", "embed")]
+    for i in range(len(model.model.layers)):
+        prefix = f"model.layers.{i}"
+        roles += [(f"{prefix}.self_attn", "attn"), (f"{prefix}.mlp", "mlp"), (f"{prefix}.input_layernorm", "norm"),
+                  (f"{prefix}.post_attention_layernorm", "norm")]
+    return roles + [("model.norm", "norm"), ("lm_head", "lm_head" if model.config.tie_embeddings else "untied_head")]
+
+
+def _llama_sizes(config: Any, layout: Layout) -> list[tuple[str, int]]:
+    heads = [("n_head", config.n_head), ("n_kv_head", config.n_kv_head)] if layout.splits_heads else []
+    return heads + [("n_embd", config.n_embd), ("intermediate_size", config.intermediate_size)]
+
+
+def _llama_2d(layout: Layout) -> dict[str, type]:
+    from lightning_tp2d.nn import LMHead2D, TokenEmbedding2D
+    from lightning_tp2d.nn.llama2d import LlamaAttention2D, RMSNorm2D, SwiGLU2D, UntiedLMHead2D
+
+    return {"embed": TokenEmbedding2D, "norm": RMSNorm2D, "attn": LlamaAttention2D, "mlp": SwiGLU2D,
+            "lm_head": LMHead2D, "untied_head": UntiedLMHead2D}
+
+
+def _llama_family() -> ModelFamily:
+    from lightning_tp2d.models.llama import Llama, LlamaConfig
+
+    # Roles: embed (model.embed_tokens), norm (every RMSNorm), attn, mlp, lm_head (tied: from embed_tokens' parallel
+    # weight) or untied_head (its own weight). Plans so far: "2d" only.
+    return ModelFamily(
+        name="llama", model_class=Llama, config_class=LlamaConfig, module_roles=_llama_roles,
+        plans={"2d": _llama_2d}, blocks="model.layers",
+        tied=lambda model: {"lm_head": "model.embed_tokens"} if model.config.tie_embeddings else {},
+        split_sizes=_llama_sizes, export_hf=_gpt2_export_hf, config_key="llama_configs")
+
+
+register_family(_llama_family())
+
+__all__ = ["ModelFamily", "families", "family_of", "family_of_config", "fused_qkv_suffixes", "get_family",
+           "register_family", "unregister_family"]
