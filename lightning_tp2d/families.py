@@ -228,7 +228,9 @@ def _llama_roles(model: nn.Module) -> list[tuple[str, str]]:
 
 
 def _llama_sizes(config: Any, layout: Layout) -> list[tuple[str, int]]:
-    heads = [("n_head", config.n_head), ("n_kv_head", config.n_kv_head)] if layout.splits_heads else []
+    # head-split layouts split whole heads; otherwise ("metp") the k/v projections' rows are split as blocks
+    heads = ([("n_head", config.n_head), ("n_kv_head", config.n_kv_head)] if layout.splits_heads
+             else [("n_kv_head*head_size", config.n_kv_head * config.head_size)])
     return heads + [("n_embd", config.n_embd), ("intermediate_size", config.intermediate_size)]
 
 
@@ -240,14 +242,22 @@ def _llama_2d(layout: Layout) -> dict[str, type]:
             "lm_head": LMHead2D, "untied_head": UntiedLMHead2D}
 
 
+def _llama_metp(layout: Layout) -> dict[str, type]:
+    from lightning_tp2d.nn.ring import RingLMHead, RingTokenEmbedding
+    from lightning_tp2d.nn.ring_llama import RingLlamaAttention, RingRMSNorm, RingSwiGLU, UntiedRingLMHead
+
+    return {"embed": RingTokenEmbedding, "norm": RingRMSNorm, "attn": RingLlamaAttention, "mlp": RingSwiGLU,
+            "lm_head": RingLMHead, "untied_head": UntiedRingLMHead}
+
+
 def _llama_family() -> ModelFamily:
     from lightning_tp2d.models.llama import Llama, LlamaConfig
 
     # Roles: embed (model.embed_tokens), norm (every RMSNorm), attn, mlp, lm_head (tied: from embed_tokens' parallel
-    # weight) or untied_head (its own weight). Plans so far: "2d" only.
+    # weight) or untied_head (its own weight). Plans so far: "2d" and "metp".
     return ModelFamily(
         name="llama", model_class=Llama, config_class=LlamaConfig, module_roles=_llama_roles,
-        plans={"2d": _llama_2d}, blocks="model.layers",
+        plans={"2d": _llama_2d, "metp": _llama_metp}, blocks="model.layers",
         tied=lambda model: {"lm_head": "model.embed_tokens"} if model.config.tie_embeddings else {},
         split_sizes=_llama_sizes, export_hf=_gpt2_export_hf, config_key="llama_configs")
 

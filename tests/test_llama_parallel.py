@@ -1,9 +1,10 @@
-"""Llama in the "2d" layout against the plain Llama (gloo, CPU), and the model-family registry.
+"""Llama in the "2d" and "metp" layouts against the plain Llama (gloo, CPU), and the model-family registry.
 
 As tests/test_parallel_2d.py for GPT-2: every rank builds the same plain model from one seed, deep-copies and
 parallelizes it, and feeds both the same batch; loss, gathered logits, every gradient and the parameters after one
 AdamW step must match. Covers GQA (llama-tiny: 12 query heads, 6 key/value heads), multi-head attention, tied and
-untied heads, 2x2 and 3x3 grids, meta-device materialisation, and the named-number refusals.
+untied heads, 2x2 and 3x3 grids, meta-device materialisation, and the named-number refusals; "metp" on rings of 2
+and 4 (GQA with g = 2 and 4, multi-head attention, tied and untied heads) in float64.
 """
 
 from __future__ import annotations
@@ -96,6 +97,85 @@ def test_llama_2d_matches_plain_model(world_size, dtype, overrides, meta, tol):
         assert out["step"] <= 10 * tol
 
 
+def _metp_parity(rank, world_size, dtype, overrides):
+    cfg = LlamaConfig.from_name("llama-tiny", **overrides)
+    torch.manual_seed(0)
+    plain = Llama(cfg).to(dtype)
+    par = copy.deepcopy(plain)
+    mesh = tp.init_mesh("metp", world_size, 1)
+    tp.parallelize(par, mesh, layout="metp")
+    idx, targets = _batch(cfg.vocab_size, batch=2, seq=16)  # 16: divisible by 2p for p = 2, 4
+
+    out = {"names": [n for n, _ in par.named_parameters()] == [n for n, _ in plain.named_parameters()],
+           "init": max(_rel(p.full_tensor(), p0) for p, p0 in zip(par.parameters(), plain.parameters())),
+           "placements": {n.rsplit(".", 2)[-2]: str(p.placements[1]) for n, p in par.named_parameters()
+                          if n.startswith("model.layers.0.") or not n.startswith("model.layers.")},
+           "attn": type(par.model.layers[0].self_attn).__name__, "head": type(par.lm_head).__name__}
+    loss0, loss1 = plain(idx, targets), par(idx, targets)
+    loss0.backward()
+    loss1.backward()
+    out["loss"] = (loss0.item(), loss1.item())
+    with torch.no_grad():
+        logits = par(idx)
+        out["logits_shape"] = tuple(logits.shape)
+        out["logits"] = _rel(logits, plain(idx))
+    out["grads"] = {n: _rel(p.grad.full_tensor(), p0.grad)
+                    for (n, p), p0 in zip(par.named_parameters(), plain.parameters())}
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    for model in (plain, par):
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1).step()
+    full, ref = tp.full_state_dict(par), plain.state_dict()
+    out["keys"] = list(full) == list(ref)
+    out["step"] = max(((full[k] - ref[k]).norm() / (ref[k] - before[k]).norm().clamp_min(1e-30)).item()
+                      for k in ref)
+    out["tied"] = par.lm_head.weight is par.model.embed_tokens.weight
+    return out
+
+
+@pytest.mark.parametrize("world_size, overrides", [
+    (2, {}),  # GQA (12 / 6 heads, g = 2), untied head
+    (4, {"n_kv_head": 3, "tie_embeddings": True}),  # GQA g = 4 (24 k/v rows: 6 per rank), tied head
+    (2, {"n_kv_head": 12, "tie_embeddings": True}),  # multi-head attention, tied head
+], ids=["ring2-gqa-untied", "ring4-gqa4-tied", "ring2-mha-tied"])
+def test_llama_metp_matches_plain_model(world_size, overrides):
+    tol = 1e-10  # float64
+    tied = overrides.get("tie_embeddings", False)
+    for out in run_distributed(_metp_parity, world_size, torch.float64, overrides):
+        assert out["names"] and out["keys"]
+        assert out["attn"] == "RingLlamaAttention"
+        assert out["head"] == ("RingLMHead" if tied else "UntiedRingLMHead")
+        assert out["tied"] == tied
+        assert out["init"] == 0.0
+        place = out["placements"]
+        assert place["q_proj"] == place["k_proj"] == place["v_proj"] == place["gate_proj"] == "S(0)"
+        assert place["o_proj"] == place["down_proj"] == "S(1)"
+        assert place["input_layernorm"] == place["norm"] == "R"
+        assert place["embed_tokens"] == "S(0)"
+        assert tied or place["lm_head"] == "S(0)"
+        loss0, loss1 = out["loss"]
+        assert abs(loss1 - loss0) <= tol * abs(loss0)
+        assert out["logits_shape"] == (2, 16, 257)
+        assert out["logits"] <= tol
+        assert len(out["grads"]) == (20 if tied else 21)
+        bad = {n: r for n, r in out["grads"].items() if not r <= tol}
+        assert not bad, bad
+        assert out["step"] <= 10 * tol
+
+
+def test_llama_metp_sizes_that_do_not_split_are_refused_naming_the_numbers():
+    fam, ring = get_family("llama"), get_layout("metp")
+    cfg = LlamaConfig.from_name("llama-tiny", n_kv_head=1, intermediate_size=250)  # 8 k/v rows
+    with pytest.raises(ValueError, match=r"layout 'metp': intermediate_size=250 is not divisible by p=4; "
+                                         r"use p in \[1, 2\]"):
+        fam.check_model(ring, 4, cfg)
+    with pytest.raises(ValueError, match=r"layout 'metp': n_kv_head\*head_size=8 is not divisible by p=16; "
+                                         r"intermediate_size=264 is not divisible by p=16; use p in \[1, 2, 4, 8\]"):
+        fam.check_model(ring, 16, LlamaConfig.from_name("llama-tiny", n_kv_head=1))
+    fam.check_model(ring, 4, LlamaConfig.from_name("llama-tiny", n_head=6, n_kv_head=3, n_embd=48))  # heads: any
+    assert fam.fits(ring, 4, LlamaConfig.from_name("llama-tiny"))
+    assert not fam.fits(ring, 5, LlamaConfig.from_name("llama-tiny"))
+
+
 def test_llama_sizes_that_do_not_split_are_refused_naming_the_numbers():
     fam, grid = get_family("llama"), get_layout("2d")
     cfg = LlamaConfig.from_name("llama-tiny", n_head=6, n_kv_head=3, n_embd=48)  # hs 8; 3 kv heads on q = 2
@@ -114,8 +194,8 @@ def _refusals(rank, world_size):
     out = {}
     bad = Llama(LlamaConfig.from_name("llama-tiny", n_head=6, n_kv_head=3, n_embd=48))
     for name, call in (("kv", lambda: tp.parallelize(bad, mesh, "2d")),
-                       ("metp", lambda: tp.parallelize(Llama(LlamaConfig.from_name("llama-tiny")),
-                                                       tp.init_mesh("metp", world_size, 1), "metp"))):
+                       ("2d-metp", lambda: tp.parallelize(Llama(LlamaConfig.from_name("llama-tiny")),
+                                                          tp.init_mesh("2d-metp", world_size, 1), "2d-metp"))):
         try:
             call()
             out[name] = None
@@ -128,7 +208,7 @@ def _refusals(rank, world_size):
 def test_llama_parallelize_refusals_come_before_any_change():
     for out in run_distributed(_refusals, 4):
         assert "n_kv_head=3 is not divisible by q=2" in out["kv"]
-        assert "model family 'llama' has no plan for layout 'metp' yet" in out["metp"]
+        assert "model family 'llama' has no plan for layout '2d-metp' yet" in out["2d-metp"]
         assert out["untouched"] == "LlamaAttention"
 
 
