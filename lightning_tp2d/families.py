@@ -250,14 +250,23 @@ def _llama_metp(layout: Layout) -> dict[str, type]:
             "lm_head": RingLMHead, "untied_head": UntiedRingLMHead}
 
 
+def _llama_2d_metp(layout: Layout) -> dict[str, type]:
+    from lightning_tp2d.nn.grid_metp import LMHead2DMetp, TokenEmbedding2DMetp
+    from lightning_tp2d.nn.llama2d import RMSNorm2D, SwiGLU2D
+    from lightning_tp2d.nn.ring_llama import LlamaAttention2DMetp, UntiedLMHead2DMetp
+
+    return {"embed": TokenEmbedding2DMetp, "norm": RMSNorm2D, "attn": LlamaAttention2DMetp, "mlp": SwiGLU2D,
+            "lm_head": LMHead2DMetp, "untied_head": UntiedLMHead2DMetp}
+
+
 def _llama_family() -> ModelFamily:
     from lightning_tp2d.models.llama import Llama, LlamaConfig
 
     # Roles: embed (model.embed_tokens), norm (every RMSNorm), attn, mlp, lm_head (tied: from embed_tokens' parallel
-    # weight) or untied_head (its own weight). Plans so far: "2d" and "metp".
+    # weight) or untied_head (its own weight). Plans: "2d", "metp" and "2d-metp".
     return ModelFamily(
         name="llama", model_class=Llama, config_class=LlamaConfig, module_roles=_llama_roles,
-        plans={"2d": _llama_2d, "metp": _llama_metp}, blocks="model.layers",
+        plans={"2d": _llama_2d, "metp": _llama_metp, "2d-metp": _llama_2d_metp}, blocks="model.layers",
         tied=lambda model: {"lm_head": "model.embed_tokens"} if model.config.tie_embeddings else {},
         split_sizes=_llama_sizes, export_hf=_gpt2_export_hf, config_key="llama_configs")
 

@@ -10,6 +10,7 @@ and 4 (GQA with g = 2 and 4, multi-head attention, tied and untied heads) in flo
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -97,14 +98,14 @@ def test_llama_2d_matches_plain_model(world_size, dtype, overrides, meta, tol):
         assert out["step"] <= 10 * tol
 
 
-def _metp_parity(rank, world_size, dtype, overrides):
+def _metp_parity(rank, world_size, dtype, overrides, layout="metp"):
     cfg = LlamaConfig.from_name("llama-tiny", **overrides)
     torch.manual_seed(0)
     plain = Llama(cfg).to(dtype)
     par = copy.deepcopy(plain)
-    mesh = tp.init_mesh("metp", world_size, 1)
-    tp.parallelize(par, mesh, layout="metp")
-    idx, targets = _batch(cfg.vocab_size, batch=2, seq=16)  # 16: divisible by 2p for p = 2, 4
+    mesh = tp.init_mesh(layout, world_size, 1)
+    tp.parallelize(par, mesh, layout=layout)
+    idx, targets = _batch(cfg.vocab_size, batch=2, seq=16)  # 16: divisible by 2p for p = 2, 4 (2q for q = 2)
 
     out = {"names": [n for n, _ in par.named_parameters()] == [n for n, _ in plain.named_parameters()],
            "init": max(_rel(p.full_tensor(), p0) for p, p0 in zip(par.parameters(), plain.parameters())),
@@ -162,6 +163,26 @@ def test_llama_metp_matches_plain_model(world_size, overrides):
         assert out["step"] <= 10 * tol
 
 
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_head": 12, "tie_embeddings": True}],
+                         ids=["2x2-gqa-untied", "2x2-mha-tied"])
+def test_llama_2d_metp_matches_plain_model(overrides):
+    tol = 1e-10  # float64
+    tied = overrides.get("tie_embeddings", False)
+    for out in run_distributed(_metp_parity, 4, torch.float64, overrides, "2d-metp"):
+        assert out["names"] and out["keys"] and out["tied"] == tied
+        assert out["attn"] == "LlamaAttention2DMetp"
+        assert out["head"] == ("LMHead2DMetp" if tied else "UntiedLMHead2DMetp")
+        assert out["init"] == 0.0
+        loss0, loss1 = out["loss"]
+        assert abs(loss1 - loss0) <= tol * abs(loss0)
+        assert out["logits_shape"] == (2, 16, 257)
+        assert out["logits"] <= tol
+        assert len(out["grads"]) == (20 if tied else 21)
+        bad = {n: r for n, r in out["grads"].items() if not r <= tol}
+        assert not bad, bad
+        assert out["step"] <= 10 * tol
+
+
 def test_llama_metp_sizes_that_do_not_split_are_refused_naming_the_numbers():
     fam, ring = get_family("llama"), get_layout("metp")
     cfg = LlamaConfig.from_name("llama-tiny", n_kv_head=1, intermediate_size=250)  # 8 k/v rows
@@ -174,6 +195,11 @@ def test_llama_metp_sizes_that_do_not_split_are_refused_naming_the_numbers():
     fam.check_model(ring, 4, LlamaConfig.from_name("llama-tiny", n_head=6, n_kv_head=3, n_embd=48))  # heads: any
     assert fam.fits(ring, 4, LlamaConfig.from_name("llama-tiny"))
     assert not fam.fits(ring, 5, LlamaConfig.from_name("llama-tiny"))
+    assert fam.layouts == ("2d", "metp", "2d-metp")
+    without = dataclasses.replace(fam, plans={"2d": fam.plans["2d"]})  # a family lacking a plan is refused by name
+    with pytest.raises(ValueError, match=r"model family 'llama' has no plan for layout 'metp' yet; "
+                                         r"layouts with a plan: \['2d'\]"):
+        without.plan(ring)
 
 
 def test_llama_sizes_that_do_not_split_are_refused_naming_the_numbers():
@@ -194,8 +220,7 @@ def _refusals(rank, world_size):
     out = {}
     bad = Llama(LlamaConfig.from_name("llama-tiny", n_head=6, n_kv_head=3, n_embd=48))
     for name, call in (("kv", lambda: tp.parallelize(bad, mesh, "2d")),
-                       ("2d-metp", lambda: tp.parallelize(Llama(LlamaConfig.from_name("llama-tiny")),
-                                                          tp.init_mesh("2d-metp", world_size, 1), "2d-metp"))):
+                       ("2d-metp", lambda: tp.parallelize(bad, tp.init_mesh("2d-metp", world_size, 1), "2d-metp"))):
         try:
             call()
             out[name] = None
@@ -208,7 +233,7 @@ def _refusals(rank, world_size):
 def test_llama_parallelize_refusals_come_before_any_change():
     for out in run_distributed(_refusals, 4):
         assert "n_kv_head=3 is not divisible by q=2" in out["kv"]
-        assert "model family 'llama' has no plan for layout '2d-metp' yet" in out["2d-metp"]
+        assert "layout '2d-metp': n_kv_head=3 is not divisible by q=2" in out["2d-metp"]
         assert out["untouched"] == "LlamaAttention"
 
 

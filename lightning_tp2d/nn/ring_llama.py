@@ -33,6 +33,10 @@ RMSNorm weights                            R, R             stay; gradients summ
 Sizes that must divide by ``p``: ``n_embd`` (q rows, ``o_proj`` columns), ``n_kv_head*head_size`` (k/v rows) and
 ``intermediate_size``; the sequence length by ``2p``. The two kernels here are registered custom ops
 (:func:`~lightning_tp2d.ops.registered`), like the GPT-2 ring kernels.
+
+Layout ``"2d-metp"`` (end of the module): Llama's ``"2d"`` layers with rows holding zigzag chunks; only the
+attention (:class:`LlamaAttention2DMetp`, :func:`ring_gqa_attention` along ``row``) and the untied head
+(:class:`UntiedLMHead2DMetp`) differ; embedding and tied head are GPT-2's ``"2d-metp"`` ones.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from lightning_tp2d.metp import (RingOptions, acc_dtype, attend_block, attend_bl
                                  ring_forward, ring_options, visible)
 from lightning_tp2d.models.llama import apply_rope, rms_norm, rope_cache
 from lightning_tp2d.nn.functional import autocast_operands, axis_index, shard_parameter, sum_grad_along
+from lightning_tp2d.nn.grid_metp import LMHead2DMetp
+from lightning_tp2d.nn.llama2d import LlamaAttention2D, UntiedLMHead2D
 from lightning_tp2d.nn.ring import AXIS, REPLICATED, RingLinear, RingLMHead, refuse_attention_dropout
 from lightning_tp2d.nn.ring_stream import HeadBlocks
 from lightning_tp2d.nn.sequence import zigzag_positions
@@ -291,5 +297,38 @@ class UntiedRingLMHead(RingLMHead):
         return f"vocab_size={self.vocab_size}, untied, vocab block of {self.block_rows} rows"
 
 
-__all__ = ["RingLlamaAttention", "RingRMSNorm", "RingSwiGLU", "UntiedRingLMHead", "ring_gqa_attention",
-           "ring_swiglu"]
+# ---- "2d-metp": the grid with rows splitting the sequence -------------------------------------------------------
+
+
+class LlamaAttention2DMetp(LlamaAttention2D):
+    """Layout ``"2d-metp"`` (:mod:`lightning_tp2d.nn.grid_metp`): rank ``(r, c)`` holds ``x_rc [B, S, h/q]``, the
+    zigzag chunks ``r`` and ``2q-1-r`` and hidden block ``c``. SUMMA q/k/v projections give query heads
+    ``[c nh/q, (c+1) nh/q)`` and key/value heads ``[c nkv/q, (c+1) nkv/q)`` of the row's tokens, RoPE uses their
+    absolute positions, and :func:`ring_gqa_attention` runs along ``row`` (the ranks holding the other chunks of
+    the same head group); SUMMA output projection."""
+
+    def __init__(self, attn: nn.Module, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
+        super().__init__(attn, mesh, options=options)
+        self.mesh, self.options = mesh, ring_options(options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        refuse_attention_dropout(self)
+        B, S, _ = x.shape  # (B, S, h/q)
+        hs = self.head_size
+        r, q = axis_index(self.mesh, "row")
+        q_ = self.q_proj(x).view(B, S, self.local_heads, hs).transpose(1, 2)  # (B, nh/q, S, hs)
+        k = self.k_proj(x).view(B, S, self.local_kv_heads, hs).transpose(1, 2)  # (B, nkv/q, S, hs)
+        v = self.v_proj(x).view(B, S, self.local_kv_heads, hs).transpose(1, 2)
+        cos, sin = rope_cache(zigzag_positions(S * q, q, r, x.device), hs, self.rope_theta)
+        q_, k = apply_rope(q_, cos, sin), apply_rope(k, cos, sin)
+        y = ring_gqa_attention(q_, torch.stack([k, v]), self.mesh, "row", options=self.options)
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, self.local_heads * hs))
+
+
+class UntiedLMHead2DMetp(UntiedLMHead2D, LMHead2DMetp):
+    """An untied head in ``"2d-metp"``: :class:`~lightning_tp2d.nn.llama2d.UntiedLMHead2D`'s weight and logits,
+    :class:`~lightning_tp2d.nn.grid_metp.LMHead2DMetp`'s zigzag targets and gathered logits."""
+
+
+__all__ = ["LlamaAttention2DMetp", "RingLlamaAttention", "RingRMSNorm", "RingSwiGLU", "UntiedLMHead2DMetp",
+           "UntiedRingLMHead", "ring_gqa_attention", "ring_swiglu"]
