@@ -13,14 +13,17 @@ import pytest
 import torch
 
 import lightning_tp2d as tp
-from lightning_tp2d.models import GPT2, GPT2Config
+from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
 from tests.distributed import run_distributed
 
 
-def _model(layout: str, mesh, **overrides):
-    cfg = GPT2Config.from_name("gpt2-tiny", n_head=4, dropout=0.0, **overrides)
+def _model(layout: str, mesh, family: str = "gpt2", **overrides):
+    if family == "llama":
+        cfg = LlamaConfig.from_name("llama-tiny", n_layer=1, **overrides)
+    else:
+        cfg = GPT2Config.from_name("gpt2-tiny", n_head=4, dropout=0.0, **overrides)
     torch.manual_seed(0)
-    model = tp.parallelize(GPT2(cfg), mesh, layout)
+    model = tp.parallelize((Llama if family == "llama" else GPT2)(cfg), mesh, layout)
     model.validate_inputs = False  # value checks would read the device (the LightningModule checks the host batch)
     return model, cfg
 
@@ -34,7 +37,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-def _compare(rank: int, world_size: int, layouts, backend: str) -> dict:
+def _compare(rank: int, world_size: int, layouts, backend: str, family: str = "gpt2") -> dict:
     from torch._dynamo.utils import counters
 
     out = {}
@@ -42,8 +45,8 @@ def _compare(rank: int, world_size: int, layouts, backend: str) -> dict:
         torch._dynamo.reset()
         counters.clear()
         mesh = tp.init_mesh(layout, world_size, 1)
-        eager, cfg = _model(layout, mesh)
-        compiled_model, _ = _model(layout, mesh)
+        eager, cfg = _model(layout, mesh, family)
+        compiled_model, _ = _model(layout, mesh, family)
         compiled = torch.compile(compiled_model, backend=backend, dynamic=False)
         # SGD: linear in the gradients (AdamW's first step turns 1e-7 gradient differences into lr-sized ones)
         opts = [torch.optim.SGD(m.parameters(), lr=1e-1) for m in (eager, compiled_model)]
@@ -69,6 +72,17 @@ def _compare(rank: int, world_size: int, layouts, backend: str) -> dict:
 def test_every_layout_compiles_to_one_graph_and_matches_eager():
     layouts = ("2d", "metp", "2d-metp")
     for rank, result in enumerate(run_distributed(_compare, 4, layouts, "aot_eager", timeout=600)):
+        for layout in layouts:
+            r = result[layout]
+            assert r["breaks"] == 0 and r["graphs"] == 1, (rank, layout, r)
+            assert r["loss"] < 1e-6 and r["grad"] < 1e-5, (rank, layout, r)
+
+
+@pytest.mark.slow
+def test_llama_ring_layouts_compile_to_one_graph_and_match_eager():
+    """Llama's "metp" and "2d-metp" plans (ring_gqa_attention, ring_swiglu: registered ops) under aot_eager."""
+    layouts = ("metp", "2d-metp")
+    for rank, result in enumerate(run_distributed(_compare, 4, layouts, "aot_eager", "llama", timeout=600)):
         for layout in layouts:
             r = result[layout]
             assert r["breaks"] == 0 and r["graphs"] == 1, (rank, layout, r)
