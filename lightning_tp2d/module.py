@@ -26,18 +26,16 @@ vocab-parallel loss never forms full logits, so a logits-based perplexity metric
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any
 
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 from torchmetrics import Metric
 
-from lightning_tp2d.families import families, family_of_config
+from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import handle_of
+from lightning_tp2d.models import model_config
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.models.llama import Llama, LlamaConfig
 
@@ -72,39 +70,6 @@ class WarmupCosine:
             return (step + 1) / self.warmup
         progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def model_config(model: Any) -> Any:
-    """The config a ``model`` argument stands for: a named size of any registered family (``"gpt2-tiny"``,
-    ``"llama-tiny"`` ...: each family's config class's ``from_name``), a config instance of a registered family
-    (itself), or a config's fields as a dict (the family whose config class has exactly those fields)."""
-    if isinstance(model, str):
-        known = []
-        for fam in families():
-            names = getattr(fam.config_class, "names", None)
-            if names is not None and model in names():
-                return fam.config_class.from_name(model)
-            known += names() if names is not None else []
-        raise ValueError(f"unknown model name {model!r}; named sizes: {known}")
-    if isinstance(model, Mapping):
-        matches = []
-        for fam in families():
-            if not dataclasses.is_dataclass(fam.config_class):
-                continue
-            fields = dataclasses.fields(fam.config_class)
-            required = {f.name for f in fields if f.default is dataclasses.MISSING
-                        and f.default_factory is dataclasses.MISSING}
-            if required <= set(model) <= {f.name for f in fields}:
-                matches.append(fam)
-        if len(matches) != 1:
-            raise ValueError(f"model fields {sorted(model)} match the config of "
-                             f"{[f.name for f in matches] or 'no registered model family'}; pass a config instance "
-                             f"({', '.join(f.config_class.__name__ for f in families())}) or a named size")
-        return matches[0].config_class(**model)
-    if family_of_config(model) is None:
-        raise TypeError(f"model must be a named size, a dict or a config of a registered model family "
-                        f"({', '.join(f.config_class.__name__ for f in families())}), got {type(model).__name__}")
-    return model
 
 
 class GPT2LightningModule(L.LightningModule):
