@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from lightning_tp2d.checkpoint import META, _aliases, _assign, is_sharded, read_state_dict, resolve
+from lightning_tp2d.models import llama as _llama
 from lightning_tp2d.models.gpt2 import HF_TRANSPOSED, GPT2, GPT2Config, from_hf_key, from_hf_tensor
 from lightning_tp2d.models.llama import Llama, LlamaConfig
 
@@ -191,6 +192,38 @@ def hf_config(directory) -> GPT2Config:
         raise ValueError(f"{str(file)!r}: {err}") from None
 
 
+# transformers' LlamaConfig defaults (a config.json may omit them)
+_HF_LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=None, hidden_act="silu",
+                          max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                          rope_theta=10000.0, rope_scaling=None, attention_bias=False, attention_dropout=0.0,
+                          mlp_bias=False, head_dim=None)
+
+
+def hf_llama_config(directory) -> LlamaConfig:
+    """Our :class:`~lightning_tp2d.models.LlamaConfig` for a transformers Llama directory's ``config.json`` (read as
+    JSON); refuses what this model does not implement (:meth:`LlamaConfig.from_hf`)."""
+    file = Path(directory) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{str(directory)!r} is not a transformers Llama directory: no config.json")
+    raw = json.loads(file.read_text())
+    if raw.get("model_type", "llama") != "llama":
+        raise ValueError(f"{str(file)!r} describes a {raw['model_type']!r} model, not 'llama'")
+    try:
+        return LlamaConfig.from_hf(SimpleNamespace(**{**_HF_LLAMA_DEFAULTS, **raw}))
+    except ValueError as err:
+        raise ValueError(f"{str(file)!r}: {err}") from None
+
+
+def hf_model_config(directory) -> GPT2Config | LlamaConfig:
+    """Our config for a transformers directory: :func:`hf_llama_config` for ``model_type`` "llama", else
+    :func:`hf_config` (GPT-2)."""
+    file = Path(directory) / "config.json"
+    if file.is_file() and json.loads(file.read_text()).get("model_type") == "llama":
+        return hf_llama_config(directory)
+    return hf_config(directory)
+
+
 class _HFWeights:
     """The tensors of a transformers directory, read one at a time and never as a whole state dict: safetensors
     through ``safe_open`` (a tensor or rows of one on request), ``pytorch_model.bin`` memory-mapped; sharded
@@ -201,7 +234,7 @@ class _HFWeights:
             if (directory / name).is_file():
                 break
         else:
-            raise FileNotFoundError(f"{str(directory)!r} holds no GPT-2 weights (none of {', '.join(HF_WEIGHT_FILES)})")
+            raise FileNotFoundError(f"{str(directory)!r} holds no model weights (none of {', '.join(HF_WEIGHT_FILES)})")
         self._handles: dict[Path, object] = {}
         if name.endswith(".index.json"):
             weight_map = json.loads((directory / name).read_text())["weight_map"]
@@ -245,15 +278,17 @@ class _HFWeights:
         return handle[key][start:stop] if isinstance(handle, dict) else handle.get_slice(key)[start:stop]
 
 
-def _check_fits(ours: GPT2Config, theirs: GPT2Config, directory) -> None:
+def _check_fits(ours: GPT2Config | LlamaConfig, theirs: GPT2Config | LlamaConfig, directory) -> None:
     """Raise ValueError naming every size of ``ours`` the transformers checkpoint cannot fill."""
+    llama = isinstance(ours, LlamaConfig)
+    names = ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size", "rope_theta",
+             "norm_eps") if llama else ("n_layer", "n_head", "n_embd", "vocab_size")
     problems = [f"{name}: model {getattr(ours, name)}, checkpoint {getattr(theirs, name)}"
-                for name in ("n_layer", "n_head", "n_embd", "vocab_size")
-                if getattr(ours, name) != getattr(theirs, name)]
-    if ours.block_size > theirs.block_size:
+                for name in names if getattr(ours, name) != getattr(theirs, name)]
+    if not llama and ours.block_size > theirs.block_size:  # (Llama's RoPE has no position table: any fits)
         problems.append(f"block_size: model {ours.block_size} exceeds the checkpoint's n_positions "
                         f"{theirs.block_size} (the rows of its position embedding; a smaller block_size is fine)")
-    if not ours.bias:
+    if not llama and not ours.bias:
         problems.append("bias: model False, but GPT-2 checkpoints hold biases")
     if problems:
         raise ValueError(f"transformers checkpoint {str(directory)!r} does not fit this model: " + "; ".join(problems)
@@ -262,8 +297,10 @@ def _check_fits(ours: GPT2Config, theirs: GPT2Config, directory) -> None:
 
 
 @torch.no_grad()
-def load_hf_weights(model: GPT2, directory) -> GPT2:
-    """Fill ``model``'s weights, in place, from a local transformers GPT-2 directory (``config.json`` and
+def load_hf_weights(model: GPT2 | Llama, directory) -> GPT2 | Llama:
+    """Fill ``model``'s weights, in place, from a local transformers GPT-2 directory (a Llama's from a transformers
+    ``LlamaForCausalLM`` / ``LlamaModel`` directory, by the same rules: separate q/k/v tensors, nothing transposed,
+    any ``block_size``) (``config.json`` and
     ``model.safetensors``, a sharded ``model.safetensors.index.json`` or ``pytorch_model.bin``); returns ``model``.
 
     ``model`` may be plain or parallelized with any layout (DTensor parameters; then every rank of the mesh calls
@@ -279,7 +316,9 @@ def load_hf_weights(model: GPT2, directory) -> GPT2:
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"transformers checkpoint directory {str(directory)!r} does not exist")
-    _check_fits(model.config, hf_config(directory), directory)
+    llama = isinstance(model, Llama)
+    _check_fits(model.config, (hf_llama_config if llama else hf_config)(directory), directory)
+    key_of = _llama.from_hf_key if llama else from_hf_key
     if handle_of(model) is None:
         model.tie_weights()  # after to_empty() lm_head is a separate, uninitialised Parameter
     state = model.state_dict(keep_vars=True)
@@ -289,21 +328,21 @@ def load_hf_weights(model: GPT2, directory) -> GPT2:
     names: dict[str, str] = {}  # our key -> stored key
     unexpected = []
     for stored in weights.keys():
-        key = from_hf_key(stored)
+        key = key_of(stored)
         if key is None:
             continue
         if key in names or (key not in live and key not in aliases):
             unexpected.append(stored)
         else:
             names[key] = stored
-    wte = "transformer.wte.weight"
+    wte = "model.embed_tokens.weight" if llama else "transformer.wte.weight"
     if "lm_head.weight" in live and "lm_head.weight" not in names and wte in names:
         names["lm_head.weight"] = names[wte]  # an untied model: its head starts from the embedding, as HF's does
     missing = [k for k in live if k not in names]
     misshaped = []
     for key, stored in names.items():
         shape = tuple(state[key].shape)
-        expected = shape[::-1] if key.endswith(HF_TRANSPOSED) else shape
+        expected = shape[::-1] if not llama and key.endswith(HF_TRANSPOSED) else shape
         got = weights.shape(stored)
         if key == "transformer.wpe.weight" and len(got) == 2 and got[0] >= shape[0]:
             got = (shape[0], got[1])  # truncated to the model's block_size
@@ -314,17 +353,17 @@ def load_hf_weights(model: GPT2, directory) -> GPT2:
                ([f"mis-shaped keys (HF layout): {misshaped}"] if misshaped else [])
     if not problems and "lm_head.weight" in aliases and "lm_head.weight" in names and not _same_rows(
             weights, names["lm_head.weight"], names[aliases["lm_head.weight"]]):
-        problems.append("lm_head.weight differs from transformer.wte.weight, but this model ties them")
+        problems.append(f"lm_head.weight differs from {wte}, but this model ties them")
     if problems:
         raise ValueError(f"cannot load transformers checkpoint {str(directory)!r}:\n  " + "\n  ".join(problems))
     for key, tensor in live.items():
-        _copy_one(weights, names[key], key, tensor)
+        _copy_one(weights, names[key], key, tensor, _llama.from_hf_tensor if llama else from_hf_tensor)
     return model
 
 
-def _copy_one(weights: _HFWeights, stored: str, key: str, live: torch.Tensor) -> None:
+def _copy_one(weights: _HFWeights, stored: str, key: str, live: torch.Tensor, convert=from_hf_tensor) -> None:
     """Copy one stored tensor into ``live`` (this rank's shard of it); the full tensor dies on return."""
-    full = from_hf_tensor(key, weights.get(stored))
+    full = convert(key, weights.get(stored))
     if key == "transformer.wpe.weight":
         full = full[: live.shape[0]]
     _assign(live, full)

@@ -268,7 +268,9 @@ def _llama_family() -> ModelFamily:
         name="llama", model_class=Llama, config_class=LlamaConfig, module_roles=_llama_roles,
         plans={"2d": _llama_2d, "metp": _llama_metp, "2d-metp": _llama_2d_metp}, blocks="model.layers",
         tied=lambda model: {"lm_head": "model.embed_tokens"} if model.config.tie_embeddings else {},
-        split_sizes=_llama_sizes, export_hf=_gpt2_export_hf, config_key="llama_configs")
+        split_sizes=_llama_sizes, export_hf=_gpt2_export_hf,
+        load_hf=_gpt2_load_hf,  # (llama-cli) load_hf_weights reads Llama directories too
+        config_key="llama_configs")
 
 
 register_family(_llama_family())

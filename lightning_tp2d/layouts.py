@@ -178,10 +178,18 @@ class Layout:
     # ---- automatic size -----------------------------------------------------------------------------------------
 
     def fits(self, p: int, config: Any = None) -> bool:
-        """Whether ``p`` ranks are a valid replica size, and split ``config``'s heads and width if it is given."""
+        """Whether ``p`` ranks are a valid replica size, and split ``config``'s heads and width if it is given (the
+        sizes its model family names, :meth:`~lightning_tp2d.families.ModelFamily.sizes`)."""
         if self.size_problem(p):
             return False
-        return config is None or not self.model_problems(p, config.n_head, config.n_embd)
+        if config is None:
+            return True
+        from lightning_tp2d.families import family_of_config
+
+        family = family_of_config(config)  # a registered family's own sizes (Llama: key/value heads, MLP width too)
+        if family is not None:
+            return not family.model_problems(self, p, config)
+        return not self.model_problems(p, config.n_head, config.n_embd)
 
     def auto_tensor_parallel_size(self, per_node: int, world: int, config: Any = None) -> int:
         """Largest ``p`` dividing the devices of one node (and so the world) that is valid for this layout and, if

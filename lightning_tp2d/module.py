@@ -1,15 +1,19 @@
-"""``GPT2LightningModule``: GPT-2 language-model training for any strategy, TP2DStrategy included.
+"""``GPT2LightningModule``: causal language-model training (GPT-2, Llama, any registered model family) for any
+strategy, TP2DStrategy included.
 
-The module holds a plain :class:`~lightning_tp2d.models.GPT2` and no parallel code: under
+The module holds a plain model of a registered family (:mod:`lightning_tp2d.families`: a
+:class:`~lightning_tp2d.models.GPT2` or a :class:`~lightning_tp2d.models.Llama`, picked by the ``model`` argument:
+a named size of any family, a config instance, or a config's fields) and no parallel code: under
 :class:`~lightning_tp2d.strategy.TP2DStrategy` it is built on the meta device and the strategy materialises only
 each rank's shards (from ``init_seed``, so the full weights equal an eager build with that seed on one device).
-With ``init_from`` the weights come from a local transformers GPT-2 directory instead (fine-tuning): on one device
-loaded right after the build in ``configure_model``; under TP2DStrategy each rank loads only its shards, tensor by
-tensor, right after the strategy materialised them (:func:`~lightning_tp2d.export.load_hf_weights`), which is before
-Lightning restores a ``ckpt_path``, so a resumed fine-tuning run continues from its checkpoint's weights.
+With ``init_from`` the weights come from a local transformers directory of the same family instead (fine-tuning):
+on one device loaded right after the build in ``configure_model``; under TP2DStrategy each rank loads only its
+shards, tensor by tensor, right after the strategy materialised them (the family's ``load_hf`` hook,
+:func:`~lightning_tp2d.export.load_hf_weights`), which is before Lightning restores a ``ckpt_path``, so a resumed
+fine-tuning run continues from its checkpoint's weights. ``CausalLMModule`` is another name of the same class.
 
 Optimisation: AdamW (the fused kernel where the device has one, else foreach) with decoupled weight decay on
-matrices and embeddings only (no decay on biases and LayerNorm), learning rate ``lr * f(step)`` with linear warmup to 1 over ``warmup_steps`` then cosine decay to
+matrices and embeddings only (no decay on biases, LayerNorm and RMSNorm), learning rate ``lr * f(step)`` with linear warmup to 1 over ``warmup_steps`` then cosine decay to
 ``min_lr_ratio`` at ``max_steps`` (default: the Trainer's estimated optimizer steps).
 
 Token ids are checked on the host batch before it moves to the device (``on_before_batch_transfer``); the model's
@@ -29,8 +33,11 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import Metric
 
+from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import handle_of
+from lightning_tp2d.models import model_config
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+from lightning_tp2d.models.llama import Llama, LlamaConfig
 
 
 class TokenPerplexity(Metric):
@@ -66,11 +73,13 @@ class WarmupCosine:
 
 
 class GPT2LightningModule(L.LightningModule):
-    """GPT-2 language model.
+    """Causal language model: GPT-2, Llama, or a model of any registered family (also named ``CausalLMModule``).
 
     Args:
-        model: a named size (``"gpt2"``, ``"gpt2-medium"`` ... ``"gpt2-tiny"``), a :class:`GPT2Config` or its fields
-            as a dict (what the checkpoint's hyper-parameters record).
+        model: a named size of any registered family (``"gpt2"``, ``"gpt2-medium"`` ... ``"gpt2-tiny"``,
+            ``"llama-tiny"``, ``"llama-mini"``, ``"llama-3.2-1b"`` ...), a config (:class:`GPT2Config`,
+            :class:`~lightning_tp2d.models.LlamaConfig`) or its fields as a dict (what the checkpoint's
+            hyper-parameters record; the family is the one whose config has exactly those fields).
         learning_rate: peak learning rate.
         weight_decay: AdamW decoupled weight decay for weights of dimension >= 2.
         betas, eps: AdamW's.
@@ -78,7 +87,8 @@ class GPT2LightningModule(L.LightningModule):
         max_steps: end of the cosine decay; ``None``: the Trainer's estimated optimizer steps.
         min_lr_ratio: final learning rate as a fraction of ``learning_rate``.
         init_seed: the weights are drawn from this seed, the same whatever the strategy, layout or grid.
-        init_from: a local transformers GPT-2 directory (``config.json`` + ``model.safetensors`` or
+        init_from: a local transformers directory of the model's family (GPT-2 or Llama: ``config.json`` +
+            ``model.safetensors`` or
             ``pytorch_model.bin``) to start from instead of the random init; ``model`` must have its sizes (a smaller
             ``block_size`` is fine), or be ``None`` to take them from its ``config.json``. Recorded in the
             hyper-parameters: ``load_from_checkpoint(path, init_from=None)`` skips re-reading it (the checkpoint's
@@ -90,7 +100,7 @@ class GPT2LightningModule(L.LightningModule):
             the returned ids with its ``decode``.
     """
 
-    def __init__(self, model: str | GPT2Config | dict | None = "gpt2-tiny", learning_rate: float = 6e-4,
+    def __init__(self, model: str | GPT2Config | LlamaConfig | dict | None = "gpt2-tiny", learning_rate: float = 6e-4,
                  weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  warmup_steps: int = 100, max_steps: int | None = None, min_lr_ratio: float = 0.1, init_seed: int = 0,
                  meta_init: bool | None = None, predict_max_new_tokens: int = 32, predict_temperature: float = 1.0,
@@ -99,18 +109,17 @@ class GPT2LightningModule(L.LightningModule):
         if model is None:
             if init_from is None:
                 raise ValueError("model=None takes the sizes from init_from's config.json; pass init_from, or a model")
-            from lightning_tp2d.export import hf_config
+            from lightning_tp2d.export import hf_model_config
 
-            model = hf_config(init_from)
-        if isinstance(model, dict):
-            model = GPT2Config(**model)
-        self.config = model if isinstance(model, GPT2Config) else GPT2Config.from_name(model)
+            model = hf_model_config(init_from)
+        self.config = model_config(model)
+        self.family = family_of_config(self.config)
         self.save_hyperparameters(ignore=["model"])
         self.hparams["model"] = model if isinstance(model, str) else dict(vars(self.config))  # plain types only
         self.init_seed = init_seed
         # read by TP2DStrategy too: it loads this into the shards it materialises from the meta device
         self.init_from = None if init_from is None else str(init_from)
-        self.model: GPT2 | None = None
+        self.model: GPT2 | Llama | None = None
         self.val_perplexity = TokenPerplexity()
 
     # ---- model ---------------------------------------------------------------------------------------------
@@ -127,13 +136,13 @@ class GPT2LightningModule(L.LightningModule):
             torch.manual_seed(self.init_seed)
             if meta:
                 with torch.device("meta"):
-                    self.model = GPT2(self.config)
+                    self.model = self.family.model_class(self.config)
             else:
-                self.model = GPT2(self.config)
+                self.model = self.family.model_class(self.config)
         if self.init_from is not None and not meta:  # a meta model gets them from TP2DStrategy, shard by shard
-            from lightning_tp2d.export import load_hf_weights
-
-            load_hf_weights(self.model, self.init_from)
+            if self.family.load_hf is None:
+                raise ValueError(f"init_from: model family {self.family.name!r} has no transformers loader")
+            self.family.load_hf(self.model, self.init_from)
         # token ids are checked on the host batch before it moves to the device (on_before_batch_transfer), so the
         # training step itself never waits on the device to read them
         self.model.validate_inputs = False
@@ -228,7 +237,7 @@ class GPT2LightningModule(L.LightningModule):
 
 
 @torch.no_grad()
-def sample(model: GPT2, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+def sample(model: GPT2 | Llama, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            seed: int = 0) -> torch.Tensor:
     """``idx [B, T]`` followed by ``max_new_tokens`` tokens sampled from ``model`` (plain or parallelized): from
     ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely (all if ``None``), or greedy for
@@ -266,7 +275,10 @@ def sample(model: GPT2, idx: torch.Tensor, max_new_tokens: int, temperature: flo
     return idx
 
 
-def _input_multiples(model: GPT2) -> tuple[int, int]:
+def _input_multiples(model: GPT2 | Llama) -> tuple[int, int]:
     """``(batch, sequence)`` multiples a parallelized model's input must have (its layout's rule; 1, 1 plain)."""
     handle = handle_of(model)
     return (1, 1) if handle is None else handle.input_multiples
+
+
+CausalLMModule = GPT2LightningModule  # the family-neutral name of the same class

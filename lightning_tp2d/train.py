@@ -1,4 +1,5 @@
-"""``tp2d-train`` (also ``python -m lightning_tp2d.train``): train GPT-2 with tensor parallelism from the command line.
+"""``tp2d-train`` (also ``python -m lightning_tp2d.train``): train GPT-2 or Llama (``model=llama-tiny`` ...) with
+tensor parallelism from the command line.
 
 With no arguments it trains ``gpt2`` (124M) on every GPU of the machine (NCCL, bf16-mixed), or ``gpt2-mini`` on 4
 CPU processes (gloo, one 2x2 grid of the "2d" layout), on the Python documentation with the byte tokenizer. A run
@@ -357,24 +358,54 @@ def check_config(cfg: DictConfig, model) -> str:
             raise ConfigError(f"parallel=single runs one process, but trainer.devices={devices} x trainer.num_nodes="
                               f"{nodes} = {devices * nodes}: use trainer.devices=1, or a tensor-parallel layout "
                               "(parallel=tp2d)")
-        return f"plain GPT-2 ({model.n_layer} layers, {model.n_embd} wide) on one device ({where})"
+        return f"plain {_model_name(model)} ({model.n_layer} layers, {model.n_embd} wide) on one device ({where})"
     if devices is None:
         return f"layout {cfg.parallel.layout!r} on trainer.devices={tr.devices} ({where})"
     return check_layout(cfg.parallel, model, devices, nodes, batch, seq) + f" ({where})"
 
 
+def _model_name(model) -> str:
+    """``GPT2`` / ``Llama``: the model class of ``model``'s (a config's) family, for messages."""
+    from lightning_tp2d.families import family_of_config
+
+    family = family_of_config(model)
+    return "GPT-2" if family is None or family.name == "gpt2" else family.model_class.__name__
+
+
+def _split_sizes(layout, model) -> list[tuple[str, int]]:
+    """The named sizes of ``model`` that ``layout`` splits over its side: its family's rule (GPT-2: heads and width;
+    Llama: key/value heads and MLP width too)."""
+    from lightning_tp2d.families import family_of_config
+
+    family = family_of_config(model)
+    if family is not None:
+        return family.sizes(model, layout)
+    return ([("n_head", model.n_head)] if layout.splits_heads else []) + [("n_embd", model.n_embd)]
+
+
 def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, seq: int) -> str:
-    from lightning_tp2d.layouts import get_layout
+    from lightning_tp2d.families import family_of_config
+    from lightning_tp2d.layouts import STRATEGY_NAMES, get_layout
 
     try:
         layout = get_layout(str(par.layout))
     except ValueError as err:
         raise ConfigError(f"parallel.layout: {err}") from None
+    family = family_of_config(model)
+    if family is not None and layout.name not in family.layouts:  # the family says which layouts it has plans for
+        options = {v: k for k, v in STRATEGY_NAMES.items()}
+        has = [f"parallel={options[n]}" if n in options else f"parallel.layout={n}" for n in family.layouts]
+        raise ConfigError(f"parallel.layout={layout.name!r}: model family {family.name!r} "
+                          f"({family.model_class.__name__}) has no plan for this layout yet; layouts it has: "
+                          f"{list(family.layouts)} (use {' or '.join(has)}, or parallel=single)")
     world = devices * nodes
     here = f"trainer.devices={devices} x trainer.num_nodes={nodes} = {world} processes"
 
     def problem(p: int) -> str | None:
-        return layout.size_problem(p) or "; ".join(layout.model_problems(p, model.n_head, model.n_embd, "model.")) or None
+        q = None if layout.size_problem(p) else layout.side(p)
+        return layout.size_problem(p) or "; ".join(
+            f"model.{name}={value} is not divisible by {layout.side_symbol}={q}"
+            for name, value in _split_sizes(layout, model) if value % q) or None
 
     fitting = [p for p in range(1, world + 1) if world % p == 0 and problem(p) is None]
     tp, dp = par.tensor_parallel_size, par.data_parallel_size
@@ -417,7 +448,9 @@ def no_fit_message(layout, model, devices: int, nodes: int, fitting: list[int]) 
     """Why ``tensor_parallel_size: auto`` found no replica larger than one device, and the device counts, sizes
     and keys that would fit (training whole-model replicas instead has to be asked for: ``allow_fallback``)."""
     sizes = [p for p in range(2, 65) if layout.fits(p, model)][:3]
-    needs = (f"model.n_head={model.n_head} and " if layout.splits_heads else "") + f"model.n_embd={model.n_embd}"
+    split = _split_sizes(layout, model)
+    needs = ", ".join(f"model.{name}={value}" for name, value in split[:-1]) + (" and " if len(split) > 1 else "") \
+        + "model.{}={}".format(*split[-1])
     why = f"layout {layout.name!r} needs a " + (f"q x q grid, q dividing {needs}" if layout.square else
                                                  f"ring whose size divides {needs}")
     ways = []

@@ -147,3 +147,25 @@ def test_compiled_scenario_runs_and_gives_the_eager_loss():
     compiled = run_scenario("single", 1, BenchSpec(steps=1, warmup=1, compile="aot_eager"))
     assert compiled["status"] == "ok", compiled
     assert compiled["loss"] == eager["loss"]  # aot_eager runs the same kernels
+
+
+def test_llama_runs_the_layouts_its_family_has_and_reports_the_others():
+    """``--model llama-tiny``: the family decides the layouts (and sizes); GPT-2-only baselines are reasons, not
+    crashes; a Llama step on a 2x2 grid starts from the single-device loss."""
+    from lightning_tp2d.bench.runner import check_scenario
+    from lightning_tp2d.families import get_family
+    from lightning_tp2d.models import LlamaConfig
+
+    spec = BenchSpec(model="llama-tiny", steps=1, warmup=0)
+    assert spec.config() == LlamaConfig.from_name("llama-tiny")
+    for baseline in ("hf", "tp1d", "tp1d-sp"):
+        assert "baseline is GPT-2 only (model 'llama-tiny' is a Llama)" in run_scenario(baseline, 4, spec)["reason"]
+    for layout in ("metp", "2d-metp"):
+        if layout not in get_family("llama").layouts:  # (ring plans for Llama are being added elsewhere)
+            assert "model family 'llama' (Llama) has no plan for layout" in run_scenario(layout, 4, spec)["reason"]
+    odd = BenchSpec(model="llama-tiny", overrides={"intermediate_size": 265})
+    assert "intermediate_size=265 is not divisible by q=2" in check_scenario("2d", 4, odd, 4, 64)
+    single, grid = run_scenario("single", 1, spec), run_scenario("2d", 4, spec)
+    assert single["status"] == grid["status"] == "ok", (single, grid)
+    assert grid["loss"] == pytest.approx(single["loss"], rel=1e-4) and grid["comm_calls"] > 0
+    assert "model_comm_bytes" not in grid  # the cost model describes GPT-2 only

@@ -20,7 +20,8 @@ from lightning_tp2d.models import GPT2Config
 from lightning_tp2d.train import ConfigError, check_config, device_count
 
 CONF = launch.CONF_DIR
-GROUPS = {"model": ["gpt2", "gpt2-large", "gpt2-medium", "gpt2-mini", "gpt2-tiny", "gpt2-xl"],
+GROUPS = {"model": ["gpt2", "gpt2-large", "gpt2-medium", "gpt2-mini", "gpt2-tiny", "gpt2-xl", "llama-3.2-1b",
+                    "llama-mini", "llama-tiny"],
           "parallel": ["metp", "single", "tp2d", "tp2d_metp"],
           "trainer": ["auto", "cpu", "gpu", "multinode"],
           "data": ["default", "text", "tokens"],
@@ -327,3 +328,43 @@ def test_the_console_script_is_declared():
     assert project["scripts"]["tp2d-train"] == "lightning_tp2d.train:main"
     assert any(dep.startswith("matplotlib") for dep in project["dependencies"])
 
+
+
+# ---- Llama: the family's size rules and plans ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["llama-tiny", "llama-mini", "llama-3.2-1b"])
+def test_llama_model_files_build_their_named_configs(option):
+    from lightning_tp2d.models import LlamaConfig
+
+    cfg = composed(f"model={option}")
+    assert instantiate(cfg.model) == LlamaConfig.from_name(option)
+    assert OmegaConf.to_container(cfg, resolve=True)["module"]["model"]["_target_"] == "lightning_tp2d.LlamaConfig"
+    quick = composed("experiment=quick", f"model={option}")  # the command line's model wins over the recipe's
+    assert quick.model.n_kv_head == LlamaConfig.from_name(option).n_kv_head
+
+
+def test_llama_layouts_follow_the_family_rules():
+    from lightning_tp2d.families import get_family
+    from lightning_tp2d.layouts import get_layout
+    from lightning_tp2d.models import LlamaConfig
+
+    assert checked("model=llama-tiny", "trainer=cpu").startswith("layout '2d': 1 replica(s) x 2x2 grid (p=4)")
+    assert checked("model=llama-tiny", "parallel=single", "trainer.devices=1").startswith("plain Llama (2 layers")
+    unplanned = [lay for lay in ("metp", "2d-metp") if lay not in get_family("llama").layouts]
+    for parallel, layout in (("metp", "metp"), ("tp2d_metp", "2d-metp")):
+        if layout in unplanned:  # (the ring plans are being added: then these layouts simply pass)
+            with pytest.raises(ConfigError, match=rf"parallel.layout='{layout}': model family 'llama' \(Llama\) has "
+                                                  r"no plan for this layout yet; layouts it has: \['2d'"):
+                checked("model=llama-tiny", f"parallel={parallel}")
+    with pytest.raises(ConfigError, match="model.intermediate_size=265 is not divisible by q=2"):
+        checked("model=llama-tiny", "model.intermediate_size=265", "parallel.tensor_parallel_size=4")
+    # auto asks the family: 3 key/value heads split over no 2x2 grid, but over a 3x3 one
+    with pytest.raises(ConfigError, match=r"q dividing model.n_head=12, model.n_kv_head=3, model.n_embd=96 and "
+                                          r"model.intermediate_size=264\). Use trainer.devices=9 \(or"):
+        checked("model=llama-tiny", "model.n_kv_head=3", "trainer=cpu")
+    assert "3x3 grid (p=9)" in checked("model=llama-tiny", "model.n_kv_head=3", "trainer=cpu", "trainer.devices=9",
+                                       "data.batch_size=9")
+    config = LlamaConfig.from_name("llama-tiny", n_kv_head=3)
+    assert get_layout("2d").auto_tensor_parallel_size(4, 4, config) == 1
+    assert get_layout("2d").auto_tensor_parallel_size(9, 9, config) == 9

@@ -75,3 +75,89 @@ def test_generate_under_tensor_parallelism_samples_what_one_device_samples(layou
     assert all(r == results[0] for r in results)  # every rank drew the same tokens
     assert len(out[0]) == 17 and out[0][:5] == [72, 101, 108, 108, 111]
     assert out == ref and greedy == greedy_ref
+
+
+# ---- Llama (and any registered family) through the same module -------------------------------------------------
+
+
+def _llama(**kwargs) -> tp.GPT2LightningModule:
+    module = tp.GPT2LightningModule("llama-tiny", **kwargs)
+    module.configure_model()
+    return module
+
+
+def test_module_builds_the_family_of_its_model_argument():
+    from lightning_tp2d.models import Llama, LlamaConfig
+    from lightning_tp2d.module import CausalLMModule
+
+    assert CausalLMModule is tp.GPT2LightningModule
+    module = _llama(init_seed=4)
+    torch.manual_seed(4)
+    expected = Llama(LlamaConfig.from_name("llama-tiny"))
+    assert type(module.model) is Llama and module.config == LlamaConfig.from_name("llama-tiny")
+    assert all(torch.equal(a, b) for a, b in zip(module.model.state_dict().values(), expected.state_dict().values()))
+    config = LlamaConfig.from_name("llama-tiny", tie_embeddings=True)
+    by_instance = tp.GPT2LightningModule(config)
+    assert by_instance.config is config and by_instance.hparams["model"] == vars(config)
+    again = tp.GPT2LightningModule(by_instance.hparams["model"])  # the dict a checkpoint's hyper-parameters hold
+    assert again.config == config
+    assert tp.GPT2LightningModule(dict(vars(GPT2Config.from_name("gpt2-tiny")))).config == GPT2Config.from_name(
+        "gpt2-tiny")
+    with pytest.raises(ValueError, match=r"unknown GPT-2 config 'llama-huge'.*'gpt2-tiny'.*unknown Llama config "
+                                         r"'llama-huge'.*'llama-tiny'"):
+        tp.GPT2LightningModule("llama-huge")
+    with pytest.raises(ValueError, match="match the config of no registered model family"):
+        tp.GPT2LightningModule({"n_layer": 2})
+
+
+def test_llama_adamw_decays_matrices_only():
+    module = _llama(weight_decay=0.2, max_steps=100)
+    decay, no_decay = module.configure_optimizers()["optimizer"].param_groups
+    names = {id(p): n for n, p in module.named_parameters()}
+    assert {names[id(p)].rsplit(".", 2)[-2] for p in no_decay["params"]} == {
+        "input_layernorm", "post_attention_layernorm", "norm"}
+    assert len(decay["params"]) == 1 + 2 * 7 + 1  # embedding, 7 matrices a layer, untied head
+
+
+def test_llama_init_from_a_transformers_directory(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    source = _llama(init_seed=9)
+    hf_dir = tp.export_hf(source.model, tmp_path / "hf")
+    module = tp.GPT2LightningModule(None, init_from=str(hf_dir), init_seed=1)
+    module.configure_model()
+    assert module.config == source.config
+    assert all(torch.equal(a, b) for a, b in zip(module.model.state_dict().values(),
+                                                 source.model.state_dict().values()))
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+    idx = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(module.model.eval()(idx), hf(idx).logits)
+    other = tp.GPT2LightningModule("llama-mini", init_from=str(hf_dir))
+    with pytest.raises(ValueError, match=r"does not fit this model: n_layer: model 4, checkpoint 2"):
+        other.configure_model()
+
+
+def _llama_generate_and_load(rank, world_size, hf_dir):
+    from lightning_tp2d.export import load_hf_weights
+
+    module = _llama(init_seed=3)
+    plain = copy.deepcopy(module)
+    tp.parallelize(module.model, tp.init_mesh("2d", world_size, 1), "2d")
+    prompt = torch.tensor([[72, 101, 108, 108, 111]])
+    out = module.generate(prompt, 8, temperature=0.8, top_k=20, seed=5)
+    ref = plain.generate(prompt, 8, temperature=0.8, top_k=20, seed=5)
+    load_hf_weights(module.model, hf_dir)  # each rank keeps its shards of the directory's tensors
+    loaded = tp.GPT2LightningModule(None, init_from=hf_dir)
+    loaded.configure_model()
+    idx = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (module.model.eval()(idx) - loaded.model.eval()(idx)).abs().max().item()
+    return out.tolist(), ref.tolist(), diff
+
+
+def test_llama_generates_and_loads_transformers_weights_under_2d(tmp_path):
+    hf_dir = str(tp.export_hf(_llama(init_seed=11).model, tmp_path / "hf"))
+    results = run_distributed(_llama_generate_and_load, 4, hf_dir)
+    out, ref, diff = results[0]
+    assert all(r[0] == out for r in results) and out == ref and len(out[0]) == 13
+    assert max(r[2] for r in results) < 1e-4

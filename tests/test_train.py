@@ -227,3 +227,27 @@ def test_ring_layouts_train_and_sample_from_the_command_line(tmp_path, parallel,
     if log_every == 1:
         assert train[-1] < train[0] - 0.3
     assert (tmp_path / run_dir / "sample.txt").read_text(encoding="utf-8").startswith("The ")
+
+
+def test_llama_trains_on_a_2x2_grid_and_its_checkpoint_exports_to_transformers(tmp_path):
+    """``tp2d-train model=llama-tiny parallel=tp2d``: the LightningModule builds the Llama, the strategy splits it
+    over the grid, the sample is drawn from it, and the checkpoint exports to a LlamaForCausalLM with its logits."""
+    from lightning_tp2d import export_hf, load_llama
+
+    args = ["experiment=quick", "model=llama-tiny", "parallel=tp2d", "parallel.tensor_parallel_size=4",
+            "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+            "trainer.log_every_n_steps=1", "data.max_tokens=20000", "sample.max_new_tokens=8",
+            "trainer.enable_progress_bar=false"]
+    run = tp2d_train(args, tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    train, val, _ = losses(tmp_path / run_dir)
+    assert len(train) == 4 and len(val) == 2 and train[-1] < train[0]
+    assert (tmp_path / run_dir / "sample.txt").read_text(encoding="utf-8").startswith("The ")
+    transformers = pytest.importorskip("transformers")
+    ckpt = tmp_path / run_dir / "checkpoints" / "last.ckpt"
+    model = load_llama(ckpt).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "hf")).eval()
+    idx = torch.randint(0, 257, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx), rtol=1e-4, atol=1e-4)

@@ -63,8 +63,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tp2d-bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small CPU run of every section (about a minute)")
-    ap.add_argument("--model", default="gpt2-tiny", help="GPT2Config name")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="GPT2Config override")
+    ap.add_argument("--model", default="gpt2-tiny", help="a named size of any model family (gpt2-tiny, llama-tiny ...)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model config override")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--p", type=int, default=4, help="ranks of the parallel scenarios")

@@ -5,8 +5,8 @@ A *scenario* is a baseline or a layout (:func:`lightning_tp2d.layouts.layout_nam
 =========  =====  ===========================================================================================
 scenario   ranks  what runs
 =========  =====  ===========================================================================================
-single     1      the plain :class:`~lightning_tp2d.models.GPT2` on one device
-hf         1      transformers' ``GPT2LMHeadModel`` (SDPA attention), same shapes (reference for ``single``)
+single     1      the plain model (:class:`~lightning_tp2d.models.GPT2`, :class:`~lightning_tp2d.models.Llama`) on one device
+hf         1      transformers' ``GPT2LMHeadModel`` (SDPA attention), same shapes (reference for ``single``; GPT-2)
 tp1d       p      PyTorch's 1-D tensor parallelism (:mod:`lightning_tp2d.bench.tp1d`)
 tp1d-sp    p      the same with sequence parallelism (:mod:`lightning_tp2d.bench.tp1d_sp`; seq divisible by p)
 2d         p      TP2D, SUMMA on a q x q grid
@@ -15,7 +15,10 @@ metp       p      METP ring over p ranks
 =========  =====  ===========================================================================================
 
 The baselines are bench scenarios, not layouts; every rule about a layout (valid ``p``, what the model, batch and
-sequence must divide by) is asked of its :class:`~lightning_tp2d.layouts.Layout` object.
+sequence must divide by) is asked of its :class:`~lightning_tp2d.layouts.Layout` object, and of the model's family
+(:mod:`lightning_tp2d.families`: the sizes it splits, the layouts it has a plan for). ``--model`` is a named size of
+any family (``gpt2-tiny``, ``llama-tiny`` ...); the baselines ``hf``, ``tp1d`` and ``tp1d-sp`` and the cost model's
+communication prediction describe GPT-2 only (a Llama's scenario rows leave the prediction columns empty).
 
 Per scenario every rank reports (:func:`measure_rank`): the first loss (the same model and data everywhere, so
 the losses must agree), step times after warm-up, the bytes resident between steps (parameters and optimizer
@@ -51,7 +54,7 @@ class BenchSpec:
     """One benchmark setting, shared by every scenario of a run."""
 
     model: str = "gpt2-tiny"
-    overrides: dict = field(default_factory=dict)  # GPT2Config fields, e.g. {"n_head": 12, "n_layer": 2}
+    overrides: dict = field(default_factory=dict)  # config fields, e.g. {"n_head": 12, "n_layer": 2}
     batch: int = 4
     seq: int = 64
     steps: int = 5  # timed steps (median reported)
@@ -64,10 +67,10 @@ class BenchSpec:
     activation_checkpointing: str = "none"  # for the package's layouts: none | full | selective
 
     def config(self, seq: int | None = None):
-        from lightning_tp2d.models import GPT2Config
+        from lightning_tp2d.models import model_config
 
         seq = self.seq if seq is None else seq
-        base = GPT2Config.from_name(self.model, **self.overrides)
+        base = replace(model_config(self.model), **self.overrides)  # any registered family's named size
         return replace(base, block_size=max(base.block_size, seq))
 
     @property
@@ -92,9 +95,17 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
     before any process starts, so the reason names the numbers."""
     if layout not in SCENARIOS:
         return f"unknown layout {layout!r}; choose from {list(SCENARIOS)}"
+    from lightning_tp2d.families import family_of_config
+
     cfg = spec.config(seq)
+    family = family_of_config(cfg)
     if seq > cfg.block_size:
         return f"seq {seq} > block_size {cfg.block_size}"
+    if family.name != "gpt2" and layout in ("hf", *TP1D):
+        return f"the {layout!r} baseline is GPT-2 only (model {spec.model!r} is a {family.model_class.__name__})"
+    if layout not in BASELINES and layout not in family.layouts:
+        return (f"model family {family.name!r} ({family.model_class.__name__}) has no plan for layout {layout!r} "
+                f"yet; layouts it has: {list(family.layouts)}")
     if layout == "hf" and (not cfg.bias or cfg.dropout):
         return f"transformers' GPT-2 has biases and is compared without dropout (bias={cfg.bias}, dropout={cfg.dropout})"
     if layout in SINGLE_DEVICE:
@@ -112,7 +123,7 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
             return None
         rules = layouts.get_layout(layout)
         rules.check_tensor_parallel_size(p)
-        rules.check_config(p, cfg)
+        family.check_model(rules, p, cfg, getattr(cfg, "dropout", 0.0))  # the family's sizes (Llama: n_kv_head ...)
         rules.check_input(p, batch, seq)
     except ValueError as e:
         return str(e)
@@ -126,6 +137,7 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
     """The model of ``layout`` on this rank, its optimizer and the step function."""
     import torch
 
+    from lightning_tp2d.families import family_of_config
     from lightning_tp2d.models import GPT2
 
     cfg = spec.config(seq)
@@ -145,7 +157,7 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
             raise RuntimeError(f"transformers GPT-2 did not take our weights: missing {missing}, "
                                f"unexpected {result.unexpected_keys}")
     else:
-        model = GPT2(cfg)
+        model = family_of_config(cfg).model_class(cfg)
         if layout == "single":
             model = model.to(device)
         elif layout in TP1D:
@@ -320,8 +332,10 @@ def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict])
         row[key] = max(r[key] for r in ranks)
     row["comm_calls"] = max(sum(v["calls"] for v in r["comm"].values()) for r in ranks)
     row["comm_bytes"] = max(sum(v["bytes"] for v in r["comm"].values()) for r in ranks)
-    if layout != "hf":
-        cfg = spec.config(seq)
+    from lightning_tp2d.models import GPT2Config
+
+    cfg = spec.config(seq)
+    if layout != "hf" and isinstance(cfg, GPT2Config):  # the cost model (and its tracer) describe GPT-2
         if layout not in BASELINES:  # every rank is compared with its own count: trace them in one go
             from lightning_tp2d.bench.trace import trace_steps
 
