@@ -269,7 +269,7 @@ def _llama_family() -> ModelFamily:
         plans={"2d": _llama_2d, "metp": _llama_metp, "2d-metp": _llama_2d_metp}, blocks="model.layers",
         tied=lambda model: {"lm_head": "model.embed_tokens"} if model.config.tie_embeddings else {},
         split_sizes=_llama_sizes, export_hf=_gpt2_export_hf,
-        load_hf=_gpt2_load_hf,  # (llama-cli) load_hf_weights reads Llama directories too
+        load_hf=_gpt2_load_hf,  # load_hf_weights reads Llama directories too
         config_key="llama_configs")
 
 

@@ -351,12 +351,10 @@ def test_llama_layouts_follow_the_family_rules():
 
     assert checked("model=llama-tiny", "trainer=cpu").startswith("layout '2d': 1 replica(s) x 2x2 grid (p=4)")
     assert checked("model=llama-tiny", "parallel=single", "trainer.devices=1").startswith("plain Llama (2 layers")
-    unplanned = [lay for lay in ("metp", "2d-metp") if lay not in get_family("llama").layouts]
-    for parallel, layout in (("metp", "metp"), ("tp2d_metp", "2d-metp")):
-        if layout in unplanned:  # (the ring plans are being added: then these layouts simply pass)
-            with pytest.raises(ConfigError, match=rf"parallel.layout='{layout}': model family 'llama' \(Llama\) has "
-                                                  r"no plan for this layout yet; layouts it has: \['2d'"):
-                checked("model=llama-tiny", f"parallel={parallel}")
+    # the ring plans are Llama's too (a family without a plan is refused naming its layouts: test_llama_parallel.py)
+    ring = checked("model=llama-tiny", "parallel=metp", "trainer=cpu")
+    assert ring.startswith("layout 'metp': 1 replica(s) x ring of 4")
+    assert checked("model=llama-tiny", "parallel=tp2d_metp", "trainer=cpu").startswith("layout '2d-metp'")
     with pytest.raises(ConfigError, match="model.intermediate_size=265 is not divisible by q=2"):
         checked("model=llama-tiny", "model.intermediate_size=265", "parallel.tensor_parallel_size=4")
     # auto asks the family: 3 key/value heads split over no 2x2 grid, but over a 3x3 one

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -329,7 +330,7 @@ def _save_2x2(rank, world_size, directory):
     return ({k: v.numpy() for k, v in tp.full_state_dict(module).items()}, ckpt._full(exp_avg).numpy())
 
 
-def _load_3x3(rank, world_size, directory):
+def _load_3x3(rank, world_size, directory, layout="2d"):
     from pathlib import Path
 
     from lightning_tp2d import checkpoint as ckpt
@@ -337,7 +338,7 @@ def _load_3x3(rank, world_size, directory):
     torch.manual_seed(1)  # other weights than the saved ones
     module = nn.Module()
     module.model = Llama(LlamaConfig.from_name("llama-tiny"))
-    tp.parallelize(module.model, tp.init_mesh("2d", world_size, 1), "2d")
+    tp.parallelize(module.model, tp.init_mesh(layout, world_size, 1), layout)
     out = {}
     for name in ("sharded.ckpt", "full.ckpt"):
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
@@ -355,7 +356,9 @@ def test_llama_checkpoints_reshard_load_on_one_device_and_export_to_transformers
 
     weights, exp_avg = run_distributed(_save_2x2, 4, str(tmp_path))[0]
     assert not any(ckpt._is_qkv(k) for k in weights)  # separate q/k/v: plain boxes, no [3, n/3] view
-    for out in run_distributed(_load_3x3, 9, str(tmp_path)):  # 2x2 -> 3x3 (vocab 257 in other blocks)
+    loaded = run_distributed(_load_3x3, 9, str(tmp_path))  # 2x2 -> 3x3 (vocab 257 in other blocks)
+    loaded += run_distributed(_load_3x3, 4, str(tmp_path), "metp")  # -> a ring of 4 (another layout)
+    for out in loaded:
         for name, (state, step, avg) in out.items():
             assert step == 1 and list(state) == list(weights), name
             assert all(np.array_equal(state[k], weights[k]) for k in weights), name
@@ -423,14 +426,24 @@ def _fit_llama(rank, world_size, strategy):
     return losses.losses, attn, trainer.strategy.checkpoint_info(module) if strategy != "auto" else None
 
 
-def test_tp2d_strategy_trains_a_module_holding_a_llama_like_one_device():
+@functools.cache
+def _one_device_llama_fit():
     from tests.lightning_ranks import run_ranks
 
-    results = run_ranks(_fit_llama, 4, "tp2d")
+    return run_ranks(_fit_llama, 1, "auto")[0]
+
+
+@pytest.mark.parametrize("strategy, devices, attention", [("tp2d", 4, "LlamaAttention2D"),
+                                                           ("metp", 2, "RingLlamaAttention"),
+                                                           ("tp2d_metp", 4, "LlamaAttention2DMetp")])
+def test_the_strategies_train_a_module_holding_a_llama_like_one_device(strategy, devices, attention):
+    from tests.lightning_ranks import run_ranks
+
+    results = run_ranks(_fit_llama, devices, strategy)
     losses, attn, info = results[0]
-    assert attn == "LlamaAttention2D" and all(r[0] == losses for r in results)
+    assert attn == attention and all(r[0] == losses for r in results)
     assert info["llama_configs"]["llama"]["n_kv_head"] == 6 and info["gpt2_configs"] == {}
-    ref, attn1, _ = run_ranks(_fit_llama, 1, "auto")[0]
+    ref, attn1, _ = _one_device_llama_fit()
     assert attn1 == "LlamaAttention" and len(losses) == len(ref) == FIT_STEPS
     worst = max(abs(a - b) for a, b in zip(losses, ref))
     assert worst <= 2e-5, f"losses differ from the single-device run by up to {worst:.2e}"
