@@ -1,8 +1,8 @@
 """``tp2d-generate``: sample text from a checkpoint on one device.
 
 Reads any checkpoint this package writes (a sharded directory or one full file, whatever layout, grid and data
-parallelism trained it; :func:`~lightning_tp2d.export.load_gpt2` reassembles the full weights) or a transformers
-GPT-2 directory (``--hf DIR``, or detected by its ``config.json``), and prints the prompt followed by the sampled
+parallelism trained it, GPT-2 or Llama; :func:`~lightning_tp2d.export.load_gpt2` / ``load_llama`` reassemble the full
+weights) or a transformers GPT-2 or Llama directory (``--hf DIR``, or detected by its ``config.json``), and prints the prompt followed by the sampled
 continuation. The model's sizes come from the checkpoint (what TP2DStrategy records, else the LightningModule's
 ``model`` hyper-parameter), the tokenizer from the run's ``TextDataModule`` hyper-parameters when recorded, else from
 ``--tokenizer`` (default: ``gpt2`` for a 50257-token vocabulary, ``byte`` otherwise). An explicit ``--tokenizer`` wins.
@@ -29,10 +29,10 @@ PROG = "tp2d-generate"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description="Sample text from a lightning_tp2d checkpoint (any "
-                                     "layout, sharded or full) or a transformers GPT-2 directory, on one device.")
+                                     "layout, sharded or full) or a transformers GPT-2 or Llama directory, on one device.")
     parser.add_argument("checkpoint", nargs="?", help="checkpoint: a sharded directory, a full .ckpt file, or a "
-                        "transformers GPT-2 directory (config.json + weights)")
-    parser.add_argument("--hf", metavar="DIR", help="a transformers GPT-2 directory to sample from (instead of "
+                        "transformers GPT-2 or Llama directory (config.json + weights)")
+    parser.add_argument("--hf", metavar="DIR", help="a transformers GPT-2 or Llama directory to sample from (instead of "
                         "CHECKPOINT)")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default 100)")
@@ -71,22 +71,25 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
 
 
 def checkpoint_config(meta: dict[str, Any], path: Path):
-    """The GPT2Config a checkpoint was trained with: TP2DStrategy's record, else GPT2LightningModule's ``model``
-    hyper-parameter (a size name or the config's fields)."""
-    from lightning_tp2d.models.gpt2 import GPT2Config
+    """The model config a checkpoint was trained with (``GPT2Config``, ``LlamaConfig``, ... any registered family):
+    the strategy's record, else the LightningModule's ``model`` hyper-parameter (a size name or the config's
+    fields)."""
+    from lightning_tp2d.families import families
+    from lightning_tp2d.models import model_config
 
-    configs = meta.get("tp2d", {}).get("gpt2_configs", {})
-    if len(configs) == 1:
-        return GPT2Config(**next(iter(configs.values())))
-    if len(configs) > 1:
-        raise ValueError(f"checkpoint {str(path)!r} holds {len(configs)} GPT2 models ({sorted(configs)}); "
-                         "tp2d-generate samples from checkpoints of one")
+    recorded = meta.get("tp2d", {})
+    found = [(family, fields) for family in families() if family.config_key
+             for fields in recorded.get(family.config_key, {}).values()]
+    if len(found) == 1:
+        family, fields = found[0]
+        return family.config_class(**fields)
+    if len(found) > 1:
+        raise ValueError(f"checkpoint {str(path)!r} holds {len(found)} models; tp2d-generate samples from "
+                         "checkpoints of one")
     model = meta.get("hyper_parameters", {}).get("model")
-    if isinstance(model, str):
-        return GPT2Config.from_name(model)
-    if isinstance(model, dict):
-        return GPT2Config(**model)
-    raise ValueError(f"checkpoint {str(path)!r} records no GPT-2 config (neither TP2DStrategy's nor a 'model' "
+    if model is not None:
+        return model_config(model)
+    raise ValueError(f"checkpoint {str(path)!r} records no model config (neither the strategy's nor a 'model' "
                      "hyper-parameter)")
 
 
@@ -101,23 +104,27 @@ def recorded_tokenizer(meta: dict[str, Any]) -> str | None:
 
 
 def load_model(source: str, hf: bool):
-    """``(plain GPT2 on the CPU, recorded tokenizer name or None)`` for a checkpoint or transformers directory."""
+    """``(plain model on the CPU, recorded tokenizer name or None)`` for a checkpoint or transformers directory."""
     import torch
 
     from lightning_tp2d.checkpoint import is_sharded, resolve
-    from lightning_tp2d.export import hf_config, is_hf_directory, load_gpt2, load_hf_weights
-    from lightning_tp2d.models.gpt2 import GPT2
+    from lightning_tp2d.export import hf_model_config, is_hf_directory, load_gpt2, load_hf_weights, load_llama
+    from lightning_tp2d.families import family_of_config
+    from lightning_tp2d.models import LlamaConfig
 
     if hf or (Path(source).is_dir() and not is_sharded(Path(source)) and is_hf_directory(source)):
         if not Path(source).is_dir():
             raise FileNotFoundError(f"transformers checkpoint directory {source!r} does not exist")
+        config = hf_model_config(source)
         with torch.device("meta"):
-            model = GPT2(hf_config(source))
+            model = family_of_config(config).model_class(config)
         model.to_empty(device="cpu")
         return load_hf_weights(model, source), None
     path = resolve(source)
     meta = checkpoint_meta(path)
-    return load_gpt2(path, checkpoint_config(meta, path)), recorded_tokenizer(meta)
+    config = checkpoint_config(meta, path)
+    load = load_llama if isinstance(config, LlamaConfig) else load_gpt2
+    return load(path, config), recorded_tokenizer(meta)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ import lightning_tp2d as tp
 from lightning_tp2d.families import ModelFamily, family_of, get_family, register_family, unregister_family
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
+from lightning_tp2d.data import ByteTokenizer
 from tests.distributed import run_distributed
 
 
@@ -349,7 +350,7 @@ def _load_3x3(rank, world_size, directory, layout="2d"):
     return out
 
 
-def test_llama_checkpoints_reshard_load_on_one_device_and_export_to_transformers(tmp_path):
+def test_llama_checkpoints_reshard_load_on_one_device_and_export_to_transformers(tmp_path, capsys):
     import numpy as np
 
     from lightning_tp2d import checkpoint as ckpt
@@ -369,6 +370,14 @@ def test_llama_checkpoints_reshard_load_on_one_device_and_export_to_transformers
         assert all(np.array_equal(v.numpy(), weights["model." + k]) for k, v in plain.state_dict().items())
         loaded = tp.load_llama(tmp_path / name)  # the config recorded in the checkpoint
         assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), plain.state_dict().values()))
+    from lightning_tp2d import generate
+
+    greedy = ["--prompt", "ab", "--max-new-tokens", "3", "--temperature", "0"]
+    assert generate.main([str(tmp_path / "sharded.ckpt"), *greedy]) == 0  # tp2d-generate on a Llama checkpoint
+    ids = torch.tensor([list(b"ab")])
+    with torch.no_grad():
+        expected = tp.module.sample(plain.eval(), ids, 3, temperature=0)[0].tolist()
+    assert capsys.readouterr().out.strip() == ByteTokenizer().decode(expected).strip()
     transformers = pytest.importorskip("transformers")
     out = tp.export_hf(tmp_path / "sharded.ckpt", tmp_path / "hf")
     hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
