@@ -56,12 +56,7 @@ def load_llama(path, config: LlamaConfig | None = None, prefix: str | None = Non
     state = llama_state_dict(path, prefix)
     if config is None:
         config = LlamaConfig(**_recorded(resolve(path), prefix, "llama_configs", "Llama"))
-    with torch.device("meta"):
-        model = Llama(config)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    model.load_state_dict(state)
-    return model
+    return _plain_model(Llama, config, state)
 
 
 def load_gpt2(path, config: GPT2Config | None = None, prefix: str | None = None) -> GPT2:
@@ -69,8 +64,13 @@ def load_gpt2(path, config: GPT2Config | None = None, prefix: str | None = None)
     state = gpt2_state_dict(path, prefix)
     if config is None:
         config = _recorded_config(resolve(path), prefix)
+    return _plain_model(GPT2, config, state)
+
+
+def _plain_model(cls, config, state: dict[str, torch.Tensor]):
+    """``cls(config)`` on the CPU holding ``state`` (built on the meta device: no random init, no second copy)."""
     with torch.device("meta"):
-        model = GPT2(config)
+        model = cls(config)
     model.to_empty(device="cpu")
     model.tie_weights()
     model.load_state_dict(state)

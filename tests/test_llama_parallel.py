@@ -37,6 +37,29 @@ def _batch(vocab: int, batch: int, seq: int, seed: int = 1):
     return idx, targets
 
 
+def _compare(plain, par, idx, targets, out: dict) -> dict:
+    """Loss, gathered logits, every gradient and one AdamW step of ``par`` against ``plain`` (added to ``out``)."""
+    loss0, loss1 = plain(idx, targets), par(idx, targets)
+    loss0.backward()
+    loss1.backward()
+    out["loss"] = (loss0.item(), loss1.item())
+    with torch.no_grad():
+        logits = par(idx)
+        out["logits_shape"] = tuple(logits.shape)
+        out["logits"] = _rel(logits, plain(idx))
+    out["grads"] = {n: _rel(p.grad.full_tensor(), p0.grad)
+                    for (n, p), p0 in zip(par.named_parameters(), plain.parameters())}
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    for model in (plain, par):
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1).step()
+    full, ref = tp.full_state_dict(par), plain.state_dict()
+    out["keys"] = list(full) == list(ref)
+    out["step"] = max(((full[k] - ref[k]).norm() / (ref[k] - before[k]).norm().clamp_min(1e-30)).item()
+                      for k in ref)
+    out["tied"] = par.lm_head.weight is par.model.embed_tokens.weight
+    return out
+
+
 def _parity(rank, world_size, dtype, overrides, meta):
     q = int(round(world_size ** 0.5))
     cfg = LlamaConfig.from_name("llama-tiny", **overrides)
@@ -57,25 +80,7 @@ def _parity(rank, world_size, dtype, overrides, meta):
     out = {"names": [n for n, _ in par.named_parameters()] == [n for n, _ in plain.named_parameters()],
            "n_params": len(list(par.parameters())) == len(list(plain.parameters())),
            "init": max(_rel(p.full_tensor(), p0) for p, p0 in zip(par.parameters(), plain.parameters()))}
-    loss0, loss1 = plain(idx, targets), par(idx, targets)
-    loss0.backward()
-    loss1.backward()
-    out["loss"] = (loss0.item(), loss1.item())
-    with torch.no_grad():
-        logits = par(idx)
-        out["logits_shape"] = tuple(logits.shape)
-        out["logits"] = _rel(logits, plain(idx))
-    out["grads"] = {n: _rel(p.grad.full_tensor(), p0.grad)
-                    for (n, p), p0 in zip(par.named_parameters(), plain.parameters())}
-    before = {k: v.clone() for k, v in plain.state_dict().items()}
-    for model in (plain, par):
-        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1).step()
-    full, ref = tp.full_state_dict(par), plain.state_dict()
-    out["keys"] = list(full) == list(ref)
-    out["step"] = max(((full[k] - ref[k]).norm() / (ref[k] - before[k]).norm().clamp_min(1e-30)).item()
-                      for k in ref)
-    out["tied"] = par.lm_head.weight is par.model.embed_tokens.weight
-    return out
+    return _compare(plain, par, idx, targets, out)
 
 
 @pytest.mark.parametrize("world_size, dtype, overrides, meta, tol", [
@@ -114,25 +119,18 @@ def _metp_parity(rank, world_size, dtype, overrides, layout="metp"):
            "placements": {n.rsplit(".", 2)[-2]: str(p.placements[1]) for n, p in par.named_parameters()
                           if n.startswith("model.layers.0.") or not n.startswith("model.layers.")},
            "attn": type(par.model.layers[0].self_attn).__name__, "head": type(par.lm_head).__name__}
-    loss0, loss1 = plain(idx, targets), par(idx, targets)
-    loss0.backward()
-    loss1.backward()
-    out["loss"] = (loss0.item(), loss1.item())
-    with torch.no_grad():
-        logits = par(idx)
-        out["logits_shape"] = tuple(logits.shape)
-        out["logits"] = _rel(logits, plain(idx))
-    out["grads"] = {n: _rel(p.grad.full_tensor(), p0.grad)
-                    for (n, p), p0 in zip(par.named_parameters(), plain.parameters())}
-    before = {k: v.clone() for k, v in plain.state_dict().items()}
-    for model in (plain, par):
-        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1).step()
-    full, ref = tp.full_state_dict(par), plain.state_dict()
-    out["keys"] = list(full) == list(ref)
-    out["step"] = max(((full[k] - ref[k]).norm() / (ref[k] - before[k]).norm().clamp_min(1e-30)).item()
-                      for k in ref)
-    out["tied"] = par.lm_head.weight is par.model.embed_tokens.weight
-    return out
+    return _compare(plain, par, idx, targets, out)
+
+
+def _assert_ring_parity(out: dict, tol: float, tied: bool) -> None:
+    loss0, loss1 = out["loss"]
+    assert abs(loss1 - loss0) <= tol * abs(loss0)
+    assert out["logits_shape"] == (2, 16, 257)
+    assert out["logits"] <= tol
+    assert len(out["grads"]) == (20 if tied else 21)
+    bad = {n: r for n, r in out["grads"].items() if not r <= tol}
+    assert not bad, bad
+    assert out["step"] <= 10 * tol
 
 
 @pytest.mark.parametrize("world_size, overrides", [
@@ -155,14 +153,7 @@ def test_llama_metp_matches_plain_model(world_size, overrides):
         assert place["input_layernorm"] == place["norm"] == "R"
         assert place["embed_tokens"] == "S(0)"
         assert tied or place["lm_head"] == "S(0)"
-        loss0, loss1 = out["loss"]
-        assert abs(loss1 - loss0) <= tol * abs(loss0)
-        assert out["logits_shape"] == (2, 16, 257)
-        assert out["logits"] <= tol
-        assert len(out["grads"]) == (20 if tied else 21)
-        bad = {n: r for n, r in out["grads"].items() if not r <= tol}
-        assert not bad, bad
-        assert out["step"] <= 10 * tol
+        _assert_ring_parity(out, tol, tied)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"n_kv_head": 12, "tie_embeddings": True}],
@@ -175,14 +166,7 @@ def test_llama_2d_metp_matches_plain_model(overrides):
         assert out["attn"] == "LlamaAttention2DMetp"
         assert out["head"] == ("LMHead2DMetp" if tied else "UntiedLMHead2DMetp")
         assert out["init"] == 0.0
-        loss0, loss1 = out["loss"]
-        assert abs(loss1 - loss0) <= tol * abs(loss0)
-        assert out["logits_shape"] == (2, 16, 257)
-        assert out["logits"] <= tol
-        assert len(out["grads"]) == (20 if tied else 21)
-        bad = {n: r for n, r in out["grads"].items() if not r <= tol}
-        assert not bad, bad
-        assert out["step"] <= 10 * tol
+        _assert_ring_parity(out, tol, tied)
 
 
 def test_llama_metp_sizes_that_do_not_split_are_refused_naming_the_numbers():
