@@ -12,7 +12,7 @@ A mixin: the Lightning base class (Trainer's or Fabric's ``ModelParallelStrategy
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -196,11 +196,12 @@ class TensorParallelCore:
             dims = self.parallel_dims
             family.check_model(dims.spec, dims.tensor_parallel_size, config)
 
-    def parallelize_gpt2_modules(self, module: nn.Module, seed: Callable[[], int] | None = None) -> None:
-        """Parallelize every not yet parallel :class:`GPT2` (or model of another registered family) inside ``module`` on this strategy's mesh. A GPT2 built on
-        the meta device takes its weights from ``module.init_from`` (a transformers GPT-2 directory) when ``module``
-        has that attribute set, else from ``seed()`` (the i-th GPT2 from ``seed() + i``: the same full weights on
-        every rank, whatever the layout); an eager GPT2 is first made equal to rank 0's."""
+    def parallelize_gpt2_modules(self, module: nn.Module) -> None:
+        """Parallelize every not yet parallel :class:`GPT2` (or model of another registered family) inside ``module``
+        on this strategy's mesh. A model built on the meta device takes its weights from ``module.init_from`` (a
+        transformers directory) when ``module`` has that attribute set, else from a seed: ``module.init_seed`` if it
+        has one, else rank 0's initial seed (the i-th model from ``seed + i``: the same full weights on every rank,
+        whatever the layout); an eager model is first made equal to rank 0's."""
         found = _models(module)
         if not found:
             raise TypeError(
@@ -217,7 +218,8 @@ class TensorParallelCore:
                 continue
             if any(p.is_meta for p in gpt.parameters()):
                 if base is None:
-                    base = int(seed()) if seed is not None else int(self.broadcast(torch.initial_seed()))
+                    base = getattr(module, "init_seed", None)
+                    base = int(self.broadcast(torch.initial_seed()) if base is None else base)
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(base + index)  # the same full weights on every rank, whatever the layout
                     parallelize(gpt, self._device_mesh, self.layout_spec)

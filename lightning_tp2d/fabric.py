@@ -45,7 +45,7 @@ from lightning_tp2d import checkpoint as ckpt
 from lightning_tp2d.core import TensorParallelCore
 from lightning_tp2d.layouts import Layout
 from lightning_tp2d.training import GradientSync, clip_grad_norm_, clip_grad_value_
-from lightning_tp2d.zero import shard_optimizer_state, sharding_of
+from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
 
 __all__ = ["TP2DFabricStrategy"]
 
@@ -95,7 +95,7 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._check_model(module)
-        self.parallelize_gpt2_modules(module, self._seed)
+        self.parallelize_gpt2_modules(module)
         module.to(self.root_device)  # whatever lies outside the GPT2 modules (already on their device)
         if id(module) not in self._grad_syncs:  # data-parallel all-reduces in buckets, overlapping the backward
             self._grad_syncs[id(module)] = GradientSync(module, self.device_mesh)
@@ -120,10 +120,6 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
         if self.zero_stage == 1:
             shard_optimizer_state(optimizer, self.device_mesh)
         return optimizer
-
-    def _seed(self) -> int:
-        """Meta-device GPT2s are drawn from rank 0's initial seed (the same full weights for every layout)."""
-        return int(self.broadcast(torch.initial_seed()))
 
     # ---- gradients ----------------------------------------------------------------------------------------
 
@@ -155,18 +151,14 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
-        norm = clip_grad_norm_(self._clipped(optimizer), max_norm, self.device_mesh, norm_type)
+        norm = clip_grad_norm_(clipped_parameters(optimizer, self.precision.main_params(optimizer)), max_norm, self.device_mesh, norm_type)
         if error_if_nonfinite and not torch.isfinite(norm):  # as torch's clip_grad_norm_ (a host read)
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
         return norm
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
         self.precision.unscale_gradients(optimizer)
-        clip_grad_value_(self._clipped(optimizer), clip_val)
-
-    def _clipped(self, optimizer: Optimizer) -> list[torch.Tensor]:
-        sharding = sharding_of(optimizer)  # with ZeRO the norm still covers every parameter
-        return sharding.params if sharding is not None else list(self.precision.main_params(optimizer))
+        clip_grad_value_(clipped_parameters(optimizer, self.precision.main_params(optimizer)), clip_val)
 
     # ---- checkpoints (lightning_tp2d.checkpoint) ----------------------------------------------------------
 

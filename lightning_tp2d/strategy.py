@@ -39,7 +39,7 @@ from lightning_tp2d.core import TensorParallelCore, find_gpt2_config
 from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.training import GradientSync, clip_grad_norm_, clip_grad_value_
-from lightning_tp2d.zero import shard_optimizer_state, sharding_of
+from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
 
 
 class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
@@ -116,7 +116,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        self.parallelize_gpt2_modules(self.model, self._init_seed)
+        self.parallelize_gpt2_modules(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._install_gradient_clipping()
@@ -134,14 +134,6 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
                     shard_optimizer_state(_unwrap(optimizer), self.device_mesh)
             if self._grad_sync is None:  # data-parallel all-reduces in buckets, overlapping the backward
                 self._grad_sync = GradientSync(self.model, self.device_mesh)
-
-    def _init_seed(self) -> int:
-        """The seed meta-device GPT2s are drawn from (the i-th from ``seed + i``): the LightningModule's
-        ``init_seed`` attribute if it has one, else rank 0's current seed."""
-        seed = getattr(self.lightning_module, "init_seed", None)
-        if seed is None:  # rank 0's seed, so that a meta model materialises alike everywhere
-            seed = self.broadcast(torch.initial_seed())
-        return int(seed)
 
     # ---- gradients ----------------------------------------------------------------------------------------
 
@@ -165,9 +157,8 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
     def _install_gradient_clipping(self) -> None:
         # Lightning clips through the precision plugin; route it to the shard-aware versions (idempotent).
         plugin = self.precision_plugin
-        def params(optimizer):  # with ZeRO the optimizer steps a share, but the norm is the whole model's
-            sharding = sharding_of(_unwrap(optimizer))
-            return plugin.main_params(optimizer) if sharding is None else sharding.params
+        def params(optimizer):
+            return clipped_parameters(_unwrap(optimizer), plugin.main_params(optimizer))
 
         plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(params(optimizer), clip_val,
                                                                                  self.device_mesh)

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from lightning_tp2d.comm import axis_rank, axis_size, broadcast_along
 from lightning_tp2d.layouts import DATA_AXIS
 
-__all__ = ["ShardedOptimizer", "ZERO_STAGES", "full_param_groups", "optimizer_state_bytes", "shard_optimizer_state",
+__all__ = ["ShardedOptimizer", "ZERO_STAGES", "clipped_parameters", "full_param_groups", "optimizer_state_bytes", "shard_optimizer_state",
            "sharding_of"]
 
 ZERO_STAGES = (0, 1)
@@ -184,6 +184,13 @@ def full_param_groups(optimizer) -> list[list[torch.Tensor]]:
     """Every parameter group's full parameter list (also those another replica steps)."""
     sharding = sharding_of(optimizer)
     return sharding.param_groups if sharding is not None else [list(g["params"]) for g in optimizer.param_groups]
+
+
+def clipped_parameters(optimizer, main_params) -> list[torch.Tensor]:
+    """The parameters a gradient clip for ``optimizer`` must cover: with ZeRO every one (the optimizer steps a share,
+    the norm is the whole model's), else ``main_params`` (the precision plugin's view of its parameters)."""
+    sharding = sharding_of(optimizer)
+    return list(main_params) if sharding is None else sharding.params
 
 
 def optimizer_state_bytes(optimizer) -> int:
