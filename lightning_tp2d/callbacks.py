@@ -24,7 +24,10 @@ class StepCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if 0 < trainer.max_steps <= trainer.global_step:  # the last step: saved here, with the data position
+        # the last step, or a step that stops training (a signal: GracefulInterrupt, which runs before checkpoint
+        # callbacks, as does DivergenceGuard, so a non-finite loss is seen before the save): saved here, at the step
+        # boundary with the data position, not after the loop has closed the epoch (resume would skip data)
+        if trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step:
             self.save_now(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -92,10 +95,7 @@ class GracefulInterrupt(Callback):
         signum = int(seen.item()) if isinstance(seen, torch.Tensor) else int(seen)
         if signum:
             self.signum, self.stopped = signum, True
-            trainer.should_stop = True
-            for callback in trainer.checkpoint_callbacks:  # save here, at the step boundary, not after the loop
-                if isinstance(callback, StepCheckpoint):  # ended (which marks the epoch done: resume would skip data)
-                    callback.save_now(trainer)
+            trainer.should_stop = True  # StepCheckpoint saves this step at its boundary
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         for signum, handler in self._previous.items():

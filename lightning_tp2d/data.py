@@ -460,19 +460,6 @@ class TokenWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-class _EveryRank(torch.utils.data.Sampler):
-    """Every index in order, on every rank (Lightning leaves a custom sampler alone: prompts are not split)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self):
-        return iter(range(self.n))
-
-    def __len__(self) -> int:
-        return self.n
-
-
 class ResumableSampler(DistributedSampler):
     """A ``DistributedSampler`` (over data-parallel replicas) that can start its next epoch part-way."""
 
@@ -532,8 +519,9 @@ class TextDataModule(L.LightningDataModule):
         seed: shuffling seed.
         max_tokens: use only the first ``max_tokens`` tokens (quick runs), of each source when ``val_path`` is set.
         num_workers: DataLoader worker processes.
-        prompts: texts for ``trainer.predict``: each is one batch of one sequence, given to every rank (a
-            tensor-parallel group must see the same prompt); the module continues them (``predict_step``).
+        prompts: texts for ``trainer.predict``: each is one batch of one sequence, shared out over the data-parallel
+            replicas (every rank of a tensor-parallel group gets the same ones); the module continues them
+            (``predict_step``).
         val_path: the validation data, a source like ``path`` (e.g. nanoGPT's ``val.bin`` beside ``train.bin``);
             then all of ``path`` is trained on and ``val_fraction`` is ignored. ``None``: the tail of ``path``.
         dtype: the ids of raw ``.bin`` token files: ``"uint16"`` (nanoGPT's format) or ``"uint32"`` (vocabularies
@@ -648,7 +636,7 @@ class TextDataModule(L.LightningDataModule):
         return self.val_dataloader()
 
     def predict_dataloader(self) -> DataLoader:
-        """Each prompt as a ``[1, T]`` batch of token ids, on every rank."""
+        """Each prompt as a ``[1, T]`` batch of token ids (shared out over data-parallel replicas)."""
         if not self.prompts:
             raise ValueError("TextDataModule(prompts=[...]) is needed for trainer.predict: the texts to continue")
         tokenizer = self.tokenizer or ByteTokenizer()
@@ -656,7 +644,9 @@ class TextDataModule(L.LightningDataModule):
         empty = [i for i, t in enumerate(encoded) if t.numel() == 0]
         if empty:
             raise ValueError(f"prompts {empty} encode to no tokens")
-        return DataLoader(encoded, batch_size=1, sampler=_EveryRank(len(encoded)), collate_fn=torch.stack)
+        # Lightning shares the prompts out over the data-parallel replicas (the strategy's sampler arguments), so every
+        # rank of one tensor-parallel group continues the same prompts
+        return DataLoader(encoded, batch_size=1, collate_fn=torch.stack)
 
     def decode(self, ids) -> str:
         return (self.tokenizer or ByteTokenizer()).decode(ids)

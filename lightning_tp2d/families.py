@@ -79,9 +79,10 @@ class ModelFamily:
             return list(self.split_sizes(config, layout))
         return ([("n_head", config.n_head)] if layout.splits_heads else []) + [("n_embd", config.n_embd)]
 
-    def model_problems(self, layout: Layout, p: int, config: Any) -> list[str]:
+    def model_problems(self, layout: Layout, p: int, config: Any, prefix: str = "") -> list[str]:
+        """Each size of ``config`` that ``p`` ranks of ``layout`` cannot split (``prefix``: e.g. ``"model."``)."""
         q = layout.side(p)
-        return [f"{name}={value} is not divisible by {layout.side_symbol}={q}"
+        return [f"{prefix}{name}={value} is not divisible by {layout.side_symbol}={q}"
                 for name, value in self.sizes(config, layout) if value % q]
 
     def check_model(self, layout: Layout, p: int, config: Any, dropout: float = 0.0) -> None:

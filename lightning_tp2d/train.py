@@ -372,17 +372,6 @@ def _model_name(model) -> str:
     return "GPT-2" if family is None or family.name == "gpt2" else family.model_class.__name__
 
 
-def _split_sizes(layout, model) -> list[tuple[str, int]]:
-    """The named sizes of ``model`` that ``layout`` splits over its side: its family's rule (GPT-2: heads and width;
-    Llama: key/value heads and MLP width too)."""
-    from lightning_tp2d.families import family_of_config
-
-    family = family_of_config(model)
-    if family is not None:
-        return family.sizes(model, layout)
-    return ([("n_head", model.n_head)] if layout.splits_heads else []) + [("n_embd", model.n_embd)]
-
-
 def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, seq: int) -> str:
     from lightning_tp2d.families import family_of_config
     from lightning_tp2d.layouts import STRATEGY_NAMES, get_layout
@@ -392,7 +381,9 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
     except ValueError as err:
         raise ConfigError(f"parallel.layout: {err}") from None
     family = family_of_config(model)
-    if family is not None and layout.name not in family.layouts:  # the family says which layouts it has plans for
+    if family is None:
+        raise ConfigError(f"model: {type(model).__name__} is not the config of a registered model family")
+    if layout.name not in family.layouts:  # the family says which layouts it has plans for
         options = {v: k for k, v in STRATEGY_NAMES.items()}
         has = [f"parallel={options[n]}" if n in options else f"parallel.layout={n}" for n in family.layouts]
         raise ConfigError(f"parallel.layout={layout.name!r}: model family {family.name!r} "
@@ -402,10 +393,7 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
     here = f"trainer.devices={devices} x trainer.num_nodes={nodes} = {world} processes"
 
     def problem(p: int) -> str | None:
-        q = None if layout.size_problem(p) else layout.side(p)
-        return layout.size_problem(p) or "; ".join(
-            f"model.{name}={value} is not divisible by {layout.side_symbol}={q}"
-            for name, value in _split_sizes(layout, model) if value % q) or None
+        return layout.size_problem(p) or "; ".join(family.model_problems(layout, p, model, "model.")) or None
 
     fitting = [p for p in range(1, world + 1) if world % p == 0 and problem(p) is None]
     tp, dp = par.tensor_parallel_size, par.data_parallel_size
@@ -448,7 +436,9 @@ def no_fit_message(layout, model, devices: int, nodes: int, fitting: list[int]) 
     """Why ``tensor_parallel_size: auto`` found no replica larger than one device, and the device counts, sizes
     and keys that would fit (training whole-model replicas instead has to be asked for: ``allow_fallback``)."""
     sizes = [p for p in range(2, 65) if layout.fits(p, model)][:3]
-    split = _split_sizes(layout, model)
+    from lightning_tp2d.families import family_of_config
+
+    split = family_of_config(model).sizes(model, layout)
     needs = ", ".join(f"model.{name}={value}" for name, value in split[:-1]) + (" and " if len(split) > 1 else "") \
         + "model.{}={}".format(*split[-1])
     why = f"layout {layout.name!r} needs a " + (f"q x q grid, q dividing {needs}" if layout.square else
