@@ -17,11 +17,9 @@ def model_config(model: Any) -> Any:
     if isinstance(model, str):
         errors = []  # each family's own "unknown ... config" message, with its valid names
         for fam in families():
-            from_name, names = (getattr(fam.config_class, n, None) for n in ("from_name", "names"))
+            from_name = getattr(fam.config_class, "from_name", None)
             if from_name is None:
                 continue
-            if names is not None and model in names():
-                return from_name(model)
             try:
                 return from_name(model)
             except ValueError as err:

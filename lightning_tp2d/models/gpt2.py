@@ -70,11 +70,6 @@ class GPT2Config:
         return self.n_embd // self.n_head
 
     @classmethod
-    def names(cls) -> list[str]:
-        """The named sizes :meth:`from_name` knows."""
-        return sorted(_NAMED_CONFIGS)
-
-    @classmethod
     def from_name(cls, name: str, **overrides) -> "GPT2Config":
         """A named size, e.g. ``GPT2Config.from_name("gpt2-tiny", dropout=0.1)``."""
         if name not in _NAMED_CONFIGS:

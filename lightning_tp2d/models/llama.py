@@ -133,11 +133,6 @@ class LlamaConfig:
         return self.n_head // self.n_kv_head
 
     @classmethod
-    def names(cls) -> list[str]:
-        """The named sizes :meth:`from_name` knows."""
-        return sorted(_NAMED_CONFIGS)
-
-    @classmethod
     def from_name(cls, name: str, **overrides) -> "LlamaConfig":
         """A named size, e.g. ``LlamaConfig.from_name("llama-tiny", tie_embeddings=True)``."""
         if name not in _NAMED_CONFIGS:

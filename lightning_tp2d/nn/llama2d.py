@@ -32,14 +32,11 @@ from lightning_tp2d.comm import all_reduce_along
 from lightning_tp2d.models.llama import apply_rope, rope_cache
 from lightning_tp2d.nn.functional import autocast_operands, axis_index, pad_rows, shard_parameter, sum_grad_along
 from lightning_tp2d.nn.head import LMHead2D
+from lightning_tp2d.nn.layernorm import _stat_dtype
 from lightning_tp2d.nn.linear import Linear2D
 from lightning_tp2d.ops import registered
 from lightning_tp2d.options import tp_options
 from lightning_tp2d.summa import summa_ab
-
-
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _scale(x, rstd, weight) -> torch.Tensor:

@@ -58,7 +58,7 @@ from lightning_tp2d.nn.functional import autocast_operands, axis_index, shard_pa
 from lightning_tp2d.nn.grid_metp import LMHead2DMetp
 from lightning_tp2d.nn.llama2d import LlamaAttention2D, UntiedLMHead2D
 from lightning_tp2d.nn.ring import AXIS, REPLICATED, RingLinear, RingLMHead, refuse_attention_dropout
-from lightning_tp2d.nn.ring_stream import HeadBlocks
+from lightning_tp2d.nn.ring_stream import HeadBlocks, ring_linear_out
 from lightning_tp2d.nn.sequence import zigzag_positions
 from lightning_tp2d.ops import registered
 
@@ -252,9 +252,10 @@ class RingLlamaAttention(nn.Module):
         hs = self.head_size
         x2d = x.reshape(B * S, h)
         q = self.q_proj(x2d, HeadBlocks(1, B, S, self.n_head, hs, p), self.options)[0]  # (B, nh, S, hs)
-        kv_blocks = HeadBlocks(1, B, S, self.n_kv_head, hs, p)
-        k = self.k_proj(x2d, kv_blocks, self.options)[0]  # (B, nkv, S, hs)
-        v = self.v_proj(x2d, kv_blocks, self.options)[0]
+        # k and v in one ring pass: each rank's weight block is its k rows then its v rows (as GPT-2's c_attn)
+        (wk, _), (wv, _) = self.k_proj.local(), self.v_proj.local()
+        k, v = ring_linear_out(x2d, torch.cat([wk, wv]), None, self.mesh, AXIS,
+                               HeadBlocks(2, B, S, self.n_kv_head, hs, p), options=self.options)  # (B, nkv, S, hs)
         cos, sin = rope_cache(zigzag_positions(S * p, p, i, x.device), hs, self.rope_theta)  # absolute positions
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = ring_gqa_attention(q, torch.stack([k, v]), self.mesh, AXIS, options=self.options)  # (B, nh, S, hs)
@@ -287,11 +288,7 @@ class UntiedRingLMHead(RingLMHead):
     embedding; loss and logits as :class:`~lightning_tp2d.nn.ring.RingLMHead`."""
 
     def __init__(self, head: nn.Module, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
-        nn.Module.__init__(self)
-        self.mesh, self.options = mesh, ring_options(options)
-        self.weight = shard_parameter(head.weight, mesh, [Replicate(), Shard(0)])
-        self.vocab_size = head.weight.shape[0]
-        self.block_rows = -(-self.vocab_size // axis_index(mesh, AXIS)[1])
+        super().__init__(shard_parameter(head.weight, mesh, [Replicate(), Shard(0)]), mesh, options=options)
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, untied, vocab block of {self.block_rows} rows"
