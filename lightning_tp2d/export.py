@@ -169,15 +169,21 @@ def is_hf_directory(path) -> bool:
     return (path / "config.json").is_file() and any((path / f).is_file() for f in HF_WEIGHT_FILES)
 
 
+def _hf_json(directory, model_type: str, kind: str) -> tuple[Path, dict]:
+    """``(path, contents)`` of a transformers directory's ``config.json``, which must describe ``model_type``."""
+    file = Path(directory) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{str(directory)!r} is not a transformers {kind} directory: no config.json")
+    raw = json.loads(file.read_text())
+    if raw.get("model_type", model_type) != model_type:
+        raise ValueError(f"{str(file)!r} describes a {raw['model_type']!r} model, not {model_type!r}")
+    return file, raw
+
+
 def hf_config(directory) -> GPT2Config:
     """Our :class:`GPT2Config` for a transformers GPT-2 directory's ``config.json`` (read as JSON: transformers is
     not needed); refuses what this model does not implement (:meth:`GPT2Config.from_hf`)."""
-    file = Path(directory) / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"{str(directory)!r} is not a transformers GPT-2 directory: no config.json")
-    raw = json.loads(file.read_text())
-    if raw.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{str(file)!r} describes a {raw['model_type']!r} model, not 'gpt2'")
+    file, raw = _hf_json(directory, "gpt2", "GPT-2")
     hf = SimpleNamespace(**{**_HF_DEFAULTS, **raw})
     problems = []
     if hf.n_inner not in (None, 4 * hf.n_embd):
@@ -203,12 +209,7 @@ _HF_LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=
 def hf_llama_config(directory) -> LlamaConfig:
     """Our :class:`~lightning_tp2d.models.LlamaConfig` for a transformers Llama directory's ``config.json`` (read as
     JSON); refuses what this model does not implement (:meth:`LlamaConfig.from_hf`)."""
-    file = Path(directory) / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"{str(directory)!r} is not a transformers Llama directory: no config.json")
-    raw = json.loads(file.read_text())
-    if raw.get("model_type", "llama") != "llama":
-        raise ValueError(f"{str(file)!r} describes a {raw['model_type']!r} model, not 'llama'")
+    file, raw = _hf_json(directory, "llama", "Llama")
     try:
         return LlamaConfig.from_hf(SimpleNamespace(**{**_HF_LLAMA_DEFAULTS, **raw}))
     except ValueError as err:
