@@ -176,6 +176,7 @@ class DivergenceGuard(Callback):
         self.skipped = 0
         self._bad: torch.Tensor | None = None
         self._since = 0  # first step of the unchecked window
+        self._due: int | None = None  # the optimizer step at which the flag is read next
         self._skipping = False  # this step's gradients were dropped: its loss is not held against the run
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -201,15 +202,22 @@ class DivergenceGuard(Callback):
         if isinstance(loss, torch.Tensor):
             bad = ~torch.isfinite(loss.detach()).all()
             self._bad = bad if self._bad is None else self._bad | bad
-        every = self.check_every_n_steps or max(1, trainer.log_every_n_steps)
-        if trainer.global_step % every == 0:
+        if self._due is None:
+            self._due = self._every(trainer)
+        if trainer.global_step >= self._due:  # once per due step, however many micro-batches it accumulates
             self.check(trainer)
+
+    def _every(self, trainer) -> int:
+        return self.check_every_n_steps or max(1, trainer.log_every_n_steps)
 
     def check(self, trainer) -> None:
         """Read the flag (one host sync and one all-reduce) and raise if any rank saw a non-finite loss."""
+        if self._bad is None and self._since > trainer.global_step:
+            return  # read at this step already and no loss since (a save right after a due check)
         bad = bool(self._bad) if self._bad is not None else False
         bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         first, self._since, self._bad = self._since, trainer.global_step + 1, None
+        self._due = trainer.global_step + self._every(trainer)
         if bad:
             when = f"at step {first}" if first >= trainer.global_step else f"between steps {first} and {trainer.global_step}"
             raise DivergenceError(
