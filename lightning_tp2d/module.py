@@ -12,7 +12,8 @@ shards, tensor by tensor, right after the strategy materialised them (the family
 :func:`~lightning_tp2d.export.load_hf_weights`), which is before Lightning restores a ``ckpt_path``, so a resumed
 fine-tuning run continues from its checkpoint's weights. ``CausalLMModule`` is another name of the same class.
 
-Optimisation: AdamW (the fused kernel where the device has one, else foreach) with decoupled weight decay on
+Optimisation: AdamW (the fused kernel where the device has one, else foreach; foreach under ``16-mixed`` with clipping,
+whose scaled gradients a fused step unscales only after the clip; ``bf16-mixed`` clips a fused AdamW, on any strategy) with decoupled weight decay on
 matrices and embeddings only (no decay on biases, LayerNorm and RMSNorm), learning rate ``lr * f(step)`` with linear warmup to 1 over ``warmup_steps`` then cosine decay to
 ``min_lr_ratio`` at ``max_steps`` (default: the Trainer's estimated optimizer steps).
 
@@ -38,6 +39,7 @@ from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.models import model_config
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.models.llama import Llama, LlamaConfig
+from lightning_tp2d.precision import allow_clipping_without_scaler
 
 
 class TokenPerplexity(Metric):
@@ -161,6 +163,11 @@ class GPT2LightningModule(L.LightningModule):
         if block is not None and block > T:
             raise ValueError(f"data block_size {block} exceeds the model's block_size {T}")
 
+    def on_fit_start(self) -> None:
+        # the fused AdamW (configure_optimizers) clips under bf16-mixed on any strategy, one device included:
+        # Lightning refuses it there although no gradient scaler exists (lightning_tp2d.precision)
+        allow_clipping_without_scaler(self.trainer.precision_plugin)
+
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         """Check the ``(idx, targets)`` batch's token ids while it is still on the host (a ``ValueError`` naming the
         ids that do not fit), so no step reads them back from the device."""
@@ -215,9 +222,17 @@ class GPT2LightningModule(L.LightningModule):
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         kwargs = dict(lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps)
-        try:  # the fused kernel: one launch for all parameters, and no .item() of the step count per parameter
-            optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
-        except (RuntimeError, ValueError):  # parameters on a device (or of a dtype) without the fused kernel
+        # 16-mixed with clipping: the fused kernel unscales inside its step, after the clip would have seen scaled
+        # gradients (Lightning refuses that pairing), so foreach; every other precision has no scaler
+        scaled = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
+        clipped = self._trainer is not None and bool(self.trainer.gradient_clip_val)
+        optimizer = None
+        if not (scaled and clipped):
+            try:  # the fused kernel: one launch for all parameters, and no .item() of the step count per parameter
+                optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
+            except (RuntimeError, ValueError):  # parameters on a device (or of a dtype) without the fused kernel
+                pass
+        if optimizer is None:
             optimizer = torch.optim.AdamW(groups, foreach=True, **kwargs)
         total = hp.max_steps or self.trainer.estimated_stepping_batches
         if not math.isfinite(total):

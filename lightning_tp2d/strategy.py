@@ -12,7 +12,7 @@ process-group set-up, data-parallel sampler sharding and the DCP checkpoint plum
   shard-aware clipping: Fabric and plain-torch loops use the same functions;
 * ``Trainer(gradient_clip_val=...)`` clips by the norm of the *whole* gradient across all shards (Lightning clips
   through the precision plugin; ``setup`` points its two clipping methods at :func:`clip_grad_norm_` and
-  :func:`clip_grad_value_`);
+  :func:`clip_grad_value_`), for fused optimizers too under ``bf16-mixed`` (:mod:`lightning_tp2d.precision`);
 * checkpoints go through :mod:`lightning_tp2d.checkpoint` (sharded directory or one full file, layout-free).
 
 Every rank of a tensor-parallel group is fed the same batch: the sampler shards over ``data_parallel`` only.
@@ -30,7 +30,6 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -38,6 +37,7 @@ from lightning_tp2d import checkpoint as ckpt
 from lightning_tp2d.core import TensorParallelCore, find_gpt2_config
 from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.models.gpt2 import GPT2Config
+from lightning_tp2d.precision import allow_clipping_without_scaler, precision_name
 from lightning_tp2d.training import GradientSync, clip_grad_norm_, clip_grad_value_
 from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
 
@@ -155,8 +155,9 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             self._grad_sync.finish()  # the buckets went out during the backward
 
     def _install_gradient_clipping(self) -> None:
-        # Lightning clips through the precision plugin; route it to the shard-aware versions (idempotent).
-        plugin = self.precision_plugin
+        # Lightning clips through the precision plugin; route it to the shard-aware versions (idempotent), and let
+        # it clip for fused optimizers: no supported precision has a gradient scaler (lightning_tp2d.precision)
+        plugin = allow_clipping_without_scaler(self.precision_plugin)
         def params(optimizer):
             return clipped_parameters(_unwrap(optimizer), plugin.main_params(optimizer))
 
@@ -206,15 +207,6 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
 def _unwrap(optimizer):
     """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or the optimizer itself)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def precision_name(plugin: Precision) -> str:
-    """The Trainer ``precision`` string a plugin stands for (the class name when it is none we know)."""
-    if isinstance(plugin, (MixedPrecision, HalfPrecision)):
-        return plugin.precision
-    if type(plugin) is Precision:
-        return "32-true"
-    return getattr(plugin, "precision", type(plugin).__name__)
 
 
 def auto_tensor_parallel_size(layout: str | Layout, per_node: int, world: int, config: GPT2Config | None) -> int:

@@ -11,6 +11,7 @@ import torch
 import lightning_tp2d as tp
 from lightning_tp2d.fabric import TP2DFabricStrategy
 from lightning_tp2d.models import GPT2, GPT2Config
+from lightning_tp2d.training import grad_norm
 from lightning_tp2d.zero import sharding_of
 from tests.lightning_ranks import run_ranks
 
@@ -112,3 +113,37 @@ def test_fabric_trains_like_one_device_and_saves_through_our_checkpoints(tmp_pat
     probe = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
     with torch.no_grad():
         assert float(model(probe, probe)) == pytest.approx(outs[0]["probe_loss"], abs=1e-5)
+
+
+def _fabric_bf16_clip(rank, world_size, precision):
+    cfg = GPT2Config.from_name("gpt2-tiny")
+    fabric = L.Fabric(strategy="tp2d", accelerator="cpu", devices=world_size, precision=precision)
+    fabric.launch()
+    torch.manual_seed(SEED)
+    with fabric.init_module(empty_init=True):
+        model = GPT2(cfg)
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    idx = _batches(cfg, 1)[0][0][0]
+    fabric.backward(model(idx, idx))  # the module's forward runs under the precision's autocast
+    norm = fabric.clip_gradients(model, optimizer, max_norm=0.1)
+    clipped = grad_norm(model.parameters(), fabric.strategy.device_mesh)
+    optimizer.step()
+    torch.manual_seed(SEED)
+    plain = GPT2(cfg).to(torch.bfloat16 if precision == "bf16-true" else torch.float32)
+    with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
+        loss = plain(idx, idx)
+    loss.backward()
+    return {"norm": float(norm), "clipped": float(clipped), "plain_norm": float(torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()])),
+            "dtype": str(next(model.parameters()).dtype)}
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16-mixed", "torch.float32"), ("bf16-true", "torch.bfloat16")])
+def test_fabric_clips_a_fused_adamw_under_bf16(precision, dtype):
+    """``fabric.clip_gradients`` with torch's fused AdamW under bf16-mixed and bf16-true (no gradient scaler): the
+    norm is the whole model's (as one device computes it in the same precision) and the gradients end at
+    ``max_norm``."""
+    for out in run_ranks(_fabric_bf16_clip, 4, precision):
+        assert out["dtype"] == dtype
+        assert out["norm"] == pytest.approx(out["plain_norm"], rel=3e-2) and out["norm"] > 0.5, out
+        assert out["clipped"] == pytest.approx(0.1, rel=2e-2), out

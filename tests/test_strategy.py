@@ -64,6 +64,9 @@ class LossRecorder(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(trainer.callback_metrics["train_loss"].item())
+        if batch_idx == 0:
+            fused = trainer.optimizers[0].defaults.get("fused")
+            self.dtypes["optimizer"] = f"{type(trainer.optimizers[0]).__name__}(fused={bool(fused)})"
 
 
 def _trainer(strategy, devices, recorder, **kw) -> L.Trainer:
@@ -241,12 +244,13 @@ def test_compile_argument_is_checked():
 
 
 class UserModule(L.LightningModule):
-    """What a user writes: a GPT2 and a training step, no parallel code at all."""
+    """What a user writes: a GPT2 and a training step, no parallel code at all (optionally a fused AdamW)."""
 
-    def __init__(self):
+    def __init__(self, fused: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.gpt = GPT2(GPT2Config.from_name("gpt2-tiny"))
+        self.fused = fused
 
     def training_step(self, batch, batch_idx):
         idx, targets = batch
@@ -255,24 +259,33 @@ class UserModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, fused=self.fused or None)
 
 
-def fit_user_module(rank, world_size, strategy):
+def fit_user_module(rank, world_size, strategy, trainer_kw=(), fused=False):
     recorder = LossRecorder()
-    trainer = _trainer(strategy, world_size, recorder, max_steps=STEPS)
+    trainer = _trainer(strategy, world_size, recorder, max_steps=STEPS, **dict(trainer_kw))
     windows = TokenWindows(load_tokens(None, ByteTokenizer(), 20_000), block_size=32)
     if strategy == "auto":  # the order Lightning's distributed sampler gives a training set: shuffled, seed 0
         loader = DataLoader(windows, batch_size=4, sampler=DistributedSampler(windows, 1, 0, shuffle=True, seed=0))
     else:  # Lightning replaces the sampler with one over the data-parallel replicas
         loader = DataLoader(windows, batch_size=4)
-    trainer.fit(UserModule(), loader)
+    trainer.fit(UserModule(fused), loader)
     return recorder.losses
 
 
 def test_users_own_module_holding_a_gpt2_trains_like_one_device():
     losses = run_ranks(fit_user_module, 4, "tp2d")[0]
     _assert_parity(losses, run_ranks(fit_user_module, 1, "auto")[0], tol=2e-5)
+
+
+def test_users_fused_adamw_clips_under_bf16_mixed():
+    """A user's module stepping torch's fused AdamW, with bf16-mixed and gradient_clip_val under the strategy: it
+    clips (by the global norm) and trains like one device stepping the foreach AdamW (Lightning alone refuses the
+    fused one on one device: "does not allow for gradient clipping")."""
+    kw = (("precision", "bf16-mixed"), ("gradient_clip_val", 0.05))
+    losses = run_ranks(fit_user_module, 4, "tp2d", kw, True)[0]
+    _assert_parity(losses, run_ranks(fit_user_module, 1, "auto", kw, False)[0], tol=5e-3)
 
 
 def test_gradient_clipping_clips_the_global_norm_in_training():
@@ -310,15 +323,19 @@ def test_grad_norm_counts_every_shard_once():
 
 @pytest.mark.parametrize("precision, parameters, tol", [("bf16-mixed", "torch.float32", 5e-3),
                                                          ("bf16-true", "torch.bfloat16", 0.06)])
-def test_bf16_training_runs_in_bf16_and_matches_one_device(precision, parameters, tol):
+def test_bf16_training_with_clipping_runs_in_bf16_and_matches_one_device(precision, parameters, tol):
     """The SUMMA products run in bfloat16 (parameters float32 under bf16-mixed, bfloat16 under bf16-true) and
     the losses follow a single-device bf16 run (bf16-true: the one-device loss itself is rounded to bf16, the
-    vocab-parallel one is computed in float32, hence the looser bound)."""
-    kw = (("precision", precision),)
+    vocab-parallel one is computed in float32, hence the looser bound), with the module's fused AdamW and gradient
+    clipping: Lightning refused to clip for a fused optimizer under bf16-mixed (no scaler there), on one device too."""
+    kw = (("precision", precision), ("gradient_clip_val", 0.05))
     losses, dtypes = run_ranks(fit_gpt2, 4, "tp2d", 4, kw)[0]
     ref_losses, ref_dtypes = reference(4, kw)
-    assert dtypes == ref_dtypes == {"parameters": parameters, "matmuls": ["torch.bfloat16"]}
+    assert dtypes == ref_dtypes == {"parameters": parameters, "matmuls": ["torch.bfloat16"],
+                                    "optimizer": "AdamW(fused=True)"}
     _assert_parity(losses, ref_losses, tol=tol)
+    unclipped = reference(4, kw[:1])[0]
+    assert max(abs(a - b) for a, b in zip(ref_losses, unclipped)) > 1e-2  # clipping was active (as in float32)
 
 
 @pytest.mark.slow
