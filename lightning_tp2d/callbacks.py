@@ -3,6 +3,7 @@ the same step, and speed / memory logging."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 
@@ -11,6 +12,8 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_tp2d.errors import DivergenceError
+
+log = logging.getLogger(__name__)
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -56,12 +59,13 @@ class GracefulInterrupt(Callback):
     current step on every rank together, instead of interrupting ranks in the middle of a collective (where the
     others would wait for them until the process-group timeout).
 
-    A signal handler only records the signal: rank 0 takes SIGINT (the other ranks of the machine ignore it, a
-    terminal sends it to the whole process group), every rank takes the preemption signals. After every training
-    batch one all-reduce (the largest signal number seen) tells all ranks whether and why to stop; then Lightning
-    ends the loop and the checkpoint callback saves the step reached. ``signum`` holds that signal afterwards
-    (``tp2d-train`` exits with ``128 + signum`` for preemption, as a process killed by it would, so requeue scripts
-    recognise it). A second signal aborts at once (an unfinished save never replaces the previous checkpoint).
+    A signal handler only records the signal (it writes nothing: the terminal's Ctrl-C may have closed the pipe
+    the output goes to): rank 0 takes SIGINT (the other ranks of the machine ignore it, a terminal sends it to the
+    whole process group), every rank takes the preemption signals. After every training batch one all-reduce (the
+    largest signal number seen) tells all ranks whether and why to stop; rank 0 logs it, then Lightning ends the loop
+    and the checkpoint callback saves the step reached. ``signum`` holds that signal afterwards (``tp2d-train`` exits
+    with ``128 + signum``, 130 for Ctrl-C and 143 for SIGTERM, as a process killed by it would, so shells and requeue
+    scripts recognise it). A second signal aborts at once (an unfinished save never replaces the previous checkpoint).
     The preemption handlers replace Lightning's, which broadcasts from inside the handler and deadlocks when the
     other ranks sit in a tensor-parallel collective; they are installed when training starts, after Lightning's.
     """
@@ -81,13 +85,13 @@ class GracefulInterrupt(Callback):
             self._previous.setdefault(signum, signal.signal(signum, self._on_signal))
 
     def _on_signal(self, signum, frame) -> None:
+        # only records: no output here (a print from a handler can hit a closed pipe, `| tee` ended by the same
+        # Ctrl-C, or re-enter a write the signal interrupted); the step boundary reports it
         if self.requested:  # the second signal: stop waiting for the step to end
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)
         self.requested = signum
-        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(f"\ntp2d-train: {what}: stopping after this step and saving it (again to abort now)", flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         flag = torch.tensor(float(self.requested), device=trainer.strategy.root_device)
@@ -96,6 +100,10 @@ class GracefulInterrupt(Callback):
         if signum:
             self.signum, self.stopped = signum, True
             trainer.should_stop = True  # StepCheckpoint saves this step at its boundary
+            if trainer.is_global_zero:
+                what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+                log.warning("%s: stopping after step %d and saving it (the same signal again aborts at once)", what,
+                            trainer.global_step)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         for signum, handler in self._previous.items():

@@ -111,6 +111,57 @@ def check_master_port(env: Mapping[str, str] = os.environ) -> None:
                              "MASTER_PORT (tp2d-train then picks a free port) or export another one.") from None
 
 
+class SurvivingStream:
+    """A text stream (``sys.stdout`` / ``sys.stderr``) that outlives its reader. ``tp2d-train ... | tee run.log``:
+    Ctrl-C reaches ``tee`` too, and the next write to the closed pipe raised ``BrokenPipeError`` wherever it happened
+    (a progress bar, a log line, a signal handler's print), so rank 0 died mid-step, the other ranks failed with
+    "Connection closed by peer" and the interrupted step was never saved. Here the first write or flush that finds
+    the pipe closed points the file descriptor at ``/dev/null`` (for every writer of this process: Python's
+    buffered files, logging handlers that hold the original stream, C code) and carries on; ``train.log`` still
+    gets every line. Everything else is the wrapped stream's."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self.closed_reader = False  # the reader went away; output goes to /dev/null since
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._discard()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._discard()
+
+    def _discard(self) -> None:
+        self.closed_reader = True
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, self._stream.fileno())
+        finally:
+            os.close(null)
+        try:
+            self._stream.flush()  # what was buffered for the closed pipe goes to /dev/null now
+        except OSError:
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def survive_closed_output() -> None:
+    """Wrap ``sys.stdout`` and ``sys.stderr`` in :class:`SurvivingStream` (idempotent), before Hydra's logging
+    handlers and the progress bar pick them up."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, SurvivingStream):
+            setattr(sys, name, SurvivingStream(stream))
+
+
 def watch_parent(poll_s: float = 1.0, name: str = "tp2d-train") -> None:
     """In a rank that the job's first process started: exit when that process is gone (``kill -9`` of rank 0
     during start-up would otherwise leave this rank waiting in the rendezvous until the process-group timeout)."""

@@ -57,6 +57,7 @@ def main() -> None:
     # Lightning before Hydra sets up logging (`import lightning_tp2d` no longer imports it): loaded under Hydra's
     # root handler, Lightning would print each of its messages twice, in its format and in Hydra's
     import lightning.pytorch  # noqa: F401
+    launch.survive_closed_output()  # `tp2d-train | tee run.log`: Ctrl-C ends tee too, and the step must still be saved
     launch.register_resolvers()
     sys.argv = launch.prepare_argv(sys.argv)
     if launch.started_by_this_job():
@@ -135,22 +136,23 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
                           callbacks=callbacks, default_root_dir=str(run_dir), **extra)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-    except SystemExit:  # Lightning's Ctrl-C handling ends with sys.exit(1)
+    except SystemExit:  # Lightning's Ctrl-C handling (a second Ctrl-C: abort) ends with sys.exit(1)
         if rank_zero and trainer.interrupted:
             report_interrupt(trainer, checkpoint)
+            sys.exit(128 + signal.SIGINT)
         raise
     if trainer.interrupted:
         if rank_zero:
             report_interrupt(trainer, checkpoint)
         return None
-    if interrupt.stopped:  # Ctrl-C, handled at a step boundary on every rank
+    if interrupt.stopped:  # Ctrl-C or preemption, handled at a step boundary on every rank
         if not rank_zero:
             return None  # exit 0: Lightning's launcher kills the whole job when a child rank exits non-zero
         report_interrupt(trainer, checkpoint)
         wait_for_ranks(trainer)
-        # Ctrl-C: 1; preemption: 128 + signal (143 for SIGTERM), what a killed process reports, so requeue scripts
-        # tell "stopped and saved, run me again" from a failure
-        sys.exit(1 if interrupt.signum == signal.SIGINT else 128 + interrupt.signum)
+        # 128 + the signal (130 for Ctrl-C, 143 for SIGTERM), what a process killed by it reports, so shells and
+        # requeue scripts tell "stopped by a signal after saving its step" from a failure
+        sys.exit(128 + interrupt.signum)
 
     sample = generate_sample(cfg, module, datamodule, trainer)  # collective: every rank of a grid takes part
     if rank_zero:

@@ -164,12 +164,12 @@ def test_multirun_launches_each_job_once_in_its_own_folder(tmp_path):
         assert len(train) == steps and (sweep / job / "checkpoints" / f"step={steps}.ckpt" / ".metadata").is_file()
 
 
-def long_run_until_checkpoint(cwd: Path, every: int, step: int) -> subprocess.Popen:
+def long_run_until_checkpoint(cwd: Path, every: int, step: int, stdout=subprocess.PIPE) -> subprocess.Popen:
     """A 4-process ``experiment=quick`` run of 500 steps saving every ``every`` steps, in its own process group,
     returned once the checkpoint of ``step`` is complete (for signal tests)."""
     args = ["experiment=quick", "trainer.max_steps=500", f"callbacks.model_checkpoint.every_n_train_steps={every}",
             "trainer.val_check_interval=1000", "data.max_tokens=20000"]
-    proc = subprocess.Popen(command(args), cwd=cwd, env=environment(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command(args), cwd=cwd, env=environment(), stdout=stdout,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 240
     while not glob.glob(str(cwd / f"outputs/*/*/checkpoints/step={step}.ckpt/.metadata")):
@@ -178,24 +178,36 @@ def long_run_until_checkpoint(cwd: Path, every: int, step: int) -> subprocess.Po
     return proc
 
 
-def test_ctrl_c_keeps_the_last_complete_checkpoint(tmp_path):
-    """SIGINT to the whole process group (what Ctrl-C in a terminal sends) while checkpoints are being written
-    every two steps: every rank stops after the same step, the command exits within seconds and the newest
-    complete checkpoint loads."""
-    proc = long_run_until_checkpoint(tmp_path, every=2, step=6)
+READER = "import sys\nfor line in sys.stdin:\n    sys.stdout.write(line)\n"  # `tee`: dies of the Ctrl-C it gets
+
+
+def test_ctrl_c_under_a_pipe_saves_the_step_and_exits_130(tmp_path):
+    """``tp2d-train ... | tee run.log`` and Ctrl-C (SIGINT to the whole process group, the reader included, which
+    dies of it) while checkpoints are written every two steps: rank 0 outlives the closed pipe (its signal handler
+    used to print into it and die of BrokenPipeError, the other ranks then failed with "Connection closed by peer"
+    and nothing was saved); every rank stops after the same step, that very step is saved and loads, and the
+    command exits with the signal's code, 128 + 2. ``train.log`` has what the pipe no longer showed."""
+    read_end, write_end = os.pipe()
+    proc = long_run_until_checkpoint(tmp_path, every=2, step=6, stdout=write_end)
+    reader = subprocess.Popen([sys.executable, "-c", READER], stdin=read_end, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    os.close(read_end), os.close(write_end)
     time.sleep(0.3)  # somewhere in the next steps (and saves)
-    os.killpg(proc.pid, signal.SIGINT)
-    out = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 1, out[-3000:]
+    os.kill(reader.pid, signal.SIGINT)  # the terminal's Ctrl-C reaches both (reader first: the pipe closes before
+    os.killpg(proc.pid, signal.SIGINT)  # rank 0 gets to write about the signal)
+    assert reader.wait(timeout=30) != 0  # the pipe's reader is gone
+    assert proc.wait(timeout=90) == 128 + signal.SIGINT
+    (log,) = tmp_path.glob("outputs/*/*/train.log")
+    out = log.read_text()
     found = re.search(r"interrupted at step (\d+); the last complete checkpoint is (\S+)", out)
     assert found, out[-3000:]
     step, newest = int(found.group(1)), Path(found.group(2))
+    assert f"Ctrl-C: stopping after step {step} and saving it" in out
     checkpoints = newest.parent
     assert not list(checkpoints.glob("*.tmp-tp2d"))  # half-written saves removed
     target = checkpoints / os.readlink(newest)
     saved = int(re.match(r"step=(\d+)\.ckpt", target.name).group(1))
-    assert 6 <= saved <= step and (target / ".metadata").is_file()  # every rank stopped at one step and saved it
-    assert "stopping after this step" in out
+    assert saved == step > 6 and (target / ".metadata").is_file()  # every rank stopped at one step and saved it
     assert load_gpt2(newest).config == GPT2Config.from_name("gpt2-tiny")
 
 
