@@ -45,6 +45,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_tp2d.errors import CheckpointError
 from lightning_tp2d.families import fused_qkv_suffixes
 from lightning_tp2d.zero import full_param_groups, sharding_of
 
@@ -278,10 +279,6 @@ def gather_objects(obj) -> list:
     return out
 
 
-class CheckpointError(OSError):
-    """A checkpoint could not be written (nothing was replaced) or fails its checksums."""
-
-
 def file_digest(path: Path) -> dict[str, Any]:
     """``{"bytes": size, "blake2b": hex digest}`` of one file (read in 8 MiB blocks)."""
     h = hashlib.blake2b(digest_size=16)
@@ -410,6 +407,22 @@ def resolve(path: str | os.PathLike) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     return path
+
+
+def saved_step(path: str | os.PathLike) -> int:
+    """The optimizer step a checkpoint (sharded directory or file) was saved at, read without loading its tensors
+    (``meta.pt`` of a directory; a file memory-mapped). Raises :class:`CheckpointError` naming an unreadable one."""
+    path = resolve(path)
+    try:
+        if is_sharded(path):
+            meta = torch.load(path / META, map_location="cpu", weights_only=False)
+        else:
+            meta = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return int(meta["global_step"])
+    except Exception as err:  # noqa: BLE001 - unpickling fails in many ways on a damaged file
+        where = path / META if is_sharded(path) else path
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({str(where)!r}: {_describe_failure(err)}): "
+                              "it is damaged, truncated or not one of this package's checkpoints") from None
 
 
 def is_sharded(path: Path) -> bool:

@@ -10,3 +10,8 @@ class CommError(RuntimeError):
 
 class DivergenceError(RuntimeError):
     """Training stopped because the loss stopped being finite (:class:`lightning_tp2d.callbacks.DivergenceGuard`)."""
+
+
+class CheckpointError(OSError):
+    """A checkpoint that could not be saved (the staging copy is removed, the previous checkpoint stays) or loaded
+    (damaged, truncated or missing files, named)."""

@@ -62,16 +62,36 @@ class TokenPerplexity(Metric):
 
 
 class WarmupCosine:
-    """``f(step)``: linear warmup ``(step+1)/warmup`` then cosine from 1 to ``min_ratio`` at ``total`` steps."""
+    """``f(step)``: linear warmup ``(step+1)/warmup`` then cosine from 1 to ``min_ratio`` at ``total`` steps.
+
+    The cosine's progress runs from ``anchor_progress`` at ``anchor_step`` (0 and the end of the warmup, unless the
+    schedule was extended) linearly to 1 at ``total``. :meth:`extend_to` moves ``total`` (a run resumed with another
+    ``max_steps``) without a jump: the rate at the resumed step stays what it was, and the rest of the cosine is
+    spread over the new remaining steps. A finished schedule stays at ``min_ratio``. The whole state is plain
+    attributes, which ``LambdaLR.state_dict`` saves and a resume restores."""
 
     def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
         self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+        self.anchor_step, self.anchor_progress = 0, 0.0
+
+    def progress(self, step: int) -> float:
+        """How far along the cosine ``step`` is: 0 at its start, 1 at ``total`` and after."""
+        start = max(self.warmup, self.anchor_step)
+        return min(1.0, self.anchor_progress + (1.0 - self.anchor_progress) * max(0, step - start)
+                   / max(1, self.total - start))
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * self.progress(step)))
+
+    def extend_to(self, step: int, total: int) -> None:
+        """Make the schedule end at ``total`` from ``step`` on, with ``f(step)`` unchanged."""
+        if total == self.total:
+            return
+        if step > self.warmup:  # inside the cosine: keep its phase at this step
+            self.anchor_step, self.anchor_progress = step, self.progress(step)
+        self.total = total
 
 
 class GPT2LightningModule(L.LightningModule):
@@ -163,6 +183,15 @@ class GPT2LightningModule(L.LightningModule):
         if block is not None and block > T:
             raise ValueError(f"data block_size {block} exceeds the model's block_size {T}")
 
+    def on_train_start(self) -> None:
+        # resumed with another max_steps: the checkpoint restored the schedule it was saved with; end it at this
+        # run's length from the step reached, keeping the rate continuous (WarmupCosine.extend_to)
+        total = getattr(self, "_schedule_total", None)
+        for config in self.trainer.lr_scheduler_configs if total is not None else ():
+            for fn in getattr(config.scheduler, "lr_lambdas", ()):
+                if isinstance(fn, WarmupCosine):
+                    fn.extend_to(config.scheduler.last_epoch, total)
+
     def on_fit_start(self) -> None:
         # the fused AdamW (configure_optimizers) clips under bf16-mixed on any strategy, one device included:
         # Lightning refuses it there although no gradient scaler exists (lightning_tp2d.precision)
@@ -237,6 +266,7 @@ class GPT2LightningModule(L.LightningModule):
         total = hp.max_steps or self.trainer.estimated_stepping_batches
         if not math.isfinite(total):
             raise ValueError("set max_steps (the cosine schedule needs a length) when training has no step limit")
+        self._schedule_total = int(total)  # a resumed schedule is extended to it (on_train_start)
         schedule = WarmupCosine(hp.warmup_steps, int(total), hp.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -38,7 +38,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from lightning_tp2d import launch
-from lightning_tp2d.errors import CommError, DivergenceError
+from lightning_tp2d.errors import CheckpointError, CommError, DivergenceError
 
 log = logging.getLogger("tp2d-train")
 TOKENIZER_IDS = {"byte": 257, "gpt2": 50257}  # ids each tokenizer of TextDataModule produces
@@ -85,7 +85,7 @@ def run(cfg: DictConfig) -> float | None:
             if launch.is_rank_zero():
                 launch.remove_unused_run_dir(run_dir)
             sys.exit(2)
-        except (DivergenceError, CommError) as err:  # one line, not a traceback per rank
+        except (DivergenceError, CommError, CheckpointError) as err:  # one line, not a traceback per rank
             if isinstance(err, CommError) or launch.is_rank_zero():  # every rank's CommError names its own call
                 print(f"tp2d-train: error: {err}", file=sys.stderr, flush=True)
             sys.exit(1)
@@ -110,6 +110,12 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     except Exception as err:  # noqa: BLE001 - GPT2Config's ValueError, wrapped by Hydra
         raise ConfigError(f"model: {err.__cause__ or err}") from err
     plan = check_config(cfg, model_config)
+    finished = finished_note(cfg)
+    if finished:  # before any process starts: a resume with nothing to train says so and ends (exit 0)
+        if rank_zero:
+            log.info("%s", finished)
+            launch.remove_unused_run_dir(run_dir)  # a new run directory it made (a resumed run's own stays)
+        return None
     loggers = make_loggers(cfg.get("logger"), run_dir)  # before any process starts: a missing package is a ConfigError
     callbacks, interrupt, checkpoint = make_callbacks(cfg, run_dir)
     if rank_zero:
@@ -160,6 +166,26 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     wait_for_ranks(trainer)
     val_loss = trainer.callback_metrics.get("val_loss")
     return float(val_loss) if val_loss is not None else None
+
+
+def finished_note(cfg: DictConfig) -> str | None:
+    """The line to say when ``ckpt_path`` was saved at or past ``trainer.max_steps`` (Lightning would start every
+    process, train nothing and say nothing), with how to continue; ``None`` otherwise."""
+    max_steps = int(cfg.trainer.max_steps)
+    if cfg.ckpt_path is None or max_steps < 0:
+        return None
+    from lightning_tp2d.checkpoint import saved_step
+
+    try:
+        step = saved_step(Path(str(cfg.ckpt_path)).expanduser())
+    except CheckpointError as err:
+        raise ConfigError(f"ckpt_path: {err}") from None
+    if step < max_steps:
+        return None
+    return (f"tp2d-train: nothing to train: {cfg.ckpt_path} was saved at step {step} and trainer.max_steps={max_steps}. "
+            f"To train on, resume with a larger trainer.max_steps (e.g. trainer.max_steps={step + max(max_steps, 1)}): "
+            "the learning rate continues from the checkpoint's, and the rest of its cosine is spread over the new "
+            "steps (a schedule that had reached its floor stays there)")
 
 
 def make_callbacks(cfg: DictConfig, run_dir: Path) -> tuple[list, object, object | None]:

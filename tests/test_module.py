@@ -161,3 +161,53 @@ def test_llama_generates_and_loads_transformers_weights_under_2d(tmp_path):
     out, ref, diff = results[0]
     assert all(r[0] == out for r in results) and out == ref and len(out[0]) == 13
     assert max(r[2] for r in results) < 1e-4
+
+
+class _Rates:
+    """The learning rate each optimizer step runs with, by step (Lightning's callback interface, duck-typed)."""
+
+    def __init__(self) -> None:
+        self.rates: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.rates[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def _fit_for_rates(max_steps: int, directory, ckpt_path=None) -> dict[int, float]:
+    import lightning.pytorch as L
+
+    class Rates(_Rates, L.Callback):
+        pass
+
+    L.seed_everything(0)
+    rates = Rates()
+    saves = L.callbacks.ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=5, save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[rates, saves])
+    module = tp.GPT2LightningModule("gpt2-tiny", learning_rate=1e-3, warmup_steps=2, min_lr_ratio=0.1)
+    trainer.fit(module, tp.TextDataModule(block_size=16, batch_size=2, max_tokens=8_000), ckpt_path=ckpt_path)
+    return {step: rate / 1e-3 for step, rate in rates.rates.items()}
+
+
+def test_resuming_with_more_steps_keeps_the_rate_and_spreads_the_rest_of_the_cosine(tmp_path):
+    """A 10-step run saved at step 5, resumed with max_steps=30: the rate at the resumed step is the one the run had
+    there (the checkpoint's), and the rest of the cosine now ends at step 30 (it used to finish at the checkpoint's
+    step 10 and stay at the floor for the 20 steps asked for). A finished schedule resumed for more steps stays at
+    its floor (no jump back up)."""
+    first = _fit_for_rates(10, tmp_path)
+    resumed = _fit_for_rates(30, tmp_path, ckpt_path=str(tmp_path / "step=5.ckpt"))
+    assert min(resumed) == 5 and resumed[5] == pytest.approx(first[5], rel=1e-9)
+    after = [resumed[s] for s in range(5, 30)]
+    assert all(b < a for a, b in zip(after, after[1:]))  # decays every step to the new end
+    assert after[-1] == pytest.approx(0.1, abs=2e-3) and resumed[20] > 0.2  # the floor at 30, not at 10
+    finished = _fit_for_rates(20, tmp_path / "more", ckpt_path=str(tmp_path / "step=10.ckpt"))
+    assert min(finished) == 10 and all(rate == pytest.approx(0.1) for rate in finished.values())
+
+
+def test_extending_the_schedule_keeps_its_value_at_the_step():
+    schedule = WarmupCosine(warmup=4, total=40, min_ratio=0.1)
+    for step, total in ((2, 80), (10, 100), (60, 30), (120, 200)):
+        before = schedule(step)
+        schedule.extend_to(step, total)
+        assert schedule(step) == pytest.approx(before, rel=1e-12) and schedule.total == total
+    assert schedule(200) == pytest.approx(0.1)

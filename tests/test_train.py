@@ -137,6 +137,11 @@ def test_resume_continues_in_the_run_directory_and_command_line_callbacks_are_us
     args = [a for a in SMALL if not a.startswith(("trainer.max_steps=", "sample."))] + [
         "trainer.max_steps=8", "sample.max_new_tokens=0", f"ckpt_path={run_dir}/checkpoints/last.ckpt",
         "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor"]
+    done = tp2d_train([a.replace("max_steps=8", "max_steps=6") for a in args], tmp_path, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]  # at max_steps already: it says so, once
+    assert "nothing to train:" in done.stdout + done.stderr and "Initializing distributed" not in done.stdout + done.stderr
+    assert "was saved at step 6 and trainer.max_steps=6. To train on, resume with a larger trainer.max_steps" in \
+        (run_dir / "train.log").read_text()
     run = tp2d_train(args, tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert run_dirs(tmp_path) == ["outputs/2020-01-01/00-00-00"]  # no new run directory
@@ -147,6 +152,30 @@ def test_resume_continues_in_the_run_directory_and_command_line_callbacks_are_us
     with open(run_dir / "logs" / "metrics.csv", newline="") as f:
         assert [float(r["lr-AdamW/pg1"]) > 0 for r in csv.DictReader(f) if r.get("lr-AdamW/pg1")] == [True, True]
     assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == "step=8.ckpt"
+
+
+def test_a_damaged_checkpoint_at_resume_is_one_line_naming_the_file(single_node, tmp_path):
+    """A shard of the checkpoint overwritten: every rank finds it before loading anything (checksums), and the user
+    reads one line naming the file (it used to be a Hydra traceback from every rank); a checkpoint whose meta.pt is
+    garbage is refused before any process starts (exit 2)."""
+    cwd, _ = single_node
+    (reference,) = run_dirs(cwd)
+    damaged = tmp_path / "step=6.ckpt"
+    shutil.copytree(cwd / reference / "checkpoints" / "step=6.ckpt", damaged)
+    shard = damaged / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-8] + bytes(8))
+    args = [a for a in SMALL if not a.startswith("trainer.max_steps=")] + ["trainer.max_steps=8", f"ckpt_path={damaged}"]
+    run = tp2d_train(args, tmp_path)
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("tp2d-train: error:")]
+    assert len(errors) == 1 and "__1_0.distcp: contents differ from what was written (damaged)" in errors[0], out[-3000:]
+    assert "Traceback" not in out and "Error executing job" not in out
+    (damaged / "meta.pt").write_bytes(b"not a checkpoint")
+    refused = tp2d_train(args, tmp_path, timeout=120)
+    assert refused.returncode == 2 and "meta.pt" in refused.stderr and "cannot be read" in refused.stderr, \
+        refused.stderr[-2000:]
+    assert "Initializing distributed" not in refused.stdout + refused.stderr
 
 
 def test_multirun_launches_each_job_once_in_its_own_folder(tmp_path):
