@@ -9,7 +9,7 @@ import time
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 
 from lightning_tp2d.errors import DivergenceError
 
@@ -119,7 +119,12 @@ class SpeedMonitor(Callback):
     * ``tokens_per_s``: tokens of the whole job per second (batch x sequence x data-parallel replicas / time),
     * ``peak_memory_gib`` (CUDA only): this rank's peak allocated memory since the start.
 
-    The first window (start-up, first steps) is not logged.
+    The first window (start-up, first steps) is not logged. When training stops between two window ends (Ctrl-C,
+    preemption: a stop set before this callback's batch end, as :class:`GracefulInterrupt`, always listed first,
+    sets it), Lightning writes a row for the stopping step anyway, and a value logged ``on_step`` stays in its
+    results until the epoch ends: that row would repeat the previous window's numbers. The steps since the last
+    window are logged there as their own, shorter window instead. (The incomplete window at ``max_steps`` gets no
+    row, so nothing is logged for it.)
     """
 
     def __init__(self) -> None:
@@ -139,7 +144,8 @@ class SpeedMonitor(Callback):
             return
         self._tokens += batch[0].numel()
         steps = trainer.global_step - self._start_step
-        if steps < 1 or trainer.global_step % max(1, trainer.log_every_n_steps):
+        window_end = trainer.global_step % max(1, trainer.log_every_n_steps) == 0
+        if steps < 1 or not (window_end or trainer.should_stop):  # a stop: Lightning logs this step's row
             return
         cuda = trainer.strategy.root_device.type == "cuda"
         if cuda:
@@ -157,6 +163,77 @@ class SpeedMonitor(Callback):
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._start = None  # the next window starts after validation
+
+
+class _ResumedEpochBar:
+    """For Lightning's progress bars: a run resumed in the middle of an epoch shows the epoch and its total.
+
+    Lightning does not call ``on_train_epoch_start`` when it resumes mid-epoch, so its bar keeps what
+    ``on_train_start`` made: tqdm's says "Training" with no total (``7/?``), rich's counts the steps left from the
+    first resumed batch on (``7/1``). Here the first training batch that follows ``on_train_start`` without an
+    ``on_train_epoch_start`` sets the bar up as that hook does, starting at ``batch_idx``. An epoch's total is its
+    batches up to ``max_steps``: those trained before a resume (``batch_idx``) plus ``accumulate_grad_batches`` per
+    step left, at most the epoch's length (Lightning's own counts one batch per step, so under gradient
+    accumulation its tqdm bar loses the total half-way)."""
+
+    _epoch_started = True  # on_train_epoch_start has run since on_train_start
+    _epoch_total: int | float | None = None  # this epoch's total (None: Lightning's own)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._epoch_started, self._epoch_total = False, None
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._epoch_started, self._epoch_total = True, self._batches_to_max_steps(trainer, 0)
+        super().on_train_epoch_start(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._epoch_started:
+            return
+        self._epoch_started = True  # resumed mid-epoch: batch_idx batches of this epoch are trained already
+        self._epoch_total = self._batches_to_max_steps(trainer, batch_idx)
+        super().on_train_epoch_start(trainer, pl_module)  # the bar's own set-up, with this total
+        self._start_at(batch_idx)
+
+    @staticmethod
+    def _batches_to_max_steps(trainer, done: int) -> int | float:
+        total = trainer.num_training_batches
+        if trainer.max_epochs == -1 and trainer.max_steps > 0:  # Lightning's rule: max_steps bounds the epoch
+            total = min(total, done + (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches)
+        return total
+
+    @property
+    def total_train_batches(self) -> int | float:
+        return super().total_train_batches if self._epoch_total is None else self._epoch_total
+
+    def _start_at(self, batch_idx: int) -> None:
+        raise NotImplementedError
+
+
+class ResumableProgressBar(_ResumedEpochBar, TQDMProgressBar):
+    """Lightning's :class:`~lightning.pytorch.callbacks.TQDMProgressBar` (``callbacks/progress_bar.yaml``), whose
+    bar has its epoch and total in a run resumed mid-epoch too (``Epoch 0: 7/8``; its rate counts this run's
+    batches)."""
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self.train_progress_bar is not None:  # a resumed epoch's start, gone before the reset redraws the bar
+            self.train_progress_bar.initial = 0
+        super().on_train_epoch_start(trainer, pl_module)
+
+    def _start_at(self, batch_idx: int) -> None:
+        bar = self.train_progress_bar
+        bar.initial = bar.n = batch_idx
+        bar.refresh()
+
+
+class ResumableRichProgressBar(_ResumedEpochBar, RichProgressBar):
+    """Lightning's :class:`~lightning.pytorch.callbacks.RichProgressBar` (``callbacks/rich_progress_bar.yaml``),
+    whose bar has its epoch and total in a run resumed mid-epoch too."""
+
+    def _start_at(self, batch_idx: int) -> None:
+        if self.progress is not None and self.train_progress_bar_id is not None:
+            self.progress.update(self.train_progress_bar_id, completed=batch_idx)
 
 
 class DivergenceGuard(Callback):

@@ -513,7 +513,9 @@ def generate_sample(cfg: DictConfig, module, datamodule, trainer) -> str | None:
 
 
 def plot_losses(metrics_csv: Path, png: Path) -> Path | None:
-    """``png``: train loss per logged step and validation loss per check, from Lightning's ``metrics.csv``."""
+    """``png``: train loss per logged step and validation loss per check, from Lightning's ``metrics.csv``, in step
+    order (a resumed run's rows may follow newer ones); the title quotes the newest validation perplexity and its
+    step."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -521,9 +523,11 @@ def plot_losses(metrics_csv: Path, png: Path) -> Path | None:
         return None
     with open(metrics_csv, newline="") as f:
         rows = list(csv.DictReader(f))
-    train = [(int(r["step"]), float(r["train_loss"])) for r in rows if r.get("train_loss")]
-    val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")]
-    ppl = [float(r["val_perplexity"]) for r in rows if r.get("val_perplexity")]
+    train = sorted((int(r["step"]), float(r["train_loss"])) for r in rows if r.get("train_loss"))
+    val = sorted((int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss"))
+    # the newest check: the largest step (of equal steps, the row written last)
+    ppl = max(((int(r["step"]), i, float(r["val_perplexity"])) for i, r in enumerate(rows) if r.get("val_perplexity")),
+              default=None)
     if not train:
         return None
     fig = Figure(figsize=(7, 4))
@@ -533,7 +537,8 @@ def plot_losses(metrics_csv: Path, png: Path) -> Path | None:
         ax.plot(*zip(*val), "o-", label="validation loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats per token)")
-    ax.set_title(f"{png.parent.parent.name}" + (f"   final validation perplexity {ppl[-1]:.2f}" if ppl else ""))
+    newest = f"   validation perplexity {ppl[2]:.2f} at step {ppl[0]}" if ppl else ""
+    ax.set_title(f"{png.parent.parent.name}{newest}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -578,11 +583,12 @@ def report(cfg: DictConfig, trainer, checkpoint, run_dir: Path, sample: str | No
         with open(metrics_csv, newline="") as f:
             rows = list(csv.DictReader(f))
         train = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
-        ppl = [float(r["val_perplexity"]) for r in rows if r.get("val_perplexity")]
+        ppl = max(((int(r["step"]), i, float(r["val_perplexity"])) for i, r in enumerate(rows)
+                   if r.get("val_perplexity")), default=None)  # the newest check, as plot_losses quotes it
         if train:
             lines[0] += f": train_loss {train[0]:.3f} -> {train[-1]:.3f}"
         if ppl:
-            lines[0] += f", validation perplexity {ppl[-1]:.2f}"
+            lines[0] += f", validation perplexity {ppl[2]:.2f} at step {ppl[0]}"
         lines.append(f"  metrics     {metrics_csv}")
         if cfg.get("plot", True):
             png = plot_losses(metrics_csv, metrics_csv.parent / "loss.png")

@@ -49,11 +49,11 @@ def test_quick_run_reports_every_field_of_every_scenario(quick):
     assert {t["key"] for t in results["targets"]} == set(report.TARGETS)
     assert results["machine"]["cores"] >= 1 and results["command"].startswith("tp2d-bench --quick")
     assert all(r["calls_per_block"] > 0 for layout, r in rows.items() if layout not in ("single", "hf"))
-    proj = results["projection"]  # --quick projects 4 and 16 GPUs: fair rows at 16
-    assert [r["gpus"] for r in proj["rows"]] == [4, 16] and [f["gpus"] for f in proj["fair"]] == [16]
+    proj = results["projection"]  # --quick projects 4 and 16 GPUs, each with its fair rows
+    assert [r["gpus"] for r in proj["rows"]] == [4, 16] and [f["gpus"] for f in proj["fair"]] == [4, 16]
     assert {"time_tp1d_sp_s", "time_tp1d_sp_async_s", "time_2d_keep_s", "time_2d_broadcast_s",
             "hidden_comm_2d_s", "exposed_comm_2d_s"} <= set(proj["rows"][0])
-    fair = proj["fair"][0]
+    fair = proj["fair"][-1]
     assert fair["best_2d"]["layout"] == "2d" and fair["speedup"] > 0 and len(fair["configurations"]) >= 4
     assert len(proj["gemm_calibration"]["table"]) == 2 and proj["gemm_calibration"]["overhead_s"] > 0
 
@@ -169,3 +169,71 @@ def test_llama_runs_the_layouts_its_family_has_and_reports_the_others():
     assert single["status"] == grid["status"] == "ok", (single, grid)
     assert grid["loss"] == pytest.approx(single["loss"], rel=1e-4) and grid["comm_calls"] > 0
     assert "model_comm_bytes" not in grid  # the cost model describes GPT-2 only
+
+
+def _fair(gpus: int, speedup: float, tp_ge_2: float) -> dict:
+    best = {"layout": "single", "tp": 1, "dp": gpus}
+    return {"gpus": gpus, "speedup": speedup, "speedup_vs_tp_ge_2": tp_ge_2, "best_tp1d": best,
+            "best_2d": {"layout": "2d", "tp": 4, "dp": gpus // 4}, "configurations": []}
+
+
+def _projected_figure(monkeypatch, tmp_path, proj: dict):
+    """The matplotlib figure ``report.plots`` saves as ``speedup_vs_gpus.png`` for this projection section."""
+    import matplotlib.pyplot as plt
+
+    saved = {}
+
+    def keep(fig, out_dir, name):
+        saved[name] = fig
+        return name
+
+    monkeypatch.setattr(report, "_save", keep)
+    assert report.plots({"projection": proj}, str(tmp_path)) == ["speedup_vs_gpus.png"]
+    plt.close(saved["speedup_vs_gpus.png"])  # (its artists stay readable)
+    return saved["speedup_vs_gpus.png"]
+
+
+def test_speedup_figure_plots_the_fair_rows_against_their_named_baseline(monkeypatch, tmp_path):
+    """One group of 1-D TP without SP stretched across nodes reads 2.0x and 16.3x; the fair rows (best 2d x DP
+    against best 1-D TP+SP x DP, as results.md reports them) read 0.85x and 0.73x: the figure shows the fair rows
+    and says against what."""
+    rows = [{"gpus": 4, "speedup": 2.0}, {"gpus": 16, "speedup": 16.3}]
+    proj = {"model": "gpt2-medium", "batch": 64, "seq": 1024, "hardware": "H100", "rows": rows,
+            "fair": [_fair(16, 0.73, 0.90), _fair(4, 0.85, 0.95)]}
+    ax = _projected_figure(monkeypatch, tmp_path, proj).axes[0]
+    curves = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()
+              if not line.get_label().startswith("_")}
+    assert curves == {"best 2d (grid x DP) vs best 1-D TP+SP x DP (TP 1: plain DP)": ([4, 16], [0.85, 0.73]),
+                      "best 2d (grid x DP) vs best 1-D TP+SP (TP >= 2) x DP": ([4, 16], [0.95, 0.90])}
+    assert "vs best 1-D TP+SP x DP" in ax.get_title() and "1-D TP+SP x DP" in ax.get_ylabel()
+    md = report.markdown({"command": "tp2d-bench", "machine": {"summary": "m"}, "date": "d", "projection": {
+        **proj, "rows": [], "fair": [{**f, "configurations": []} for f in proj["fair"]]},
+        "spec": {"model": "gpt2-medium", "overrides": {}, "dtype": "float32", "device": "cpu"}})
+    assert "speedup best 1-D / best 2d: 0.73" in md and "speedup best 1-D / best 2d: 0.85" in md  # the same numbers
+    # a results.json from before the fair rows: the one-group rows, and the figure names that baseline
+    ax = _projected_figure(monkeypatch, tmp_path, {**proj, "fair": []}).axes[0]
+    (line,) = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+    assert list(line.get_ydata()) == [2.0, 16.3]
+    assert "one 1-D TP group (no SP, blocking)" in ax.get_title()
+    assert line.get_label() == "2d vs one 1-D TP group of all GPUs (no SP, blocking)"
+
+
+def test_results_md_names_the_model_in_words_and_calls_a_lower_bound_one(tmp_path):
+    """A max-sequence ratio measured while METP fitted every probe up to the search limit is a lower bound, not
+    "not measured"; ``--set n_head=12`` reads ``gpt2-tiny (n_head=12)``, not a Python dict."""
+    probe = {"batch": 1, "cap_bytes": 2 * 2**20, "probes": [], "status": "ok", "p": 2}
+    results = {"command": "tp2d-bench --quick", "machine": {"summary": "2 cores"}, "date": "today",
+               "spec": {"model": "gpt2-tiny", "overrides": {"n_head": 12}, "dtype": "float32", "device": "cpu"},
+               "max_seq": [{**probe, "layout": "metp", "max_seq": 512, "capped_by_limit": True},
+                           {**probe, "layout": "tp1d", "max_seq": 256, "capped_by_limit": False}]}
+    results["targets"] = report.evaluate_targets(results)
+    (target,) = [t for t in results["targets"] if t["key"] == "max_seq_metp_vs_tp1d"]
+    assert target["value"] == 2.0 and target["met"] is None and target["bound"] == "lower"
+    md = report.markdown(results)
+    (row,) = [line for line in md.splitlines() if line.startswith("| METP max sequence")]
+    assert "| 2 | >= 2.38 | lower bound: at least 2, the search stopped at its limit" in row
+    assert "not measured" not in row
+    assert "Model `gpt2-tiny` (n_head=12), float32" in md and "{'n_head'" not in md
+    # a target this run did not measure still says so
+    (row,) = [line for line in md.splitlines() if line.startswith("| plain GPT2 tokens/s")]
+    assert "| not measured |" in row

@@ -204,13 +204,13 @@ def built(*overrides: str, run_dir="/runs/a"):
 
 def test_callbacks_default_is_what_every_run_had_and_entries_add_or_remove_callbacks():
     names, checkpoint, loggers = built()
-    assert names == ["GracefulInterrupt", "StepCheckpoint", "DivergenceGuard", "SpeedMonitor", "TQDMProgressBar"]
+    assert names == ["GracefulInterrupt", "StepCheckpoint", "DivergenceGuard", "SpeedMonitor", "ResumableProgressBar"]
     assert checkpoint.dirpath == "/runs/a/checkpoints" and checkpoint.save_last == "link"
     assert [type(lg).__name__ for lg in loggers][0] == "ContinuingCSVLogger" and loggers[0].log_dir == "/runs/a/logs/"
     names, _, _ = built("callbacks=[default,lr_monitor,early_stopping,rich_progress_bar]",
                         "callbacks.speed_monitor=null")
     assert names == ["GracefulInterrupt", "StepCheckpoint", "DivergenceGuard", "LearningRateMonitor", "EarlyStopping",
-                     "RichProgressBar"]  # the last progress bar listed replaces the tqdm one
+                     "ResumableRichProgressBar"]  # the last progress bar listed replaces the tqdm one
     names, checkpoint, _ = built("+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
                                  "+callbacks.lr.logging_interval=step", "trainer.enable_progress_bar=false",
                                  "callbacks.model_checkpoint=null")

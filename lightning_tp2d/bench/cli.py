@@ -93,7 +93,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--projection-batch", type=int, default=64)
     ap.add_argument("--projection-seq", type=int, default=1024)
     ap.add_argument("--projection-gpus", default="4,16,64",
-                    help="GPU counts of the projection (square numbers); fair rows for those beyond one node")
+                    help="GPU counts of the projection (square numbers), each with its fair rows")
     ap.add_argument("--hardware", default="h100", choices=["h100", "a100"], help="preset of the projection")
     ap.add_argument("--measured-rates", action="store_true",
                     help="project with a GEMM table measured on this machine instead of the committed H200 one")
@@ -219,8 +219,9 @@ def projection(args: argparse.Namespace) -> dict:
     """The cost model's "2d" against 1-D TP for one tensor-parallel group of 4, 16 and 64 GPUs (1-D TP without and
     with sequence parallelism, the latter blocking and with async TP modelled, bf16 on the wire), with "2d"'s
     broadcast SUMMA and kept panels beside its default; step time, exposed and hidden communication, bytes sent
-    and saved activations per rank (bf16); the fair rows at 16 and 64 GPUs (the best tensor x data parallel
-    configuration of each family, :func:`~lightning_tp2d.bench.cost_model.fair_configurations`); METP's
+    and saved activations per rank (bf16); the fair rows at every GPU count (the best tensor x data parallel
+    configuration of each family, :func:`~lightning_tp2d.bench.cost_model.fair_configurations`: what
+    ``speedup_vs_gpus.png`` plots); METP's
     full-overlap threshold. GEMMs are priced by :func:`gemm_calibration` (``--measured-rates``: this machine's
     table, the preset's links and attention-to-GEMM rate ratio)."""
     from lightning_tp2d.bench import cost_model
@@ -271,7 +272,7 @@ def projection(args: argparse.Namespace) -> dict:
                 row[f"activation_bytes_2d_{key}"] = cost_model.activation_bytes(spec, cfg, batch, seq, n, 2)
         rows.append(row)
     fair = []
-    for n in (g for g in gpus if g > hw.gpus_per_node):
+    for n in (g for g in gpus if g > 1):  # in one node too (1-D TP x DP, plain DP against one grid); 1 GPU: no grid
         f = cost_model.fair_configurations(cfg, batch, seq, n, hw)
         tp_only = min((c for c in f["tp1d"] if c["tp"] > 1), key=lambda c: c["total_s"])
         fair.append({"gpus": n, "best_tp1d": _summary(f["best_tp1d"]), "best_2d": _summary(f["best_2d"]),
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args, argv)
     files = report.write(results, out)
     for t in results["targets"]:
-        met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+        met = "NOT met" if t["met"] is False else report.verdict(t)
         value = "" if t["value"] is None else f"{t['value']:.3g}"
         _log(f"target {t['key']}: {value} ({t['threshold']}) {met}")
     _log(f"wrote {', '.join(os.path.join(out, f) for f in files)}")

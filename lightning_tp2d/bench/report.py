@@ -56,7 +56,8 @@ def evaluate_targets(results: dict) -> list[dict]:
     ratio = m["max_seq"] / t["max_seq"] if m and t and t["max_seq"] else None
     add("max_seq_metp_vs_tp1d", ratio, f"max-sequence search at p = {m['p']}" if m else "max-sequence search")
     if ratio is not None and m.get("capped_by_limit") and ratio < TARGETS["max_seq_metp_vs_tp1d"][1]:
-        out[-1].update(met=None, source=out[-1]["source"] + " (METP reached the search limit: a lower bound)")
+        # measured, but only as a lower bound: METP fitted every probe up to the limit, so the true ratio is higher
+        out[-1].update(met=None, bound="lower", source=out[-1]["source"] + " (METP reached the search limit)")
     weak = results.get("weak_scaling", [])
     big = sorted({r["p"] for r in weak if r["p"] >= 16 and r.get("status") == "ok"})
     if big:
@@ -91,12 +92,26 @@ def _fmt(v, spec=".3g") -> str:
     return "" if v is None else format(v, spec)
 
 
+def verdict(target: dict) -> str:
+    """A target's status in words: ``met``, ``not met``, ``not measured`` (this run has no value), or, for a measured
+    value that is only a lower bound below the threshold, ``lower bound: ...`` (neither met nor refuted)."""
+    if target.get("bound") == "lower":
+        return (f"lower bound: at least {_fmt(target['value'])}, the search stopped at its limit "
+                f"(undecided against {target['threshold']})")
+    return {True: "met", False: "not met", None: "not measured"}[target["met"]]
+
+
+def model_text(spec: dict) -> str:
+    """The benchmarked model in words: ``gpt2-tiny (n_head=12)`` (the config fields ``--set`` changed in brackets)."""
+    fields = ", ".join(f"{k}={v}" for k, v in (spec.get("overrides") or {}).items())
+    return f"`{spec['model']}`" + (f" ({fields})" if fields else "")
+
+
 def markdown(results: dict) -> str:
     lines = [f"# tp2d-bench results", "", f"Command: `{results['command']}`", "",
              f"Machine: {results['machine']['summary']}", "", f"Date: {results['date']}", ""]
     spec = results["spec"]
-    model = f"`{spec['model']}`" + (f" with {spec['overrides']}" if spec["overrides"] else "")
-    lines += [f"Model {model}, {spec['dtype']}, device {spec['device']}"
+    lines += [f"Model {model_text(spec)}, {spec['dtype']}, device {spec['device']}"
               + (f"; scenarios at batch {spec['batch']} x sequence {spec['seq']}" if results.get("scenarios") else "")
               + (f"; the package's layouts with activation checkpointing `{spec['activation_checkpointing']}` "
                  "(baselines without)" if spec.get("activation_checkpointing", "none") != "none" else "")
@@ -108,7 +123,7 @@ def markdown(results: dict) -> str:
               "ring/pipelined algorithms (cost model).", ""]
     lines += ["## Targets", "", "| target | measured | threshold | met | from |", "|---|---|---|---|---|"]
     for t in results.get("targets", []):
-        met = {True: "**met**", False: "**not met**", None: "not measured"}[t["met"]]
+        met = verdict(t) if t["met"] is None else f"**{verdict(t)}**"
         lines.append(f"| {t['target']} | {_fmt(t['value'])} | {t['threshold']} | {met} | {t['source']} |")
     if results.get("scenarios"):
         lines += ["", "## Scenarios", "",
@@ -238,13 +253,31 @@ def plots(results: dict, out_dir: str) -> list[str]:
         written.append(_save(fig, out_dir, "comm_vs_p.png"))
     proj = results.get("projection")
     if proj:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        gpus = [r["gpus"] for r in proj["rows"]]
-        ax.plot(gpus, [r["speedup"] for r in proj["rows"]], marker="o", label="2d / 1-D TP")
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        where = f"{proj['model']}, batch {proj['batch']} x {proj['seq']}, {proj['hardware']}"
+        fair = sorted(proj.get("fair", []), key=lambda f: f["gpus"])
+        if fair:  # the fair rows of results.md: per GPU count the best configuration of each family
+            gpus = [f["gpus"] for f in fair]
+            ax.plot(gpus, [f["speedup"] for f in fair], marker="o",
+                    label="best 2d (grid x DP) vs best 1-D TP+SP x DP (TP 1: plain DP)")
+            if all("speedup_vs_tp_ge_2" in f for f in fair):
+                ax.plot(gpus, [f["speedup_vs_tp_ge_2"] for f in fair], marker="s", ls="--",
+                        label="best 2d (grid x DP) vs best 1-D TP+SP (TP >= 2) x DP")
+            ax.set(xlabel="GPUs (tensor x data parallel)",
+                   ylabel="best 1-D TP+SP x DP step time / best 2d's",
+                   title=f"Cost model: best 2d vs best 1-D TP+SP x DP per GPU count\n{where}")
+        else:  # a results.json without fair rows: one tensor-parallel group of all GPUs, as projected_speedup prices
+            gpus = [r["gpus"] for r in proj["rows"]]
+            ax.plot(gpus, [r["speedup"] for r in proj["rows"]], marker="o",
+                    label="2d vs one 1-D TP group of all GPUs (no SP, blocking)")
+            ax.set(xlabel="GPUs (one tensor-parallel group, across nodes beyond one)",
+                   ylabel="1-D TP step time / 2d's",
+                   title=f"Cost model: 2d vs one 1-D TP group (no SP, blocking) of all GPUs\n{where}")
+        ax.title.set_fontsize(9)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set(xlabel="GPUs (one tensor-parallel group)", ylabel="projected speedup",
-               title=f"Cost model: {proj['model']}, batch {proj['batch']} x {proj['seq']}\n{proj['hardware']}")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(gpus, [str(g) for g in gpus])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend()
         written.append(_save(fig, out_dir, "speedup_vs_gpus.png"))
