@@ -1,8 +1,10 @@
 """``TextDataModule``: next-token windows from text or token files, fed the tensor-parallel way.
 
 Sources (``path``, and optionally a separate ``val_path``): a text file, a folder of text files (``*.txt``, ``*.md``,
-``*.rst``, read in sorted order and joined with the end-of-text token), a token file, or by default the Python
-documentation that ships with every Python install (``pydoc_data.topics``), so a run needs no download.
+``*.rst``, and any suffix added with ``suffixes``, read in sorted order and joined with the end-of-text token), a
+token file, or by default the Python documentation that ships with every Python install (``pydoc_data.topics``), so
+a run needs no download. ``format="auto"`` tells token files from text by the suffix (``.bin``, ``.npy``);
+``"text"`` reads every source as text and ``"tokens"`` as token ids, whatever its suffix.
 
 Token files are memory-mapped, never read into memory: ``*.bin`` holds raw little-endian ids of ``dtype``
 (``"uint16"``, nanoGPT's ``train.bin`` / ``val.bin`` as they are, or ``"uint32"`` for vocabularies over 65536 ids; a
@@ -58,6 +60,23 @@ log = logging.getLogger(__name__)
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
 TOKEN_SUFFIX = ".bin"  # raw ids of a given dtype (nanoGPT's format)
 TOKEN_SUFFIXES = (".bin", ".npy")  # .npy: the numpy header carries the dtype
+FORMATS = ("auto", "text", "tokens")  # how a source is read: by its suffix, as text, as token ids
+
+
+def check_format(format: str) -> str:
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)} (auto: token files by their .bin / .npy suffix), "
+                         f"got {format!r}")
+    return format
+
+
+def text_suffixes(extra=None) -> tuple[str, ...]:
+    """The suffixes of the files a text folder contributes: :data:`TEXT_SUFFIXES` and ``extra`` (``"py"`` or
+    ``".py"``)."""
+    if isinstance(extra, str):
+        extra = [extra]
+    added = tuple(s if str(s).startswith(".") else f".{s}" for s in (extra or ()))
+    return TEXT_SUFFIXES + tuple(s for s in added if s not in TEXT_SUFFIXES)
 TOKEN_DTYPES = ("uint16", "uint32")  # what a raw .bin file may hold (little-endian)
 EOT_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")  # end-of-text, looked up in a tokenizer.json
 CACHE_DIRNAME = ".tp2d_cache"  # next to the corpus: its cache token files
@@ -104,7 +123,9 @@ class GPT2Tokenizer:
         try:
             self._enc = tiktoken.get_encoding("gpt2")
         except Exception as err:  # noqa: BLE001 - any network / cache failure
-            raise RuntimeError(hint + f"they could not be loaded ({type(err).__name__}: {err}). " + offline) from err
+            first = (str(err).strip().splitlines() or [""])[0]
+            first = first if len(first) <= 160 else first[:157] + "..."
+            raise RuntimeError(hint + f"they could not be loaded ({type(err).__name__}: {first}). " + offline) from err
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._enc.encode_ordinary(text), dtype=np.uint16)
@@ -195,16 +216,22 @@ def default_corpus() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def is_token_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` names a token file (``.bin`` or ``.npy``) rather than text, by its suffix."""
+def is_token_file(path: str | os.PathLike, format: str = "auto") -> bool:
+    """Whether ``path`` is read as a token file rather than text: by its suffix (``.bin`` or ``.npy``) under
+    ``format="auto"``, always under ``"tokens"``, never under ``"text"``."""
+    if check_format(format) != "auto":
+        return format == "tokens"
     return Path(str(path)).suffix in TOKEN_SUFFIXES
 
 
-def _text_files(path: Path) -> list[Path]:
+def _text_files(path: Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[Path]:
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes)
         if not files:
-            raise ValueError(f"folder {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+            found = sorted({p.suffix for p in path.rglob("*") if p.is_file() and p.suffix})[:8]
+            seen = f"; it holds {', '.join(found)} files" if found else ""
+            raise ValueError(f"folder {str(path)!r} holds no text files with the suffixes read ({', '.join(suffixes)})"
+                             f"{seen}: add suffixes with suffixes=[...] (tp2d-train: data.suffixes='[.py]')")
         return files
     return [path]
 
@@ -267,7 +294,8 @@ def _looks_like_uint32(tokens: np.ndarray) -> bool:
     return int(head[1::2].max()) < 16 <= int(head[0::2].max())
 
 
-def check_path(path: str | os.PathLike, vocab_size: int | None = None, dtype="uint16") -> None:
+def check_path(path: str | os.PathLike, vocab_size: int | None = None, dtype="uint16", format: str = "auto",
+               suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> None:
     """Check a data path before any process starts (``tp2d-train`` does, on the launching process): it exists; a
     token file is non-empty, whole ids of ``dtype`` (``.bin``; a ``.npy`` has its own) and (with ``vocab_size``)
     holds only ids below it; text files are text (a binary given as ``data=text`` is refused by content, not
@@ -275,7 +303,9 @@ def check_path(path: str | os.PathLike, vocab_size: int | None = None, dtype="ui
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"data path {str(p)!r} does not exist")
-    if p.is_file() and is_token_file(p):
+    if p.is_file() and is_token_file(p, format):
+        why = f" (read as token ids for its {p.suffix} suffix; format='text' reads it as text)" if format == "auto" \
+            else ""
         tokens = open_token_file(p, dtype)
         if p.suffix == TOKEN_SUFFIX and _looks_like_uint32(tokens):
             raise ValueError(f"token file {str(p)!r} read as uint16 looks like uint32 ids (every second uint16, the "
@@ -287,11 +317,11 @@ def check_path(path: str | os.PathLike, vocab_size: int | None = None, dtype="ui
             if top >= vocab_size:
                 hint = (" (or, if the file holds uint16 ids as nanoGPT writes them, dtype='uint16')"
                         if p.suffix == TOKEN_SUFFIX and tokens.dtype.itemsize == 4 and top >= 1 << 16 else "")
-                raise ValueError(f"token file {str(p)!r} holds id {top}, but the model's vocabulary has {vocab_size} "
-                                 f"ids (0..{vocab_size - 1}): use a model with vocab_size > {top}, or the file made "
-                                 f"for this model{hint}")
+                raise ValueError(f"token file {str(p)!r}{why} holds id {top}, but the model's vocabulary has "
+                                 f"{vocab_size} ids (0..{vocab_size - 1}): use a model with vocab_size > {top}, or "
+                                 f"the file made for this model{hint}")
         return
-    for file in _text_files(p):
+    for file in _text_files(p, suffixes):
         reason = _binary_reason(file)
         if reason is not None:
             raise ValueError(f"{str(file)!r} is not a text file ({reason}): data=text reads UTF-8 text; for "
@@ -331,12 +361,13 @@ def _pieces(file: Path, chunk: int = CHUNK_CHARS) -> Iterator[str]:
             rest = text[cut:]
 
 
-def _encode_source(source: Path, tokenizer, write: Callable[[np.ndarray], None]) -> int:
+def _encode_source(source: Path, tokenizer, write: Callable[[np.ndarray], None],
+                   suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> int:
     """Tokenise the text file or folder ``source`` piece by piece into ``write`` (files joined by end-of-text);
     returns the number of tokens."""
     eot = np.array([tokenizer.eot], dtype=tokenizer.dtype)
     chars = count = 0
-    for k, file in enumerate(_text_files(source)):
+    for k, file in enumerate(_text_files(source, suffixes)):
         if k:
             write(eot)
             count += 1
@@ -364,12 +395,12 @@ def _cache_dirs(source: Path, cache) -> list[Path]:
     return [Path(str(cache)).expanduser()]
 
 
-def _cache_name(source: Path, tokenizer) -> tuple[str, str]:
+def _cache_name(source: Path, tokenizer, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> tuple[str, str]:
     """``(prefix, name)`` of the cache file for ``source``: the prefix names the corpus (its absolute path hashed)
     and the tokenizer kind; the name adds a hash of the tokenizer and of every file's name, size and mtime."""
     where = hashlib.sha256(str(source).encode()).hexdigest()[:8]
     key = hashlib.sha256(f"{CACHE_FORMAT}\0{tokenizer.identity}\0{tokenizer.dtype.name}".encode())
-    for file in _text_files(source):
+    for file in _text_files(source, suffixes):
         stat = file.stat()
         key.update(f"\0{file.relative_to(source) if file != source else file.name}\0{stat.st_size}\0"
                    f"{stat.st_mtime_ns}".encode())
@@ -377,14 +408,14 @@ def _cache_name(source: Path, tokenizer) -> tuple[str, str]:
     return prefix, f"{prefix}{key.hexdigest()[:16]}.{tokenizer.dtype.name}.bin"
 
 
-def build_cache(path: str | os.PathLike, tokenizer, cache=True) -> Path | None:
+def build_cache(path: str | os.PathLike, tokenizer, cache=True, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> Path | None:
     """Tokenise text ``path`` into its cache token file unless an up-to-date one exists; returns it, or ``None`` (with
     a warning) when no cache folder is writable. ``cache``: ``True`` (next to the corpus, else the user cache dir)
     or a folder. Written to a temporary file and renamed into place, so concurrent writers and readers are safe."""
     source = Path(path).expanduser().resolve()
     if not source.exists():
         raise FileNotFoundError(f"data path {str(source)!r} does not exist")
-    prefix, name = _cache_name(source, tokenizer)
+    prefix, name = _cache_name(source, tokenizer, suffixes)
     dirs = _cache_dirs(source, cache)
     found = next((d / name for d in dirs if (d / name).is_file()), None)
     if found is not None:
@@ -399,7 +430,7 @@ def build_cache(path: str | os.PathLike, tokenizer, cache=True) -> Path | None:
         log.info("tokenising %s with tokenizer %s into %s", source, tokenizer.name, folder / name)
         try:
             with os.fdopen(fd, "wb") as f:
-                _encode_source(source, tokenizer, lambda ids: ids.tofile(f))
+                _encode_source(source, tokenizer, lambda ids: ids.tofile(f), suffixes)
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
@@ -417,13 +448,13 @@ def build_cache(path: str | os.PathLike, tokenizer, cache=True) -> Path | None:
 
 
 def load_tokens(path: str | None, tokenizer, max_tokens: int | None = None, dtype="uint16",
-                cache=False) -> np.ndarray:
+                cache=False, format: str = "auto", suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> np.ndarray:
     """The whole token stream of one source: a read-only memory map for token files (raw ``.bin`` ids of ``dtype``,
     or ``.npy``) and, with ``cache``, for text (its cache token file, built if missing); else an in-memory array of
     ``tokenizer.dtype``. ``path=None``: the Python documentation (in memory)."""
     if path is None:
         tokens = np.asarray(tokenizer.encode(default_corpus()), dtype=tokenizer.dtype)
-    elif is_token_file(path):
+    elif is_token_file(path, format):
         tokens = open_token_file(path, dtype)
         if Path(str(path)).suffix == TOKEN_SUFFIX and _looks_like_uint32(tokens):
             warnings.warn(f"token file {str(path)!r} read as uint16 looks like uint32 ids (every second uint16 is "
@@ -432,12 +463,12 @@ def load_tokens(path: str | None, tokenizer, max_tokens: int | None = None, dtyp
         p = Path(path).expanduser()
         if not p.exists():
             raise FileNotFoundError(f"data path {str(p)!r} does not exist")
-        cached = build_cache(p, tokenizer, cache) if cache else None
+        cached = build_cache(p, tokenizer, cache, suffixes) if cache else None
         if cached is not None:  # (text of only spaces may make no tokens, and an empty file cannot be mapped)
             tokens = np.memmap(cached, dtype=tokenizer.dtype, mode="r") if cached.stat().st_size else np.zeros(0)
         else:
             parts: list[np.ndarray] = []
-            _encode_source(p, tokenizer, parts.append)
+            _encode_source(p, tokenizer, parts.append, suffixes)
             tokens = np.concatenate(parts)
     return tokens[:max_tokens] if max_tokens else tokens
 
@@ -528,12 +559,17 @@ class TextDataModule(L.LightningDataModule):
             over 65536 ids); a ``.npy`` file carries its own, and text caches take the tokenizer's.
         cache: tokenise text once into a cache token file (see the module docstring): ``True`` (``.tp2d_cache/``
             next to the corpus, or the user cache dir), a folder to keep it in, or ``False`` (in memory, every rank).
+        format: ``"auto"`` (token files by their ``.bin`` / ``.npy`` suffix, the rest text), ``"text"`` (every source
+            is text, a ``.bin`` too) or ``"tokens"`` (every source is token ids).
+        suffixes: more suffixes of the files a text folder contributes (``[".py"]``), besides ``.txt``, ``.md`` and
+            ``.rst``.
     """
 
     def __init__(self, path: str | None = None, tokenizer: str = "byte", block_size: int = 64, batch_size: int = 8,
                  val_fraction: float = 0.05, shuffle: bool = True, seed: int = 0, max_tokens: int | None = None,
                  num_workers: int = 0, prompts: list[str] | None = None, val_path: str | None = None,
-                 dtype: str = "uint16", cache: bool | str = True) -> None:
+                 dtype: str = "uint16", cache: bool | str = True, format: str = "auto",
+                 suffixes: list[str] | None = None) -> None:
         super().__init__()
         if val_path is None and not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -541,19 +577,25 @@ class TextDataModule(L.LightningDataModule):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         _raw_dtype(dtype)
+        check_format(format)
         if not isinstance(cache, (bool, str, os.PathLike)):
             raise TypeError(f"cache must be True, False or a folder, got {cache!r}")
         self.save_hyperparameters()
         self.path, self.val_path, self.block_size, self.batch_size = path, val_path, block_size, batch_size
         self.val_fraction, self.shuffle, self.seed, self.max_tokens = val_fraction, shuffle, seed, max_tokens
         self.num_workers, self.dtype, self.cache = num_workers, dtype, cache
+        self.format, self.suffixes = format, text_suffixes(suffixes)
         self.prompts = list(prompts or [])
         self.tokenizer_name = tokenizer
-        text = path is None or not is_token_file(path) or (val_path is not None and not is_token_file(val_path))
-        self.tokenizer = get_tokenizer(tokenizer) if text else None
+        self.tokenizer = get_tokenizer(tokenizer) if self.reads_text else None
         self.tokens: np.ndarray | None = None  # the training source's whole stream (with its validation tail)
         self.val_tokens: np.ndarray | None = None
         self._max_token_id: int | None = None
+
+    @property
+    def reads_text(self) -> bool:
+        """Whether a source is text (and so the tokenizer makes the ids)."""
+        return self.path is None or bool(self._text_sources())
 
     @property
     def vocab_size(self) -> int | None:
@@ -570,18 +612,18 @@ class TextDataModule(L.LightningDataModule):
         return self._max_token_id
 
     def _text_sources(self) -> list[str]:
-        return [str(p) for p in (self.path, self.val_path) if p is not None and not is_token_file(p)]
+        return [str(p) for p in (self.path, self.val_path) if p is not None and not is_token_file(p, self.format)]
 
     def prepare_data(self) -> None:
         """Tokenise the text sources into their cache token files unless up-to-date ones exist. Lightning calls this
         on one process per node (``prepare_data_per_node``) before ``setup`` on any, so a corpus is tokenised once."""
         if self.cache:
             for source in self._text_sources():
-                build_cache(source, self.tokenizer, self.cache)
+                build_cache(source, self.tokenizer, self.cache, self.suffixes)
 
     def _load(self, path: str | None) -> np.ndarray:
         return load_tokens(path, self.tokenizer or ByteTokenizer(), self.max_tokens, dtype=self.dtype,
-                           cache=self.cache)
+                           cache=self.cache, format=self.format, suffixes=self.suffixes)
 
     def setup(self, stage: str | None = None) -> None:
         if self.tokens is not None:

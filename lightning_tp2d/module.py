@@ -143,6 +143,7 @@ class GPT2LightningModule(L.LightningModule):
         self.init_from = None if init_from is None else str(init_from)
         self.model: GPT2 | Llama | None = None
         self.val_perplexity = TokenPerplexity()
+        self._schedule_total: int | None = None  # the schedule's length this run (configure_optimizers)
 
     # ---- model ---------------------------------------------------------------------------------------------
 
@@ -186,11 +187,10 @@ class GPT2LightningModule(L.LightningModule):
     def on_train_start(self) -> None:
         # resumed with another max_steps: the checkpoint restored the schedule it was saved with; end it at this
         # run's length from the step reached, keeping the rate continuous (WarmupCosine.extend_to)
-        total = getattr(self, "_schedule_total", None)
-        for config in self.trainer.lr_scheduler_configs if total is not None else ():
+        for config in self.trainer.lr_scheduler_configs if self._schedule_total is not None else ():
             for fn in getattr(config.scheduler, "lr_lambdas", ()):
                 if isinstance(fn, WarmupCosine):
-                    fn.extend_to(config.scheduler.last_epoch, total)
+                    fn.extend_to(config.scheduler.last_epoch, self._schedule_total)
 
     def on_fit_start(self) -> None:
         # the fused AdamW (configure_optimizers) clips under bf16-mixed on any strategy, one device included:

@@ -134,7 +134,10 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     if continues_run(cfg.ckpt_path, run_dir):  # of course the checkpoints/ it resumes from is not empty
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     L.seed_everything(cfg.seed, verbose=False)
-    datamodule = instantiate(cfg.data)
+    try:
+        datamodule = instantiate(cfg.data)
+    except Exception as err:  # noqa: BLE001 - a TextDataModule argument it refuses, wrapped by Hydra
+        raise ConfigError(f"data: {err.__cause__ or err}") from err
     module = instantiate(cfg.module)
     # no ModelCheckpoint listed (callbacks=none, callbacks.model_checkpoint=null): none of Lightning's either
     extra = {} if checkpoint is not None or "enable_checkpointing" in cfg.trainer else {"enable_checkpointing": False}
@@ -346,8 +349,13 @@ def check_config(cfg: DictConfig, model) -> str:
     except MissingMandatoryValue:
         raise ConfigError("data.path is required with this data config: a text file or folder (data=text) or a "
                           ".bin token file (data=tokens), e.g. data.path=$HOME/corpus.txt") from None
-    from lightning_tp2d.data import check_path, is_token_file, tokenizer_vocab_size
+    from lightning_tp2d.data import (check_format, check_path, get_tokenizer, is_token_file, text_suffixes,
+                                     tokenizer_vocab_size)
 
+    try:
+        form, suffixes = check_format(str(data.get("format", "auto"))), text_suffixes(data.get("suffixes"))
+    except ValueError as err:
+        raise ConfigError(f"data.format: {err}") from None
     val_path = data.get("val_path")
     for key, source in (("data.path", path), ("data.val_path", val_path)):
         if source is None:
@@ -357,13 +365,14 @@ def check_config(cfg: DictConfig, model) -> str:
                               f"{Path(str(source)).expanduser().absolute()}; relative paths start from the directory "
                               f"tp2d-train runs in, {os.getcwd()})")
         try:
-            check_path(str(source), vocab_size=model.vocab_size, dtype=data.get("dtype", "uint16"))
+            check_path(str(source), vocab_size=model.vocab_size, dtype=data.get("dtype", "uint16"), format=form,
+                       suffixes=suffixes)
         except ValueError as err:
             raise ConfigError(f"{key}: {err}") from None
-    text = path is None or not is_token_file(path) or (val_path is not None and not is_token_file(val_path))
+    text = path is None or any(s is not None and not is_token_file(s, form) for s in (path, val_path))
     if text:  # the tokenizer makes the ids (with token files only, it just prints the sample)
         try:
-            ids = tokenizer_vocab_size(str(data.tokenizer))
+            ids = tokenizer_vocab_size(str(data.tokenizer))  # (no tiktoken needed for this)
         except (ValueError, OSError, RuntimeError) as err:
             raise ConfigError(f"data.tokenizer: {err}") from None
         if ids > model.vocab_size:

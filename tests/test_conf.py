@@ -8,6 +8,7 @@ import csv
 import importlib
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -366,3 +367,62 @@ def test_llama_layouts_follow_the_family_rules():
     config = LlamaConfig.from_name("llama-tiny", n_kv_head=3)
     assert get_layout("2d").auto_tensor_parallel_size(4, 4, config) == 1
     assert get_layout("2d").auto_tensor_parallel_size(9, 9, config) == 9
+
+
+# ---- inputs a user meets first (issue 21): tokenizers, the data format, folders of other suffixes ----------------
+
+
+class _OfflineTiktoken:
+    """A tiktoken whose BPE files cannot be fetched (a machine without network)."""
+
+    @staticmethod
+    def get_encoding(name):
+        raise ConnectionError("HTTPSConnectionPool(host='openaipublic.blob.core.windows.net', port=443): Max retries "
+                              "exceeded with url: /gpt-2/encodings/main/vocab.bpe (Caused by NameResolutionError("
+                              "\"<urllib3.connection.HTTPSConnection object at 0x7f>: Failed to resolve\"))\n" * 3)
+
+
+@pytest.mark.parametrize("tiktoken, message", [
+    (None, "data.tokenizer: tokenizer 'gpt2' needs the tiktoken package"),
+    (_OfflineTiktoken, "they could not be loaded (ConnectionError: HTTPSConnectionPool(host="),
+])
+def test_a_tokenizer_that_cannot_load_is_a_config_error_of_one_short_line(monkeypatch, tiktoken, message):
+    """``data.tokenizer=gpt2`` without tiktoken, or offline with it: refused before any process starts, in one line
+    (it used to be Hydra's "Error executing job" wrapper around a long ConnectionError, exit 1)."""
+    monkeypatch.setitem(sys.modules, "tiktoken", tiktoken)
+    with pytest.raises(ConfigError) as err:
+        checked("model=gpt2", "data.tokenizer=gpt2", "trainer.devices=4")
+    text = str(err.value)
+    assert message in text and "tokenizer='byte'" in text
+    assert "\n" not in text and len(text) < 700, text
+
+
+def test_an_explicit_data_format_wins_over_the_suffix(tmp_path):
+    """``data=text data.path=notes.bin`` reads the file as text (it used to be read as uint16 ids, silently, and
+    answered with vocabulary advice); without ``data=text`` the suffix decides, and the message says so."""
+    notes = tmp_path / "notes.bin"
+    notes.write_text("plain words, not token ids " * 400, encoding="utf-8")
+    assert checked("data=text", f"data.path={notes}").startswith("layout '2d'")
+    dm = instantiate(composed("data=text", f"data.path={notes}", "data.max_tokens=null").data)
+    dm.setup()
+    assert dm.decode(dm.tokens[:11].tolist()) == "plain words"
+    with pytest.raises(ConfigError) as err:
+        checked(f"data.path={notes}")  # data=default: format auto
+    assert "(read as token ids for its .bin suffix; format='text' reads it as text)" in str(err.value)
+    with pytest.raises(ConfigError, match="format must be one of auto, text, tokens"):
+        checked("data=text", f"data.path={notes}", "data.format=txt")
+
+
+def test_a_folder_of_other_suffixes_lists_what_is_read_and_data_suffixes_adds_them(tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    for i in range(3):
+        (code / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 50)
+    with pytest.raises(ConfigError) as err:
+        checked("data=text", f"data.path={code}")
+    assert "holds no text files with the suffixes read (.txt, .md, .rst); it holds .py files: add suffixes" in \
+        str(err.value) and "data.suffixes='[.py]'" in str(err.value)
+    assert checked("data=text", f"data.path={code}", "data.suffixes=[.py]").startswith("layout '2d'")
+    dm = instantiate(composed("data=text", f"data.path={code}", "data.suffixes=[py]", "data.cache=false").data)
+    dm.setup()
+    assert dm.decode(dm.tokens[:9].tolist()) == "def f0(x)"

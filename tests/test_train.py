@@ -24,6 +24,7 @@ from lightning_tp2d import load_gpt2
 from lightning_tp2d.models import GPT2, GPT2Config
 
 from .lightning_ranks import free_port
+from .test_cli import NOISE
 
 ROOT = Path(__file__).resolve().parents[1]
 # gpt2-tiny on one 2x2 grid, 6 steps, validation (and a checkpoint) after steps 3 and 6
@@ -96,6 +97,7 @@ def test_4_process_run_leaves_metrics_checkpoint_plot_and_sample(single_node):
     sample = (run_dir / "sample.txt").read_text(encoding="utf-8")
     assert sample.startswith("The ") and len(sample.encode()) >= len("The ")
     assert "Epoch 0: 100%" in run.stdout + run.stderr  # Lightning's progress bar
+    assert [line for line in (run.stdout + run.stderr).splitlines() if NOISE.search(line)] == []  # lightning_tp2d.quiet
     log = (run_dir / "train.log").read_text()
     assert "1 replica(s) x 2x2 grid (p=4)" in log and "tp2d-train: done" in log and "----- sample" in log
     assert "max_steps: 6" in (run_dir / ".hydra" / "config.yaml").read_text()
@@ -250,6 +252,17 @@ def test_bad_input_is_refused_before_any_process_starts(tmp_path):
     assert missing.returncode == 2
     assert f"data.path='corpus/missing.txt' does not exist (looked for {tmp_path}/corpus/missing.txt" in missing.stderr
     assert list(tmp_path.iterdir()) == []  # the run directory Hydra had made is gone again
+
+    fake = tmp_path.parent / f"{tmp_path.name}-offline"  # a tiktoken whose BPE files cannot be fetched
+    fake.mkdir()
+    (fake / "tiktoken.py").write_text("def get_encoding(name):\n    raise ConnectionError('HTTPSConnectionPool: Max "
+                                      "retries exceeded\\n' * 20)\n")
+    offline = tp2d_train(["model=gpt2", "data.tokenizer=gpt2"], tmp_path, timeout=120,
+                         PYTHONPATH=os.pathsep.join([str(ROOT), str(fake)]))
+    assert offline.returncode == 2, offline.stderr[-2000:]
+    assert offline.stderr.strip().count("\n") == 0, offline.stderr  # one line
+    assert "tp2d-train: error: data.tokenizer: tokenizer 'gpt2' needs" in offline.stderr
+    assert "Error executing job" not in offline.stderr and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("parallel, devices, log_every, precision", [("metp", 2, 20, "bf16-mixed"),
