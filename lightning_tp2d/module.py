@@ -40,6 +40,7 @@ from lightning_tp2d.models import model_config
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.models.llama import Llama, LlamaConfig
 from lightning_tp2d.precision import allow_clipping_without_scaler
+from lightning_tp2d.quiet import silence_known_noise
 
 
 class TokenPerplexity(Metric):
@@ -128,6 +129,7 @@ class GPT2LightningModule(L.LightningModule):
                  meta_init: bool | None = None, predict_max_new_tokens: int = 32, predict_temperature: float = 1.0,
                  predict_top_k: int | None = None, init_from: str | None = None) -> None:
         super().__init__()
+        silence_known_noise()  # e.g. Lightning's note that this module's on_before_batch_transfer is used
         if model is None:
             if init_from is None:
                 raise ValueError("model=None takes the sizes from init_from's config.json; pass init_from, or a model")

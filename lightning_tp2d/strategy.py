@@ -38,6 +38,7 @@ from lightning_tp2d.core import TensorParallelCore, find_gpt2_config
 from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.precision import allow_clipping_without_scaler, precision_name
+from lightning_tp2d.quiet import silence_known_noise
 from lightning_tp2d.training import GradientSync, clip_grad_norm_, clip_grad_value_
 from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
 
@@ -83,6 +84,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
                  process_group_backend: str | None = None, timeout: timedelta | float | None = default_pg_timeout,
                  activation_checkpointing: str = "none", compile: bool | str | dict = False,
                  allow_fallback: bool = False, zero_stage: int = 0) -> None:
+        silence_known_noise()  # Lightning's known-harmless warnings and tips (lightning_tp2d.quiet)
         self._init_core(layout, tensor_parallel_size, data_parallel_size, timeout, activation_checkpointing, compile,
                         allow_fallback, zero_stage)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,

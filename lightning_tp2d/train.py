@@ -39,6 +39,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from lightning_tp2d import launch
 from lightning_tp2d.errors import CheckpointError, CommError, DivergenceError
+from lightning_tp2d.quiet import silence_known_noise
 
 log = logging.getLogger("tp2d-train")
 TOKENIZER_IDS = {"byte": 257, "gpt2": 50257}  # ids each tokenizer of TextDataModule produces
@@ -129,8 +130,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         if rank_zero:
             log.info("trainer.max_steps=%d < trainer.log_every_n_steps=%d: logging every %d steps", steps, every, steps)
 
-    # Lightning 2.6 under torch >= 2.10 warns about its own pytree use once per rank: not the user's business
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    silence_known_noise()  # Lightning's own LeafSpec deprecation and tips, once per rank (lightning_tp2d.quiet)
     if continues_run(cfg.ckpt_path, run_dir):  # of course the checkpoints/ it resumes from is not empty
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     L.seed_everything(cfg.seed, verbose=False)
@@ -380,6 +380,10 @@ def check_config(cfg: DictConfig, model) -> str:
             raise ConfigError(f"data.tokenizer={data.tokenizer} makes {ids} token ids but model.vocab_size="
                               f"{model.vocab_size}: use a model with vocab_size >= {ids} ({fit}) or "
                               "data.tokenizer=byte")
+        try:  # and it loads here, before any process starts (tiktoken missing, or offline without its files)
+            get_tokenizer(str(data.tokenizer))
+        except (ValueError, OSError, RuntimeError) as err:
+            raise ConfigError(f"data.tokenizer: {err}") from None
     seq, batch = int(data.block_size), int(data.batch_size)
     if seq > model.block_size:
         raise ConfigError(f"data.block_size={seq} exceeds model.block_size={model.block_size} (the positions the "

@@ -21,7 +21,8 @@ from lightning_tp2d import train
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 DOCS = [ROOT / "README.md", ROOT / "recipes" / "README.md", ROOT / "conf" / "README.md",
-        *sorted((ROOT / "recipes").glob("*.sh")), *sorted((ROOT / "recipes").glob("*.sbatch")),
+        *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "recipes").glob("*.sh")),
+        *sorted((ROOT / "recipes").glob("*.sbatch")),
         *sorted((ROOT / "conf").rglob("*.yaml"))]
 # a command, and what follows it up to the end of the line, a code span, a table cell or a comment
 HEAD = r"tp2d-train|-m lightning_tp2d\.train|bash recipes/[\w./]+|sbatch recipes/[\w./]+"

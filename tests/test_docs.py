@@ -1,0 +1,189 @@
+"""The documentation runs as written: every ```python block of README.md (and of docs/*.md, when it exists) is saved
+as a script and started the way its text says (``torchrun ...`` when the text before the block names that command
+for it, else ``python <file>``: Lightning's and Fabric's own launchers start the processes), in one folder per
+document, in document order. Only the CPU-sized arguments the text itself offers are swapped in (``CPU_SIZED``),
+and each swapped string must still be in the text. Each known block's output is checked for numbers; every
+block's output for Lightning's known-harmless warnings and tips (``lightning_tp2d.quiet``).
+
+Also: the Quick start installs torch's CPU build before the package, and every ``tp2d fit`` command of the README
+that names a config file of this checkout parses (``tp2d-train`` commands: tests/test_recipes.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from lightning_tp2d.cli import main as tp2d_main
+from tests.test_cli import NOISE
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
+# the text before a block names the command that starts it: `torchrun --nproc-per-node 4 layouts.py`
+TORCHRUN = re.compile(r"`torchrun ((?:--[\w-]+[ =]\S+ )*)(\w+\.py)`")
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "TP2D_RUN_DIR", "PL_GLOBAL_SEED")
+
+# The CPU-sized arguments the documents offer, swapped in before a block runs: (the block's string, the CPU
+# string, the sentence of the text that offers the swap). Each block's string must occur in exactly one block.
+CPU_SIZED = [
+    ('GPT2Config.from_name("gpt2")', 'GPT2Config.from_name("gpt2-tiny")',
+     'with `"gpt2-tiny"` in place of\n`"gpt2"` it runs in seconds'),
+]
+# A block holding the first string uses what the block holding the second one wrote (same folder, run first).
+NEEDS = [('ckpt_path="tiny.ckpt"', 'trainer.save_checkpoint("tiny.ckpt"')]
+
+
+@dataclass(frozen=True)
+class Block:
+    doc: Path
+    heading: str  # the nearest heading above it
+    code: str
+    script: str  # the file name the text gives it (or block<n>.py)
+    torchrun: tuple[str, ...]  # torchrun's arguments when the text starts it with torchrun, else ()
+
+    @property
+    def id(self) -> str:
+        slug = re.sub(r"[^a-z0-9]+", "-", self.heading.lower()).strip("-")
+        return f"{self.doc.stem}:{slug}:{self.script}"
+
+
+def python_blocks(doc: Path) -> list[Block]:
+    text, blocks, start = doc.read_text(), [], 0
+    for n, match in enumerate(m for m in FENCE.finditer(text) if m.group(1) == "python"):
+        before = text[start:match.start()]  # the prose since the previous python block
+        headings = re.findall(r"^#+ (.+)$", text[:match.start()], re.M)
+        launch = TORCHRUN.findall(before)
+        args, script = (tuple(shlex.split(launch[-1][0])), launch[-1][1]) if launch else ((), f"block{n}.py")
+        after = text[match.end():].lstrip("\n").split("\n\n", 1)[0]  # the paragraph right after the block
+        named = re.findall(r"`python (\w+\.py)`", after)
+        if not launch and named:
+            script = named[0]
+        blocks.append(Block(doc, headings[-1] if headings else doc.stem, match.group(2), script, args))
+        start = match.end()
+    return blocks
+
+
+BLOCKS = [block for doc in DOCS for block in python_blocks(doc)]
+
+
+def cpu_sized(block: Block) -> str:
+    code = block.code
+    for documented, cpu, _ in CPU_SIZED:
+        code = code.replace(documented, cpu)
+    return code
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    """Runs blocks at most once each, in one folder per document; returns ``run(block) -> (folder, output)``."""
+    folders, done = {}, {}
+
+    def run(block: Block) -> tuple[Path, str]:
+        if block.id in done:
+            return done[block.id]
+        for needs, wrote in NEEDS:  # the blocks this one uses the files of run first
+            if needs in block.code:
+                run(next(b for b in BLOCKS if b.doc == block.doc and wrote in b.code))
+        cwd = folders.setdefault(block.doc, tmp_path_factory.mktemp(block.doc.stem))
+        (cwd / block.script).write_text(cpu_sized(block))
+        if block.torchrun:  # --standalone: a free rendezvous port (other test runs may hold torchrun's default)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *block.torchrun, block.script]
+        else:
+            cmd = [sys.executable, block.script]
+        proc = subprocess.run(cmd, cwd=cwd, env=environment(), capture_output=True, text=True, timeout=300)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{block.id} ({' '.join(cmd)}) exited {proc.returncode}:\n{output[-4000:]}"
+        done[block.id] = (cwd, output)
+        return done[block.id]
+
+    return run
+
+
+def test_the_documents_hold_the_blocks_and_swaps_this_test_knows():
+    assert {block.script for block in BLOCKS} >= {"train_tiny.py", "fabric_tiny.py", "layouts.py"}
+    text = "\n".join(doc.read_text() for doc in DOCS)
+    for documented, cpu, offer in CPU_SIZED:  # the swap is still offered by the text, for one block
+        assert offer in text, offer
+        assert sum(documented in block.code for block in BLOCKS) == 1, documented
+    for needs, wrote in NEEDS:
+        assert sum(needs in b.code for b in BLOCKS) == 1 and sum(wrote in b.code for b in BLOCKS) == 1
+    layouts = next(b for b in BLOCKS if b.script == "layouts.py")
+    assert layouts.torchrun == ("--nproc-per-node", "4") and "import copy" not in layouts.code
+    assert '"nccl" if cuda else "gloo"' in layouts.code
+
+
+def _numbers(pattern: str, output: str) -> list[float]:
+    return [float(v) for v in re.findall(pattern, output)]
+
+
+def check_output(block: Block, cwd: Path, output: str) -> None:
+    """The numbers each known block prints or leaves; any other block only has to run."""
+    if block.script == "train_tiny.py":  # 20 steps of gpt2-tiny on a 2x2 grid, rank 0's progress bar
+        shown = _numbers(r"train_loss[:=] ?(\d+(?:\.\d+)?)", output)
+        assert shown and shown[-1] < 4.5  # from ln(257) = 5.55
+        shards = sorted(p.name for p in (cwd / "tiny.ckpt").glob("*.distcp"))
+        assert shards == [f"__{r}_0.distcp" for r in range(4)]
+    elif block.script == "fabric_tiny.py":  # one line per step, rank 0 only
+        losses = _numbers(r"(?m)^step \d+: loss (\d+\.\d+)$", output)
+        assert len(losses) == 10 and losses[0] == pytest.approx(5.55, abs=0.1) and losses[-1] < losses[0] - 0.5
+        assert sorted(p.name for p in (cwd / "ckpt").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    elif "trainer.predict(" in block.code:  # two prompts continued, printed once (rank 0)
+        assert output.count("The meaning of") == 1 and output.count("def main(") == 1
+    elif block.script == "layouts.py":  # one forward and backward of gpt2-tiny at random init
+        (line,) = re.findall(r"(?m)^loss (\d+\.\d+), logits \((\d+), (\d+), (\d+)\), (\d+) tensors$", output)
+        assert float(line[0]) == pytest.approx(5.55, abs=0.1)  # ln(257): random init, random tokens
+        assert tuple(int(v) for v in line[1:4]) == (4, 64, 257) and int(line[4]) > 10
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[block.id for block in BLOCKS])
+def test_python_block_runs_as_written_and_prints_no_known_noise(block, ran):
+    cwd, output = ran(block)
+    check_output(block, cwd, output)
+    assert [line for line in output.splitlines() if NOISE.search(line)] == []
+
+
+def _quick_start() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return next(code for lang, code in FENCE.findall(section) if lang == "bash")
+
+
+def test_quick_start_installs_the_cpu_torch_before_the_package():
+    lines = [line for line in _quick_start().splitlines() if line and not line.startswith("#")]
+    cpu = lines.index("pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    package = next(i for i, line in enumerate(lines) if line.startswith("pip install -e ."))
+    assert cpu < package
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_every_documented_tp2d_fit_command_with_a_config_of_this_checkout_parses(capsys):
+    commands = []
+    for doc in DOCS:
+        for lang, code in FENCE.findall(doc.read_text()):
+            if lang == "bash":
+                commands += [line.split("#")[0].split() for line in code.splitlines() if line.startswith("tp2d fit ")]
+    runnable = [c[2:] for c in commands if (ROOT / c[c.index("--config") + 1]).exists()]
+    assert len(runnable) >= 2
+    for args in runnable:
+        with pytest.raises(SystemExit) as exit_:
+            tp2d_main(["fit", *[a.replace("recipes/", f"{ROOT}/recipes/", 1) for a in args], "--print_config"])
+        assert exit_.value.code == 0, args
+        printed = capsys.readouterr().out
+        for arg in args:  # every --key=value override is in the printed config
+            if arg.startswith("--trainer.") and "=" in arg:
+                key, value = arg[len("--trainer."):].split("=", 1)
+                assert re.search(rf"^  {re.escape(key)}: '?{re.escape(value)}'?$", printed, re.M), arg
