@@ -19,6 +19,14 @@ Lightning (2.6)
     public: none. ``__init__`` runs before those are known; ``setup_environment`` runs after the launch, in every
     rank.
 
+``ModelParallelStrategy._launcher`` (its ``launch`` wrapped on the instance)
+    where: strategy.py:TP2DStrategy._configure_launcher
+    why: the launcher Lightning made (``_SubprocessScriptLauncher``, when Lightning starts the local ranks) is the last
+    code to run in the launching process alone with both the module and the data module in hand: the wrapped
+    ``launch`` checks the data against the model and the layout first, so a mismatch fails once, not in every rank.
+    The instance keeps its class (Lightning's Ctrl-C handling tests it with ``isinstance``).
+    public: none; ``setup`` and the hooks after it run in every rank, after the launch.
+
 ``ModelParallelStrategy._setup_distributed``
     where: strategy.py:TP2DStrategy.setup_environment
     why: initialises the process group Lightning's way (world ranks, backend, timeout, ``device_id``) without the
@@ -264,6 +272,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("ModelParallelStrategy._data_parallel_size, ModelParallelStrategy._tensor_parallel_size",
      ("strategy.py:TP2DStrategy.setup_environment",),
      "keep the base class's record of the sizes equal to the resolved ones"),
+    ("ModelParallelStrategy._launcher", ("strategy.py:TP2DStrategy._configure_launcher",),
+     "check the data against the model in the launching process, before Lightning starts the other ranks"),
     ("ModelParallelStrategy._save_distributed_checkpoint",
      ("strategy.py:TP2DStrategy.lightning_module_state_dict", "strategy.py:TP2DStrategy.optimizer_state",
       "strategy.py:TP2DStrategy.save_checkpoint"),

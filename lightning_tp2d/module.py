@@ -182,9 +182,15 @@ class GPT2LightningModule(L.LightningModule):
         if max_id is not None and max_id >= V:
             raise ValueError(f"the data holds token id {max_id} but the model's vocab_size is {V}: use a model whose "
                              f"vocab_size is at least {max_id + 1} (tokenizer {getattr(dm, 'tokenizer_name', '?')!r})")
-        block = getattr(dm, "block_size", None)
+        self.check_data_sizes(dm)
+
+    def check_data_sizes(self, datamodule) -> None:
+        """Raise ``ValueError`` when the data's windows are longer than the positions the model embeds (cheap: no data
+        is read; :class:`~lightning_tp2d.strategy.TP2DStrategy` calls it before Lightning starts the other ranks)."""
+        block, T = getattr(datamodule, "block_size", None), self.config.block_size
         if block is not None and block > T:
-            raise ValueError(f"data block_size {block} exceeds the model's block_size {T}")
+            raise ValueError(f"data block_size {block} exceeds the model's block_size {T}: lower the data module's "
+                             f"block_size, or use a model with block_size >= {block}")
 
     def on_train_start(self) -> None:
         # resumed with another max_steps: the checkpoint restored the schedule it was saved with; end it at this

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -99,6 +100,30 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         super()._configure_launcher()
         self._check_precision()
         self._dims = self._resolve_dims(None)
+        launcher = self._launcher
+        if launcher is not None:  # Lightning starts the other local ranks: check module and data once, before it does
+            launch = launcher.launch
+
+            def checked_launch(function, *args, **kwargs):
+                self._check_module_and_data(args)
+                return launch(function, *args, **kwargs)
+
+            launcher.launch = checked_launch
+
+    def _check_module_and_data(self, args) -> None:
+        """In the launching process, before any other rank starts: the module's data sizes (its
+        ``check_data_sizes``, e.g. a data ``block_size`` longer than the model's) and the batch size the layout
+        needs. A mismatch found after the launch stops every rank with its own traceback."""
+        module = next((a for a in args if isinstance(a, LightningModule)), None)
+        data = next((a for a in args if isinstance(a, LightningDataModule)), None)
+        if data is None:
+            return
+        if module is not None and hasattr(module, "check_data_sizes"):
+            module.check_data_sizes(data)
+        batch = getattr(data, "batch_size", None)
+        problem = self.layout_spec.batch_problem(self._dims.tensor_parallel_size, batch) if batch else None
+        if problem:
+            raise ValueError(problem)
 
     def _check_precision(self) -> None:
         self._check_precision_name(precision_name(self.precision_plugin))

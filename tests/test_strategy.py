@@ -391,3 +391,39 @@ def test_validate_test_and_predict_after_fit_and_on_a_second_trainer(tmp_path):
     assert abs(spoiled - validated) > 0.01
     assert from_ckpt == pytest.approx([validated, validated], rel=1e-5)
     assert again == pytest.approx(validated, rel=1e-5)  # the same model and the same validation windows
+
+
+MISMATCH = """
+import sys
+import lightning.pytorch as L
+import lightning_tp2d as tp
+model = tp.GPT2LightningModule("gpt2-tiny")
+data = tp.TextDataModule(tokenizer="byte", block_size=int(sys.argv[1]), batch_size=int(sys.argv[2]), max_tokens=20_000)
+trainer = L.Trainer(strategy="tp2d", accelerator="cpu", devices=4, max_steps=1, logger=False, enable_checkpointing=False)
+trainer.fit(model, data)
+"""
+
+
+@pytest.mark.parametrize("block, batch, message", [
+    (1024, 4, "data block_size 1024 exceeds the model's block_size 64: lower the data module's block_size"),
+    (64, 5, "batch size 5 is not divisible by q=2 (layout '2d' splits each batch over the 2 grid rows)"),
+])
+def test_data_that_does_not_fit_the_model_fails_once_before_the_other_ranks_start(tmp_path, block, batch, message):
+    """A script's ``trainer.fit(module, data)`` whose data does not fit: one error in the launching process, before
+    Lightning starts the other 3 ranks (it used to start them all and fail in each, 4 tracebacks)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "fit.py"
+    script.write_text(MISMATCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    run = subprocess.run([sys.executable, str(script), str(block), str(batch)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    out = run.stdout + run.stderr
+    assert run.returncode == 1 and message in run.stderr, out[-3000:]
+    assert out.count("Traceback") == 1 and "Initializing distributed" not in out
