@@ -408,7 +408,8 @@ def _cache_name(source: Path, tokenizer, suffixes: tuple[str, ...] = TEXT_SUFFIX
     return prefix, f"{prefix}{key.hexdigest()[:16]}.{tokenizer.dtype.name}.bin"
 
 
-def build_cache(path: str | os.PathLike, tokenizer, cache=True, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> Path | None:
+def build_cache(path: str | os.PathLike, tokenizer, cache=True,
+                suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> Path | None:
     """Tokenise text ``path`` into its cache token file unless an up-to-date one exists; returns it, or ``None`` (with
     a warning) when no cache folder is writable. ``cache``: ``True`` (next to the corpus, else the user cache dir)
     or a folder. Written to a temporary file and renamed into place, so concurrent writers and readers are safe."""

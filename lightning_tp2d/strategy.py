@@ -105,22 +105,24 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             launch = launcher.launch
 
             def checked_launch(function, *args, **kwargs):
-                self._check_module_and_data(args)
+                trainer = kwargs.get("trainer")
+                fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+                self._check_module_and_data(args, fitting)
                 return launch(function, *args, **kwargs)
 
             launcher.launch = checked_launch
 
-    def _check_module_and_data(self, args) -> None:
+    def _check_module_and_data(self, args, fitting: bool) -> None:
         """In the launching process, before any other rank starts: the module's data sizes (its
-        ``check_data_sizes``, e.g. a data ``block_size`` longer than the model's) and the batch size the layout
-        needs. A mismatch found after the launch stops every rank with its own traceback."""
+        ``check_data_sizes``, e.g. a data ``block_size`` longer than the model's) and, for ``fit``, the training
+        batch size the layout needs. A mismatch found after the launch stops every rank with its own traceback."""
         module = next((a for a in args if isinstance(a, LightningModule)), None)
         data = next((a for a in args if isinstance(a, LightningDataModule)), None)
         if data is None:
             return
         if module is not None and hasattr(module, "check_data_sizes"):
             module.check_data_sizes(data)
-        batch = getattr(data, "batch_size", None)
+        batch = getattr(data, "batch_size", None) if fitting else None
         problem = self.layout_spec.batch_problem(self._dims.tensor_parallel_size, batch) if batch else None
         if problem:
             raise ValueError(problem)
