@@ -19,7 +19,9 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from lightning_tp2d.families import family_of, family_of_config, model_names
+from lightning_tp2d.export import hf_loader
+from lightning_tp2d.families import auto_tensor_parallel_size, family_of, family_of_config, model_names
+from lightning_tp2d.families import fits as layout_fits
 from lightning_tp2d.layouts import STRATEGY_NAMES, Layout, get_layout, handle_of
 from lightning_tp2d.mesh import ParallelDims, as_timeout, init_mesh
 from lightning_tp2d.models.gpt2 import GPT2Config
@@ -135,10 +137,10 @@ class TensorParallelCore:
         world, per_node = self.num_nodes * self.num_processes, self.num_processes
         tp, dp = self._requested
         if tp == "auto" and dp == "auto":
-            tp = self.layout_spec.auto_tensor_parallel_size(per_node, world, config)
+            tp = auto_tensor_parallel_size(self.layout_spec, per_node, world, config)
             if tp == 1 and world > 1 and not self.allow_fallback:
                 spec = self.layout_spec
-                fits = [p for p in range(2, 65) if spec.fits(p, config)]
+                fits = [p for p in range(2, 65) if layout_fits(spec, p, config)]
                 model = "" if config is None else f" and the model ({config.n_head} heads, width {config.n_embd})"
                 spanning = [p for p in fits if world % p == 0]
                 raise ValueError(
@@ -225,7 +227,7 @@ class TensorParallelCore:
                     parallelize(gpt, self._device_mesh, self.layout_spec)
                 init_from = getattr(module, "init_from", None)  # GPT2LightningModule(init_from=<HF directory>)
                 if init_from is not None:  # before Lightning restores a ckpt_path, which then wins
-                    load_hf = family_of(gpt).load_hf
+                    load_hf = hf_loader(family_of(gpt))
                     if load_hf is None:
                         raise ValueError(f"init_from: model family {family_of(gpt).name!r} has no transformers "
                                          "import")

@@ -16,7 +16,9 @@ from types import SimpleNamespace
 
 import torch
 
-from lightning_tp2d.checkpoint import META, _aliases, _assign, is_sharded, read_state_dict, resolve
+from lightning_tp2d.checkpoint import (META, MODEL, _aliases, _assign, _stored_tensors, is_sharded, read_state_dict,
+                                       resolve)
+from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.models import llama as _llama
 from lightning_tp2d.models.gpt2 import HF_TRANSPOSED, GPT2, GPT2Config, from_hf_key, from_hf_tensor
 from lightning_tp2d.models.llama import Llama, LlamaConfig
@@ -95,8 +97,6 @@ def _recorded(path: Path, prefix: str | None, field: str, kind: str) -> dict:
 def _is_llama_checkpoint(path) -> bool:
     path = resolve(path)
     if is_sharded(path):
-        from lightning_tp2d.checkpoint import MODEL, _stored_tensors
-
         keys = [k[len(MODEL):] for k in _stored_tensors(path)]
     else:
         keys = list(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["state_dict"])
@@ -312,8 +312,6 @@ def load_hf_weights(model: GPT2 | Llama, directory) -> GPT2 | Llama:
     ``transformer.wte.weight``, as in :meth:`GPT2.load_hf_state_dict`; missing, unexpected and mis-shaped keys are
     reported together in one ValueError. Dropout is the model's own.
     """
-    from lightning_tp2d.layouts import handle_of
-
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"transformers checkpoint directory {str(directory)!r} does not exist")
@@ -376,3 +374,11 @@ def _same_rows(weights: _HFWeights, a: str, b: str, rows: int = 4096) -> bool:
         return True
     n = weights.shape(a)[0]
     return all(torch.equal(weights.rows(a, i, i + rows), weights.rows(b, i, i + rows)) for i in range(0, n, rows))
+
+
+def hf_loader(family):
+    """How weights of ``family``'s models come from a transformers directory: its own ``load_hf`` hook, else
+    :func:`load_hf_weights` where that reads the family's format (``hf_format``), else ``None``."""
+    if family is None:
+        return None
+    return family.load_hf or (load_hf_weights if family.hf_format else None)

@@ -15,23 +15,39 @@ A :class:`ModelFamily` describes one model class (GPT-2, Llama, or a user's own)
 * ``fused_qkv``: state-dict key suffixes of fused q/k/v tensors (GPT-2's ``attn.c_attn``): checkpoints store them as
   ``[3, n/3, ...]`` boxes (:mod:`lightning_tp2d.checkpoint`). Separate q/k/v projections need none;
 * ``blocks``: the path of the ``ModuleList`` of transformer blocks (activation checkpointing);
-* ``export_hf`` / ``load_hf``: the transformers conversion hooks (``None``: not available).
+* ``hf_format`` / ``load_hf``: whether :func:`~lightning_tp2d.export.load_hf_weights` and
+  :func:`~lightning_tp2d.export.export_hf` read and write the family's transformers format, or the family's own
+  loader (``load_hf(model, directory)``, e.g. a user's family); :func:`~lightning_tp2d.export.hf_loader` picks.
 
 :func:`register_family` makes a family known; :func:`family_of` finds the family of a model (by ``isinstance``, the
 most derived registered class first), so the strategies and ``parallelize`` accept any registered model. GPT-2 and
-Llama are registered on import. Nothing here imports the parallel layers until a plan is built.
+Llama are registered on import. A new layout trains a family once the family has a plan for it
+(:func:`register_plan`). The rules that need both a layout and a model's config live here: :func:`fits` and
+:func:`auto_tensor_parallel_size`.
+
+Floors: this module stands on :mod:`lightning_tp2d.layouts`, the models and the parallel layers (``nn/``); nothing
+below it imports it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.nn as nn
 
-if TYPE_CHECKING:  # pragma: no cover
-    from lightning_tp2d.layouts import Layout
+from lightning_tp2d.layouts import Layout
+from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+from lightning_tp2d.models.llama import Llama, LlamaConfig
+from lightning_tp2d.nn import MLP2D, Attention2D, LayerNorm2D, LMHead2D, PositionEmbedding2D, TokenEmbedding2D
+from lightning_tp2d.nn.grid_metp import Attention2DMetp, LMHead2DMetp, PositionEmbedding2DMetp, TokenEmbedding2DMetp
+from lightning_tp2d.nn.llama2d import LlamaAttention2D, RMSNorm2D, SwiGLU2D, UntiedLMHead2D
+from lightning_tp2d.nn.ring import (RingAttention, RingLayerNorm, RingLMHead, RingMLP, RingPositionEmbedding,
+                                    RingTokenEmbedding)
+from lightning_tp2d.nn.ring_llama import (LlamaAttention2DMetp, RingLlamaAttention, RingRMSNorm, RingSwiGLU,
+                                          UntiedLMHead2DMetp, UntiedRingLMHead)
 
 
 @dataclass(frozen=True)
@@ -47,8 +63,8 @@ class ModelFamily:
     tied: Callable[[nn.Module], Mapping[str, str]] = lambda model: {}
     split_sizes: Callable[[Any, Any], list[tuple[str, int]]] | None = None
     fused_qkv: tuple[str, ...] = ()
-    export_hf: Callable[..., Any] | None = None
-    load_hf: Callable[..., Any] | None = None
+    hf_format: bool = False  # export.load_hf_weights / export_hf read and write this family's transformers format
+    load_hf: Callable[..., Any] | None = None  # the family's own transformers loader (model, directory)
     config_key: str = field(default="")  # the key checkpoints record this family's configs under
 
     # ---- plans ------------------------------------------------------------------------------------------------
@@ -158,6 +174,35 @@ def fused_qkv_suffixes() -> tuple[str, ...]:
     return tuple(s for f in _FAMILIES.values() for s in f.fused_qkv)
 
 
+def register_plan(name: str, layout: str, make: Callable[[Layout], Mapping[str, type]]) -> ModelFamily:
+    """Give the registered family ``name`` a plan for ``layout`` (a layout registered after it: one registration
+    per family that trains with it); returns the family as registered now."""
+    family = get_family(name)
+    return register_family(dataclasses.replace(family, plans={**family.plans, layout: make}), override=True)
+
+
+# ---- rules of a layout and a model's config ------------------------------------------------------------------
+
+
+def fits(layout: Layout, p: int, config: Any = None) -> bool:
+    """Whether ``p`` ranks are a valid replica size of ``layout`` and, when ``config`` is given, split the sizes its
+    family names (:meth:`ModelFamily.sizes`; an unregistered config: its heads and width)."""
+    if not layout.fits(p):
+        return False
+    if config is None:
+        return True
+    family = family_of_config(config)
+    if family is not None:
+        return not family.model_problems(layout, p, config)
+    return not layout.model_problems(p, config.n_head, config.n_embd)
+
+
+def auto_tensor_parallel_size(layout: Layout, per_node: int, world: int, config: Any = None) -> int:
+    """Largest ``p`` dividing the devices of one node (and so the world) that is valid for ``layout`` and, if
+    ``config`` is known, splits its family's sizes."""
+    return layout.auto_tensor_parallel_size(per_node, world, lambda p: fits(layout, p, config))
+
+
 # ---- GPT-2 ---------------------------------------------------------------------------------------------------
 
 
@@ -170,50 +215,30 @@ def _gpt2_roles(model: nn.Module) -> list[tuple[str, str]]:
     return roles + [("transformer.ln_f", "norm"), ("lm_head", "lm_head")]
 
 
-def _gpt2_export_hf(*args, **kwargs):  # export_hf writes GPT-2 or Llama, by the model (or checkpoint) it gets
-    from lightning_tp2d.export import export_hf
-
-    return export_hf(*args, **kwargs)
+# Roles: wte and wpe (the token and position embeddings), norm (every LayerNorm: ln_1, ln_2, ln_f), attn, mlp and
+# lm_head (built from the token embedding's parallel weight, to which it is tied).
 
 
-def _gpt2_load_hf(*args, **kwargs):
-    from lightning_tp2d.export import load_hf_weights
-
-    return load_hf_weights(*args, **kwargs)
-
-
-def _gpt2_family() -> ModelFamily:
-    from lightning_tp2d.layouts import layout_names
-    from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
-
-    # GPT-2's plan is each layout's own (Layout.plan(), whose roles are layouts.ROLES)
-    return ModelFamily(
-        name="gpt2", model_class=GPT2, config_class=GPT2Config, module_roles=_gpt2_roles,
-        plans=_LayoutPlans(layout_names), blocks="transformer.h",
-        tied=lambda model: {"lm_head": "transformer.wte"}, fused_qkv=("attn.c_attn.weight", "attn.c_attn.bias"),
-        export_hf=_gpt2_export_hf, load_hf=_gpt2_load_hf, config_key="gpt2_configs")
+def _gpt2_2d(layout: Layout) -> dict[str, type]:
+    return {"wte": TokenEmbedding2D, "wpe": PositionEmbedding2D, "norm": LayerNorm2D, "attn": Attention2D,
+            "mlp": MLP2D, "lm_head": LMHead2D}
 
 
-class _LayoutPlans(Mapping):
-    """GPT-2's plans: every registered layout's :meth:`~lightning_tp2d.layouts.Layout.plan` (a layout registered
-    later is included)."""
-
-    def __init__(self, names: Callable[[], tuple[str, ...]]) -> None:
-        self._names = names
-
-    def __getitem__(self, name: str):
-        if name not in self._names():
-            raise KeyError(name)
-        return lambda layout: layout.plan()
-
-    def __iter__(self):
-        return iter(self._names())
-
-    def __len__(self) -> int:
-        return len(self._names())
+def _gpt2_metp(layout: Layout) -> dict[str, type]:
+    return {"wte": RingTokenEmbedding, "wpe": RingPositionEmbedding, "norm": RingLayerNorm, "attn": RingAttention,
+            "mlp": RingMLP, "lm_head": RingLMHead}
 
 
-register_family(_gpt2_family())
+def _gpt2_2d_metp(layout: Layout) -> dict[str, type]:
+    return {"wte": TokenEmbedding2DMetp, "wpe": PositionEmbedding2DMetp, "norm": LayerNorm2D,
+            "attn": Attention2DMetp, "mlp": MLP2D, "lm_head": LMHead2DMetp}
+
+
+register_family(ModelFamily(
+    name="gpt2", model_class=GPT2, config_class=GPT2Config, module_roles=_gpt2_roles,
+    plans={"2d": _gpt2_2d, "metp": _gpt2_metp, "2d-metp": _gpt2_2d_metp}, blocks="transformer.h",
+    tied=lambda model: {"lm_head": "transformer.wte"}, fused_qkv=("attn.c_attn.weight", "attn.c_attn.bias"),
+    hf_format=True, config_key="gpt2_configs"))
 
 
 # ---- Llama ---------------------------------------------------------------------------------------------------
@@ -236,45 +261,27 @@ def _llama_sizes(config: Any, layout: Layout) -> list[tuple[str, int]]:
 
 
 def _llama_2d(layout: Layout) -> dict[str, type]:
-    from lightning_tp2d.nn import LMHead2D, TokenEmbedding2D
-    from lightning_tp2d.nn.llama2d import LlamaAttention2D, RMSNorm2D, SwiGLU2D, UntiedLMHead2D
-
     return {"embed": TokenEmbedding2D, "norm": RMSNorm2D, "attn": LlamaAttention2D, "mlp": SwiGLU2D,
             "lm_head": LMHead2D, "untied_head": UntiedLMHead2D}
 
 
 def _llama_metp(layout: Layout) -> dict[str, type]:
-    from lightning_tp2d.nn.ring import RingLMHead, RingTokenEmbedding
-    from lightning_tp2d.nn.ring_llama import RingLlamaAttention, RingRMSNorm, RingSwiGLU, UntiedRingLMHead
-
     return {"embed": RingTokenEmbedding, "norm": RingRMSNorm, "attn": RingLlamaAttention, "mlp": RingSwiGLU,
             "lm_head": RingLMHead, "untied_head": UntiedRingLMHead}
 
 
 def _llama_2d_metp(layout: Layout) -> dict[str, type]:
-    from lightning_tp2d.nn.grid_metp import LMHead2DMetp, TokenEmbedding2DMetp
-    from lightning_tp2d.nn.llama2d import RMSNorm2D, SwiGLU2D
-    from lightning_tp2d.nn.ring_llama import LlamaAttention2DMetp, UntiedLMHead2DMetp
-
     return {"embed": TokenEmbedding2DMetp, "norm": RMSNorm2D, "attn": LlamaAttention2DMetp, "mlp": SwiGLU2D,
             "lm_head": LMHead2DMetp, "untied_head": UntiedLMHead2DMetp}
 
 
-def _llama_family() -> ModelFamily:
-    from lightning_tp2d.models.llama import Llama, LlamaConfig
+# Roles: embed (model.embed_tokens), norm (every RMSNorm), attn, mlp, lm_head (tied: from embed_tokens' parallel
+# weight) or untied_head (its own weight).
+register_family(ModelFamily(
+    name="llama", model_class=Llama, config_class=LlamaConfig, module_roles=_llama_roles,
+    plans={"2d": _llama_2d, "metp": _llama_metp, "2d-metp": _llama_2d_metp}, blocks="model.layers",
+    tied=lambda model: {"lm_head": "model.embed_tokens"} if model.config.tie_embeddings else {},
+    split_sizes=_llama_sizes, hf_format=True, config_key="llama_configs"))
 
-    # Roles: embed (model.embed_tokens), norm (every RMSNorm), attn, mlp, lm_head (tied: from embed_tokens' parallel
-    # weight) or untied_head (its own weight). Plans: "2d", "metp" and "2d-metp".
-    return ModelFamily(
-        name="llama", model_class=Llama, config_class=LlamaConfig, module_roles=_llama_roles,
-        plans={"2d": _llama_2d, "metp": _llama_metp, "2d-metp": _llama_2d_metp}, blocks="model.layers",
-        tied=lambda model: {"lm_head": "model.embed_tokens"} if model.config.tie_embeddings else {},
-        split_sizes=_llama_sizes, export_hf=_gpt2_export_hf,
-        load_hf=_gpt2_load_hf,  # load_hf_weights reads Llama directories too
-        config_key="llama_configs")
-
-
-register_family(_llama_family())
-
-__all__ = ["ModelFamily", "families", "family_of", "family_of_config", "fused_qkv_suffixes", "get_family",
-           "register_family", "unregister_family"]
+__all__ = ["ModelFamily", "auto_tensor_parallel_size", "families", "family_of", "family_of_config", "fits",
+           "fused_qkv_suffixes", "get_family", "register_family", "register_plan", "unregister_family"]

@@ -8,15 +8,19 @@ A layout owns every rule that depends on it (DESIGN 3, 4):
   batch split over grid rows, sequences cut into zigzag chunks, dropout) -- each refusal a ``ValueError`` naming
   the numbers that do not fit and one that would;
 * the automatic tensor-parallel size (the largest valid one inside a node);
-* the module plan: which parallel module replaces which role of a GPT-2 (:data:`ROLES`), built with the layout's
-  options (:class:`~lightning_tp2d.metp.RingOptions` for the ring kernels);
+* the options of the layers it is built with (:class:`~lightning_tp2d.metp.RingOptions` for the ring kernels);
 * the handle a parallelized model carries (:class:`ParallelHandle`, ``model.tp``).
+
+Which parallel module replaces which part of a model is the model family's plan, not the layout's
+(:mod:`lightning_tp2d.families`), and so are the rules that need a model's config
+(:func:`~lightning_tp2d.families.fits`, :func:`~lightning_tp2d.families.auto_tensor_parallel_size`).
 
 Callers (``parallelize``, ``init_mesh``, the strategy, ``tp2d-train``'s checks, the LightningModule, the
 benchmarks and the cost model) ask the layout object instead of comparing names. A new layout is a subclass with
-``name``, ``tensor_axes`` and a plan, registered with :func:`register_layout`.
+``name`` and ``tensor_axes``, registered with :func:`register_layout` (and a plan in each family that trains with it:
+:func:`~lightning_tp2d.families.register_plan`).
 
-Nothing here imports Lightning; the parallel layers are imported only when a plan is built.
+The bottom floor of the parallel code: nothing here imports the package (nor torch or Lightning at run time).
 """
 
 from __future__ import annotations
@@ -31,9 +35,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from lightning_tp2d.metp import RingOptions
 
 DATA_AXIS = "data_parallel"
-# The roles of a GPT-2 a plan fills: the token and position embeddings, every LayerNorm (ln_1, ln_2, ln_f), every
-# attention and MLP, and the LM head (built from the token embedding's weight, to which it is tied).
-ROLES = ("wte", "wpe", "norm", "attn", "mlp", "lm_head")
 
 
 def _divisors(n: int) -> list[int]:
@@ -136,10 +137,6 @@ class Layout:
             raise ValueError(f"layout {self.name!r} does not support dropout (dropout={dropout}); train with "
                              "dropout=0.0")
 
-    def check_config(self, p: int, config: Any) -> None:
-        """:meth:`check_model` with a :class:`~lightning_tp2d.models.GPT2Config`."""
-        self.check_model(p, config.n_head, config.n_embd, getattr(config, "dropout", 0.0))
-
     def input_multiples(self, p: int) -> tuple[int, int]:
         """``(batch, sequence)`` multiples this layout's input must have on ``p`` ranks."""
         q = self.side(p)
@@ -177,25 +174,16 @@ class Layout:
 
     # ---- automatic size -----------------------------------------------------------------------------------------
 
-    def fits(self, p: int, config: Any = None) -> bool:
-        """Whether ``p`` ranks are a valid replica size, and split ``config``'s heads and width if it is given (the
-        sizes its model family names, :meth:`~lightning_tp2d.families.ModelFamily.sizes`)."""
-        if self.size_problem(p):
-            return False
-        if config is None:
-            return True
-        from lightning_tp2d.families import family_of_config
+    def fits(self, p: int) -> bool:
+        """Whether ``p`` ranks are a valid replica size (a model's sizes too: :func:`~lightning_tp2d.families.fits`)."""
+        return not self.size_problem(p)
 
-        family = family_of_config(config)  # a registered family's own sizes (Llama: key/value heads, MLP width too)
-        if family is not None:
-            return not family.model_problems(self, p, config)
-        return not self.model_problems(p, config.n_head, config.n_embd)
-
-    def auto_tensor_parallel_size(self, per_node: int, world: int, config: Any = None) -> int:
-        """Largest ``p`` dividing the devices of one node (and so the world) that is valid for this layout and, if
-        ``config`` is known, splits its heads and width."""
+    def auto_tensor_parallel_size(self, per_node: int, world: int, fits=None) -> int:
+        """Largest ``p`` dividing the devices of one node (and so the world) that is valid for this layout and for
+        which ``fits(p)`` holds (default: :meth:`fits`)."""
+        fits = fits or self.fits
         for p in range(per_node, 0, -1):
-            if per_node % p == 0 and world % p == 0 and self.fits(p, config):
+            if per_node % p == 0 and world % p == 0 and fits(p):
                 return p
         return 1
 
@@ -204,17 +192,6 @@ class Layout:
         only these (the default: every rank)."""
         return list(range(p))
 
-    # ---- modules ---------------------------------------------------------------------------------------------
-
-    def plan(self) -> dict[str, type]:
-        """Role (:data:`ROLES`) -> parallel module class, each called ``cls(plain_module, mesh, options=...)`` (the
-        LM head with the token embedding's parallel weight). A role the plan omits keeps the plain module."""
-        raise NotImplementedError
-
-    def build(self, role: str, module: Any, mesh: DeviceMesh) -> Any:
-        """The parallel module for ``role`` (or ``module`` itself when the plan keeps it plain)."""
-        cls = self.plan().get(role)
-        return module if cls is None else cls(module, mesh, options=self.options)
 
 
 class Grid2D(Layout):
@@ -234,13 +211,6 @@ class Grid2D(Layout):
         q = self.side(p)
         return sorted({0, min(1, p - 1), p - 1, p - q})
 
-    def plan(self) -> dict[str, type]:
-        from lightning_tp2d.nn import (MLP2D, Attention2D, LayerNorm2D, LMHead2D, PositionEmbedding2D,
-                                       TokenEmbedding2D)
-
-        return {"wte": TokenEmbedding2D, "wpe": PositionEmbedding2D, "norm": LayerNorm2D, "attn": Attention2D,
-                "mlp": MLP2D, "lm_head": LMHead2D}
-
 
 class Ring(Layout):
     """``"metp"``: the METP ring over ``p`` ranks (DESIGN 3.2). Ranks keep zigzag sequence chunks; weight blocks
@@ -251,13 +221,6 @@ class Ring(Layout):
     zigzag = True
     supports_dropout = False
     splits_heads = False  # only the width must divide: weight and head blocks are column blocks (any head count)
-
-    def plan(self) -> dict[str, type]:
-        from lightning_tp2d.nn.ring import (RingAttention, RingLayerNorm, RingLMHead, RingMLP,
-                                            RingPositionEmbedding, RingTokenEmbedding)
-
-        return {"wte": RingTokenEmbedding, "wpe": RingPositionEmbedding, "norm": RingLayerNorm, "attn": RingAttention,
-                "mlp": RingMLP, "lm_head": RingLMHead}
 
 
 class GridRing(Layout):
@@ -276,14 +239,6 @@ class GridRing(Layout):
         # The attention ring along row sees different causal blocks at each row; diagonal vs off-diagonal as "2d".
         q = self.side(p)
         return sorted({r * q + c for r in range(q) for c in (r, (r + 1) % q)})
-
-    def plan(self) -> dict[str, type]:
-        from lightning_tp2d.nn import MLP2D, LayerNorm2D
-        from lightning_tp2d.nn.grid_metp import (Attention2DMetp, LMHead2DMetp, PositionEmbedding2DMetp,
-                                                 TokenEmbedding2DMetp)
-
-        return {"wte": TokenEmbedding2DMetp, "wpe": PositionEmbedding2DMetp, "norm": LayerNorm2D,
-                "attn": Attention2DMetp, "mlp": MLP2D, "lm_head": LMHead2DMetp}
 
 
 _REGISTRY: dict[str, type[Layout]] = {}

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import Metric
 
+from lightning_tp2d.export import hf_loader
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.models import model_config
@@ -165,9 +166,10 @@ class GPT2LightningModule(L.LightningModule):
             else:
                 self.model = self.family.model_class(self.config)
         if self.init_from is not None and not meta:  # a meta model gets them from TP2DStrategy, shard by shard
-            if self.family.load_hf is None:
+            load = hf_loader(self.family)
+            if load is None:
                 raise ValueError(f"init_from: model family {self.family.name!r} has no transformers loader")
-            self.family.load_hf(self.model, self.init_from)
+            load(self.model, self.init_from)
         # token ids are checked on the host batch before it moves to the device (on_before_batch_transfer), so the
         # training step itself never waits on the device to read them
         self.model.validate_inputs = False

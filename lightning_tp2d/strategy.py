@@ -35,6 +35,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_tp2d import checkpoint as ckpt
+from lightning_tp2d import families
 from lightning_tp2d.core import TensorParallelCore, find_gpt2_config
 from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.models.gpt2 import GPT2Config
@@ -241,7 +242,7 @@ def _unwrap(optimizer):
 def auto_tensor_parallel_size(layout: str | Layout, per_node: int, world: int, config: GPT2Config | None) -> int:
     """Largest ``p`` dividing the devices of one node (and so the world) that is valid for ``layout`` and, if
     known, splits the model's heads and width (the layout's rule)."""
-    return get_layout(layout).auto_tensor_parallel_size(per_node, world, config)
+    return families.auto_tensor_parallel_size(get_layout(layout), per_node, world, config)
 
 
 def train_batch_sizes(trainer) -> list[int]:

@@ -414,7 +414,7 @@ def _model_name(model) -> str:
 
 
 def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, seq: int) -> str:
-    from lightning_tp2d.families import family_of_config
+    from lightning_tp2d.families import auto_tensor_parallel_size, family_of_config  # (torch: not for --cfg job)
     from lightning_tp2d.layouts import STRATEGY_NAMES, get_layout
 
     try:
@@ -439,7 +439,7 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
     fitting = [p for p in range(1, world + 1) if world % p == 0 and problem(p) is None]
     tp, dp = par.tensor_parallel_size, par.data_parallel_size
     if tp == "auto" and dp == "auto":
-        p = layout.auto_tensor_parallel_size(devices, world, model)
+        p = auto_tensor_parallel_size(layout, devices, world, model)
         if p == 1 and world > 1 and not par.get("allow_fallback", False):
             raise ConfigError(no_fit_message(layout, model, devices, nodes, fitting))
     elif tp == "auto":
@@ -476,8 +476,9 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
 def no_fit_message(layout, model, devices: int, nodes: int, fitting: list[int]) -> str:
     """Why ``tensor_parallel_size: auto`` found no replica larger than one device, and the device counts, sizes
     and keys that would fit (training whole-model replicas instead has to be asked for: ``allow_fallback``)."""
-    sizes = [p for p in range(2, 65) if layout.fits(p, model)][:3]
-    from lightning_tp2d.families import family_of_config
+    from lightning_tp2d.families import family_of_config, fits  # (torch: not for --cfg job)
+
+    sizes = [p for p in range(2, 65) if fits(layout, p, model)][:3]
 
     split = family_of_config(model).sizes(model, layout)
     needs = ", ".join(f"model.{name}={value}" for name, value in split[:-1]) + (" and " if len(split) > 1 else "") \

@@ -1,6 +1,6 @@
-"""The layout objects own every layout rule: sizes, mesh, model/batch/sequence checks, the automatic size and the
-module plan. A fourth layout defined here alone, registered by name, is accepted by ``init_mesh``, by
-``parallelize`` and by the strategy's size resolution, with no edit anywhere else.
+"""The layout objects own every layout rule: sizes, mesh, model/batch/sequence checks and the automatic size (the
+module plan is each model family's). A fourth layout defined here alone, registered by name with GPT-2's plan for it,
+is accepted by ``init_mesh``, by ``parallelize`` and by the strategy's size resolution, with no edit anywhere else.
 
 Process-group work runs on torch's fake process group in this process (no ranks are spawned).
 """
@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import lightning_tp2d as tp
+from lightning_tp2d.families import auto_tensor_parallel_size, get_family, register_family, register_plan
 from lightning_tp2d.layouts import (Grid2D, GridRing, Layout, ParallelHandle, Ring, get_layout, handle_of,
                                     layout_names, register_layout, unregister_layout)
 from lightning_tp2d.models import GPT2, GPT2Config
@@ -28,15 +29,15 @@ class Pairs(Layout):
     def size_problem(self, p: int) -> str | None:
         return None if p <= 2 else f"layout {self.name!r} holds one replica on at most 2 ranks, got {p}"
 
-    def plan(self) -> dict[str, type]:
-        return {}
-
 
 @pytest.fixture
 def toy():
+    gpt2 = get_family("gpt2")
     register_layout(Pairs)
+    register_plan("gpt2", Pairs.name, lambda layout: {})  # GPT-2's plan for it replaces nothing
     yield Pairs
     unregister_layout(Pairs.name)
+    register_family(gpt2, override=True)
 
 
 @pytest.fixture
@@ -118,10 +119,10 @@ def test_layout_messages_name_the_numbers_and_a_size_that_fits():
 def test_auto_size_is_the_layouts_largest_valid_size_within_a_node():
     xl = GPT2Config.from_name("gpt2-xl")  # 25 heads, 1600 wide
     assert Grid2D().auto_tensor_parallel_size(8, 16) == 4
-    assert Ring().auto_tensor_parallel_size(8, 8, xl) == 8  # the ring splits the 1600 width, not the 25 heads
-    assert GridRing().auto_tensor_parallel_size(8, 8, xl) == 1  # the grid splits heads: no q > 1 divides 25
+    assert auto_tensor_parallel_size(Ring(), 8, 8, xl) == 8  # the ring splits the 1600 width, not the 25 heads
+    assert auto_tensor_parallel_size(GridRing(), 8, 8, xl) == 1  # the grid splits heads: no q > 1 divides 25
     assert Ring().auto_tensor_parallel_size(8, 8) == 8
-    assert GridRing().auto_tensor_parallel_size(9, 18, GPT2Config.from_name("gpt2-tiny")) == 9
+    assert auto_tensor_parallel_size(GridRing(), 9, 18, GPT2Config.from_name("gpt2-tiny")) == 9
 
 
 def test_distinct_ranks_are_valid_ranks_of_the_replica():

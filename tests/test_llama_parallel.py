@@ -250,7 +250,7 @@ def _my_family() -> ModelFamily:
     gpt2 = get_family("gpt2")
 
     def plan_2d(layout):
-        return {**layout.plan(), "mlp": _CountingMLP}
+        return {**gpt2.plan(layout), "mlp": _CountingMLP}
 
     return ModelFamily(name="mygpt", model_class=MyGPT, config_class=GPT2Config, module_roles=gpt2.module_roles,
                        plans={"2d": plan_2d}, blocks="transformer.h", tied=gpt2.tied)
