@@ -200,7 +200,7 @@ def fits(layout: Layout, p: int, config: Any = None) -> bool:
 def auto_tensor_parallel_size(layout: Layout, per_node: int, world: int, config: Any = None) -> int:
     """Largest ``p`` dividing the devices of one node (and so the world) that is valid for ``layout`` and, if
     ``config`` is known, splits its family's sizes."""
-    return layout.auto_tensor_parallel_size(per_node, world, lambda p: fits(layout, p, config))
+    return layout.auto_tensor_parallel_size(per_node, world, fits=lambda p: fits(layout, p, config))
 
 
 # ---- GPT-2 ---------------------------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ class Layout:
         """Whether ``p`` ranks are a valid replica size (a model's sizes too: :func:`~lightning_tp2d.families.fits`)."""
         return not self.size_problem(p)
 
-    def auto_tensor_parallel_size(self, per_node: int, world: int, fits=None) -> int:
+    def auto_tensor_parallel_size(self, per_node: int, world: int, *, fits=None) -> int:
         """Largest ``p`` dividing the devices of one node (and so the world) that is valid for this layout and for
         which ``fits(p)`` holds (default: :meth:`fits`)."""
         fits = fits or self.fits

@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from lightning_tp2d import launch, train
+from lightning_tp2d.families import auto_tensor_parallel_size
 from lightning_tp2d.models import GPT2Config
 from lightning_tp2d.train import ConfigError, check_config, device_count
 
@@ -365,8 +366,8 @@ def test_llama_layouts_follow_the_family_rules():
     assert "3x3 grid (p=9)" in checked("model=llama-tiny", "model.n_kv_head=3", "trainer=cpu", "trainer.devices=9",
                                        "data.batch_size=9")
     config = LlamaConfig.from_name("llama-tiny", n_kv_head=3)
-    assert get_layout("2d").auto_tensor_parallel_size(4, 4, config) == 1
-    assert get_layout("2d").auto_tensor_parallel_size(9, 9, config) == 9
+    assert auto_tensor_parallel_size(get_layout("2d"), 4, 4, config) == 1
+    assert auto_tensor_parallel_size(get_layout("2d"), 9, 9, config) == 9
 
 
 # ---- inputs a user meets first (issue 21): tokenizers, the data format, folders of other suffixes ----------------
