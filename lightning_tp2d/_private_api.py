@@ -244,6 +244,13 @@ torch (2.13)
     mesh object (which would become a graph input that activation checkpointing's recompute cannot save).
     public: none; ``mesh.get_group(axis).group_name`` is the same name but is traced through the process group.
 
+``torch._assert_async``
+    where: models/gpt2.py:GPT2._assert_ids_on_device (Llama shares it)
+    why: under ``torch.compile`` the token-id checks of ``validate_inputs`` must not read values on the host (each
+    read was a graph break: 4 graphs on "2d"); a device-side assert stays in the one graph and raises with its
+    message when an id is out of range.
+    public: ``torch._check`` needs a host value too; none for a tensor-valued assert.
+
 ``Tensor._base``
     where: recompute.py:recipe_for, recompute.py:mark
     why: a consumer often saves a view of a marked tensor (``x.reshape(-1, h)`` before a SUMMA product); its base
@@ -344,6 +351,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "the native functional-collective ops DTensor redistributions issue"),
     ("torch._C._is_alias_of", ("ops.py:_aliases",), "custom ops must return fresh memory: copy outputs that alias"),
     ("Tensor._version", ("ops.py:_versions",), "catch an undeclared in-place write into a registered op's input"),
+    ("torch._assert_async", ("models/gpt2.py:GPT2._assert_ids_on_device",),
+     "token-id checks that compile into the graph (no host read, no graph break)"),
     ("Tensor._base", ("recompute.py:recipe_for", "recompute.py:mark"), "the marked tensor a saved view was taken of"),
     ("ProcessGroupGloo._Options, Backend.Options._timeout", ("mesh.py:_timeout_override",),
      "give init_device_mesh's axis groups the job's timeout (its backend_override takes options)"),

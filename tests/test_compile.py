@@ -1,4 +1,6 @@
-"""``torch.compile`` of a parallelized model: one graph, no graph breaks, the eager loss and every gradient.
+"""``torch.compile`` of a parallelized model: one graph, no graph breaks, the eager loss and every gradient, with the
+models' token-id checks on (``validate_inputs``, the default: device-side asserts when compiled, where eager reads
+the ids on the host).
 
 Every communicating layer is a registered op (:mod:`lightning_tp2d.ops`), so Dynamo sees the whole model —
 embedding, every block, head and loss — as one graph in every layout. Compared in float32 on 4 ranks against the
@@ -24,7 +26,7 @@ def _model(layout: str, mesh, family: str = "gpt2", **overrides):
         cfg = GPT2Config.from_name("gpt2-tiny", n_head=4, dropout=0.0, **overrides)
     torch.manual_seed(0)
     model = tp.parallelize((Llama if family == "llama" else GPT2)(cfg), mesh, layout)
-    model.validate_inputs = False  # value checks would read the device (the LightningModule checks the host batch)
+    # validate_inputs stays on (the default): compiled, the token-id checks are device-side asserts in the graph
     return model, cfg
 
 
@@ -88,3 +90,24 @@ def test_inductor_compiles_a_ring_model_and_matches_eager():
         r = result["metp"]
         assert r["breaks"] == 0, (rank, r)
         assert r["loss"] < 1e-6 and r["grad"] < 1e-5, (rank, r)
+
+
+def test_compiled_token_id_checks_stay_in_the_graph_and_still_refuse_bad_ids():
+    """With ``validate_inputs`` on (the default) a compiled plain GPT-2 is one graph with no break (the host reads of
+    eager are device-side asserts there), gives the eager loss, and still refuses an id outside the vocabulary."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config.from_name("gpt2-tiny"))
+    compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    assert compiled(idx, idx).item() == pytest.approx(model(idx, idx).item(), rel=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1 and sum(counters["graph_break"].values()) == 0
+    bad = idx.clone()
+    bad[0, 3] = model.config.vocab_size
+    with pytest.raises(RuntimeError, match=r"token ids must be in \[0, 257\)"):
+        compiled(bad, idx)
+    with pytest.raises(RuntimeError, match=r"target ids must be in \[0, 257\) or -100"):
+        compiled(idx, bad)

@@ -277,6 +277,9 @@ class GPT2(nn.Module):
             if targets is not None and targets.shape != idx.shape:
                 raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
             return
+        if torch.compiler.is_compiling():  # in a compiled graph: device-side asserts, no host read, no graph break
+            self._assert_ids_on_device(idx, targets)
+            return
         if idx.numel() > 0 and idx.device.type != "meta":
             lo, hi = idx.min().item(), idx.max().item()
             if lo < 0 or hi >= V:
@@ -291,6 +294,17 @@ class GPT2(nn.Module):
             if bad.numel() > 0:
                 raise ValueError(f"target ids must be in [0, {V}) or -100 (ignored), got "
                                  f"{bad.numel()} outside, min {bad.min().item()} max {bad.max().item()}")
+
+    def _assert_ids_on_device(self, idx: torch.Tensor, targets: torch.Tensor | None) -> None:
+        """:meth:`check_input`'s value checks as asserts the device runs (``torch._assert_async``: under
+        ``torch.compile`` the graph keeps them, and nothing waits for a value on the host)."""
+        V = self.config.vocab_size
+        torch._assert_async(((idx >= 0) & (idx < V)).all(), f"token ids must be in [0, {V}) for vocab_size {V}")
+        if targets is not None:
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+            ok = (targets == -100) | ((targets >= 0) & (targets < V))
+            torch._assert_async(ok.all(), f"target ids must be in [0, {V}) or -100 (ignored)")
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) -> logits (B, T, V), or the mean next-token loss (a scalar) if targets (B, T) given.

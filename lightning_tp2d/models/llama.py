@@ -387,6 +387,7 @@ class Llama(nn.Module):
 
     # The same checks and messages as GPT-2 (they only read config.vocab_size / block_size and validate_inputs).
     check_input = GPT2.check_input
+    _assert_ids_on_device = GPT2._assert_ids_on_device
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) -> logits (B, T, V), or the mean next-token loss (a scalar; targets -100 ignored) if targets
