@@ -99,15 +99,19 @@ def test_compiled_token_id_checks_stay_in_the_graph_and_still_refuse_bad_ids():
 
     torch._dynamo.reset()
     counters.clear()
-    torch.manual_seed(0)
-    model = GPT2(GPT2Config.from_name("gpt2-tiny"))
-    compiled = torch.compile(model, backend="aot_eager", dynamic=False)
-    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    assert compiled(idx, idx).item() == pytest.approx(model(idx, idx).item(), rel=1e-6)
-    assert counters["stats"]["unique_graphs"] == 1 and sum(counters["graph_break"].values()) == 0
-    bad = idx.clone()
-    bad[0, 3] = model.config.vocab_size
-    with pytest.raises(RuntimeError, match=r"token ids must be in \[0, 257\)"):
-        compiled(bad, idx)
-    with pytest.raises(RuntimeError, match=r"target ids must be in \[0, 257\) or -100"):
-        compiled(idx, bad)
+    try:
+        torch.manual_seed(0)
+        model = GPT2(GPT2Config.from_name("gpt2-tiny"))
+        compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+        idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+        assert compiled(idx, idx).item() == pytest.approx(model(idx, idx).item(), rel=1e-6)
+        assert counters["stats"]["unique_graphs"] == 1 and sum(counters["graph_break"].values()) == 0
+        bad = idx.clone()
+        bad[0, 3] = model.config.vocab_size
+        with pytest.raises(RuntimeError, match=r"token ids must be in \[0, 257\)"):
+            compiled(bad, idx)
+        with pytest.raises(RuntimeError, match=r"target ids must be in \[0, 257\) or -100"):
+            compiled(idx, bad)
+    finally:  # this process forks later tests' ranks: leave them no compiled state or counts
+        torch._dynamo.reset()
+        counters.clear()

@@ -212,6 +212,8 @@ class _Losses(L.Callback):
 def _fit_compiled(rank, world_size, layout):
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()
+    counters.clear()  # a fork inherits what the test process compiled before
     L.seed_everything(0)
     recorder = _Losses()
     strategy = tp.TP2DStrategy(layout=layout, compile="aot_eager")
