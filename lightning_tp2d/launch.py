@@ -122,7 +122,6 @@ class SurvivingStream:
 
     def __init__(self, stream) -> None:
         self._stream = stream
-        self.closed_reader = False  # the reader went away; output goes to /dev/null since
 
     def write(self, text: str) -> int:
         try:
@@ -138,7 +137,6 @@ class SurvivingStream:
             self._discard()
 
     def _discard(self) -> None:
-        self.closed_reader = True
         null = os.open(os.devnull, os.O_WRONLY)
         try:
             os.dup2(null, self._stream.fileno())
