@@ -22,7 +22,7 @@ import types
 __version__ = "0.1.0.dev0"
 
 __all__ = [
-    "GPT2", "GPT2Config", "GPT2LightningModule", "ParallelDims", "TP2DStrategy", "TextDataModule", "export_hf",
+    "GPT2", "GPT2Config", "CausalLMModule", "GPT2LightningModule", "ParallelDims", "TP2DStrategy", "TextDataModule", "export_hf",
     "full_state_dict", "gpt2_state_dict", "init_mesh", "load_gpt2", "load_hf_weights", "local_parameter_bytes",
     "parallelize", "read_state_dict", "Layout", "Grid2D", "Ring", "GridRing", "get_layout", "register_layout",
     "RingOptions", "TPOptions", "checkpoint_activations", "Llama", "LlamaConfig", "ModelFamily", "register_family",
@@ -39,7 +39,7 @@ _EXPORTS = {
     "export_hf": "export", "gpt2_state_dict": "export", "load_gpt2": "export", "load_hf_weights": "export",
     "load_llama": "export", "llama_state_dict": "export",
     "TextDataModule": "data",
-    "GPT2LightningModule": "module",
+    "CausalLMModule": "module", "GPT2LightningModule": "module",
     "TP2DStrategy": "strategy",
     "Layout": "layouts", "Grid2D": "layouts", "Ring": "layouts", "GridRing": "layouts", "get_layout": "layouts",
     "register_layout": "layouts",

@@ -62,14 +62,14 @@ Lightning (2.6)
     public: none for the write (no setter).
 
 ``LightningModule._trainer``
-    where: module.py:GPT2LightningModule.configure_model, module.py:GPT2LightningModule.setup,
-    module.py:GPT2LightningModule.configure_optimizers
+    where: module.py:CausalLMModule.configure_model, module.py:CausalLMModule.setup,
+    module.py:CausalLMModule.configure_optimizers
     why: whether the module is attached to a Trainer (the public ``trainer`` property raises when it is not).
     public: ``try: self.trainer`` / ``except RuntimeError``: public, but no clearer.
 
 ``MixedPrecision.clip_gradients`` (replaced on the plugin instance by ``Precision.clip_gradients``)
     where: precision.py:allow_clipping_without_scaler (called by strategy.py:TP2DStrategy._install_gradient_clipping
-    and module.py:GPT2LightningModule.on_fit_start)
+    and module.py:CausalLMModule.on_fit_start)
     why: ``bf16-mixed`` has no gradient scaler, yet ``MixedPrecision.clip_gradients`` refuses any optimizer that could
     unscale inside its step (torch's fused AdamW), so bf16-mixed + ``gradient_clip_val`` failed at the first step.
     public: ``LightningModule.configure_gradient_clipping`` for one's own module only (not a user's module under the
@@ -288,8 +288,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("LightningModule._device_mesh", ("strategy.py:TP2DStrategy.setup_environment",),
      "LightningModule.device_mesh is a read-only property; the strategy hands the mesh over as Lightning does"),
     ("LightningModule._trainer",
-     ("module.py:GPT2LightningModule.configure_model", "module.py:GPT2LightningModule.setup",
-      "module.py:GPT2LightningModule.configure_optimizers"),
+     ("module.py:CausalLMModule.configure_model", "module.py:CausalLMModule.setup",
+      "module.py:CausalLMModule.configure_optimizers"),
      "whether the module is attached to a Trainer (the trainer property raises when it is not)"),
     ("lightning.fabric.utilities.optimizer._optimizers_to_device", ("strategy.py:TP2DStrategy.setup",),
      "move optimizer state to the root device, as ModelParallelStrategy.setup does"),

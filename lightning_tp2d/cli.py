@@ -1,6 +1,6 @@
 """``tp2d``: the LightningCLI entry point (``tp2d fit --trainer.strategy=tp2d --config run.yaml``).
 
-The model is :class:`~lightning_tp2d.module.GPT2LightningModule` and the data
+The model is :class:`~lightning_tp2d.module.CausalLMModule` and the data
 :class:`~lightning_tp2d.data.TextDataModule`; their arguments are ``--model.*`` and ``--data.*``. Importing this
 module imports the package, which registers the strategy names ``tp2d``, ``metp`` and ``tp2d_metp``; a strategy
 with arguments is given as ``class_path``/``init_args`` (see ``recipes/tp2d_cli.yaml``). With ``--trainer.devices=N``
@@ -22,7 +22,7 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_tp2d  # noqa: F401  (registers the strategy names)
 from lightning_tp2d.callbacks import StepCheckpoint
 from lightning_tp2d.data import TextDataModule
-from lightning_tp2d.module import GPT2LightningModule
+from lightning_tp2d.module import CausalLMModule
 from lightning_tp2d.quiet import silence_known_noise
 
 
@@ -42,7 +42,7 @@ class TP2DCLI(LightningCLI):
 def cli(args: list[str] | None = None) -> LightningCLI:
     """Build and run the LightningCLI; returns it (its ``trainer``, ``model``, ``datamodule``) for scripts."""
     silence_known_noise()
-    return TP2DCLI(GPT2LightningModule, TextDataModule, args=args, save_config_kwargs={"overwrite": True})
+    return TP2DCLI(CausalLMModule, TextDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 
 def main(args: list[str] | None = None) -> None:

@@ -31,7 +31,7 @@ from lightning_tp2d.zero import ZERO_STAGES
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
-__all__ = ["SUPPORTED_PRECISION", "TensorParallelCore", "compile_options", "find_gpt2_config", "find_model_config"]
+__all__ = ["SUPPORTED_PRECISION", "TensorParallelCore", "compile_options", "find_model_config"]
 
 
 def compile_options(compile: bool | str | dict | None) -> dict | None:
@@ -63,7 +63,6 @@ def find_model_config(module: nn.Module | None) -> Any:
     return config if family_of_config(config) is not None else None
 
 
-find_gpt2_config = find_model_config  # the name from when GPT2 was the only model
 
 
 def _models(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -198,7 +197,7 @@ class TensorParallelCore:
             dims = self.parallel_dims
             family.check_model(dims.spec, dims.tensor_parallel_size, config)
 
-    def parallelize_gpt2_modules(self, module: nn.Module) -> None:
+    def parallelize_models(self, module: nn.Module) -> None:
         """Parallelize every not yet parallel :class:`GPT2` (or model of another registered family) inside ``module``
         on this strategy's mesh. A model built on the meta device takes its weights from ``module.init_from`` (a
         transformers directory) when ``module`` has that attribute set, else from a seed: ``module.init_seed`` if it
@@ -225,7 +224,7 @@ class TensorParallelCore:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(base + index)  # the same full weights on every rank, whatever the layout
                     parallelize(gpt, self._device_mesh, self.layout_spec)
-                init_from = getattr(module, "init_from", None)  # GPT2LightningModule(init_from=<HF directory>)
+                init_from = getattr(module, "init_from", None)  # CausalLMModule(init_from=<HF directory>)
                 if init_from is not None:  # before Lightning restores a ckpt_path, which then wins
                     load_hf = hf_loader(family_of(gpt))
                     if load_hf is None:

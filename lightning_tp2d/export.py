@@ -293,7 +293,7 @@ def _check_fits(ours: GPT2Config | LlamaConfig, theirs: GPT2Config | LlamaConfig
         problems.append("bias: model False, but GPT-2 checkpoints hold biases")
     if problems:
         raise ValueError(f"transformers checkpoint {str(directory)!r} does not fit this model: " + "; ".join(problems)
-                         + ". Build the model with the checkpoint's sizes (GPT2LightningModule(model=None, "
+                         + ". Build the model with the checkpoint's sizes (CausalLMModule(model=None, "
                          "init_from=...) takes them from its config.json)")
 
 

@@ -95,7 +95,7 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._check_model(module)
-        self.parallelize_gpt2_modules(module)
+        self.parallelize_models(module)
         module.to(self.root_device)  # whatever lies outside the GPT2 modules (already on their device)
         if id(module) not in self._grad_syncs:  # data-parallel all-reduces in buckets, overlapping the backward
             self._grad_syncs[id(module)] = GradientSync(module, self.device_mesh)

@@ -7,7 +7,7 @@ continuation. The model's sizes come from the checkpoint (what TP2DStrategy reco
 ``model`` hyper-parameter), the tokenizer from the run's ``TextDataModule`` hyper-parameters when recorded, else from
 ``--tokenizer`` (default: ``gpt2`` for a 50257-token vocabulary, ``byte`` otherwise). An explicit ``--tokenizer`` wins.
 
-Sampling is :func:`lightning_tp2d.module.sample`, the code behind ``GPT2LightningModule.generate``, so one device
+Sampling is :func:`lightning_tp2d.module.sample`, the code behind ``CausalLMModule.generate``, so one device
 samples exactly what a tensor-parallel ``trainer.predict`` with the same seed samples. Any error (missing checkpoint,
 a prompt the model cannot read, no CUDA) is one line on stderr and exit code 2.
 

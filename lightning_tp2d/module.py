@@ -1,4 +1,4 @@
-"""``GPT2LightningModule``: causal language-model training (GPT-2, Llama, any registered model family) for any
+"""``CausalLMModule``: causal language-model training (GPT-2, Llama, any registered model family) for any
 strategy, TP2DStrategy included.
 
 The module holds a plain model of a registered family (:mod:`lightning_tp2d.families`: a
@@ -10,7 +10,7 @@ With ``init_from`` the weights come from a local transformers directory of the s
 on one device loaded right after the build in ``configure_model``; under TP2DStrategy each rank loads only its
 shards, tensor by tensor, right after the strategy materialised them (the family's ``load_hf`` hook,
 :func:`~lightning_tp2d.export.load_hf_weights`), which is before Lightning restores a ``ckpt_path``, so a resumed
-fine-tuning run continues from its checkpoint's weights. ``CausalLMModule`` is another name of the same class.
+fine-tuning run continues from its checkpoint's weights. ``GPT2LightningModule`` is an older name of the same class.
 
 Optimisation: AdamW (the fused kernel where the device has one, else foreach; foreach under ``16-mixed`` with clipping,
 whose scaled gradients a fused step unscales only after the clip; ``bf16-mixed`` clips a fused AdamW, on any strategy) with decoupled weight decay on
@@ -96,8 +96,9 @@ class WarmupCosine:
         self.total = total
 
 
-class GPT2LightningModule(L.LightningModule):
-    """Causal language model: GPT-2, Llama, or a model of any registered family (also named ``CausalLMModule``).
+class CausalLMModule(L.LightningModule):
+    """Causal language model: GPT-2, Llama, or a model of any registered family (older name:
+    ``GPT2LightningModule``).
 
     Args:
         model: a named size of any registered family (``"gpt2"``, ``"gpt2-medium"`` ... ``"gpt2-tiny"``,
@@ -336,4 +337,4 @@ def _input_multiples(model: GPT2 | Llama) -> tuple[int, int]:
     return (1, 1) if handle is None else handle.input_multiples
 
 
-CausalLMModule = GPT2LightningModule  # the family-neutral name of the same class
+GPT2LightningModule = CausalLMModule  # the name from when GPT-2 was the only model, kept for older code

@@ -7,13 +7,13 @@ user would want to see is hidden:
   ``lightning.pytorch.utilities._pytree`` (``LeafSpec()`` in its data-loader flattening), once per rank and fit:
   Lightning's code to change, nothing a user can act on;
 * Lightning's "You have overridden `on_before_batch_transfer` in `LightningModule` but have passed in a
-  `LightningDataModule`": :class:`~lightning_tp2d.module.GPT2LightningModule` checks token ids in that hook on
+  `LightningDataModule`": :class:`~lightning_tp2d.module.CausalLMModule` checks token ids in that hook on
   purpose (on the host, before the batch moves) and :class:`~lightning_tp2d.data.TextDataModule` has none, so the
   module's hook is used, as intended;
 * Lightning's "💡 Tip: ..." advertisements (litlogger, litmodels), one INFO line each on rank 0 of every Trainer.
 
 The entry points (``tp2d-train``, ``tp2d``), :class:`~lightning_tp2d.strategy.TP2DStrategy` and
-``GPT2LightningModule`` call it when they are built, so ``Trainer(strategy="tp2d")`` users get the same output.
+``CausalLMModule`` call it when they are built, so ``Trainer(strategy="tp2d")`` users get the same output.
 Calling it again changes nothing (``warnings.filterwarnings`` replaces an identical filter, a logger keeps one copy
 of a filter object). Standard library only: no torch, no Lightning import.
 """

@@ -36,7 +36,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_tp2d import checkpoint as ckpt
 from lightning_tp2d import families
-from lightning_tp2d.core import TensorParallelCore, find_gpt2_config
+from lightning_tp2d.core import TensorParallelCore, find_model_config
 from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.precision import allow_clipping_without_scaler, precision_name
@@ -136,7 +136,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._limit_cpu_threads()
         self._setup_distributed()
-        dims = self._resolve_dims(find_gpt2_config(self.lightning_module))
+        dims = self._resolve_dims(find_model_config(self.lightning_module))
         self._dims = dims
         self._data_parallel_size, self._tensor_parallel_size = dims.data_parallel_size, dims.tensor_parallel_size
         # validate/test after fit, or a second Trainer, reuse the mesh the module is parallelized on
@@ -146,7 +146,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        self.parallelize_gpt2_modules(self.model)
+        self.parallelize_models(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._install_gradient_clipping()

@@ -60,7 +60,7 @@ def _fit(world_size, callbacks, max_steps, ckpt_path=None, strategy=None):
     trainer = L.Trainer(strategy=strategy or "tp2d", accelerator="cpu", devices=world_size, max_steps=max_steps,
                         logger=False, enable_checkpointing=checkpointing, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
-    module = tp.GPT2LightningModule(CONFIG, learning_rate=3e-3, warmup_steps=3, max_steps=12)
+    module = tp.CausalLMModule(CONFIG, learning_rate=3e-3, warmup_steps=3, max_steps=12)
     # 19 training windows: 4 batches per epoch, so 12 steps cross epochs and a resume lands mid-epoch
     data = tp.TextDataModule(block_size=32, batch_size=4, max_tokens=800, val_fraction=0.2)
     trainer.fit(module, data, ckpt_path=ckpt_path)

@@ -99,7 +99,7 @@ def test_token_ids_beyond_the_vocabulary_fail_before_training(tmp_path):
     ids.tofile(tmp_path / "tokens.bin")
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    module = tp.GPT2LightningModule("gpt2-tiny")
+    module = tp.CausalLMModule("gpt2-tiny")
     with pytest.raises(ValueError, match="token id 299 but the model's vocab_size is 257"):
         trainer.fit(module, tp.TextDataModule(path=str(tmp_path / "tokens.bin"), block_size=8, batch_size=2))
     assert trainer.global_step == 0

@@ -83,7 +83,7 @@ def _diverge(rank: int, world_size: int, tmp: str) -> dict:
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=30, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, log_every_n_steps=5,
                         callbacks=[DivergenceGuard(), checkpoints])
-    module = tp.GPT2LightningModule("gpt2-tiny", learning_rate=1e6, warmup_steps=0)  # diverges within a few steps
+    module = tp.CausalLMModule("gpt2-tiny", learning_rate=1e6, warmup_steps=0)  # diverges within a few steps
     data = tp.TextDataModule(block_size=32, batch_size=4, max_tokens=20_000)
     try:
         trainer.fit(module, data)
@@ -328,7 +328,7 @@ def _skip_one_bad_step(rank: int, world_size: int) -> dict:
 
     from lightning_tp2d.callbacks import DivergenceGuard
 
-    class Spiky(tp.GPT2LightningModule):
+    class Spiky(tp.CausalLMModule):
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
             return loss * float("nan") if self.global_step == 3 else loss  # one bad batch

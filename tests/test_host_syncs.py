@@ -1,7 +1,7 @@
 """No training step waits on the device: zero ``.item()`` / ``nonzero`` / boolean-mask ops in a warmed-up step.
 
 Counted with :class:`lightning_tp2d.bench.measure.HostSyncCounter` around forward, backward and the fused AdamW step
-of every layout (4 ranks), as ``GPT2LightningModule`` runs them: token ids checked on the host batch beforehand.
+of every layout (4 ranks), as ``CausalLMModule`` runs them: token ids checked on the host batch beforehand.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import lightning_tp2d as tp
 from lightning_tp2d.bench.measure import HostSyncCounter
 from lightning_tp2d.models import GPT2, GPT2Config
-from lightning_tp2d.module import GPT2LightningModule
+from lightning_tp2d.module import CausalLMModule
 from tests.distributed import run_distributed
 
 
@@ -52,7 +52,7 @@ def test_the_counter_sees_item_nonzero_and_boolean_masks():
 
 
 def test_the_module_checks_ids_on_the_host_batch_and_its_step_does_not():
-    module = GPT2LightningModule("gpt2-tiny")
+    module = CausalLMModule("gpt2-tiny")
     module.configure_model()
     assert module.model.validate_inputs is False
     V = module.config.vocab_size
@@ -68,7 +68,7 @@ def test_the_module_checks_ids_on_the_host_batch_and_its_step_does_not():
 
 
 def test_the_module_uses_the_fused_adamw_where_the_device_has_it():
-    module = GPT2LightningModule("gpt2-tiny", max_steps=10)
+    module = CausalLMModule("gpt2-tiny", max_steps=10)
     module.configure_model()
     optimizer = module.configure_optimizers()["optimizer"]
     assert optimizer.defaults["fused"] is True  # CPU has the fused kernel in torch 2.13

@@ -1,4 +1,4 @@
-"""GPT2LightningModule: weights from its seed, AdamW groups, warmup + cosine, perplexity, generation."""
+"""CausalLMModule: weights from its seed, AdamW groups, warmup + cosine, perplexity, generation."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from lightning_tp2d.module import TokenPerplexity, WarmupCosine
 from tests.distributed import run_distributed
 
 
-def _built(**kwargs) -> tp.GPT2LightningModule:
-    module = tp.GPT2LightningModule("gpt2-tiny", **kwargs)
+def _built(**kwargs) -> tp.CausalLMModule:
+    module = tp.CausalLMModule("gpt2-tiny", **kwargs)
     module.configure_model()
     return module
 
@@ -80,8 +80,8 @@ def test_generate_under_tensor_parallelism_samples_what_one_device_samples(layou
 # ---- Llama (and any registered family) through the same module -------------------------------------------------
 
 
-def _llama(**kwargs) -> tp.GPT2LightningModule:
-    module = tp.GPT2LightningModule("llama-tiny", **kwargs)
+def _llama(**kwargs) -> tp.CausalLMModule:
+    module = tp.CausalLMModule("llama-tiny", **kwargs)
     module.configure_model()
     return module
 
@@ -90,24 +90,24 @@ def test_module_builds_the_family_of_its_model_argument():
     from lightning_tp2d.models import Llama, LlamaConfig
     from lightning_tp2d.module import CausalLMModule
 
-    assert CausalLMModule is tp.GPT2LightningModule
+    assert CausalLMModule is tp.CausalLMModule
     module = _llama(init_seed=4)
     torch.manual_seed(4)
     expected = Llama(LlamaConfig.from_name("llama-tiny"))
     assert type(module.model) is Llama and module.config == LlamaConfig.from_name("llama-tiny")
     assert all(torch.equal(a, b) for a, b in zip(module.model.state_dict().values(), expected.state_dict().values()))
     config = LlamaConfig.from_name("llama-tiny", tie_embeddings=True)
-    by_instance = tp.GPT2LightningModule(config)
+    by_instance = tp.CausalLMModule(config)
     assert by_instance.config is config and by_instance.hparams["model"] == vars(config)
-    again = tp.GPT2LightningModule(by_instance.hparams["model"])  # the dict a checkpoint's hyper-parameters hold
+    again = tp.CausalLMModule(by_instance.hparams["model"])  # the dict a checkpoint's hyper-parameters hold
     assert again.config == config
-    assert tp.GPT2LightningModule(dict(vars(GPT2Config.from_name("gpt2-tiny")))).config == GPT2Config.from_name(
+    assert tp.CausalLMModule(dict(vars(GPT2Config.from_name("gpt2-tiny")))).config == GPT2Config.from_name(
         "gpt2-tiny")
     with pytest.raises(ValueError, match=r"unknown GPT-2 config 'llama-huge'.*'gpt2-tiny'.*unknown Llama config "
                                          r"'llama-huge'.*'llama-tiny'"):
-        tp.GPT2LightningModule("llama-huge")
+        tp.CausalLMModule("llama-huge")
     with pytest.raises(ValueError, match="match the config of no registered model family"):
-        tp.GPT2LightningModule({"n_layer": 2})
+        tp.CausalLMModule({"n_layer": 2})
 
 
 def test_llama_adamw_decays_matrices_only():
@@ -123,7 +123,7 @@ def test_llama_init_from_a_transformers_directory(tmp_path):
     transformers = pytest.importorskip("transformers")
     source = _llama(init_seed=9)
     hf_dir = tp.export_hf(source.model, tmp_path / "hf")
-    module = tp.GPT2LightningModule(None, init_from=str(hf_dir), init_seed=1)
+    module = tp.CausalLMModule(None, init_from=str(hf_dir), init_seed=1)
     module.configure_model()
     assert module.config == source.config
     assert all(torch.equal(a, b) for a, b in zip(module.model.state_dict().values(),
@@ -132,7 +132,7 @@ def test_llama_init_from_a_transformers_directory(tmp_path):
     idx = torch.randint(0, 257, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(module.model.eval()(idx), hf(idx).logits)
-    other = tp.GPT2LightningModule("llama-mini", init_from=str(hf_dir))
+    other = tp.CausalLMModule("llama-mini", init_from=str(hf_dir))
     with pytest.raises(ValueError, match=r"does not fit this model: n_layer: model 4, checkpoint 2"):
         other.configure_model()
 
@@ -147,7 +147,7 @@ def _llama_generate_and_load(rank, world_size, hf_dir):
     out = module.generate(prompt, 8, temperature=0.8, top_k=20, seed=5)
     ref = plain.generate(prompt, 8, temperature=0.8, top_k=20, seed=5)
     load_hf_weights(module.model, hf_dir)  # each rank keeps its shards of the directory's tensors
-    loaded = tp.GPT2LightningModule(None, init_from=hf_dir)
+    loaded = tp.CausalLMModule(None, init_from=hf_dir)
     loaded.configure_model()
     idx = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -184,7 +184,7 @@ def _fit_for_rates(max_steps: int, directory, ckpt_path=None) -> dict[int, float
     saves = L.callbacks.ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=5, save_top_k=-1)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=[rates, saves])
-    module = tp.GPT2LightningModule("gpt2-tiny", learning_rate=1e-3, warmup_steps=2, min_lr_ratio=0.1)
+    module = tp.CausalLMModule("gpt2-tiny", learning_rate=1e-3, warmup_steps=2, min_lr_ratio=0.1)
     trainer.fit(module, tp.TextDataModule(block_size=16, batch_size=2, max_tokens=8_000), ckpt_path=ckpt_path)
     return {step: rate / 1e-3 for step, rate in rates.rates.items()}
 

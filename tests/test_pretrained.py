@@ -1,6 +1,6 @@
 """Starting from pretrained weights and sampling: ``load_hf_weights`` fills a plain or parallelized GPT2 from a local
 transformers directory (safetensors, sharded safetensors, ``pytorch_model.bin``) tensor by tensor, giving
-transformers' logits; ``GPT2LightningModule(init_from=...)`` trains from them; ``tp2d-generate`` samples from our
+transformers' logits; ``CausalLMModule(init_from=...)`` trains from them; ``tp2d-generate`` samples from our
 checkpoints and from transformers directories."""
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def test_sizes_that_do_not_fit_are_named(hf, tmp_path):
     (tmp_path / "variant").mkdir()
     (tmp_path / "variant" / "config.json").write_text(json.dumps({**config, "activation_function": "relu"}))
     with pytest.raises(ValueError, match="activation_function='relu'"):
-        tp.GPT2LightningModule(model=None, init_from=str(tmp_path / "variant"))
+        tp.CausalLMModule(model=None, init_from=str(tmp_path / "variant"))
 
 
 class FirstBatch(L.Callback):
@@ -177,7 +177,7 @@ def fine_tuned(hf, tmp_path_factory):
     first = FirstBatch()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[first])
-    module = tp.GPT2LightningModule(model=None, init_from=str(root / "safetensors"), warmup_steps=1, max_steps=1)
+    module = tp.CausalLMModule(model=None, init_from=str(root / "safetensors"), warmup_steps=1, max_steps=1)
     trainer.fit(module, tp.TextDataModule(block_size=32, batch_size=2, max_tokens=400, val_fraction=0.2))
     path = tmp_path_factory.mktemp("ft") / "ft.ckpt"
     trainer.save_checkpoint(path)

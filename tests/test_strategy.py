@@ -79,7 +79,7 @@ def fit_gpt2(rank, world_size, strategy, batch_size, trainer_kw=(), module_kw=()
     L.seed_everything(0)
     recorder = LossRecorder()
     trainer = _trainer(strategy, world_size, recorder, max_steps=STEPS, **dict(trainer_kw))
-    module = tp.GPT2LightningModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=5, **dict(module_kw))
+    module = tp.CausalLMModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=5, **dict(module_kw))
     data = tp.TextDataModule(block_size=32, batch_size=batch_size, max_tokens=40_000)
     trainer.fit(module, data)
     if getattr(strategy, "zero_stage", 0):  # the state really is sharded: this replica holds ~1/dp of it
@@ -175,7 +175,7 @@ def test_module_without_gpt2_fails_before_training():
 def _fit_with_batch_3(rank, world_size):
     trainer = _trainer("tp2d", world_size, LossRecorder(), max_steps=1)
     with pytest.raises(ValueError, match="batch size 3 is not divisible by q=2"):
-        trainer.fit(tp.GPT2LightningModule("gpt2-tiny"), tp.TextDataModule(batch_size=3, max_tokens=4000))
+        trainer.fit(tp.CausalLMModule("gpt2-tiny"), tp.TextDataModule(batch_size=3, max_tokens=4000))
     return trainer.global_step
 
 
@@ -218,7 +218,7 @@ def _fit_compiled(rank, world_size, layout):
     recorder = _Losses()
     strategy = tp.TP2DStrategy(layout=layout, compile="aot_eager")
     trainer = _trainer(strategy, world_size, recorder, max_steps=STEPS)
-    module = tp.GPT2LightningModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=5)
+    module = tp.CausalLMModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=5)
     trainer.fit(module, tp.TextDataModule(block_size=32, batch_size=4, max_tokens=40_000))
     return recorder.losses, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
@@ -357,7 +357,7 @@ def test_dp2_by_2x2_on_8_processes_trains_like_one_device():
 
 def _lifecycle(rank, world_size, directory):
     L.seed_everything(0)
-    module = tp.GPT2LightningModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=2, predict_max_new_tokens=6)
+    module = tp.CausalLMModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=2, predict_max_new_tokens=6)
     data = tp.TextDataModule(block_size=32, batch_size=4, max_tokens=20_000, prompts=["The ", "def f(x):"])
 
     def trainer(**kw):
@@ -399,7 +399,7 @@ MISMATCH = """
 import sys
 import lightning.pytorch as L
 import lightning_tp2d as tp
-model = tp.GPT2LightningModule("gpt2-tiny")
+model = tp.CausalLMModule("gpt2-tiny")
 data = tp.TextDataModule(tokenizer="byte", block_size=int(sys.argv[1]), batch_size=int(sys.argv[2]), max_tokens=20_000)
 trainer = L.Trainer(strategy="tp2d", accelerator="cpu", devices=4, max_steps=1, logger=False, enable_checkpointing=False)
 trainer.fit(model, data)

@@ -195,7 +195,7 @@ class GPT2(nn.Module):
     """GPT-2 language model: token + position embedding, n_layer Blocks, final LayerNorm, tied head."""
 
     # Check token-id *values* on every forward (shapes and dtypes are always checked). It reads the ids on the host: a
-    # device-to-host sync per step on a GPU. GPT2LightningModule turns it off and checks each batch on the host before
+    # device-to-host sync per step on a GPU. CausalLMModule turns it off and checks each batch on the host before
     # it moves to the device instead; turn it off too where the ids cannot be read (a fake-tensor schedule trace).
     validate_inputs: bool = True
 

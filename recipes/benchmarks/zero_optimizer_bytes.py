@@ -3,7 +3,7 @@ replicated optimizer, for dp = 2 and 4, on CPU processes (gloo).
 
     python recipes/benchmarks/zero_optimizer_bytes.py [--model gpt2] [--out recipes/benchmarks/zero]
 
-For each (layout, p, dp) every rank builds the model, an AdamW the way ``GPT2LightningModule`` does (decay and
+For each (layout, p, dp) every rank builds the model, an AdamW the way ``CausalLMModule`` does (decay and
 no-decay groups), runs one training step (data-parallel averaging, global-norm clipping, the step; with ZeRO the
 owner's broadcast) and reports its optimizer state bytes, parameter bytes and the largest difference between its
 parameters and the replicated run's after the step (must be 0: the owner computes the same update). Writes
