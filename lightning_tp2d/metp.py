@@ -13,14 +13,21 @@ contribution for the block it holds and passes the sum on; after the last step o
 accumulator home (``p`` gradient exchanges, each overlapped with the next step's compute). Where the backward
 needs no operand (the embedding), the accumulators start one rank early and arrive home in ``p-1`` exchanges.
 
-Instances here (``N`` local tokens, ``h`` hidden, ``H`` heads of width ``d``, ``S`` local sequence rows):
+Instances here (``N`` local tokens, ``h`` hidden, ``nkv`` key/value heads of width ``d``, ``S`` local sequence
+rows, ``F`` the MLP's hidden width):
 
 ================  ===========================================  ==========================================
 instance          travels (per exchange)                       rank i keeps
 ================  ===========================================  ==========================================
-attention         ``K_j|V_j`` ``[2, B, H, S, d]``              ``Q_i``, output, log-sum-exp
-MLP               ``W1_j [4h/p, h]``, ``W2_j [h, 4h/p]``         ``X_i [N, h]``; recomputes ``X_i W1_j``
+attention         ``K_j|V_j`` ``[2, B, nkv, S, d]``            ``Q_i`` (``g`` query heads per k/v head),
+                                                               output, log-sum-exp
+MLP               ``W1_j [f, h]`` (SwiGLU: and ``Wg_j``),      ``X_i [N, h]``; recomputes ``X_i W1_j``
+                  ``W2_j [h, f]``, ``f = F/p``
 ================  ===========================================  ==========================================
+
+One attention kernel (:func:`ring_attention`) serves multi-head (``groups=1``) and grouped-query attention: the
+K/V blocks travel at their ``nkv`` heads and every query head of a group attends to the block as it arrives. One
+MLP pass (:func:`ring_mlp`) serves GPT-2's GELU and Llama's SwiGLU (``activation``).
 
 The weight-streaming instances (QKV and attention-out linears, token embedding, LM head + cross-entropy) use
 the same drivers and live in :mod:`lightning_tp2d.nn.ring_stream`.
@@ -316,134 +323,200 @@ def visible(i: int, j: int, c: int) -> tuple[slice, slice, bool]:
     return slice(c, None), slice(None), False
 
 
+def _merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, l_b: torch.Tensor) -> None:
+    """Fold one block's ``(o_b, l_b)`` into the running ``(out, lse)`` views in place (online log-sum-exp)."""
+    new = torch.logaddexp(lse, l_b)
+    out.mul_((lse - new).exp_().unsqueeze(-1)).add_(o_b.to(out.dtype) * (l_b - new).exp_().unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _groups_first(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, nkv*g, S, d]`` (query head ``k*g + r``) -> the view ``[g, B, nkv, S, d]`` (row ``r``, head ``k``)."""
+    return t.unflatten(1, (-1, groups)).permute(2, 0, 1, 3, 4)
+
+
 @registered("ring_attention")
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, mesh, axis, scale, options):
-        # qkv (3, B, H, S, d) with S = 2c: this rank's zigzag chunks; q stays, k|v travel as one tensor
+    def forward(ctx, qkv, mesh, axis, scale, groups, options):
+        # qkv (g+2, B, nkv, S, d) with S = 2c: this rank's zigzag chunks; the g query rows stay, k|v travel as one
+        # tensor at the nkv heads; each query row attends to the same key/value block (no expanded copy)
         i = axis_rank(mesh, axis)
-        q, kv = qkv[0], qkv[1:]
+        q, kv = qkv[:groups], qkv[groups:]
         c = q.shape[-2] // 2
-        out = torch.empty(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        out = torch.empty(q.shape, dtype=acc_dtype(q.dtype), device=q.device)  # (g, B, nkv, S, d)
         lse = torch.empty(q.shape[:-1], dtype=out.dtype, device=q.device)
 
         def step(j, blocks):
             (kv_j,) = blocks
             rows, cols, causal = visible(i, j, c)
-            o_b, l_b = attend_block(q[..., rows, :], kv_j[0][..., cols, :], kv_j[1][..., cols, :], causal, scale,
-                                    options)
-            if j == i:  # step 0, the diagonal block: every query row sees at least itself
-                out.copy_(o_b)
-                lse.copy_(l_b)
-                return
-            o, l = out[..., rows, :], lse[..., rows]  # views: merged in place (online log-sum-exp)
-            new = torch.logaddexp(l, l_b)
-            o.mul_((l - new).exp_().unsqueeze(-1)).add_(o_b.to(o.dtype) * (l_b - new).exp_().unsqueeze(-1))
-            l.copy_(new)
+            k_j, v_j = kv_j[0][..., cols, :], kv_j[1][..., cols, :]
+            for r in range(groups):
+                o_b, l_b = attend_block(q[r][..., rows, :], k_j, v_j, causal, scale, options)
+                if j == i:  # step 0, the diagonal block: every query row sees at least itself
+                    out[r].copy_(o_b)
+                    lse[r].copy_(l_b)
+                else:
+                    _merge(out[r][..., rows, :], lse[r][..., rows], o_b, l_b)
 
         ring_forward((kv,), mesh, axis, step, double_buffer=options.double_buffer)
-        y = out.to(qkv.dtype)
+        g, B, nkv, S, d = q.shape
+        y = out.to(qkv.dtype).permute(1, 2, 0, 3, 4).reshape(B, nkv * g, S, d)  # a view when g == 1
         ctx.save_for_backward(qkv, y, lse)
-        ctx.mesh, ctx.axis, ctx.scale, ctx.options = mesh, axis, scale, options
+        ctx.mesh, ctx.axis, ctx.scale, ctx.groups, ctx.options = mesh, axis, scale, groups, options
         return y
 
     @staticmethod
     def backward(ctx, dy):
         qkv, y, lse = ctx.saved_tensors
-        i = axis_rank(ctx.mesh, ctx.axis)
-        q, kv = qkv[0], qkv[1:]
+        i, g = axis_rank(ctx.mesh, ctx.axis), ctx.groups
+        q, kv = qkv[:g], qkv[g:]
         c = q.shape[-2] // 2
-        dy = dy.contiguous()
+        dy, y = _groups_first(dy.contiguous(), g), _groups_first(y, g)  # views (g, B, nkv, S, d)
         dqkv = torch.empty(qkv.shape, dtype=lse.dtype, device=qkv.device)
-        dq = dqkv[0].zero_()
+        dq = dqkv[:g].zero_()
 
         def step(j, blocks):
             (kv_j,) = blocks
             rows, cols, causal = visible(i, j, c)
-            dq_b, dk_b, dv_b = attend_block_backward(dy[..., rows, :], q[..., rows, :], kv_j[0][..., cols, :],
-                                                     kv_j[1][..., cols, :], y[..., rows, :], lse[..., rows],
-                                                     causal, ctx.scale, ctx.options)
-            dq[..., rows, :] += dq_b
-            dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
-            dkv[0][..., cols, :] = dk_b
-            dkv[1][..., cols, :] = dv_b
+            k_j, v_j = kv_j[0][..., cols, :], kv_j[1][..., cols, :]
+            dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)  # the nkv heads travel, summed over g
+            for r in range(g):
+                dq_b, dk_b, dv_b = attend_block_backward(dy[r][..., rows, :], q[r][..., rows, :], k_j, v_j,
+                                                         y[r][..., rows, :], lse[r][..., rows], causal, ctx.scale,
+                                                         ctx.options)
+                dq[r][..., rows, :] += dq_b
+                dkv[0][..., cols, :] += dk_b
+                dkv[1][..., cols, :] += dv_b
             return (dkv,)
 
-        ring_backward((kv,), ctx.mesh, ctx.axis, step, home=(dqkv[1:],), double_buffer=ctx.options.double_buffer,
+        ring_backward((kv,), ctx.mesh, ctx.axis, step, home=(dqkv[g:],), double_buffer=ctx.options.double_buffer,
                       wire_dtype=ctx.options.wire_dtype(kv.dtype))
-        return dqkv.to(qkv.dtype), None, None, None, None
+        return dqkv.to(qkv.dtype), None, None, None, None, None
 
 
-def ring_attention(qkv: torch.Tensor, mesh: DeviceMesh, axis: str, scale: float | None = None, *,
+def group_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``q [B, nh, S, d]``, ``k, v [B, nkv, S, d]`` (``nh = g * nkv``; query head ``k*g + r`` reads key/value head
+    ``k``, as transformers' ``repeat_kv``) -> the ``qkv [g+2, B, nkv, S, d]`` :func:`ring_attention` takes: rows
+    ``0..g-1`` the queries (row ``r``, head ``k`` = query head ``k*g + r``), then ``k`` and ``v``. One copy."""
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[1] % k.shape[1] \
+            or (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
+        raise ValueError(f"group_queries expects q [B, nh, S, d] and k, v [B, nkv, S, d] with nh % nkv == 0, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
+    return torch.cat([_groups_first(q, q.shape[1] // k.shape[1]), k.unsqueeze(0), v.unsqueeze(0)])
+
+
+def ring_attention(qkv: torch.Tensor, mesh: DeviceMesh, axis: str, scale: float | None = None, *, groups: int = 1,
                    options: RingOptions | None = None) -> torch.Tensor:
-    """Causal attention of a zigzag-sharded sequence: ``qkv [3, B, H, S, d]`` (q, k, v of this rank's chunks
-    ``i`` and ``2p-1-i``, ``S = 2T/(2p)``) -> ``y [B, H, S, d]``. Per step one ``[≤2c, ≤2c]`` block (the CPU flash
-    kernel or ``options.math_tile``-row score tiles), never ``[T, T]``. Forward: ``p-1`` exchanges of ``K|V``;
-    backward: ``p-1`` of ``K|V`` and ``p`` of ``dK|dV``."""
-    if qkv.dim() != 5 or qkv.shape[0] != 3 or qkv.shape[-2] % 2:
-        raise ValueError(f"ring_attention expects qkv [3, B, H, S, d] with S even (two zigzag chunks), "
-                         f"got {tuple(qkv.shape)}")
+    """Causal attention of a zigzag-sharded sequence, multi-head (``groups=1``) or grouped-query (``groups`` query
+    heads per key/value head): ``qkv [groups+2, B, nkv, S, d]`` (rows ``0..groups-1`` the queries, row ``r`` of head
+    ``k`` being query head ``k*groups + r`` (:func:`group_queries` builds it), then k and v, of this rank's chunks
+    ``i`` and ``2p-1-i``, ``S = 2T/(2p)``) -> ``y [B, nkv*groups, S, d]``. Only ``K|V [2, B, nkv, S, d]`` travels;
+    each query row attends to the block it holds (no per-group copy of K/V, on the wire or locally), and the
+    backward sums ``dK|dV`` over the groups before they travel. Per step and query row one ``[≤2c, ≤2c]`` block
+    (the fused kernel of :func:`block_kernel` or ``options.math_tile``-row score tiles), never ``[T, T]``. Forward:
+    ``p-1`` exchanges of ``K|V``; backward: ``p-1`` of ``K|V`` and ``p`` of ``dK|dV``."""
+    if not isinstance(groups, int) or groups < 1 or qkv.dim() != 5 or qkv.shape[0] != groups + 2 \
+            or qkv.shape[-2] % 2:
+        raise ValueError(f"ring_attention expects qkv [groups+2, B, nkv, S, d] with S even (two zigzag chunks), "
+                         f"got {tuple(qkv.shape)} with groups={groups!r}")
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(qkv.contiguous(), mesh, axis, scale, ring_options(options))
+    return _RingAttention.apply(qkv.contiguous(), mesh, axis, scale, groups, ring_options(options))
 
 
 # ---- MLP -------------------------------------------------------------------------------------------------
 
 
-def _hidden(x, w1, b1, j):
-    """``X W1_j + b1_j``: the pre-activation block ``[N, f]`` for ring rank ``j``'s rows of ``c_fc``."""
-    f = w1.shape[0]
-    pre = x @ w1.t()
-    return pre if b1 is None else pre.add_(b1[j * f:(j + 1) * f])
+def _gelu(dh, u):
+    """GELU (tanh): ``(gelu(u), d/du given dh)``; ``dh`` ``None`` in the forward."""
+    hidden = F.gelu(u, approximate="tanh")
+    return hidden, None if dh is None else (torch.ops.aten.gelu_backward(dh, u, approximate="tanh"),)
+
+
+def _swiglu(dh, gate, u):
+    """SwiGLU: ``(silu(gate) * u, (d/dgate, d/du) given dh)``; ``dh`` ``None`` in the forward."""
+    act = F.silu(gate)
+    if dh is None:
+        return act * u, None
+    s = torch.sigmoid(gate)
+    return act * u, (dh * u * (s * (1 + gate * (1 - s))), dh * act)
+
+
+MLP_ACTIVATIONS = {"gelu_tanh": _gelu, "swiglu": _swiglu}  # name -> (dh, *pre-activations) -> (hidden, grads)
+
+
+def _pre_activations(x, w_in, b1, j):
+    """``X Wg_jᵀ`` (SwiGLU's gate) and ``X W1_jᵀ + b1_j``: the pre-activation blocks ``[N, f]`` of ring rank
+    ``j``'s rows; ``w_in`` is ``(w1_j,)`` or ``(wg_j, w1_j)``."""
+    pres = [x @ w.t() for w in w_in]
+    if b1 is not None:
+        f = w_in[-1].shape[0]
+        pres[-1].add_(b1[j * f:(j + 1) * f])
+    return pres
 
 
 @registered("ring_mlp")
 class _RingMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, mesh, axis, options):
-        # x (N, h); w1 (4h/p, h) = c_fc.weight rows of block i; w2 (h, 4h/p) = c_proj.weight columns of block i
+    def forward(ctx, x, w1, b1, w2, b2, w_gate, mesh, axis, activation, options):
+        # x (N, h); w1 (f, h) = c_fc / up_proj rows of block i (f = 4h/p or I/p); w2 (h, f) = c_proj / down_proj
+        # columns of block i; w_gate (f, h) = gate_proj rows of block i (SwiGLU) or None; all blocks travel together
+        act = MLP_ACTIVATIONS[activation]
+        own = (w1, w2) if w_gate is None else (w_gate, w1, w2)
         out = x.new_zeros((x.shape[0], w2.shape[0]))
 
         def step(j, blocks):
-            w1_j, w2_j = blocks
-            out.addmm_(F.gelu(_hidden(x, w1_j, b1, j), approximate="tanh"), w2_j.t())
+            *w_in, w2_j = blocks
+            out.addmm_(act(None, *_pre_activations(x, w_in, b1, j))[0], w2_j.t())
 
-        ring_forward((w1, w2), mesh, axis, step, double_buffer=options.double_buffer)
+        ring_forward(own, mesh, axis, step, double_buffer=options.double_buffer)
         if b2 is not None:
             out += b2
-        ctx.save_for_backward(x, w1, b1, w2)
-        ctx.mesh, ctx.axis, ctx.has_b2, ctx.options = mesh, axis, b2 is not None, options
+        ctx.save_for_backward(x, *own, *(() if b1 is None else (b1,)))  # no None: the registered op saves tensors
+        ctx.mesh, ctx.axis, ctx.activation, ctx.options = mesh, axis, activation, options
+        ctx.n_own, ctx.has_b2 = len(own), b2 is not None
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, w1, b1, w2 = ctx.saved_tensors
+        x, *own = ctx.saved_tensors
+        own, (b1,) = own[:ctx.n_own], (own[ctx.n_own:] or (None,))
+        act = MLP_ACTIVATIONS[ctx.activation]
         acc = acc_dtype(x.dtype)
         dout = dout.contiguous()
         dx = torch.zeros_like(x)
         db1 = None if b1 is None else torch.zeros(b1.shape, dtype=acc, device=b1.device)
-        f = w1.shape[0]
+        f = own[0].shape[0]
 
         def step(j, blocks):
-            w1_j, w2_j = blocks
-            pre = _hidden(x, w1_j, b1, j)  # recomputed, never stored
-            dw2 = (dout.t() @ F.gelu(pre, approximate="tanh")).to(acc)  # (h, f)
-            dpre = torch.ops.aten.gelu_backward(dout @ w2_j, pre, approximate="tanh")  # (N, f)
+            *w_in, w2_j = blocks
+            pres = _pre_activations(x, w_in, b1, j)  # recomputed, never stored
+            hidden, dpres = act(dout @ w2_j, *pres)  # (N, f) each
             if db1 is not None:
-                db1[j * f:(j + 1) * f] += dpre.sum(0)
-            dx.addmm_(dpre, w1_j)
-            return (dpre.t() @ x).to(acc), dw2
+                db1[j * f:(j + 1) * f] += dpres[-1].sum(0)
+            for dpre, w_j in zip(dpres, w_in):
+                dx.addmm_(dpre, w_j)
+            return (*((dpre.t() @ x).to(acc) for dpre in dpres), (dout.t() @ hidden).to(acc))
 
-        dw1, dw2 = ring_backward((w1, w2), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
-                                 wire_dtype=ctx.options.wire_dtype(w1.dtype))
+        grads = ring_backward(own, ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
+                              wire_dtype=ctx.options.wire_dtype(own[0].dtype))
+        *dw_in, dw2 = (gw.to(w.dtype) for gw, w in zip(grads, own))
         db2 = dout.sum(0) if ctx.has_b2 else None
         db1 = None if db1 is None else db1.to(b1.dtype)
-        return dx, dw1.to(w1.dtype), db1, dw2.to(w2.dtype), db2, None, None, None
+        dw_gate = dw_in[0] if len(dw_in) == 2 else None
+        return dx, dw_in[-1], db1, dw2, db2, dw_gate, None, None, None, None
 
 
-def ring_mlp(x, w1, b1, w2, b2, mesh: DeviceMesh, axis: str, *, options: RingOptions | None = None) -> torch.Tensor:
-    """``gelu_tanh(X W1 + b1) W2 + b2`` with ``X [N, h]`` local rows, ``W1``'s output rows (``w1 [4h/p, h]``) and
-    ``W2``'s input columns (``w2 [h, 4h/p]``) split over the ring, biases full (replicated). Forward ``p-1``
-    exchanges of ``(w1, w2)``; backward ``p-1`` of ``(w1, w2)`` and ``p`` of their gradients; the
-    ``[N, 4h]`` hidden activation is never formed (``[N, 4h/p]`` per step, recomputed in backward)."""
-    return _RingMLP.apply(x, w1, b1, w2, b2, mesh, axis, ring_options(options))
+def ring_mlp(x, w1, b1, w2, b2, mesh: DeviceMesh, axis: str, *, activation: str = "gelu_tanh",
+             w_gate: torch.Tensor | None = None, options: RingOptions | None = None) -> torch.Tensor:
+    """``act(X W1ᵀ + b1) W2ᵀ + b2`` in one ring pass, with ``X [N, h]`` local rows, ``W1``'s output rows (``w1 [f,
+    h]``, ``f = F/p`` of the ``F``-wide hidden layer) and ``W2``'s input columns (``w2 [h, f]``) split over the ring,
+    biases full (replicated) or ``None``. ``activation``: ``"gelu_tanh"`` (GPT-2: ``gelu(X W1ᵀ + b1)``) or
+    ``"swiglu"`` (Llama: ``silu(X Wgᵀ) * (X W1ᵀ + b1)``, with the gate's output rows ``w_gate [f, h]``, travelling
+    with the others). Forward ``p-1`` exchanges of the weight blocks; backward ``p-1`` of the blocks and ``p`` of
+    their gradients; the ``[N, F]`` hidden activation is never formed (``[N, f]`` per step, recomputed in
+    backward)."""
+    if activation not in MLP_ACTIVATIONS or (w_gate is not None) != (activation == "swiglu"):
+        raise ValueError(f"ring_mlp: activation={activation!r} with w_gate {'given' if w_gate is not None else 'None'};"
+                         f" use 'gelu_tanh' without w_gate or 'swiglu' with it")
+    return _RingMLP.apply(x, w1, b1, w2, b2, w_gate, mesh, axis, activation, ring_options(options))

@@ -73,7 +73,7 @@ def _compare(rank: int, world_size: int, layouts, backend: str, family: str = "g
 
 @pytest.mark.parametrize("family, layouts", [
     ("gpt2", ("2d", "metp", "2d-metp")),
-    # Llama's ring plans (ring_gqa_attention, ring_swiglu: registered ops)
+    # Llama's ring plans (the ring attention with groups > 1, the ring MLP with SwiGLU: registered ops)
     pytest.param("llama", ("metp", "2d-metp"), marks=pytest.mark.slow),
 ], ids=["gpt2", "llama-rings"])
 def test_every_layout_compiles_to_one_graph_and_matches_eager(family, layouts):

@@ -1,4 +1,5 @@
-"""Each METP ring function alone against a single-device computation, on rings of 1, 2, 3 and 4 gloo ranks.
+"""Each METP ring function alone against a single-device computation, on rings of 1, 2, 3 and 4 gloo ranks
+(the one attention kernel also with 2 and 3 query heads per key/value head, the one MLP pass also with SwiGLU).
 
 One ``run_distributed`` call per ring size ``p``; every rank builds the same full tensors from one seed, runs
 the ring function on its share and returns errors against the plain computation, communication counts and
@@ -209,6 +210,96 @@ def test_ring_functions_equal_single_device_maths_with_the_ring_schedule(world_s
                 assert v["fwd"] == {**_ring(p - 1, (p - 1) * v["e_bytes"]),
                                     **({"all_reduce": {"calls": 1, "bytes": 16}} if p > 1 else {})}
                 assert v["bwd"] == _ring((p - 1) + p * (p > 1) + (p - 1), (3 * p - 2) * v["e_bytes"] * (p > 1))
+
+
+def _gqa_attention(mesh, p, i, kernel, groups):
+    """The one ring attention kernel with ``groups`` query heads per key/value head against plain causal attention
+    of the key/value heads repeated per group (transformers' ``repeat_kv``: query head ``j`` reads ``j // g``)."""
+    T, nkv = 2 * p * C, 2
+    g = torch.Generator().manual_seed(11 + groups)
+    full = [torch.randn(B, n, T, D, dtype=DT, generator=g) for n in (nkv * groups, nkv, nkv)]  # q, k, v
+    dy_full = torch.randn(B, nkv * groups, T, D, dtype=DT, generator=g)
+    ref_in = [t.clone().requires_grad_() for t in full]
+    rq, rk, rv = ref_in
+    ref = F.scaled_dot_product_attention(rq, rk.repeat_interleave(groups, 1), rv.repeat_interleave(groups, 1),
+                                         is_causal=True)
+    ref.backward(dy_full)
+    pos = zigzag_positions(T, p, i)
+    q, k, v = [t[..., pos, :].clone().requires_grad_() for t in full]
+    options = metp.RingOptions(attention_kernel=kernel, math_tile=3)
+    run = lambda: metp.ring_attention(metp.group_queries(q, k, v), mesh, "ring", groups=groups,  # noqa: E731
+                                      options=options)
+    y, fwd = _counted(run)
+    _, bwd = _counted(lambda: y.backward(dy_full[..., pos, :]))
+    errs = [_rel(y, ref[..., pos, :])] + [_rel(t.grad, r.grad[..., pos, :]) for t, r in zip((q, k, v), ref_in)]
+    return {"err": max(errs), "fwd": fwd, "bwd": bwd, "kv_bytes": 2 * B * nkv * 2 * C * D * 8}
+
+
+def _swiglu_mlp(mesh, p, i):
+    """The one ring MLP pass with ``activation="swiglu"`` (and biases on the up projection and the output)."""
+    h, f, n = 6, 3, 7  # hidden, I/p rows of the gate and up projections per rank, tokens per rank
+    g = torch.Generator().manual_seed(12)
+    x_all, dout = torch.randn(p, n, h, dtype=DT, generator=g), torch.randn(p, n, h, dtype=DT, generator=g)
+    wg, wu = torch.randn(p * f, h, dtype=DT, generator=g), torch.randn(p * f, h, dtype=DT, generator=g)
+    wd, bu, bd = (torch.randn(h, p * f, dtype=DT, generator=g), torch.randn(p * f, dtype=DT, generator=g),
+                  torch.randn(h, dtype=DT, generator=g))
+    ref_in = [t.clone().requires_grad_() for t in (x_all, wg, wu, bu, wd, bd)]
+    rx, rwg, rwu, rbu, rwd, rbd = ref_in
+    F.linear(F.silu(F.linear(rx, rwg)) * F.linear(rx, rwu, rbu), rwd, rbd).backward(dout)
+    rows = slice(i * f, (i + 1) * f)
+    mine = [t.clone().requires_grad_() for t in (x_all[i], wg[rows], wu[rows], bu, wd[:, rows], bd)]
+    x, lwg, lwu, lbu, lwd, lbd = mine
+    out, fwd = _counted(lambda: metp.ring_mlp(x, lwu, sum_grad_along(lbu, mesh, "ring"), lwd,
+                                              sum_grad_along(lbd, mesh, "ring"), mesh, "ring", activation="swiglu",
+                                              w_gate=lwg))
+    _, bwd = _counted(lambda: out.backward(dout[i]))
+    want = [rx.grad[i], rwg.grad[rows], rwu.grad[rows], rbu.grad, rwd.grad[:, rows], rbd.grad]
+    errs = [_rel(out, F.linear(F.silu(F.linear(x_all[i], wg)) * F.linear(x_all[i], wu, bu), wd, bd))]
+    return {"err": max(errs + [_rel(t.grad, w) for t, w in zip(mine, want)]), "fwd": fwd, "bwd": bwd,
+            "w_bytes": 3 * f * h * 8, "b_bytes": (p * f + h) * 8}
+
+
+def _grouped(rank, world_size):
+    out = {}
+    for p in sorted({1, world_size}):
+        mesh = tp.init_mesh("metp", p, world_size // p)
+        i = mesh.get_local_rank("ring")
+        out[p] = {"swiglu": _swiglu_mlp(mesh, p, i),
+                  "gqa": {(k, g): _gqa_attention(mesh, p, i, k, g) for k in ("auto", "math") for g in (1, 2, 3)}}
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_one_attention_kernel_with_groups_and_one_mlp_pass_with_swiglu_equal_single_device_maths(world_size):
+    for per_p in run_distributed(_grouped, world_size):
+        for p, r in per_p.items():
+            for (kernel, groups), a in r["gqa"].items():
+                assert a["err"] <= 1e-13, (p, kernel, groups)
+                # only K|V of the nkv key/value heads travel, whatever the group count
+                assert a["fwd"] == _ring(p - 1, (p - 1) * a["kv_bytes"]), (p, kernel, groups)
+                assert a["bwd"] == _ring((p - 1) + p * (p > 1), (2 * p - 1) * a["kv_bytes"] * (p > 1))
+            m = r["swiglu"]
+            assert m["err"] <= 1e-13, p
+            # the gate, up and down blocks travel together: one pass, p-1 exchanges forward, p-1 + p backward
+            assert m["fwd"] == _ring(p - 1, (p - 1) * m["w_bytes"])
+            assert m["bwd"] == {**_ring((p - 1) + p * (p > 1), (2 * p - 1) * m["w_bytes"] * (p > 1)),
+                                **({"all_reduce": {"calls": 2, "bytes": m["b_bytes"]}} if p > 1 else {})}
+
+
+def test_ring_attention_and_mlp_refuse_mismatched_groups_and_activations_naming_them():
+    qkv = torch.empty(4, 1, 2, 6, 4)
+    with pytest.raises(ValueError, match=r"qkv \[groups\+2, B, nkv, S, d\].*\(4, 1, 2, 6, 4\) with groups=1"):
+        metp.ring_attention(qkv, None, "ring")
+    with pytest.raises(ValueError, match=r"nh % nkv == 0, got \(1, 3, 6, 4\), \(1, 2, 6, 4\)"):
+        metp.group_queries(torch.empty(1, 3, 6, 4), torch.empty(1, 2, 6, 4), torch.empty(1, 2, 6, 4))
+    q, k = torch.randn(1, 6, 6, 4), torch.randn(1, 2, 6, 4)
+    packed = metp.group_queries(q, k, -k)
+    assert packed.shape == (5, 1, 2, 6, 4)  # 3 query rows, then k and v
+    assert torch.equal(packed[2, :, 1], q[:, 1 * 3 + 2]) and torch.equal(packed[4], -k)  # row r, head k: k*g + r
+    w = torch.empty(3, 6)
+    for activation, gate in [("swiglu", None), ("gelu_tanh", w), ("relu", None)]:
+        with pytest.raises(ValueError, match=f"activation={activation!r}.*'gelu_tanh' without w_gate"):
+            metp.ring_mlp(torch.empty(2, 6), w, None, w.t(), None, None, "ring", activation=activation, w_gate=gate)
 
 
 def _vocab_on_meta(rank, world_size):

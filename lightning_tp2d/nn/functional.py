@@ -145,6 +145,14 @@ def shard_parameter(tensor: torch.Tensor, mesh: DeviceMesh, placements) -> torch
     return torch.nn.Parameter(dt)
 
 
+def shard_bias(module: torch.nn.Module, bias: torch.Tensor | None, mesh: DeviceMesh, placements) -> None:
+    """Set ``module.bias`` to :func:`shard_parameter` of ``bias``, or register it as ``None`` when there is none."""
+    if bias is None:
+        module.register_parameter("bias", None)
+    else:
+        module.bias = shard_parameter(bias, mesh, placements)
+
+
 def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Cast matmul operands to the autocast dtype when autocast is on (``bf16-mixed``), outside the SUMMA
     autograd functions, so their forward and backward see one dtype (the cast's backward restores the

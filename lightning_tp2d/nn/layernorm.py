@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from lightning_tp2d import recompute
 from lightning_tp2d.comm import all_reduce_along
-from lightning_tp2d.nn.functional import shard_parameter, sum_grads_along
+from lightning_tp2d.nn.functional import shard_bias, shard_parameter, sum_grads_along
 from lightning_tp2d.ops import registered
 
 
@@ -77,10 +77,7 @@ class LayerNorm2D(nn.Module):
         self.eps = norm.eps
         place = [Replicate(), Replicate(), Shard(0)]
         self.weight = shard_parameter(norm.weight, mesh, place)
-        if norm.bias is not None:
-            self.bias = shard_parameter(norm.bias, mesh, place)
-        else:
-            self.register_parameter("bias", None)
+        shard_bias(self, norm.bias, mesh, place)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = [self.weight.to_local()] + ([self.bias.to_local()] if self.bias is not None else [])

@@ -36,7 +36,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_tp2d import recompute
 from lightning_tp2d.layouts import Ring
 from lightning_tp2d.metp import RingOptions, ring_attention, ring_mlp, ring_options
-from lightning_tp2d.nn.functional import autocast_operands, axis_index, pad_rows, shard_parameter, sum_grad_along
+from lightning_tp2d.nn.functional import (autocast_operands, axis_index, pad_rows, shard_bias, shard_parameter,
+                                          sum_grad_along)
 from lightning_tp2d.nn.ring_stream import (ColumnBlocks, HeadBlocks, ring_cross_entropy, ring_embedding,
                                            ring_linear_in, ring_linear_out)
 from lightning_tp2d.nn.sequence import check_sequence_length, gather_sequence, zigzag_positions
@@ -62,10 +63,7 @@ class RingLinear(nn.Module):
         else:
             raise ValueError(f"split must be 'out' or 'in', got {split!r}")
         self.weight = shard_parameter(linear.weight, mesh, [Replicate(), place])
-        if linear.bias is not None:
-            self.bias = shard_parameter(linear.bias, mesh, REPLICATED)
-        else:
-            self.register_parameter("bias", None)
+        shard_bias(self, linear.bias, mesh, REPLICATED)
 
     def local(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight block, full bias)`` of this rank, the bias wrapped so its gradient is summed over the ring."""
@@ -92,10 +90,7 @@ class RingLayerNorm(nn.Module):
         self.mesh, self.options = mesh, ring_options(options)  # no ring pass here; kept for a uniform constructor
         self.normalized_shape, self.eps = tuple(norm.normalized_shape), norm.eps
         self.weight = shard_parameter(norm.weight, mesh, REPLICATED)
-        if norm.bias is not None:
-            self.bias = shard_parameter(norm.bias, mesh, REPLICATED)
-        else:
-            self.register_parameter("bias", None)
+        shard_bias(self, norm.bias, mesh, REPLICATED)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = sum_grad_along(self.weight.to_local(), self.mesh, AXIS)

@@ -20,39 +20,36 @@ RMSNorm weights                            R, R             stay; gradients summ
 * **Attention**: ``q_proj``, ``k_proj``, ``v_proj`` are weight-streaming out-split ring linears writing q
   ``[B, nh, S, hs]`` and k, v ``[B, nkv, S, hs]`` of this rank's tokens (every head: heads are not split, so any
   head count fits); RoPE is applied locally with the *absolute* positions of the zigzag chunks; then
-  :func:`ring_gqa_attention` rotates the ``n_kv_head`` key/value heads ``[2, B, nkv, S, hs]`` (never the
-  expanded ``nh`` heads) and expands them to the query heads locally, block by block; its backward sums the
-  expanded gradients back over each group before they travel. ``o_proj`` is an in-split ring linear.
-* **SwiGLU** (:func:`ring_swiglu`): one ring pass in which ``gate_proj``'s and ``up_proj``'s row blocks and
-  ``down_proj``'s column block travel together; ``silu(g) * u`` of one ``[N, I/p]`` block at a time, recomputed in
-  backward; the ``[N, I]`` hidden activation never exists.
+  the one ring attention kernel (:func:`~lightning_tp2d.metp.ring_attention`, ``groups = nh / nkv``) rotates
+  the ``n_kv_head`` key/value heads ``[2, B, nkv, S, hs]`` (never ``nh`` heads) and every query head of a group
+  attends to the block it holds; its backward sums the gradients over each group before they travel. ``o_proj``
+  is an in-split ring linear.
+* **SwiGLU**: the one-pass ring MLP (:func:`~lightning_tp2d.metp.ring_mlp` with ``activation="swiglu"``), in
+  which ``gate_proj``'s and ``up_proj``'s row blocks and ``down_proj``'s column block travel together;
+  ``silu(g) * u`` of one ``[N, I/p]`` block at a time, recomputed in backward; the ``[N, I]`` hidden activation
+  never exists.
 * **Embedding / head**: GPT-2's :class:`~lightning_tp2d.nn.ring.RingTokenEmbedding` and (tied)
   :class:`~lightning_tp2d.nn.ring.RingLMHead`; an untied head (:class:`UntiedRingLMHead`) shards its own weight
   by vocab rows like the embedding.
 
 Sizes that must divide by ``p``: ``n_embd`` (q rows, ``o_proj`` columns), ``n_kv_head*head_size`` (k/v rows) and
-``intermediate_size``; the sequence length by ``2p``. The two kernels here are registered custom ops
-(:func:`~lightning_tp2d.ops.registered`), like the GPT-2 ring kernels.
+``intermediate_size``; the sequence length by ``2p``. No kernel of its own: the ring kernels are GPT-2's
+(:mod:`lightning_tp2d.metp`, :mod:`lightning_tp2d.nn.ring_stream`).
 
 Layout ``"2d-metp"`` (end of the module): Llama's ``"2d"`` layers with rows holding zigzag chunks; only the
-attention (:class:`LlamaAttention2DMetp`, :func:`ring_gqa_attention` along ``row``) and the untied head
+attention (:class:`LlamaAttention2DMetp`, the grouped ring attention along ``row``) and the untied head
 (:class:`UntiedLMHead2DMetp`) differ; embedding and tied head are GPT-2's ``"2d-metp"`` ones.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from lightning_tp2d import recompute
-from lightning_tp2d.comm import axis_rank
-from lightning_tp2d.metp import (RingOptions, acc_dtype, attend_block, attend_block_backward, ring_backward,
-                                 ring_forward, ring_options, visible)
+from lightning_tp2d.metp import RingOptions, group_queries, ring_attention, ring_mlp, ring_options
 from lightning_tp2d.models.llama import apply_rope, rms_norm, rope_cache
 from lightning_tp2d.nn.functional import autocast_operands, axis_index, shard_parameter, sum_grad_along
 from lightning_tp2d.nn.grid_metp import LMHead2DMetp
@@ -60,152 +57,6 @@ from lightning_tp2d.nn.llama2d import LlamaAttention2D, UntiedLMHead2D
 from lightning_tp2d.nn.ring import AXIS, REPLICATED, RingLinear, RingLMHead, refuse_attention_dropout
 from lightning_tp2d.nn.ring_stream import HeadBlocks, ring_linear_out
 from lightning_tp2d.nn.sequence import zigzag_positions
-from lightning_tp2d.ops import registered
-
-# ---- kernels ---------------------------------------------------------------------------------------------------
-
-
-def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[B, nkv, L, d]`` -> ``[B, nkv*g, L, d]``: query head ``j`` reads key/value head ``j // g``."""
-    if groups == 1:
-        return t
-    B, H, L, d = t.shape
-    return t.unsqueeze(2).expand(B, H, groups, L, d).reshape(B, H * groups, L, d)
-
-
-def _reduce(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of :func:`_expand`: sum over each group of query heads."""
-    if groups == 1:
-        return t
-    B, H, L, d = t.shape
-    return t.view(B, H // groups, groups, L, d).sum(2)
-
-
-@registered("ring_gqa_attention")
-class _RingGQAAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, kv, mesh, axis, scale, options):
-        # q (B, nh, S, d) this rank's zigzag chunks; kv (2, B, nkv, S, d) travels; g = nh // nkv
-        i = axis_rank(mesh, axis)
-        g = q.shape[1] // kv.shape[2]
-        c = q.shape[-2] // 2
-        out = torch.empty(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
-        lse = torch.empty(q.shape[:-1], dtype=out.dtype, device=q.device)
-
-        def step(j, blocks):
-            (kv_j,) = blocks
-            rows, cols, causal = visible(i, j, c)
-            k_j, v_j = _expand(kv_j[0][..., cols, :], g), _expand(kv_j[1][..., cols, :], g)
-            o_b, l_b = attend_block(q[..., rows, :], k_j, v_j, causal, scale, options)
-            if j == i:
-                out.copy_(o_b)
-                lse.copy_(l_b)
-                return
-            o, l = out[..., rows, :], lse[..., rows]
-            new = torch.logaddexp(l, l_b)
-            o.mul_((l - new).exp_().unsqueeze(-1)).add_(o_b.to(o.dtype) * (l_b - new).exp_().unsqueeze(-1))
-            l.copy_(new)
-
-        ring_forward((kv,), mesh, axis, step, double_buffer=options.double_buffer)
-        y = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, y, lse)
-        ctx.mesh, ctx.axis, ctx.scale, ctx.options = mesh, axis, scale, options
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        q, kv, y, lse = ctx.saved_tensors
-        i = axis_rank(ctx.mesh, ctx.axis)
-        g = q.shape[1] // kv.shape[2]
-        c = q.shape[-2] // 2
-        dy = dy.contiguous()
-        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
-        dkv = torch.empty(kv.shape, dtype=lse.dtype, device=kv.device)
-
-        def step(j, blocks):
-            (kv_j,) = blocks
-            rows, cols, causal = visible(i, j, c)
-            k_j, v_j = _expand(kv_j[0][..., cols, :], g), _expand(kv_j[1][..., cols, :], g)
-            dq_b, dk_b, dv_b = attend_block_backward(dy[..., rows, :], q[..., rows, :], k_j, v_j, y[..., rows, :],
-                                                     lse[..., rows], causal, ctx.scale, ctx.options)
-            dq[..., rows, :] += dq_b
-            d = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
-            d[0][..., cols, :] = _reduce(dk_b, g)  # the nkv heads travel, not the expanded nh
-            d[1][..., cols, :] = _reduce(dv_b, g)
-            return (d,)
-
-        ring_backward((kv,), ctx.mesh, ctx.axis, step, home=(dkv,), double_buffer=ctx.options.double_buffer,
-                      wire_dtype=ctx.options.wire_dtype(kv.dtype))
-        return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None
-
-
-def ring_gqa_attention(q: torch.Tensor, kv: torch.Tensor, mesh: DeviceMesh, axis: str, scale: float | None = None,
-                       *, options: RingOptions | None = None) -> torch.Tensor:
-    """Causal grouped-query attention of a zigzag-sharded sequence: ``q [B, nh, S, d]`` stays, ``kv [2, B, nkv, S,
-    d]`` (``nh % nkv == 0``) travels round the ring and is expanded to the ``nh`` query heads locally per block
-    (:func:`~lightning_tp2d.metp.ring_attention`'s blocks and merge otherwise) -> ``y [B, nh, S, d]``. Forward
-    ``p-1`` exchanges of ``K|V``; backward ``p-1`` of ``K|V`` and ``p`` of ``dK|dV``, all of ``nkv`` heads."""
-    if q.dim() != 4 or kv.dim() != 5 or kv.shape[0] != 2 or q.shape[-2] % 2 or q.shape[1] % kv.shape[2] \
-            or (q.shape[0], q.shape[2], q.shape[3]) != (kv.shape[1], kv.shape[3], kv.shape[4]):
-        raise ValueError(f"ring_gqa_attention expects q [B, nh, S, d] and kv [2, B, nkv, S, d] with nh % nkv == 0 "
-                         f"and S even (two zigzag chunks), got {tuple(q.shape)} and {tuple(kv.shape)}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingGQAAttention.apply(q.contiguous(), kv.contiguous(), mesh, axis, scale, ring_options(options))
-
-
-def _silu_grad(g: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(g)
-    return s * (1 + g * (1 - s))
-
-
-@registered("ring_swiglu")
-class _RingSwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, mesh, axis, options):
-        # x (N, h); w_gate, w_up (I/p, h) output rows of block i; w_down (h, I/p) input columns of block i
-        out = x.new_zeros((x.shape[0], w_down.shape[0]))
-
-        def step(j, blocks):
-            wg_j, wu_j, wd_j = blocks
-            out.addmm_(F.silu(x @ wg_j.t()) * (x @ wu_j.t()), wd_j.t())
-
-        ring_forward((w_gate, w_up, w_down), mesh, axis, step, double_buffer=options.double_buffer)
-        ctx.save_for_backward(x, w_gate, w_up, w_down)
-        ctx.mesh, ctx.axis, ctx.options = mesh, axis, options
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        x, w_gate, w_up, w_down = ctx.saved_tensors
-        acc = acc_dtype(x.dtype)
-        dout = dout.contiguous()
-        dx = torch.zeros_like(x)
-
-        def step(j, blocks):
-            wg_j, wu_j, wd_j = blocks
-            gate, up = x @ wg_j.t(), x @ wu_j.t()  # recomputed, never stored
-            act = F.silu(gate)
-            dwd = (dout.t() @ (act * up)).to(acc)  # (h, I/p)
-            dh = dout @ wd_j  # (N, I/p)
-            dup = dh * act
-            dgate = dh * up * _silu_grad(gate)
-            dx.addmm_(dgate, wg_j).addmm_(dup, wu_j)
-            return (dgate.t() @ x).to(acc), (dup.t() @ x).to(acc), dwd
-
-        dwg, dwu, dwd = ring_backward((w_gate, w_up, w_down), ctx.mesh, ctx.axis, step,
-                                      double_buffer=ctx.options.double_buffer,
-                                      wire_dtype=ctx.options.wire_dtype(w_gate.dtype))
-        return dx, dwg.to(w_gate.dtype), dwu.to(w_up.dtype), dwd.to(w_down.dtype), None, None, None
-
-
-def ring_swiglu(x, w_gate, w_up, w_down, mesh: DeviceMesh, axis: str, *,
-                options: RingOptions | None = None) -> torch.Tensor:
-    """``(silu(X Wgᵀ) * (X Wuᵀ)) Wdᵀ`` with ``X [N, h]`` local rows, ``Wg``'s and ``Wu``'s output rows
-    (``[I/p, h]``) and ``Wd``'s input columns (``[h, I/p]``) split over the ring: one pass, the three blocks
-    travelling together. Forward ``p-1`` exchanges; backward ``p-1`` of the blocks and ``p`` of their
-    gradients; ``[N, I/p]`` per step, recomputed in backward."""
-    return _RingSwiGLU.apply(x, w_gate, w_up, w_down, mesh, axis, ring_options(options))
-
 
 # ---- layers ----------------------------------------------------------------------------------------------------
 
@@ -258,7 +109,8 @@ class RingLlamaAttention(nn.Module):
                                HeadBlocks(2, B, S, self.n_kv_head, hs, p), options=self.options)  # (B, nkv, S, hs)
         cos, sin = rope_cache(zigzag_positions(S * p, p, i, x.device), hs, self.rope_theta)  # absolute positions
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = ring_gqa_attention(q, torch.stack([k, v]), self.mesh, AXIS, options=self.options)  # (B, nh, S, hs)
+        y = ring_attention(group_queries(q, k, v), self.mesh, AXIS, groups=self.n_head // self.n_kv_head,
+                           options=self.options)  # (B, nh, S, hs)
         out = self.o_proj(y.unsqueeze(0), HeadBlocks(1, B, S, self.n_head, hs, p), self.options)  # (B*S, h)
         return out.view(B, S, h)
 
@@ -267,7 +119,8 @@ class RingLlamaAttention(nn.Module):
 
 
 class RingSwiGLU(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` as one ring pass (:func:`ring_swiglu`)."""
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` as one ring pass (:func:`~lightning_tp2d.metp.ring_mlp` with
+    ``activation="swiglu"``)."""
 
     def __init__(self, mlp: nn.Module, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
         super().__init__()
@@ -280,7 +133,8 @@ class RingSwiGLU(nn.Module):
         B, S, h = x.shape
         (wg, _), (wu, _), (wd, _) = self.gate_proj.local(), self.up_proj.local(), self.down_proj.local()
         x2d, wg, wu, wd = autocast_operands(x.reshape(B * S, h), wg, wu, wd)
-        return ring_swiglu(x2d, wg, wu, wd, self.mesh, AXIS, options=self.options).view(B, S, h)
+        out = ring_mlp(x2d, wu, None, wd, None, self.mesh, AXIS, activation="swiglu", w_gate=wg, options=self.options)
+        return out.view(B, S, h)
 
 
 class UntiedRingLMHead(RingLMHead):
@@ -301,8 +155,8 @@ class LlamaAttention2DMetp(LlamaAttention2D):
     """Layout ``"2d-metp"`` (:mod:`lightning_tp2d.nn.grid_metp`): rank ``(r, c)`` holds ``x_rc [B, S, h/q]``, the
     zigzag chunks ``r`` and ``2q-1-r`` and hidden block ``c``. SUMMA q/k/v projections give query heads
     ``[c nh/q, (c+1) nh/q)`` and key/value heads ``[c nkv/q, (c+1) nkv/q)`` of the row's tokens, RoPE uses their
-    absolute positions, and :func:`ring_gqa_attention` runs along ``row`` (the ranks holding the other chunks of
-    the same head group); SUMMA output projection."""
+    absolute positions, and the grouped ring attention (:func:`~lightning_tp2d.metp.ring_attention`) runs along
+    ``row`` (the ranks holding the other chunks of the same head group); SUMMA output projection."""
 
     def __init__(self, attn: nn.Module, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
         super().__init__(attn, mesh, options=options)
@@ -318,7 +172,8 @@ class LlamaAttention2DMetp(LlamaAttention2D):
         v = self.v_proj(x).view(B, S, self.local_kv_heads, hs).transpose(1, 2)
         cos, sin = rope_cache(zigzag_positions(S * q, q, r, x.device), hs, self.rope_theta)
         q_, k = apply_rope(q_, cos, sin), apply_rope(k, cos, sin)
-        y = ring_gqa_attention(q_, torch.stack([k, v]), self.mesh, "row", options=self.options)
+        y = ring_attention(group_queries(q_, k, v), self.mesh, "row", groups=self.local_heads // self.local_kv_heads,
+                           options=self.options)  # (B, nh/q, S, hs)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, self.local_heads * hs))
 
 
@@ -328,4 +183,4 @@ class UntiedLMHead2DMetp(UntiedLMHead2D, LMHead2DMetp):
 
 
 __all__ = ["LlamaAttention2DMetp", "RingLlamaAttention", "RingRMSNorm", "RingSwiGLU", "UntiedLMHead2DMetp",
-           "UntiedRingLMHead", "ring_gqa_attention", "ring_swiglu"]
+           "UntiedRingLMHead"]

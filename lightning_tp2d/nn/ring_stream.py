@@ -118,6 +118,20 @@ class HeadBlocks:
         return dt.sum((1, 3)).reshape(-1)  # (g, H, d) in torch's order
 
 
+def _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step) -> None:
+    """The forward pass shared by both linears: stream ``w`` round the ring calling ``step``; keep ``x`` and ``w``."""
+    ring_forward((w,), mesh, axis, step, double_buffer=options.double_buffer)
+    ctx.save_for_backward(x, w)
+    ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias, ctx.options = mesh, axis, layout, bias is not None, options
+
+
+def _stream_backward(ctx, w, step) -> torch.Tensor:
+    """The backward pass shared by both linears: ``dW`` summed round the ring from ``step``'s contributions."""
+    (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
+                          wire_dtype=ctx.options.wire_dtype(w.dtype))
+    return dw.to(w.dtype)
+
+
 @registered("ring_linear_out")
 class _RingLinearOut(torch.autograd.Function):
     @staticmethod
@@ -132,9 +146,7 @@ class _RingLinearOut(torch.autograd.Function):
                 y_j += layout.bias_block(bias, j)
             layout.write(y, j, y_j)
 
-        ring_forward((w,), mesh, axis, step, double_buffer=options.double_buffer)
-        ctx.save_for_backward(x, w)
-        ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias, ctx.options = mesh, axis, layout, bias is not None, options
+        _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step)
         return y
 
     @staticmethod
@@ -149,10 +161,9 @@ class _RingLinearOut(torch.autograd.Function):
             dx.addmm_(g, w_j)  # dX += dY_j W_j
             return ((g.t() @ x).to(acc),)  # dW_j += dY_jᵀ X
 
-        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
-                              wire_dtype=ctx.options.wire_dtype(w.dtype))
+        dw = _stream_backward(ctx, w, step)
         db = ctx.layout.bias_grad(dy) if ctx.has_bias else None
-        return dx, dw.to(w.dtype), db, None, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 @registered("ring_linear_in")
@@ -168,12 +179,8 @@ class _RingLinearIn(torch.autograd.Function):
             x_j = layout.read(x, j)
             out = x_j @ w_j.t() if out is None else out.addmm_(x_j, w_j.t())
 
-        ring_forward((w,), mesh, axis, step, double_buffer=options.double_buffer)
-        if bias is not None:
-            out += bias
-        ctx.save_for_backward(x, w)
-        ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias, ctx.options = mesh, axis, layout, bias is not None, options
-        return out
+        _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step)
+        return out if bias is None else out.add_(bias)
 
     @staticmethod
     def backward(ctx, dout):
@@ -187,10 +194,9 @@ class _RingLinearIn(torch.autograd.Function):
             ctx.layout.write(dx, j, dout @ w_j)  # dX_j = dY W_j
             return ((dout.t() @ ctx.layout.read(x, j)).to(acc),)  # dW_j += dYᵀ X_j
 
-        (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
-                              wire_dtype=ctx.options.wire_dtype(w.dtype))
+        dw = _stream_backward(ctx, w, step)
         db = dout.sum(0) if ctx.has_bias else None
-        return dx, dw.to(w.dtype), db, None, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def ring_linear_out(x, w, bias, mesh: DeviceMesh, axis: str, layout, *,
