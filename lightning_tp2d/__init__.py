@@ -26,7 +26,7 @@ __all__ = [
     "full_state_dict", "gpt2_state_dict", "init_mesh", "load_gpt2", "load_hf_weights", "local_parameter_bytes",
     "parallelize", "read_state_dict", "Layout", "Grid2D", "Ring", "GridRing", "get_layout", "register_layout",
     "RingOptions", "TPOptions", "checkpoint_activations", "Llama", "LlamaConfig", "ModelFamily", "register_family",
-    "family_of", "load_llama", "llama_state_dict",
+    "family_of", "load_llama", "llama_state_dict", "load_model", "load_hf_model", "HFFormat",
 ]
 
 # public name -> the module that defines it (imported on first access)
@@ -37,7 +37,8 @@ _EXPORTS = {
     "checkpoint_activations": "parallelize",
     "read_state_dict": "checkpoint",
     "export_hf": "export", "gpt2_state_dict": "export", "load_gpt2": "export", "load_hf_weights": "export",
-    "load_llama": "export", "llama_state_dict": "export",
+    "load_llama": "export", "llama_state_dict": "export", "load_model": "export", "load_hf_model": "export",
+    "HFFormat": "models.hf",
     "TextDataModule": "data",
     "CausalLMModule": "module", "GPT2LightningModule": "module",
     "TP2DStrategy": "strategy",

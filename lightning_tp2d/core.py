@@ -246,8 +246,8 @@ class TensorParallelCore:
         """What a checkpoint records about the run that wrote it (informative; loading needs none of it)."""
         dims = self.parallel_dims
         info = {"layout": dims.layout, "tensor_parallel_size": dims.tensor_parallel_size,
-                "data_parallel_size": dims.data_parallel_size, "zero_stage": self.zero_stage, "gpt2_configs": {}}
-        for name, m in _models(module):  # each family's configs under its key (GPT-2's: gpt2_configs)
-            family = family_of(m)
-            info.setdefault(family.config_key or f"{family.name}_configs", {})[name] = vars(m.config)
+                "data_parallel_size": dims.data_parallel_size, "zero_stage": self.zero_stage,
+                **{family.config_key: {} for family in families()}}
+        for name, m in _models(module):  # each family's configs under its key (ModelFamily.config_key)
+            info[family_of(m).config_key][name] = vars(m.config)
         return info

@@ -1,10 +1,17 @@
-"""One device: a plain :class:`~lightning_tp2d.models.GPT2` from a checkpoint of any layout, and export to
-transformers' GPT-2 format. No process group needed; the checkpoint may be sharded (DCP directory) or full.
+"""One device: a plain model of any registered family (:mod:`lightning_tp2d.families`: GPT-2, Llama, a user's own)
+from a checkpoint of any layout, and export to the family's transformers format. No process group needed; the
+checkpoint may be sharded (DCP directory) or full.
 
-The other direction, :func:`load_hf_weights`, fills a GPT2 (plain or parallelized with any layout) from a local
-transformers GPT-2 directory, one tensor at a time: each rank reads a full tensor, keeps its own shard (cut by the
+The other direction, :func:`load_hf_weights`, fills a model (plain or parallelized with any layout) from a local
+transformers directory, one tensor at a time: each rank reads a full tensor, keeps its own shard (cut by the
 checkpoint module's rules, so the layouts' q/k/v arrangements are handled in one place) and drops the rest, so no
 rank ever holds more than one full tensor it does not keep.
+
+Everything here is generic: the family comes from the model (:func:`~lightning_tp2d.families.family_of`), its config
+(:func:`~lightning_tp2d.families.family_of_config`), the ``config_key`` a checkpoint records its configs under, or
+the ``model_type`` a transformers ``config.json`` names; its :class:`~lightning_tp2d.models.hf.HFFormat` (the
+family's ``hf``) knows the keys, transposes and config files. :func:`load_gpt2`, :func:`load_llama`,
+:func:`hf_config` ... are the family-named wrappers.
 """
 
 from __future__ import annotations
@@ -12,155 +19,167 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import torch
+import torch.nn as nn
 
 from lightning_tp2d.checkpoint import (META, MODEL, _aliases, _assign, _stored_tensors, is_sharded, read_state_dict,
                                        resolve)
+from lightning_tp2d.families import ModelFamily, families, family_of, family_of_config, get_family
 from lightning_tp2d.layouts import handle_of
-from lightning_tp2d.models import llama as _llama
-from lightning_tp2d.models.gpt2 import HF_TRANSPOSED, GPT2, GPT2Config, from_hf_key, from_hf_tensor
+from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+from lightning_tp2d.models.hf import HFFormat, check_keys
 from lightning_tp2d.models.llama import Llama, LlamaConfig
 
-# A key every model of the class has (relative to the model), which finds the model's prefix in a checkpoint.
-_MARKERS = {"GPT2": "transformer.wte.weight", "Llama": "model.embed_tokens.weight"}
+
+def _family(family: str | ModelFamily) -> ModelFamily:
+    return get_family(family) if isinstance(family, str) else family
 
 
-def _model_state_dict(path, kind: str, prefix: str | None) -> dict[str, torch.Tensor]:
+def _format(family: ModelFamily) -> HFFormat:
+    if family.hf is None:
+        raise ValueError(f"model family {family.name!r} has no transformers format (ModelFamily.hf)")
+    return family.hf
+
+
+# ---- our checkpoints -> a plain model -------------------------------------------------------------------------
+
+
+def _prefixes(keys, family: ModelFamily) -> list[str]:
+    """The prefixes under which ``keys`` hold a whole ``family`` model (its embedding and head keys)."""
+    fmt = _format(family)
+    keys = set(keys)
+    return sorted(p for k in keys if k.endswith(fmt.embedding)
+                  for p in [k[: -len(fmt.embedding)]] if p + fmt.head in keys)
+
+
+def model_state_dict(path, family: str | ModelFamily, prefix: str | None = None) -> dict[str, torch.Tensor]:
+    """The weights of the ``family`` model inside a checkpoint under the plain model's keys; ``prefix`` (e.g.
+    ``"model."``) picks one when the LightningModule holds several."""
+    family = _family(family)
     state = read_state_dict(path)
     if prefix is None:
-        marker = _MARKERS[kind]
-        found = sorted(k[: -len(marker)] for k in state if k.endswith(marker))
-        if kind == "Llama":  # a Llama under prefix "model." has "model.model.embed_tokens.weight": both end so
-            found = [f for f in found if f + "model.embed_tokens.weight" in state and f + "lm_head.weight" in state]
+        found = _prefixes(state, family)
         if len(found) != 1:
-            raise ValueError(f"checkpoint holds {len(found)} {kind} models (prefixes {found}); pass prefix=")
+            raise ValueError(f"checkpoint holds {len(found)} {family.model_class.__name__} models (prefixes "
+                             f"{found}); pass prefix=")
         prefix = found[0]
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def gpt2_state_dict(path, prefix: str | None = None) -> dict[str, torch.Tensor]:
-    """The weights of the GPT2 inside a checkpoint under plain ``GPT2`` keys; ``prefix`` (e.g. ``"model."``) picks
-    one when the LightningModule holds several."""
-    return _model_state_dict(path, "GPT2", prefix)
+    """The weights of the GPT2 inside a checkpoint under plain ``GPT2`` keys (:func:`model_state_dict`)."""
+    return model_state_dict(path, "gpt2", prefix)
 
 
 def llama_state_dict(path, prefix: str | None = None) -> dict[str, torch.Tensor]:
-    """The weights of the Llama inside a checkpoint under plain ``Llama`` keys (transformers' too); ``prefix`` as in
-    :func:`gpt2_state_dict`."""
-    return _model_state_dict(path, "Llama", prefix)
+    """The weights of the Llama inside a checkpoint under plain ``Llama`` keys (transformers' too)."""
+    return model_state_dict(path, "llama", prefix)
+
+
+def _meta(path: Path) -> dict[str, Any]:
+    return torch.load(path / META if is_sharded(path) else path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def recorded_config(path, family: str | ModelFamily, prefix: str | None = None) -> Any:
+    """The ``family`` config a checkpoint records (under the family's ``config_key``) for the model at ``prefix``
+    (or its only one)."""
+    family = _family(family)
+    configs = _meta(resolve(path)).get("tp2d", {}).get(family.config_key, {})
+    key = (prefix or "").rstrip(".")
+    if key not in configs and len(configs) == 1:
+        key = next(iter(configs))
+    if key not in configs:
+        raise ValueError(f"checkpoint records no {family.model_class.__name__} config for {key!r} (has "
+                         f"{sorted(configs)}); pass config=")
+    return family.config_class(**configs[key])
+
+
+def checkpoint_family(path) -> ModelFamily:
+    """The family of the model inside a checkpoint: the one whose configs it records, else the one whose
+    embedding and head keys it holds."""
+    path = resolve(path)
+    meta = _meta(path)
+    recorded = meta.get("tp2d", {})
+    found = [f for f in families() if recorded.get(f.config_key)]
+    if not found:
+        if is_sharded(path):
+            keys = [k[len(MODEL):] for k in _stored_tensors(path)] + list(meta.get("tp2d_aliases", {}))
+        else:
+            keys = list(meta["state_dict"])
+        found = [f for f in families() if f.hf is not None and _prefixes(keys, f)]
+    if len(found) != 1:
+        raise ValueError(f"checkpoint {str(path)!r} holds models of {len(found)} families "
+                         f"({[f.name for f in found]}); pass config=")
+    return found[0]
+
+
+def load_model(path, config: Any = None, prefix: str | None = None,
+               family: str | ModelFamily | None = None) -> nn.Module:
+    """A plain single-device model with a checkpoint's weights, of ``family`` (default: ``config``'s, else the
+    checkpoint's, :func:`checkpoint_family`); the config from the checkpoint if recorded."""
+    if family is None:
+        family = family_of_config(config) if config is not None else checkpoint_family(path)
+    family = _family(family)
+    state = model_state_dict(path, family, prefix)
+    if config is None:
+        config = recorded_config(path, family, prefix)
+    return _plain_model(family.model_class, config, state)
+
+
+def load_gpt2(path, config: GPT2Config | None = None, prefix: str | None = None) -> GPT2:
+    """A plain single-device :class:`GPT2` with a checkpoint's weights (config from the checkpoint if recorded)."""
+    return load_model(path, config, prefix, family="gpt2")
 
 
 def load_llama(path, config: LlamaConfig | None = None, prefix: str | None = None) -> Llama:
     """A plain single-device :class:`~lightning_tp2d.models.Llama` with a checkpoint's weights (config from the
     checkpoint if recorded)."""
-    state = llama_state_dict(path, prefix)
-    if config is None:
-        config = LlamaConfig(**_recorded(resolve(path), prefix, "llama_configs", "Llama"))
-    return _plain_model(Llama, config, state)
-
-
-def load_gpt2(path, config: GPT2Config | None = None, prefix: str | None = None) -> GPT2:
-    """A plain single-device :class:`GPT2` with a checkpoint's weights (config from the checkpoint if recorded)."""
-    state = gpt2_state_dict(path, prefix)
-    if config is None:
-        config = _recorded_config(resolve(path), prefix)
-    return _plain_model(GPT2, config, state)
+    return load_model(path, config, prefix, family="llama")
 
 
 def _plain_model(cls, config, state: dict[str, torch.Tensor]):
     """``cls(config)`` on the CPU holding ``state`` (built on the meta device: no random init, no second copy)."""
-    with torch.device("meta"):
-        model = cls(config)
-    model.to_empty(device="cpu")
-    model.tie_weights()
+    model = _empty_model(cls, config)
     model.load_state_dict(state)
     return model
 
 
-def _recorded_config(path: Path, prefix: str | None) -> GPT2Config:
-    return GPT2Config(**_recorded(path, prefix, "gpt2_configs", "GPT2"))
+def _empty_model(cls, config) -> nn.Module:
+    """``cls(config)`` on the CPU with uninitialised weights (ties restored)."""
+    with torch.device("meta"):
+        model = cls(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    return model
 
 
-def _recorded(path: Path, prefix: str | None, field: str, kind: str) -> dict:
-    meta = torch.load(path / META if is_sharded(path) else path, map_location="cpu", weights_only=False, mmap=True)
-    configs = meta.get("tp2d", {}).get(field, {})
-    key = (prefix or "").rstrip(".")
-    if key not in configs and len(configs) == 1:
-        key = next(iter(configs))
-    if key not in configs:
-        raise ValueError(f"checkpoint records no {kind} config for {key!r} (has {sorted(configs)}); pass config=")
-    return configs[key]
-
-
-def _is_llama_checkpoint(path) -> bool:
-    path = resolve(path)
-    if is_sharded(path):
-        keys = [k[len(MODEL):] for k in _stored_tensors(path)]
-    else:
-        keys = list(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["state_dict"])
-    return any(k.endswith(_MARKERS["Llama"]) for k in keys) and not any(k.endswith(_MARKERS["GPT2"]) for k in keys)
-
-
-def export_hf(source, directory, config: GPT2Config | LlamaConfig | None = None) -> Path:
-    """Write transformers' format (``config.json`` + ``model.safetensors``) from a plain :class:`GPT2` or
-    :class:`~lightning_tp2d.models.Llama`, or a checkpoint path holding one; ``GPT2LMHeadModel`` /
-    ``LlamaForCausalLM.from_pretrained(directory)`` loads it."""
-    if isinstance(source, Llama) or isinstance(config, LlamaConfig) or (
-            not isinstance(source, GPT2) and config is None and _is_llama_checkpoint(source)):
-        return _export_llama(source if isinstance(source, Llama) else load_llama(source, config), Path(directory))
-    model = source if isinstance(source, GPT2) else load_gpt2(source, config)
-    cfg = model.config
+def export_hf(source, directory, config: Any = None) -> Path:
+    """Write transformers' format (``config.json`` + ``model.safetensors``) from a plain model of a family with a
+    transformers format (GPT-2, Llama, ...), or a checkpoint path holding one (``config`` as in
+    :func:`load_model`); the format's architecture (``GPT2LMHeadModel`` / ``LlamaForCausalLM``)
+    ``.from_pretrained(directory)`` loads it. Tied weights are written once, under their first name."""
+    family = family_of(source)
+    model = source if family is not None else load_model(source, config)
+    fmt = _format(family or family_of(model))
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    hf = {k: v.contiguous() for k, v in model.hf_state_dict().items() if k != "lm_head.weight"}  # tied
-    from safetensors.torch import save_file
+    state = model.state_dict(keep_vars=True)
+    tied = _aliases(state)
+    hf = {fmt.to_hf_key(k): fmt.hf_tensor(k, v) for k, v in state.items() if k not in tied}
+    from safetensors.torch import save_file  # optional dependency (transformers brings it): only to write its files
 
     save_file(hf, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    hf_config = {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-        "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
-        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "scale_attn_weights": True,
-        "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1, "tie_word_embeddings": True,
-    }
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(fmt.hf_config(model.config), indent=2) + "\n")
     return directory
 
 
-def _export_llama(model: Llama, directory: Path) -> Path:
-    cfg = model.config
-    directory.mkdir(parents=True, exist_ok=True)
-    hf = {k: v.contiguous() for k, v in model.hf_state_dict().items()
-          if not (cfg.tie_embeddings and k == "lm_head.weight")}
-    from safetensors.torch import save_file
-
-    save_file(hf, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    hf_config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.n_embd, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_size,
-        "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
-        # transformers 5 reads rope_parameters, 4 reads rope_theta (and rope_scaling None)
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": cfg.dropout, "torch_dtype": "float32",
-    }
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    return directory
-
-
-# ---- transformers GPT-2 directories -> a live GPT2 ------------------------------------------------------------
+# ---- transformers directories -> a live model -----------------------------------------------------------------
 
 # Weight files of a transformers directory, in the order transformers prefers them.
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
-# transformers' GPT2Config defaults: save_pretrained writes only the values that differ from them.
-_HF_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
-                    activation_function="gelu_new", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
-                    layer_norm_epsilon=1e-5, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
-                    reorder_and_upcast_attn=False, add_cross_attention=False)
 
 
 def is_hf_directory(path) -> bool:
@@ -169,60 +188,58 @@ def is_hf_directory(path) -> bool:
     return (path / "config.json").is_file() and any((path / f).is_file() for f in HF_WEIGHT_FILES)
 
 
-def _hf_json(directory, model_type: str, kind: str) -> tuple[Path, dict]:
-    """``(path, contents)`` of a transformers directory's ``config.json``, which must describe ``model_type``."""
+def hf_family(directory) -> ModelFamily:
+    """The registered family whose transformers format has the ``model_type`` of ``directory``'s ``config.json``."""
     file = Path(directory) / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(f"{str(directory)!r} is not a transformers {kind} directory: no config.json")
+        raise FileNotFoundError(f"{str(directory)!r} is not a transformers directory: no config.json")
+    model_type = json.loads(file.read_text()).get("model_type")
+    known = {f.hf.model_type: f for f in families() if f.hf is not None}
+    if model_type not in known:
+        raise ValueError(f"{str(file)!r} describes a {model_type!r} model; registered transformers formats: "
+                         f"{sorted(known)}")
+    return known[model_type]
+
+
+def read_hf_config(directory, family: str | ModelFamily | None = None) -> Any:
+    """Our config for a transformers directory's ``config.json`` (read as JSON: transformers is not needed), by the
+    format of ``family`` (default: the one its ``model_type`` names, :func:`hf_family`); refuses what the model
+    does not implement (the format's ``read_config``, e.g. :meth:`GPT2Config.from_hf`)."""
+    family = hf_family(directory) if family is None else _family(family)
+    fmt = _format(family)
+    file = Path(directory) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{str(directory)!r} is not a transformers {fmt.model_type} directory: no config.json")
     raw = json.loads(file.read_text())
-    if raw.get("model_type", model_type) != model_type:
-        raise ValueError(f"{str(file)!r} describes a {raw['model_type']!r} model, not {model_type!r}")
-    return file, raw
+    if raw.get("model_type", fmt.model_type) != fmt.model_type:
+        raise ValueError(f"{str(file)!r} describes a {raw['model_type']!r} model, not {fmt.model_type!r}")
+    try:
+        return fmt.read_config(raw)
+    except ValueError as err:
+        raise ValueError(f"{str(file)!r}: {err}") from None
 
 
 def hf_config(directory) -> GPT2Config:
-    """Our :class:`GPT2Config` for a transformers GPT-2 directory's ``config.json`` (read as JSON: transformers is
-    not needed); refuses what this model does not implement (:meth:`GPT2Config.from_hf`)."""
-    file, raw = _hf_json(directory, "gpt2", "GPT-2")
-    hf = SimpleNamespace(**{**_HF_DEFAULTS, **raw})
-    problems = []
-    if hf.n_inner not in (None, 4 * hf.n_embd):
-        problems.append(f"n_inner={hf.n_inner} (need 4 * n_embd = {4 * hf.n_embd})")
-    if hf.add_cross_attention:
-        problems.append("add_cross_attention=True (need False)")
-    if problems:
-        raise ValueError(f"unsupported transformers GPT2Config in {str(file)!r}: " + "; ".join(problems))
-    try:
-        return GPT2Config.from_hf(hf)
-    except ValueError as err:
-        raise ValueError(f"{str(file)!r}: {err}") from None
-
-
-# transformers' LlamaConfig defaults (a config.json may omit them)
-_HF_LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                          num_attention_heads=32, num_key_value_heads=None, hidden_act="silu",
-                          max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                          rope_theta=10000.0, rope_scaling=None, attention_bias=False, attention_dropout=0.0,
-                          mlp_bias=False, head_dim=None)
+    """Our :class:`GPT2Config` for a transformers GPT-2 directory (:func:`read_hf_config`)."""
+    return read_hf_config(directory, "gpt2")
 
 
 def hf_llama_config(directory) -> LlamaConfig:
-    """Our :class:`~lightning_tp2d.models.LlamaConfig` for a transformers Llama directory's ``config.json`` (read as
-    JSON); refuses what this model does not implement (:meth:`LlamaConfig.from_hf`)."""
-    file, raw = _hf_json(directory, "llama", "Llama")
-    try:
-        return LlamaConfig.from_hf(SimpleNamespace(**{**_HF_LLAMA_DEFAULTS, **raw}))
-    except ValueError as err:
-        raise ValueError(f"{str(file)!r}: {err}") from None
+    """Our :class:`~lightning_tp2d.models.LlamaConfig` for a transformers Llama directory (:func:`read_hf_config`)."""
+    return read_hf_config(directory, "llama")
 
 
-def hf_model_config(directory) -> GPT2Config | LlamaConfig:
-    """Our config for a transformers directory: :func:`hf_llama_config` for ``model_type`` "llama", else
-    :func:`hf_config` (GPT-2)."""
-    file = Path(directory) / "config.json"
-    if file.is_file() and json.loads(file.read_text()).get("model_type") == "llama":
-        return hf_llama_config(directory)
-    return hf_config(directory)
+def hf_model_config(directory) -> Any:
+    """Our config for a transformers directory of any registered format: the one its ``model_type`` names."""
+    return read_hf_config(directory)
+
+
+def load_hf_model(directory) -> nn.Module:
+    """A plain single-device model of the family ``directory``'s ``config.json`` names, with its weights."""
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"transformers checkpoint directory {str(directory)!r} does not exist")
+    family = hf_family(directory)
+    return load_hf_weights(_empty_model(family.model_class, read_hf_config(directory, family)), directory)
 
 
 class _HFWeights:
@@ -279,93 +296,48 @@ class _HFWeights:
         return handle[key][start:stop] if isinstance(handle, dict) else handle.get_slice(key)[start:stop]
 
 
-def _check_fits(ours: GPT2Config | LlamaConfig, theirs: GPT2Config | LlamaConfig, directory) -> None:
-    """Raise ValueError naming every size of ``ours`` the transformers checkpoint cannot fill."""
-    llama = isinstance(ours, LlamaConfig)
-    names = ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size", "rope_theta",
-             "norm_eps") if llama else ("n_layer", "n_head", "n_embd", "vocab_size")
-    problems = [f"{name}: model {getattr(ours, name)}, checkpoint {getattr(theirs, name)}"
-                for name in names if getattr(ours, name) != getattr(theirs, name)]
-    if not llama and ours.block_size > theirs.block_size:  # (Llama's RoPE has no position table: any fits)
-        problems.append(f"block_size: model {ours.block_size} exceeds the checkpoint's n_positions "
-                        f"{theirs.block_size} (the rows of its position embedding; a smaller block_size is fine)")
-    if not llama and not ours.bias:
-        problems.append("bias: model False, but GPT-2 checkpoints hold biases")
-    if problems:
-        raise ValueError(f"transformers checkpoint {str(directory)!r} does not fit this model: " + "; ".join(problems)
-                         + ". Build the model with the checkpoint's sizes (CausalLMModule(model=None, "
-                         "init_from=...) takes them from its config.json)")
-
-
 @torch.no_grad()
-def load_hf_weights(model: GPT2 | Llama, directory) -> GPT2 | Llama:
-    """Fill ``model``'s weights, in place, from a local transformers GPT-2 directory (a Llama's from a transformers
-    ``LlamaForCausalLM`` / ``LlamaModel`` directory, by the same rules: separate q/k/v tensors, nothing transposed,
-    any ``block_size``) (``config.json`` and
-    ``model.safetensors``, a sharded ``model.safetensors.index.json`` or ``pytorch_model.bin``); returns ``model``.
+def load_hf_weights(model: nn.Module, directory) -> nn.Module:
+    """Fill ``model``'s weights, in place, from a local transformers directory of its family's format (GPT-2's
+    ``GPT2LMHeadModel`` / ``GPT2Model``, Llama's ``LlamaForCausalLM`` / ``LlamaModel``, a registered family's own:
+    ``config.json`` and ``model.safetensors``, a sharded ``model.safetensors.index.json`` or ``pytorch_model.bin``);
+    returns ``model``.
 
     ``model`` may be plain or parallelized with any layout (DTensor parameters; then every rank of the mesh calls
     this): each tensor is read whole, this rank's shard is copied into the live parameter and the full tensor is
     dropped before the next is read, so the extra memory is one full tensor, never a state dict. Sizes must match
-    the checkpoint's except ``block_size``, which may be smaller than its ``n_positions`` (the position embedding's
-    first rows are used). Conv1D weights are transposed and the tied ``lm_head.weight``, when stored, must equal
-    ``transformer.wte.weight``, as in :meth:`GPT2.load_hf_state_dict`; missing, unexpected and mis-shaped keys are
-    reported together in one ValueError. Dropout is the model's own.
+    the checkpoint's (the format's ``sizes`` and ``fit``: GPT-2's ``block_size`` may be smaller than its
+    ``n_positions``, the position embedding's first rows are used; Llama's RoPE fits any). Keys are checked as by
+    the model's own ``load_hf_state_dict`` (:func:`~lightning_tp2d.models.hf.check_keys`: transposed weights, the
+    tied ``lm_head.weight``, when stored, must equal the embedding; an untied head missing from the directory starts
+    from the embedding); missing, unexpected and mis-shaped keys are reported together in one ValueError. Dropout
+    is the model's own.
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"transformers checkpoint directory {str(directory)!r} does not exist")
-    llama = isinstance(model, Llama)
-    _check_fits(model.config, (hf_llama_config if llama else hf_config)(directory), directory)
-    key_of = _llama.from_hf_key if llama else from_hf_key
+    family = family_of(model)
+    if family is None:
+        raise TypeError(f"load_hf_weights: {type(model).__name__} is not a model of a registered family")
+    fmt = _format(family)
+    problems = fmt.fit_problems(model.config, read_hf_config(directory, family))
+    if problems:
+        raise ValueError(f"transformers checkpoint {str(directory)!r} does not fit this model: " + "; ".join(problems)
+                         + ". Build the model with the checkpoint's sizes (CausalLMModule(model=None, "
+                         "init_from=...) takes them from its config.json)")
     if handle_of(model) is None:
         model.tie_weights()  # after to_empty() lm_head is a separate, uninitialised Parameter
-    state = model.state_dict(keep_vars=True)
+    state = {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
     aliases = _aliases(state)
-    live = {k: v for k, v in state.items() if k not in aliases and isinstance(v, torch.Tensor)}
     weights = _HFWeights(directory)
-    names: dict[str, str] = {}  # our key -> stored key
-    unexpected = []
-    for stored in weights.keys():
-        key = key_of(stored)
-        if key is None:
-            continue
-        if key in names or (key not in live and key not in aliases):
-            unexpected.append(stored)
-        else:
-            names[key] = stored
-    wte = "model.embed_tokens.weight" if llama else "transformer.wte.weight"
-    if "lm_head.weight" in live and "lm_head.weight" not in names and wte in names:
-        names["lm_head.weight"] = names[wte]  # an untied model: its head starts from the embedding, as HF's does
-    missing = [k for k in live if k not in names]
-    misshaped = []
-    for key, stored in names.items():
-        shape = tuple(state[key].shape)
-        expected = shape[::-1] if not llama and key.endswith(HF_TRANSPOSED) else shape
-        got = weights.shape(stored)
-        if key == "transformer.wpe.weight" and len(got) == 2 and got[0] >= shape[0]:
-            got = (shape[0], got[1])  # truncated to the model's block_size
-        if got != expected:
-            misshaped.append(f"{stored}: expected {expected}, got {weights.shape(stored)}")
-    problems = ([f"missing keys: {missing}"] if missing else []) + \
-               ([f"unexpected keys: {unexpected}"] if unexpected else []) + \
-               ([f"mis-shaped keys (HF layout): {misshaped}"] if misshaped else [])
-    if not problems and "lm_head.weight" in aliases and "lm_head.weight" in names and not _same_rows(
-            weights, names["lm_head.weight"], names[aliases["lm_head.weight"]]):
-        problems.append(f"lm_head.weight differs from {wte}, but this model ties them")
-    if problems:
-        raise ValueError(f"cannot load transformers checkpoint {str(directory)!r}:\n  " + "\n  ".join(problems))
-    for key, tensor in live.items():
-        _copy_one(weights, names[key], key, tensor, _llama.from_hf_tensor if llama else from_hf_tensor)
+    names = check_keys(fmt, {k: tuple(v.shape) for k, v in state.items()},
+                       {k: weights.shape(k) for k in weights.keys()}, aliases=aliases,
+                       same=lambda a, b: _same_rows(weights, a, b), head_from_embedding=True,
+                       what=f"transformers checkpoint {str(directory)!r}")
+    for key, live in state.items():
+        if key not in aliases:  # one stored tensor at a time: the full tensor dies after its shard is copied
+            _assign(live, fmt.to_ours(key, weights.get(names[key]), tuple(live.shape)))
     return model
-
-
-def _copy_one(weights: _HFWeights, stored: str, key: str, live: torch.Tensor, convert=from_hf_tensor) -> None:
-    """Copy one stored tensor into ``live`` (this rank's shard of it); the full tensor dies on return."""
-    full = convert(key, weights.get(stored))
-    if key == "transformer.wpe.weight":
-        full = full[: live.shape[0]]
-    _assign(live, full)
 
 
 def _same_rows(weights: _HFWeights, a: str, b: str, rows: int = 4096) -> bool:
@@ -378,7 +350,7 @@ def _same_rows(weights: _HFWeights, a: str, b: str, rows: int = 4096) -> bool:
 
 def hf_loader(family):
     """How weights of ``family``'s models come from a transformers directory: its own ``load_hf`` hook, else
-    :func:`load_hf_weights` where that reads the family's format (``hf_format``), else ``None``."""
+    :func:`load_hf_weights` where the family has a transformers format (``hf``), else ``None``."""
     if family is None:
         return None
-    return family.load_hf or (load_hf_weights if family.hf_format else None)
+    return family.load_hf or (load_hf_weights if family.hf is not None else None)

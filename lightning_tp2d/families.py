@@ -13,11 +13,14 @@ A :class:`ModelFamily` describes one model class (GPT-2, Llama, or a user's own)
 * ``split_sizes(config, layout)``: the named sizes that must divide by the layout's side (heads, key/value heads,
   width, MLP width), checked with one ``ValueError`` naming every number that does not fit;
 * ``fused_qkv``: state-dict key suffixes of fused q/k/v tensors (GPT-2's ``attn.c_attn``): checkpoints store them as
-  ``[3, n/3, ...]`` boxes (:mod:`lightning_tp2d.checkpoint`). Separate q/k/v projections need none;
+  ``[3, n/3, ...]`` boxes (:mod:`lightning_tp2d.checkpoint`). Separate q/k/v projections need none; by default
+  the transformers format's;
 * ``blocks``: the path of the ``ModuleList`` of transformer blocks (activation checkpointing);
-* ``hf_format`` / ``load_hf``: whether :func:`~lightning_tp2d.export.load_hf_weights` and
-  :func:`~lightning_tp2d.export.export_hf` read and write the family's transformers format, or the family's own
-  loader (``load_hf(model, directory)``, e.g. a user's family); :func:`~lightning_tp2d.export.hf_loader` picks.
+* ``hf`` / ``load_hf``: the family's transformers format (a :class:`~lightning_tp2d.models.hf.HFFormat`: keys,
+  transposes, fused q/k/v, ``config.json`` reader and writer), through which :func:`~lightning_tp2d.export.export_hf`
+  and :func:`~lightning_tp2d.export.load_hf_weights` read and write it, or the family's own loader
+  (``load_hf(model, directory)``); :func:`~lightning_tp2d.export.hf_loader` picks;
+* ``config_key``: the key checkpoints record the family's configs under (default ``"<name>_configs"``).
 
 :func:`register_family` makes a family known; :func:`family_of` finds the family of a model (by ``isinstance``, the
 most derived registered class first), so the strategies and ``parallelize`` accept any registered model. GPT-2 and
@@ -33,13 +36,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch.nn as nn
 
 from lightning_tp2d.layouts import Layout
+from lightning_tp2d.models import gpt2, llama
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+from lightning_tp2d.models.hf import HFFormat
 from lightning_tp2d.models.llama import Llama, LlamaConfig
 from lightning_tp2d.nn import MLP2D, Attention2D, LayerNorm2D, LMHead2D, PositionEmbedding2D, TokenEmbedding2D
 from lightning_tp2d.nn.grid_metp import Attention2DMetp, LMHead2DMetp, PositionEmbedding2DMetp, TokenEmbedding2DMetp
@@ -63,9 +68,15 @@ class ModelFamily:
     tied: Callable[[nn.Module], Mapping[str, str]] = lambda model: {}
     split_sizes: Callable[[Any, Any], list[tuple[str, int]]] | None = None
     fused_qkv: tuple[str, ...] = ()
-    hf_format: bool = False  # export.load_hf_weights / export_hf read and write this family's transformers format
+    hf: HFFormat | None = None  # the transformers format export.load_hf_weights / export_hf read and write
     load_hf: Callable[..., Any] | None = None  # the family's own transformers loader (model, directory)
-    config_key: str = field(default="")  # the key checkpoints record this family's configs under
+    config_key: str = ""  # the key checkpoints record this family's configs under; "" -> "<name>_configs"
+
+    def __post_init__(self) -> None:
+        if not self.config_key:
+            object.__setattr__(self, "config_key", f"{self.name}_configs")
+        if not self.fused_qkv and self.hf is not None:
+            object.__setattr__(self, "fused_qkv", self.hf.fused_qkv)
 
     # ---- plans ------------------------------------------------------------------------------------------------
 
@@ -236,9 +247,8 @@ def _gpt2_2d_metp(layout: Layout) -> dict[str, type]:
 
 register_family(ModelFamily(
     name="gpt2", model_class=GPT2, config_class=GPT2Config, module_roles=_gpt2_roles,
-    plans={"2d": _gpt2_2d, "metp": _gpt2_metp, "2d-metp": _gpt2_2d_metp}, blocks="transformer.h",
-    tied=lambda model: {"lm_head": "transformer.wte"}, fused_qkv=("attn.c_attn.weight", "attn.c_attn.bias"),
-    hf_format=True, config_key="gpt2_configs"))
+    plans=GPT2_PLANS, blocks="transformer.h",
+    tied=lambda model: {"lm_head": "transformer.wte"}, hf=gpt2.HF_FORMAT))
 
 
 # ---- Llama ---------------------------------------------------------------------------------------------------
@@ -279,9 +289,46 @@ def _llama_2d_metp(layout: Layout) -> dict[str, type]:
 # weight) or untied_head (its own weight).
 register_family(ModelFamily(
     name="llama", model_class=Llama, config_class=LlamaConfig, module_roles=_llama_roles,
-    plans={"2d": _llama_2d, "metp": _llama_metp, "2d-metp": _llama_2d_metp}, blocks="model.layers",
+    plans=LLAMA_PLANS, blocks="model.layers",
     tied=lambda model: {"lm_head": "model.embed_tokens"} if model.config.tie_embeddings else {},
-    split_sizes=_llama_sizes, hf_format=True, config_key="llama_configs"))
+    split_sizes=_llama_sizes, hf=llama.HF_FORMAT))
 
-__all__ = ["ModelFamily", "auto_tensor_parallel_size", "families", "family_of", "family_of_config", "fits",
-           "fused_qkv_suffixes", "get_family", "register_family", "register_plan", "unregister_family"]
+def model_config(model: Any) -> Any:
+    """The config a ``model`` argument stands for: a named size of any registered family (``"gpt2-tiny"``,
+    ``"llama-tiny"`` ...: each family's config class's ``from_name``), a config instance of a registered family
+    (itself), or a config's fields as a dict (the family whose config class has exactly those fields)."""
+    if isinstance(model, str):
+        errors = []  # each family's own "unknown ... config" message, with its valid names
+        for fam in families():
+            from_name = getattr(fam.config_class, "from_name", None)
+            if from_name is None:
+                continue
+            try:
+                return from_name(model)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError("; ".join(errors) or f"unknown model name {model!r}")
+    if isinstance(model, Mapping):
+        matches = []
+        for fam in families():
+            if not dataclasses.is_dataclass(fam.config_class):
+                continue
+            fields = dataclasses.fields(fam.config_class)
+            required = {f.name for f in fields if f.default is dataclasses.MISSING
+                        and f.default_factory is dataclasses.MISSING}
+            if required <= set(model) <= {f.name for f in fields}:
+                matches.append(fam)
+        if len(matches) != 1:
+            raise ValueError(f"model fields {sorted(model)} match the config of "
+                             f"{[f.name for f in matches] or 'no registered model family'}; pass a config instance "
+                             f"({', '.join(f.config_class.__name__ for f in families())}) or a named size")
+        return matches[0].config_class(**model)
+    if family_of_config(model) is None:
+        raise TypeError(f"model must be a named size, a dict or a config of a registered model family "
+                        f"({', '.join(f.config_class.__name__ for f in families())}), got {type(model).__name__}")
+    return model
+
+
+__all__ = ["ModelFamily", "auto_tensor_parallel_size", "default_sizes", "families", "family_of", "family_of_config",
+           "fits", "fused_qkv_suffixes", "get_family", "model_config", "problems", "register_family", "register_plan",
+           "unregister_family"]

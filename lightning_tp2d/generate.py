@@ -1,8 +1,9 @@
 """``tp2d-generate``: sample text from a checkpoint on one device.
 
 Reads any checkpoint this package writes (a sharded directory or one full file, whatever layout, grid and data
-parallelism trained it, GPT-2 or Llama; :func:`~lightning_tp2d.export.load_gpt2` / ``load_llama`` reassemble the full
-weights) or a transformers GPT-2 or Llama directory (``--hf DIR``, or detected by its ``config.json``), and prints the prompt followed by the sampled
+parallelism trained it, of any registered model family: GPT-2, Llama ...; :func:`~lightning_tp2d.export.load_model`
+reassembles the full weights) or a transformers directory of such a family (``--hf DIR``, or detected by its
+``config.json``: :func:`~lightning_tp2d.export.load_hf_model`), and prints the prompt followed by the sampled
 continuation. The model's sizes come from the checkpoint (what TP2DStrategy records, else the LightningModule's
 ``model`` hyper-parameter), the tokenizer from the run's ``TextDataModule`` hyper-parameters when recorded, else from
 ``--tokenizer`` (default: ``gpt2`` for a 50257-token vocabulary, ``byte`` otherwise). An explicit ``--tokenizer`` wins.
@@ -24,16 +25,27 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from lightning_tp2d.checkpoint import META, is_sharded, resolve
+from lightning_tp2d.data import get_tokenizer
+from lightning_tp2d.export import is_hf_directory, load_hf_model
+from lightning_tp2d.export import load_model as load_plain_model
+from lightning_tp2d.families import families
+from lightning_tp2d.families import model_config
+from lightning_tp2d.module import sample
+
 PROG = "tp2d-generate"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description="Sample text from a lightning_tp2d checkpoint (any "
-                                     "layout, sharded or full) or a transformers GPT-2 or Llama directory, on one device.")
+                                     "layout, sharded or full) or a transformers GPT-2 or Llama directory, on one "
+                                     "device.")
     parser.add_argument("checkpoint", nargs="?", help="checkpoint: a sharded directory, a full .ckpt file, or a "
                         "transformers GPT-2 or Llama directory (config.json + weights)")
-    parser.add_argument("--hf", metavar="DIR", help="a transformers GPT-2 or Llama directory to sample from (instead of "
-                        "CHECKPOINT)")
+    parser.add_argument("--hf", metavar="DIR", help="a transformers GPT-2 or Llama directory to sample from "
+                        "(instead of CHECKPOINT)")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default 100)")
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0: greedy (default 1)")
@@ -55,10 +67,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def checkpoint_meta(path: Path) -> dict[str, Any]:
     """The non-tensor part of one of our checkpoints: ``hyper_parameters``, ``datamodule_hyper_parameters``,
     ``tp2d`` (what the strategy records) ..."""
-    import torch
-
-    from lightning_tp2d.checkpoint import META, is_sharded
-
     if is_sharded(path):
         return torch.load(path / META, map_location="cpu", weights_only=False)
     if path.is_dir():
@@ -74,9 +82,6 @@ def checkpoint_config(meta: dict[str, Any], path: Path):
     """The model config a checkpoint was trained with (``GPT2Config``, ``LlamaConfig``, ... any registered family):
     the strategy's record, else the LightningModule's ``model`` hyper-parameter (a size name or the config's
     fields)."""
-    from lightning_tp2d.families import families
-    from lightning_tp2d.models import model_config
-
     recorded = meta.get("tp2d", {})
     found = [(family, fields) for family in families() if family.config_key
              for fields in recorded.get(family.config_key, {}).values()]
@@ -104,27 +109,14 @@ def recorded_tokenizer(meta: dict[str, Any]) -> str | None:
 
 
 def load_model(source: str, hf: bool):
-    """``(plain model on the CPU, recorded tokenizer name or None)`` for a checkpoint or transformers directory."""
-    import torch
-
-    from lightning_tp2d.checkpoint import is_sharded, resolve
-    from lightning_tp2d.export import hf_model_config, is_hf_directory, load_gpt2, load_hf_weights, load_llama
-    from lightning_tp2d.families import family_of_config
-    from lightning_tp2d.models import LlamaConfig
-
+    """``(plain model on the CPU, recorded tokenizer name or None)`` for a checkpoint or transformers directory
+    (any registered family: the one its config names)."""
     if hf or (Path(source).is_dir() and not is_sharded(Path(source)) and is_hf_directory(source)):
-        if not Path(source).is_dir():
-            raise FileNotFoundError(f"transformers checkpoint directory {source!r} does not exist")
-        config = hf_model_config(source)
-        with torch.device("meta"):
-            model = family_of_config(config).model_class(config)
-        model.to_empty(device="cpu")
-        return load_hf_weights(model, source), None
+        return load_hf_model(source), None
     path = resolve(source)
     meta = checkpoint_meta(path)
     config = checkpoint_config(meta, path)
-    load = load_llama if isinstance(config, LlamaConfig) else load_gpt2
-    return load(path, config), recorded_tokenizer(meta)
+    return load_plain_model(path, config), recorded_tokenizer(meta)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,11 +132,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate(args: argparse.Namespace) -> str:
     """The text ``main`` prints: prompt and continuation, decoded together."""
-    import torch
-
-    from lightning_tp2d.data import get_tokenizer
-    from lightning_tp2d.module import sample
-
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"--device {args.device}: CUDA is not available here (use --device cpu)")

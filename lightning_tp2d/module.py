@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import Metric
 
-from lightning_tp2d.export import hf_loader
+from lightning_tp2d.export import hf_loader, hf_model_config
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import handle_of
-from lightning_tp2d.models import model_config
+from lightning_tp2d.families import model_config
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.models.llama import Llama, LlamaConfig
 from lightning_tp2d.precision import allow_clipping_without_scaler
@@ -135,8 +135,6 @@ class CausalLMModule(L.LightningModule):
         if model is None:
             if init_from is None:
                 raise ValueError("model=None takes the sizes from init_from's config.json; pass init_from, or a model")
-            from lightning_tp2d.export import hf_model_config
-
             model = hf_model_config(init_from)
         self.config = model_config(model)
         self.family = family_of_config(self.config)

@@ -4,41 +4,31 @@ The model knows nothing about parallelism. A separate module swaps submodules by
 (``transformer.wte``, ``transformer.h[i].attn.c_attn``, ``lm_head`` ...) for parallel versions,
 so those names, and the generic ``GPT2.forward``, are a contract. ``state_dict()`` keys equal
 those of transformers' ``GPT2LMHeadModel``; ``hf_state_dict`` / ``load_hf_state_dict`` convert
-the one layout difference (HF stores four weight matrices as Conv1D, transposed).
+the one layout difference (HF stores four weight matrices as Conv1D, transposed); :data:`HF_FORMAT` is the
+whole transformers format (keys, transposes, fused q/k/v, ``config.json`` reader and writer).
 
 Shapes: B batch, T sequence length, h = n_embd, nh = n_head, hs = h // nh, V = vocab_size.
 """
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_tp2d.models.hf import HFFormat
+
 # Weights that transformers stores as Conv1D, i.e. [in, out], while nn.Linear stores [out, in].
 # This is the transpose trap of every GPT-2 checkpoint: the shapes of c_attn and c_fc do not even
 # match ours, but attn.c_proj is square, so forgetting the transpose there loads silently.
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# Non-parameter buffers (causal mask) that older transformers versions put in the state dict.
-HF_IGNORED = (".attn.bias", ".attn.masked_bias")
-
-
-def from_hf_key(key: str) -> str | None:
-    """Our state-dict key for a key of a transformers GPT-2 checkpoint, or ``None`` for a buffer to ignore.
-
-    ``GPT2LMHeadModel`` keys are ours; checkpoints saved from the bare ``GPT2Model`` (the hub's original ``gpt2``
-    files) lack the ``transformer.`` prefix, which is added. The one rule :meth:`GPT2.load_hf_state_dict` and
-    :func:`lightning_tp2d.export.load_hf_weights` share (with :func:`from_hf_tensor`).
-    """
-    if key.endswith(HF_IGNORED):
-        return None
-    return key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
-
-
-def from_hf_tensor(key: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A transformers tensor in our layout (a view): the Conv1D weights (:data:`HF_TRANSPOSED`) transposed."""
-    return tensor.t() if key.endswith(HF_TRANSPOSED) else tensor
+# transformers' GPT2Config defaults: save_pretrained writes only the values that differ from them.
+HF_CONFIG_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
+                          activation_function="gelu_new", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+                          layer_norm_epsilon=1e-5, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                          reorder_and_upcast_attn=False, add_cross_attention=False)
 
 
 @dataclass
@@ -80,6 +70,11 @@ class GPT2Config:
     def from_hf(cls, hf_config) -> "GPT2Config":
         """Our config for a transformers ``GPT2Config``; refuses variants this model does not implement."""
         problems = []
+        n_inner = getattr(hf_config, "n_inner", None)
+        if n_inner not in (None, 4 * hf_config.n_embd):
+            problems.append(f"n_inner={n_inner} (need 4 * n_embd = {4 * hf_config.n_embd})")
+        if getattr(hf_config, "add_cross_attention", False):
+            problems.append("add_cross_attention=True (need False)")
         if hf_config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
             problems.append(f"activation_function={hf_config.activation_function!r} (need 'gelu_new')")
         if hf_config.layer_norm_epsilon != 1e-5:
@@ -326,40 +321,18 @@ class GPT2(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Our weights under transformers' keys, Conv1D weights transposed to [in, out]; includes the
         tied ``lm_head.weight`` as transformers' ``state_dict()`` does."""
-        return {k: (v.t() if k.endswith(HF_TRANSPOSED) else v).detach().clone().contiguous()
-                for k, v in self.state_dict().items()}
+        return HF_FORMAT.hf_state_dict(self)
 
-    @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy a transformers ``GPT2LMHeadModel.state_dict()`` into this model's parameters.
 
         Ignores old mask buffers (``*.attn.bias``, ``*.attn.masked_bias``) and accepts ``GPT2Model`` keys (no
-        ``transformer.`` prefix: :func:`from_hf_key`); ``lm_head.weight`` is
-        optional but, if present, must equal ``transformer.wte.weight`` (this model is tied). All
-        problems are collected and reported in one ValueError, shapes given in HF layout.
+        ``transformer.`` prefix); ``lm_head.weight`` is optional but, if present, must equal
+        ``transformer.wte.weight`` (this model is tied). All problems are collected and reported in one ValueError,
+        shapes given in HF layout, and nothing is copied unless all is well
+        (:func:`~lightning_tp2d.models.hf.check_keys`).
         """
-        self.tie_weights()  # after to_empty() lm_head would otherwise keep uninitialised memory
-        ours = self.state_dict()  # tensors share storage with the parameters
-        sd = {ours_key: v for k, v in sd.items() if (ours_key := from_hf_key(k)) is not None}
-        expected = {k: (v.shape[::-1] if k.endswith(HF_TRANSPOSED) else v.shape) for k, v in ours.items()}
-        missing = [k for k in expected if k not in sd and k != "lm_head.weight"]
-        unexpected = [k for k in sd if k not in expected]
-        misshaped = [f"{k}: expected {tuple(expected[k])}, got {tuple(sd[k].shape)}"
-                     for k in expected if k in sd and tuple(sd[k].shape) != tuple(expected[k])]
-        untied = []
-        wte = "transformer.wte.weight"
-        if "lm_head.weight" in sd and wte in sd and sd[wte].shape == sd["lm_head.weight"].shape:
-            if not torch.equal(sd["lm_head.weight"].to(sd[wte].device), sd[wte]):
-                untied = ["lm_head.weight differs from transformer.wte.weight, but this model ties them"]
-        if missing or unexpected or misshaped or untied:
-            lines = ([f"missing keys: {missing}"] if missing else []) + \
-                    ([f"unexpected keys: {unexpected}"] if unexpected else []) + \
-                    ([f"mis-shaped keys (HF layout): {misshaped}"] if misshaped else []) + untied
-            raise ValueError("cannot load GPT-2 state dict:\n  " + "\n  ".join(lines))
-        for k, dst in ours.items():
-            if k == "lm_head.weight":
-                continue  # same storage as transformer.wte.weight, copied under that name
-            dst.copy_(from_hf_tensor(k, sd[k]))
+        HF_FORMAT.load_state_dict(self, sd, "GPT-2 state dict")
 
 
 def _fill_normal_(t: torch.Tensor, std: float) -> None:
@@ -367,3 +340,40 @@ def _fill_normal_(t: torch.Tensor, std: float) -> None:
     if t.is_meta:
         return
     t.copy_(torch.randn(t.shape, dtype=torch.float32, device="cpu") * std)
+
+
+# ---- transformers' GPT-2 format ------------------------------------------------------------------------------
+
+
+def _read_hf_config(raw) -> GPT2Config:
+    return GPT2Config.from_hf(SimpleNamespace(**{**HF_CONFIG_DEFAULTS, **raw}))
+
+
+def _write_hf_config(cfg: GPT2Config) -> dict:
+    return {
+        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+        "scale_attn_weights": True, "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1,
+        "tie_word_embeddings": True,
+    }
+
+
+def _fit(ours: GPT2Config, theirs: GPT2Config) -> list[str]:
+    problems = []
+    if ours.block_size > theirs.block_size:
+        problems.append(f"block_size: model {ours.block_size} exceeds the checkpoint's n_positions "
+                        f"{theirs.block_size} (the rows of its position embedding; a smaller block_size is fine)")
+    if not ours.bias:
+        problems.append("bias: model False, but GPT-2 checkpoints hold biases")
+    return problems
+
+
+# GPT2LMHeadModel's keys are ours; the hub's original ``gpt2`` files (the bare GPT2Model) lack ``transformer.``.
+HF_FORMAT = HFFormat(
+    model_type="gpt2", architecture="GPT2LMHeadModel", read_config=_read_hf_config, write_config=_write_hf_config,
+    embedding="transformer.wte.weight", prefix="transformer.",
+    ignored=(".attn.bias", ".attn.masked_bias"),  # causal-mask buffers that older transformers versions saved
+    transposed=HF_TRANSPOSED, fused_qkv=("attn.c_attn.weight", "attn.c_attn.bias"),
+    sizes=("n_layer", "n_head", "n_embd", "vocab_size"), fit=_fit,
+    longer_rows=("transformer.wpe.weight",))  # a smaller block_size uses the position table's first rows

@@ -4,7 +4,7 @@ Like :mod:`lightning_tp2d.models.gpt2`, the model knows nothing about parallelis
 submodules by name, so the names below and the generic :meth:`Llama.forward` are a contract.
 
 Names: ``state_dict()`` keys *are* transformers' ``LlamaForCausalLM`` keys (same order too), so the HF conversion
-is the identity apart from ignored RoPE buffers and the optional tied ``lm_head.weight``::
+is the identity apart from ignored RoPE buffers and the optional tied ``lm_head.weight`` (:data:`HF_FORMAT`)::
 
     model.embed_tokens                            nn.Embedding   weight [V, h]
     model.layers.{i}.self_attn.q_proj             nn.Linear      weight [nh*hs, h]   (no biases anywhere)
@@ -52,32 +52,22 @@ What the parallel plans need (the GPT-2 plans carry over role by role):
 """
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_tp2d.models.gpt2 import GPT2, LMHead, _fill_normal_
+from lightning_tp2d.models.hf import HFFormat
 
-# Non-persistent RoPE buffers that some transformers versions saved in checkpoints (Llama 2 era files carry
-# ``model.layers.{i}.self_attn.rotary_emb.inv_freq``); this model recomputes them.
-HF_IGNORED = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 INIT_STD = 0.02  # transformers' initializer_range for Llama
-
-
-def from_hf_key(key: str) -> str | None:
-    """Our state-dict key for a key of a transformers Llama checkpoint, or ``None`` for a buffer to ignore.
-
-    ``LlamaForCausalLM`` keys are ours; checkpoints of the bare ``LlamaModel`` lack the ``model.`` prefix, which is
-    added (the same rule as :func:`lightning_tp2d.models.gpt2.from_hf_key`)."""
-    if key.endswith(HF_IGNORED):
-        return None
-    return key if key.startswith(("model.", "lm_head.")) else "model." + key
-
-
-def from_hf_tensor(key: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A transformers tensor in our layout: Llama stores every weight as we do, so the tensor itself."""
-    return tensor
+# transformers' LlamaConfig defaults (a config.json may omit them)
+HF_CONFIG_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=None, hidden_act="silu",
+                          max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                          rope_theta=10000.0, rope_scaling=None, attention_bias=False, attention_dropout=0.0,
+                          mlp_bias=False, head_dim=None)
 
 
 @dataclass
@@ -405,42 +395,50 @@ class Llama(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Our weights under transformers' keys (the same keys; copies), including ``lm_head.weight`` when tied,
         as transformers' ``state_dict()`` does."""
-        return {k: v.detach().clone().contiguous() for k, v in self.state_dict().items()}
+        return HF_FORMAT.hf_state_dict(self)
 
-    @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy a transformers ``LlamaForCausalLM.state_dict()`` (or ``LlamaModel``'s plus ``lm_head.weight``)
         into this model's parameters.
 
-        Ignores RoPE buffers (:data:`HF_IGNORED`); with ``tie_embeddings`` ``lm_head.weight`` is optional (tied
+        Ignores RoPE buffers (``rotary_emb.inv_freq``); with ``tie_embeddings`` ``lm_head.weight`` is optional (tied
         checkpoints often omit it) but, if present, must equal ``model.embed_tokens.weight``. All problems are
-        collected and reported in one ValueError, and nothing is copied unless all is well."""
-        self.tie_weights()  # after to_empty() lm_head would otherwise keep uninitialised memory
-        ours = self.state_dict()  # tensors share storage with the parameters
-        tied = self.config.tie_embeddings
-        sd = {ours_key: v for k, v in sd.items() if (ours_key := from_hf_key(k)) is not None}
-        missing = [k for k in ours if k not in sd and not (tied and k == "lm_head.weight")]
-        unexpected = [k for k in sd if k not in ours]
-        misshaped = [f"{k}: expected {tuple(ours[k].shape)}, got {tuple(sd[k].shape)}"
-                     for k in ours if k in sd and tuple(sd[k].shape) != tuple(ours[k].shape)]
-        notes = []
-        if "lm_head.weight" in missing:
-            notes.append("(a checkpoint without lm_head.weight has tied embeddings: use tie_embeddings=True)")
-        emb = "model.embed_tokens.weight"
-        if tied and "lm_head.weight" in sd and emb in sd and sd[emb].shape == sd["lm_head.weight"].shape:
-            if not torch.equal(sd["lm_head.weight"].to(sd[emb].device), sd[emb]):
-                notes.append("lm_head.weight differs from model.embed_tokens.weight, but this model ties them "
-                             "(tie_embeddings=True)")
-        if missing or unexpected or misshaped or notes:
-            lines = ([f"missing keys: {missing}"] if missing else []) + \
-                    ([f"unexpected keys: {unexpected}"] if unexpected else []) + \
-                    ([f"mis-shaped keys: {misshaped}"] if misshaped else []) + notes
-            raise ValueError("cannot load Llama state dict:\n  " + "\n  ".join(lines))
-        for k, dst in ours.items():
-            if tied and k == "lm_head.weight":
-                continue  # same storage as model.embed_tokens.weight, copied under that name
-            dst.copy_(from_hf_tensor(k, sd[k]))
+        collected and reported in one ValueError, and nothing is copied unless all is well
+        (:func:`~lightning_tp2d.models.hf.check_keys`)."""
+        HF_FORMAT.load_state_dict(self, sd, "Llama state dict")
+
+
+# ---- transformers' Llama format ------------------------------------------------------------------------------------
+
+
+def _read_hf_config(raw) -> LlamaConfig:
+    return LlamaConfig.from_hf(SimpleNamespace(**{**HF_CONFIG_DEFAULTS, **raw}))
+
+
+def _write_hf_config(cfg: LlamaConfig) -> dict:
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.head_size, "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu",
+        # transformers 5 reads rope_parameters, 4 reads rope_theta (and rope_scaling None)
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": cfg.dropout, "torch_dtype": "float32",
+    }
+
+
+# LlamaForCausalLM's keys are ours, nothing is transposed, q/k/v are separate; the bare LlamaModel lacks "model.".
+# RoPE has no position table, so any block_size fits.
+HF_FORMAT = HFFormat(
+    model_type="llama", architecture="LlamaForCausalLM", read_config=_read_hf_config, write_config=_write_hf_config,
+    embedding="model.embed_tokens.weight", prefix="model.",
+    # non-persistent RoPE buffers that some transformers versions saved (Llama 2 era files carry
+    # model.layers.{i}.self_attn.rotary_emb.inv_freq); this model recomputes them
+    ignored=("rotary_emb.inv_freq", "rotary_emb.original_inv_freq"),
+    sizes=("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size", "rope_theta", "norm_eps"),
+    tie_option="tie_embeddings")
 
 
 __all__ = ["Llama", "LlamaConfig", "LlamaAttention", "LlamaBlock", "LlamaMLP", "RMSNorm", "apply_rope",
-           "from_hf_key", "from_hf_tensor", "rms_norm", "rope_cache", "rope_inv_freq", "rotate_half"]
+           "HF_FORMAT", "rms_norm", "rope_cache", "rope_inv_freq", "rotate_half"]
