@@ -19,6 +19,8 @@ import importlib.abc
 import sys
 import types
 
+from lightning_tp2d.layouts import STRATEGY_NAMES  # (imports neither torch nor Lightning)
+
 __version__ = "0.1.0.dev0"
 
 __all__ = [
@@ -86,14 +88,14 @@ sys.modules[__name__].__class__ = _Package
 
 def _make_strategy(**kwargs):
     """What the Trainer's ``StrategyRegistry.get(name)`` calls: ``TP2DStrategy(layout=<the name's layout>, **kwargs)``."""
-    from lightning_tp2d.strategy import TP2DStrategy
+    from lightning_tp2d.strategy import TP2DStrategy  # deferred: `import lightning_tp2d` does not import Lightning
 
     return TP2DStrategy(**kwargs)
 
 
 def _make_fabric_strategy(**kwargs):
     """What Fabric's ``STRATEGY_REGISTRY.get(name)`` calls: ``TP2DFabricStrategy(layout=..., **kwargs)``."""
-    from lightning_tp2d.fabric import TP2DFabricStrategy
+    from lightning_tp2d.fabric import TP2DFabricStrategy  # deferred: `import lightning_tp2d` does not import Lightning
 
     return TP2DFabricStrategy(**kwargs)
 
@@ -106,8 +108,6 @@ _REGISTRIES = {_LIGHTNING_STRATEGIES: ("StrategyRegistry", _make_strategy),
 def _register_strategy_names(strategy_registry, factory=_make_strategy) -> None:
     """Register ``"tp2d"``, ``"metp"`` and ``"tp2d_metp"`` with a Lightning (Trainer or Fabric) strategy registry,
     lazily: ``factory`` imports the strategy class when a name is asked for."""
-    from lightning_tp2d.layouts import STRATEGY_NAMES
-
     for name, layout in STRATEGY_NAMES.items():
         strategy_registry.register(name, factory, description=f"tensor-parallel GPT-2, layout {layout!r}",
                                    layout=layout, override=True)

@@ -34,27 +34,6 @@ Lightning (2.6)
     public: none cheap. ``super().setup_environment()`` is public but builds a second mesh (sub-group creation on
     every rank) and needs the private sizes below set first.
 
-``ModelParallelStrategy._device_mesh``
-    where: strategy.py:TP2DStrategy.setup_environment
-    why: where the base class's read-only ``device_mesh`` property (read by ``distributed_sampler_kwargs``) finds
-    the mesh.
-    public: *replaceable*: override the ``device_mesh`` property in ``TP2DStrategy`` to return an attribute of our
-    own (Lightning 2.6.6 reads ``_device_mesh`` only in ``ModelParallelStrategy.setup_environment``, which is
-    overridden).
-
-``ModelParallelStrategy._data_parallel_size``, ``ModelParallelStrategy._tensor_parallel_size``
-    where: strategy.py:TP2DStrategy.setup_environment
-    why: keep the base class's record of the sizes equal to the resolved ones.
-    public: *removable*: Lightning 2.6.6 reads them only in ``ModelParallelStrategy.setup_environment``, which is
-    overridden; ``parallel_dims`` holds the sizes.
-
-``ModelParallelStrategy._save_distributed_checkpoint``
-    where: strategy.py:TP2DStrategy.lightning_module_state_dict, strategy.py:TP2DStrategy.optimizer_state,
-    strategy.py:TP2DStrategy.save_checkpoint
-    why: the constructor's ``save_distributed_checkpoint`` flag; the base class keeps it only there.
-    public: *replaceable*: keep the flag in a public attribute of our own and read that (tests/test_checkpoint.py
-    flips the private one and would follow).
-
 ``LightningModule._device_mesh``
     where: strategy.py:TP2DStrategy.setup_environment (write; the module reads the public ``device_mesh``)
     why: ``LightningModule.device_mesh`` is a read-only property; the strategy hands the mesh to the module exactly
@@ -74,13 +53,6 @@ Lightning (2.6)
     unscale inside its step (torch's fused AdamW), so bf16-mixed + ``gradient_clip_val`` failed at the first step.
     public: ``LightningModule.configure_gradient_clipping`` for one's own module only (not a user's module under the
     strategy). Not found by the scan (the attribute name has no underscore); listed for the reader.
-
-``lightning.fabric.utilities.optimizer._optimizers_to_device``
-    where: strategy.py:TP2DStrategy.setup
-    why: moves optimizer state to the root device, as ``ModelParallelStrategy.setup`` does.
-    public: *replaceable*: ``lightning.fabric.utilities.apply_func.move_data_to_device`` over each
-    ``optimizer.state``; the state is empty right after ``setup_optimizers`` anyway (checkpoints are restored after
-    ``setup``: ``restore_checkpoint_after_setup`` is ``True``).
 
 ModelCheckpoint: _should_skip_saving_checkpoint, _monitor_candidates, _save_topk_checkpoint, _save_last_checkpoint
     where: callbacks.py:StepCheckpoint.save_now
@@ -111,14 +83,8 @@ Lightning Fabric (2.6): the same base-class internals as the Trainer strategy's,
     ``setup_environment``'s own ``(data_parallel, tensor_parallel)`` mesh.
     public: none cheap (as for the Trainer strategy).
 
-``lightning.fabric.strategies.ModelParallelStrategy._device_mesh``
-    where: fabric.py:TP2DFabricStrategy.setup_environment
-    why: where the base class's read-only ``device_mesh`` property (read by ``distributed_sampler_kwargs``) finds
-    the mesh.
-    public: *replaceable*: override the ``device_mesh`` property.
-
 ``lightning.fabric.strategies.strategy._BackwardSyncControl``, ``Strategy._backward_sync_control``
-    where: fabric.py:_GradientSyncControl, fabric.py:TP2DFabricStrategy.__init__
+    where: fabric.py:_GradientSyncControl, fabric.py:TP2DFabricStrategy._init_state
     why: ``fabric.no_backward_sync(model)`` asks the strategy's ``_backward_sync_control`` (an instance of this
     interface) for the context that skips gradient synchronisation; ours pauses the data-parallel buckets.
     public: none: it is the interface Fabric's own strategies implement.
@@ -274,25 +240,14 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "check precision and (p, dp) once devices, nodes and precision are known, before any process is launched"),
     ("ModelParallelStrategy._setup_distributed", ("strategy.py:TP2DStrategy.setup_environment",),
      "initialise the process group Lightning's way without building Lightning's own mesh"),
-    ("ModelParallelStrategy._device_mesh", ("strategy.py:TP2DStrategy.setup_environment",),
-     "where the base class's read-only device_mesh property finds our mesh"),
-    ("ModelParallelStrategy._data_parallel_size, ModelParallelStrategy._tensor_parallel_size",
-     ("strategy.py:TP2DStrategy.setup_environment",),
-     "keep the base class's record of the sizes equal to the resolved ones"),
     ("ModelParallelStrategy._launcher", ("strategy.py:TP2DStrategy._configure_launcher",),
      "check the data against the model in the launching process, before Lightning starts the other ranks"),
-    ("ModelParallelStrategy._save_distributed_checkpoint",
-     ("strategy.py:TP2DStrategy.lightning_module_state_dict", "strategy.py:TP2DStrategy.optimizer_state",
-      "strategy.py:TP2DStrategy.save_checkpoint"),
-     "the constructor's save_distributed_checkpoint flag, kept by the base class only there"),
     ("LightningModule._device_mesh", ("strategy.py:TP2DStrategy.setup_environment",),
      "LightningModule.device_mesh is a read-only property; the strategy hands the mesh over as Lightning does"),
     ("LightningModule._trainer",
      ("module.py:CausalLMModule.configure_model", "module.py:CausalLMModule.setup",
       "module.py:CausalLMModule.configure_optimizers"),
      "whether the module is attached to a Trainer (the trainer property raises when it is not)"),
-    ("lightning.fabric.utilities.optimizer._optimizers_to_device", ("strategy.py:TP2DStrategy.setup",),
-     "move optimizer state to the root device, as ModelParallelStrategy.setup does"),
     ("ModelCheckpoint._should_skip_saving_checkpoint, ModelCheckpoint._monitor_candidates, "
      "ModelCheckpoint._save_topk_checkpoint, ModelCheckpoint._save_last_checkpoint",
      ("callbacks.py:StepCheckpoint.save_now",),
@@ -307,10 +262,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("lightning.fabric.strategies.ModelParallelStrategy._setup_distributed",
      ("fabric.py:TP2DFabricStrategy.setup_environment",),
      "initialise the process group Lightning's way without building Lightning's own mesh"),
-    ("lightning.fabric.strategies.ModelParallelStrategy._device_mesh", ("fabric.py:TP2DFabricStrategy.setup_environment",),
-     "where the base class's read-only device_mesh property finds our mesh"),
     ("lightning.fabric.strategies.strategy._BackwardSyncControl, Strategy._backward_sync_control",
-     ("fabric.py:_GradientSyncControl", "fabric.py:TP2DFabricStrategy.__init__"),
+     ("fabric.py:_GradientSyncControl", "fabric.py:TP2DFabricStrategy._init_state"),
      "fabric.no_backward_sync asks the strategy's _backward_sync_control for the context that skips the sync"),
     # ---- torch ----
     ("torch.distributed.tensor.placement_types._StridedShard",

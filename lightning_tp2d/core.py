@@ -18,14 +18,14 @@ from typing import Any, Literal
 
 import torch
 import torch.nn as nn
+from torch.distributed.constants import default_pg_timeout
 
 from lightning_tp2d.export import hf_loader
-from lightning_tp2d.families import auto_tensor_parallel_size, family_of, family_of_config, model_names
-from lightning_tp2d.families import fits as layout_fits
+from lightning_tp2d.families import families, family_of, family_of_config, model_names
 from lightning_tp2d.layouts import STRATEGY_NAMES, Layout, get_layout, handle_of
 from lightning_tp2d.mesh import ParallelDims, as_timeout, init_mesh
-from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
+from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes
 from lightning_tp2d.training import broadcast_module_
 from lightning_tp2d.zero import ZERO_STAGES
 
@@ -75,12 +75,35 @@ class TensorParallelCore:
 
     layout_spec: Layout
     _dims: ParallelDims | None = None
-    _device_mesh: Any = None
+    _mesh: Any = None  # the strategy's mesh (built in setup_environment)
 
-    def _init_core(self, layout: str | Layout, tensor_parallel_size: Literal["auto"] | int,
-                   data_parallel_size: Literal["auto"] | int, timeout: timedelta | float | None,
-                   activation_checkpointing: str, compile: bool | str | dict, allow_fallback: bool,
-                   zero_stage: int) -> None:
+    def __init__(self, layout: str | Layout = "2d", tensor_parallel_size: Literal["auto"] | int = "auto",
+                 data_parallel_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
+                 process_group_backend: str | None = None, timeout: timedelta | float | None = default_pg_timeout,
+                 activation_checkpointing: str = "none", compile: bool | str | dict = False,
+                 allow_fallback: bool = False, zero_stage: int = 0) -> None:
+        """The arguments of both strategies (documented on :class:`~lightning_tp2d.strategy.TP2DStrategy`): checked
+        and kept, then the Lightning base class (``ModelParallelStrategy``, given :meth:`_base_arguments`), then the
+        strategy's own state (:meth:`_init_state`)."""
+        self._check_arguments(layout, tensor_parallel_size, data_parallel_size, timeout, activation_checkpointing,
+                              compile, allow_fallback, zero_stage)
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=self.timeout, **self._base_arguments())
+        self._sharded_checkpoints = bool(save_distributed_checkpoint)
+        self._init_state()
+
+    def _base_arguments(self) -> dict:
+        """Further keyword arguments of the Lightning base class (Fabric's needs a ``parallelize_fn``)."""
+        return {}
+
+    def _init_state(self) -> None:
+        """The strategy's own attributes, after the base class is initialised."""
+
+    def _check_arguments(self, layout: str | Layout, tensor_parallel_size: Literal["auto"] | int,
+                         data_parallel_size: Literal["auto"] | int, timeout: timedelta | float | None,
+                         activation_checkpointing: str, compile: bool | str | dict, allow_fallback: bool,
+                         zero_stage: int) -> None:
         """Check and keep the strategy arguments (before the Lightning base class is initialised)."""
         spec = get_layout(layout)
         if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
@@ -123,6 +146,14 @@ class TensorParallelCore:
     # ---- sizes --------------------------------------------------------------------------------------------
 
     @property
+    def device_mesh(self):
+        """The ``(data_parallel, *tensor axes)`` mesh of the layout (Lightning's ``distributed_sampler_kwargs``
+        reads it), built when the processes are set up."""
+        if self._mesh is None:
+            raise RuntimeError(f"{type(self).__name__}.device_mesh exists once the processes are set up")
+        return self._mesh
+
+    @property
     def parallel_dims(self) -> ParallelDims:
         if self._dims is None:
             raise RuntimeError(f"{type(self).__name__} sizes are resolved when the Trainer (or Fabric) is built")
@@ -132,39 +163,12 @@ class TensorParallelCore:
         if name not in SUPPORTED_PRECISION:
             raise ValueError(f"{type(self).__name__} supports precision {list(SUPPORTED_PRECISION)}, got {name!r}")
 
-    def _resolve_dims(self, config: GPT2Config | None) -> ParallelDims:
-        world, per_node = self.num_nodes * self.num_processes, self.num_processes
-        tp, dp = self._requested
-        if tp == "auto" and dp == "auto":
-            tp = auto_tensor_parallel_size(self.layout_spec, per_node, world, config)
-            if tp == 1 and world > 1 and not self.allow_fallback:
-                spec = self.layout_spec
-                fits = [p for p in range(2, 65) if layout_fits(spec, p, config)]
-                model = "" if config is None else f" and the model ({config.n_head} heads, width {config.n_embd})"
-                spanning = [p for p in fits if world % p == 0]
-                raise ValueError(
-                    f"tensor_parallel_size='auto': no {spec.arrangement} of layout {spec.name!r} larger than 1 fits "
-                    f"{per_node} devices per node{model} ({self.num_nodes} node(s)), so every device would hold a "
-                    f"whole model. Use a multiple of a size that fits as devices per node "
-                    f"({', '.join(map(str, fits[:5])) or 'none up to 64'})"
-                    + (f", or tensor_parallel_size={spanning[0]} (across nodes)" if spanning else "")
-                    + f", or allow_fallback=True to train {world} data-parallel replicas of the whole model")
-        elif tp == "auto":
-            if world % dp:
-                raise ValueError(f"data_parallel_size={dp} does not divide the world size {world} "
-                                 f"({self.num_nodes} nodes x {per_node} devices)")
-            tp = world // dp
-        if dp == "auto":
-            if world % tp:
-                raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world} "
-                                 f"({self.num_nodes} nodes x {per_node} devices)")
-            dp = world // tp
-        dims = ParallelDims(self.layout_spec, tp, dp)
-        dims.check_world_size(world)
-        family = family_of_config(config)
-        if family is not None:  # the family's sizes (heads, key/value heads, MLP width ...) over the layout's side
-            family.check_model(dims.spec, dims.tensor_parallel_size, config)
-        return dims
+    def _resolve_dims(self, config: Any) -> ParallelDims:
+        """The sizes for this job's devices and the model's config (``None`` before the module is known): the one
+        resolver :func:`~lightning_tp2d.sizes.resolve_sizes`, its messages in the strategy's argument names."""
+        tp, dp = resolve_sizes(self.layout_spec, config, self.num_processes, self.num_nodes, *self._requested,
+                               allow_fallback=self.allow_fallback, names=ARGUMENTS)
+        return ParallelDims(self.layout_spec, tp, dp)
 
     # ---- environment --------------------------------------------------------------------------------------
 
@@ -213,7 +217,7 @@ class TensorParallelCore:
         for index, (name, gpt) in enumerate(found):
             done = handle_of(gpt)
             if done is not None:
-                if done.layout != self.layout_spec or done.mesh is not self._device_mesh:
+                if done.layout != self.layout_spec or done.mesh is not self._mesh:
                     raise ValueError(f"{type(gpt).__name__} {name!r} is already parallelized with layout {done.layout.name!r} on "
                                      "another mesh")
                 continue
@@ -223,7 +227,7 @@ class TensorParallelCore:
                     base = int(self.broadcast(torch.initial_seed()) if base is None else base)
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(base + index)  # the same full weights on every rank, whatever the layout
-                    parallelize(gpt, self._device_mesh, self.layout_spec)
+                    parallelize(gpt, self._mesh, self.layout_spec)
                 init_from = getattr(module, "init_from", None)  # CausalLMModule(init_from=<HF directory>)
                 if init_from is not None:  # before Lightning restores a ckpt_path, which then wins
                     load_hf = hf_loader(family_of(gpt))
@@ -232,8 +236,8 @@ class TensorParallelCore:
                                          "import")
                     load_hf(gpt, init_from)  # tensor by tensor, each rank keeping its shards
             else:
-                broadcast_module_(gpt, self._device_mesh)
-                parallelize(gpt, self._device_mesh, self.layout_spec)
+                broadcast_module_(gpt, self._mesh)
+                parallelize(gpt, self._mesh, self.layout_spec)
             checkpoint_activations(gpt, self.activation_checkpointing)
             if self.compile_options is not None:
                 gpt.compile(**self.compile_options)

@@ -30,20 +30,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn as nn
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch.optim import Optimizer
 
 from lightning_tp2d import checkpoint as ckpt
 from lightning_tp2d.core import TensorParallelCore
-from lightning_tp2d.layouts import Layout
 from lightning_tp2d.training import GradientSync, clip_grad_norm_, clip_grad_value_
 from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
 
@@ -56,19 +53,13 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
 
     strategy_name = "tp2d"
 
-    def __init__(self, layout: str | Layout = "2d", tensor_parallel_size: Literal["auto"] | int = "auto",
-                 data_parallel_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
-                 process_group_backend: str | None = None, timeout: timedelta | float | None = default_pg_timeout,
-                 activation_checkpointing: str = "none", compile: bool | str | dict = False,
-                 allow_fallback: bool = False, zero_stage: int = 0) -> None:
-        self._init_core(layout, tensor_parallel_size, data_parallel_size, timeout, activation_checkpointing, compile,
-                        allow_fallback, zero_stage)
-        super().__init__(parallelize_fn=self._parallelize_fn_unused, data_parallel_size=data_parallel_size,
-                         tensor_parallel_size=tensor_parallel_size,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=self.timeout)
+    # __init__: TensorParallelCore's (the one argument set of both strategies)
+
+    def _base_arguments(self) -> dict:
+        return {"parallelize_fn": self._parallelize_fn_unused}
+
+    def _init_state(self) -> None:
         self._backward_sync_control = _GradientSyncControl(self)  # fabric.no_backward_sync
-        self._sharded_checkpoints = save_distributed_checkpoint
         self._grad_syncs: dict[int, GradientSync] = {}
         self._sync_blocked = False
 
@@ -89,7 +80,7 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
         self._setup_distributed()
         dims = self._resolve_dims(None)
         self._dims = dims
-        self._device_mesh = self._build_mesh(dims, None)  # what the base class's device_mesh property returns
+        self._mesh = self._build_mesh(dims, None)  # the device_mesh property's (TensorParallelCore)
 
     # ---- module and optimizers ----------------------------------------------------------------------------
 

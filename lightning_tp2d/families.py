@@ -7,7 +7,8 @@ A :class:`ModelFamily` describes one model class (GPT-2, Llama, or a user's own)
 * ``tied(model)``: the paths whose parallel module is built from another module's parallel weight instead of from
   the plain module (GPT-2's ``lm_head`` from ``transformer.wte``; a tied Llama's ``lm_head`` from
   ``model.embed_tokens``);
-* ``plans``: layout name -> a function returning ``{role: parallel class}``; each class is called
+* ``plans``: layout name -> ``{role: parallel class}`` (or a function of the layout object returning one, for a
+  plan that depends on the layout's options); each class is called
   ``cls(plain_module_or_weight, mesh, options=layout.options)``. A layout missing here cannot parallelize the
   family (a ``ValueError`` naming the layouts that can);
 * ``split_sizes(config, layout)``: the named sizes that must divide by the layout's side (heads, key/value heads,
@@ -63,7 +64,7 @@ class ModelFamily:
     model_class: type
     config_class: type
     module_roles: Callable[[nn.Module], list[tuple[str, str]]]
-    plans: Mapping[str, Callable[[Any], Mapping[str, type]]]  # layout name -> (layout -> role -> class)
+    plans: Mapping[str, Mapping[str, type] | Callable[[Any], Mapping[str, type]]]  # layout -> role -> class
     blocks: str  # path of the ModuleList of blocks
     tied: Callable[[nn.Module], Mapping[str, str]] = lambda model: {}
     split_sizes: Callable[[Any, Any], list[tuple[str, int]]] | None = None
@@ -91,7 +92,7 @@ class ModelFamily:
         if make is None:
             raise ValueError(f"model family {self.name!r} has no plan for layout {layout.name!r} yet; "
                              f"layouts with a plan: {list(self.plans)}")
-        return make(layout)
+        return make(layout) if callable(make) else make
 
     def build(self, layout: Layout, role: str, module: Any, mesh: Any) -> Any:
         """The parallel module for ``role`` (``module`` itself when the plan keeps the role plain)."""
@@ -104,26 +105,24 @@ class ModelFamily:
         """The named sizes of ``config`` that ``layout`` splits over its side."""
         if self.split_sizes is not None:
             return list(self.split_sizes(config, layout))
-        return ([("n_head", config.n_head)] if layout.splits_heads else []) + [("n_embd", config.n_embd)]
+        return default_sizes(config, layout)
 
-    def model_problems(self, layout: Layout, p: int, config: Any, prefix: str = "") -> list[str]:
-        """Each size of ``config`` that ``p`` ranks of ``layout`` cannot split (``prefix``: e.g. ``"model."``)."""
-        q = layout.side(p)
-        return [f"{prefix}{name}={value} is not divisible by {layout.side_symbol}={q}"
-                for name, value in self.sizes(config, layout) if value % q]
+    def problems(self, layout: Layout, p: int, config: Any, prefix: str = "") -> list[str]:
+        """Why ``p`` ranks of ``layout`` cannot hold one replica of ``config``: the layout's size rule, then each
+        family size the side does not divide (``prefix``: how the sizes are named, e.g. ``"model."``). The one
+        path every size check takes (:func:`problems`, :func:`fits`, :mod:`lightning_tp2d.sizes`)."""
+        problem = layout.size_problem(p)
+        return [problem] if problem else layout.split_problems(p, self.sizes(config, layout), prefix)
 
     def check_model(self, layout: Layout, p: int, config: Any, dropout: float = 0.0) -> None:
-        """``ValueError`` naming the numbers when ``config`` cannot be split over ``p`` ranks in ``layout`` (the
-        layout's own message format; the family decides which sizes count)."""
-        bad = self.model_problems(layout, p, config)
-        if bad:
-            fits = [k for k in range(1, 65) if all(v % k == 0 for _, v in self.sizes(config, layout))]
-            raise ValueError(f"layout {layout.name!r}: " + "; ".join(bad) + f"; use {layout.side_symbol} in "
-                             f"{fits or [1]}")
-        layout.check_model(p, config.n_head, config.n_embd, dropout)  # dropout (and anything the layout adds)
+        """``ValueError`` naming the numbers when ``config`` cannot be split over ``p`` ranks in ``layout`` (and the
+        sides that would split every size), or when ``dropout`` cannot train there."""
+        layout.check_tensor_parallel_size(p)
+        layout.check_sizes(p, self.sizes(config, layout), dropout)
 
     def fits(self, layout: Layout, p: int, config: Any) -> bool:
-        return not layout.size_problem(p) and not self.model_problems(layout, p, config)
+        """Whether ``p`` ranks of ``layout`` hold one replica of ``config``."""
+        return not self.problems(layout, p, config)
 
     # ---- the model ----------------------------------------------------------------------------------------------
 
@@ -185,7 +184,8 @@ def fused_qkv_suffixes() -> tuple[str, ...]:
     return tuple(s for f in _FAMILIES.values() for s in f.fused_qkv)
 
 
-def register_plan(name: str, layout: str, make: Callable[[Layout], Mapping[str, type]]) -> ModelFamily:
+def register_plan(name: str, layout: str,
+                  make: Mapping[str, type] | Callable[[Layout], Mapping[str, type]]) -> ModelFamily:
     """Give the registered family ``name`` a plan for ``layout`` (a layout registered after it: one registration
     per family that trains with it); returns the family as registered now."""
     family = get_family(name)
@@ -195,17 +195,28 @@ def register_plan(name: str, layout: str, make: Callable[[Layout], Mapping[str, 
 # ---- rules of a layout and a model's config ------------------------------------------------------------------
 
 
+def default_sizes(config: Any, layout: Layout) -> list[tuple[str, int]]:
+    """The sizes a family without its own ``split_sizes`` splits: heads (where the layout splits them) and width."""
+    return ([("n_head", config.n_head)] if layout.splits_heads else []) + [("n_embd", config.n_embd)]
+
+
+def problems(layout: Layout, p: int, config: Any = None, prefix: str = "") -> list[str]:
+    """Why ``p`` ranks of ``layout`` cannot hold one replica of ``config``: its family's rule
+    (:meth:`ModelFamily.problems`); an unregistered config: the layout's rule and :func:`default_sizes`; no config:
+    the layout's rule alone."""
+    family = family_of_config(config) if config is not None else None
+    if family is not None:
+        return family.problems(layout, p, config, prefix)
+    problem = layout.size_problem(p)
+    if problem or config is None:
+        return [problem] if problem else []
+    return layout.split_problems(p, default_sizes(config, layout), prefix)
+
+
 def fits(layout: Layout, p: int, config: Any = None) -> bool:
     """Whether ``p`` ranks are a valid replica size of ``layout`` and, when ``config`` is given, split the sizes its
-    family names (:meth:`ModelFamily.sizes`; an unregistered config: its heads and width)."""
-    if not layout.fits(p):
-        return False
-    if config is None:
-        return True
-    family = family_of_config(config)
-    if family is not None:
-        return not family.model_problems(layout, p, config)
-    return not layout.model_problems(p, config.n_head, config.n_embd)
+    family names (:func:`problems`)."""
+    return not problems(layout, p, config)
 
 
 def auto_tensor_parallel_size(layout: Layout, per_node: int, world: int, config: Any = None) -> int:
@@ -230,19 +241,14 @@ def _gpt2_roles(model: nn.Module) -> list[tuple[str, str]]:
 # lm_head (built from the token embedding's parallel weight, to which it is tied).
 
 
-def _gpt2_2d(layout: Layout) -> dict[str, type]:
-    return {"wte": TokenEmbedding2D, "wpe": PositionEmbedding2D, "norm": LayerNorm2D, "attn": Attention2D,
-            "mlp": MLP2D, "lm_head": LMHead2D}
-
-
-def _gpt2_metp(layout: Layout) -> dict[str, type]:
-    return {"wte": RingTokenEmbedding, "wpe": RingPositionEmbedding, "norm": RingLayerNorm, "attn": RingAttention,
-            "mlp": RingMLP, "lm_head": RingLMHead}
-
-
-def _gpt2_2d_metp(layout: Layout) -> dict[str, type]:
-    return {"wte": TokenEmbedding2DMetp, "wpe": PositionEmbedding2DMetp, "norm": LayerNorm2D,
-            "attn": Attention2DMetp, "mlp": MLP2D, "lm_head": LMHead2DMetp}
+GPT2_PLANS = {
+    "2d": {"wte": TokenEmbedding2D, "wpe": PositionEmbedding2D, "norm": LayerNorm2D, "attn": Attention2D,
+           "mlp": MLP2D, "lm_head": LMHead2D},
+    "metp": {"wte": RingTokenEmbedding, "wpe": RingPositionEmbedding, "norm": RingLayerNorm, "attn": RingAttention,
+             "mlp": RingMLP, "lm_head": RingLMHead},
+    "2d-metp": {"wte": TokenEmbedding2DMetp, "wpe": PositionEmbedding2DMetp, "norm": LayerNorm2D,
+                "attn": Attention2DMetp, "mlp": MLP2D, "lm_head": LMHead2DMetp},
+}
 
 
 register_family(ModelFamily(
@@ -270,19 +276,14 @@ def _llama_sizes(config: Any, layout: Layout) -> list[tuple[str, int]]:
     return heads + [("n_embd", config.n_embd), ("intermediate_size", config.intermediate_size)]
 
 
-def _llama_2d(layout: Layout) -> dict[str, type]:
-    return {"embed": TokenEmbedding2D, "norm": RMSNorm2D, "attn": LlamaAttention2D, "mlp": SwiGLU2D,
-            "lm_head": LMHead2D, "untied_head": UntiedLMHead2D}
-
-
-def _llama_metp(layout: Layout) -> dict[str, type]:
-    return {"embed": RingTokenEmbedding, "norm": RingRMSNorm, "attn": RingLlamaAttention, "mlp": RingSwiGLU,
-            "lm_head": RingLMHead, "untied_head": UntiedRingLMHead}
-
-
-def _llama_2d_metp(layout: Layout) -> dict[str, type]:
-    return {"embed": TokenEmbedding2DMetp, "norm": RMSNorm2D, "attn": LlamaAttention2DMetp, "mlp": SwiGLU2D,
-            "lm_head": LMHead2DMetp, "untied_head": UntiedLMHead2DMetp}
+LLAMA_PLANS = {
+    "2d": {"embed": TokenEmbedding2D, "norm": RMSNorm2D, "attn": LlamaAttention2D, "mlp": SwiGLU2D,
+           "lm_head": LMHead2D, "untied_head": UntiedLMHead2D},
+    "metp": {"embed": RingTokenEmbedding, "norm": RingRMSNorm, "attn": RingLlamaAttention, "mlp": RingSwiGLU,
+             "lm_head": RingLMHead, "untied_head": UntiedRingLMHead},
+    "2d-metp": {"embed": TokenEmbedding2DMetp, "norm": RMSNorm2D, "attn": LlamaAttention2DMetp, "mlp": SwiGLU2D,
+                "lm_head": LMHead2DMetp, "untied_head": UntiedLMHead2DMetp},
+}
 
 
 # Roles: embed (model.embed_tokens), norm (every RMSNorm), attn, mlp, lm_head (tied: from embed_tokens' parallel

@@ -4,9 +4,9 @@ A layout owns every rule that depends on it (DESIGN 3, 4):
 
 * the mesh: tensor axes (``row``/``col`` or ``ring``) after ``data_parallel``, their shape for ``(p, dp)``, and
   which tensor-parallel sizes are valid (square for the grids);
-* what the model, the batch and the sequence must satisfy (heads and width divisible by the grid side or the ring,
-  batch split over grid rows, sequences cut into zigzag chunks, dropout) -- each refusal a ``ValueError`` naming
-  the numbers that do not fit and one that would;
+* what the model, the batch and the sequence must satisfy (the model's named sizes divisible by the grid side or
+  the ring -- which sizes is the family's rule --, batch split over grid rows, sequences cut into zigzag chunks,
+  dropout) -- each refusal a ``ValueError`` naming the numbers that do not fit and one that would;
 * the automatic tensor-parallel size (the largest valid one inside a node);
 * the options of the layers it is built with (:class:`~lightning_tp2d.metp.RingOptions` for the ring kernels);
 * the handle a parallelized model carries (:class:`ParallelHandle`, ``model.tp``).
@@ -26,6 +26,7 @@ The bottom floor of the parallel code: nothing here imports the package (nor tor
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -119,23 +120,31 @@ class Layout:
 
     # ---- the model, the batch, the sequence --------------------------------------------------------------------
 
-    def model_problems(self, p: int, n_head: int, n_embd: int, prefix: str = "") -> list[str]:
-        """Each way the model does not split over ``p`` ranks (heads, where the layout splits them, and width must
-        divide by the side)."""
+    def split_problems(self, p: int, sizes: Iterable[tuple[str, int]], prefix: str = "") -> list[str]:
+        """Each named size (``("n_head", 12)``, ...) that the side of ``p`` ranks does not divide, as the one message
+        every check uses (``prefix``: how the sizes are named, e.g. ``"model."``). Which sizes a model splits is
+        its family's rule (:meth:`~lightning_tp2d.families.ModelFamily.sizes`)."""
         q = self.side(p)
-        sizes = (("n_head", n_head), ("n_embd", n_embd)) if self.splits_heads else (("n_embd", n_embd),)
         return [f"{prefix}{name}={value} is not divisible by {self.side_symbol}={q}" for name, value in sizes
                 if value % q]
 
-    def check_model(self, p: int, n_head: int, n_embd: int, dropout: float = 0.0) -> None:
-        """``ValueError`` naming the numbers when a model with these sizes cannot be split over ``p`` ranks."""
-        bad = self.model_problems(p, n_head, n_embd)
-        if bad:
-            fits = _divisors(math.gcd(n_head, n_embd) if self.splits_heads else n_embd)
-            raise ValueError(f"layout {self.name!r}: " + "; ".join(bad) + f"; use {self.side_symbol} in {fits}")
+    def dropout_problem(self, dropout: float, key: str = "dropout") -> str | None:
+        """Why ``dropout`` cannot train in this layout (``None``: it can)."""
         if dropout and not self.supports_dropout:
-            raise ValueError(f"layout {self.name!r} does not support dropout (dropout={dropout}); train with "
-                             "dropout=0.0")
+            return f"{key}={dropout}: layout {self.name!r} does not support dropout; set {key}=0"
+        return None
+
+    def check_sizes(self, p: int, sizes: Iterable[tuple[str, int]] | Mapping[str, int], dropout: float = 0.0) -> None:
+        """``ValueError`` naming the numbers when a model with these named sizes cannot be split over ``p`` ranks
+        (and the sides that would split them all), or its dropout cannot train here."""
+        sizes = list(sizes.items() if isinstance(sizes, Mapping) else sizes)
+        bad = self.split_problems(p, sizes)
+        if bad:
+            fits = _divisors(math.gcd(*(value for _, value in sizes)))
+            raise ValueError(f"layout {self.name!r}: " + "; ".join(bad) + f"; use {self.side_symbol} in {fits}")
+        problem = self.dropout_problem(dropout)
+        if problem:
+            raise ValueError(problem)
 
     def input_multiples(self, p: int) -> tuple[int, int]:
         """``(batch, sequence)`` multiples this layout's input must have on ``p`` ranks."""
@@ -194,14 +203,19 @@ class Layout:
 
 
 
-class Grid2D(Layout):
-    """``"2d"``: SUMMA on a ``q x q`` grid (DESIGN 3.1). Rows split the batch, columns the hidden size."""
+class SquareGrid(Layout):
+    """Base of the layouts on a ``q x q`` grid of ranks (axes ``row`` and ``col``)."""
 
-    name = "2d"
     tensor_axes = ("row", "col")
     square = True
     arrangement = "grid"
     side_symbol = "q"
+
+
+class Grid2D(SquareGrid):
+    """``"2d"``: SUMMA on a ``q x q`` grid (DESIGN 3.1). Rows split the batch, columns the hidden size."""
+
+    name = "2d"
     splits_batch = True
     compiles_checkpointed = False
 
@@ -223,15 +237,11 @@ class Ring(Layout):
     splits_heads = False  # only the width must divide: weight and head blocks are column blocks (any head count)
 
 
-class GridRing(Layout):
+class GridRing(SquareGrid):
     """``"2d-metp"``: the ``"2d"`` grid with rows splitting the *sequence* (zigzag); attention is a METP ring along
     ``row`` (DESIGN 3.3), so batch 1 works."""
 
     name = "2d-metp"
-    tensor_axes = ("row", "col")
-    square = True
-    arrangement = "grid"
-    side_symbol = "q"
     zigzag = True
     supports_dropout = False
 

@@ -71,10 +71,6 @@ class ParallelDims:
                 f"tensor_parallel_size {self.tensor_parallel_size} = {self.world_size}"
             )
 
-    def check_model(self, n_head: int, n_embd: int, dropout: float = 0.0) -> None:
-        """Heads and hidden size must split evenly over the layout's side (the layout's rule)."""
-        self.spec.check_model(self.tensor_parallel_size, n_head, n_embd, dropout)
-
 
 def device_type_for_backend(backend: str) -> str:
     return "cuda" if "nccl" in backend else "cpu"

@@ -42,6 +42,7 @@ from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.models.llama import Llama, LlamaConfig
 from lightning_tp2d.precision import allow_clipping_without_scaler
 from lightning_tp2d.quiet import silence_known_noise
+from lightning_tp2d.strategy import TP2DStrategy
 
 
 class TokenPerplexity(Metric):
@@ -154,8 +155,6 @@ class CausalLMModule(L.LightningModule):
             return
         meta = self.hparams.meta_init
         if meta is None:
-            from lightning_tp2d.strategy import TP2DStrategy
-
             meta = self._trainer is not None and isinstance(self.trainer.strategy, TP2DStrategy)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.init_seed)

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -81,17 +79,13 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
 
     strategy_name = "tp2d"
 
-    def __init__(self, layout: str | Layout = "2d", tensor_parallel_size: Literal["auto"] | int = "auto",
-                 data_parallel_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
-                 process_group_backend: str | None = None, timeout: timedelta | float | None = default_pg_timeout,
-                 activation_checkpointing: str = "none", compile: bool | str | dict = False,
-                 allow_fallback: bool = False, zero_stage: int = 0) -> None:
+    # __init__: TensorParallelCore's (the one argument set of both strategies)
+
+    def _check_arguments(self, *args) -> None:
         silence_known_noise()  # Lightning's known-harmless warnings and tips (lightning_tp2d.quiet)
-        self._init_core(layout, tensor_parallel_size, data_parallel_size, timeout, activation_checkpointing, compile,
-                        allow_fallback, zero_stage)
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=self.timeout)
+        super()._check_arguments(*args)
+
+    def _init_state(self) -> None:
         self._grad_sync_blocked = False
         self._grad_sync: GradientSync | None = None
 
@@ -138,10 +132,9 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         self._setup_distributed()
         dims = self._resolve_dims(find_model_config(self.lightning_module))
         self._dims = dims
-        self._data_parallel_size, self._tensor_parallel_size = dims.data_parallel_size, dims.tensor_parallel_size
         # validate/test after fit, or a second Trainer, reuse the mesh the module is parallelized on
-        self._device_mesh = self._build_mesh(dims, self.lightning_module)
-        self.lightning_module._device_mesh = self._device_mesh
+        self._mesh = self._build_mesh(dims, self.lightning_module)
+        self.lightning_module._device_mesh = self._mesh
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -158,7 +151,11 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            for optimizer in self.optimizers:  # its state to the device, as Lightning does ("step" stays put)
+                for fields in _unwrap(optimizer).state.values():
+                    for key, value in fields.items() if isinstance(fields, dict) else ():
+                        if key != "step":
+                            fields[key] = move_data_to_device(value, self.root_device)
             if self.zero_stage == 1:  # before a checkpoint is restored: each replica loads only what it owns
                 for optimizer in self.optimizers:
                     shard_optimizer_state(_unwrap(optimizer), self.device_mesh)
@@ -207,13 +204,13 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
-        if self._save_distributed_checkpoint:
+        if self._sharded_checkpoints:
             return self.model.state_dict(keep_vars=True)  # live DTensors (tied ones recognised by identity)
         return ckpt.full_model_state(self.model, self.global_rank)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         optimizer = _unwrap(optimizer)
-        if self._save_distributed_checkpoint:
+        if self._sharded_checkpoints:
             return ckpt.sharded_optimizer_state(self.model, optimizer)
         return ckpt.full_optimizer_state(self.model, optimizer, self.global_rank)
 
@@ -222,7 +219,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             raise TypeError("TP2DStrategy.save_checkpoint(..., storage_options=...) is not supported")
         path = Path(self.broadcast(str(filepath)))
         checkpoint["tp2d"] = self.checkpoint_info(self.model)
-        ckpt.save(checkpoint, path, rank=self.global_rank, sharded=self._save_distributed_checkpoint,
+        ckpt.save(checkpoint, path, rank=self.global_rank, sharded=self._sharded_checkpoints,
                   barrier=self.barrier)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

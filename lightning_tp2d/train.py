@@ -20,26 +20,40 @@ from __future__ import annotations
 import csv
 import importlib.util
 import logging
-import math
 import os
 import signal
 import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hydra
+import lightning.pytorch as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from lightning.pytorch.loggers import CSVLogger
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
+# Lightning loads here, before Hydra sets up logging (`import lightning_tp2d` does not import it): loaded under
+# Hydra's root handler, Lightning would print each of its messages twice, in its format and in Hydra's
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from lightning_tp2d import launch
+from lightning_tp2d.callbacks import GracefulInterrupt
+from lightning_tp2d.checkpoint import clear, resolve, saved_step, staging_path
+from lightning_tp2d.data import (check_format, check_path, get_tokenizer, is_token_file, text_suffixes,
+                                 tokenizer_vocab_size)
 from lightning_tp2d.errors import CheckpointError, CommError, DivergenceError
+from lightning_tp2d.families import family_of_config
+from lightning_tp2d.layouts import STRATEGY_NAMES, get_layout
 from lightning_tp2d.quiet import silence_known_noise
+from lightning_tp2d.sizes import CONFIG_KEYS, resolve_sizes
 
 log = logging.getLogger("tp2d-train")
 TOKENIZER_IDS = {"byte": 257, "gpt2": 50257}  # ids each tokenizer of TextDataModule produces
@@ -55,9 +69,6 @@ def main() -> None:
         raise SystemExit(f"tp2d-train: the configs are missing: neither a source checkout's {launch.SOURCE_CONF_DIR} "
                          f"nor the installed copy {launch.PACKAGE_CONF_DIR} exists; reinstall the package "
                          "(`pip install .`, or `pip install -e .` in a source checkout)")
-    # Lightning before Hydra sets up logging (`import lightning_tp2d` no longer imports it): loaded under Hydra's
-    # root handler, Lightning would print each of its messages twice, in its format and in Hydra's
-    import lightning.pytorch  # noqa: F401
     launch.survive_closed_output()  # `tp2d-train | tee run.log`: Ctrl-C ends tee too, and the step must still be saved
     launch.register_resolvers()
     sys.argv = launch.prepare_argv(sys.argv)
@@ -100,11 +111,6 @@ _hydra_main = hydra.main(version_base="1.3", config_path=str(launch.CONF_DIR), c
 
 def train(cfg: DictConfig, run_dir: Path) -> float | None:
     started = time.monotonic()
-    import lightning.pytorch as L
-    from hydra.utils import instantiate
-
-    import lightning_tp2d  # noqa: F401  (registers the strategy names)
-
     rank_zero = launch.is_rank_zero()
     try:
         model_config = instantiate(cfg.model)
@@ -177,8 +183,6 @@ def finished_note(cfg: DictConfig) -> str | None:
     max_steps = int(cfg.trainer.max_steps)
     if cfg.ckpt_path is None or max_steps < 0:
         return None
-    from lightning_tp2d.checkpoint import saved_step
-
     try:
         step = saved_step(Path(str(cfg.ckpt_path)).expanduser())
     except CheckpointError as err:
@@ -198,30 +202,11 @@ def make_callbacks(cfg: DictConfig, run_dir: Path) -> tuple[list, object, object
     ``dirpath`` writes to ``<run dir>/checkpoints``; progress bars are dropped under ``trainer.enable_progress_bar=
     false``, and of several the last one listed is kept. Returns the list, the interrupt callback and the checkpoint
     callback that reports and resumes use (``callbacks.model_checkpoint``, else the first ModelCheckpoint)."""
-    from hydra.utils import instantiate
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
-
-    from lightning_tp2d.callbacks import GracefulInterrupt
-
     interrupt = GracefulInterrupt()
-    built: dict[str, Callback] = {}
-    for name, node in (cfg.get("callbacks") or {}).items():
-        if node is None:
-            continue
-        if not isinstance(node, DictConfig) or "_target_" not in node:
-            raise ConfigError(f"callbacks.{name} has no _target_ (a Lightning callback class), e.g. +callbacks.{name}."
-                              f"_target_=lightning.pytorch.callbacks.LearningRateMonitor; callbacks.{name}=null "
-                              "removes the entry")
-        try:
-            callback = instantiate(node)
-        except Exception as err:  # noqa: BLE001 - a bad class name or argument, wrapped by Hydra
-            raise ConfigError(f"callbacks.{name}: {err.__cause__ or err}") from err
-        if not isinstance(callback, Callback):
-            raise ConfigError(f"callbacks.{name}: {node['_target_']} built a {type(callback).__name__}, not a "
-                              "lightning.pytorch.callbacks.Callback")
+    built = build_entries("callbacks", cfg.get("callbacks"), Callback, "lightning.pytorch.callbacks.LearningRateMonitor")
+    for callback in built.values():
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
             callback.dirpath = os.path.realpath(run_dir / "checkpoints")
-        built[name] = callback
     bars = [name for name, c in built.items() if isinstance(c, ProgressBar)]
     for name in bars if not cfg.trainer.enable_progress_bar else bars[:-1]:
         del built[name]
@@ -234,29 +219,42 @@ def make_callbacks(cfg: DictConfig, run_dir: Path) -> tuple[list, object, object
 def make_loggers(cfg_logger: DictConfig | None, run_dir: Path) -> list:
     """Every entry of ``logger`` that is not null, built from its ``_target_`` (``save_dir: null``: the run
     directory). A logger whose package is missing is a :class:`ConfigError` naming the ``pip install``."""
-    from hydra.utils import instantiate
-
-    loggers = []
     for name, node in (cfg_logger or {}).items():
-        if node is None:
-            continue
-        if not isinstance(node, DictConfig) or "_target_" not in node:
-            raise ConfigError(f"logger.{name} has no _target_ (a Lightning logger class), e.g. +logger.{name}._target_="
-                              f"lightning.pytorch.loggers.CSVLogger; logger.{name}=null removes it")
-        target = str(node["_target_"])
+        target = str(node["_target_"]) if isinstance(node, DictConfig) and "_target_" in node else ""
         for cls, packages, hint in (("WandbLogger", ("wandb",), "wandb"),
                                     ("TensorBoardLogger", ("tensorboard", "tensorboardX"), "tensorboard")):
             if target.endswith(cls) and not any(importlib.util.find_spec(m) for m in packages):
                 raise ConfigError(f"logger.{name} ({target}) needs the {hint} package, which is not installed: "
                                   f"pip install {hint} (or choose another logger: logger=csv)")
-        extra = {"save_dir": str(run_dir)} if "save_dir" in node and node.save_dir is None else {}
+    built = build_entries("logger", cfg_logger, Logger, "lightning.pytorch.loggers.CSVLogger",
+                          lambda node: {"save_dir": str(run_dir)} if "save_dir" in node and node.save_dir is None
+                          else {})
+    return [logger for logger in built.values() if logger is not None]  # tensorboard_if_installed: maybe None
+
+
+def build_entries(group: str, nodes: DictConfig | None, kind: type, example: str,
+                  arguments: Callable[[DictConfig], dict] | None = None) -> dict[str, Any]:
+    """Every entry of the config group ``group`` (``callbacks``, ``logger``) that is not null, in order, built from
+    its ``_target_`` (with ``arguments(node)`` added): a :class:`ConfigError` names an entry without a class, a
+    class or argument Hydra cannot build, and an object that is not a ``kind`` (``None`` is let through).
+    ``example``: a class of the group, for the message."""
+    kind_path = f"{example.rsplit('.', 1)[0]}.{kind.__name__}"  # lightning.pytorch.callbacks.Callback
+    built = {}
+    for name, node in (nodes or {}).items():
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigError(f"{group}.{name} has no _target_ (a Lightning {kind.__name__.lower()} class), e.g. "
+                              f"+{group}.{name}._target_={example}; {group}.{name}=null removes the entry")
         try:
-            logger = instantiate(node, **extra)
+            entry = instantiate(node, **(arguments(node) if arguments else {}))
         except Exception as err:  # noqa: BLE001 - a bad class name or argument, wrapped by Hydra
-            raise ConfigError(f"logger.{name}: {err.__cause__ or err}") from err
-        if logger is not None:  # tensorboard_if_installed without tensorboard
-            loggers.append(logger)
-    return loggers
+            raise ConfigError(f"{group}.{name}: {err.__cause__ or err}") from err
+        if entry is not None and not isinstance(entry, kind):
+            raise ConfigError(f"{group}.{name}: {node['_target_']} built a {type(entry).__name__}, not a "
+                              f"{kind_path}")
+        built[name] = entry
+    return built
 
 
 def tensorboard_if_installed(**kwargs):
@@ -264,8 +262,6 @@ def tensorboard_if_installed(**kwargs):
     is installed, else ``None`` (no event files; ``logger=tensorboard`` asks for them and says what to install)."""
     if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
         return None
-    from lightning.pytorch.loggers import TensorBoardLogger
-
     return TensorBoardLogger(**kwargs)
 
 
@@ -337,8 +333,6 @@ def check_config(cfg: DictConfig, model) -> str:
     """Raise :class:`ConfigError` for data, devices or sizes that do not fit; return a one-line plan of the run."""
     tr, data = cfg.trainer, cfg.data
     if cfg.ckpt_path is not None:
-        from lightning_tp2d.checkpoint import resolve
-
         try:
             resolve(Path(str(cfg.ckpt_path)).expanduser())  # also finds the survivor of an interrupted save
         except FileNotFoundError:
@@ -349,9 +343,6 @@ def check_config(cfg: DictConfig, model) -> str:
     except MissingMandatoryValue:
         raise ConfigError("data.path is required with this data config: a text file or folder (data=text) or a "
                           ".bin token file (data=tokens), e.g. data.path=$HOME/corpus.txt") from None
-    from lightning_tp2d.data import (check_format, check_path, get_tokenizer, is_token_file, text_suffixes,
-                                     tokenizer_vocab_size)
-
     try:
         form, suffixes = check_format(str(data.get("format", "auto"))), text_suffixes(data.get("suffixes"))
     except ValueError as err:
@@ -407,16 +398,11 @@ def check_config(cfg: DictConfig, model) -> str:
 
 def _model_name(model) -> str:
     """``GPT2`` / ``Llama``: the model class of ``model``'s (a config's) family, for messages."""
-    from lightning_tp2d.families import family_of_config
-
     family = family_of_config(model)
     return "GPT-2" if family is None or family.name == "gpt2" else family.model_class.__name__
 
 
 def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, seq: int) -> str:
-    from lightning_tp2d.families import auto_tensor_parallel_size, family_of_config  # (torch: not for --cfg job)
-    from lightning_tp2d.layouts import STRATEGY_NAMES, get_layout
-
     try:
         layout = get_layout(str(par.layout))
     except ValueError as err:
@@ -431,41 +417,19 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
                           f"({family.model_class.__name__}) has no plan for this layout yet; layouts it has: "
                           f"{list(family.layouts)} (use {' or '.join(has)}, or parallel=single)")
     world = devices * nodes
-    here = f"trainer.devices={devices} x trainer.num_nodes={nodes} = {world} processes"
-
-    def problem(p: int) -> str | None:
-        return layout.size_problem(p) or "; ".join(family.model_problems(layout, p, model, "model.")) or None
-
-    fitting = [p for p in range(1, world + 1) if world % p == 0 and problem(p) is None]
-    tp, dp = par.tensor_parallel_size, par.data_parallel_size
-    if tp == "auto" and dp == "auto":
-        p = auto_tensor_parallel_size(layout, devices, world, model)
-        if p == 1 and world > 1 and not par.get("allow_fallback", False):
-            raise ConfigError(no_fit_message(layout, model, devices, nodes, fitting))
-    elif tp == "auto":
-        if world % int(dp):
-            raise ConfigError(f"parallel.data_parallel_size={dp} does not divide the {here}; use one of "
-                              f"{[d for d in range(1, world + 1) if world % d == 0]}")
-        p = world // int(dp)
-    else:
-        p = int(tp)
-    if problem(p):
-        raise ConfigError(f"parallel.tensor_parallel_size={p}: {problem(p)}; sizes that fit this model on {world} "
-                          f"processes: parallel.tensor_parallel_size in {fitting}")
-    if world % p:
-        more = p * math.ceil(devices / p) if nodes == 1 else p
-        raise ConfigError(f"parallel.tensor_parallel_size={p} needs a multiple of {p} processes, but {here}; use "
-                          f"trainer.devices={more}, or parallel.tensor_parallel_size in {fitting}")
-    if dp != "auto" and p * int(dp) != world:
-        raise ConfigError(f"parallel.data_parallel_size={dp} x tensor_parallel_size={p} = {p * int(dp)} processes, "
-                          f"but {here}; use parallel.data_parallel_size={world // p} (or auto)")
+    here = CONFIG_KEYS.world(devices, nodes)
+    try:
+        p, _ = resolve_sizes(layout, model, devices, nodes, par.tensor_parallel_size, par.data_parallel_size,
+                             allow_fallback=bool(par.get("allow_fallback", False)), names=CONFIG_KEYS)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     for bad in (layout.batch_problem(p, batch, key="data.batch_size"),
                 layout.sequence_problem(p, seq, key="data.block_size")):
         if bad:
             raise ConfigError(bad)
-    if model.dropout and not layout.supports_dropout:
-        raise ConfigError(f"model.dropout={model.dropout}: layout {layout.name!r} does not support dropout; set "
-                          "model.dropout=0")
+    bad = layout.dropout_problem(model.dropout, key="model.dropout")
+    if bad:
+        raise ConfigError(bad)
     text = f"layout {layout.name!r}: {world // p} replica(s) x {layout.describe(p)} (p={p}) on {here}"
     if p == 1 and world > 1:
         text += (f" -- note: no {layout.arrangement} larger than 1 fits {devices} devices per machine, so "
@@ -473,42 +437,11 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
     return text
 
 
-def no_fit_message(layout, model, devices: int, nodes: int, fitting: list[int]) -> str:
-    """Why ``tensor_parallel_size: auto`` found no replica larger than one device, and the device counts, sizes
-    and keys that would fit (training whole-model replicas instead has to be asked for: ``allow_fallback``)."""
-    from lightning_tp2d.families import family_of_config, fits  # (torch: not for --cfg job)
-
-    sizes = [p for p in range(2, 65) if fits(layout, p, model)][:3]
-
-    split = family_of_config(model).sizes(model, layout)
-    needs = ", ".join(f"model.{name}={value}" for name, value in split[:-1]) + (" and " if len(split) > 1 else "") \
-        + "model.{}={}".format(*split[-1])
-    why = f"layout {layout.name!r} needs a " + (f"q x q grid, q dividing {needs}" if layout.square else
-                                                 f"ring whose size divides {needs}")
-    ways = []
-    if sizes:
-        shapes = ", ".join(layout.describe(p) for p in sizes)
-        ways.append(f"trainer.devices={', '.join(map(str, sizes))} (or a multiple: data-parallel replicas of a "
-                    f"{shapes})")
-    else:
-        ways.append(f"a model that splits (no {layout.arrangement} up to 64 devices fits this one)")
-    if max(fitting) > 1:
-        ways.append(f"parallel.tensor_parallel_size={max(fitting)} (replicas spanning machines)")
-    ways.append(f"parallel.allow_fallback=true to train {devices * nodes} data-parallel replicas of the whole model")
-    ways.append("parallel=single with trainer.devices=1")
-    return (f"parallel.tensor_parallel_size=auto: no {layout.arrangement} larger than 1 fits trainer.devices={devices} "
-            f"per machine ({why}). Use " + "; or ".join(ways))
-
-
 # ---- after training ----------------------------------------------------------------------------------------------
 
 
 def generate_sample(cfg: DictConfig, module, datamodule, trainer) -> str | None:
     """Text continuing ``sample.prompt``; every rank calls it (generation under tensor parallelism is collective)."""
-    import torch
-
-    from lightning_tp2d.data import get_tokenizer
-
     n = int(cfg.sample.max_new_tokens)
     if n <= 0:
         return None
@@ -588,8 +521,6 @@ def newest_checkpoint(checkpoint) -> str:
 
 
 def report(cfg: DictConfig, trainer, checkpoint, run_dir: Path, sample: str | None, seconds: float) -> None:
-    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
-
     csv_logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
     metrics_csv = Path(csv_logger.log_dir) / "metrics.csv" if csv_logger else None
     lines = [f"tp2d-train: done in {seconds / 60:.1f} min, {trainer.global_step} steps"]
@@ -626,8 +557,6 @@ def report(cfg: DictConfig, trainer, checkpoint, run_dir: Path, sample: str | No
 
 def report_interrupt(trainer, checkpoint) -> None:
     """Rank 0, after Lightning stopped the other ranks: drop half-written checkpoints and name the last good one."""
-    from lightning_tp2d.checkpoint import clear, staging_path
-
     suffix = staging_path(Path("x")).name[1:]  # what an unfinished save is called
     for partial in Path(checkpoint.dirpath or ".").glob(f"*{suffix}") if checkpoint is not None else ():
         clear(partial)

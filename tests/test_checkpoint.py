@@ -105,9 +105,9 @@ class SaveBoth(L.Callback):
             return
         strategy = trainer.strategy
         trainer.save_checkpoint(self.directory / "sharded.ckpt")
-        strategy._save_distributed_checkpoint = False
+        strategy._sharded_checkpoints = False
         trainer.save_checkpoint(self.directory / "full.ckpt")
-        strategy._save_distributed_checkpoint = True
+        strategy._sharded_checkpoints = True
         self.weights = {k: v.numpy() for k, v in tp.full_state_dict(pl_module.model).items()}
 
 

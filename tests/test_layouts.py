@@ -112,8 +112,8 @@ def test_layout_messages_name_the_numbers_and_a_size_that_fits():
         "multiple of 8, e.g. 56 or 64")
     assert Ring().batch_problem(4, 5) is None and Grid2D().sequence_problem(4, 7) is None
     with pytest.raises(ValueError, match="does not support dropout"):
-        GridRing().check_model(4, 6, 48, dropout=0.1)
-    Grid2D().check_model(4, 6, 48, dropout=0.1)
+        GridRing().check_sizes(4, {"n_head": 6, "n_embd": 48}, dropout=0.1)
+    Grid2D().check_sizes(4, {"n_head": 6, "n_embd": 48}, dropout=0.1)
 
 
 def test_auto_size_is_the_layouts_largest_valid_size_within_a_node():

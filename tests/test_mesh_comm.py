@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lightning_tp2d import comm
+from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.mesh import ParallelDims, grid_coords, init_mesh, parallel_dims_of
 from tests.distributed import run_distributed
 
@@ -60,7 +61,7 @@ def test_non_positive_or_non_int_sizes_raise_naming_the_field_and_value(sizes, m
 def test_check_model_names_heads_hidden_q_and_suggests_q_values():
     # q=5: 12 heads and 768 hidden both fail; the q values that divide both are the divisors of gcd=12.
     with pytest.raises(ValueError) as err:
-        ParallelDims("2d", 25).check_model(n_head=12, n_embd=768)
+        get_layout("2d").check_sizes(25, {"n_head": 12, "n_embd": 768})
     msg = str(err.value)
     assert "n_head=12 is not divisible by q=5" in msg
     assert "n_embd=768 is not divisible by q=5" in msg
@@ -69,15 +70,15 @@ def test_check_model_names_heads_hidden_q_and_suggests_q_values():
 
 def test_check_model_names_only_the_failing_number():
     with pytest.raises(ValueError) as err:
-        ParallelDims("2d", 9).check_model(n_head=12, n_embd=100)  # 12 % 3 == 0, 100 % 3 == 1
+        get_layout("2d").check_sizes(9, {"n_head": 12, "n_embd": 100})  # 12 % 3 == 0, 100 % 3 == 1
     msg = str(err.value)
     assert "n_embd=100 is not divisible by q=3" in msg and "n_head" not in msg
     assert "use q in [1, 2, 4]" in msg  # divisors of gcd(12, 100) = 4
 
 
 def test_check_model_accepts_heads_and_hidden_divisible_by_q():
-    ParallelDims("2d", 9).check_model(n_head=12, n_embd=96)
-    ParallelDims("metp", 4).check_model(n_head=12, n_embd=96)
+    get_layout("2d").check_sizes(9, {"n_head": 12, "n_embd": 96})
+    get_layout("metp").check_sizes(4, {"n_embd": 96})
 
 
 def test_check_world_size_names_world_dp_and_p():

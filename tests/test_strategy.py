@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import lightning.pytorch as L
 import pytest
@@ -115,12 +116,14 @@ def test_strategy_names_resolve_after_import(name, layout):
 
 @pytest.mark.parametrize("kwargs, devices, message", [
     (dict(tensor_parallel_size=3), 3, "not a perfect square"),
-    (dict(tensor_parallel_size=4, data_parallel_size=2), 4, "world size 4 != data_parallel_size 2"),
+    (dict(tensor_parallel_size=4, data_parallel_size=2), 4,
+     re.escape("data_parallel_size=2 x tensor_parallel_size=4 = 8 processes, but world size 4")),
     (dict(data_parallel_size=3), 4, "data_parallel_size=3 does not divide the world size 4"),
-    (dict(tensor_parallel_size=4), 6, "tensor_parallel_size=4 does not divide the world size 6"),
+    (dict(tensor_parallel_size=4), 6, "tensor_parallel_size=4 needs a multiple of 4 processes, but world size 6"),
     (dict(layout="3d"), 4, "unknown layout '3d'"),
     (dict(tensor_parallel_size=0), 4, "positive int"),
-    (dict(), 3, r"no grid of layout '2d' larger than 1 fits 3 devices per node .*\(4, 9, 16, 25, 36\).*allow_fallback"),
+    (dict(), 3, r"no grid larger than 1 fits devices=3 per machine \(layout '2d' needs a q x q grid\)\. Use "
+                r"devices=4, 9, 16 .*allow_fallback=True"),
 ])
 def test_sizes_that_do_not_fit_fail_when_the_trainer_is_built(kwargs, devices, message):
     with pytest.raises(ValueError, match=message):

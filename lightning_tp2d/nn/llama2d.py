@@ -101,9 +101,8 @@ class LlamaAttention2D(nn.Module):
         q = axis_index(mesh, "col")[1]
         self.head_size, self.rope_theta, self.dropout = attn.head_size, attn.rope_theta, attn.dropout
         n_head, n_kv_head = attn.q_proj.out_features // self.head_size, attn.k_proj.out_features // self.head_size
-        for name, value in (("n_head", n_head), ("n_kv_head", n_kv_head)):
-            if value % q:
-                raise ValueError(f"layout '2d': {name}={value} is not divisible by q={q}")
+        # heads and key/value heads divide by q: the family's size rule, checked before any layer is built
+        # (families.ModelFamily.check_model in parallelize)
         self.local_heads, self.local_kv_heads = n_head // q, n_kv_head // q
         self.q_proj = Linear2D(attn.q_proj, mesh, options=options)
         self.k_proj = Linear2D(attn.k_proj, mesh, options=options)
