@@ -18,22 +18,19 @@ block is a box. A shard no box describes is gathered and saved whole (correct, o
 
 Reading a checkpoint on one device and exporting to transformers live in :mod:`lightning_tp2d.export`.
 
-Saving is crash-safe: everything is written to ``<path>.tmp-tp2d`` and renamed into place only when complete,
-so a crash mid-save leaves the previous checkpoint at ``path`` untouched (see :func:`commit`); a save that fails on
-any rank (a full disk) removes the staging folder on every rank's word and raises :class:`CheckpointError` naming
-the cause (:func:`save`). A sharded checkpoint records the size and BLAKE2b digest of every file in
-``checksums.json``; loading verifies them first (each rank a share of the files) and names every missing,
-truncated or damaged file in one error (:func:`verify`).
+Saving is crash-safe and loading checked, by the model-agnostic :mod:`lightning_tp2d.safe_files`: everything is
+written to ``<path>.tmp-tp2d`` and renamed into place only when complete, so a crash mid-save leaves the previous
+checkpoint at ``path`` untouched; a save that fails on any rank (a full disk) removes the staging folder on every
+rank's word and raises :class:`CheckpointError` naming the cause (:func:`save`). A sharded checkpoint records the
+size and BLAKE2b digest of every file in ``checksums.json``; loading verifies them first and names every missing,
+truncated or damaged file in one error. ``staging_path``, ``clear``, ``commit``, ``resolve`` and ``verify`` are
+importable from here too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
-import json
 import os
-import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -47,10 +44,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_tp2d.errors import CheckpointError
 from lightning_tp2d.families import fused_qkv_suffixes
+from lightning_tp2d.safe_files import (CHECKSUMS, clear, commit, describe_failure, file_digest,  # noqa: F401
+                                       gather_objects, resolve, save_staged, staging_path, verify)
 from lightning_tp2d.zero import full_param_groups, sharding_of
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
-CHECKSUMS = "checksums.json"  # sizes and digests of a sharded checkpoint's files
 MODEL = "state_dict."
 _dcp_save = dcp.save  # indirection so tests can interrupt a save
 
@@ -227,21 +225,6 @@ def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, ra
 # ---- writing -------------------------------------------------------------------------------------------------
 
 
-def staging_path(path: Path) -> Path:
-    return path.with_name(path.name + ".tmp-tp2d")
-
-
-def _old_path(path: Path) -> Path:
-    return path.with_name(path.name + ".old-tp2d")
-
-
-def clear(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def write_sharded(checkpoint: dict[str, Any], directory: Path, rank: int) -> None:
     """Every rank: its shards of the model and optimizer states into ``directory`` (DCP); rank 0 also the rest
     of ``checkpoint`` (``state_dict`` from ``state_dict(keep_vars=True)``, ``optimizer_states`` from
@@ -270,143 +253,32 @@ def write_full(checkpoint: dict[str, Any], file: Path) -> None:
     torch.save(checkpoint, file)
 
 
-def gather_objects(obj) -> list:
-    """Every rank's ``obj`` (an all-gather over the default group; ``[obj]`` without one)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [obj]
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def file_digest(path: Path) -> dict[str, Any]:
-    """``{"bytes": size, "blake2b": hex digest}`` of one file (read in 8 MiB blocks)."""
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            h.update(block)
-    return {"bytes": path.stat().st_size, "blake2b": h.hexdigest()}
-
-
 def own_files(directory: Path, rank: int) -> list[Path]:
     """The shard files rank ``rank`` wrote into a sharded checkpoint (DCP names them ``__<rank>_<i>.distcp``)."""
     return sorted(directory.glob(f"__{rank}_*.distcp"))
 
 
-def write_checksums(directory: Path, digests: dict[str, dict]) -> None:
-    """Rank 0, after every rank wrote: ``checksums.json`` with ``digests`` (every rank's shard files) and the
-    digests of DCP's ``.metadata`` and ``meta.pt``."""
-    files = dict(digests)
-    for name in (".metadata", META):
-        if (directory / name).is_file():
-            files[name] = file_digest(directory / name)
-    (directory / CHECKSUMS).write_text(json.dumps({"algorithm": "blake2b-128", "files": files}, indent=1,
-                                                  sort_keys=True))
-
-
-def verify(path: Path, rank: int = 0, world_size: int = 1,
-           all_gather: Callable[[list], list] | None = None) -> None:
-    """Check a sharded checkpoint's files against ``checksums.json`` (this rank checks every ``world_size``-th
-    file; ``all_gather`` pools the findings so every rank raises the same :class:`CheckpointError`). A checkpoint
-    written before checksums existed is not checked."""
-    record = path / CHECKSUMS
-    if not record.is_file():
-        return
-    try:
-        files = json.loads(record.read_text())["files"]
-    except (ValueError, KeyError) as err:
-        problems = [f"{CHECKSUMS}: unreadable ({err})"]
-        files = {}
-    else:
-        problems = []
-    for name in sorted(files)[rank::world_size]:
-        expected, file = files[name], path / name
-        if not file.is_file():
-            problems.append(f"{name}: missing")
-        elif file.stat().st_size != expected["bytes"]:
-            problems.append(f"{name}: {file.stat().st_size} bytes, written with {expected['bytes']} (truncated or "
-                            f"overwritten)")
-        elif file_digest(file)["blake2b"] != expected["blake2b"]:
-            problems.append(f"{name}: contents differ from what was written (damaged)")
-    if all_gather is not None:
-        problems = sorted({p for found in all_gather(problems) for p in found})
-    if problems:
-        raise CheckpointError(f"checkpoint {str(path)!r} is damaged and was not loaded: " + "; ".join(problems)
-                              + ". Load an earlier checkpoint (every save is a separate directory unless "
-                              "save_top_k removed it), or restore the files from a copy.")
-
-
 def save(checkpoint: dict[str, Any], path: Path, *, rank: int, sharded: bool,
          barrier: Callable[[str], None] = lambda name: None,
          all_gather: Callable[[Any], list] = gather_objects) -> None:
-    """Write ``checkpoint`` to ``path`` the crash-safe way (module docstring). Every rank calls it; ``barrier`` and
-    ``all_gather`` are the job's collectives (``barrier`` a no-op and ``all_gather`` ``[obj]`` in one process). A failure on any rank while writing (a full
-    disk, a permission error, a DCP error) is agreed on by all ranks: the staging folder is removed, the previous
-    checkpoint stays, and every rank raises :class:`CheckpointError` naming the rank and the cause."""
-    staging = staging_path(path)
-    if rank == 0:
-        clear(staging)  # debris of a save that crashed
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if sharded:
-            staging.mkdir()
-    barrier("tp2d_save_start")
-    failure, digests = None, {}
-    try:
+    """Write ``checkpoint`` to ``path`` the crash-safe way (:func:`~lightning_tp2d.safe_files.save_staged`): every
+    rank its shards into a staging directory (``sharded``), or rank 0 one full file. Every rank calls it;
+    ``barrier`` and ``all_gather`` are the job's collectives. A failure on any rank leaves the previous checkpoint
+    and raises :class:`CheckpointError` on every rank."""
+
+    def write(staging: Path) -> dict[str, dict]:
         if sharded:
             write_sharded(checkpoint, staging, rank)
-            digests = {f.name: file_digest(f) for f in own_files(staging, rank)}
-        elif rank == 0:
-            write_full(checkpoint, staging)
-    except Exception as err:  # noqa: BLE001 - agreed on below, then raised on every rank
-        failure = _describe_failure(err)
-    results = all_gather((failure, digests))
-    failures = [f"rank {r}: {f}" for r, (f, _) in enumerate(results) if f]
-    if failures:
+            return {f.name: file_digest(f) for f in own_files(staging, rank)}
         if rank == 0:
-            clear(staging)
-        barrier("tp2d_save_failed")
-        raise CheckpointError(f"saving checkpoint {str(path)!r} failed ({'; '.join(failures)}); the half-written "
-                              f"copy was removed and the previous checkpoint at that path, if any, is intact")
-    if rank == 0:
-        if sharded:
-            write_checksums(staging, {name: d for _, ds in results for name, d in ds.items()})
-        commit(staging, path)
-    barrier("tp2d_save_done")
+            write_full(checkpoint, staging)
+        return {}
 
-
-def _describe_failure(err: BaseException) -> str:
-    """One line for a failed write or read; a full disk is said as such, however deep DCP wrapped it."""
-    cause: BaseException | None = err
-    while cause is not None:
-        if (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or "No space left on device" in str(cause):
-            return "the disk is full (No space left on device)"
-        cause = cause.__cause__
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"
-
-
-def commit(staging: Path, path: Path) -> None:
-    """Move a complete checkpoint from ``staging`` to ``path``. Replacing an existing one takes two renames;
-    between them the previous checkpoint survives as ``<path>.old-tp2d``, which loading falls back to."""
-    old = _old_path(path)
-    if path.exists() or path.is_symlink():
-        clear(old)
-        os.replace(path, old)
-    os.replace(staging, path)
-    clear(old)  # also the survivor of an earlier interrupted replacement
+    save_staged(write, path, rank=rank, directory=sharded, checksummed=(".metadata", META), barrier=barrier,
+                all_gather=all_gather)
 
 
 # ---- reading -------------------------------------------------------------------------------------------------
-
-
-def resolve(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    if not path.exists() and _old_path(path).exists():
-        warnings.warn(f"{path} is missing (a save was interrupted); loading the previous {_old_path(path)}")
-        return _old_path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    return path
 
 
 def saved_step(path: str | os.PathLike) -> int:
@@ -421,7 +293,7 @@ def saved_step(path: str | os.PathLike) -> int:
         return int(meta["global_step"])
     except Exception as err:  # noqa: BLE001 - unpickling fails in many ways on a damaged file
         where = path / META if is_sharded(path) else path
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({str(where)!r}: {_describe_failure(err)}): "
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({str(where)!r}: {describe_failure(err)}): "
                               "it is damaged, truncated or not one of this package's checkpoints") from None
 
 
@@ -528,7 +400,7 @@ def _load_full(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
     try:
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - torch's messages do not name the file
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({_describe_failure(err)}): the file is "
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({describe_failure(err)}): the file is "
                               f"damaged, truncated or not a torch checkpoint") from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict')")

@@ -46,13 +46,14 @@ from omegaconf.errors import MissingMandatoryValue
 
 from lightning_tp2d import launch
 from lightning_tp2d.callbacks import GracefulInterrupt
-from lightning_tp2d.checkpoint import clear, resolve, saved_step, staging_path
+from lightning_tp2d.checkpoint import saved_step
 from lightning_tp2d.data import (check_format, check_path, get_tokenizer, is_token_file, text_suffixes,
                                  tokenizer_vocab_size)
 from lightning_tp2d.errors import CheckpointError, CommError, DivergenceError
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import STRATEGY_NAMES, get_layout
 from lightning_tp2d.quiet import silence_known_noise
+from lightning_tp2d.safe_files import clear, resolve, staging_path
 from lightning_tp2d.sizes import CONFIG_KEYS, resolve_sizes
 
 log = logging.getLogger("tp2d-train")
