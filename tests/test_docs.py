@@ -1,18 +1,21 @@
-"""The documentation runs as written: every ```python block of README.md (and of docs/*.md, when it exists) is saved
+"""The documentation runs as written: every ```python block of README.md, CONTRIBUTING.md and docs/*.md is saved
 as a script and started the way its text says (``torchrun ...`` when the text before the block names that command
 for it, else ``python <file>``: Lightning's and Fabric's own launchers start the processes), in one folder per
 document, in document order. Only the CPU-sized arguments the text itself offers are swapped in (``CPU_SIZED``),
 and each swapped string must still be in the text. Each known block's output is checked for numbers; every
 block's output for Lightning's known-harmless warnings and tips (``lightning_tp2d.quiet``).
 
-Also: the Quick start installs torch's CPU build before the package, and every ``tp2d fit`` command of the README
-that names a config file of this checkout parses (``tp2d-train`` commands: tests/test_recipes.py)."""
+Also, over the same documents: the Quick start installs torch's CPU build before the package; every ``tp2d fit``
+command of a ```bash block parses its flags (with its config when this checkout has it, else with the recipe's);
+every ``tp2d-bench`` and ``tp2d-generate`` command parses its arguments; and every relative link points to a file
+that exists and, with ``#anchor``, to a heading of that file (``tp2d-train`` commands: tests/test_recipes.py)."""
 
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,11 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from lightning_tp2d import generate
+from lightning_tp2d.bench import cli as bench_cli
 from lightning_tp2d.cli import main as tp2d_main
 from tests.test_cli import NOISE
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
 # the text before a block names the command that starts it: `torchrun --nproc-per-node 4 layouts.py`
 TORCHRUN = re.compile(r"`torchrun ((?:--[\w-]+[ =]\S+ )*)(\w+\.py)`")
@@ -37,8 +42,9 @@ CPU_SIZED = [
     ('GPT2Config.from_name("gpt2")', 'GPT2Config.from_name("gpt2-tiny")',
      'with `"gpt2-tiny"` in place of\n`"gpt2"` it runs in seconds'),
 ]
-# A block holding the first string uses what the block holding the second one wrote (same folder, run first).
-NEEDS = [('ckpt_path="tiny.ckpt"', 'trainer.save_checkpoint("tiny.ckpt"')]
+# A block holding the first string uses the file (or folder) that the block holding the second one wrote: that block
+# runs first, and what it wrote is copied into this block's folder when the two are in different documents.
+NEEDS = [('ckpt_path="tiny.ckpt"', 'trainer.save_checkpoint("tiny.ckpt"', "tiny.ckpt")]
 
 
 @dataclass(frozen=True)
@@ -92,13 +98,21 @@ def ran(tmp_path_factory):
     """Runs blocks at most once each, in one folder per document; returns ``run(block) -> (folder, output)``."""
     folders, done = {}, {}
 
+    def folder(doc: Path) -> Path:
+        if doc not in folders:
+            folders[doc] = tmp_path_factory.mktemp(doc.stem)
+        return folders[doc]
+
     def run(block: Block) -> tuple[Path, str]:
         if block.id in done:
             return done[block.id]
-        for needs, wrote in NEEDS:  # the blocks this one uses the files of run first
+        cwd = folder(block.doc)
+        for needs, wrote, name in NEEDS:  # the blocks this one uses the files of run first
             if needs in block.code:
-                run(next(b for b in BLOCKS if b.doc == block.doc and wrote in b.code))
-        cwd = folders.setdefault(block.doc, tmp_path_factory.mktemp(block.doc.stem))
+                there, _ = run(next(b for b in BLOCKS if wrote in b.code))
+                if there != cwd and not (cwd / name).exists():
+                    copy = shutil.copytree if (there / name).is_dir() else shutil.copy2
+                    copy(there / name, cwd / name)
         (cwd / block.script).write_text(cpu_sized(block))
         if block.torchrun:  # --standalone: a free rendezvous port (other test runs may hold torchrun's default)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *block.torchrun, block.script]
@@ -115,11 +129,11 @@ def ran(tmp_path_factory):
 
 def test_the_documents_hold_the_blocks_and_swaps_this_test_knows():
     assert {block.script for block in BLOCKS} >= {"train_tiny.py", "fabric_tiny.py", "layouts.py"}
-    text = "\n".join(doc.read_text() for doc in DOCS)
+    text = " ".join(" ".join(doc.read_text() for doc in DOCS).split())  # line breaks read as spaces
     for documented, cpu, offer in CPU_SIZED:  # the swap is still offered by the text, for one block
-        assert offer in text, offer
+        assert " ".join(offer.split()) in text, offer
         assert sum(documented in block.code for block in BLOCKS) == 1, documented
-    for needs, wrote in NEEDS:
+    for needs, wrote, _ in NEEDS:
         assert sum(needs in b.code for b in BLOCKS) == 1 and sum(wrote in b.code for b in BLOCKS) == 1
     layouts = next(b for b in BLOCKS if b.script == "layouts.py")
     assert layouts.torchrun == ("--nproc-per-node", "4") and "import copy" not in layouts.code
@@ -169,21 +183,116 @@ def test_quick_start_installs_the_cpu_torch_before_the_package():
     assert cpu < package
 
 
-@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
-def test_every_documented_tp2d_fit_command_with_a_config_of_this_checkout_parses(capsys):
-    commands = []
+# ---- commands of the ```bash blocks ----------------------------------------------------------------------------
+
+# where a command starts in a line's words: ``tp2d fit`` (also after ``srun``, ``torchrun ... -m lightning_tp2d.cli``
+# or environment assignments), ``tp2d-bench``, ``tp2d-generate``
+HEADS = {("tp2d", "fit"): "tp2d fit", ("lightning_tp2d.cli", "fit"): "tp2d fit", ("tp2d-bench",): "tp2d-bench",
+         ("tp2d-generate",): "tp2d-generate"}
+RECIPE_CONFIG = "recipes/tp2d_cli.yaml"  # stands in for a config a command names but this checkout has not
+
+
+def bash_commands(name: str) -> list[tuple[str, list[str]]]:
+    """``(doc, arguments)`` of every ``name`` command (a value of HEADS) in the ```bash blocks of the documents;
+    backslash-continued lines are joined and ``#`` comments dropped."""
+    found = []
     for doc in DOCS:
         for lang, code in FENCE.findall(doc.read_text()):
-            if lang == "bash":
-                commands += [line.split("#")[0].split() for line in code.splitlines() if line.startswith("tp2d fit ")]
-    runnable = [c[2:] for c in commands if (ROOT / c[c.index("--config") + 1]).exists()]
-    assert len(runnable) >= 2
-    for args in runnable:
+            if lang != "bash":
+                continue
+            for line in code.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                for i in range(len(words)):
+                    for head, command in HEADS.items():
+                        if command == name and tuple(words[i:i + len(head)]) == head:
+                            found.append((doc.name, words[i + len(head):]))
+    return found
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_every_documented_tp2d_fit_command_parses_its_flags(capsys):
+    commands = bash_commands("tp2d fit")
+    assert len(commands) >= 6 and sum((ROOT / a[a.index("--config") + 1]).exists() for _, a in commands) >= 2
+    for doc, args in commands:
+        config = args.index("--config") + 1
+        if not (ROOT / args[config]).exists():  # a user's run.yaml: the flags must still be keys of the recipe's
+            args = [*args[:config], RECIPE_CONFIG, *args[config + 1:]]
+        args = [a.replace("recipes/", f"{ROOT}/recipes/", 1) for a in args]
         with pytest.raises(SystemExit) as exit_:
-            tp2d_main(["fit", *[a.replace("recipes/", f"{ROOT}/recipes/", 1) for a in args], "--print_config"])
-        assert exit_.value.code == 0, args
+            tp2d_main(["fit", *args, "--print_config"])
+        assert exit_.value.code == 0, (doc, args, capsys.readouterr().err[-2000:])
         printed = capsys.readouterr().out
-        for arg in args:  # every --key=value override is in the printed config
+        for arg in args:  # every --trainer.key=value override is in the printed config
             if arg.startswith("--trainer.") and "=" in arg:
                 key, value = arg[len("--trainer."):].split("=", 1)
-                assert re.search(rf"^  {re.escape(key)}: '?{re.escape(value)}'?$", printed, re.M), arg
+                assert re.search(rf"^  {re.escape(key)}: '?{re.escape(value)}'?$", printed, re.M), (doc, arg)
+
+
+class _Parsed(Exception):
+    """Raised in place of tp2d-bench's run, once its arguments are parsed and checked."""
+
+
+def test_every_documented_tp2d_bench_command_parses_and_names_known_layouts_and_models(monkeypatch, capsys):
+    def parsed(args, argv):
+        raise _Parsed(args)
+
+    monkeypatch.setattr(bench_cli, "run", parsed)  # main parses, checks the layouts and models, then runs: not here
+    commands = bash_commands("tp2d-bench")
+    assert len(commands) >= 4
+    for doc, args in commands:
+        with pytest.raises(_Parsed) as done:
+            bench_cli.main(args)
+        assert done.value.args[0].p >= 1, (doc, args)
+    assert capsys.readouterr().err == ""
+
+
+def test_every_documented_tp2d_generate_command_parses():
+    commands = bash_commands("tp2d-generate")
+    assert len(commands) >= 2
+    for doc, args in commands:
+        parsed = generate.parse_args(args)
+        assert parsed.prompt and (parsed.checkpoint is None) != (parsed.hf is None), (doc, args)
+
+
+# ---- links ------------------------------------------------------------------------------------------------------
+
+LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
+ANCHOR_TAG = re.compile(r"<a (?:id|name)=\"([^\"]+)\"")
+
+
+def _prose(text: str) -> str:
+    """``text`` without its fenced blocks and code spans (where brackets are code, not links)."""
+    return re.sub(r"`[^`\n]*`", "", FENCE.sub("", text))
+
+
+def anchors(doc: Path) -> set[str]:
+    """The ``#anchors`` GitHub gives ``doc``'s headings (lower case, punctuation dropped, spaces to hyphens; a
+    repeated heading gets ``-1``, ``-2`` ...), and its explicit ``<a id=...>`` anchors."""
+    text, seen, out = FENCE.sub("", doc.read_text()), {}, set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return out | set(ANCHOR_TAG.findall(text))
+
+
+def test_github_anchors_of_headings():
+    doc = ROOT / "docs" / "layouts.md"
+    assert {"the-2d-layout-summa-on-a-grid", "the-metp-layout-a-ring-for-long-sequences",
+            "the-fair-baseline-1-d-tp-with-sequence-parallelism"} <= anchors(doc)
+
+
+def test_every_relative_link_points_to_an_existing_file_and_heading():
+    checked, broken = 0, []
+    for doc in DOCS:
+        for target in LINK.findall(_prose(doc.read_text())):
+            if re.match(r"^[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            checked += 1
+            if not file.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and (file.suffix != ".md" or anchor not in anchors(file)):
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no heading #{anchor} in {file.name})")
+    assert checked >= 40 and broken == []

@@ -1,6 +1,6 @@
 """The package is one-way: no import cycle among its modules, counting imports inside functions too (a
 function-local import hides a cycle at run time, not from a reader). ``if TYPE_CHECKING:`` imports are left out
-(annotations only). The floors, bottom up, are in the package map of the README."""
+(annotations only). The floors, bottom up, are in docs/architecture.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Recipes: every experiment config composes (``tp2d-train experiment=<name> --cfg job``), every ``tp2d-train``
-command that the READMEs, the recipe scripts and the experiment headers name composes with its overrides, every
-``recipes/`` file they name exists, and the single-machine torchrun recipe trains on 4 CPU processes."""
+command that the READMEs, CONTRIBUTING.md, docs/, the recipe scripts and the experiment headers name composes with
+its overrides, every ``recipes/`` file they name exists, and the single-machine torchrun recipe trains on 4 CPU
+processes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from lightning_tp2d import train
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
-DOCS = [ROOT / "README.md", ROOT / "recipes" / "README.md", ROOT / "conf" / "README.md",
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "recipes" / "README.md", ROOT / "conf" / "README.md",
         *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "recipes").glob("*.sh")),
         *sorted((ROOT / "recipes").glob("*.sbatch")),
         *sorted((ROOT / "conf").rglob("*.yaml"))]
