@@ -1,6 +1,6 @@
 """The layouts: how one transformer is cut over ``p`` ranks, one class each, and a registry by name.
 
-A layout owns every rule that depends on it (DESIGN 3, 4):
+A layout owns every rule that depends on it (docs/layouts.md, docs/architecture.md):
 
 * the mesh: tensor axes (``row``/``col`` or ``ring``) after ``data_parallel``, their shape for ``(p, dp)``, and
   which tensor-parallel sizes are valid (square for the grids);
@@ -213,7 +213,7 @@ class SquareGrid(Layout):
 
 
 class Grid2D(SquareGrid):
-    """``"2d"``: SUMMA on a ``q x q`` grid (DESIGN 3.1). Rows split the batch, columns the hidden size."""
+    """``"2d"``: SUMMA on a ``q x q`` grid (docs/layouts.md, "2d"). Rows split the batch, columns the hidden size."""
 
     name = "2d"
     splits_batch = True
@@ -227,8 +227,8 @@ class Grid2D(SquareGrid):
 
 
 class Ring(Layout):
-    """``"metp"``: the METP ring over ``p`` ranks (DESIGN 3.2). Ranks keep zigzag sequence chunks; weight blocks
-    and K/V travel round the ring."""
+    """``"metp"``: the METP ring over ``p`` ranks (docs/layouts.md, "metp"). Ranks keep zigzag sequence chunks;
+    weight blocks and K/V travel round the ring."""
 
     name = "metp"
     tensor_axes = ("ring",)
@@ -239,7 +239,7 @@ class Ring(Layout):
 
 class GridRing(SquareGrid):
     """``"2d-metp"``: the ``"2d"`` grid with rows splitting the *sequence* (zigzag); attention is a METP ring along
-    ``row`` (DESIGN 3.3), so batch 1 works."""
+    ``row`` (docs/layouts.md, "2d-metp"), so batch 1 works."""
 
     name = "2d-metp"
     zigzag = True

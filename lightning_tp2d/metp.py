@@ -1,7 +1,7 @@
 """METP: the ring kernel ``O_i = ⊕_j f(A_i B_j) C_j`` and its attention, MLP and weight-streaming instances.
 
-Memory-efficient tensor parallelism (Liang et al., FITEE 2025; DESIGN 3.2). The ``p`` ranks of a mesh axis form
-a ring. Rank ``i`` keeps its row block ``A_i`` and starts with the pair ``(B_i, C_i)``; the pairs travel round
+Memory-efficient tensor parallelism (Liang et al., FITEE 2025; docs/layouts.md, "metp"). The ``p`` ranks of a mesh
+axis form a ring. Rank ``i`` keeps its row block ``A_i`` and starts with the pair ``(B_i, C_i)``; the pairs travel round
 the ring, so at step ``t = 0..p-1`` rank ``i`` holds the pair of rank ``j = (i - t) mod p`` and folds
 ``f(A_i B_j) C_j`` into its output (``⊕``: a sum, or the online log-sum-exp merge of attention).
 

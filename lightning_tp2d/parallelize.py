@@ -6,7 +6,7 @@ the model family's plan (:mod:`lightning_tp2d.families`); GPT-2's is described h
 reused unchanged: the parallel ``wte`` takes the full ``idx`` and returns this rank's shard, the blocks work on shards, and the parallel
 ``lm_head`` returns the loss (vocab-parallel) or the gathered logits.
 
-Plan for ``"2d"`` (DESIGN 3.1), per submodule:
+Plan for ``"2d"`` (docs/layouts.md, "2d"), per submodule:
 
 =========================  ==================  ==========================================================
 submodule                  becomes             parameter placements over (data_parallel, row, col)
@@ -22,10 +22,10 @@ lm_head                    LMHead2D            tied to transformer.wte.weight
 With the collective SUMMA (the default) the two output projections (``attn.c_proj``, ``mlp.c_proj``: output no
 wider than input) run in its scatter form and store the mirror blocks: weight R, Shard(0), Shard(1).
 
-``"metp"`` (DESIGN 3.2, :mod:`lightning_tp2d.nn.ring`, :mod:`lightning_tp2d.nn.ring_stream`) on the mesh
+``"metp"`` (docs/layouts.md, "metp", :mod:`lightning_tp2d.nn.ring`, :mod:`lightning_tp2d.nn.ring_stream`) on the mesh
 ``(data_parallel, ring)``: rank ``i`` holds the zigzag chunks ``i`` and ``2p-1-i`` of every sequence with the full
 hidden size; ``wte`` Shard(0) (vocab rows), ``c_attn`` _StridedShard(0, 3), ``c_fc`` Shard(0), both ``c_proj``
-Shard(1), everything else replicated with gradients summed over ``ring``. ``"2d-metp"`` (DESIGN 3.3,
+Shard(1), everything else replicated with gradients summed over ``ring``. ``"2d-metp"`` (docs/layouts.md, "2d-metp",
 :mod:`lightning_tp2d.nn.grid_metp`) places parameters as ``"2d"``; grid rows hold zigzag chunks instead of batch
 shards, and attention is a ring along ``row``.
 """

@@ -1,4 +1,5 @@
-"""``TP2DStrategy``: Lightning training with the package's tensor-parallel layouts (DESIGN 6).
+"""``TP2DStrategy``: Lightning training with the package's tensor-parallel layouts (docs/layouts.md, the Lightning
+strategy).
 
 Builds on Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy`, which brings the launcher,
 process-group set-up, data-parallel sampler sharding and the DCP checkpoint plumbing. On top of it:
@@ -143,7 +144,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._install_gradient_clipping()
-        # DESIGN 6: evaluate under no_grad, never inference_mode (DTensor and gloo collectives).
+        # evaluate under no_grad, never inference_mode (DTensor and gloo collectives; docs/layouts.md, the strategy)
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop):
             loop.inference_mode = False
         self.barrier()

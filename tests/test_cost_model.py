@@ -332,7 +332,7 @@ def test_metp_overlap_threshold_is_about_1k_tokens_on_a100():
     hw = cm.A100_NVLINK3_HDR
     causal = cm.metp_overlap_threshold(GPT2_SMALL, hw)
     full = cm.metp_overlap_threshold(GPT2_SMALL, hw, causal=False)
-    assert 700 <= causal <= 2000 and causal % 2 == 0  # DESIGN 3.2: "about 1k tokens per rank on A100/NVLink"
+    assert 700 <= causal <= 2000 and causal % 2 == 0  # the design's "about 1k tokens per rank on A100/NVLink"
     assert 0.4 < full / causal < 0.7  # a full S x S block does twice the work per byte
     # the threshold is where a step's attention time first covers its K|V transfer
     h, e, R, bw, lat = GPT2_SMALL.n_embd, 2, hw.attention_flops_per_s, hw.intra.bandwidth_Bps, hw.intra.latency_s

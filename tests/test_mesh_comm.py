@@ -1,7 +1,7 @@
 """Mesh sizes and their validation, then every collective of ``comm.py`` on real gloo process groups.
 
-Validation tests need no process group (DESIGN 5: bad configurations raise ``ValueError`` naming the numbers
-before any group work). The multi-rank tests run once per world size, 4 ranks (dp=1, 2x2 grid) and 8 ranks
+Validation tests need no process group (docs/layouts.md, validation: bad configurations raise ``ValueError`` naming
+the numbers before any group work). The multi-rank tests run once per world size, 4 ranks (dp=1, 2x2 grid) and 8 ranks
 (dp=2 x 2x2), through one ``run_distributed`` call each (a module-scoped fixture); each rank returns numbers
 (coordinates, max errors, ``count_comm`` snapshots) and the tests below assert them.
 

@@ -249,7 +249,7 @@ def test_communication_per_product_matches_the_summa_schedule(grid, product, dty
 
 
 def test_broadcast_ab_forward_is_2q_broadcasts_and_backward_2q_broadcasts_2q_reduces(grid):
-    # The headline numbers of DESIGN 3.1 / Linear2D, spelled out for C = A B.
+    # The headline numbers of docs/layouts.md ("2d") / Linear2D, spelled out for C = A B.
     q, outs = grid
     f64 = 8
     a_blk, b_blk = MB * KB * f64, KB * NB * f64

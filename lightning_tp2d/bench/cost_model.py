@@ -491,7 +491,7 @@ def fair_configurations(cfg: GPT2Config, batch: int, seq: int, n: int, hw: Hardw
 
 def metp_overlap_threshold(cfg: GPT2Config, hw: Hardware, elem: int = 2, causal: bool = True) -> int:
     """Smallest per-rank sequence length ``S = seq/p`` (even: two zigzag chunks) for which one forward ring step's
-    attention compute hides its ``K|V`` transfer on the intra-node link (DESIGN 3.2), one sequence:
+    attention compute hides its ``K|V`` transfer on the intra-node link (docs/layouts.md, "metp"), one sequence:
 
     ``2 h S² / attention_rate >= latency + 2 S h elem / bandwidth``.
 

@@ -1,5 +1,5 @@
-"""1-D tensor parallelism *with sequence parallelism*: the fair baseline (DESIGN 9), PyTorch's own styles applied
-to our GPT-2 the way torchtitan applies them to Llama (``apply_tp``). Build it with
+"""1-D tensor parallelism *with sequence parallelism*: the fair baseline (docs/layouts.md, the fair baseline),
+PyTorch's own styles applied to our GPT-2 the way torchtitan applies them to Llama (``apply_tp``). Build it with
 ``parallelize_1d(model, mesh, sequence_parallel=True)``; this module holds the plan and its communication.
 
 Between blocks the residual stream is this rank's sequence shard, a plain ``[B, T/p, h]``; only the

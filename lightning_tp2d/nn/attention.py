@@ -1,6 +1,6 @@
 """``Attention2D`` and ``MLP2D``: GPT-2's two sublayers with SUMMA linears and local compute.
 
-Attention (DESIGN 3.1): after the QKV SUMMA, rank ``(r, c)`` holds q, k and v of its batch shard ``r`` for
+Attention (docs/layouts.md, "2d"): after the QKV SUMMA, rank ``(r, c)`` holds q, k and v of its batch shard ``r`` for
 head group ``c`` (heads split over ``col``), because ``c_attn``'s output columns are regrouped so that ``col``
 block ``c`` holds ``[q_c | k_c | v_c]`` (see :class:`~lightning_tp2d.nn.linear.Linear2D` ``out_groups``).
 Attention itself is local ``scaled_dot_product_attention`` (flash / memory-efficient kernels on GPU); its

@@ -1,4 +1,5 @@
-"""Layers of the ``"2d-metp"`` layout (DESIGN 3.3): the ``"2d"`` grid with rows splitting the *sequence*.
+"""Layers of the ``"2d-metp"`` layout (docs/layouts.md, "2d-metp"): the ``"2d"`` grid with rows splitting the
+*sequence*.
 
 Rank ``(r, c)`` holds, for every sequence of the batch, the zigzag chunks ``r`` and ``2q-1-r`` (``S = 2T/(2q)``
 rows) and hidden block ``c``: ``x_rc [B, S, h/q]``. So batch 1 works and the sequence length scales with ``p``.

@@ -1,6 +1,6 @@
 """``Linear2D``: ``Y = X W + b`` as one SUMMA product on the ``q x q`` grid.
 
-Layout (DESIGN 3.1): ``X [N, in]`` block ``(r, c)`` is ``X[N_r, in_c]``; the weight ``W [in, out]`` block
+Layout (docs/layouts.md, "2d"): ``X [N, in]`` block ``(r, c)`` is ``X[N_r, in_c]``; the weight ``W [in, out]`` block
 ``(r, c)`` is ``W[in_r, out_c]``. torch stores ``W`` transposed (``weight [out, in]``), so the local block
 of the ``weight`` DTensor is ``weight[out_c, in_r]``: placements ``Shard(1)`` over ``row`` and ``Shard(0)``
 over ``col``. A linear in the collective SUMMA's scatter form (output narrower than input: the output projections)

@@ -1,4 +1,4 @@
-"""Transformer-block layers of the ``"metp"`` ring (DESIGN 3.2): every rank holds its zigzag chunks of each
+"""Transformer-block layers of the ``"metp"`` ring (docs/layouts.md, "metp"): every rank holds its zigzag chunks of each
 sequence with the full hidden size, ``x_i [B, S, h]`` with ``S = 2T/(2p)``, and ``1/p`` of every weight matrix.
 
 Parameter placements over ``(data_parallel, ring)`` (torch ``Linear`` stores ``weight [out, in]``):

@@ -1,5 +1,5 @@
-"""Llama's layers on the ``"metp"`` ring (DESIGN 3.2): as for GPT-2 (:mod:`lightning_tp2d.nn.ring`), rank ``i``
-holds its zigzag chunks ``i`` and ``2p-1-i`` of every sequence with the full hidden size, ``x_i [B, S, h]``,
+"""Llama's layers on the ``"metp"`` ring (docs/layouts.md, "metp"): as for GPT-2 (:mod:`lightning_tp2d.nn.ring`),
+rank ``i`` holds its zigzag chunks ``i`` and ``2p-1-i`` of every sequence with the full hidden size, ``x_i [B, S, h]``,
 ``S = 2T/(2p)``, and ``1/p`` of every weight matrix; the weight blocks and K/V travel round the ring.
 
 Parameter placements over ``(data_parallel, ring)`` (torch ``Linear`` stores ``weight [out, in]``; no biases):

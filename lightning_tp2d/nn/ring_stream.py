@@ -1,5 +1,5 @@
-"""Weight-streaming instances of the METP ring kernel (:mod:`lightning_tp2d.metp`, DESIGN 3.2): ``f`` is the
-identity (linears) or a softmax over the streamed dimension (the LM head's cross-entropy), and the travelling
+"""Weight-streaming instances of the METP ring kernel (:mod:`lightning_tp2d.metp`, docs/layouts.md, "metp"): ``f``
+is the identity (linears) or a softmax over the streamed dimension (the LM head's cross-entropy), and the travelling
 operand is a weight block while the activations stay put. ``N`` local tokens, ``p`` ring ranks.
 
 * Linear, out-split (``c_attn``, LM-head logits): ``W [out, in]`` split by output rows; block ``j`` of

@@ -1,4 +1,4 @@
-"""Zigzag sequence sharding for the METP layouts (DESIGN 3.2, 3.3).
+"""Zigzag sequence sharding for the METP layouts (docs/layouts.md, "metp" and "2d-metp").
 
 A sequence of ``T`` tokens is cut into ``2n`` chunks of ``c = T/(2n)``; coordinate ``i`` of an ``n``-rank axis
 keeps chunks ``i`` and ``2n-1-i`` (an early and a late one, so causal attention work is balanced), in that
