@@ -13,11 +13,13 @@ Shapes: B batch, T sequence length, h = n_embd, nh = n_head, hs = h // nh, V = v
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints
 from lightning_tp2d.models.hf import HFFormat
 
 # Weights that transformers stores as Conv1D, i.e. [in, out], while nn.Linear stores [out, in].
@@ -32,7 +34,7 @@ HF_CONFIG_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_laye
 
 
 @dataclass
-class GPT2Config:
+class GPT2Config(NamedSizes):
     n_layer: int  # number of transformer blocks
     n_head: int  # attention heads per block; must divide n_embd
     n_embd: int  # hidden size h of the residual stream
@@ -41,30 +43,12 @@ class GPT2Config:
     dropout: float = 0.0  # one dropout probability for embeddings, attention and residual branches
     bias: bool = True  # biases in Linear and LayerNorm, like GPT-2; False is a bit faster and leaner
 
+    KIND: ClassVar[str] = "GPT-2"
+
     def __post_init__(self):
-        for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"GPT2Config.{name} must be a positive int, got {value!r}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"n_embd % n_head = {self.n_embd % self.n_head}"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-
-    @property
-    def head_size(self) -> int:
-        """hs = n_embd // n_head, the width of one attention head."""
-        return self.n_embd // self.n_head
-
-    @classmethod
-    def from_name(cls, name: str, **overrides) -> "GPT2Config":
-        """A named size, e.g. ``GPT2Config.from_name("gpt2-tiny", dropout=0.1)``."""
-        if name not in _NAMED_CONFIGS:
-            raise ValueError(f"unknown GPT-2 config {name!r}; valid names: {sorted(_NAMED_CONFIGS)}")
-        return cls(**{**_NAMED_CONFIGS[name], **overrides})
+        check_positive_ints(self, ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"))
+        check_divides(self, "n_embd", "n_head")
+        check_dropout(self.dropout)
 
     @classmethod
     def from_hf(cls, hf_config) -> "GPT2Config":
@@ -103,6 +87,7 @@ _NAMED_CONFIGS = {
     "gpt2-tiny": dict(n_layer=2, n_head=6, n_embd=48, vocab_size=257, block_size=64),
     "gpt2-mini": dict(n_layer=4, n_head=6, n_embd=96, vocab_size=257, block_size=128),
 }
+GPT2Config.NAMED = _NAMED_CONFIGS
 
 
 class CausalSelfAttention(nn.Module):

@@ -53,11 +53,13 @@ What the parallel plans need (the GPT-2 plans carry over role by role):
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints
 from lightning_tp2d.models.gpt2 import GPT2, LMHead, _fill_normal_
 from lightning_tp2d.models.hf import HFFormat
 
@@ -71,7 +73,7 @@ HF_CONFIG_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=
 
 
 @dataclass
-class LlamaConfig:
+class LlamaConfig(NamedSizes):
     vocab_size: int  # number of token ids (Llama 2: 32000, Llama 3: 128256)
     n_layer: int  # number of decoder layers (HF: num_hidden_layers)
     n_head: int  # query heads per layer; must divide n_embd (HF: num_attention_heads)
@@ -84,22 +86,13 @@ class LlamaConfig:
     tie_embeddings: bool = False  # lm_head.weight is model.embed_tokens.weight (HF: tie_word_embeddings)
     dropout: float = 0.0  # attention-probability dropout (HF: attention_dropout); Llama has no other dropout
 
+    KIND: ClassVar[str] = "Llama"
+
     def __post_init__(self):
-        for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"n_embd % n_head = {self.n_embd % self.n_head}"
-            )
-        if self.n_head % self.n_kv_head != 0:
-            raise ValueError(
-                f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}; "
-                f"n_head % n_kv_head = {self.n_head % self.n_kv_head} (each key/value head serves a whole group "
-                f"of query heads)"
-            )
+        check_positive_ints(self, ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
+                                   "block_size"))
+        check_divides(self, "n_embd", "n_head")
+        check_divides(self, "n_head", "n_kv_head", "each key/value head serves a whole group of query heads")
         if self.head_size % 2 != 0:
             raise ValueError(f"head_size = n_embd // n_head = {self.n_embd} // {self.n_head} = {self.head_size} is "
                              f"odd; RoPE rotates pairs of features and needs an even head size")
@@ -109,25 +102,12 @@ class LlamaConfig:
                 raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"LlamaConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-
-    @property
-    def head_size(self) -> int:
-        """hs = n_embd // n_head, the width of one attention head (query, key and value alike)."""
-        return self.n_embd // self.n_head
+        check_dropout(self.dropout)
 
     @property
     def kv_groups(self) -> int:
         """g = n_head // n_kv_head, query heads per key/value head (1: multi-head attention)."""
         return self.n_head // self.n_kv_head
-
-    @classmethod
-    def from_name(cls, name: str, **overrides) -> "LlamaConfig":
-        """A named size, e.g. ``LlamaConfig.from_name("llama-tiny", tie_embeddings=True)``."""
-        if name not in _NAMED_CONFIGS:
-            raise ValueError(f"unknown Llama config {name!r}; valid names: {sorted(_NAMED_CONFIGS)}")
-        return cls(**{**_NAMED_CONFIGS[name], **overrides})
 
     @classmethod
     def from_hf(cls, hf_config) -> "LlamaConfig":
@@ -179,6 +159,7 @@ _NAMED_CONFIGS = {
                          tie_embeddings=True),  # 3.21B
     "llama-3.1-8b": dict(_LLAMA3, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336),  # 8.03B
 }
+LlamaConfig.NAMED = _NAMED_CONFIGS
 
 
 # ---- functions the parallel layers reuse ---------------------------------------------------------------------------

@@ -1,0 +1,47 @@
+"""What the model configs share: the checks of their fields (each failure a ``ValueError`` naming the field and
+its value) and named sizes (``from_name``). Each config class is a dataclass that calls these checks in its
+``__post_init__`` and lists its named sizes in ``NAMED`` (set below the class)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+def check_positive_ints(config: Any, names: tuple[str, ...]) -> None:
+    """Each named field of ``config`` is a positive int (``bool`` is not)."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {value!r}")
+
+
+def check_divides(config: Any, whole: str, part: str, why: str = "") -> None:
+    """``config.<part>`` divides ``config.<whole>`` (``why``: what the split is for, added to the message)."""
+    a, b = getattr(config, whole), getattr(config, part)
+    if a % b:
+        raise ValueError(f"{whole}={a} is not divisible by {part}={b}; {whole} % {part} = {a % b}"
+                         + (f" ({why})" if why else ""))
+
+
+def check_dropout(dropout: float) -> None:
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+
+
+class NamedSizes:
+    """``from_name`` and ``head_size`` for a config dataclass with ``n_embd``, ``n_head`` and a ``NAMED`` table."""
+
+    NAMED: ClassVar[dict[str, dict]] = {}
+    KIND: ClassVar[str] = "model"  # how messages name the family ("GPT-2", "Llama")
+
+    @classmethod
+    def from_name(cls, name: str, **overrides):
+        """A named size, e.g. ``GPT2Config.from_name("gpt2-tiny", dropout=0.1)``."""
+        if name not in cls.NAMED:
+            raise ValueError(f"unknown {cls.KIND} config {name!r}; valid names: {sorted(cls.NAMED)}")
+        return cls(**{**cls.NAMED[name], **overrides})
+
+    @property
+    def head_size(self) -> int:
+        """hs = n_embd // n_head, the width of one attention head."""
+        return self.n_embd // self.n_head  # type: ignore[attr-defined]
