@@ -6,10 +6,11 @@ forward/backward duals. Each call
 * returns at once when the axis has one rank (size-1 bypass: nothing is sent and nothing is counted);
 * takes ``src``/``dst`` as the *coordinate along the axis*, not a global rank;
 * with ``async_op=True`` returns a :class:`Handle` whose ``wait()`` completes it;
-* is reported to the active recorders, if any: :func:`count_comm` (calls and payload bytes per kind, so tests can
-  assert the communication a layer performs) or the cost model's schedule tracer
-  (:mod:`lightning_tp2d.bench.trace`). Nothing is recorded outside such a context. ``bytes`` is the payload of the tensor handed to the call on this rank: the broadcast/reduced/
-  all-reduced tensor, the local input of an all-gather, the full input of a reduce-scatter.
+* is reported to the open recorders of :mod:`lightning_tp2d.comm_record`, if any: :func:`count_comm` (calls and
+  payload bytes per kind, so tests can assert the communication a layer performs) or the cost model's schedule
+  tracer (:mod:`lightning_tp2d.bench.trace`). Nothing is recorded outside such a context. ``bytes`` is the payload
+  of the tensor handed to the call on this rank: the broadcast/reduced/all-reduced tensor, the local input of an
+  all-gather, the full input of a reduce-scatter.
 
 Under gloo, ``broadcast`` and ``reduce`` of CUDA tensors are staged through host memory here (gloo has no CUDA
 ``reduce``, and its CUDA broadcast writes back into the source); this is how several ranks share one GPU.
@@ -23,64 +24,20 @@ surfaces on its neighbours as an error, not a hang.
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+# KINDS, CommStats, count_comm and recording are public names of lightning_tp2d.comm too (comm.count_comm())
+from lightning_tp2d.comm_record import (KINDS, CommCall, CommStats, announce_posted, announce_waited,  # noqa: F401
+                                        count_comm, listening, recording)
 from lightning_tp2d.errors import CommError  # noqa: F401 (raised here; public name lightning_tp2d.comm.CommError)
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "send", "recv", "ring_exchange")
-
-
-class CommCall:
-    """One communication call as the recorders see it: ``kind``, the mesh ``axis`` (``"pair"`` for a point-to-point
-    swap), the global ``ranks`` it involves and the payload ``nbytes`` (the convention of the module docstring)."""
-
-    __slots__ = ("kind", "axis", "ranks", "nbytes")
-
-    def __init__(self, kind: str, axis: str, ranks: tuple[int, ...], nbytes: int) -> None:
-        self.kind, self.axis, self.ranks, self.nbytes = kind, axis, ranks, nbytes
-
-    def __repr__(self) -> str:
-        return f"CommCall({self.kind}, {self.axis}, ranks={self.ranks}, nbytes={self.nbytes})"
-
-
-class CommStats:
-    """Calls and bytes per collective kind, as seen by this rank (a recorder: see :func:`count_comm`)."""
-
-    def __init__(self) -> None:
-        self.calls: dict[str, int] = defaultdict(int)
-        self.bytes: dict[str, int] = defaultdict(int)
-
-    def add(self, kind: str, *tensors: torch.Tensor) -> None:
-        """One call of ``kind`` whose payload is ``tensors`` (several for a ring exchange of a tuple)."""
-        self.calls[kind] += 1
-        self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
-
-    def posted(self, call: CommCall) -> None:
-        self.calls[call.kind] += 1
-        self.bytes[call.kind] += call.nbytes
-
-    def waited(self, call: CommCall) -> None:
-        pass
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
-
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        return {kind: {"calls": self.calls.get(kind, 0), "bytes": self.bytes.get(kind, 0)} for kind in KINDS}
-
-    def __repr__(self) -> str:
-        return f"CommStats({ {k: v for k, v in self.snapshot().items() if v['calls']} })"
-
 
 # True while :func:`shapes_only` is active: every call allocates its outputs but nothing is sent or counted.
 _SHAPES_ONLY = False
@@ -99,45 +56,12 @@ def shapes_only() -> Iterator[None]:
         _SHAPES_ONLY = before
 
 
-# Recorders listening to this process's calls, innermost last. Empty (nothing is counted, no cost) unless a
-# count_comm() or a schedule trace is active; contexts nest, each sees the calls made while it is open.
-_RECORDERS: list = []
-
-
-@contextlib.contextmanager
-def recording(recorder) -> Iterator:
-    """Send every call made inside the block to ``recorder`` (``posted(call)`` when issued, ``waited(call)`` when
-    its handle completes; a blocking call is both at once)."""
-    _RECORDERS.append(recorder)
-    try:
-        yield recorder
-    finally:
-        _RECORDERS.remove(recorder)
-
-
-@contextlib.contextmanager
-def count_comm() -> Iterator[CommStats]:
-    """Count the calls issued inside the block in a fresh :class:`CommStats` (nestable: an outer count also sees
-    the inner block's calls). Off by default: outside any such block nothing is counted."""
-    with recording(CommStats()) as stats:
-        yield stats
-
-
 def _post(kind: str, axis: str, group, tensors, peer: int | None = None) -> CommCall | None:
-    """Tell the active recorders about a call (nothing to do, and nothing computed, when none is active)."""
-    if not _RECORDERS or _SHAPES_ONLY:
+    """Tell the open recorders about a call (nothing to do, and nothing computed, when none is open)."""
+    if not listening() or _SHAPES_ONLY:
         return None
     ranks = (dist.get_rank(), peer) if peer is not None else tuple(dist.get_process_group_ranks(group))
-    call = CommCall(kind, axis, ranks, sum(t.numel() * t.element_size() for t in tensors))
-    for recorder in list(_RECORDERS):
-        recorder.posted(call)
-    return call
-
-
-def _waited(call: CommCall | None) -> None:
-    if call is not None:
-        for recorder in list(_RECORDERS):
-            recorder.waited(call)
+    return announce_posted(CommCall(kind, axis, ranks, sum(t.numel() * t.element_size() for t in tensors)))
 
 
 def _where(kind: str, axis: str, group, peers: tuple[int, ...] = ()) -> tuple:
@@ -186,7 +110,7 @@ class Handle:
             then()
         if self._call is not None:
             call, self._call = self._call, None
-            _waited(call)
+            announce_waited(call)
 
 
 DONE = Handle()
@@ -293,7 +217,7 @@ def exchange_with(tensor: torch.Tensor, peer: int) -> torch.Tensor:
     if then is not None:
         then()
     for call in calls:
-        _waited(call)
+        announce_waited(call)
     return incoming
 
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import lightning_tp2d as tp
-from lightning_tp2d.data import (ByteTokenizer, ResumableLoader, ResumableSampler, TokenWindows, _pieces, check_path,
+from lightning_tp2d.data import (ByteTokenizer, ResumableLoader, ResumableSampler, TokenWindows, check_path,
                                  default_corpus, get_tokenizer, load_tokens, tokenizer_vocab_size)
+from lightning_tp2d.data.token_files import _pieces
 
 
 def test_byte_tokenizer_round_trips_any_text():

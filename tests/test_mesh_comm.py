@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from lightning_tp2d import comm
+from lightning_tp2d import comm, comm_record
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.mesh import ParallelDims, grid_coords, init_mesh, parallel_dims_of
 from tests.distributed import run_distributed
@@ -134,12 +134,12 @@ def _no_process_group_calls():
 def _counted(fn):
     """Run ``fn()`` inside count_comm, itself inside an outer count (counts nest: the inner one starts from zero and
     the outer one sees the inner block's calls too), and return the inner snapshot."""
-    assert not comm._RECORDERS  # off unless asked for
+    assert not comm_record._RECORDERS  # off unless asked for
     with comm.count_comm() as outer:
         with comm.count_comm() as stats:
             out = fn()
         assert outer.snapshot() == stats.snapshot()
-    assert not comm._RECORDERS
+    assert not comm_record._RECORDERS
     return out, stats.snapshot()
 
 

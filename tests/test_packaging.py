@@ -37,6 +37,7 @@ def run_python(code: str, cwd: Path = ROOT, env: dict | None = None) -> dict:
 @pytest.mark.parametrize("module,torch_free", [
     ("lightning_tp2d", True),
     ("lightning_tp2d.launch", True),
+    ("lightning_tp2d.comm_record", True),  # recording needs no torch (comm builds the calls)
     ("lightning_tp2d.bench.cost_model", False),
     ("lightning_tp2d.mesh", False),
     ("lightning_tp2d.models", False),

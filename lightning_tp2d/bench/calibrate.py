@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import time
 
+import torch
+import torch.distributed as dist
+
 from lightning_tp2d.bench.procs import run_ranks
 
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)  # bytes per ping-pong message
@@ -17,8 +20,6 @@ SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)  # bytes per ping-pong mes
 
 def matmul_rate(m: int, k: int, n: int, device: str = "cpu", dtype: str = "float32", repeats: int = 20) -> float:
     """FLOP/s of ``[m, k] @ [k, n]`` (median of ``repeats``), single-threaded on CPU."""
-    import torch
-
     if device == "cpu":
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -43,9 +44,6 @@ def matmul_rate(m: int, k: int, n: int, device: str = "cpu", dtype: str = "float
 
 
 def _ping_pong(rank: int, world_size: int, sizes, repeats: int) -> list[tuple[int, float]]:
-    import torch
-    import torch.distributed as dist
-
     out = []
     for nbytes in sizes:
         buf = torch.zeros(nbytes // 4)

@@ -26,10 +26,13 @@ import sys
 import time
 from dataclasses import asdict, replace
 
+import torch
+
 from lightning_tp2d import layouts
-from lightning_tp2d.bench import report
+from lightning_tp2d.bench import calibrate, cost_model, gemm_rates, report
 from lightning_tp2d.bench.events import wire_bytes
 from lightning_tp2d.bench.runner import BASELINES, SCENARIOS, BenchSpec, max_sequence, run_scenario
+from lightning_tp2d.options import TPOptions
 
 QUICK = dict(model="gpt2-tiny", set=["n_head=12"], batch=4, seq=64, p=4, steps=2, warmup=1,
              layouts="single,hf,tp1d,2d,metp,2d-metp", max_seq_layouts="tp1d,metp", max_seq_p=2, cap_mib=2.0,
@@ -104,8 +107,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def machine() -> dict:
-    import torch
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -160,8 +161,6 @@ def model_check(scenarios: list[dict], spec: BenchSpec, p: int) -> dict:
     scaled by ``cores / ranks`` when the ranks outnumber the cores; the link is a ping-pong fit between two ranks
     of the same backend. Everything the model leaves out (Python and autograd overhead per op, LayerNorm, the
     optimizer step, element-wise kernels, contention of ranks sharing cores) shows in the error."""
-    from lightning_tp2d.bench import calibrate, cost_model
-
     latency, bandwidth = calibrate.link(spec.device)
     cores = os.cpu_count() or 1
     rows = []
@@ -201,8 +200,6 @@ def _summary(row: dict) -> dict:
 def gemm_calibration(args: argparse.Namespace, cfg, batch: int, seq: int) -> dict:
     """The GEMM table the projection is priced with: the committed H200 one, or with ``--measured-rates`` one measured
     here (the local MLP product of 1x1, 2x2 and 3x3 grids; ``m`` capped at 4096 on CPU), and its fit."""
-    from lightning_tp2d.bench import gemm_rates
-
     if args.measured_rates:
         dtype = "bfloat16" if args.device == "cuda" else "float32"
         shapes = gemm_rates.table_shapes(batch * seq, cfg.n_embd, max_m=None if args.device == "cuda" else 4096)
@@ -224,9 +221,6 @@ def projection(args: argparse.Namespace) -> dict:
     ``speedup_vs_gpus.png`` plots); METP's
     full-overlap threshold. GEMMs are priced by :func:`gemm_calibration` (``--measured-rates``: this machine's
     table, the preset's links and attention-to-GEMM rate ratio)."""
-    from lightning_tp2d.bench import cost_model
-    from lightning_tp2d.options import TPOptions
-
     hw = {"h100": cost_model.H100_NVLINK4_NDR, "a100": cost_model.A100_NVLINK3_HDR}[args.hardware]
     cfg = BenchSpec(model=args.projection_model).config(args.projection_seq)
     batch, seq = args.projection_batch, args.projection_seq

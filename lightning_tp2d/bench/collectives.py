@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_tp2d.comm import CommStats
+from lightning_tp2d.comm_record import CommStats
 
 __all__ = ["FunctionalCollectiveCounter", "count_functional_collectives"]
 

@@ -48,6 +48,9 @@ from dataclasses import dataclass
 from lightning_tp2d.bench.events import Comm, float32_bytes
 from lightning_tp2d.bench.gemm_rates import H200_BF16
 from lightning_tp2d.bench.gemm_rates import fit as fit_gemm_rates
+from lightning_tp2d.bench.tp1d import tp1d_comm_events
+from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel, tp1d_sp_comm_events
+from lightning_tp2d.bench.trace import trace_step, trace_steps
 from lightning_tp2d.layouts import Grid2D, Layout, get_layout, layout_names
 from lightning_tp2d.models.gpt2 import GPT2Config
 
@@ -87,8 +90,6 @@ def _check(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int) 
         if h % p:
             raise ValueError(f"layout {layout!r}: n_embd={h} is not divisible by p={p}")
         if layout == "tp1d-sp":
-            from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel
-
             check_sequence_parallel(seq, p)
         return p
     spec = get_layout(layout)
@@ -104,8 +105,6 @@ def _check(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int) 
 
 
 def _traced(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, rank: int):
-    from lightning_tp2d.bench.trace import trace_step
-
     return trace_step(layout, cfg, batch, seq, p, elem, rank)
 
 
@@ -113,8 +112,6 @@ def _ranks_to_price(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, 
     """:func:`_representative_ranks`, traced in one request for a layout (later per-rank calls hit the cache)."""
     ranks = _representative_ranks(layout, p)
     if layout not in BASELINES and p > 1:
-        from lightning_tp2d.bench.trace import trace_steps
-
         trace_steps(layout, cfg, batch, seq, p, elem, ranks)
     return ranks
 
@@ -128,12 +125,8 @@ def _timed_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, el
     if not 0 <= rank < p:
         raise ValueError(f"rank {rank} is not in [0, {p})")
     if layout == "tp1d":  # before the p == 1 shortcut: loss_parallel all-reduces even over one rank
-        from lightning_tp2d.bench.tp1d import tp1d_comm_events
-
         return [(ev, 0.0, 0.0, tuple(range(p))) for ev in tp1d_comm_events(cfg, batch, seq, p, elem)]
     if layout == "tp1d-sp":
-        from lightning_tp2d.bench.tp1d_sp import tp1d_sp_comm_events
-
         return [(ev, ev.overlap_flops, 0.0, tuple(range(p)))
                 for ev in tp1d_sp_comm_events(cfg, batch, seq, p, elem, async_tp=async_tp, lean_wire=lean_wire)]
     if layout == "single" or p == 1:

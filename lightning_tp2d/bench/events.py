@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from lightning_tp2d.comm import KINDS
+from lightning_tp2d.comm_record import KINDS
 
 
 @dataclass(frozen=True)

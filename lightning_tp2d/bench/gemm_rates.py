@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_tp2d.bench.calibrate import matmul_rate
+
 
 @dataclass(frozen=True)
 class GemmPoint:
@@ -76,7 +78,5 @@ def table_shapes(tokens: int, hidden: int, sides=(1, 2, 3), max_m: int | None = 
 
 def measure_table(shapes, device: str = "cpu", dtype: str = "float32", repeats: int = 5) -> list[GemmPoint]:
     """Measure each ``(m, k, n)`` on this machine (:func:`lightning_tp2d.bench.calibrate.matmul_rate`)."""
-    from lightning_tp2d.bench.calibrate import matmul_rate
-
     return [GemmPoint(m, k, n, matmul_rate(m, k, n, device, dtype, repeats=repeats), f"this machine, {device} {dtype}")
             for m, k, n in shapes]

@@ -21,6 +21,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
+from lightning_tp2d.bench.measure import MemoryCapExceeded
+
 OOM = "oom"
 
 
@@ -39,9 +44,6 @@ class RunResult:
 
 
 def _is_oom(exc: BaseException) -> bool:
-    from lightning_tp2d.bench.measure import MemoryCapExceeded
-    import torch
-
     return isinstance(exc, (MemoryCapExceeded, torch.OutOfMemoryError))
 
 
@@ -53,9 +55,6 @@ def _short(exc: BaseException) -> str:
 def _worker(rank: int, world_size: int, init_file: str, device: str, cap_bytes: int | None, fn: Callable,
             args: tuple, results, timeout: float) -> None:
     try:
-        import torch
-        import torch.distributed as dist
-
         backend = "gloo"
         if device == "cuda":
             n_gpus = torch.cuda.device_count()

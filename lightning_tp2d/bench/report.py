@@ -220,10 +220,10 @@ def markdown(results: dict) -> str:
 
 def plots(results: dict, out_dir: str) -> list[str]:
     """PNG plots of whatever sections the run has; returns the file names written."""
-    import matplotlib
+    import matplotlib  # deferred: heavy to import, and only the plots need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: as above, after choosing the Agg backend
 
     written = []
     mem = [r for r in results.get("memory_vs_seq", []) if r.get("status") == "ok"]
@@ -287,7 +287,7 @@ def plots(results: dict, out_dir: str) -> list[str]:
 def _save(fig, out_dir: str, name: str) -> str:
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, name), dpi=110)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: heavy to import, and only the plots need it
 
     plt.close(fig)
     return name

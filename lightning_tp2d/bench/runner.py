@@ -40,8 +40,24 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
+import torch
+import torch.distributed as dist
+
 from lightning_tp2d import layouts
+from lightning_tp2d.bench import cost_model
+from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
+from lightning_tp2d.bench.events import totals, wire_bytes
+from lightning_tp2d.bench.measure import LiveTensorBytes, resident_bytes
 from lightning_tp2d.bench.procs import RunResult, run_ranks
+from lightning_tp2d.bench.tp1d import check_tp1d, init_tp1d_mesh, param_groups_1d, parallelize_1d
+from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel
+from lightning_tp2d.bench.trace import trace_steps
+from lightning_tp2d.comm_record import count_comm
+from lightning_tp2d.families import family_of_config, model_config
+from lightning_tp2d.mesh import init_mesh
+from lightning_tp2d.metp import block_kernel
+from lightning_tp2d.models import GPT2, GPT2Config
+from lightning_tp2d.parallelize import checkpoint_activations, parallelize
 
 BASELINES = ("single", "hf", "tp1d", "tp1d-sp")  # bench scenarios that are not layouts
 TP1D = ("tp1d", "tp1d-sp")  # torch's 1-D tensor parallelism, without and with sequence parallelism
@@ -67,8 +83,6 @@ class BenchSpec:
     activation_checkpointing: str = "none"  # for the package's layouts: none | full | selective
 
     def config(self, seq: int | None = None):
-        from lightning_tp2d.models import model_config
-
         seq = self.seq if seq is None else seq
         base = replace(model_config(self.model), **self.overrides)  # any registered family's named size
         return replace(base, block_size=max(base.block_size, seq))
@@ -95,8 +109,6 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
     before any process starts, so the reason names the numbers."""
     if layout not in SCENARIOS:
         return f"unknown layout {layout!r}; choose from {list(SCENARIOS)}"
-    from lightning_tp2d.families import family_of_config
-
     cfg = spec.config(seq)
     family = family_of_config(cfg)
     if seq > cfg.block_size:
@@ -114,9 +126,6 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
         return f"p must be a positive int, got {p!r}"
     try:
         if layout in TP1D:
-            from lightning_tp2d.bench.tp1d import check_tp1d
-            from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel
-
             check_tp1d(cfg, p)
             if layout == "tp1d-sp":
                 check_sequence_parallel(seq, p)
@@ -135,16 +144,11 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
 
 def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
     """The model of ``layout`` on this rank, its optimizer and the step function."""
-    import torch
-
-    from lightning_tp2d.families import family_of_config
-    from lightning_tp2d.models import GPT2
-
     cfg = spec.config(seq)
     device = torch.device(spec.device, torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
     torch.manual_seed(spec.seed)
     if layout == "hf":
-        from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+        from transformers import GPT2Config as HFConfig, GPT2LMHeadModel  # deferred: optional (the "hf" baseline)
 
         hf_cfg = HFConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
                           n_positions=cfg.block_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -161,23 +165,17 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
         if layout == "single":
             model = model.to(device)
         elif layout in TP1D:
-            from lightning_tp2d.bench.tp1d import init_tp1d_mesh, parallelize_1d
-
             parallelize_1d(model.to(device), init_tp1d_mesh(world_size, device_type=device.type),
                            sequence_parallel=layout == "tp1d-sp")
         else:
-            import lightning_tp2d as tp
-
-            tp.parallelize(model, tp.init_mesh(layout, world_size, 1, device_type=device.type), layout=layout)
-            tp.checkpoint_activations(model, spec.activation_checkpointing)
+            parallelize(model, init_mesh(layout, world_size, 1, device_type=device.type), layout=layout)
+            checkpoint_activations(model, spec.activation_checkpointing)
     model.train()
     if spec.compile:  # the timed steps run compiled; the measured step's dispatch modes make Dynamo run it eagerly
         if layout != "hf":
             model.validate_inputs = False  # the ids are drawn in range; value checks would read the device
         model.compile(backend=spec.compile, dynamic=False)
     if layout in TP1D:  # DTensor and plain parameters in separate groups (CUDA foreach kernels refuse a mix)
-        from lightning_tp2d.bench.tp1d import param_groups_1d
-
         optimizer = torch.optim.AdamW(param_groups_1d(model), lr=1e-4)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -195,8 +193,6 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
 
 
 def _sync(device: str) -> None:
-    import torch
-
     if device == "cuda":
         torch.cuda.synchronize()
 
@@ -206,13 +202,6 @@ def measure_rank(rank: int, world_size: int, layout: str, spec: BenchSpec, seq: 
     """One rank of a scenario. ``full``: time ``spec.steps`` steps after warm-up, then measure memory and
     communication on one more step; otherwise (a max-sequence probe) just that one measured step, which raises
     :class:`~lightning_tp2d.bench.measure.MemoryCapExceeded` (CPU) or an OOM (GPU) past the cap."""
-    import torch
-    import torch.distributed as dist
-
-    from lightning_tp2d import comm
-    from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
-    from lightning_tp2d.bench.measure import LiveTensorBytes, resident_bytes
-
     model, optimizer, forward = _build(layout, spec, seq, world_size)
     out: dict = {"rank": rank}
     kernel = ring_attention_kernel(layout, spec, seq)
@@ -250,7 +239,7 @@ def measure_rank(rank: int, world_size: int, layout: str, spec: BenchSpec, seq: 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         resident = torch.cuda.memory_allocated()
-    with comm.count_comm() as stats, counter, (nullcontext() if on_gpu else tracker):
+    with count_comm() as stats, counter, (nullcontext() if on_gpu else tracker):
         loss = forward()
         activation = (torch.cuda.memory_allocated() - resident) if on_gpu else tracker.live
         loss.backward()
@@ -281,14 +270,11 @@ def run_scenario(layout: str, p: int, spec: BenchSpec, seq: int | None = None, c
     row = {"layout": layout, "p": world, "batch": spec.batch, "seq": seq, "model": spec.model,
            "dtype": spec.dtype, "device": spec.device}
     reason = check_scenario(layout, world, spec, spec.batch, seq)
-    if reason is None and spec.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            reason = "no CUDA device"
+    if reason is None and spec.device == "cuda" and not torch.cuda.is_available():
+        reason = "no CUDA device"
     if reason is None and layout == "hf":
         try:
-            import transformers  # noqa: F401
+            import transformers  # noqa: F401 - deferred: optional (the "hf" baseline); is it installed?
         except ImportError:
             reason = "transformers is not installed"
     if reason is not None:
@@ -305,10 +291,6 @@ def ring_attention_kernel(layout: str, spec: BenchSpec, seq: int) -> str | None:
     ``None`` for layouts without ring attention."""
     if layout in BASELINES or not layouts.get_layout(layout).zigzag:  # ring attention: the zigzag layouts
         return None
-    import torch
-
-    from lightning_tp2d.metp import block_kernel
-
     cfg = spec.config(seq)
     dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
     device = torch.device(spec.device, torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
@@ -318,9 +300,6 @@ def ring_attention_kernel(layout: str, spec: BenchSpec, seq: int) -> str | None:
 
 def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict]) -> dict:
     """Per-scenario numbers from the per-rank reports, with the cost model's communication prediction."""
-    from lightning_tp2d.bench import cost_model
-    from lightning_tp2d.bench.events import totals, wire_bytes
-
     row: dict = {"loss": ranks[0]["loss"], "ranks": ranks}
     if "attention_kernel" in ranks[0]:
         row["attention_kernel"] = ranks[0]["attention_kernel"]
@@ -332,13 +311,9 @@ def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict])
         row[key] = max(r[key] for r in ranks)
     row["comm_calls"] = max(sum(v["calls"] for v in r["comm"].values()) for r in ranks)
     row["comm_bytes"] = max(sum(v["bytes"] for v in r["comm"].values()) for r in ranks)
-    from lightning_tp2d.models import GPT2Config
-
     cfg = spec.config(seq)
     if layout != "hf" and isinstance(cfg, GPT2Config):  # the cost model (and its tracer) describe GPT-2
         if layout not in BASELINES:  # every rank is compared with its own count: trace them in one go
-            from lightning_tp2d.bench.trace import trace_steps
-
             trace_steps(layout, cfg, spec.batch, seq, p, spec.elem, range(p))
         model_events = [cost_model.comm_events(layout, cfg, spec.batch, seq, p, spec.elem, rank=r) for r in range(p)]
         predicted = [totals(ev) for ev in model_events]
@@ -358,16 +333,10 @@ def calls_per_block(layout: str, cfg, batch: int, seq: int, p: int, elem: int) -
     """Communication calls one transformer block adds to a step, forward and backward, on the rank that makes the
     most: read from the traced step of a layout (no extra trace unless the model has one block), the difference of
     the closed forms for the 1-D baselines."""
-    from dataclasses import replace
-
-    from lightning_tp2d.bench import cost_model
-
     if layout in BASELINES:
         count = lambda n: sum(e.calls for e in cost_model.comm_events(layout, replace(cfg, n_layer=n), batch, seq,  # noqa: E731
                                                                        p, elem))
         return count(2) - count(1)
-    from lightning_tp2d.bench.trace import trace_steps
-
     if cfg.n_layer < 2:
         cfg = replace(cfg, n_layer=2)
     steps = trace_steps(layout, cfg, batch, seq, p, elem, layouts.get_layout(layout).distinct_ranks(p))

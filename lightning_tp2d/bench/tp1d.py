@@ -63,6 +63,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 from lightning_tp2d.bench.events import Comm, float32_bytes
+from lightning_tp2d.bench.tp1d_sp import check_input_hook, reduce_norm_grads, sp_plan
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 
 __all__ = ["TP1DHandle", "init_tp1d_mesh", "check_tp1d", "parallelize_1d", "full_state_dict_1d", "param_groups_1d",
@@ -279,8 +280,6 @@ def parallelize_1d(model: GPT2, mesh: DeviceMesh, *, sequence_parallel: bool = F
     for block in tr.h:
         block.attn = TP1DAttention(block.attn, p)
     if sequence_parallel:
-        from lightning_tp2d.bench.tp1d_sp import check_input_hook, reduce_norm_grads, sp_plan
-
         parallelize_module(model, mesh, sp_plan(cfg.n_layer))
         reduce_norm_grads(model, mesh)
         model.register_forward_pre_hook(check_input_hook(p), with_kwargs=True)

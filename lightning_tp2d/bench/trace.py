@@ -30,10 +30,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from lightning_tp2d import comm
+from lightning_tp2d import comm_record
 from lightning_tp2d.bench.events import Comm
 from lightning_tp2d.layouts import Layout, get_layout
+from lightning_tp2d.mesh import init_mesh
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+from lightning_tp2d.parallelize import parallelize
 
 _MATMUL_FLOPS = {packet.__name__: formula for packet, formula in flop_registry.items()
                  if packet.__name__ in ("mm", "addmm", "bmm", "baddbmm")}
@@ -77,11 +79,11 @@ class _Recorder(TorchDispatchMode):
         """Bytes of the storages the forward created and autograd saved for the backward."""
         return sum(self._created[k] for k in self._saved if k in self._created)
 
-    # comm.recording protocol
-    def posted(self, call: comm.CommCall) -> None:
+    # comm_record.recording protocol
+    def posted(self, call: comm_record.CommCall) -> None:
         self.in_flight[id(call)] = [call, self.phase, 0.0, 0.0]
 
-    def waited(self, call: comm.CommCall) -> None:
+    def waited(self, call: comm_record.CommCall) -> None:
         entry = self.in_flight.pop(id(call), None)
         if entry is not None:
             self.done.append(entry)
@@ -292,9 +294,6 @@ def _run_here(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem:
     from torch._subclasses.fake_tensor import FakeTensorMode  # private: see lightning_tp2d._private_api
     from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the fake backend's store
 
-    from lightning_tp2d.mesh import init_mesh
-    from lightning_tp2d.parallelize import parallelize
-
     dist.init_process_group("fake", rank=rank, world_size=p, store=FakeStore())
     recorder = _Recorder()
     try:
@@ -307,7 +306,7 @@ def _run_here(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem:
             model.validate_inputs = False  # fake ids cannot be read
             idx = torch.zeros(batch, seq, dtype=torch.long)
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=elem == 2)
-            with comm.recording(recorder), recorder:
+            with comm_record.recording(recorder), recorder:
                 with autocast, torch.autograd.graph.saved_tensors_hooks(recorder.save, lambda t: t):
                     loss = model(idx, idx)
                 activation = recorder.saved_bytes()
