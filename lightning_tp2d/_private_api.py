@@ -62,6 +62,13 @@ ModelCheckpoint: _should_skip_saving_checkpoint, _monitor_candidates, _save_topk
     public: partly: Lightning 2.6's ``ModelCheckpoint.on_train_end`` saves ``last.ckpt`` itself when
     ``save_last=True``; the final step's top-k entry has no public hook.
 
+``_TrainingEpochLoop._broadcast_sigterm_tensor = ...`` (replaced on the instance)
+    where: callbacks.py:GracefulInterrupt.on_train_start
+    why: Lightning 2.6 broadcasts ``trainer.received_sigterm`` from rank 0 before every training batch and reads it
+    with ``.item()``: a collective and a host sync per step. ``GracefulInterrupt`` replaces the handler that sets the
+    flag (on every rank), so the broadcast can only say "no"; its own vote carries SIGTERM a step late instead.
+    public: none; the broadcast runs in every distributed fit, with no switch.
+
 ``Precision.clip_grad_by_norm = ...``, ``Precision.clip_grad_by_value = ...`` (replaced on the instance)
     where: strategy.py:TP2DStrategy._install_gradient_clipping
     why: ``Trainer(gradient_clip_val=...)`` clips through the precision plugin, whose own methods see only local
@@ -252,6 +259,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "ModelCheckpoint._save_topk_checkpoint, ModelCheckpoint._save_last_checkpoint",
      ("callbacks.py:StepCheckpoint.save_now",),
      "save the final step with Lightning's own skip rule, candidates and top-k / last bookkeeping"),
+    ("_TrainingEpochLoop._broadcast_sigterm_tensor = ...", ("callbacks.py:GracefulInterrupt.on_train_start",),
+     "Lightning's per-batch broadcast and .item() of a SIGTERM flag that GracefulInterrupt's handlers never set"),
     ("Precision.clip_grad_by_norm = ..., Precision.clip_grad_by_value = ...",
      ("strategy.py:TP2DStrategy._install_gradient_clipping",),
      "Trainer(gradient_clip_val=...) clips through the precision plugin; the norm must span every shard"),

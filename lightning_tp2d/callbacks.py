@@ -8,6 +8,7 @@ import signal
 import time
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 
@@ -54,50 +55,189 @@ class StepCheckpoint(ModelCheckpoint):
 PREEMPTION_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 
 
+class StepVote:
+    """What every rank must agree on after each optimizer step, ``[signal number, non-finite loss]``, in one small
+    all-reduce (MAX) per step that nothing waits for: :class:`GracefulInterrupt` and :class:`DivergenceGuard` share
+    it (both find it through ``trainer.callbacks``: the vote of the first of them listed), and either alone works.
+
+    The vote of step N is launched at the end of step N (``all_reduce(async_op=True)``) and read at the end of the
+    next step that votes, N+1: every rank reads the same reduced value at the same step, so a signal stops every rank
+    after step N+1, one step later than a blocking read would, and a steady-state step never waits on the device.
+    On CUDA the reduced pair is copied to pinned host memory (``non_blocking``) behind a CUDA event, and the read
+    waits on that event, by then a step old (under NCCL, ``work.wait()`` at launch makes the stream, not the host,
+    wait; gloo is for CPU runs, where the read waits on the work handle instead). One process: no collective, the
+    same lag. :meth:`flush` launches what is not sent yet and reads it at once, a host sync: saves and the end of
+    training call it, never a steady-state step. Launching depends only on the step count, so every rank launches
+    the same votes. Nothing here is Lightning's: the callbacks pass the step count and the device.
+
+    Fields: ``signal`` (this rank's signal, 0: none; written by the signal handler), ``stop_signal`` (the largest
+    signal any rank voted, once read; 0: none), ``diverged`` (``(first, last)``: the window of steps whose vote
+    said some rank's loss was not finite; ``None``: none yet), ``every`` (votes every that many steps: 1 with
+    :class:`GracefulInterrupt`)."""
+
+    def __init__(self) -> None:
+        self.signal = 0
+        self.stop_signal = 0
+        self.diverged: tuple[int, int] | None = None
+        self.every = 0  # 0: no voter registered yet
+        self._step_bad: torch.Tensor | None = None  # this optimizer step's losses (cleared by drop_step)
+        self._bad: torch.Tensor | None = None  # the unsent window's losses
+        self._sent = 0  # the global_step of the last vote launched (or of the start)
+        self._seen = 0  # the global_step at the last step end handled
+        self._pending: tuple | None = None  # (host or reduced values, event or work or None, (first, last))
+        self._host: torch.Tensor | None = None  # pinned host buffer of the CUDA read
+        self._device = torch.device("cpu")
+
+    def want_every(self, n: int) -> None:
+        self.every = min(self.every, n) if self.every else n
+
+    def start(self, step: int, device: torch.device) -> None:
+        """A new run on ``device`` from optimizer step ``step``: nothing in flight, folded or agreed (``signal``,
+        this rank's, stays); the first window starts after ``step``."""
+        self._step_bad = self._bad = self._pending = self.diverged = None
+        self._sent = self._seen = step
+        self.stop_signal, self._device = 0, torch.device(device)
+
+    def fold(self, loss: torch.Tensor) -> None:
+        """Add a micro-batch's loss to this step's non-finite flag, on the device (no host sync)."""
+        loss = loss.to_local() if hasattr(loss, "to_local") else loss  # a DTensor loss: this rank's part
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._step_bad = bad if self._step_bad is None else self._step_bad | bad
+
+    def drop_step(self) -> None:
+        """This step's losses are not held against the run (its optimizer step is skipped)."""
+        self._step_bad = None
+
+    def end_step(self, step: int) -> None:
+        """At a training batch end, ``step`` optimizer steps done: once per optimizer step (the first caller; later
+        ones and the micro-batches of gradient accumulation find nothing to do), move this step's flag into the
+        window and, when a vote is due, read the previous vote (``stop_signal``, ``diverged``) and launch this one."""
+        if step == self._seen:
+            return
+        self._seen = step
+        self._close_step()
+        if step - self._sent >= max(1, self.every):
+            self._read()
+            self._launch(step)
+
+    def flush(self, step: int) -> None:
+        """Launch what is not voted yet and read it now (a host sync, and a collective every rank must make at the
+        same point: saves and the end of training)."""
+        self._close_step()
+        if self._bad is not None or step > self._sent:
+            self._read()
+            self._launch(step)
+        self._read()
+
+    def drain(self) -> None:
+        """Complete the vote in flight (the end of training: the collective must not outlive the loop)."""
+        self._read()
+
+    def _close_step(self) -> None:
+        if self._step_bad is not None:
+            self._bad = self._step_bad if self._bad is None else self._bad | self._step_bad
+            self._step_bad = None
+
+    def _launch(self, step: int) -> None:
+        device = self._device
+        bad = torch.zeros((), device=device) if self._bad is None else self._bad.to(torch.float32)
+        values = torch.stack((torch.full((), float(self.signal), device=device), bad))  # a fill, no host copy
+        window, self._sent, self._bad = (self._sent + 1, step), step, None
+        done = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every rank votes
+            done = dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True)
+        if values.is_cuda:
+            if done is not None:
+                done.wait()  # NCCL: the current stream waits for the all-reduce; the host goes on
+            if self._host is None:
+                self._host = torch.empty(2, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            values = self._host
+        self._pending = (values, done, window)
+
+    def _read(self) -> None:
+        if self._pending is None:
+            return
+        values, done, window = self._pending
+        self._pending = None
+        if isinstance(done, torch.cuda.Event):
+            done.synchronize()  # recorded a step ago: complete unless the host is over a step ahead of the device
+        elif done is not None:
+            done.wait()
+        signal_seen, bad = values.tolist()  # host memory
+        self.stop_signal = max(self.stop_signal, int(signal_seen))
+        if bad and self.diverged is None:
+            self.diverged = window
+
+    def shared(self, trainer) -> StepVote:
+        """The vote every voter of ``trainer`` shares: that of the first :class:`GracefulInterrupt` or
+        :class:`DivergenceGuard` in ``trainer.callbacks`` (this one when none is listed)."""
+        return next((c.vote for c in trainer.callbacks if isinstance(c, (GracefulInterrupt, DivergenceGuard))), self)
+
+
 class GracefulInterrupt(Callback):
-    """Ctrl-C and preemption (SIGTERM; SIGUSR1/2, which SLURM sends with ``--signal``) stop training after the
-    current step on every rank together, instead of interrupting ranks in the middle of a collective (where the
-    others would wait for them until the process-group timeout).
+    """Ctrl-C and preemption (SIGTERM; SIGUSR1/2, which SLURM sends with ``--signal``) stop training at a step
+    boundary on every rank together, instead of interrupting ranks in the middle of a collective (where the others
+    would wait for them until the process-group timeout).
 
     A signal handler only records the signal (it writes nothing: the terminal's Ctrl-C may have closed the pipe
     the output goes to): rank 0 takes SIGINT (the other ranks of the machine ignore it, a terminal sends it to the
-    whole process group), every rank takes the preemption signals. After every training batch one all-reduce (the
-    largest signal number seen) tells all ranks whether and why to stop; rank 0 logs it, then Lightning ends the loop
-    and the checkpoint callback saves the step reached. ``signum`` holds that signal afterwards (``tp2d-train`` exits
-    with ``128 + signum``, 130 for Ctrl-C and 143 for SIGTERM, as a process killed by it would, so shells and requeue
-    scripts recognise it). A second signal aborts at once (an unfinished save never replaces the previous checkpoint).
-    The preemption handlers replace Lightning's, which broadcasts from inside the handler and deadlocks when the
-    other ranks sit in a tensor-parallel collective; they are installed when training starts, after Lightning's.
+    whole process group), every rank takes the preemption signals. The signal rides the per-step :class:`StepVote`
+    (shared with :class:`DivergenceGuard`: one small all-reduce per step, read a step late, so no step waits on the
+    device): a signal that arrives during step N is voted at the end of step N and read by every rank at the end of
+    step N+1, after which every rank stops; rank 0 logs it, Lightning ends the loop and the checkpoint callback saves
+    step N+1. ``signum`` holds that signal afterwards (``tp2d-train`` exits with ``128 + signum``, 130 for Ctrl-C and
+    143 for SIGTERM, as a process killed by it would, so shells and requeue scripts recognise it). A second signal
+    aborts at once (an unfinished save never replaces the previous checkpoint). The preemption handlers replace
+    Lightning's, which broadcasts from inside the handler and deadlocks when the other ranks sit in a tensor-parallel
+    collective; they are installed when training starts, after Lightning's.
     """
 
     def __init__(self) -> None:
-        self.requested = 0  # the signal seen by this rank (0: none)
+        self.vote = StepVote()  # replaced in setup by the vote shared with the trainer's other voters
         self.stopped = False  # every rank: training stopped because of a signal
         self.signum = 0  # every rank, once stopped: the signal that stopped training
         self._previous: dict = {}
 
+    @property
+    def requested(self) -> int:
+        """The signal seen by this rank (0: none)."""
+        return self.vote.signal
+
     def setup(self, trainer, pl_module, stage: str) -> None:
+        shared = self.vote.shared(trainer)
+        shared.signal, self.vote = max(shared.signal, self.vote.signal), shared
+        self.vote.want_every(1)
         handler = self._on_signal if trainer.global_rank == 0 else signal.SIG_IGN
         self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, handler)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self.vote.start(trainer.global_step, trainer.strategy.root_device)
         for signum in PREEMPTION_SIGNALS:
             self._previous.setdefault(signum, signal.signal(signum, self._on_signal))
+        if trainer.received_sigterm:  # Lightning's handler took one before ours replaced it: vote it
+            self.vote.signal = self.vote.signal or signal.SIGTERM
+        # Lightning 2.6 broadcasts that handler's flag from rank 0 before every batch and reads it with .item() (a
+        # host sync and a collective per step); with its handler replaced on every rank the flag stays False
+        loop = trainer.fit_loop.epoch_loop
+        if hasattr(loop, "_broadcast_sigterm_tensor"):
+            loop._broadcast_sigterm_tensor = _nothing_to_broadcast
 
     def _on_signal(self, signum, frame) -> None:
         # only records: no output here (a print from a handler can hit a closed pipe, `| tee` ended by the same
         # Ctrl-C, or re-enter a write the signal interrupted); the step boundary reports it
-        if self.requested:  # the second signal: stop waiting for the step to end
+        if self.vote.signal:  # the second signal: stop waiting for the step to end
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)
-        self.requested = signum
+        self.vote.signal = signum
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        flag = torch.tensor(float(self.requested), device=trainer.strategy.root_device)
-        seen = trainer.strategy.reduce(flag, reduce_op="max")
-        signum = int(seen.item()) if isinstance(seen, torch.Tensor) else int(seen)
-        if signum:
+        self.vote.end_step(trainer.global_step)
+        signum = self.vote.stop_signal
+        if signum and not self.stopped:
             self.signum, self.stopped = signum, True
             trainer.should_stop = True  # StepCheckpoint saves this step at its boundary
             if trainer.is_global_zero:
@@ -105,11 +245,18 @@ class GracefulInterrupt(Callback):
                 log.warning("%s: stopping after step %d and saving it (the same signal again aborts at once)", what,
                             trainer.global_step)
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.vote.drain()
+
     def teardown(self, trainer, pl_module, stage: str) -> None:
         for signum, handler in self._previous.items():
             if handler is not None:
                 signal.signal(signum, handler)
         self._previous = {}
+
+
+def _nothing_to_broadcast() -> None:
+    """Lightning's per-batch SIGTERM broadcast when :class:`GracefulInterrupt` handles SIGTERM: nothing to send."""
 
 
 class SpeedMonitor(Callback):
@@ -239,14 +386,17 @@ class ResumableRichProgressBar(_ResumedEpochBar, RichProgressBar):
 class DivergenceGuard(Callback):
     """Stops training when the loss stops being finite, and never lets a non-finite model be checkpointed.
 
-    Each step's loss is checked on the device (``isfinite``, folded into one flag: no host sync); the flag is read,
-    and agreed on by every rank, every ``check_every_n_steps`` optimizer steps (default: the trainer's
-    ``log_every_n_steps``, when logging reads values anyway), before every checkpoint save and at the end of
-    training. A non-finite loss raises :class:`DivergenceError` (the job exits non-zero) naming the window of steps;
-    a save requested after it is refused by raising before anything is written, so the previous checkpoint (the
-    last finite one) survives whatever ``save_top_k`` says, since :class:`ModelCheckpoint` removes an older
-    checkpoint only after a newer one is saved. Non-finite gradients make the next loss non-finite and are caught
-    one step later.
+    Each step's loss is checked on the device (``isfinite`` of every micro-batch's loss, folded into one flag: no
+    host sync) and the flag rides the per-step :class:`StepVote` (shared with :class:`GracefulInterrupt`: one small
+    all-reduce, read by every rank a vote late, at the same step). With :class:`GracefulInterrupt` installed
+    (``tp2d-train`` always) the vote runs every step, so a non-finite loss at step N is seen at the end of step N+1;
+    alone, this callback votes every ``check_every_n_steps`` optimizer steps (default: the trainer's
+    ``log_every_n_steps``). Before every checkpoint save and at the end of training the flag is voted and read at
+    once (a host sync; saves are not steady-state steps). A non-finite loss raises :class:`DivergenceError` (the
+    job exits non-zero) naming the window of steps; a save requested after it is refused by raising before anything
+    is written, so the previous checkpoint (the last finite one) survives whatever ``save_top_k`` says, since
+    :class:`ModelCheckpoint` removes an older checkpoint only after a newer one is saved. Non-finite gradients make
+    the next loss non-finite and are caught one step later.
 
     ``skip_bad_steps=True`` skips an optimizer step whose gradients are not all finite instead (as large-run
     trainers do: a rare loss spike passes, a real divergence still trips the loss check): every rank agrees before
@@ -259,10 +409,17 @@ class DivergenceGuard(Callback):
         self.check_every_n_steps = check_every_n_steps
         self.skip_bad_steps = skip_bad_steps
         self.skipped = 0
-        self._bad: torch.Tensor | None = None
-        self._since = 0  # first step of the unchecked window
-        self._due: int | None = None  # the optimizer step at which the flag is read next
-        self._skipping = False  # this step's gradients were dropped: its loss is not held against the run
+        self.vote = StepVote()  # replaced in setup by the vote shared with the trainer's other voters
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.vote = self.vote.shared(trainer)
+        self.vote.want_every(self.check_every_n_steps or max(1, trainer.log_every_n_steps))
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.vote.start(trainer.global_step, trainer.strategy.root_device)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.vote.fold(loss)  # before any batch-end hook: in the vote whichever voter's hook launches it
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self.skip_bad_steps:
@@ -270,46 +427,36 @@ class DivergenceGuard(Callback):
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         bad = bool(local) and not bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
-        self._skipping = trainer.strategy.reduce_boolean_decision(bad, all=False)
-        if self._skipping:
+        if trainer.strategy.reduce_boolean_decision(bad, all=False):
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None  # the optimizer skips parameters without gradients: nothing changes
+            self.vote.drop_step()  # this step's loss is not held against the run
             self.skipped += 1
             if trainer.is_global_zero:
                 print(f"tp2d: step {trainer.global_step}: non-finite gradients, step skipped ({self.skipped} so far)",
                       flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if self._skipping:
-            self._skipping, loss = False, None
-        if isinstance(loss, torch.Tensor):
-            bad = ~torch.isfinite(loss.detach()).all()
-            self._bad = bad if self._bad is None else self._bad | bad
-        if self._due is None:
-            self._due = self._every(trainer)
-        if trainer.global_step >= self._due:  # once per due step, however many micro-batches it accumulates
-            self.check(trainer)
-
-    def _every(self, trainer) -> int:
-        return self.check_every_n_steps or max(1, trainer.log_every_n_steps)
+        self.vote.end_step(trainer.global_step)
+        self._raise_if_diverged()
 
     def check(self, trainer) -> None:
-        """Read the flag (one host sync and one all-reduce) and raise if any rank saw a non-finite loss."""
-        if self._bad is None and self._since > trainer.global_step:
-            return  # read at this step already and no loss since (a save right after a due check)
-        bad = bool(self._bad) if self._bad is not None else False
-        bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
-        first, self._since, self._bad = self._since, trainer.global_step + 1, None
-        self._due = trainer.global_step + self._every(trainer)
-        if bad:
-            when = f"at step {first}" if first >= trainer.global_step else f"between steps {first} and {trainer.global_step}"
-            raise DivergenceError(
-                f"the training loss became non-finite (NaN or inf) {when}; "
-                f"training stopped and no checkpoint of the diverged model was saved (the last saved checkpoint, if "
-                f"any, is the last finite one). Lower the learning rate, or enable gradient clipping "
-                f"(trainer.gradient_clip_val), and resume from that checkpoint.")
+        """Vote the flag now and read it (a host sync, and an all-reduce unless this step is voted already); raise if
+        any rank saw a non-finite loss."""
+        self.vote.flush(trainer.global_step)
+        self._raise_if_diverged()
+
+    def _raise_if_diverged(self) -> None:
+        if self.vote.diverged is None:
+            return
+        first, last = self.vote.diverged
+        when = f"at step {first}" if first >= last else f"between steps {first} and {last}"
+        raise DivergenceError(
+            f"the training loss became non-finite (NaN or inf) {when}; "
+            f"training stopped and no checkpoint of the diverged model was saved (the last saved checkpoint, if "
+            f"any, is the last finite one). Lower the learning rate, or enable gradient clipping "
+            f"(trainer.gradient_clip_val), and resume from that checkpoint.")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         self.check(trainer)

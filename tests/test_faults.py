@@ -348,3 +348,48 @@ def test_a_bad_step_can_be_skipped_instead_of_stopping():
 
     r = run_ranks(_skip_one_bad_step, 1)[0]
     assert r == {"steps": 6, "skipped": 1, "finite": True}, r
+
+
+def _fit_with_one_voter(rank: int, world_size: int, voter: str) -> dict:
+    """One process, one of the two callbacks that share the step vote: GracefulInterrupt with a SIGUSR1 as step 3
+    starts, or DivergenceGuard(check_every_n_steps=2) with a NaN loss at step 3."""
+    import signal
+
+    import lightning.pytorch as L
+
+    from lightning_tp2d.callbacks import DivergenceGuard, GracefulInterrupt
+    from lightning_tp2d.errors import DivergenceError
+
+    class Faulty(tp.CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if self.global_step + 1 == 3 and voter == "interrupt":
+                signal.raise_signal(signal.SIGUSR1)
+            return loss * float("nan") if self.global_step + 1 == 3 and voter == "guard" else loss
+
+    L.seed_everything(0)
+    callback = GracefulInterrupt() if voter == "interrupt" else DivergenceGuard(check_every_n_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[callback])
+    try:
+        trainer.fit(Faulty("gpt2-tiny", warmup_steps=0), tp.TextDataModule(block_size=32, batch_size=4,
+                                                                            max_tokens=20_000))
+        error = None
+    except DivergenceError as err:
+        error = str(err)
+    return {"stopped_at": trainer.global_step, "error": error, "signum": getattr(callback, "signum", None)}
+
+
+def test_each_voter_alone_stops_a_vote_late():
+    """GracefulInterrupt alone votes every step: a signal during step 3 stops training after step 4.
+    DivergenceGuard(check_every_n_steps=2) alone votes at steps 2, 4, 6: the NaN of step 3 is in the vote of steps
+    3-4, read at step 6, and the error names that window."""
+    import signal
+
+    from tests.lightning_ranks import run_ranks
+
+    assert run_ranks(_fit_with_one_voter, 1, "interrupt")[0] == {"stopped_at": 4, "error": None,
+                                                                  "signum": signal.SIGUSR1}
+    r = run_ranks(_fit_with_one_voter, 1, "guard")[0]
+    assert r["stopped_at"] == 6 and "non-finite (NaN or inf) between steps 3 and 4;" in r["error"], r
