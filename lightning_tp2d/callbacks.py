@@ -313,7 +313,9 @@ class SpeedMonitor(Callback):
 
 
 class _ResumedEpochBar:
-    """For Lightning's progress bars: a run resumed in the middle of an epoch shows the epoch and its total.
+    """For Lightning's progress bars: a run resumed in the middle of an epoch shows the epoch and its total, and
+    ``train_loss`` shows without a host sync per step (read on logging steps only, when the module does not put it
+    on the bar itself: ``CausalLMModule(loss_on_progress_bar=False)``, as ``tp2d-train`` builds it).
 
     Lightning does not call ``on_train_epoch_start`` when it resumes mid-epoch, so its bar keeps what
     ``on_train_start`` made: tqdm's says "Training" with no total (``7/?``), rich's counts the steps left from the
@@ -325,6 +327,25 @@ class _ResumedEpochBar:
 
     _epoch_started = True  # on_train_epoch_start has run since on_train_start
     _epoch_total: int | float | None = None  # this epoch's total (None: Lightning's own)
+    _loss: float | None = None  # train_loss as last read (CausalLMModule(loss_on_progress_bar=False))
+    _loss_step = -1  # the step it was read at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # train_loss not on the bar already: read it on the host only on the steps Lightning writes its logs (and
+        # the first one), where the loggers read it anyway, so the steps between make no host sync for the bar
+        every, step = trainer.log_every_n_steps, trainer.global_step
+        due = self._loss is None or trainer.should_stop or (every > 0 and step % every == 0)
+        if due and step != self._loss_step and not self.is_disabled:
+            value = trainer.callback_metrics.get("train_loss")
+            if value is not None and "train_loss" not in trainer.progress_bar_metrics:
+                self._loss, self._loss_step = float(value), step
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        if self._loss is not None and "train_loss" not in metrics:
+            metrics["train_loss"] = self._loss
+        return metrics
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)

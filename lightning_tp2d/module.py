@@ -124,13 +124,19 @@ class CausalLMModule(L.LightningModule):
         predict_max_new_tokens, predict_temperature, predict_top_k: how ``trainer.predict`` continues each prompt
             (:meth:`generate`; temperature 0: greedy). Prompts come from ``TextDataModule(prompts=[...])``; decode
             the returned ids with its ``decode``.
+        loss_on_progress_bar: log ``train_loss`` with ``prog_bar=True``. Lightning turns every progress-bar value
+            into a float after every batch: on a GPU a host sync per step. ``tp2d-train`` sets ``False``: its bars
+            (:class:`~lightning_tp2d.callbacks.ResumableProgressBar`, ``ResumableRichProgressBar``) show the loss
+            read only on the steps Lightning writes its logs. The loggers and ``callback_metrics`` get
+            ``train_loss`` every step either way.
     """
 
     def __init__(self, model: str | GPT2Config | LlamaConfig | dict | None = "gpt2-tiny", learning_rate: float = 6e-4,
                  weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  warmup_steps: int = 100, max_steps: int | None = None, min_lr_ratio: float = 0.1, init_seed: int = 0,
                  meta_init: bool | None = None, predict_max_new_tokens: int = 32, predict_temperature: float = 1.0,
-                 predict_top_k: int | None = None, init_from: str | None = None) -> None:
+                 predict_top_k: int | None = None, init_from: str | None = None,
+                 loss_on_progress_bar: bool = True) -> None:
         super().__init__()
         silence_known_noise()  # e.g. Lightning's note that this module's on_before_batch_transfer is used
         if model is None:
@@ -221,7 +227,8 @@ class CausalLMModule(L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         idx, targets = batch
         loss = self.model(idx, targets)
-        self.log("train_loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
+        self.log("train_loss", loss.detach(), on_step=True, on_epoch=False, sync_dist=True,
+                 prog_bar=self.hparams.get("loss_on_progress_bar", True))  # (older checkpoints lack the key)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:

@@ -164,10 +164,10 @@ class _Waited:
         return self.work.wait()
 
 
-def _fit_with_vote(rank: int, world_size: int, nan_step: int | None) -> dict:
+def _fit_with_vote(rank: int, world_size: int, nan_step: int | None, as_tp2d_train: bool = False) -> dict:
     import lightning.pytorch as L
 
-    from lightning_tp2d.callbacks import DivergenceGuard, GracefulInterrupt
+    from lightning_tp2d.callbacks import DivergenceGuard, GracefulInterrupt, ResumableProgressBar
     from lightning_tp2d.errors import DivergenceError
 
     class Spiky(tp.CausalLMModule):
@@ -178,19 +178,21 @@ def _fit_with_vote(rank: int, world_size: int, nan_step: int | None) -> dict:
 
     L.seed_everything(0)
     interrupt, guard = GracefulInterrupt(), DivergenceGuard()
+    bar = [ResumableProgressBar()] if as_tp2d_train else []  # tp2d-train's bar, the loss read on logging steps
     trainer = L.Trainer(strategy="tp2d", accelerator="cpu", devices=world_size, max_steps=20, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, log_every_n_steps=5, callbacks=[interrupt, guard])
+                        enable_checkpointing=False, enable_progress_bar=as_tp2d_train, enable_model_summary=False,
+                        limit_val_batches=0, log_every_n_steps=5, callbacks=[interrupt, guard, *bar])
     probe = _Probe(trainer, signal_step=None if nan_step else 6)
     trainer.callbacks.append(probe.callback)
-    module = Spiky("gpt2-tiny", learning_rate=1e-3, warmup_steps=0)
+    module = Spiky("gpt2-tiny", learning_rate=1e-3, warmup_steps=0, loss_on_progress_bar=not as_tp2d_train)
     try:
         trainer.fit(module, tp.TextDataModule(block_size=32, batch_size=4, max_tokens=20_000))
         error = None
     except DivergenceError as err:
         error = str(err)
     return {"sites": probe.syncs.sites, "all_reduces": probe.all_reduces, "stopped_at": trainer.global_step,
-            "signum": interrupt.signum, "error": error}
+            "signum": interrupt.signum, "error": error, "bar_loss": bar[0]._loss if bar else None,
+            "bar_loss_step": bar[0]._loss_step if bar else None}
 
 
 def test_trainer_steps_with_the_stop_vote_and_divergence_guard_never_read_the_device_for_them_and_vote_once():
@@ -206,6 +208,17 @@ def test_trainer_steps_with_the_stop_vote_and_divergence_guard_never_read_the_de
         assert r["all_reduces"] == [{"async": True, "launched": 3, "waited": 4},
                                     {"async": True, "launched": 4, "waited": 5}], (rank, r["all_reduces"])
         assert r["stopped_at"] == 7 and r["signum"] == signal.SIGUSR1 and r["error"] is None, (rank, r)
+
+
+def test_as_tp2d_train_builds_it_a_steady_state_step_reads_nothing_from_the_device():
+    """``tp2d-train``'s module (``loss_on_progress_bar=False``) and bar (``ResumableProgressBar``, shown on rank 0):
+    the two steady-state steps make no host sync but the module's token-id check on the host batch; the bar still
+    shows ``train_loss``, read on the logging steps, and the run stops after the step the vote says."""
+    for rank, r in enumerate(run_ranks(_fit_with_vote, 4, None, True)):
+        assert set(r["sites"]) == {"on_before_batch_transfer"}, (rank, r["sites"])  # the host batch's check only
+        assert r["stopped_at"] == 7 and r["signum"] == signal.SIGUSR1, (rank, r)
+        if rank == 0:  # the bar shows train_loss, last read at the stopping step (a step Lightning logs)
+            assert r["bar_loss"] is not None and r["bar_loss_step"] == 7, r
 
 
 def test_a_non_finite_loss_on_one_rank_stops_every_rank_a_step_later_naming_the_step():
