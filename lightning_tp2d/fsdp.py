@@ -1,0 +1,211 @@
+"""ZeRO stages 2 and 3 on the data-parallel axis with torch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+:func:`shard_data_parallel` takes a model already parallelized by :func:`~lightning_tp2d.parallelize` and shards
+it over the ``data_parallel`` axis of its one root mesh, on top of the tensor-parallel shards:
+
+* one FSDP group per transformer block (the family's ``blocks``) and one for the rest at the root (embeddings,
+  norms, head; tied weights live in that group once);
+* every parameter stays a DTensor on the root mesh ``(data_parallel, row, col)`` / ``(data_parallel, ring)``:
+  FSDP is given the whole mesh and told which axis is data parallel (``DataParallelMeshDims``), so the tensor
+  placements and the layers' local shards are untouched, and the at-rest parameter is split over
+  ``data_parallel``: this rank holds ``ceil(n / dp)`` of the ``n`` rows (dim 0) of its tensor shard, a
+  ``_StridedShard`` over ``data_parallel`` when a tensor axis also splits dim 0. Where a tensor axis splits dim 0
+  strided (GPT-2's fused ``c_attn`` weight: ``[q_c | k_c | v_c]`` rows) the cut is along dim 1 instead, since no
+  DTensor placement describes a contiguous cut of strided rows; a 1-D parameter of that kind (``c_attn.bias`` on
+  the grids: ``3 * n_embd / q`` elements per block) has no other dim and is left to FSDP's ``ignored_params``: it
+  stays whole on every replica (its optimizer state too), and a gradient hook averages it over ``data_parallel``;
+* before a group's forward FSDP all-gathers its parameters over ``data_parallel`` and after its backward
+  reduce-scatters the gradients, averaged over ``dp`` (FSDP's default prefetching: in the backward the next
+  block's all-gather is issued before the current block's gradients), so each rank keeps the gradient of its
+  parameter shard. An optimizer built afterwards sees the sharded parameters and keeps state for them alone.
+
+``stage=3`` (``reshard_after_forward=True``): a block's full parameters are freed after its forward and gathered
+again for its backward; per step each block costs two all-gathers and one reduce-scatter of its parameters.
+``stage=2`` (``reshard_after_forward=False``): they stay gathered from the forward to the end of the backward
+(one all-gather and one reduce-scatter per block; peak memory holds every gathered block). The root group keeps
+its parameters from the forward to the backward in both stages (it is the first the backward needs).
+
+What replaces the package's own per-step machinery: the reduce-scatter *is* the data-parallel average (do not use
+:class:`~lightning_tp2d.training.GradientSync` or :func:`~lightning_tp2d.training.average_gradients_` with it), and
+gradients are sharded over ``data_parallel``, so the global norm needs a sum over it too: :func:`clip_grad_norm_`
+here (and :func:`grad_norm`), not :func:`lightning_tp2d.training.clip_grad_norm_`, which assumes replicas hold
+equal, whole gradients. ``dp = 1``: nothing to shard; the model is returned unchanged (a ``UserWarning`` says so)
+and trains as at stage 0. Gradient accumulation without a sync is FSDP's
+``model.set_requires_gradient_sync(False)``; the parameters kept whole are still averaged each backward (what they
+held before is equal on every replica, so the sum stays right; not yet tested). :func:`gathered` shows the model as
+at stage 0 (full tensor-parallel parameters) for reading weights, ``full_tensor()`` or a full state dict.
+
+.. code-block:: python
+
+    model = tp.parallelize(GPT2(cfg), mesh, "2d")
+    shard_data_parallel(model, stage=3)             # before building the optimizer
+    optimizer = torch.optim.AdamW(model.parameters())
+    loss = model(idx, targets); loss.backward()     # gradients reduce-scattered during the backward
+    clip_grad_norm_(model.parameters(), 1.0, mesh)  # dp shards included
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_tp2d import training
+from lightning_tp2d.comm import all_reduce_along, axis_size
+from lightning_tp2d.families import family_of
+from lightning_tp2d.layouts import DATA_AXIS, handle_of
+
+__all__ = ["FSDP_STAGES", "clip_grad_norm_", "gathered", "grad_norm", "is_sharded", "shard_data_parallel"]
+
+FSDP_STAGES = (2, 3)
+
+
+def _dp_shard_dim(param: DTensor, dp: int) -> int | None:
+    """The dim FSDP splits ``param``'s local shard along over ``data_parallel``: 0, unless a tensor axis splits dim
+    0 in a strided way (GPT-2's fused q/k/v rows ``[q_c | k_c | v_c]``): a contiguous cut of such a shard has no
+    DTensor placement that describes it (FSDP would still train right, but ``full_tensor()``, checkpoints and
+    redistributes of the at-rest parameter would read the wrong elements). Then the first dim no placement splits
+    strided whose local size ``dp`` divides (FSDP splits a dim other than 0 only evenly); ``None`` when there is
+    none (a 1-D fused bias): that parameter stays whole (module docstring)."""
+    strided = {pl.dim for pl in param.placements if isinstance(pl, _StridedShard)}
+    if 0 not in strided:
+        return 0
+    local = param.to_local().shape
+    return next((d for d in range(1, len(local)) if d not in strided and local[d] % dp == 0), None)
+
+
+def _wrap_problem(where: str, param: nn.Parameter, mesh) -> str | None:
+    """Why FSDP cannot take ``param`` (named ``where``) over ``data_parallel`` of ``mesh`` (``None``: it can)."""
+    if not isinstance(param, DTensor):
+        return f"parameter {where!r} is a plain tensor (FSDP on the root mesh needs DTensors on it)"
+    if param.device_mesh != mesh:
+        return f"parameter {where!r} is a DTensor on another mesh than the model's root mesh"
+    if not param.placements[mesh.mesh_dim_names.index(DATA_AXIS)].is_replicate():
+        return f"parameter {where!r} is already split over {DATA_AXIS!r} ({param.placements})"
+    if not param.to_local().is_contiguous():
+        return f"parameter {where!r} has a non-contiguous local shard"
+    return None
+
+
+def _average_over_dp(param: nn.Parameter, mesh, dp: int) -> None:
+    """Post-accumulate hook of a parameter FSDP leaves whole: its gradient's mean over ``data_parallel``."""
+    grad = param.grad.to_local()
+    all_reduce_along(grad, mesh, DATA_AXIS)
+    grad.div_(dp)
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block every FSDP group of ``model`` is gathered over ``data_parallel`` (a collective: every rank
+    enters it) and its parameters are the unsharded ones, DTensors with the tensor-parallel placements of stage 0:
+    ``full_tensor()``, :func:`~lightning_tp2d.parallelize.full_state_dict` and anything written for an unsharded
+    model read them as they are. On exit the groups are sharded again. A model that is not sharded passes
+    through. Holds every gathered group at once (this rank's tensor shard of the whole model). The gathered
+    storage is freed on exit, and ``full_tensor()`` of a parameter replicated on every tensor axis returns its
+    local tensor itself: copy (``.clone()``) what must outlive the block."""
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for group in groups:
+        group.unshard()
+    try:
+        yield model
+    finally:
+        for group in groups:
+            group.reshard()
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether :func:`shard_data_parallel` (or another ``fully_shard``) has been applied to ``model``."""
+    return isinstance(model, FSDPModule)
+
+
+def shard_data_parallel(model: nn.Module, stage: int = 3, *,
+                        mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """Shard ``model`` (parallelized by :func:`~lightning_tp2d.parallelize`) over its mesh's ``data_parallel``
+    axis with FSDP2 at ZeRO ``stage`` 2 or 3 (module docstring), in place; returns ``model``.
+
+    ``mp_policy`` is FSDP's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` for every group (default: none,
+    parameters gathered and gradients reduced in their own dtype). Build the optimizer after this call. Raises
+    ``ValueError`` for a stage outside ``FSDP_STAGES``, an unparallelized or already sharded model, or a module
+    whose parameters FSDP cannot shard (naming it), before anything changes. With ``dp = 1`` it warns and returns
+    ``model`` unchanged."""
+    if stage not in FSDP_STAGES:
+        raise ValueError(f"shard_data_parallel: stage={stage!r} is not one of {FSDP_STAGES} (stage 0 is no "
+                         f"sharding, stage 1 is lightning_tp2d.zero.shard_optimizer_state)")
+    handle = handle_of(model)
+    if handle is None:
+        raise ValueError(f"shard_data_parallel expects a model parallelized by lightning_tp2d.parallelize, got a "
+                         f"plain {type(model).__name__}")
+    if is_sharded(model):
+        raise ValueError("shard_data_parallel: model is already sharded over data_parallel (fully_shard applied)")
+    mesh = handle.mesh
+    dp = axis_size(mesh, DATA_AXIS)
+    if dp == 1:
+        warnings.warn("shard_data_parallel: data_parallel size is 1, nothing to shard; the model is unchanged",
+                      UserWarning, stacklevel=2)
+        return model
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            problem = _wrap_problem(f"{module_name}.{name}" if module_name else name, param, mesh)
+            if problem:
+                raise ValueError(f"shard_data_parallel cannot wrap module {module_name or type(model).__name__!r} "
+                                 f"({type(module).__name__}): {problem}")
+    whole = {p for p in model.parameters() if _dp_shard_dim(p, dp) is None}
+    # DTensor may hand out an equal mesh object made earlier in the process; FSDP needs the very object the
+    # parameters hold
+    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters()}
+    if len(meshes) > 1:
+        raise ValueError("shard_data_parallel: the model's parameters hold different (equal) mesh objects; "
+                         "parallelize it on one mesh")
+    options = dict(mesh=next(iter(meshes.values())), dp_mesh_dims=DataParallelMeshDims(shard=DATA_AXIS),
+                   ignored_params=whole,
+                   shard_placement_fn=lambda param: Shard(_dp_shard_dim(param, dp)),
+                   mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy())
+    for block in family_of(model).block_modules(model):
+        fully_shard(block, reshard_after_forward=stage == 3, **options)
+    fully_shard(model, reshard_after_forward=False, **options)
+    for param in whole:
+        param.register_post_accumulate_grad_hook(lambda p: _average_over_dp(p, mesh, dp))
+    return model
+
+
+def _split_over_dp(grad: torch.Tensor, mesh) -> bool:
+    return isinstance(grad, DTensor) and not grad.placements[mesh.mesh_dim_names.index(DATA_AXIS)].is_replicate()
+
+
+@torch.no_grad()
+def grad_norm(parameters, mesh, norm_type: float = 2.0) -> torch.Tensor:
+    """Norm of the whole gradient when gradients are sharded over ``data_parallel`` too (FSDP), the same float32
+    scalar on every rank. Per replica, :func:`lightning_tp2d.training.grad_norm` counts every element of its dp
+    shards once over the tensor axes (``n_d``) and of the parameters kept whole (``w``, equal on every replica);
+    the norm is ``(sum_d n_d^p + w^p)^(1/p)``, or ``max(max_d n_d, w)`` for the inf-norm."""
+    grads = [p for p in parameters if p.grad is not None]
+    split = [p for p in grads if _split_over_dp(p.grad, mesh)]
+    shard = training.grad_norm(split, mesh, norm_type)
+    whole = training.grad_norm([p for p in grads if not _split_over_dp(p.grad, mesh)], mesh, norm_type)
+    if math.isinf(norm_type):
+        all_reduce_along(shard, mesh, DATA_AXIS, op="max")
+        return torch.maximum(shard, whole.to(shard.device))
+    total = shard.pow(norm_type)
+    all_reduce_along(total, mesh, DATA_AXIS)
+    return (total + whole.to(total.device).pow(norm_type)).pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, mesh, norm_type: float = 2.0) -> torch.Tensor:
+    """:func:`lightning_tp2d.training.clip_grad_norm_` for data-parallel-sharded gradients: the scale
+    ``min(1, max_norm / (norm + 1e-6))`` uses :func:`grad_norm` (dp shards included); returns the norm."""
+    parameters = [p for p in parameters if p.grad is not None]
+    total = grad_norm(parameters, mesh, norm_type)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in parameters:
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        g.mul_(coef.to(g.dtype))
+    return total

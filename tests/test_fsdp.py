@@ -1,0 +1,137 @@
+"""ZeRO stages 2 and 3 with FSDP2 (``lightning_tp2d.fsdp``): on dp 2 x a 2x2 grid ("2d", "2d-metp") and dp 2 x a
+ring of 2 ("metp"), 10 clipped AdamW steps at stage 3 and 2 give stage 0's losses, gradient norms and weights
+(stage 0: the parallel model with GradientSync and training.clip_grad_norm_), while each rank holds about half of
+stage 0's parameter, gradient and optimizer bytes; bad input is refused naming what does not fit."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import lightning_tp2d as tp
+from lightning_tp2d import fsdp
+from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
+from lightning_tp2d.training import GradientSync, clip_grad_norm_
+from lightning_tp2d.zero import optimizer_state_bytes
+from tests.distributed import run_distributed
+
+STEPS = 10
+MODELS = {"gpt2": (GPT2, lambda: GPT2Config.from_name("gpt2-tiny", dropout=0.0)),
+          "llama": (Llama, lambda: LlamaConfig.from_name("llama-tiny"))}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _rank_bytes(model, optimizer) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank holds (local shards)."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    return sum(_local(t).numel() * t.element_size() for t in tensors) + optimizer_state_bytes(optimizer)
+
+
+def _train(family: str, layout: str, mesh, stage: int) -> dict:
+    """STEPS clipped AdamW steps of a seeded model at ``stage`` (each replica its own batches)."""
+    model_class, config = MODELS[family]
+    cfg = config()
+    torch.manual_seed(0)
+    model = tp.parallelize(model_class(cfg), mesh, layout)
+    if stage:
+        fsdp.shard_data_parallel(model, stage)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sync = GradientSync(model, mesh) if stage == 0 else None
+    torch.manual_seed(10 + mesh.get_local_rank("data_parallel"))
+    losses, norms = [], []
+    for _ in range(STEPS):
+        idx = torch.randint(0, cfg.vocab_size, (4, 16))
+        optimizer.zero_grad()
+        loss = model(idx, idx)
+        loss.backward()
+        if sync is not None:
+            sync.finish()
+            norm = clip_grad_norm_(model.parameters(), 0.5, mesh)
+        else:
+            norm = fsdp.clip_grad_norm_(model.parameters(), 0.5, mesh)
+        optimizer.step()
+        losses.append(loss.item())
+        norms.append(norm.item())
+    out = {"losses": losses, "norms": norms, "bytes": _rank_bytes(model, optimizer)}
+    with fsdp.gathered(model):  # the tensor-parallel parameters of stage 0, gathered over data_parallel
+        out["weights"] = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _stages_worker(rank: int, world_size: int, runs: list[tuple[str, str]], p: int) -> dict:
+    out = {}
+    for family, layout in runs:
+        mesh = tp.init_mesh(layout, p, world_size // p)
+        results = {stage: _train(family, layout, mesh, stage) for stage in (0, 3, 2)}
+        reference = results.pop(0)
+        for stage, got in results.items():
+            weights = got.pop("weights")
+            out[(family, layout, stage)] = {
+                "loss_rel": max(abs(a - b) / abs(a) for a, b in zip(reference["losses"], got["losses"])),
+                "norm_rel": max(abs(a - b) / abs(a) for a, b in zip(reference["norms"], got["norms"])),
+                "names": sorted(weights) == sorted(reference["weights"]),
+                "weight_diff": max(((weights[n] - w).abs().max().item(), n) for n, w in reference["weights"].items()),
+                "bytes_ratio": got["bytes"] / reference["bytes"]}
+    return out
+
+
+def _check(outs: list[dict]) -> None:
+    for out in outs:
+        for key, got in out.items():
+            assert got["loss_rel"] <= 1e-5, (key, got)
+            assert got["norm_rel"] <= 1e-5, (key, got)  # clipped by the global norm, dp shards included
+            assert got["names"], key
+            # AdamW's first steps move every weight by ~lr = 1e-2; elements whose gradient is ~0 (the key bias: the
+            # softmax ignores it) turn rounding noise into O(1) normalised updates, hence an absolute bound
+            assert got["weight_diff"][0] <= 2e-4, (key, got["weight_diff"])
+            assert got["bytes_ratio"] <= 0.55, (key, got)  # ideal 0.5 at dp 2
+
+
+def test_stages_3_and_2_train_like_stage_0_on_the_grids_with_half_the_bytes():
+    runs = [("gpt2", "2d"), ("gpt2", "2d-metp"), ("llama", "2d")]
+    _check(run_distributed(_stages_worker, 8, runs, 4, timeout=900))
+
+
+def _refusals_worker(rank: int, world_size: int) -> dict:
+    out = _stages_worker(rank, world_size, [("gpt2", "metp"), ("llama", "metp")], 2)
+    cfg = GPT2Config.from_name("gpt2-tiny", dropout=0.0)
+    mesh = tp.init_mesh("metp", 2, 2)
+    model = tp.parallelize(GPT2(cfg), mesh, "metp")
+    model.transformer.h[1].mlp.extra = nn.Parameter(torch.zeros(3))  # a plain tensor FSDP cannot place on the mesh
+    try:
+        fsdp.shard_data_parallel(model)
+    except ValueError as err:
+        out["plain_param"] = str(err)
+    out["untouched"] = not fsdp.is_sharded(model) and not any(fsdp.is_sharded(m) for m in model.modules())
+    single = tp.init_mesh("2d", 4, 1)  # dp 1: nothing to shard
+    model = tp.parallelize(GPT2(cfg), single, "2d")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        same = fsdp.shard_data_parallel(model, 3)
+    out["dp1"] = (same is model and not fsdp.is_sharded(model), [str(w.message) for w in caught])
+    return out
+
+
+def test_stages_on_the_ring_and_refusals():
+    outs = run_distributed(_refusals_worker, 4, timeout=900)
+    for out in outs:
+        message = out.pop("plain_param")
+        assert "'transformer.h.1.mlp'" in message and "'transformer.h.1.mlp.extra'" in message, message
+        assert out.pop("untouched")
+        unchanged, messages = out.pop("dp1")
+        assert unchanged and any("data_parallel size is 1" in m for m in messages), messages
+    _check(outs)
+
+
+def test_stage_outside_2_and_3_and_a_plain_model_are_refused_before_any_communication():
+    for stage in (0, 1, 4):
+        with pytest.raises(ValueError, match=rf"stage={stage} is not one of \(2, 3\)"):
+            fsdp.shard_data_parallel(GPT2(GPT2Config.from_name("gpt2-tiny")), stage)
+    with pytest.raises(ValueError, match="expects a model parallelized by lightning_tp2d.parallelize"):
+        fsdp.shard_data_parallel(GPT2(GPT2Config.from_name("gpt2-tiny")), 3)
