@@ -6,7 +6,7 @@ missing here or an entry here is no longer used, so this list stays true. Paths 
 ``lightning_tp2d/``; ``file:function`` names the function (or class) that holds the use.
 
 Each entry: the API, **where** it is used, **why**, and the **public** hook that could replace it (or why none
-exists). *Replaceable* marks the ones a small public change could drop.
+exists). The ones a small public change could drop have been replaced.
 
 Lightning (2.6)
 ---------------
@@ -149,13 +149,6 @@ torch (2.13)
     public: none for bytes. ``torch.distributed.tensor.debug.CommDebugMode`` counts collective calls but not
     their bytes, and nothing tracks live bytes.
 
-``torch.utils._pytree.tree_flatten``
-    where: bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__,
-    bench/measure.py:LiveTensorBytes.__torch_dispatch__, bench/trace.py:_Recorder._track
-    why: the tensors among an op's nested arguments.
-    public: *replaceable* by a few-line recursive flatten of tuples, lists and dicts (torch 2.13 has no public
-    ``torch.utils.pytree``).
-
 ``torch._ops.HigherOrderOperator``
     where: bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__,
     bench/measure.py:LiveTensorBytes.__torch_dispatch__
@@ -202,8 +195,9 @@ torch (2.13)
     why: ``init_device_mesh`` creates its axis groups with torch's 30-minute default whatever timeout the default
     group got; its ``backend_override`` takes backend options, and the timeout is their ``_timeout`` (torch's own
     DeviceMesh reads it back from there).
-    public: none; ``init_device_mesh`` has no timeout argument. *Replaceable* by creating the axis groups with
-    ``new_group(timeout=...)`` and ``DeviceMesh.from_group``, at the cost of rebuilding the mesh layout by hand.
+    public: none; ``init_device_mesh`` has no timeout argument. Creating the axis groups with
+    ``new_group(timeout=...)`` and ``DeviceMesh.from_group`` would avoid it, but a mesh built that way is not the
+    root mesh torch slices sub-meshes from (``mesh["row", "col"]``) and FSDP2 concatenates with: kept.
 
 ``ProcessGroup._get_backend``, ``Backend.options._timeout``
     where: mesh.py:group_timeout
@@ -299,10 +293,6 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      ("bench/collectives.py:FunctionalCollectiveCounter", "bench/measure.py:LiveTensorBytes",
       "bench/measure.py:HostSyncCounter", "bench/trace.py:_Recorder"),
      "see every aten op: collectives with their bytes, live tensor bytes, host syncs, the traced schedule"),
-    ("torch.utils._pytree.tree_flatten",
-     ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",
-      "bench/measure.py:LiveTensorBytes.__torch_dispatch__", "bench/trace.py:_Recorder._track"),
-     "the tensors among an op's nested arguments"),
     ("torch._ops.HigherOrderOperator",
      ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",
       "bench/measure.py:LiveTensorBytes.__torch_dispatch__"),

@@ -39,8 +39,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from lightning_tp2d.bench.measure import tensors_in
 from lightning_tp2d.comm_record import CommStats
 
 __all__ = ["FunctionalCollectiveCounter", "count_functional_collectives"]
@@ -108,7 +108,7 @@ class FunctionalCollectiveCounter(TorchDispatchMode):
         elif kind is not None:
             self.stats.add(kind, *_payload(args[0]))
         elif packet in _UNCOUNTABLE:
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            tensors = tensors_in((args, kwargs))
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             if self.strict:
                 shapes = [tuple(t.shape) for t in tensors]

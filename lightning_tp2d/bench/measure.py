@@ -23,7 +23,17 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+
+def tensors_in(obj) -> list[torch.Tensor]:
+    """The tensors among an op's nested arguments or outputs (tuples, lists, dict values), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in tensors_in(item)]
+    return []
 
 
 class MemoryCapExceeded(RuntimeError):
@@ -48,8 +58,8 @@ class LiveTensorBytes(TorchDispatchMode):
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
+        inputs = {_storage_key(t) for t in tensors_in((args, kwargs))}
+        for t in tensors_in(out):
             if type(t) is torch.Tensor and t.device.type != "meta" and t.untyped_storage().data_ptr() not in inputs:
                 self._track(t)  # a new storage: views, in-place results and aliases of the inputs are not
         return out

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from lightning_tp2d import comm_record
 from lightning_tp2d.bench.events import Comm
+from lightning_tp2d.bench.measure import tensors_in
 from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.mesh import init_mesh
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
@@ -108,8 +108,8 @@ class _Recorder(TorchDispatchMode):
 
     def _track(self, args, kwargs, out) -> None:
         """Remember each new storage an op returns (views and in-place results share an input's storage)."""
-        inputs = {_storage(t)[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
+        inputs = {_storage(t)[0] for t in tensors_in((args, kwargs))}
+        for t in tensors_in(out):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
                 key, storage = _storage(t)
                 if key not in inputs and storage.nbytes():
