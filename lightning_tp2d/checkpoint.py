@@ -44,6 +44,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_tp2d.errors import CheckpointError
 from lightning_tp2d.families import fused_qkv_suffixes
+from lightning_tp2d.fsdp import stage0_specs
 from lightning_tp2d.safe_files import (CHECKSUMS, clear, commit, describe_failure, file_digest,  # noqa: F401
                                        gather_objects, resolve, save_staged, staging_path, verify)
 from lightning_tp2d.zero import full_param_groups, sharding_of
@@ -160,10 +161,25 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def sharded_model_state(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict(keep_vars=True)``: the live (sharded) tensors, tied ones recognised by identity; a
+    parameter FSDP cut in a way no box describes (:func:`~lightning_tp2d.fsdp.stage0_specs`) in its stage-0 form
+    (gathered over ``data_parallel``: a collective), so every stage writes the same checkpoint."""
+    state = module.state_dict(keep_vars=True)
+    specs = stage0_specs(module)
+    gathered = {}  # by identity: tied keys keep sharing one tensor
+    for key in [k for k in state if k in specs]:
+        value = state[key]
+        if id(value) not in gathered:
+            gathered[id(value)] = specs[key].gather(value.detach())
+        state[key] = gathered[id(value)]
+    return state
+
+
 def full_model_state(module: nn.Module, rank: int) -> dict[str, torch.Tensor]:
     """Full plain tensors of ``module.state_dict()`` on ``rank`` 0 (empty elsewhere); a collective, one parameter
     at a time, so no rank holds more than one full tensor it does not keep. Tied keys share one tensor."""
-    state = module.state_dict(keep_vars=True)
+    state = sharded_model_state(module)
     aliases = _aliases(state)
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
@@ -186,6 +202,11 @@ def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer)
     if any(id(p) not in names for g in full_groups for p in g):
         raise ValueError("the optimizer holds parameters that are not in the LightningModule")
     state = {names[id(p)]: dict(s) for p, s in optimizer.state.items()}
+    specs = stage0_specs(module)
+    for name, fields in state.items():  # FSDP's unboxed cuts: their stage-0 form (module docstring)
+        if name in specs:
+            fields.update({k: specs[name].gather(v) for k, v in fields.items()
+                           if isinstance(v, DTensor) and tuple(v.shape) == specs[name].shape})
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in full]}
               for g, full in zip(optimizer.param_groups, full_groups)]
     return {"state": state, "param_groups": groups}
@@ -346,7 +367,9 @@ def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any
     shapes = {k[len(MODEL):]: _unview_shape(k, md.size) for k, md in stored.items() if k.startswith(MODEL)}
     shapes.update({alias: shapes[key] for alias, key in meta.get("tp2d_aliases", {}).items() if key in shapes})
     check_compatible(_model_shapes(module), shapes, strict, path)
-    targets = {MODEL + k: box_view(v.detach(), _is_qkv(k)) for k, v in live.items() if k in shapes}
+    specs = stage0_specs(module)  # FSDP's unboxed cuts: loaded in their stage-0 form, then cut
+    stage0 = {k: specs[k].empty(v.dtype, v.device) for k, v in live.items() if k in specs and k in shapes}
+    targets = {MODEL + k: box_view(stage0.get(k, v.detach()), _is_qkv(k)) for k, v in live.items() if k in shapes}
     params = {name: p for name, p in module.named_parameters()}
     optim_targets: list[dict[str, torch.Tensor]] = []
     for i, optimizer in enumerate(optimizers):
@@ -365,19 +388,31 @@ def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any
             if sharding is not None and not sharding.owns(p):
                 continue  # ZeRO: another replica keeps this state
             like_param = _unview_shape(key, md.size) == tuple(p.shape) and len(md.size) > 0
-            fields[key] = (name, field, torch.zeros_like(p.detach(), dtype=md.properties.dtype) if like_param
-                           else torch.zeros(tuple(md.size), dtype=md.properties.dtype))
-            targets[key] = box_view(fields[key][2], _is_qkv(name) and like_param)
+            if like_param and name in specs:
+                value = specs[name].empty(md.properties.dtype, p.device)
+            elif like_param:
+                value = torch.zeros_like(p.detach(), dtype=md.properties.dtype)
+            else:
+                value = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+            fields[key] = (name, field, value)
+            targets[key] = box_view(value, _is_qkv(name) and like_param)
         optim_targets.append(fields)
     with _single_process_quiet():
         dcp.load(targets, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
     for k, v in live.items():
-        if MODEL + k in targets:
+        if k in stage0:
+            v.detach().to_local().copy_(specs[k].chunk(stage0[k]))
+        elif MODEL + k in targets:
             _assign(v, targets[MODEL + k])
     for i, optimizer in enumerate(optimizers):
         for key, (name, field, value) in optim_targets[i].items():
-            _assign(value, targets[key])
-            optimizer.state[params[name]][field] = value
+            p = params[name]
+            if name in specs and isinstance(value, DTensor) and value.placements == specs[name].placements:
+                value = DTensor.from_local(specs[name].chunk(value).clone(), p.device_mesh, p.placements,
+                                           shape=p.shape, stride=p.stride())
+            else:
+                _assign(value, targets[key])
+            optimizer.state[p][field] = value
         _load_param_groups(optimizer, meta["tp2d_optimizer_param_groups"][i], params, path)
     return {k: v for k, v in meta.items() if not k.startswith("tp2d_")}
 
@@ -407,10 +442,14 @@ def _load_full(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
     state = checkpoint.pop("state_dict")
     live = _live_model(module)
     check_compatible(_model_shapes(module), {k: tuple(v.shape) for k, v in state.items()}, strict, path)
+    specs = stage0_specs(module)
     for k, v in live.items():
-        if k in state:
+        if k in state and k in specs:  # FSDP's unboxed cut: the stage-0 shard, then this rank's dp chunk
+            v.detach().to_local().copy_(specs[k].chunk(_stage0_of(state[k], specs[k], v.dtype)))
+        elif k in state:
             _assign(v, state[k])
     params = {name: p for name, p in module.named_parameters()}
+    names = {id(p): n for n, p in params.items()}
     for optimizer, saved in zip(optimizers, checkpoint.get("optimizer_states", [])):
         order = [p for g in full_param_groups(optimizer) for p in g]
         sharding = sharding_of(optimizer)
@@ -424,7 +463,12 @@ def _load_full(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
                 continue
             fields = {}
             for field, v in saved["state"][index].items():
-                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape) and v.dim() > 0:
+                spec = specs.get(names.get(id(param)))
+                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape) and v.dim() > 0 and spec:
+                    fields[field] = DTensor.from_local(spec.chunk(_stage0_of(v, spec, v.dtype)).clone(),
+                                                       param.device_mesh, param.placements, shape=param.shape,
+                                                       stride=param.stride())
+                elif isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape) and v.dim() > 0:
                     fields[field] = torch.zeros_like(param.detach(), dtype=v.dtype)
                     _assign(fields[field], v)
                 else:
@@ -432,6 +476,13 @@ def _load_full(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
             optimizer.state[param] = fields
     checkpoint.pop("optimizer_states", None)
     return checkpoint
+
+
+def _stage0_of(full: torch.Tensor, spec, dtype: torch.dtype) -> DTensor:
+    """This rank's stage-0 shard of a full plain tensor (``spec``: :class:`~lightning_tp2d.fsdp.Stage0`)."""
+    like = spec.empty(dtype, "cpu")
+    local = _local_shard(full.reshape(spec.shape).to(dtype), like)
+    return DTensor.from_local(local, spec.mesh, spec.placements, shape=torch.Size(spec.shape), stride=spec.stride)
 
 
 def _model_shapes(module: nn.Module) -> dict[str, tuple]:

@@ -20,13 +20,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.constants import default_pg_timeout
 
+from lightning_tp2d import fsdp
 from lightning_tp2d.export import hf_loader
 from lightning_tp2d.families import families, family_of, family_of_config, model_names
 from lightning_tp2d.layouts import STRATEGY_NAMES, Layout, get_layout, handle_of
 from lightning_tp2d.mesh import ParallelDims, as_timeout, init_mesh
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes
-from lightning_tp2d.training import broadcast_module_
+from lightning_tp2d.training import broadcast_module_, clip_grad_norm_
 from lightning_tp2d.zero import ZERO_STAGES
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
@@ -126,7 +127,11 @@ class TensorParallelCore:
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage={zero_stage!r} is not supported: {list(ZERO_STAGES)} (0: every data-parallel "
                              "replica keeps the full optimizer state of its tensor shard; 1: the state is sharded "
-                             "over the replicas). Gradient (2) and parameter (3) sharding are not implemented")
+                             "over the replicas; 2: gradients too; 3: parameters too)")
+        if zero_stage >= 2 and self.compile_options is not None:
+            raise ValueError(f"zero_stage={zero_stage} with compile is not supported yet: the model is compiled as a "
+                             "whole, and FSDP2's per-block all-gathers need compiling per block (use compile=False, or "
+                             "zero_stage 0 or 1)")
         self.timeout = as_timeout(timeout)
         self.layout_spec = spec
         self.layout = spec.name
@@ -245,6 +250,26 @@ class TensorParallelCore:
         if left:
             raise ValueError(f"parameters outside the {'/'.join(sorted({type(m).__name__ for _, m in found}))} modules are "
                              f"still on the meta device: {left[:5]}")
+
+    def shard_models(self, module: nn.Module) -> None:
+        """ZeRO stages 2 and 3: shard every parallelized model inside ``module`` over ``data_parallel`` with FSDP2
+        (:func:`~lightning_tp2d.fsdp.shard_data_parallel`: one group per block and one at the root); after the
+        precision plugin converted it, before any optimizer holds its parameters. Stages 0 and 1: nothing."""
+        if self.zero_stage < 2:
+            return
+        for _, m in _models(module):
+            if not fsdp.is_sharded(m):
+                fsdp.shard_data_parallel(m, self.zero_stage)
+
+    def sharded_models(self, module: nn.Module | None) -> list[nn.Module]:
+        """The models inside ``module`` that FSDP shards (stage 2/3 with ``dp > 1``)."""
+        return [m for _, m in _models(module) if fsdp.is_sharded(m)] if module is not None else []
+
+    def clip_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm of the whole gradient: over the tensor shards, and over the ``data_parallel`` shards
+        too at stages 2 and 3 (:func:`lightning_tp2d.fsdp.clip_grad_norm_`)."""
+        clip = fsdp.clip_grad_norm_ if self.zero_stage >= 2 else clip_grad_norm_
+        return clip(parameters, max_norm, self.device_mesh, norm_type)
 
     def checkpoint_info(self, module: nn.Module) -> dict[str, Any]:
         """What a checkpoint records about the run that wrote it (informative; loading needs none of it)."""

@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 
 from lightning_tp2d import checkpoint as ckpt
 from lightning_tp2d.core import TensorParallelCore
-from lightning_tp2d.training import GradientSync, clip_grad_norm_, clip_grad_value_
+from lightning_tp2d.training import GradientSync, clip_grad_value_
 from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
 
 __all__ = ["TP2DFabricStrategy"]
@@ -88,8 +88,9 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
         self._check_model(module)
         self.parallelize_models(module)
         module.to(self.root_device)  # whatever lies outside the GPT2 modules (already on their device)
-        if id(module) not in self._grad_syncs:  # data-parallel all-reduces in buckets, overlapping the backward
-            self._grad_syncs[id(module)] = GradientSync(module, self.device_mesh)
+        self.shard_models(module)  # zero_stage 2/3: FSDP2 over data_parallel (its reduce-scatter averages)
+        if id(module) not in self._grad_syncs and self.zero_stage < 2:  # all-reduces in buckets, overlapping the
+            self._grad_syncs[id(module)] = GradientSync(module, self.device_mesh)  # backward
         return module
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler=None):
@@ -123,16 +124,20 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
     @contextmanager
     def blocked_backward_sync(self, module: nn.Module) -> Generator[None, None, None]:
         """Gradients accumulate locally inside; the next backward outside averages the sum."""
-        syncs = self._syncs_of(module)
+        syncs, sharded = self._syncs_of(module), self.sharded_models(module)
         previous, self._sync_blocked = self._sync_blocked, True
         for sync in syncs:
             sync.enabled = False
+        for m in sharded:  # FSDP keeps the unreduced gradients until a backward outside
+            m.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             self._sync_blocked = previous
             for sync in syncs:
                 sync.enabled = not previous
+            for m in sharded:
+                m.set_requires_gradient_sync(not previous)
 
     def _syncs_of(self, module: nn.Module | None) -> list[GradientSync]:
         if module is not None and id(module) in self._grad_syncs:
@@ -142,7 +147,7 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
-        norm = clip_grad_norm_(clipped_parameters(optimizer, self.precision.main_params(optimizer)), max_norm, self.device_mesh, norm_type)
+        norm = self.clip_norm_(clipped_parameters(optimizer, self.precision.main_params(optimizer)), max_norm, norm_type)
         if error_if_nonfinite and not torch.isfinite(norm):  # as torch's clip_grad_norm_ (a host read)
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
         return norm
@@ -163,7 +168,7 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
         module_key, module, optimizers = _split_state(state)
         sharded = self._sharded_checkpoints
         checkpoint: dict[str, Any] = {
-            "state_dict": (module.state_dict(keep_vars=True) if sharded
+            "state_dict": (ckpt.sharded_model_state(module) if sharded
                            else ckpt.full_model_state(module, self.global_rank)),
             "optimizer_states": [ckpt.sharded_optimizer_state(module, o) if sharded
                                  else ckpt.full_optimizer_state(module, o, self.global_rank)

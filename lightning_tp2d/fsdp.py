@@ -51,6 +51,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -59,11 +60,12 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_tp2d import training
-from lightning_tp2d.comm import all_reduce_along, axis_size
+from lightning_tp2d.comm import all_gather_along, all_reduce_along, axis_rank, axis_size
 from lightning_tp2d.families import family_of
 from lightning_tp2d.layouts import DATA_AXIS, handle_of
 
-__all__ = ["FSDP_STAGES", "clip_grad_norm_", "gathered", "grad_norm", "is_sharded", "shard_data_parallel"]
+__all__ = ["FSDP_STAGES", "Stage0", "clip_grad_norm_", "gathered", "grad_norm", "is_sharded", "shard_data_parallel",
+           "stage0_specs"]
 
 FSDP_STAGES = (2, 3)
 
@@ -80,6 +82,64 @@ def _dp_shard_dim(param: DTensor, dp: int) -> int | None:
         return 0
     local = param.to_local().shape
     return next((d for d in range(1, len(local)) if d not in strided and local[d] % dp == 0), None)
+
+
+def _stage0_only(param: DTensor, dp: int) -> bool:
+    """Whether the at-rest (dp-sharded) form of ``param`` has placements that ``torch.distributed.checkpoint`` or a
+    redistribute cannot describe as boxes: a strided tensor-parallel split (GPT-2's fused q/k/v on the grids) under
+    FSDP's data-parallel cut. Checkpoints hold such tensors in their stage-0 form (:class:`Stage0`)."""
+    dim = _dp_shard_dim(param, dp)
+    return dim is not None and any(isinstance(pl, _StridedShard) for pl in param.placements)
+
+
+@dataclass(frozen=True)
+class Stage0:
+    """The tensor-parallel form a dp-sharded parameter had before FSDP (its stage-0 DTensor: ``placements`` on
+    ``mesh``, global ``shape``/``stride``, this rank's ``local`` shape) and the dim FSDP cut its local shard along
+    over ``data_parallel`` (``torch.chunk`` order: rank ``r`` holds chunk ``r``). Checkpoints store such a
+    parameter, and each optimizer state of its shape, in this form (the same as a stage-0 run's), so they load
+    under every stage, grid and dp size."""
+
+    mesh: object
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    local: tuple[int, ...]
+    dim: int
+
+    def gather(self, sharded: torch.Tensor) -> DTensor:
+        """The stage-0 DTensor of ``sharded`` (the parameter at rest, or a state of its shape): its dp chunks
+        all-gathered (a collective over ``data_parallel``; every rank calls it)."""
+        local = sharded.to_local() if isinstance(sharded, DTensor) else sharded
+        dp = axis_size(self.mesh, DATA_AXIS)
+        chunk = -(-self.local[self.dim] // dp)
+        pad = [0, 0] * (local.dim() - 1 - self.dim) + [0, chunk - local.shape[self.dim]]
+        padded = torch.nn.functional.pad(local.contiguous(), pad) if any(pad) else local.contiguous()
+        full = all_gather_along(padded, self.mesh, DATA_AXIS, dim=self.dim).narrow(self.dim, 0, self.local[self.dim])
+        return DTensor.from_local(full.contiguous(), self.mesh, self.placements, shape=torch.Size(self.shape),
+                                  stride=self.stride)
+
+    def empty(self, dtype: torch.dtype, device) -> DTensor:
+        """A zero stage-0 DTensor to load a checkpoint's tensor into."""
+        return DTensor.from_local(torch.zeros(self.local, dtype=dtype, device=device), self.mesh, self.placements,
+                                  shape=torch.Size(self.shape), stride=self.stride)
+
+    def chunk(self, stage0: DTensor) -> torch.Tensor:
+        """This rank's dp chunk of a stage-0 DTensor's local tensor (what FSDP keeps at rest)."""
+        dp, r = axis_size(self.mesh, DATA_AXIS), axis_rank(self.mesh, DATA_AXIS)
+        local = stage0.to_local()
+        chunks = torch.chunk(local, dp, dim=self.dim)  # (fewer than dp when the dim is short: FSDP pads empties)
+        return chunks[r] if r < len(chunks) else local.narrow(self.dim, 0, 0)
+
+
+def stage0_specs(module: nn.Module) -> dict[str, Stage0]:
+    """Every parameter inside ``module`` (by its name in ``module``) that a checkpoint stores in its stage-0 form
+    (:class:`Stage0`); empty when nothing is sharded."""
+    specs = {}
+    for prefix, m in module.named_modules():
+        for name, spec in getattr(m, "tp2d_stage0", {}).items():
+            specs[f"{prefix}.{name}" if prefix else name] = spec
+    return specs
 
 
 def _wrap_problem(where: str, param: nn.Parameter, mesh) -> str | None:
@@ -164,6 +224,9 @@ def shard_data_parallel(model: nn.Module, stage: int = 3, *,
     if len(meshes) > 1:
         raise ValueError("shard_data_parallel: the model's parameters hold different (equal) mesh objects; "
                          "parallelize it on one mesh")
+    model.tp2d_stage0 = {name: Stage0(p.device_mesh, tuple(p.placements), tuple(p.shape), tuple(p.stride()),
+                                      tuple(p.to_local().shape), _dp_shard_dim(p, dp))
+                          for name, p in model.named_parameters() if _stage0_only(p, dp)}
     options = dict(mesh=next(iter(meshes.values())), dp_mesh_dims=DataParallelMeshDims(shard=DATA_AXIS),
                    ignored_params=whole,
                    shard_placement_fn=lambda param: Shard(_dp_shard_dim(param, dp)),

@@ -40,7 +40,7 @@ from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.precision import allow_clipping_without_scaler, precision_name
 from lightning_tp2d.quiet import silence_known_noise
-from lightning_tp2d.training import GradientSync, clip_grad_norm_, clip_grad_value_
+from lightning_tp2d.training import GradientSync, clip_grad_value_
 from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
 
 
@@ -75,7 +75,11 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             (:mod:`lightning_tp2d.ops`), so the model compiles into one graph without breaks.
         zero_stage: ``1`` shards every optimizer's state over the ``data_parallel`` replicas (ZeRO-1,
             :mod:`lightning_tp2d.zero`): each keeps and updates the state of ~1/dp of the parameters and broadcasts
-            them after the step. ``0`` (default): each replica keeps the full state of its tensor shard.
+            them after the step. ``2`` and ``3`` shard the gradients, and at ``3`` the parameters, over
+            ``data_parallel`` with torch's FSDP2 (:mod:`lightning_tp2d.fsdp`: each block's parameters gathered
+            just before use, gradients reduce-scattered during the backward, the optimizer state of this rank's
+            shard only); not with ``compile`` yet; with ``dp = 1`` a warning and no sharding. ``0`` (default):
+            each replica keeps the full state of its tensor shard.
     """
 
     strategy_name = "tp2d"
@@ -143,6 +147,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         self.parallelize_models(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self.shard_models(self.model)  # zero_stage 2/3: FSDP2 over data_parallel, before the optimizers
         self._install_gradient_clipping()
         # evaluate under no_grad, never inference_mode (DTensor and gloo collectives; docs/layouts.md, the strategy)
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop):
@@ -160,8 +165,8 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             if self.zero_stage == 1:  # before a checkpoint is restored: each replica loads only what it owns
                 for optimizer in self.optimizers:
                     shard_optimizer_state(_unwrap(optimizer), self.device_mesh)
-            if self._grad_sync is None:  # data-parallel all-reduces in buckets, overlapping the backward
-                self._grad_sync = GradientSync(self.model, self.device_mesh)
+            if self._grad_sync is None and self.zero_stage < 2:  # (stage 2/3: FSDP's reduce-scatter averages)
+                self._grad_sync = GradientSync(self.model, self.device_mesh)  # buckets overlapping the backward
 
     # ---- gradients ----------------------------------------------------------------------------------------
 
@@ -169,14 +174,19 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip the data-parallel all-reduce while gradients accumulate (the last micro-batch syncs the sum)."""
         previous, self._grad_sync_blocked = self._grad_sync_blocked, True
+        sharded = self.sharded_models(self.model)
         if self._grad_sync is not None:
             self._grad_sync.enabled = False
+        for m in sharded:  # FSDP keeps the unreduced gradients until a backward outside
+            m.set_requires_gradient_sync(False)
         try:
             yield None
         finally:
             self._grad_sync_blocked = previous
             if self._grad_sync is not None:
                 self._grad_sync.enabled = not previous
+            for m in sharded:
+                m.set_requires_gradient_sync(not previous)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if not self._grad_sync_blocked and self._grad_sync is not None:
@@ -189,8 +199,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         def params(optimizer):
             return clipped_parameters(_unwrap(optimizer), plugin.main_params(optimizer))
 
-        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(params(optimizer), clip_val,
-                                                                                 self.device_mesh)
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.clip_norm_(params(optimizer), clip_val)
         plugin.clip_grad_by_value = lambda optimizer, clip_val: clip_grad_value_(params(optimizer), clip_val)
 
     def on_train_start(self) -> None:
@@ -206,7 +215,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
         if self._sharded_checkpoints:
-            return self.model.state_dict(keep_vars=True)  # live DTensors (tied ones recognised by identity)
+            return ckpt.sharded_model_state(self.model)  # live DTensors (tied ones recognised by identity)
         return ckpt.full_model_state(self.model, self.global_rank)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from lightning_tp2d.layouts import DATA_AXIS
 __all__ = ["ShardedOptimizer", "ZERO_STAGES", "clipped_parameters", "full_param_groups", "optimizer_state_bytes", "shard_optimizer_state",
            "sharding_of"]
 
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 2, 3)  # 2 and 3: lightning_tp2d.fsdp (FSDP2 over data_parallel)
 _ATTRIBUTE = "tp2d_sharding"  # where a sharded optimizer keeps its ShardedOptimizer
 
 

@@ -17,6 +17,7 @@ from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
 from lightning_tp2d.training import GradientSync, clip_grad_norm_
 from lightning_tp2d.zero import optimizer_state_bytes
 from tests.distributed import run_distributed
+from tests.lightning_ranks import run_ranks
 
 STEPS = 10
 MODELS = {"gpt2": (GPT2, lambda: GPT2Config.from_name("gpt2-tiny", dropout=0.0)),
@@ -135,3 +136,54 @@ def test_stage_outside_2_and_3_and_a_plain_model_are_refused_before_any_communic
             fsdp.shard_data_parallel(GPT2(GPT2Config.from_name("gpt2-tiny")), stage)
     with pytest.raises(ValueError, match="expects a model parallelized by lightning_tp2d.parallelize"):
         fsdp.shard_data_parallel(GPT2(GPT2Config.from_name("gpt2-tiny")), 3)
+
+
+# ---- the strategy: checkpoints across stages and layouts -----------------------------------------------------------
+
+
+def _fit_losses(rank: int, world_size: int, layout: str, p: int, stage: int, directory: str,
+                resume: str | None = None) -> list[float]:
+    """6 steps of gpt2-tiny under ``TP2DStrategy(layout, p, zero_stage=stage)`` (dp = world / p), a sharded
+    checkpoint every 3 steps into ``directory``, resumed from the checkpoint named ``resume`` there; the logged
+    ``train_loss`` of every step run."""
+    import lightning.pytorch as L
+
+    L.seed_everything(0)
+    losses: list[float] = []
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(trainer.callback_metrics["train_loss"].item())
+
+    saves = L.callbacks.ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1,
+                                        filename=f"{layout}-{stage}-{{step}}")
+    trainer = L.Trainer(strategy=tp.TP2DStrategy(layout, tensor_parallel_size=p, zero_stage=stage),
+                        accelerator="cpu", devices=world_size, max_steps=6, logger=False, callbacks=[Losses(), saves],
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    module = tp.CausalLMModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=2)
+    trainer.fit(module, tp.TextDataModule(block_size=32, batch_size=2, max_tokens=20_000),
+                ckpt_path=None if resume is None else f"{directory}/{resume}")
+    return losses
+
+
+def _resumed_like_uninterrupted(tmp_path, first: tuple[str, int], then: tuple[str, int], world_size: int):
+    (layout, p), (other, q) = first, then
+    whole = run_ranks(_fit_losses, world_size, layout, p, 3, str(tmp_path), timeout=400)[0]
+    resumed = run_ranks(_fit_losses, world_size, other, q, 0, str(tmp_path), f"{layout}-3-step=3.ckpt",
+                        timeout=400)[0]
+    assert len(whole) == 6 and len(resumed) == 3
+    worst = max(abs(a - b) / a for a, b in zip(whole[3:], resumed))
+    assert worst <= 1e-5, f"steps 4-6 resumed from a stage-3 checkpoint differ by up to {worst:.1e} (relative)"
+
+
+def test_a_stage_3_checkpoint_resumes_at_stage_0_with_the_same_losses(tmp_path):
+    """dp 2 x ring 2: a run at ZeRO stage 3 saves sharded checkpoints (FSDP's shards, optimizer state included); a
+    stage-0 run resumed from step 3 continues with the uninterrupted stage-3 run's losses."""
+    _resumed_like_uninterrupted(tmp_path, ("metp", 2), ("metp", 2), 4)
+
+
+@pytest.mark.slow
+def test_a_stage_3_checkpoint_on_a_grid_resumes_at_stage_0_in_another_layout(tmp_path):
+    """dp 2 x a 2x2 grid: "2d" at stage 3 (GPT-2's fused q/k/v, strided on the grid, is stored in its stage-0 form)
+    resumed at stage 0 under "2d-metp": the same losses as the uninterrupted stage-3 run."""
+    _resumed_like_uninterrupted(tmp_path, ("2d", 4), ("2d-metp", 4), 8)

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_tp2d as tp
+from lightning_tp2d import fsdp
 from lightning_tp2d.data import ByteTokenizer, TokenWindows, load_tokens
 from lightning_tp2d.models import GPT2, GPT2Config
 from lightning_tp2d.strategy import TP2DStrategy, auto_tensor_parallel_size
@@ -83,7 +84,11 @@ def fit_gpt2(rank, world_size, strategy, batch_size, trainer_kw=(), module_kw=()
     module = tp.CausalLMModule("gpt2-tiny", learning_rate=3e-3, warmup_steps=5, **dict(module_kw))
     data = tp.TextDataModule(block_size=32, batch_size=batch_size, max_tokens=40_000)
     trainer.fit(module, data)
-    if getattr(strategy, "zero_stage", 0):  # the state really is sharded: this replica holds ~1/dp of it
+    if getattr(strategy, "zero_stage", 0) >= 2:  # FSDP: every model parameter is split over data_parallel
+        assert fsdp.is_sharded(module.model) and all(fsdp.is_sharded(b) for b in module.model.transformer.h)
+        assert not any(p.placements[0].is_replicate() for p in module.parameters()
+                       if p.dim() > 1), "a matrix left whole over data_parallel"
+    elif getattr(strategy, "zero_stage", 0):  # the state really is sharded: this replica holds ~1/dp of it
         sharding = sharding_of(trainer.optimizers[0])
         held = {id(p) for p in trainer.optimizers[0].state}
         assert sharding is not None and held == {id(p) for p in sharding.params if sharding.owns(p)}
@@ -351,6 +356,22 @@ def test_dp2_by_2x2_on_8_processes_trains_like_one_device():
     options = (("accumulate_grad_batches", 2), ("gradient_clip_val", 0.05))
     strategy = tp.TP2DStrategy("2d", tensor_parallel_size=4, zero_stage=1)
     losses = run_ranks(fit_gpt2, 8, strategy, 2, options, timeout=400)
+    assert all(run == losses[0] for run in losses)
+    ref = reference(4, options)
+    assert len(losses[0]) == len(ref)
+    worst = max(abs(a - b) for a, b in zip(losses[0], ref))
+    assert worst <= 2e-5, f"losses differ from the single-device run by up to {worst:.2e}"
+
+
+@pytest.mark.parametrize("stage, checkpointing", [(2, "none"), (3, "full")])
+def test_zero_stage_2_and_3_on_dp2_by_ring_2_train_like_one_device(stage, checkpointing):
+    """FSDP2 over data_parallel (dp 2 x a ring of 2, 4 processes), with gradient accumulation, clipping by the
+    global norm (dp shards included) and, at stage 3, activation checkpointing: the losses of one device taking
+    both replicas' batches as one; FSDP's reduce-scatter is the only data-parallel average (no GradientSync)."""
+    options = (("accumulate_grad_batches", 2), ("gradient_clip_val", 0.05))
+    strategy = tp.TP2DStrategy("metp", tensor_parallel_size=2, zero_stage=stage,
+                               activation_checkpointing=checkpointing)
+    losses = run_ranks(fit_gpt2, 4, strategy, 2, options, timeout=400)
     assert all(run == losses[0] for run in losses)
     ref = reference(4, options)
     assert len(losses[0]) == len(ref)
