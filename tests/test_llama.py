@@ -258,7 +258,8 @@ def test_from_hf_refuses_unimplemented_variants_in_one_error():
 
 
 @pytest.mark.parametrize("name, params", [("llama-3.2-1b", 1_235_814_400), ("llama-3.2-3b", 3_212_749_824),
-                                          ("llama-3.1-8b", 8_030_261_248), ("llama-2-7b", 6_738_415_616)])
+                                          ("llama-3.1-8b", 8_030_261_248), ("llama-2-7b", 6_738_415_616),
+                                          ("llama-3.1-70b", 70_553_706_496), ("llama-3.1-405b", 405_853_388_800)])
 def test_named_real_shapes_have_the_published_parameter_counts(name, params):
     with torch.device("meta"):
         model = Llama(LlamaConfig.from_name(name))
@@ -271,7 +272,8 @@ def test_from_name_overrides_and_unknown_name_lists_valid_names():
     assert cfg.tie_embeddings and not LlamaConfig.from_name("llama-3.1-8b").tie_embeddings
     with pytest.raises(ValueError) as err:
         LlamaConfig.from_name("llama-70b")
-    for name in ("llama-tiny", "llama-mini", "llama-2-7b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"):
+    for name in ("llama-tiny", "llama-mini", "llama-2-7b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
+                 "llama-3.1-70b", "llama-3.1-405b"):
         assert f"'{name}'" in str(err.value)
 
 

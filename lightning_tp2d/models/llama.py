@@ -158,6 +158,9 @@ _NAMED_CONFIGS = {
     "llama-3.2-3b": dict(_LLAMA3, n_layer=28, n_head=24, n_kv_head=8, n_embd=3072, intermediate_size=8192,
                          tie_embeddings=True),  # 3.21B
     "llama-3.1-8b": dict(_LLAMA3, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336),  # 8.03B
+    "llama-3.1-70b": dict(_LLAMA3, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, intermediate_size=28672),  # 70.6B
+    "llama-3.1-405b": dict(_LLAMA3, n_layer=126, n_head=128, n_kv_head=8, n_embd=16384,
+                           intermediate_size=53248),  # 405.9B
 }
 LlamaConfig.NAMED = _NAMED_CONFIGS
 
