@@ -13,6 +13,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 
 from lightning_tp2d.errors import DivergenceError
+from lightning_tp2d.zero import full_param_groups
 
 log = logging.getLogger(__name__)
 
@@ -445,13 +446,13 @@ class DivergenceGuard(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self.skip_bad_steps:
             return
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = [p for group in full_param_groups(optimizer) for p in group]  # ZeRO-1: not only the slices
+        grads = [p.grad for p in params if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         bad = bool(local) and not bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
         if trainer.strategy.reduce_boolean_decision(bad, all=False):
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None  # the optimizer skips parameters without gradients: nothing changes
+            for p in params:
+                p.grad = None  # the optimizer skips parameters without gradients: nothing changes
             self.vote.drop_step()  # this step's loss is not held against the run
             self.skipped += 1
             if trainer.is_global_zero:

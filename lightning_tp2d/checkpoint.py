@@ -194,40 +194,47 @@ def full_model_state(module: nn.Module, rank: int) -> dict[str, torch.Tensor]:
     return {}
 
 
-def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``{"state": {param name: {field: tensor}}, "param_groups": [{..., "params": [names]}]}`` with live
-    (sharded) tensors."""
-    names = _param_names(module)
-    full_groups = full_param_groups(optimizer)  # with ZeRO: also the parameters other replicas step
+def _named_param_groups(names: dict[int, str], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups with parameter names for ``params`` (with ZeRO-1 the full parameters)."""
+    full_groups = full_param_groups(optimizer)
     if any(id(p) not in names for g in full_groups for p in g):
         raise ValueError("the optimizer holds parameters that are not in the LightningModule")
-    state = {names[id(p)]: dict(s) for p, s in optimizer.state.items()}
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in full]}
+            for g, full in zip(optimizer.param_groups, full_groups)]
+
+
+def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"state": {param name: {field: tensor}}, "param_groups": [{..., "params": [names]}]}`` with live
+    (sharded) tensors, each parameter's state in its stage-0 form: with ZeRO-1 gathered over ``data_parallel``
+    (a collective; for the save every rank holds the replicated state, as at stage 0)."""
+    names = _param_names(module)
+    groups = _named_param_groups(names, optimizer)
+    sharding = sharding_of(optimizer)
+    if sharding is not None:
+        state = {names[id(p)]: fields for p in sharding.params if (fields := sharding.full_state(p))}
+    else:
+        state = {names[id(p)]: dict(s) for p, s in optimizer.state.items()}
     specs = stage0_specs(module)
     for name, fields in state.items():  # FSDP's unboxed cuts: their stage-0 form (module docstring)
         if name in specs:
             fields.update({k: specs[name].gather(v) for k, v in fields.items()
                            if isinstance(v, DTensor) and tuple(v.shape) == specs[name].shape})
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in full]}
-              for g, full in zip(optimizer.param_groups, full_groups)]
     return {"state": state, "param_groups": groups}
 
 
 @torch.no_grad()
 def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
     """torch's ``optimizer.state_dict()`` format with full plain tensors and ``param_names``, on rank 0 (a
-    collective; empty on the other ranks)."""
-    sharded = sharded_optimizer_state(module, optimizer)
-    order = [name for g in sharded["param_groups"] for name in g["params"]]
+    collective; empty on the other ranks). With ZeRO-1 each parameter's state is gathered over ``data_parallel``
+    one parameter at a time."""
     sharding = sharding_of(optimizer)
-    owned_fields = {}
-    if sharding is not None:  # ZeRO: each parameter's state comes from the replica that owns it
-        for fields in gather_objects(sharding.state_fields()):
-            owned_fields.update(fields)
+    sharded = (sharded_optimizer_state(module, optimizer) if sharding is None else
+               {"state": {}, "param_groups": _named_param_groups(_param_names(module), optimizer)})
+    order = [name for g in sharded["param_groups"] for name in g["params"]]
     state = {}
     for index, name in enumerate(order):
         if sharding is not None:
-            fields = (sharding.owner_state(sharding.params[index], owned_fields[index]) if index in owned_fields
-                      else None)
+            fields = sharding.full_state(sharding.params[index]) or None
         else:
             fields = sharded["state"].get(name)
         if fields is not None:
@@ -385,8 +392,6 @@ def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any
                     raise ValueError(f"checkpoint {str(path)!r} has optimizer state for {name!r}, not in this model")
                 continue
             p = params[name]
-            if sharding is not None and not sharding.owns(p):
-                continue  # ZeRO: another replica keeps this state
             like_param = _unview_shape(key, md.size) == tuple(p.shape) and len(md.size) > 0
             if like_param and name in specs:
                 value = specs[name].empty(md.properties.dtype, p.device)
@@ -412,7 +417,10 @@ def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any
                                            shape=p.shape, stride=p.stride())
             else:
                 _assign(value, targets[key])
-            optimizer.state[p][field] = value
+            if sharding is not None:  # ZeRO-1: this replica's slice, under its slice of the parameter
+                optimizer.state[sharding.shard_of(p)][field] = sharding.owned_slice(p, value)
+            else:
+                optimizer.state[p][field] = value
         _load_param_groups(optimizer, meta["tp2d_optimizer_param_groups"][i], params, path)
     return {k: v for k, v in meta.items() if not k.startswith("tp2d_")}
 
@@ -459,7 +467,7 @@ def _load_full(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
                              f"this one {len(order)}")
         _load_param_groups(optimizer, saved["param_groups"], params, path)
         for param, index in zip(order, saved_order):
-            if index not in saved["state"] or (sharding is not None and not sharding.owns(param)):
+            if index not in saved["state"]:
                 continue
             fields = {}
             for field, v in saved["state"][index].items():
@@ -473,6 +481,9 @@ def _load_full(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
                     _assign(fields[field], v)
                 else:
                     fields[field] = v.clone() if isinstance(v, torch.Tensor) else v
+            if sharding is not None:  # ZeRO-1: this replica's slices, under its slice of the parameter
+                fields = {k: sharding.owned_slice(param, v) for k, v in fields.items()}
+                param = sharding.shard_of(param)
             optimizer.state[param] = fields
     checkpoint.pop("optimizer_states", None)
     return checkpoint

@@ -162,7 +162,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
                     for key, value in fields.items() if isinstance(fields, dict) else ():
                         if key != "step":
                             fields[key] = move_data_to_device(value, self.root_device)
-            if self.zero_stage == 1:  # before a checkpoint is restored: each replica loads only what it owns
+            if self.zero_stage == 1:  # before a checkpoint is restored: each replica loads only its slices
                 for optimizer in self.optimizers:
                     shard_optimizer_state(_unwrap(optimizer), self.device_mesh)
             if self._grad_sync is None and self.zero_stage < 2:  # (stage 2/3: FSDP's reduce-scatter averages)

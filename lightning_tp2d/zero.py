@@ -1,170 +1,260 @@
-"""ZeRO stage 1 on the data-parallel axis: each replica keeps the optimizer state of only its share of the
-parameters.
+"""ZeRO stage 1 on the data-parallel axis: each replica keeps the optimizer state of a 1/dp slice of every
+parameter.
 
 Without it, every data-parallel replica holds the full optimizer state of its tensor shard: for AdamW two float32
-tensors per parameter element, twice the weights. :class:`ShardedOptimizer` partitions the optimizer's parameters
-over the ``data_parallel`` ranks (whole parameters, balanced by element count, the same partition on every rank)
-and changes the optimizer in place:
+tensors per parameter element, twice the weights. :class:`ShardedOptimizer` splits every parameter evenly over the
+``dp`` replicas of the ``data_parallel`` axis and changes the optimizer in place:
 
-* each parameter group keeps only the parameters this replica *owns*, so the optimizer creates, updates and saves
-  state for those alone (optimizer state per rank ~ 1/dp of the replicated state);
-* gradients are still averaged over all replicas before the step (:class:`~lightning_tp2d.training.GradientSync`)
-  and clipped by the global norm of the whole model (the strategy clips over :attr:`ShardedOptimizer.params`);
-* after every ``optimizer.step()`` each owner broadcasts its updated parameters to the other replicas (one
-  flattened broadcast per owner and dtype, all posted before any is waited on), and the gradients of the
-  parameters this replica does not own are dropped (``zero_grad`` also clears them).
+* replica ``r`` owns elements ``[r*s, min((r+1)*s, n))``, ``s = ceil(n/dp)``, of the flattened local tensor-parallel
+  shard (``n`` elements) of each parameter (:func:`even_slices`: the last slices shorter or empty); each parameter
+  group lists these *slices* (views of the parameters' storage) instead of the parameters, so the optimizer
+  creates, updates and saves state for them alone: optimizer state per rank ~ 1/dp of the replicated state (at
+  most one element per parameter and field above the even share; step counts stay whole). Group hyper-parameters
+  (``lr`` set by schedulers, ``weight_decay``) apply as before. 0-dim parameters stay whole on every replica.
+* gradients are still averaged in full over the replicas (:class:`~lightning_tp2d.training.GradientSync`) and
+  clipped by the global norm of the whole model (the strategies clip over :attr:`ShardedOptimizer.params`); at
+  ``optimizer.step()`` (after its closure, if any) each slice's ``.grad`` becomes the matching slice of its
+  parameter's averaged gradient (a view: no copy).
+* after every step the updated slices are all-gathered back into the full local parameters: one all-gather per
+  dtype and device, all posted before any is waited on; then every parameter's gradient is dropped, as
+  ``zero_grad()`` would (a wrapper's ``zero_grad``, Fabric's, reaches only the slices). ``zero_grad`` clears the
+  parameters' gradients too.
 
-The optimizer stays a plain ``torch.optim.Optimizer`` (the step and zero-grad behaviour come from its public hook
-API), so learning-rate schedulers, Lightning's optimizer loop, Fabric and hand-written loops work unchanged.
-Checkpoints (:mod:`lightning_tp2d.checkpoint`) record the full parameter groups and every owner's state, so a
-checkpoint written with optimizer sharding loads with or without it, on any data-parallel size and layout.
+The slicing is exact only for an *element-wise* optimizer, whose update of an element reads that element's
+gradient and state alone: torch's SGD, Adam, AdamW, Adamax, Adagrad, Adadelta, ASGD, NAdam, RAdam, RMSprop and
+Rprop (and their subclasses). Others (LBFGS, Adafactor, Muon, SparseAdam) are refused with a ``TypeError``.
+
+The optimizer stays a plain ``torch.optim.Optimizer`` (slices bound and gathered by its public step hooks), so
+learning-rate schedulers, Lightning's optimizer loop, Fabric and hand-written loops work unchanged. Checkpoints
+(:mod:`lightning_tp2d.checkpoint`) store every parameter's state in its stage-0 form, gathered over
+``data_parallel`` while saving (:meth:`~ShardedOptimizer.full_state`), and load it by slicing
+(:meth:`~ShardedOptimizer.owned_slice`), so a checkpoint written at stage 1 loads at any stage, data-parallel size
+and layout, and one from stage 0 loads here. The sharded (DCP) format saves and loads every parameter at once, so
+for that moment each rank holds the replicated state, as at stage 0; the full file goes one parameter at a time.
 
 What is not sharded: gradients (all-reduced in full, as before: ZeRO-2 would reduce-scatter them) and parameters
-(ZeRO-3). The extra traffic per step is one broadcast of the parameters (the same bytes as a second gradient
-all-reduce would move).
+(ZeRO-3). Traffic per step: besides the gradient all-reduce, one all-gather in which every rank sends its ~1/dp of
+the local parameters and receives the rest, ``(dp - 1)/dp`` of the local parameter bytes in (half of what a ring
+all-reduce of the gradients moves); its receive buffers are one transient copy of the local parameters. Build
+the sharding after the model is parallelized, cast and on its device: the slices are views of the parameters'
+storage (a step after the storage changed raises).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import math
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_tp2d.comm import axis_rank, axis_size, broadcast_along
+from lightning_tp2d.comm import all_gather_blocks, axis_rank, axis_size
 from lightning_tp2d.layouts import DATA_AXIS
 
-__all__ = ["ShardedOptimizer", "ZERO_STAGES", "clipped_parameters", "full_param_groups", "optimizer_state_bytes", "shard_optimizer_state",
-           "sharding_of"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "ZERO_STAGES", "clipped_parameters", "even_slices",
+           "full_param_groups", "optimizer_state_bytes", "shard_optimizer_state", "sharding_of"]
 
 ZERO_STAGES = (0, 1, 2, 3)  # 2 and 3: lightning_tp2d.fsdp (FSDP2 over data_parallel)
 _ATTRIBUTE = "tp2d_sharding"  # where a sharded optimizer keeps its ShardedOptimizer
+ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop"))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def partition(sizes: list[int], parts: int) -> list[int]:
-    """Owner (0 .. ``parts - 1``) of each item: largest first onto the least loaded part (ties: lowest index), so
-    the busiest owner holds at most the balanced share plus one item."""
-    loads, owners = [0] * parts, [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        owner = min(range(parts), key=lambda r: (loads[r], r))
-        owners[i], loads[owner] = owner, loads[owner] + sizes[i]
-    return owners
+def even_slices(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each of ``parts`` contiguous slices of ``n`` elements: ``s = ceil(n/parts)`` each, the
+    last ones shorter or empty (``even_slices(5, 4) == [(0, 2), (2, 4), (4, 5), (5, 5)]``)."""
+    size = math.ceil(n / parts)
+    return [(min(r * size, n), min((r + 1) * size, n)) for r in range(parts)]
+
+
+class _Piece:
+    """This replica's slice ``flat[start:stop]`` of one parameter's flattened local shard ``flat`` (``n``
+    elements, ``size = ceil(n/dp)`` per replica), at ``offset`` in its bucket's all-gather block. A 0-dim parameter
+    is ``whole``: every replica steps it (its slice is the parameter's local tensor) and nothing is gathered."""
+
+    __slots__ = ("param", "flat", "ptr", "n", "size", "start", "stop", "shard", "whole", "offset")
+
+    def __init__(self, param: torch.Tensor, dp: int, rank: int) -> None:
+        local = _local(param.detach())
+        if not local.is_contiguous():
+            raise ValueError(f"ZeRO-1 slices a parameter's local shard in place, but one of shape {tuple(local.shape)} "
+                             f"is not contiguous (strides {local.stride()})")
+        self.param, self.flat, self.ptr, self.n = param, local.view(-1), local.data_ptr(), local.numel()
+        self.whole = local.dim() == 0
+        self.size = self.n if self.whole else math.ceil(self.n / dp)
+        self.start, self.stop = (0, self.n) if self.whole else even_slices(self.n, dp)[rank]
+        self.shard = local if self.whole else self.flat[self.start:self.stop]
+        self.offset = 0
+
+    def scatter(self, blocks: torch.Tensor) -> None:
+        """Copy every replica's slice from the gathered ``blocks [dp, chunk]`` into the parameter."""
+        rows = self.n // self.size
+        self.flat[:rows * self.size].view(rows, self.size).copy_(blocks[:rows, self.offset:self.offset + self.size])
+        rest = self.n - rows * self.size
+        if rest:
+            self.flat[rows * self.size:].copy_(blocks[rows, self.offset:self.offset + rest])
 
 
 class ShardedOptimizer:
-    """Optimizer-state sharding of ``optimizer`` over the ``data_parallel`` axis of ``mesh`` (module docstring).
-
-    Applied in place and once (:func:`shard_optimizer_state`); :attr:`param_groups` keeps the full parameter lists
-    (what checkpoints record), :attr:`params` every parameter, :meth:`owns` says whether this replica steps one.
-    With ``dp = 1`` nothing changes but the bookkeeping.
-    """
+    """ZeRO-1 of ``optimizer`` over the ``data_parallel`` axis of ``mesh`` (module docstring), applied in place and
+    once (:func:`shard_optimizer_state`). :attr:`param_groups` keeps the full parameter lists (what checkpoints
+    record), :attr:`params` every parameter and :attr:`shards` this replica's slice of each, in that order; state
+    the optimizer already holds is cut to the slices. With ``dp = 1`` each slice is a whole parameter."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, mesh) -> None:
         if getattr(optimizer, _ATTRIBUTE, None) is not None:
             raise ValueError("this optimizer's state is already sharded")
+        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+            raise TypeError(f"ZeRO-1 splits every parameter over the data-parallel replicas, which is exact only for "
+                            f"an element-wise optimizer ({names}); {type(optimizer).__name__} is not one of them: use "
+                            f"zero_stage=0")
         self.optimizer, self.mesh = optimizer, mesh
-        self.dp = axis_size(mesh, DATA_AXIS)
-        self.rank = axis_rank(mesh, DATA_AXIS)
+        self.dp, self.rank = axis_size(mesh, DATA_AXIS), axis_rank(mesh, DATA_AXIS)
         self.param_groups = [list(g["params"]) for g in optimizer.param_groups]
         self.params = [p for group in self.param_groups for p in group]
         if len({id(p) for p in self.params}) != len(self.params):
             raise ValueError("a parameter appears twice in the optimizer's parameter groups")
-        owners = partition([p.numel() for p in self.params], self.dp)
-        self.owner = {id(p): r for p, r in zip(self.params, owners)}
-        for group, full in zip(optimizer.param_groups, self.param_groups):
-            group["params"] = [p for p in full if self.owns(p)]
-        for p in [p for p in optimizer.state if not self.owns(p)]:  # state created before sharding: let it go
-            del optimizer.state[p]
-        # broadcast buckets: per owner and dtype, in a fixed order
-        buckets: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for p in self.params:
-            buckets[(self.owner[id(p)], p.dtype)].append(p)
-        self._buckets = sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))
-        self._foreign = [p for p in self.params if not self.owns(p)]
-        self._hook = optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_step())
+            if isinstance(p, DTensor) and DATA_AXIS in (p.device_mesh.mesh_dim_names or ()):
+                if not p.placements[p.device_mesh.mesh_dim_names.index(DATA_AXIS)].is_replicate():
+                    raise ValueError("ZeRO-1 needs parameters replicated over data_parallel; these are split over it "
+                                     "(FSDP, zero_stage 2/3, shards the optimizer state already)")
+        self._pieces = [_Piece(p, self.dp, self.rank) for p in self.params]
+        self._piece_of = {id(p): piece for p, piece in zip(self.params, self._pieces)}
+        self.shards = [piece.shard for piece in self._pieces]
+        for p, piece in zip(self.params, self._pieces):
+            if p in optimizer.state:  # state created before sharding: keep this replica's slice of it
+                optimizer.state[piece.shard] = {k: self.owned_slice(p, v) for k, v in optimizer.state.pop(p).items()}
+        groups = iter(self._pieces)
+        for group, full in zip(optimizer.param_groups, self.param_groups):
+            group["params"] = [next(groups).shard for _ in full]
+        # all-gather buckets: per dtype and device, in a fixed order; each piece at its offset in the block
+        buckets: dict[tuple[str, str], list[_Piece]] = {}
+        for piece in self._pieces:
+            if not piece.whole and piece.n:
+                buckets.setdefault((str(piece.flat.dtype), str(piece.flat.device)), []).append(piece)
+        self._buckets = [buckets[key] for key in sorted(buckets)]
+        for pieces in self._buckets:
+            offset = 0
+            for piece in pieces:
+                piece.offset, offset = offset, offset + piece.size
+        self._hooks = [optimizer.register_step_pre_hook(self._before_step),
+                       optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_step())]
         self._zero_grad = optimizer.zero_grad
-        optimizer.zero_grad = self.zero_grad  # also clears the gradients of parameters owned elsewhere
+        optimizer.zero_grad = self.zero_grad  # the parameters' gradients too, not only the slices'
         setattr(optimizer, _ATTRIBUTE, self)
 
-    def owns(self, param: torch.Tensor) -> bool:
-        """Whether this replica keeps the optimizer state of ``param`` and steps it."""
-        return self.owner[id(param)] == self.rank
+    def shard_of(self, param: torch.Tensor) -> torch.Tensor:
+        """This replica's slice of ``param`` (flattened local shard; the optimizer's key for its state)."""
+        return self._piece_of[id(param)].shard
+
+    def _before_step(self, optimizer, args, kwargs):
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self.bind_gradients()
+            return None
+
+        def closure_then_bind():
+            loss = closure()  # forward and backward (Lightning: and the clip): the gradients are final after it
+            self.bind_gradients()
+            return loss
+
+        return args[:1], {**kwargs, "closure": closure_then_bind}
+
+    @torch.no_grad()
+    def bind_gradients(self) -> None:
+        """Each slice's ``.grad``: the matching slice of its parameter's gradient (``None`` where that is)."""
+        for piece in self._pieces:
+            if _local(piece.param.detach()).data_ptr() != piece.ptr:
+                raise RuntimeError("a parameter's storage changed after its optimizer state was sharded (the model "
+                                   "was moved or cast later): shard the optimizer after that")
+            grad = piece.param.grad
+            piece.shard.grad = None if grad is None else (
+                _local(grad) if piece.whole else _local(grad).reshape(-1)[piece.start:piece.stop])
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """Every owner sends its freshly stepped parameters to the other replicas; foreign gradients are dropped."""
+        """All-gather the freshly stepped slices into the parameters; drop every gradient."""
         if self.dp > 1:
             posted = []
-            for (owner, _), params in self._buckets:
-                locals_ = [_local(p.detach()) for p in params]
-                flat = (torch.cat([t.reshape(-1) for t in locals_]) if owner == self.rank else
-                        torch.empty(sum(t.numel() for t in locals_), dtype=locals_[0].dtype, device=locals_[0].device))
-                posted.append((owner, locals_, flat, broadcast_along(flat, self.mesh, DATA_AXIS, src=owner,
-                                                                     async_op=True)))
-            for owner, locals_, flat, handle in posted:
+            for pieces in self._buckets:
+                first = pieces[0].flat
+                block = torch.empty(pieces[-1].offset + pieces[-1].size, dtype=first.dtype, device=first.device)
+                for piece in pieces:  # the padding of shorter slices is never read back
+                    block[piece.offset:piece.offset + piece.stop - piece.start].copy_(piece.shard)
+                posted.append((pieces, *all_gather_blocks(block, self.mesh, DATA_AXIS)))
+            for pieces, blocks, handle in posted:
                 handle.wait()
-                if owner == self.rank:
-                    continue
-                offset = 0
-                for t in locals_:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
-        for p in self._foreign:
-            p.grad = None
+                for piece in pieces:
+                    piece.scatter(blocks)
+        for piece in self._pieces:
+            piece.shard.grad = piece.param.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zero_grad(set_to_none=set_to_none)
-        for p in self._foreign:
+        for p in self.params:
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.detach_()
                 p.grad.zero_()
 
-    @torch.no_grad()
-    def owner_state(self, param: torch.Tensor, fields: dict[str, tuple[torch.dtype, bool]]) -> dict[str, torch.Tensor]:
-        """``param``'s optimizer state on every replica, sent by its owner (a collective over ``data_parallel``:
-        every rank calls it for the same parameters in the same order). ``fields``: ``{name: (dtype,
-        shaped_like_param)}`` as the owner holds them (:meth:`state_fields`). Used to write a full-file checkpoint;
-        the copies are temporary."""
-        owner = self.owner[id(param)]
-        mine = self.optimizer.state.get(param, {}) if owner == self.rank else {}
-        out = {}
-        for field, (dtype, like_param) in fields.items():
-            if owner == self.rank:
-                value = mine[field]
-            elif like_param:
-                value = torch.empty_like(param.detach(), dtype=dtype)
-            else:
-                value = torch.empty((), dtype=dtype, device=_local(param).device)
-            if self.dp > 1:
-                buffer = _local(value).contiguous()
-                broadcast_along(buffer, self.mesh, DATA_AXIS, src=owner)
-                if owner != self.rank:
-                    _local(value).copy_(buffer)
-            out[field] = value
-        return out
+    def owned_slice(self, param: torch.Tensor, value):
+        """This replica's part of a state entry of ``param`` in stage-0 form: of a tensor shaped like ``param``
+        (``dim > 0``; a DTensor in ``param``'s placement when it is one) a copy of the owned slice of its local
+        shard; anything else (step counts) as it is."""
+        piece = self._piece_of[id(param)]
+        if not isinstance(value, torch.Tensor):
+            return value
+        if piece.whole or value.dim() == 0 or tuple(value.shape) != tuple(param.shape):
+            return _local(value).clone()
+        local = _local(value).reshape(-1)
+        if local.numel() != piece.n:
+            raise ValueError(f"optimizer state of {local.numel()} elements for a local shard of {piece.n}")
+        return local[piece.start:piece.stop].clone()
 
-    def state_fields(self) -> dict[int, dict[str, tuple[torch.dtype, bool]]]:
-        """``{index in params: {field: (dtype, shaped like the parameter)}}`` of the tensor state this replica
-        owns (non-tensor state is kept out: optimizers in torch keep their state in tensors)."""
-        out = {}
-        for index, p in enumerate(self.params):
-            if self.owns(p) and p in self.optimizer.state:
-                out[index] = {k: (v.dtype, v.dim() > 0 and tuple(v.shape) == tuple(p.shape))
-                              for k, v in self.optimizer.state[p].items() if isinstance(v, torch.Tensor)}
+    @torch.no_grad()
+    def full_state(self, param: torch.Tensor) -> dict:
+        """``param``'s optimizer state in stage-0 form: each field shaped like the slice gathered over
+        ``data_parallel`` into the parameter's local shape (a DTensor in ``param``'s placement when it is one), the
+        rest as this replica holds it. A collective: every replica calls it for the same parameters in the same
+        order. The gathered copies are temporary (checkpoints, :meth:`remove`)."""
+        piece = self._piece_of[id(param)]
+        state = self.optimizer.state.get(piece.shard, {})
+        out = dict(state)
+        sliced = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and not piece.whole
+                        and tuple(v.shape) == tuple(piece.shard.shape))
+        for dtype in sorted({state[k].dtype for k in sliced}, key=str):
+            fields = [k for k in sliced if state[k].dtype == dtype]
+            block = torch.zeros(len(fields), piece.size, dtype=dtype, device=piece.flat.device)
+            for j, k in enumerate(fields):
+                block[j, :piece.stop - piece.start].copy_(state[k])
+            blocks, handle = all_gather_blocks(block, self.mesh, DATA_AXIS) if piece.n else (block[None], None)
+            if handle is not None:
+                handle.wait()  # blocks [dp, fields, size]
+            for j, k in enumerate(fields):
+                local = blocks[:, j].reshape(-1)[:piece.n].view(_local(param).shape)
+                out[k] = (DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                             shape=param.shape, stride=param.stride())
+                          if isinstance(param, DTensor) else local)
         return out
 
     def remove(self) -> None:
-        """Undo the sharding of the parameter groups (state of foreign parameters is not brought back)."""
-        self._hook.remove()
+        """Undo the sharding: the full parameter groups back, with every parameter's full state (a collective)."""
+        state = {p: self.full_state(p) for p in self.params}
+        for hook in self._hooks:
+            hook.remove()
         self.optimizer.zero_grad = self._zero_grad
         for group, full in zip(self.optimizer.param_groups, self.param_groups):
             group["params"] = list(full)
+        for p, piece in zip(self.params, self._pieces):
+            self.optimizer.state.pop(piece.shard, None)
+            if state[p]:
+                self.optimizer.state[p] = state[p]
         setattr(self.optimizer, _ATTRIBUTE, None)
 
 
@@ -181,13 +271,13 @@ def sharding_of(optimizer) -> ShardedOptimizer | None:
 
 
 def full_param_groups(optimizer) -> list[list[torch.Tensor]]:
-    """Every parameter group's full parameter list (also those another replica steps)."""
+    """Every parameter group's full parameter list (with ZeRO-1 the parameters, not this replica's slices)."""
     sharding = sharding_of(optimizer)
     return sharding.param_groups if sharding is not None else [list(g["params"]) for g in optimizer.param_groups]
 
 
 def clipped_parameters(optimizer, main_params) -> list[torch.Tensor]:
-    """The parameters a gradient clip for ``optimizer`` must cover: with ZeRO every one (the optimizer steps a share,
+    """The parameters a gradient clip for ``optimizer`` must cover: with ZeRO every one (the optimizer steps slices,
     the norm is the whole model's), else ``main_params`` (the precision plugin's view of its parameters)."""
     sharding = sharding_of(optimizer)
     return list(main_params) if sharding is None else sharding.params
@@ -197,4 +287,3 @@ def optimizer_state_bytes(optimizer) -> int:
     """Bytes of tensor state this rank's optimizer holds (local shards)."""
     return sum(_local(v).numel() * v.element_size() for state in optimizer.state.values()
                for v in state.values() if isinstance(v, torch.Tensor))
-

@@ -92,10 +92,10 @@ def _fabric_run(rank, world_size, path, stage):
         loaded = max((p.full_tensor() - q.full_tensor()).abs().max().item()
                      for p, q in zip(fresh.parameters(), model.parameters()))
     before, after = _inner(optimizer).state, _inner(fresh_optimizer).state
-    states_equal = sorted(map(id, after)) == sorted(id(q) for p, q in zip(model.parameters(), fresh.parameters())
-                                                     if p in before) and all(
-        torch.equal(_local(after[q][k]), _local(before[p][k]))
-        for p, q in zip(model.parameters(), fresh.parameters()) if p in before for k in before[p])
+    keys = [[t for g in _inner(o).param_groups for t in g["params"]] for o in (optimizer, fresh_optimizer)]
+    pairs = list(zip(*keys))  # what the state is keyed by: the parameters (stage 3) or this replica's slices (1)
+    states_equal = sorted(map(id, after)) == sorted(id(q) for p, q in pairs if p in before) and all(
+        torch.equal(_local(after[q][k]), _local(before[p][k])) for p, q in pairs if p in before for k in before[p])
     g = torch.Generator().manual_seed(3)
     probe = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
     return {"worst": worst, "norm": float(norm), "plain_norm": float(plain_norm), "sharded": sharded,

@@ -91,8 +91,10 @@ def fit_gpt2(rank, world_size, strategy, batch_size, trainer_kw=(), module_kw=()
     elif getattr(strategy, "zero_stage", 0):  # the state really is sharded: this replica holds ~1/dp of it
         sharding = sharding_of(trainer.optimizers[0])
         held = {id(p) for p in trainer.optimizers[0].state}
-        assert sharding is not None and held == {id(p) for p in sharding.params if sharding.owns(p)}
-        assert 0 < len(held) < len(sharding.params)
+        assert sharding is not None and held == {id(s) for s in sharding.shards}  # a slice of every parameter
+        dp = trainer.strategy.parallel_dims.data_parallel_size
+        assert 0 < sum(s.numel() for s in sharding.shards) <= sum(p.to_local().numel() / dp + 1
+                                                                  for p in sharding.params)
     return recorder.losses if not dict(trainer_kw).get("precision") else (recorder.losses, recorder.dtypes)
 
 
