@@ -11,6 +11,7 @@ A mixin: the Lightning base class (Trainer's or Fabric's ``ModelParallelStrategy
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -77,6 +78,7 @@ class TensorParallelCore:
     layout_spec: Layout
     _dims: ParallelDims | None = None
     _mesh: Any = None  # the strategy's mesh (built in setup_environment)
+    _run_precision: str = "32-true"  # the Lightning precision name (kept by _check_precision_name)
 
     def __init__(self, layout: str | Layout = "2d", tensor_parallel_size: Literal["auto"] | int = "auto",
                  data_parallel_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
@@ -128,10 +130,6 @@ class TensorParallelCore:
             raise ValueError(f"zero_stage={zero_stage!r} is not supported: {list(ZERO_STAGES)} (0: every data-parallel "
                              "replica keeps the full optimizer state of its tensor shard; 1: the state is sharded "
                              "over the replicas; 2: gradients too; 3: parameters too)")
-        if zero_stage >= 2 and self.compile_options is not None:
-            raise ValueError(f"zero_stage={zero_stage} with compile is not supported yet: the model is compiled as a "
-                             "whole, and FSDP2's per-block all-gathers need compiling per block (use compile=False, or "
-                             "zero_stage 0 or 1)")
         self.timeout = as_timeout(timeout)
         self.layout_spec = spec
         self.layout = spec.name
@@ -165,8 +163,10 @@ class TensorParallelCore:
         return self._dims
 
     def _check_precision_name(self, name: str) -> None:
+        """Check the Lightning precision and keep it (:meth:`shard_models` picks FSDP's mixed precision by it)."""
         if name not in SUPPORTED_PRECISION:
             raise ValueError(f"{type(self).__name__} supports precision {list(SUPPORTED_PRECISION)}, got {name!r}")
+        self._run_precision = name
 
     def _resolve_dims(self, config: Any) -> ParallelDims:
         """The sizes for this job's devices and the model's config (``None`` before the module is known): the one
@@ -211,7 +211,9 @@ class TensorParallelCore:
         on this strategy's mesh. A model built on the meta device takes its weights from ``module.init_from`` (a
         transformers directory) when ``module`` has that attribute set, else from a seed: ``module.init_seed`` if it
         has one, else rank 0's initial seed (the i-th model from ``seed + i``: the same full weights on every rank,
-        whatever the layout); an eager model is first made equal to rank 0's."""
+        whatever the layout); an eager model is first made equal to rank 0's. At ZeRO stages 2 and 3 a meta-device
+        model's blocks are cut over ``data_parallel`` as they are built (:meth:`_block_sharder`; ``init_from`` then
+        fills the dp shards) and :meth:`shard_models` cuts the rest."""
         found = _models(module)
         if not found:
             raise TypeError(
@@ -232,34 +234,48 @@ class TensorParallelCore:
                     base = int(self.broadcast(torch.initial_seed()) if base is None else base)
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(base + index)  # the same full weights on every rank, whatever the layout
-                    parallelize(gpt, self._mesh, self.layout_spec)
+                    parallelize(gpt, self._mesh, self.layout_spec, on_block=self._block_sharder())
                 init_from = getattr(module, "init_from", None)  # CausalLMModule(init_from=<HF directory>)
                 if init_from is not None:  # before Lightning restores a ckpt_path, which then wins
                     load_hf = hf_loader(family_of(gpt))
                     if load_hf is None:
                         raise ValueError(f"init_from: model family {family_of(gpt).name!r} has no transformers "
                                          "import")
-                    load_hf(gpt, init_from)  # tensor by tensor, each rank keeping its shards
+                    load_hf(gpt, init_from)  # tensor by tensor, each rank keeping its shards (dp shards too)
             else:
                 broadcast_module_(gpt, self._mesh)
                 parallelize(gpt, self._mesh, self.layout_spec)
             checkpoint_activations(gpt, self.activation_checkpointing)
-            if self.compile_options is not None:
-                gpt.compile(**self.compile_options)
+            if self.compile_options is not None:  # each block alone under FSDP: its hooks run between them
+                sharded = self.zero_stage >= 2 and self.parallel_dims.data_parallel_size > 1
+                for part in family_of(gpt).block_modules(gpt) if sharded else (gpt,):
+                    part.compile(**self.compile_options)
         left = [n for n, p in module.named_parameters() if p.is_meta]
         if left:
             raise ValueError(f"parameters outside the {'/'.join(sorted({type(m).__name__ for _, m in found}))} modules are "
                              f"still on the meta device: {left[:5]}")
 
+    def _block_sharder(self):
+        """At ZeRO stages 2 and 3 with ``dp > 1``: what cuts each block over ``data_parallel`` as soon as it is
+        materialised (:func:`~lightning_tp2d.fsdp.shard_block`, the stage and FSDP policy of :meth:`shard_models`,
+        which then cuts the root), so a rank holds the dp shards of the blocks built, never its tensor shard of
+        the whole model; else ``None``."""
+        if self.zero_stage < 2 or self.parallel_dims.data_parallel_size == 1:
+            return None
+        return functools.partial(fsdp.shard_block, stage=self.zero_stage,
+                                 mp_policy=fsdp.mixed_precision_policy(self._run_precision))
+
     def shard_models(self, module: nn.Module) -> None:
         """ZeRO stages 2 and 3: shard every parallelized model inside ``module`` over ``data_parallel`` with FSDP2
-        (:func:`~lightning_tp2d.fsdp.shard_data_parallel`: one group per block and one at the root); after the
-        precision plugin converted it, before any optimizer holds its parameters. Stages 0 and 1: nothing."""
+        (:func:`~lightning_tp2d.fsdp.shard_data_parallel`: one group per block and one at the root) with FSDP's
+        mixed precision for the run's precision (:func:`~lightning_tp2d.fsdp.mixed_precision_policy`: ``bf16-mixed``
+        gathers bf16 parameters and reduces float32 gradients); after the precision plugin converted it, before any
+        optimizer holds its parameters. Stages 0 and 1: nothing."""
         if self.zero_stage < 2:
             return
         for _, m in _models(module):
             if not fsdp.is_sharded(m):
-                fsdp.shard_data_parallel(m, self.zero_stage)
+                fsdp.shard_data_parallel(m, self.zero_stage, mp_policy=fsdp.mixed_precision_policy(self._run_precision))
 
     def sharded_models(self, module: nn.Module | None) -> list[nn.Module]:
         """The models inside ``module`` that FSDP shards (stage 2/3 with ``dp > 1``)."""

@@ -25,6 +25,26 @@ again for its backward; per step each block costs two all-gathers and one reduce
 (one all-gather and one reduce-scatter per block; peak memory holds every gathered block). The root group keeps
 its parameters from the forward to the backward in both stages (it is the first the backward needs).
 
+A model built on the meta device need never be whole on a rank: :func:`shard_block` cuts one block as
+:func:`shard_data_parallel` would, and ``parallelize(model, mesh, layout, on_block=shard_block)`` calls it on each
+block as soon as the block is materialised and parallel, so its tensor shards are freed before the next block is
+built (the strategies do so at stages 2 and 3). A rank then holds at most the dp shards of the blocks built, the
+tensor shards of the modules outside the blocks (cut last, with the root) and one block in full and in its tensor
+shard; :func:`shard_data_parallel` afterwards cuts the root. The weights are those of the same seed at stage 0.
+
+Mixed precision is FSDP's ``mp_policy`` (default: none, parameters gathered and gradients reduced in their own
+dtype); :func:`mixed_precision_policy` gives the one for a Lightning precision, which both strategies use.
+``"bf16-mixed"`` (``param_dtype=bfloat16, reduce_dtype=float32``): the parameters stay float32 at rest and in the
+optimizer; each group's shard is cast to bf16 before its all-gather (half the bytes on the wire and in the gathered
+blocks), the forward and backward compute with the bf16 parameters (under the precision's autocast too), and the
+bf16 gradients are upcast and reduce-scattered in float32, so the optimizer sees float32 gradients. Unlike stage
+0's autocast, which casts only matmul operands, every FSDP-managed parameter is bf16 in the forward (norms, biases,
+embeddings) and FSDP casts each block's floating-point input to bf16, so the residual stream between blocks is
+bf16: losses differ from stage 0's by bf16 rounding (a few 1e-3 relative after a few steps), not bit for bit.
+``"bf16-true"`` (``reduce_dtype=float32``): the parameters are bf16 already and gathered as they are; FSDP2 upcasts
+their gradients, reduce-scatters the sum over replicas in float32 and rounds it to bf16 once (the reduce-scatter
+costs float32's bytes; stage 0 all-reduces bf16 gradients in bf16). The parameters FSDP leaves whole are not cast.
+
 What replaces the package's own per-step machinery: the reduce-scatter *is* the data-parallel average (do not use
 :class:`~lightning_tp2d.training.GradientSync` or :func:`~lightning_tp2d.training.average_gradients_` with it), and
 gradients are sharded over ``data_parallel``, so the global norm needs a sum over it too: :func:`clip_grad_norm_`
@@ -32,7 +52,8 @@ here (and :func:`grad_norm`), not :func:`lightning_tp2d.training.clip_grad_norm_
 equal, whole gradients. ``dp = 1``: nothing to shard; the model is returned unchanged (a ``UserWarning`` says so)
 and trains as at stage 0. Gradient accumulation without a sync is FSDP's
 ``model.set_requires_gradient_sync(False)``; the parameters kept whole are still averaged each backward (what they
-held before is equal on every replica, so the sum stays right; not yet tested). :func:`gathered` shows the model as
+held before is equal on every replica, so the sum stays right: tests/test_fsdp_lifecycle.py checks it against stage 0
+under the Trainer). :func:`gathered` shows the model as
 at stage 0 (full tensor-parallel parameters) for reading weights, ``full_tensor()`` or a full state dict.
 
 .. code-block:: python
@@ -64,10 +85,25 @@ from lightning_tp2d.comm import all_gather_along, all_reduce_along, axis_rank, a
 from lightning_tp2d.families import family_of
 from lightning_tp2d.layouts import DATA_AXIS, handle_of
 
-__all__ = ["FSDP_STAGES", "Stage0", "clip_grad_norm_", "gathered", "grad_norm", "is_sharded", "shard_data_parallel",
-           "stage0_specs"]
+__all__ = ["FSDP_STAGES", "Stage0", "clip_grad_norm_", "gathered", "grad_norm", "is_sharded", "mixed_precision_policy",
+           "shard_block", "shard_data_parallel", "stage0_specs"]
 
 FSDP_STAGES = (2, 3)
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` for a Lightning ``precision`` name (module
+    docstring, mixed precision): ``"bf16-mixed"``: gathered and computed in bf16, reduced in float32 (parameters and
+    their gradients stay float32 at rest); ``"bf16-true"``: reduced in float32 (the parameters are bf16 already);
+    ``"32-true"``: ``None``, no policy. ``ValueError`` for another name."""
+    if precision == "32-true":
+        return None
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision == "bf16-true":
+        return MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    raise ValueError(f"mixed_precision_policy: precision={precision!r} is not one of '32-true', 'bf16-mixed', "
+                     "'bf16-true'")
 
 
 def _dp_shard_dim(param: DTensor, dp: int) -> int | None:
@@ -186,19 +222,113 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def _check_stage(stage: int, caller: str) -> None:
+    if stage not in FSDP_STAGES:
+        raise ValueError(f"{caller}: stage={stage!r} is not one of {FSDP_STAGES} (stage 0 is no "
+                         f"sharding, stage 1 is lightning_tp2d.zero.shard_optimizer_state)")
+
+
+def _check_wrappable(module: nn.Module, mesh, what: str, skip: tuple[str, ...] = ()) -> None:
+    """``ValueError`` naming the first parameter inside ``module`` FSDP cannot take over ``data_parallel`` of
+    ``mesh`` (none of the submodules whose names start with one of ``skip``)."""
+    for module_name, m in module.named_modules():
+        if module_name.startswith(skip):
+            continue
+        for name, param in m.named_parameters(recurse=False):
+            problem = _wrap_problem(f"{module_name}.{name}" if module_name else name, param, mesh)
+            if problem:
+                raise ValueError(f"{what} cannot wrap module {module_name or type(module).__name__!r} "
+                                 f"({type(m).__name__}): {problem}")
+
+
+@dataclass(frozen=True)
+class _Group:
+    """How a model's FSDP groups are cut (the same for every group of a model): at ``stage`` over
+    ``data_parallel`` of ``mesh`` (``dp`` ranks) with FSDP's ``mp_policy``."""
+
+    mesh: object
+    dp: int
+    stage: int
+    mp_policy: MixedPrecisionPolicy
+
+    def shard(self, module: nn.Module, params: list[tuple[str, nn.Parameter]], *, root: bool) -> None:
+        """``fully_shard`` ``module``, whose own parameters (outside groups already cut) are ``params`` (by their
+        names in ``module``): records their stage-0 forms (:class:`Stage0`, as ``module.tp2d_stage0``), leaves the
+        ones no dim of which FSDP can cut whole (named in ``module.tp2d_whole``; :meth:`average_whole` hooks them).
+        A block reshards after its forward at stage 3; the root never does (the backward needs it first)."""
+        whole = {p for _, p in params if _dp_shard_dim(p, self.dp) is None}
+        module.tp2d_whole = tuple(name for name, p in params if p in whole)
+        module.tp2d_stage0 = {name: Stage0(p.device_mesh, tuple(p.placements), tuple(p.shape), tuple(p.stride()),
+                                           tuple(p.to_local().shape), _dp_shard_dim(p, self.dp))
+                              for name, p in params if _stage0_only(p, self.dp)}
+        fully_shard(module, mesh=self.mesh, reshard_after_forward=self.stage == 3 and not root,
+                    dp_mesh_dims=DataParallelMeshDims(shard=DATA_AXIS), ignored_params=whole,
+                    shard_placement_fn=lambda param: Shard(_dp_shard_dim(param, self.dp)), mp_policy=self.mp_policy)
+        module.tp2d_sharding = self
+
+    def average_whole(self, model: nn.Module) -> None:
+        """Hook every parameter the groups inside ``model`` keep whole: its gradient's mean over ``data_parallel``
+        after each backward. Once, when the last group is cut: ``module.to(...)`` between cutting a block and the
+        root (the strategies move and convert the model there) replaces a DTensor parameter FSDP does not manage
+        by a new ``Parameter``, which would lose a hook registered earlier."""
+        mesh, dp = self.mesh, self.dp
+        for module in model.modules():
+            for name in getattr(module, "tp2d_whole", ()):
+                module.get_parameter(name).register_post_accumulate_grad_hook(lambda p: _average_over_dp(p, mesh, dp))
+
+
+def _one_mesh(params, what: str):
+    """The one mesh object ``params`` (DTensors) hold. DTensor may hand out an equal mesh object made earlier in
+    the process; FSDP needs the very object the parameters hold."""
+    meshes = {id(p.device_mesh): p.device_mesh for p in params}
+    if len(meshes) > 1:
+        raise ValueError(f"{what}: the model's parameters hold different (equal) mesh objects; parallelize it on "
+                         "one mesh")
+    return next(iter(meshes.values()), None)
+
+
+def shard_block(block: nn.Module, stage: int = 3, *, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """Cut one transformer ``block`` of a model being parallelized over ``data_parallel`` now, as
+    :func:`shard_data_parallel` cuts each block (its own FSDP group at ZeRO ``stage``, ``mp_policy`` as there);
+    returns ``block``. Once it is cut, the block's tensor-parallel shards are freed (this rank keeps its dp
+    shard of them).
+
+    For building a model block by block: ``parallelize(model, mesh, layout, on_block=shard_block)`` materialises
+    a meta-device model one block at a time, so a rank never holds more than the dp shards of the blocks done,
+    the tensor shards of the modules outside the blocks (embeddings, final norm, head) and one module in full. Then
+    :func:`shard_data_parallel` with the same ``stage`` and ``mp_policy`` cuts the root (and any block not yet cut)
+    and hooks the parameters kept whole (train only after it); it refuses blocks cut with other ones. With
+    ``dp = 1`` the block is returned unchanged."""
+    what = "shard_block"
+    _check_stage(stage, what)
+    if is_sharded(block):
+        raise ValueError(f"{what}: block is already sharded over data_parallel (fully_shard applied)")
+    params = list(block.named_parameters())
+    mesh = _one_mesh([p for _, p in params if isinstance(p, DTensor)], what)
+    if mesh is None or DATA_AXIS not in (mesh.mesh_dim_names or ()):
+        raise ValueError(f"{what} expects a block of a model parallelized by lightning_tp2d.parallelize (DTensor "
+                         f"parameters on a mesh with a {DATA_AXIS!r} axis), got {type(block).__name__}")
+    dp = axis_size(mesh, DATA_AXIS)
+    if dp > 1:
+        _check_wrappable(block, mesh, what)
+        _Group(mesh, dp, stage, mp_policy or MixedPrecisionPolicy()).shard(block, params, root=False)
+    return block
+
+
 def shard_data_parallel(model: nn.Module, stage: int = 3, *,
                         mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Shard ``model`` (parallelized by :func:`~lightning_tp2d.parallelize`) over its mesh's ``data_parallel``
     axis with FSDP2 at ZeRO ``stage`` 2 or 3 (module docstring), in place; returns ``model``.
 
     ``mp_policy`` is FSDP's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` for every group (default: none,
-    parameters gathered and gradients reduced in their own dtype). Build the optimizer after this call. Raises
+    parameters gathered and gradients reduced in their own dtype; :func:`mixed_precision_policy` gives the one for a
+    Lightning precision). Blocks already cut by :func:`shard_block` are kept (they must have this ``stage`` and
+    ``mp_policy``). Build the optimizer after this call. Raises
     ``ValueError`` for a stage outside ``FSDP_STAGES``, an unparallelized or already sharded model, or a module
     whose parameters FSDP cannot shard (naming it), before anything changes. With ``dp = 1`` it warns and returns
     ``model`` unchanged."""
-    if stage not in FSDP_STAGES:
-        raise ValueError(f"shard_data_parallel: stage={stage!r} is not one of {FSDP_STAGES} (stage 0 is no "
-                         f"sharding, stage 1 is lightning_tp2d.zero.shard_optimizer_state)")
+    what = "shard_data_parallel"
+    _check_stage(stage, what)
     handle = handle_of(model)
     if handle is None:
         raise ValueError(f"shard_data_parallel expects a model parallelized by lightning_tp2d.parallelize, got a "
@@ -211,31 +341,24 @@ def shard_data_parallel(model: nn.Module, stage: int = 3, *,
         warnings.warn("shard_data_parallel: data_parallel size is 1, nothing to shard; the model is unchanged",
                       UserWarning, stacklevel=2)
         return model
-    for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            problem = _wrap_problem(f"{module_name}.{name}" if module_name else name, param, mesh)
-            if problem:
-                raise ValueError(f"shard_data_parallel cannot wrap module {module_name or type(model).__name__!r} "
-                                 f"({type(module).__name__}): {problem}")
-    whole = {p for p in model.parameters() if _dp_shard_dim(p, dp) is None}
-    # DTensor may hand out an equal mesh object made earlier in the process; FSDP needs the very object the
-    # parameters hold
-    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters()}
-    if len(meshes) > 1:
-        raise ValueError("shard_data_parallel: the model's parameters hold different (equal) mesh objects; "
-                         "parallelize it on one mesh")
-    model.tp2d_stage0 = {name: Stage0(p.device_mesh, tuple(p.placements), tuple(p.shape), tuple(p.stride()),
-                                      tuple(p.to_local().shape), _dp_shard_dim(p, dp))
-                          for name, p in model.named_parameters() if _stage0_only(p, dp)}
-    options = dict(mesh=next(iter(meshes.values())), dp_mesh_dims=DataParallelMeshDims(shard=DATA_AXIS),
-                   ignored_params=whole,
-                   shard_placement_fn=lambda param: Shard(_dp_shard_dim(param, dp)),
-                   mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy())
-    for block in family_of(model).block_modules(model):
-        fully_shard(block, reshard_after_forward=stage == 3, **options)
-    fully_shard(model, reshard_after_forward=False, **options)
-    for param in whole:
-        param.register_post_accumulate_grad_hook(lambda p: _average_over_dp(p, mesh, dp))
+    ids = {id(b) for b in family_of(model).block_modules(model)}
+    blocks = [(name, b) for name, b in model.named_modules() if id(b) in ids]
+    done = tuple(f"{name}." for name, b in blocks if is_sharded(b))
+    _check_wrappable(model, mesh, what, skip=done)
+    group = _Group(_one_mesh([p for n, p in model.named_parameters() if not n.startswith(done)], what), dp, stage,
+                   mp_policy or MixedPrecisionPolicy())
+    for name, block in blocks:
+        cut = getattr(block, "tp2d_sharding", None) if is_sharded(block) else group
+        if cut != group:  # (another fully_shard, another stage, policy or mesh)
+            how = "by another fully_shard" if cut is None else f"at stage {cut.stage} with mp_policy={cut.mp_policy}"
+            raise ValueError(f"shard_data_parallel(stage={stage}, mp_policy={group.mp_policy}): block {name!r} is "
+                             f"already sharded {how}; cut every block of a model with one stage, policy and mesh")
+    for _, block in blocks:
+        if not is_sharded(block):
+            group.shard(block, list(block.named_parameters()), root=False)
+    inside = tuple(f"{name}." for name, _ in blocks)
+    group.shard(model, [(n, p) for n, p in model.named_parameters() if not n.startswith(inside)], root=True)
+    group.average_whole(model)
     return model
 
 

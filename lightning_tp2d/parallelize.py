@@ -32,6 +32,7 @@ shards, and attention is a ring along ``row``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,7 +51,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = "2d", *,
-                options: RingOptions | None = None) -> nn.Module:
+                options: RingOptions | None = None,
+                on_block: Callable[[nn.Module], object] | None = None) -> nn.Module:
     """Parallelize ``model`` in place for ``layout`` on ``mesh`` (from :func:`~lightning_tp2d.init_mesh`) and
     return it. Every rank must pass the same plain model: each rank keeps its own shards of it.
 
@@ -62,7 +64,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = "2d",
 
     A model built under ``torch.device("meta")`` is materialised here, module by module, with the model's init from
     the global CPU generator (its ``init_module_``): seed it (the same on every rank) before calling, and the
-    weights equal an eager build after the same seed. Shards land on the mesh's device type."""
+    weights equal an eager build after the same seed. Shards land on the mesh's device type.
+
+    ``on_block(block)`` is called with each transformer block (the family's ``blocks``) as soon as all its modules
+    are parallel, before the next module is materialised: :func:`lightning_tp2d.fsdp.shard_block` there cuts each
+    block over ``data_parallel`` at once, so its tensor shards are freed before the next block is built."""
     family = family_of(model)
     if family is None:
         raise TypeError(f"parallelize expects a lightning_tp2d.models.GPT2 or another registered model family "
@@ -81,7 +87,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = "2d",
     # ever holds more than one full module.
     materialise = _materialiser(model) if any(p.is_meta for p in model.parameters()) else (lambda name, m: m)
     tied = family.tied(model)
-    for path, role in family.module_roles(model):
+    roles = family.module_roles(model)
+    finished = _blocks_finished(model, roles)
+    for i, (path, role) in enumerate(roles):
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         if path in tied:  # built from the (already parallel) weight of the module it is tied to
@@ -89,8 +97,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = "2d",
         else:
             new = family.build(spec, role, materialise(path, getattr(parent, attr)), mesh)
         setattr(parent, attr, new)
+        for block in finished.get(i, ()) if on_block is not None else ():
+            on_block(block)
     model.tp = ParallelHandle(spec, mesh, p, dp)
     return model
+
+
+def _blocks_finished(model: nn.Module, roles: list[tuple[str, str]]) -> dict[int, list[nn.Module]]:
+    """The transformer blocks whose last module is the ``i``-th of ``roles``, by ``i``."""
+    ids = {id(b) for b in family_of(model).block_modules(model)}
+    finished: dict[int, list[nn.Module]] = {}
+    for name, block in model.named_modules():
+        if id(block) in ids:
+            last = max((i for i, (path, _) in enumerate(roles) if path.startswith(f"{name}.")), default=None)
+            if last is not None:
+                finished.setdefault(last, []).append(block)
+    return finished
 
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")

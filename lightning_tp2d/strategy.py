@@ -72,14 +72,18 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             checkpoints unchanged) after sharding: ``False`` (default), ``True`` (the inductor backend), a backend
             name (``"aot_eager"`` ...) or a dict of ``torch.compile`` keyword arguments. Graphs specialise on
             shapes (``dynamic=False`` unless given); every communicating layer is one registered op
-            (:mod:`lightning_tp2d.ops`), so the model compiles into one graph without breaks.
+            (:mod:`lightning_tp2d.ops`), so the model compiles into one graph without breaks. At ``zero_stage`` 2
+            and 3 (``dp > 1``) each transformer block is compiled alone instead (one graph for the equal blocks),
+            so that FSDP's all-gathers and reduce-scatters run between them; the rest stays eager.
         zero_stage: ``1`` shards every optimizer's state over the ``data_parallel`` replicas (ZeRO-1,
-            :mod:`lightning_tp2d.zero`): each keeps and updates the state of ~1/dp of the parameters and broadcasts
-            them after the step. ``2`` and ``3`` shard the gradients, and at ``3`` the parameters, over
+            :mod:`lightning_tp2d.zero`): each keeps and updates the state of a 1/dp slice of every parameter and
+            all-gathers them after the step. ``2`` and ``3`` shard the gradients, and at ``3`` the parameters, over
             ``data_parallel`` with torch's FSDP2 (:mod:`lightning_tp2d.fsdp`: each block's parameters gathered
             just before use, gradients reduce-scattered during the backward, the optimizer state of this rank's
-            shard only); not with ``compile`` yet; with ``dp = 1`` a warning and no sharding. ``0`` (default):
-            each replica keeps the full state of its tensor shard.
+            shard only); under ``precision="bf16-mixed"`` with FSDP's mixed precision (parameters float32 at rest,
+            gathered and computed in bf16, gradients reduced in float32; ``"bf16-true"``: reduced in float32:
+            :func:`~lightning_tp2d.fsdp.mixed_precision_policy`); with ``dp = 1`` a warning and no sharding. ``0``
+            (default): each replica keeps the full state of its tensor shard.
     """
 
     strategy_name = "tp2d"

@@ -1,14 +1,20 @@
 """ZeRO stages 2 and 3 with FSDP2 (``lightning_tp2d.fsdp``): on dp 2 x a 2x2 grid ("2d", "2d-metp": stage 3) and dp 2
 x a ring of 2 ("metp": stages 3 and 2), 10 clipped AdamW steps give stage 0's losses, gradient norms and weights
 (stage 0: the parallel model with GradientSync and training.clip_grad_norm_), while each rank holds about half of
-stage 0's parameter, gradient and optimizer bytes; bad input is refused naming what does not fit."""
+stage 0's parameter, gradient and optimizer bytes; bad input is refused naming what does not fit. Under bf16 FSDP's
+mixed-precision policy gathers bf16 (half the bytes) and reduces float32; compile at stage 3 compiles each block
+alone and gives the eager losses."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import lightning_tp2d as tp
@@ -216,3 +222,167 @@ def test_a_stage_3_checkpoint_on_a_grid_resumes_at_stage_0_in_another_layout(tmp
     """dp 2 x a 2x2 grid: "2d" at stage 3 (GPT-2's fused q/k/v, strided on the grid, is stored in its stage-0 form)
     resumed at stage 0 under "2d-metp": the same losses as the uninterrupted stage-3 run."""
     _resumed_like_uninterrupted(tmp_path, ("2d", 4), ("2d-metp", 4), 8)
+
+
+# ---- mixed precision (FSDP's MixedPrecisionPolicy) and compile per block ---------------------------------------------
+
+
+@contextlib.contextmanager
+def _fsdp_collectives() -> Iterator[list[tuple[str, torch.dtype, int]]]:
+    """Records ``(kind, dtype, bytes of the full tensor)`` of every all-gather and reduce-scatter FSDP2 issues in this
+    rank (it calls ``torch.distributed.all_gather_single`` / ``reduce_scatter_single``)."""
+    seen: list[tuple[str, torch.dtype, int]] = []
+
+    def recording(kind: str, real):
+        def call(output, input, **kwargs):
+            full = output if kind == "all_gather" else input
+            seen.append((kind, full.dtype, full.numel() * full.element_size()))
+            return real(output, input, **kwargs)
+        return call
+
+    with mock.patch.object(dist, "all_gather_single", recording("all_gather", dist.all_gather_single)), \
+            mock.patch.object(dist, "reduce_scatter_single", recording("reduce_scatter", dist.reduce_scatter_single)):
+        yield seen
+
+
+def _train_in(precision: str, layout: str, mesh, stage: int, steps: int) -> dict:
+    """``steps`` clipped AdamW steps of gpt2-tiny at ``stage`` under ``precision`` as Lightning runs it (bf16-mixed:
+    float32 parameters and bf16 autocast; bf16-true: bf16 parameters), FSDP's policy from
+    ``fsdp.mixed_precision_policy``: the losses, what FSDP sent in the first step, the dtypes of the parameters the
+    blocks' forwards saw and of the gradients the optimizer saw."""
+    cfg = GPT2Config.from_name("gpt2-tiny", dropout=0.0)
+    torch.manual_seed(0)
+    model = tp.parallelize(GPT2(cfg), mesh, layout).to(torch.bfloat16 if precision == "bf16-true" else torch.float32)
+    if stage:
+        fsdp.shard_data_parallel(model, stage, mp_policy=fsdp.mixed_precision_policy(precision))
+    in_forward: dict[str, str] = {}  # a block parameter's name in the block: its dtype in the block's forward
+    for block in model.transformer.h:  # (after FSDP's own pre-forward hook: the gathered parameters)
+        block.register_forward_pre_hook(lambda m, args: in_forward.update((n, str(p.dtype))
+                                                                          for n, p in m.named_parameters()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sync = GradientSync(model, mesh) if stage == 0 else None
+    torch.manual_seed(10 + mesh.get_local_rank("data_parallel"))
+    losses, grads, sent = [], set(), []
+    for step in range(steps):
+        idx = torch.randint(0, cfg.vocab_size, (4, 16))
+        optimizer.zero_grad()
+        with _fsdp_collectives() as collectives:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed", cache_enabled=False):
+                loss = model(idx, idx)
+            loss.backward()
+        if sync is not None:
+            sync.finish()
+            clip_grad_norm_(model.parameters(), 0.5, mesh)
+        else:
+            fsdp.clip_grad_norm_(model.parameters(), 0.5, mesh)
+        grads |= {str(p.grad.dtype) for p in model.parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+        sent = sent or collectives
+    gathered = [c for c in sent if c[0] == "all_gather"]
+    return {"losses": losses, "in_forward": in_forward, "grads": sorted(grads),
+            "gathered_bytes": sum(c[2] for c in gathered), "gathered": sorted({str(c[1]) for c in gathered}),
+            "reduced": sorted({str(c[1]) for c in sent if c[0] == "reduce_scatter"})}
+
+
+def _mixed_worker(rank: int, world_size: int, layout: str, p: int) -> dict:
+    mesh = tp.init_mesh(layout, p, world_size // p)
+    runs = {(precision, stage): _train_in(precision, layout, mesh, stage, 6)
+            for precision in ("bf16-mixed", "bf16-true") for stage in (0, 3)}
+    runs["32-true", 3] = _train_in("32-true", layout, mesh, 3, 1)
+    return runs
+
+
+def _rel(a: list[float], b: list[float]) -> list[float]:
+    return [abs(x - y) / abs(y) for x, y in zip(a, b)]
+
+
+@pytest.mark.parametrize("layout, p, world_size", [("metp", 2, 4), ("2d", 4, 8)], ids=["dp2-ring2", "dp2-grid2x2"])
+def test_bf16_stage_3_gathers_bf16_reduces_float32_and_trains_like_stage_0(layout, p, world_size):
+    """bf16-mixed at stage 3: FSDP gathers bf16 parameters (half the bytes of a 32-true stage 3 step), the blocks
+    compute with them, gradients are reduce-scattered in float32 and the optimizer steps float32 gradients. bf16-true:
+    bf16 gathered and kept, reduced in float32. Both train like stage 0 in the same precision."""
+    for rank, runs in enumerate(run_distributed(_mixed_worker, world_size, layout, p, timeout=900)):
+        mixed, true, single = runs["bf16-mixed", 3], runs["bf16-true", 3], runs["32-true", 3]
+        assert mixed["gathered"] == ["torch.bfloat16"] and mixed["reduced"] == ["torch.float32"], (rank, mixed)
+        assert mixed["gathered_bytes"] == single["gathered_bytes"] / 2, (rank, mixed, single)
+        # every block parameter computes in bf16 but the fused q/k/v bias FSDP leaves whole on the grid (not cast)
+        assert {n for n, dtype in mixed["in_forward"].items() if dtype != "torch.bfloat16"} <= {"attn.c_attn.bias"}
+        assert len(mixed["in_forward"]) > 1 and mixed["grads"] == ["torch.float32"], (rank, mixed)
+        assert set(runs["bf16-mixed", 0]["in_forward"].values()) == {"torch.float32"}  # stage 0: autocast casts
+        assert true["gathered"] == ["torch.bfloat16"] and true["reduced"] == ["torch.float32"], (rank, true)
+        assert true["gathered_bytes"] == single["gathered_bytes"] / 2 and true["grads"] == ["torch.bfloat16"]
+        # bf16-true at dp 2: FSDP's float32 sum of two bf16 gradients, rounded once, is stage 0's bf16 sum
+        assert max(_rel(true["losses"], runs["bf16-true", 0]["losses"])) <= 1e-6, (rank, true)
+        rel = _rel(mixed["losses"], runs["bf16-mixed", 0]["losses"])
+        # bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3). The first step differs only where the forward
+        # rounds: stage 3 rounds norms, biases, embeddings and the residual stream to bf16 too (autocast alone: the
+        # matmul operands), errors that mostly average out in the loss (seen: 4e-5). Five AdamW steps at lr 1e-2
+        # turn them into weight differences of a few roundoffs: 2e-2 is ten roundoffs, 4x the worst seen (5e-3).
+        assert rel[0] <= 5e-4 and max(rel) <= 2e-2, (rank, rel)
+
+
+def _fabric_stage_3(rank: int, world_size: int) -> dict:
+    """4 AdamW steps of gpt2-tiny (one seed, eager: rank 0's weights) under ``TP2DFabricStrategy("metp", 2,
+    zero_stage=3)`` on dp 2 x ring 2: float32 eager, float32 compiled with ``aot_eager`` (graphs and breaks counted in
+    this rank), and bf16-mixed eager (the strategy picks FSDP's policy from Fabric's precision)."""
+    import lightning as L
+    from torch._dynamo.utils import counters
+
+    from lightning_tp2d.fabric import TP2DFabricStrategy
+
+    cfg = GPT2Config.from_name("gpt2-tiny", dropout=0.0)
+    out = {}
+    for precision, compile in (("32-true", False), ("32-true", "aot_eager"), ("bf16-mixed", False)):
+        torch._dynamo.reset()
+        counters.clear()
+        strategy = TP2DFabricStrategy("metp", tensor_parallel_size=2, zero_stage=3, compile=compile)
+        fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=world_size, precision=precision)
+        fabric.launch()
+        torch.manual_seed(0)
+        model = fabric.setup(GPT2(cfg))
+        in_forward: set[str] = set()
+        if not compile:  # (a hook on a compiled block would run inside its graph)
+            model.module.transformer.h[0].register_forward_pre_hook(
+                lambda m, args: in_forward.update(str(p.dtype) for p in m.parameters()))
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        torch.manual_seed(10 + strategy.device_mesh.get_local_rank("data_parallel"))
+        losses, grads = [], set()
+        for _ in range(4):
+            idx = torch.randint(0, cfg.vocab_size, (4, 16))
+            loss = model(idx, idx)
+            fabric.backward(loss)
+            grads |= {str(p.grad.dtype) for p in model.parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        out[precision, compile] = {"losses": losses, "in_forward": sorted(in_forward), "grads": sorted(grads),
+                                   "sharded": fsdp.is_sharded(model.module),
+                                   "graphs": counters["stats"]["unique_graphs"],
+                                   "breaks": sum(counters["graph_break"].values())}
+    torch._dynamo.reset()  # (the rank's process ends here; nothing compiled outlives it anyway)
+    return out
+
+
+def test_fabric_at_stage_3_compiles_each_block_like_eager_and_gathers_bf16_under_bf16_mixed():
+    """compile at ZeRO stage 3 compiles each transformer block alone (FSDP's all-gathers and reduce-scatters run
+    between the compiled blocks): one graph for the equal blocks, no graph break, the eager losses; the strategy
+    hands FSDP the bf16 policy under ``precision="bf16-mixed"``."""
+    for rank, out in enumerate(run_ranks(_fabric_stage_3, 4, timeout=600)):
+        eager, compiled, mixed = out["32-true", False], out["32-true", "aot_eager"], out["bf16-mixed", False]
+        assert eager["sharded"] and compiled["sharded"] and mixed["sharded"], (rank, out)
+        assert compiled["graphs"] == 1 and compiled["breaks"] == 0, (rank, compiled)
+        assert eager["graphs"] == 0, (rank, eager)
+        assert max(_rel(compiled["losses"], eager["losses"])) <= 1e-5, (rank, compiled, eager)
+        assert eager["in_forward"] == ["torch.float32"] and mixed["in_forward"] == ["torch.bfloat16"], (rank, out)
+        assert mixed["grads"] == ["torch.float32"], (rank, mixed)
+        assert max(_rel(mixed["losses"], eager["losses"])) <= 2e-2, (rank, mixed, eager)  # bf16 rounding
+
+
+def test_the_mixed_precision_policy_of_each_lightning_precision():
+    assert fsdp.mixed_precision_policy("32-true") is None
+    mixed, true = fsdp.mixed_precision_policy("bf16-mixed"), fsdp.mixed_precision_policy("bf16-true")
+    assert (mixed.param_dtype, mixed.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert (true.param_dtype, true.reduce_dtype) == (None, torch.float32)  # bf16 parameters, gathered as they are
+    with pytest.raises(ValueError, match=r"precision='16-mixed' is not one of '32-true', 'bf16-mixed', 'bf16-true'"):
+        fsdp.mixed_precision_policy("16-mixed")
