@@ -100,8 +100,8 @@ torch (2.13)
 ------------
 
 ``torch.distributed.tensor.placement_types._StridedShard``
-    where: nn/linear.py:_out_shard, nn/ring.py:RingLinear.__init__, checkpoint.py:box_view, fsdp.py:_dp_shard_dim,
-    fsdp.py:_stage0_only
+    where: nn/linear.py:_out_shard, nn/ring.py:RingLinear.__init__, checkpoint.py:box_view,
+    checkpoint.py:_strided_over_dp_only, fsdp.py:_dp_shard_dim, fsdp.py:_stage0_only
     why: a rank's block of GPT-2's fused ``c_attn`` weight is three row blocks ``[q_i; k_i; v_i]``; this is the one
     DTensor placement that describes it, so ``full_tensor()`` is the plain parameter and DCP can reshard it.
     fsdp.py reads it to keep FSDP's data-parallel cut off such a strided dim (no placement describes that cut) and
@@ -274,7 +274,7 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     # ---- torch ----
     ("torch.distributed.tensor.placement_types._StridedShard",
      ("nn/linear.py:_out_shard", "nn/ring.py:RingLinear.__init__", "checkpoint.py:box_view",
-      "fsdp.py:_dp_shard_dim", "fsdp.py:_stage0_only"),
+      "checkpoint.py:_strided_over_dp_only", "fsdp.py:_dp_shard_dim", "fsdp.py:_stage0_only"),
      "the only DTensor placement for the fused c_attn rows [q_i; k_i; v_i] of one rank"),
     ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", ("metp.py:block_kernel", "metp.py:_fused_forward"),
      "the CPU flash kernel returns the log-sum-exp the ring's online-softmax merge needs"),

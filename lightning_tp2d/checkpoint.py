@@ -45,6 +45,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_tp2d.errors import CheckpointError
 from lightning_tp2d.families import fused_qkv_suffixes
 from lightning_tp2d.fsdp import stage0_specs
+from lightning_tp2d.layouts import DATA_AXIS
 from lightning_tp2d.safe_files import (CHECKSUMS, clear, commit, describe_failure, file_digest,  # noqa: F401
                                        gather_objects, resolve, save_staged, staging_path, verify)
 from lightning_tp2d.zero import full_param_groups, sharding_of
@@ -81,6 +82,14 @@ def _is_qkv(key: str) -> bool:
     return bool(fused) and (key.endswith(fused) or any(key.rsplit(".", 1)[0].endswith(s) for s in fused))
 
 
+def _strided_over_dp_only(t: DTensor) -> bool:
+    """Whether the only strided placement of ``t`` is FSDP's over ``data_parallel`` (``_StridedShard`` of dim 0
+    after a tensor axis's ``Shard(0)``): each rank's local tensor is then one contiguous box of rows, whose offset
+    DCP's planner computes from the placements, so it is saved and loaded as it is, with no gather."""
+    names = t.device_mesh.mesh_dim_names or ()
+    return all(not isinstance(pl, _StridedShard) or names[i] == DATA_AXIS for i, pl in enumerate(t.placements))
+
+
 def box_view(t: torch.Tensor, qkv: bool) -> torch.Tensor:
     """What DCP stores for ``t``: itself, or for q/k/v tensors a ``[3, n/3, ...]`` view. A DTensor stays a DTensor
     whose local tensor is a view of ``t``'s (so a load into it writes into ``t``) unless no box describes its
@@ -88,6 +97,8 @@ def box_view(t: torch.Tensor, qkv: bool) -> torch.Tensor:
     if not isinstance(t, DTensor):
         return t.view(_qkv_shape(t.shape)) if qkv else t
     if not qkv and not any(isinstance(pl, _StridedShard) for pl in t.placements):
+        return t
+    if not qkv and _strided_over_dp_only(t):  # FSDP's cut of a tensor-parallel row shard: a box DCP computes
         return t
     places, boxed = [], True
     for pl in t.placements:

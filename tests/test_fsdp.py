@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import lightning_tp2d as tp
-from lightning_tp2d import fsdp
+from lightning_tp2d import checkpoint, fsdp
 from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
 from lightning_tp2d.training import GradientSync, clip_grad_norm_
 from lightning_tp2d.zero import optimizer_state_bytes
@@ -66,6 +66,11 @@ def _train(family: str, layout: str, mesh, stage: int) -> dict:
         losses.append(loss.item())
         norms.append(norm.item())
     out = {"losses": losses, "norms": norms, "bytes": _rank_bytes(model, optimizer)}
+    # what a sharded checkpoint stores: every tensor as it is (a box DCP describes), no gather, but for the fused
+    # q/k/v tensors on the grids (their stage-0 form)
+    state = checkpoint.sharded_model_state(model)
+    out["gathered_to_save"] = sorted(k for k, v in state.items()
+                                     if not checkpoint._is_qkv(k) and checkpoint.box_view(v, False) is not v)
     with fsdp.gathered(model):  # the tensor-parallel parameters of stage 0, gathered over data_parallel
         out["weights"] = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     return out
@@ -79,6 +84,8 @@ def _stages_worker(rank: int, world_size: int, runs: list[tuple[str, str]], p: i
         reference = results.pop(0)
         for stage, got in results.items():
             weights = got.pop("weights")
+            assert got.pop("gathered_to_save") == [], (family, layout, stage)
+            reference.pop("gathered_to_save", None)
             out[(family, layout, stage)] = {
                 "loss_rel": max(abs(a - b) / abs(a) for a, b in zip(reference["losses"], got["losses"])),
                 "norm_rel": max(abs(a - b) / abs(a) for a, b in zip(reference["norms"], got["norms"])),
