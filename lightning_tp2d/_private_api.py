@@ -105,7 +105,8 @@ torch (2.13)
     why: a rank's block of GPT-2's fused ``c_attn`` weight is three row blocks ``[q_i; k_i; v_i]``; this is the one
     DTensor placement that describes it, so ``full_tensor()`` is the plain parameter and DCP can reshard it.
     fsdp.py reads it to keep FSDP's data-parallel cut off such a strided dim (no placement describes that cut) and
-    to store such parameters in their stage-0 form in checkpoints.
+    to store such parameters in their stage-0 form in checkpoints; checkpoint.py recognises FSDP's own strided cut
+    over ``data_parallel`` (a row box DCP computes) to save it without a gather.
     public: none. ``Shard(0)`` needs the rows permuted (as the 1-D baseline does), which changes what
     ``full_tensor()`` and checkpoints hold.
 
@@ -145,11 +146,30 @@ torch (2.13)
 
 ``torch.utils._python_dispatch.TorchDispatchMode``
     where: bench/collectives.py:FunctionalCollectiveCounter, bench/measure.py:LiveTensorBytes,
-    bench/measure.py:HostSyncCounter, bench/trace.py:_Recorder
+    bench/measure.py:HostSyncCounter, bench/trace.py:_Recorder, comm_record.py:_direct_collectives
     why: sees every aten op: counts functional collectives with their bytes, tracks live tensor bytes, counts the ops
-    that make the host wait for the device, records the traced schedule.
+    that make the host wait for the device, records the traced schedule; sees the ``c10d`` ops of the
+    ``torch.distributed`` collectives FSDP2 issues without ``comm.py`` (so ``count_comm`` and the tracer see them).
     public: none for bytes. ``torch.distributed.tensor.debug.CommDebugMode`` counts collective calls but not
-    their bytes, and nothing tracks live bytes.
+    their bytes, and nothing tracks live bytes. A ``TorchFunctionMode`` (public) sees ``dist.all_gather_single``
+    itself, but it is switched off inside every function it handles, ``Tensor.backward`` included, so it would miss
+    FSDP's backward all-gathers and reduce-scatters. FSDP's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``
+    would need every model wrapped with counting collectives.
+
+``c10d`` op names ``_allgather_base_``, ``_reduce_scatter_base_`` (matched as strings)
+    where: comm_record.py:_C10D_CALLS
+    why: the native ops ``dist.all_gather_single`` and ``dist.reduce_scatter_single`` issue (what FSDP2 calls on
+    CPU/gloo and on the fake process group); the table maps each ``c10d`` op to its kind and payload argument.
+    public: the ``dist`` functions, seen only by a function mode (above). Not found by the scan (strings); listed for
+    the reader.
+
+``torch.distributed.tensor.debug._clear_python_sharding_prop_cache``,
+``torch._C._clear_DTensor_sharding_propagator_cache``
+    where: bench/trace.py:_forget_meshes
+    why: DTensor's sharding-propagation caches (Python and C++ fast path) key on meshes by value and hand out output
+    specs that hold the equal mesh of an earlier trace, whose fake process group is gone; FSDP gathers over the mesh
+    its parameters hold, so a sharded trace empties them first.
+    public: none; DTensor exposes no cache control (these are its debug helpers).
 
 ``torch._ops.HigherOrderOperator``
     where: bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__,
@@ -293,8 +313,12 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "recognise DTensor's shape-propagation tensors; trace the parallel model without memory or compute"),
     ("torch.utils._python_dispatch.TorchDispatchMode",
      ("bench/collectives.py:FunctionalCollectiveCounter", "bench/measure.py:LiveTensorBytes",
-      "bench/measure.py:HostSyncCounter", "bench/trace.py:_Recorder"),
-     "see every aten op: collectives with their bytes, live tensor bytes, host syncs, the traced schedule"),
+      "bench/measure.py:HostSyncCounter", "bench/trace.py:_Recorder", "comm_record.py:_direct_collectives"),
+     "see every aten op: collectives with their bytes, live tensor bytes, host syncs, the traced schedule, FSDP's c10d "
+     "collectives"),
+    ("torch.distributed.tensor.debug._clear_python_sharding_prop_cache, "
+     "torch._C._clear_DTensor_sharding_propagator_cache", ("bench/trace.py:_forget_meshes",),
+     "DTensor's caches hand stale (equal) meshes of earlier traces to new parameters, which FSDP gathers over"),
     ("torch._ops.HigherOrderOperator",
      ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",
       "bench/measure.py:LiveTensorBytes.__torch_dispatch__"),

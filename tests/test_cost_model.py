@@ -11,6 +11,12 @@ one training step ``loss = model(idx, targets); loss.backward()`` and on every r
   :class:`~lightning_tp2d.bench.measure.LiveTensorBytes` does, ignoring the storages of tensors that existed
   before the forward: parameters, ``idx``, ``targets``) within 1%.
 
+With data parallelism (issue 23), dp 2 x a ring of 2 ("metp") and dp 2 x a 2x2 grid ("2d"), GPT-2 and Llama tiny, one
+training step (forward, backward, the data-parallel average, clipping by the global norm, AdamW) at ZeRO stages 0
+(GradientSync), 2 and 3 (FSDP2): what ``count_comm`` counts on every rank (FSDP's all-gathers and reduce-scatters
+included) equals ``comm_events(..., dp=2, zero_stage=stage, clip=True)`` call for call and byte for byte, for the
+step and its forward; a three-block model checks the two-trace rule on real counts.
+
 All cases of one world size share one ``run_distributed`` call (module-scoped fixtures).
 """
 
@@ -18,16 +24,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing as mp
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
 
 import lightning_tp2d as tp
-from lightning_tp2d import comm
+from lightning_tp2d import comm, fsdp
 from lightning_tp2d.bench import cost_model as cm
 from lightning_tp2d.bench.events import Comm, totals
 from lightning_tp2d.bench.measure import LiveTensorBytes
-from lightning_tp2d.models import GPT2, GPT2Config
+from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
+from lightning_tp2d.training import GradientSync, clip_grad_norm_
 from tests.distributed import run_distributed
 
 TINY = {"n_head": 12}  # gpt2-tiny: h=48, V=257, L=2, block_size 64; 12 heads split over 2, 3 and 4 ranks
@@ -52,6 +62,27 @@ CASES_9 = [
     ("2d-metp-3x3", "2d-metp", 9, TINY, 1, 18, "float32"),
 ]
 ELEM = {"float32": 4, "bfloat16": 2}
+PRECISION = {"float32": "32-true", "bfloat16": "bf16-mixed"}
+
+# data parallelism (dp 2): (name, family, layout, tensor-parallel size, ZeRO stage, config overrides, batch, seq,
+# dtype: bf16 autocast with FSDP's "bf16-mixed" policy at stages 2 and 3)
+FAMILIES = {"gpt2": (GPT2, lambda **o: GPT2Config.from_name("gpt2-tiny", **TINY, **o)),
+            "llama": (Llama, lambda **o: LlamaConfig.from_name("llama-tiny", **o))}
+DP_CASES_4 = [  # dp 2 x a ring of 2
+    ("metp-zero0", "gpt2", "metp", 2, 0, {}, 2, 24, "float32"),
+    ("metp-zero2", "gpt2", "metp", 2, 2, {}, 2, 24, "float32"),
+    ("metp-zero3", "gpt2", "metp", 2, 3, {}, 2, 24, "float32"),
+    ("metp-zero3-3-blocks", "gpt2", "metp", 2, 3, {"n_layer": 3}, 2, 16, "float32"),  # extrapolated from 1 and 2
+    ("metp-zero3-llama", "llama", "metp", 2, 3, {}, 2, 24, "float32"),
+    ("metp-zero3-bf16", "gpt2", "metp", 2, 3, {}, 2, 24, "bfloat16"),  # bf16 all-gathers, float32 reduce-scatters
+]
+DP_CASES_8 = [  # dp 2 x a 2x2 grid
+    ("2d-zero0", "gpt2", "2d", 4, 0, {}, 4, 24, "float32"),
+    ("2d-zero2", "gpt2", "2d", 4, 2, {}, 4, 24, "float32"),
+    ("2d-zero3", "gpt2", "2d", 4, 3, {}, 4, 24, "float32"),  # c_attn.bias stays whole: its gradient all-reduced
+    ("2d-zero0-llama", "llama", "2d", 4, 0, {}, 4, 24, "float32"),
+    ("2d-zero2-llama", "llama", "2d", 4, 2, {}, 2, 16, "float32"),
+]
 
 
 def _nonzero(snapshot: dict) -> dict:
@@ -88,14 +119,50 @@ def _one_step(layout: str, p: int, world_size: int, overrides: dict, batch: int,
     return {"rank": tp_rank, "forward": forward, "backward": backward, "step": whole, "activation": activation}
 
 
-def _worker(rank: int, world_size: int, cases) -> dict:
-    return {name: _one_step(layout, p, world_size, overrides, batch, seq, dtype)
-            for name, layout, p, overrides, batch, seq, dtype in cases}
+def _data_parallel_step(family: str, layout: str, p: int, world_size: int, stage: int, overrides: dict, batch: int,
+                        seq: int, dtype: str) -> dict:
+    """One clipped AdamW step of a model on ``world_size / p`` replicas at ZeRO ``stage``, as the strategies run it
+    (bf16: autocast, and FSDP's policy for "bf16-mixed"), counted: the forward, and the whole step."""
+    model_class, config = FAMILIES[family]
+    cfg = config(**overrides)
+    torch.manual_seed(0)
+    mesh = tp.init_mesh(layout, p, world_size // p)
+    model = tp.parallelize(model_class(cfg), mesh, layout)
+    if stage:
+        fsdp.shard_data_parallel(model, stage, mp_policy=fsdp.mixed_precision_policy(PRECISION[dtype]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sync = GradientSync(model, mesh) if stage == 0 else None
+    clip = clip_grad_norm_ if stage == 0 else fsdp.clip_grad_norm_
+    g = torch.Generator().manual_seed(1 + mesh.get_local_rank("data_parallel"))
+    idx, targets = (torch.randint(0, cfg.vocab_size, (batch, seq), generator=g) for _ in range(2))
+    with comm.count_comm() as step:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            loss = model(idx, targets)
+        forward = step.snapshot()
+        loss.backward()
+        if sync is not None:
+            sync.finish()
+        clip(model.parameters(), 1.0, mesh)
+        optimizer.step()
+    return {"rank": torch.distributed.get_rank() % p, "forward": forward, "step": step.snapshot()}
+
+
+def _worker(rank: int, world_size: int, cases, dp_cases=()) -> dict:
+    out = {name: _one_step(layout, p, world_size, overrides, batch, seq, dtype)
+           for name, layout, p, overrides, batch, seq, dtype in cases}
+    for name, family, layout, p, stage, overrides, batch, seq, dtype in dp_cases:
+        out[name] = _data_parallel_step(family, layout, p, world_size, stage, overrides, batch, seq, dtype)
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs_4():
-    return run_distributed(_worker, 4, CASES_4)
+    return run_distributed(_worker, 4, CASES_4, DP_CASES_4)
+
+
+@pytest.fixture(scope="module")
+def runs_8():
+    return run_distributed(_worker, 8, [], DP_CASES_8, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +182,20 @@ def _check_comm(results, case) -> None:
             assert _nonzero(want) == _nonzero(r[phase]), (name, r["rank"], phase)
 
 
+def _check_data_parallel(results, case) -> None:
+    name, family, layout, p, stage, overrides, batch, seq, dtype = case
+    cfg = FAMILIES[family][1](**overrides)
+    for rank, out in enumerate(results):
+        r = out[name]
+        events = cm.comm_events(layout, cfg, batch, seq, p, ELEM[dtype], rank=r["rank"], dp=2, zero_stage=stage,
+                                clip=True)
+        assert _nonzero(totals(events)) == _nonzero(r["step"]), (name, rank)
+        forward = totals([e for e in events if e.phase == "forward"])
+        assert _nonzero(forward) == _nonzero(r["forward"]), (name, rank)
+        kinds = {e.kind for e in events if e.group == "data_parallel"}
+        assert kinds == ({"all_reduce"} if stage == 0 else {"all_gather", "reduce_scatter", "all_reduce"}), name
+
+
 def _check_activation(results, case, tol: float = 0.01) -> None:
     name, layout, p, overrides, batch, seq, dtype = case
     cfg = GPT2Config.from_name("gpt2-tiny", **overrides)
@@ -132,6 +213,16 @@ def test_comm_events_equal_the_counted_communication_on_4_ranks(runs_4, case):
 @pytest.mark.parametrize("case", CASES_9, ids=lambda c: c[0])
 def test_comm_events_equal_the_counted_communication_on_9_ranks(runs_9, case):
     _check_comm(runs_9, case)
+
+
+@pytest.mark.parametrize("case", DP_CASES_4, ids=lambda c: c[0])
+def test_data_parallel_step_communication_equals_the_traced_events_on_dp2_x_ring2(runs_4, case):
+    _check_data_parallel(runs_4, case)
+
+
+@pytest.mark.parametrize("case", DP_CASES_8, ids=lambda c: c[0])
+def test_data_parallel_step_communication_equals_the_traced_events_on_dp2_x_grid2x2(runs_8, case):
+    _check_data_parallel(runs_8, case)
 
 
 @pytest.mark.parametrize("case", CASES_4 + CASES_9, ids=lambda c: c[0])
@@ -378,6 +469,76 @@ def test_turning_double_buffering_off_in_the_ring_layers_exposes_every_exchange_
     t_on, t_off = cm.step_time(on, cfg, 1, 48, 4, hw), cm.step_time(off, cfg, 1, 48, 4, hw)
     assert t_off["comm_s"] == pytest.approx(t_on["comm_s"])
     assert t_off["exposed_comm_s"] == pytest.approx(t_off["comm_s"]) and t_on["exposed_comm_s"] < t_off["comm_s"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fsdp_collectives_hide_behind_the_neighbouring_blocks_and_leave_tensor_parallel_overlap_as_at_dp1(stage):
+    """gpt2-tiny (2 blocks) on dp 2 x a ring of 2: FSDP's calls follow its GPU schedule on their own streams."""
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
+    one, two = (cm.flops("metp", dataclasses.replace(cfg, n_layer=n), 2, 24, 2) for n in (1, 2))
+    block = {phase: two[phase] - one[phase] for phase in ("forward", "backward")}  # one block's FLOPs
+    for rank in range(2):
+        events = cm.comm_events("metp", cfg, 2, 24, 2, rank=rank, dp=2, zero_stage=stage)
+        fsdp_calls = [e for e in events if e.group == "data_parallel" and e.kind != "all_reduce"]
+
+        def calls(kind, phase):
+            return sum(e.calls for e in fsdp_calls if e.kind == kind and e.phase == phase)
+
+        def hidden(kind, phase):
+            return sum(e.calls * e.overlap_flops for e in fsdp_calls if e.kind == kind and e.phase == phase)
+
+        # forward: the root's and the first block's all-gathers behind nothing (the embeddings compute no counted
+        # FLOPs), the second block's behind the first block's forward
+        assert calls("all_gather", "forward") == 3
+        assert hidden("all_gather", "forward") == pytest.approx(block["forward"])
+        # the second block's reduce-scatter behind the first block's backward; the first block's and the root's
+        # behind the embeddings' backward (no matmuls)
+        assert calls("reduce_scatter", "backward") == 3
+        assert hidden("reduce_scatter", "backward") == pytest.approx(block["backward"])
+        if stage == 3:  # prefetched: the last block's behind the LM head's backward, the first's behind the last's
+            assert calls("all_gather", "backward") == 2
+            assert hidden("all_gather", "backward") == pytest.approx(two["backward"] - block["backward"])
+        else:  # the blocks stay gathered from the forward
+            assert calls("all_gather", "backward") == 0
+        tensor_parallel = Counter(e for e in events if e.group != "data_parallel")
+        assert tensor_parallel == Counter(cm.comm_events("metp", cfg, 2, 24, 2, rank=rank))
+    # priced like any call: the same compute, more bytes, never more exposed than sent
+    hw = cm.H100_NVLINK4_NDR
+    alone, sharded = (cm.step_time("metp", cfg, 2, 24, 2, hw, 4, dp=dp, zero_stage=stage) for dp in (1, 2))
+    assert sharded["compute_s"] == alone["compute_s"] and sharded["comm_bytes"] > alone["comm_bytes"]
+    assert 0 <= sharded["exposed_comm_s"] <= sharded["comm_s"] and sharded["comm_s"] > alone["comm_s"]
+
+
+def test_data_parallel_arguments_are_checked_before_anything_is_traced():
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
+    with pytest.raises(ValueError, match="zero_stage=1 is not traced"):
+        cm.comm_events("2d", cfg, 2, 16, 4, dp=2, zero_stage=1)
+    with pytest.raises(ValueError, match="dp must be a positive int, got 0"):
+        cm.comm_events("metp", cfg, 2, 16, 2, dp=0)
+    with pytest.raises(ValueError, match="not for 'tp1d'"):
+        cm.comm_events("tp1d", cfg, 2, 16, 4, dp=2)
+
+
+def _three_blocks_two_ways(layout: str, p: int, batch: int, seq: int, stage: int, rank: int):
+    """(extrapolated from 1 and 2 blocks, traced with 3) steps of a three-block gpt2-tiny; in a forked process."""
+    from lightning_tp2d.bench import trace
+    from lightning_tp2d.layouts import get_layout
+
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY, n_layer=3)
+    spec, data = get_layout(layout), trace._DataParallel(2, stage, clip=True)
+    return (trace._trace_rank(spec, cfg, batch, seq, p, 4, data, rank),
+            trace._run_here(spec, cfg, batch, seq, p, 4, data, rank))
+
+
+@pytest.mark.parametrize("layout, p, batch, rank", [("metp", 2, 2, 1), ("2d", 4, 4, 1)])
+def test_sharded_steps_extrapolate_from_one_and_two_blocks_exactly(layout, p, batch, rank):
+    """Each block's FSDP group adds the same calls with the same overlaps: the two-trace rule gives the events (and
+    their overlapped FLOPs) of a model traced with all of its blocks."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+        for stage in (2, 3):
+            extrapolated, traced = pool.submit(_three_blocks_two_ways, layout, p, batch, 24, stage, rank).result()
+            assert Counter(extrapolated.events) == Counter(traced.events), stage
+            assert extrapolated.flops == traced.flops and extrapolated.gemms == traced.gemms
 
 
 @pytest.mark.parametrize("layout, p, batch, seq", [("2d", 4, 4, 32), ("2d", 9, 3, 36), ("2d-metp", 9, 1, 36)])

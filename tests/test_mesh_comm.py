@@ -6,7 +6,8 @@ the numbers before any group work). The multi-rank tests run once per world size
 (coordinates, max errors, ``count_comm`` snapshots) and the tests below assert them.
 
 Every rank's tensor is a formula of its global rank ``d*p + r*q + c``, so the expected result of a
-collective along an axis is computed from the global ranks of the axis members.
+collective along an axis is computed from the global ranks of the axis members. Collectives issued through
+``torch.distributed`` itself (as FSDP2 issues them) are recorded too, once, in ``comm``'s convention.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_tp2d import comm, comm_record
 from lightning_tp2d.layouts import get_layout
@@ -235,6 +237,33 @@ def _axis_checks(mesh, axis: str, rank: int, member) -> dict:
     return out
 
 
+def _direct_checks(mesh, axis: str, rank: int) -> dict:
+    """torch.distributed collectives called directly (not through comm) on ``axis``'s group, recorded: the calls
+    as recorders see them, their values, and a count_comm snapshot of the same calls."""
+    group, n = comm.axis_group(mesh, axis), comm.axis_size(mesh, axis)
+    seen: list = []
+    recorder = type("Recorder", (), {"posted": lambda self, call: seen.append(("posted", call)),
+                                     "waited": lambda self, call: seen.append(("waited", call))})()
+
+    def calls():
+        mine = torch.full((2, 3), float(rank), dtype=torch.float64)
+        gathered = torch.empty(2 * n, 3, dtype=torch.float64)
+        dist.all_gather_single(gathered, mine, group=group)  # what FSDP2 calls
+        full = torch.ones(4 * n, dtype=torch.float32) * (rank + 1)
+        out = torch.empty(4, dtype=torch.float32)
+        dist.reduce_scatter_single(out, full, group=group)
+        t = torch.ones(5, dtype=torch.float64)
+        dist.all_reduce(t, group=group, async_op=True).wait()
+        comm.all_reduce_along(torch.ones(3), mesh, axis)  # comm's own: recorded once, not direct
+        return gathered, out, t
+
+    with comm_record.recording(recorder), comm.count_comm() as stats:
+        gathered, out, t = calls()
+    return {"seen": [(event, c.kind, c.axis, c.ranks, c.nbytes, c.direct) for event, c in seen],
+            "snapshot": stats.snapshot(), "gathered": gathered[::2, 0].tolist(), "out": out.tolist(),
+            "t": t.tolist()}
+
+
 def _size_one_checks(mesh, axis: str, rank: int) -> dict:
     """On a one-rank axis every call returns its input untouched, issues no collective and counts nothing."""
     t = torch.full((2, 3), float(rank), dtype=torch.float64)
@@ -285,6 +314,7 @@ def _comm_worker(rank: int, world_size: int, dp: int) -> dict:
     members = {"row": lambda k: at(d, k, c), "col": lambda k: at(d, r, k), "data_parallel": lambda k: at(k, r, c)}
     axes = ("row", "col") + (("data_parallel",) if dp > 1 else ())
     res["axes"] = {axis: _axis_checks(mesh, axis, rank, members[axis]) for axis in axes}
+    res["direct"] = {axis: _direct_checks(mesh, axis, rank) for axis in axes}
     if dp == 1:
         res["size_one"] = _size_one_checks(mesh, "data_parallel", rank)
     # reduce-scatter of a dim the axis does not divide: ValueError before any communication
@@ -374,3 +404,28 @@ def test_reduce_scatter_of_indivisible_dim_raises_naming_sizes(ranks):
     _, outs = ranks
     for out in outs:
         assert out["indivisible"] == "reduce_scatter along 'col': dim 0 of size 3 is not divisible by 2"
+
+
+@pytest.mark.parametrize("axis", ["row", "col", "data_parallel"])
+def test_direct_torch_distributed_collectives_are_recorded_once_in_comms_convention(ranks, axis):
+    """What FSDP2 issues (dist.all_gather_single, reduce_scatter_single; an async all_reduce) reaches the recorders
+    as direct calls named by their mesh axis, with the group's global ranks and comm's payload: the local input of
+    an all-gather, the full input of a reduce-scatter; comm's own calls stay single."""
+    world, outs = ranks
+    if axis == "data_parallel" and world == P:
+        pytest.skip("data_parallel has one rank here")
+    for rank, out in enumerate(outs):
+        d, r, c = rank // P, rank % P // Q, rank % Q
+        members = {"row": [d * P + k * Q + c for k in range(Q)], "col": [d * P + r * Q + k for k in range(Q)],
+                   "data_parallel": [k * P + r * Q + c for k in range(world // P)]}[axis]
+        n = len(members)
+        got = out["direct"][axis]
+        calls = [("all_gather", 2 * 3 * 8, True), ("reduce_scatter", 4 * n * 4, True), ("all_reduce", 5 * 8, True),
+                 ("all_reduce", 3 * 4, False)]
+        assert got["seen"] == [(event, kind, axis, tuple(members), nbytes, direct)
+                               for kind, nbytes, direct in calls for event in ("posted", "waited")], rank
+        assert got["snapshot"] == {**NOTHING, "all_gather": {"calls": 1, "bytes": 48},
+                                   "reduce_scatter": {"calls": 1, "bytes": 16 * n},
+                                   "all_reduce": {"calls": 2, "bytes": 52}}, rank
+        assert got["gathered"] == [float(m) for m in members], rank  # the calls ran as called
+        assert got["out"] == [float(sum(m + 1 for m in members))] * 4 and got["t"] == [float(n)] * 5, rank

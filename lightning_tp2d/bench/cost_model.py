@@ -2,8 +2,12 @@
 a projected step time.
 
 The step is ``loss = model(idx, targets); loss.backward()`` with ``idx [batch, seq]``, dropout 0, one data-parallel
-replica, the model in train mode. Notation: ``N = batch * seq`` tokens, ``h`` hidden, ``V`` vocabulary, ``L``
-blocks, ``p`` tensor-parallel ranks, ``q = sqrt(p)`` the grid side of the 2-D layouts.
+replica, the model in train mode. :func:`comm_events` and :func:`step_time` also trace ``dp`` replicas at ZeRO
+``zero_stage`` 0, 2 or 3, with ``clip`` (keyword arguments): GradientSync's all-reduces or FSDP's all-gathers and
+reduce-scatters over ``data_parallel``, and the clipping norm's all-reduces, each rank's calls equal to
+``count_comm``'s (:mod:`lightning_tp2d.bench.trace` says what is assumed about FSDP's streams). Notation:
+``N = batch * seq`` tokens, ``h`` hidden, ``V`` vocabulary, ``L`` blocks, ``p`` tensor-parallel ranks, ``q = sqrt(p)``
+the grid side of the 2-D layouts.
 
 Element sizes. ``elem`` is the size of the matmul operands and activations (4: float32; 2: bfloat16 *autocast* with
 float32 parameters, as the benchmarks and Lightning's ``bf16-mixed`` run; 8: float64). The code keeps some tensors
@@ -104,48 +108,55 @@ def _check(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int) 
 # ---- communication events (traced) ------------------------------------------------------------------------------
 
 
-def _traced(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, rank: int):
-    return trace_step(layout, cfg, batch, seq, p, elem, rank)
+def _traced(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, rank: int, **data):
+    return trace_step(layout, cfg, batch, seq, p, elem, rank, **data)
 
 
-def _ranks_to_price(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int) -> list[int]:
+def _ranks_to_price(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, **data) -> list[int]:
     """:func:`_representative_ranks`, traced in one request for a layout (later per-rank calls hit the cache)."""
     ranks = _representative_ranks(layout, p)
-    if layout not in BASELINES and p > 1:
-        trace_steps(layout, cfg, batch, seq, p, elem, ranks)
+    if layout not in BASELINES and (p > 1 or data.get("dp", 1) > 1):
+        trace_steps(layout, cfg, batch, seq, p, elem, ranks, **data)
     return ranks
 
 
 def _timed_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
-                  rank: int, async_tp: bool = False,
-                  lean_wire: bool = False) -> list[tuple[Comm, float, float, tuple[int, ...]]]:
+                  rank: int, async_tp: bool = False, lean_wire: bool = False, *, dp: int = 1, zero_stage: int = 0,
+                  clip: bool = False) -> list[tuple[Comm, float, float, tuple[int, ...]]]:
     """``(event, overlapped matmul FLOPs, overlapped attention FLOPs, the group's global ranks)`` per call kind.
-    ``async_tp`` (``"tp1d-sp"`` only): the events carry the FLOPs of the matmul async TP would fuse them with."""
+    ``async_tp`` (``"tp1d-sp"`` only): the events carry the FLOPs of the matmul async TP would fuse them with.
+    ``dp``, ``zero_stage``, ``clip``: the data-parallel part of the traced step (the package's layouts only)."""
     _check(layout, cfg, batch, seq, p)
     if not 0 <= rank < p:
         raise ValueError(f"rank {rank} is not in [0, {p})")
+    if layout in BASELINES and (dp, zero_stage, clip) != (1, 0, False):
+        raise ValueError(f"dp, zero_stage and clip are traced for the package's layouts, not for {layout!r} "
+                         f"(got dp={dp}, zero_stage={zero_stage}, clip={clip})")
     if layout == "tp1d":  # before the p == 1 shortcut: loss_parallel all-reduces even over one rank
         return [(ev, 0.0, 0.0, tuple(range(p))) for ev in tp1d_comm_events(cfg, batch, seq, p, elem)]
     if layout == "tp1d-sp":
         return [(ev, ev.overlap_flops, 0.0, tuple(range(p)))
                 for ev in tp1d_sp_comm_events(cfg, batch, seq, p, elem, async_tp=async_tp, lean_wire=lean_wire)]
-    if layout == "single" or p == 1:
+    if layout == "single" or (p == 1 and dp == 1):
         return []
-    return list(_traced(layout, cfg, batch, seq, p, elem, rank).events)
+    return list(_traced(layout, cfg, batch, seq, p, elem, rank, dp=dp, zero_stage=zero_stage, clip=clip).events)
 
 
 def comm_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int = 4,
-                rank: int = 0) -> list[Comm]:
+                rank: int = 0, *, dp: int = 1, zero_stage: int = 0, clip: bool = False) -> list[Comm]:
     """The communication of one training step on tensor-parallel rank ``rank``, traced from the layers (module
-    docstring); ``totals()`` of it is what :func:`lightning_tp2d.comm.count_comm` counts on that rank.
+    docstring); ``totals()`` of it is what :func:`lightning_tp2d.comm.count_comm` counts on that rank (on every
+    replica's rank ``rank``, when ``dp > 1``: ``dp`` replicas at ZeRO ``zero_stage`` 0, 2 or 3; ``clip``: the
+    step clips the gradients by their global norm; :mod:`lightning_tp2d.bench.trace`). ``cfg``: a GPT-2 or Llama
+    config (any registered family's).
 
-    ``"single"`` and ``p == 1`` send nothing (``[]``), except ``"tp1d"`` and ``"tp1d-sp"``, which are
+    ``"single"`` and ``p == 1`` on one replica send nothing (``[]``), except ``"tp1d"`` and ``"tp1d-sp"``, which are
     :func:`lightning_tp2d.bench.tp1d.tp1d_comm_events` and :func:`lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`
     (as the code runs them: blocking, no overlap). Events are merged where identical (same kind, group,
     bytes, overlap and phase). Only the shapes that decide byte counts are validated (hidden size, batch or
     sequence divisibility); head-count divisibility is not checked.
     """
-    timed = _timed_events(layout, cfg, batch, seq, p, elem, rank)
+    timed = _timed_events(layout, cfg, batch, seq, p, elem, rank, dp=dp, zero_stage=zero_stage, clip=clip)
     if layout in TP1D:
         return [ev for ev, _, _, _ in timed]
     merged: dict[Comm, int] = {}
@@ -326,7 +337,8 @@ def _link(hw: Hardware, ranks) -> Link:
 
 
 def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
-              async_tp: bool = False, lean_wire: bool = False) -> dict:
+              async_tp: bool = False, lean_wire: bool = False, *, dp: int = 1, zero_stage: int = 0,
+              clip: bool = False) -> dict:
     """Projected seconds of one training step: ``compute_s = matmul FLOPs / matmul rate + GEMM kernels * GEMM
     overhead + attention FLOPs / attention rate`` (shape-dependent GEMM rates: :mod:`lightning_tp2d.bench.gemm_rates`); per call ``t`` from :func:`collective_time` on its group's link, exposed
     ``max(0, t - overlapped matmul FLOPs / matmul rate - overlapped attention FLOPs / attention rate)``;
@@ -340,18 +352,21 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
     matmul, so such a call exposes ``t / p + max(0, t (p-1)/p - matmul FLOPs / matmul rate)``: ``t / p`` when the
     matmul covers the rest, never more than the blocking ``t``; the ``p - 1`` extra chunk products each pay the GEMM
     overhead. The other calls stay blocking. ``lean_wire`` (``"tp1d-sp"`` only): its activation collectives in the
-    compute dtype, as Megatron-LM with bf16 parameters sends them (:func:`~lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`)."""
+    compute dtype, as Megatron-LM with bf16 parameters sends them (:func:`~lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`).
+    ``dp``, ``zero_stage``, ``clip``: the data-parallel part of the traced step, as for :func:`comm_events` (a
+    group's ranks tell its link: ``data_parallel`` groups of replicas on other nodes pay the inter-node one)."""
     if (async_tp or lean_wire) and layout != "tp1d-sp":
         raise ValueError(f"async_tp and lean_wire model the 'tp1d-sp' baseline, not layout {layout!r}")
     fl = flops(layout, cfg, batch, seq, p)
     rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
     compute = fl["matmul"] / rates["matmul"] + fl["gemms"] * hw.gemm_overhead_s + fl["attention"] / rates["attention"]
     worst = None
-    for rank in _ranks_to_price(layout, cfg, batch, seq, p, elem):
+    data = dict(dp=dp, zero_stage=zero_stage, clip=clip)
+    for rank in _ranks_to_price(layout, cfg, batch, seq, p, elem, **data):
         comm_s = exposed = 0.0
         nbytes = 0
         split_gemms = 0  # async TP cuts each fused matmul into p chunk products: p - 1 more kernels each
-        for ev, fm, fa, group in _timed_events(layout, cfg, batch, seq, p, elem, rank, async_tp, lean_wire):
+        for ev, fm, fa, group in _timed_events(layout, cfg, batch, seq, p, elem, rank, async_tp, lean_wire, **data):
             t = collective_time(ev.kind, ev.group_size, ev.nbytes, _link(hw, group))
             comm_s += ev.calls * t
             if async_tp and fm > 0:  # micro-pipelined with its matmul: all but the first chunk can hide

@@ -23,7 +23,7 @@ class Comm:
     """
 
     kind: str
-    group: str  # mesh axis: "row" | "col" | "ring", "pair" (a point-to-point swap), "tp" (1-D TP's whole group)
+    group: str  # mesh axis: "row" | "col" | "ring" | "data_parallel", "pair" (a point-to-point swap), "tp" (1-D TP)
     group_size: int
     nbytes: int
     calls: int = 1

@@ -5,15 +5,48 @@ recorded in order together with the FLOPs the step computes between calls.
 What is recorded per call: kind, mesh axis, the global ranks of its group (so the time model can tell an NVLink group
 from one that crosses nodes), payload bytes (:mod:`lightning_tp2d.comm`'s convention), the phase (forward or backward)
 and the compute it overlaps: every FLOP computed while a call is in flight (posted, not yet waited for) is shared by
-the calls in flight in proportion to their bytes, and tagged with the rate that prices it (``"matmul"`` for
-``mm``/``addmm``/``bmm``..., ``"attention"`` for fused attention kernels; causal attention counts the visible scores
-only). A blocking call overlaps nothing. So a schedule change in a layer (a prefetch moved, double buffering off,
-panels kept) changes the traced overlap with no edit here.
+the calls in flight *on the same stream* in proportion to their bytes, and tagged with the rate that prices it
+(``"matmul"`` for ``mm``/``addmm``/``bmm``..., ``"attention"`` for fused attention kernels; causal attention counts
+the visible scores only). A blocking call overlaps nothing. So a schedule change in a layer (a prefetch moved,
+double buffering off, panels kept) changes the traced overlap with no edit here.
+
+The step is ``loss = model(idx, targets); loss.backward()`` on one data-parallel replica by default. With ``dp > 1``
+(``dp`` replicas on a ``dp x p`` mesh; this replica's calls, which every replica repeats on its own ranks) the step
+also runs what the strategies run over ``data_parallel`` at ``zero_stage``: stage 0 averages the gradients with
+:class:`~lightning_tp2d.training.GradientSync` (buckets all-reduced while the backward runs, waited for after it);
+stages 2 and 3 shard the model with :func:`lightning_tp2d.fsdp.shard_data_parallel` (bf16 autocast, ``elem`` 2,
+with :func:`~lightning_tp2d.fsdp.mixed_precision_policy` ``"bf16-mixed"``), whose all-gathers and reduce-scatters
+:mod:`lightning_tp2d.comm_record` sees in ``torch.distributed``. ``clip``: the gradients are then clipped by their
+global norm as the strategies clip (:func:`lightning_tp2d.training.clip_grad_norm_`, at stages 2 and 3
+:func:`lightning_tp2d.fsdp.clip_grad_norm_`). The optimizer step communicates nothing at these stages and is not
+run. Everything after the forward is phase ``"backward"``.
+
+Streams and FSDP's schedule, as on a GPU. Calls over the tensor axes share one budget of compute (one stream, as
+with ``dp = 1``); the data-parallel calls run on other streams (other communicators, usually other links) and hide
+behind the same compute independently: ``comm``'s calls over ``data_parallel`` (GradientSync's buckets, the
+clipping norm, the all-reduce of the parameters FSDP leaves whole), FSDP's all-gathers and FSDP's reduce-scatters
+each share their own budget. FSDP issues its collectives on its own streams without the host waiting, so its calls
+are not timed where the host meets them but by FSDP's schedule, assuming the host runs ahead of the device:
+
+* forward: a group's all-gather starts when the previous group's all-gather has finished (its stream is free and
+  the host has issued it), so it runs behind the previous group's forward compute (the root's, which comes first,
+  and the first block's run behind nothing: the embeddings compute no counted FLOPs);
+* backward (stage 3): FSDP prefetches the next group's all-gather when a group's backward starts (the root's, at
+  the loss, prefetches the last block's); it runs behind that group's backward compute until the group it gathers
+  starts its backward (a tensor hook on each block's output tells when; it fires before FSDP's own);
+* each reduce-scatter is issued after its group's backward and runs behind the next (earlier) groups' backward
+  until the next reduce-scatter is issued (one at a time on its stream) or, for the last (the root's), until the
+  backward ends.
+
+Assumed, not traced: the host is never the bottleneck, copy-in/copy-out kernels take no time, and transfers on
+different streams do not slow each other.
 
 One step is traced per rank, with ``n_layer`` 1 and 2: blocks are identical, so the second trace minus the first is
-one block's events, and a model of ``L`` blocks is ``trace(1) + (L - 1) * block``. Tracing needs this process to have
-no default process group of its own; the traces run in a forked worker process, so nothing of the fake group stays
-behind.
+one block's events, and a model of ``L`` blocks is ``trace(1) + (L - 1) * block`` (at stages 2 and 3 each block's
+FSDP group adds its own all-gathers and reduce-scatter, and the FSDP streams keep its overlaps the same). At stage 0
+with ``dp > 1`` GradientSync's buckets (cut every 25 MiB in reverse parameter order) do not repeat per block: that
+step is traced with all ``n_layer`` blocks. Tracing needs this process to have no default process group of its own;
+the traces run in a forked worker process, so nothing of the fake group stays behind.
 """
 
 from __future__ import annotations
@@ -26,20 +59,22 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_python_sharding_prop_cache  # private: see _private_api
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from lightning_tp2d import comm_record
+from lightning_tp2d import comm_record, fsdp, training
 from lightning_tp2d.bench.events import Comm
 from lightning_tp2d.bench.measure import tensors_in
-from lightning_tp2d.layouts import Layout, get_layout
+from lightning_tp2d.families import family_of, family_of_config
+from lightning_tp2d.layouts import DATA_AXIS, Layout, get_layout
 from lightning_tp2d.mesh import init_mesh
-from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.parallelize import parallelize
 
 _MATMUL_FLOPS = {packet.__name__: formula for packet, formula in flop_registry.items()
                  if packet.__name__ in ("mm", "addmm", "bmm", "baddbmm")}
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+TRACED_STAGES = (0, 2, 3)  # ZeRO stages the tracer runs (stage 1's optimizer-step broadcasts are not traced yet)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,16 +91,21 @@ class TracedStep:
 
 
 class _Recorder(TorchDispatchMode):
-    """Records comm calls (a :func:`lightning_tp2d.comm.recording` target) and counts FLOPs of the ops that run
-    between them (a dispatch mode), sharing each op's FLOPs among the calls in flight."""
+    """Records comm calls (a :func:`lightning_tp2d.comm_record.recording` target) and the FLOPs of the ops that run
+    between them (a dispatch mode); :meth:`overlaps` shares each op's FLOPs among the calls in flight on its stream
+    (module docstring)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.phase = "forward"
-        self.in_flight: dict[int, list] = {}  # id(call) -> [call, phase, matmul FLOPs, attention FLOPs]
-        self.done: list[list] = []
+        self.chunks: list[tuple[int, float]] = []  # (slot: 0 matmul, 1 attention; FLOPs) of each op that computes
+        self.calls: list[list] = []  # [call, phase, start, end]: in flight while chunks[start:end] compute
+        self.in_flight: dict[int, list] = {}  # id(call) -> entry of comm's calls not waited for yet
         self.flops = {phase: {"matmul": 0.0, "attention": 0.0} for phase in ("forward", "backward")}
         self.gemms = {"forward": 0, "backward": 0}
+        self._gathered = 0  # chunk index where the last FSDP all-gather of the forward finished
+        self._gathering: list[list] = []  # FSDP all-gathers prefetched in the backward, until their group starts
+        self._scattering: list[list] = []  # the FSDP reduce-scatter on its stream, until the next one
         self._created: dict[int, int] = {}  # storages created in the forward: key -> bytes
         self._saved: set[int] = set()  # of those, the ones autograd saved for the backward
 
@@ -81,12 +121,60 @@ class _Recorder(TorchDispatchMode):
 
     # comm_record.recording protocol
     def posted(self, call: comm_record.CommCall) -> None:
-        self.in_flight[id(call)] = [call, self.phase, 0.0, 0.0]
+        now = len(self.chunks)
+        entry = [call, self.phase, now, None]
+        self.calls.append(entry)
+        if not call.direct:
+            self.in_flight[id(call)] = entry
+        elif call.kind == "all_gather" and self.phase == "forward":
+            entry[2:] = [self._gathered, now]  # behind the previous group's forward
+            self._gathered = now
+        elif call.kind == "all_gather":
+            self._gathering.append(entry)
+        elif call.kind == "reduce_scatter":
+            self._close(self._scattering)
+            self._scattering.append(entry)
+        else:  # another direct call: blocking
+            entry[3] = now
 
     def waited(self, call: comm_record.CommCall) -> None:
         entry = self.in_flight.pop(id(call), None)
         if entry is not None:
-            self.done.append(entry)
+            entry[3] = len(self.chunks)
+
+    def group_backward_starts(self, grad: torch.Tensor) -> None:
+        """Tensor hook on an FSDP group's output: the group's backward starts, its prefetched all-gather is needed."""
+        self._close(self._gathering)
+
+    def backward_done(self) -> None:
+        self._close(self._gathering)
+        self._close(self._scattering)
+
+    def _close(self, entries: list[list]) -> None:
+        for entry in entries:
+            entry[3] = len(self.chunks)
+        entries.clear()
+
+    def overlaps(self) -> list[tuple[comm_record.CommCall, str, float, float]]:
+        """``(call, phase, overlapped matmul FLOPs, overlapped attention FLOPs)`` of every call, in posting order:
+        each op's FLOPs shared among the calls in flight on its stream in proportion to their bytes."""
+        starts, ends = defaultdict(list), defaultdict(list)
+        for entry in self.calls:
+            if entry[2] < entry[3]:
+                starts[entry[2]].append(entry)
+                ends[entry[3]].append(entry)
+        shares = {id(entry): [0.0, 0.0] for entry in self.calls}
+        active: dict[str, dict[int, list]] = defaultdict(dict)  # stream -> in-flight entries, by id
+        for i, (slot, flops) in enumerate(self.chunks):
+            for entry in ends.get(i, ()):
+                del active[_stream(entry[0])][id(entry)]
+            for entry in starts.get(i, ()):
+                active[_stream(entry[0])][id(entry)] = entry
+            for entries in active.values():
+                total = sum(e[0].nbytes for e in entries.values())
+                for e in entries.values() if total else ():
+                    shares[id(e)][slot] += flops * e[0].nbytes / total
+        return [(entry[0], entry[1], *shares[id(entry)]) for entry in self.calls]
 
     # FLOPs
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -116,15 +204,17 @@ class _Recorder(TorchDispatchMode):
                     self._created[key] = storage.nbytes()
 
     def _compute(self, flops: float, rate: str) -> None:
-        if not flops:
-            return
-        self.flops[self.phase][rate] += flops
-        total = sum(e[0].nbytes for e in self.in_flight.values())
-        if not total:
-            return
-        slot = 2 if rate == "matmul" else 3
-        for entry in self.in_flight.values():
-            entry[slot] += flops * entry[0].nbytes / total
+        if flops:
+            self.flops[self.phase][rate] += flops
+            self.chunks.append((0 if rate == "matmul" else 1, flops))
+
+
+def _stream(call: comm_record.CommCall) -> str:
+    """The stream whose budget of compute ``call`` hides behind (module docstring): the tensor axes' one, or over
+    ``data_parallel`` comm's, FSDP's all-gathers' or FSDP's reduce-scatters'."""
+    if call.axis != DATA_AXIS:
+        return "tensor"
+    return f"fsdp {call.kind}" if call.direct else DATA_AXIS
 
 
 def _storage(t: torch.Tensor):
@@ -151,54 +241,89 @@ def _attention_flops(func, args, kwargs, backward: bool) -> float:
     return (10.0 if backward else 4.0) * d * scores
 
 
-def _config_key(cfg: GPT2Config) -> tuple:
-    return tuple(sorted(vars(cfg).items()))
+def _config_key(cfg) -> tuple:
+    return (type(cfg).__name__, *sorted(vars(cfg).items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _DataParallel:
+    """What a traced step runs over ``data_parallel`` (module docstring): ``dp`` replicas, ZeRO ``stage``,
+    clipping by the global norm."""
+
+    dp: int = 1
+    stage: int = 0
+    clip: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
+            raise ValueError(f"dp must be a positive int, got {self.dp!r}")
+        if self.stage not in TRACED_STAGES:
+            raise ValueError(f"zero_stage={self.stage!r} is not traced: choose one of {list(TRACED_STAGES)} (stage 1's "
+                             "optimizer-step broadcasts are not traced yet)")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP shards the model (stages 2 and 3 on more than one replica)."""
+        return self.dp > 1 and self.stage >= 2
+
+    @property
+    def repeats_per_block(self) -> bool:
+        """Whether every block adds the same calls (the two-trace rule holds): not with GradientSync's buckets."""
+        return self.dp == 1 or self.sharded
 
 
 _CACHE: dict[tuple, TracedStep] = {}
 _ALL_RANKS_UP_TO = 9  # trace every rank of groups this small at once (tests and tools ask for each in turn)
 
 
-def trace_step(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int = 4,
-               rank: int = 0) -> TracedStep:
-    """The traced step of tensor-parallel rank ``rank`` (``n_layer`` blocks, by the two-trace rule of the module
-    docstring). ``elem``: 4 float32, 2 bf16 autocast (float32 parameters), 8 float64. Cached."""
-    return trace_steps(layout, cfg, batch, seq, p, elem, [rank])[rank]
+def trace_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: int = 4, rank: int = 0, *,
+               dp: int = 1, zero_stage: int = 0, clip: bool = False) -> TracedStep:
+    """The traced step of tensor-parallel rank ``rank`` of the first replica (``n_layer`` blocks, by the two-trace
+    rule of the module docstring), ``cfg`` a config of a registered model family (GPT-2, Llama). ``elem``: 4
+    float32, 2 bf16 autocast (float32 parameters), 8 float64. ``dp`` replicas at ZeRO ``zero_stage`` (0, 2 or 3)
+    and ``clip``: what the step runs over ``data_parallel`` (module docstring); the defaults trace one replica's
+    forward and backward. Cached."""
+    return trace_steps(layout, cfg, batch, seq, p, elem, [rank], dp=dp, zero_stage=zero_stage, clip=clip)[rank]
 
 
-def trace_steps(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
-                ranks) -> dict[int, TracedStep]:
+def trace_steps(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: int, ranks, *, dp: int = 1,
+                zero_stage: int = 0, clip: bool = False) -> dict[int, TracedStep]:
     """:func:`trace_step` for several ranks; the ones not cached yet are traced together in one child process
     (every rank when ``p`` is small)."""
     spec = get_layout(layout)
     if elem not in _DTYPES:
         raise ValueError(f"elem must be 2 (bf16 autocast), 4 (float32) or 8 (float64), got {elem}")
+    if family_of_config(cfg) is None:
+        raise ValueError(f"cfg must be the config of a registered model family, got {type(cfg).__name__}")
+    data = _DataParallel(dp, zero_stage, bool(clip))
     ranks = list(ranks)
     for rank in ranks:
         if not 0 <= rank < p:
             raise ValueError(f"rank {rank} is not in [0, {p})")
-    base = (type(spec), spec.options, _config_key(cfg), batch, seq, p, elem)
+    base = (type(spec), spec.options, _config_key(cfg), batch, seq, p, elem, data)
     wanted = set(ranks) | (set(range(p)) if p <= _ALL_RANKS_UP_TO else set())
     missing = sorted(r for r in wanted if base + (r,) not in _CACHE)
     if missing:
-        for rank, step in _run(spec, _traceable(spec, cfg, p), batch, seq, p, elem, missing).items():
+        for rank, step in _run(spec, _traceable(spec, cfg, p), batch, seq, p, elem, data, missing).items():
             _CACHE[base + (rank,)] = step
     return {rank: _CACHE[base + (rank,)] for rank in ranks}
 
 
-def _traceable(spec: Layout, cfg: GPT2Config, p: int) -> GPT2Config:
+def _traceable(spec: Layout, cfg, p: int):
     side = spec.side(p)
-    if cfg.n_head % side and cfg.n_embd % side == 0:
+    if not family_of_config(cfg).fits(spec, p, cfg) and cfg.n_embd % side == 0:
         # Bytes and FLOPs depend on the width, not on how it is cut into heads: trace with heads the layout takes.
-        cfg = dataclasses.replace(cfg, n_head=side)
+        heads = {name: side for name in ("n_head", "n_kv_head") if hasattr(cfg, name)}
+        cfg = dataclasses.replace(cfg, **heads)
     return cfg
 
 
-def _trace_rank(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, rank: int) -> TracedStep:
-    one = _run_here(spec, dataclasses.replace(cfg, n_layer=1), batch, seq, p, elem, rank)
-    if cfg.n_layer == 1:
-        return one
-    two = _run_here(spec, dataclasses.replace(cfg, n_layer=2), batch, seq, p, elem, rank)
+def _trace_rank(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel,
+                rank: int) -> TracedStep:
+    if cfg.n_layer == 1 or not data.repeats_per_block:
+        return _run_here(spec, cfg, batch, seq, p, elem, data, rank)
+    one = _run_here(spec, dataclasses.replace(cfg, n_layer=1), batch, seq, p, elem, data, rank)
+    two = _run_here(spec, dataclasses.replace(cfg, n_layer=2), batch, seq, p, elem, data, rank)
     return _extrapolate(one, two, cfg.n_layer)
 
 
@@ -228,8 +353,9 @@ def _extrapolate(one: TracedStep, two: TracedStep, layers: int) -> TracedStep:
 
 
 def _order(item) -> tuple:
-    ev = item[0]
-    return (ev.phase, ev.kind, ev.group, ev.nbytes, ev.overlap_flops)
+    """A total order of ``(event, matmul FLOPs, attention FLOPs, ranks)`` items, whatever order they came in."""
+    ev, fm, fa, ranks = item
+    return (ev.phase, ev.kind, ev.group, ev.nbytes, ev.overlap_flops, fm, fa, ranks, ev.calls)
 
 
 class _Worker:
@@ -263,7 +389,8 @@ class _Worker:
 _WORKERS: list[_Worker] = []  # at most one: this process's tracing worker
 
 
-def _run(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, ranks) -> dict[int, TracedStep]:
+def _run(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel,
+         ranks) -> dict[int, TracedStep]:
     """Trace ``ranks`` in this process's tracing worker (:class:`_Worker`)."""
     if dist.is_initialized():
         raise RuntimeError("the schedule tracer runs the layers on its own fake process group; call the cost model "
@@ -271,7 +398,7 @@ def _run(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
     if not (_WORKERS and _WORKERS[0].usable()):
         _WORKERS[:] = [_Worker()]
     try:
-        return _WORKERS[0].trace(spec, cfg, batch, seq, p, elem, list(ranks))
+        return _WORKERS[0].trace(spec, cfg, batch, seq, p, elem, data, list(ranks))
     except RuntimeError as err:
         raise RuntimeError(f"tracing layout {spec.name!r} on ranks {list(ranks)} of {p} failed: {err}") from None
 
@@ -279,31 +406,70 @@ def _run(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
 def _serve(conn) -> None:
     while True:
         try:
-            spec, cfg, batch, seq, p, elem, ranks = conn.recv()
+            spec, cfg, batch, seq, p, elem, data, ranks = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            conn.send(("ok", {rank: _trace_rank(spec, cfg, batch, seq, p, elem, rank) for rank in ranks}))
+            conn.send(("ok", {rank: _trace_rank(spec, cfg, batch, seq, p, elem, data, rank) for rank in ranks}))
         except BaseException as err:  # noqa: BLE001 - reported by the caller
             if dist.is_initialized():
                 dist.destroy_process_group()
             conn.send(("error", f"{type(err).__name__}: {err}"))
 
 
-def _run_here(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, rank: int) -> TracedStep:
+def _build(spec: Layout, cfg, mesh, elem: int, data: _DataParallel, recorder: _Recorder):
+    """The model of ``cfg`` parallelized on ``mesh`` (``data.dp x p``), sharded over ``data_parallel`` as ``data``
+    says, with the recorder's tensor hooks on its FSDP blocks; and what runs after the backward."""
+    model = family_of_config(cfg).model_class(cfg)
+    if elem == 8:
+        model = model.double()
+    parallelize(model, mesh, spec)
+    model.validate_inputs = False  # fake ids cannot be read
+    if data.sharded:
+        policy = fsdp.mixed_precision_policy("bf16-mixed" if elem == 2 else "32-true")
+        fsdp.shard_data_parallel(model, data.stage, mp_policy=policy)
+        for block in family_of(model).block_modules(model):  # before FSDP's own pre-backward hook (appended)
+            block.register_forward_hook(lambda m, args, out: _hook_outputs(out, recorder.group_backward_starts),
+                                        prepend=True)
+    sync = training.GradientSync(model, mesh) if data.dp > 1 and not data.sharded else None
+    clip = fsdp.clip_grad_norm_ if data.stage >= 2 else training.clip_grad_norm_  # as the strategies choose
+
+    def after_backward() -> None:
+        if sync is not None:
+            sync.finish()
+        if data.clip:
+            clip(model.parameters(), 1.0, mesh)
+
+    return model, after_backward
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's sharding-propagation caches: their output specs hold the (equal) meshes of earlier traces,
+    whose fake process groups are gone, and hand them to new parameters; FSDP gathers over the mesh its parameters
+    hold, so a sharded trace must not meet them."""
+    _clear_python_sharding_prop_cache()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's (private: see _private_api)
+
+
+def _hook_outputs(out, hook) -> None:
+    for t in tensors_in(out):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(hook)
+
+
+def _run_here(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel,
+              rank: int) -> TracedStep:
     from torch._subclasses.fake_tensor import FakeTensorMode  # private: see lightning_tp2d._private_api
     from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the fake backend's store
 
-    dist.init_process_group("fake", rank=rank, world_size=p, store=FakeStore())
+    if data.sharded:
+        _forget_meshes()
+    dist.init_process_group("fake", rank=rank, world_size=p * data.dp, store=FakeStore())
     recorder = _Recorder()
     try:
-        mesh = init_mesh(spec, p, 1, device_type="cpu")
+        mesh = init_mesh(spec, p, data.dp, device_type="cpu")
         with FakeTensorMode(allow_non_fake_inputs=True):
-            model = GPT2(cfg)
-            if elem == 8:
-                model = model.double()
-            parallelize(model, mesh, spec)
-            model.validate_inputs = False  # fake ids cannot be read
+            model, after_backward = _build(spec, cfg, mesh, elem, data, recorder)
             idx = torch.zeros(batch, seq, dtype=torch.long)
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=elem == 2)
             with comm_record.recording(recorder), recorder:
@@ -312,13 +478,15 @@ def _run_here(spec: Layout, cfg: GPT2Config, batch: int, seq: int, p: int, elem:
                 activation = recorder.saved_bytes()
                 recorder.phase = "backward"
                 loss.backward()
+                recorder.backward_done()
+                after_backward()
     finally:
         dist.destroy_process_group()
     if recorder.in_flight:
         raise RuntimeError(f"{len(recorder.in_flight)} communication calls were never waited for: "
                            f"{[e[0] for e in recorder.in_flight.values()][:3]}")
     merged: dict = defaultdict(int)
-    for call, phase, fm, fa in recorder.done:
+    for call, phase, fm, fa in recorder.overlaps():
         ev = Comm(call.kind, call.axis, len(call.ranks), call.nbytes, 1, fm + fa, phase)
         merged[(ev, fm, fa, call.ranks)] += 1
     events = tuple(sorted(((dataclasses.replace(ev, calls=n), fm, fa, ranks)
