@@ -1,6 +1,7 @@
 """``tp2d-train`` end to end on CPU processes (gloo): the run directory a 4-process job leaves, a two-machine launch
 simulated on loopback that matches it loss for loss, sweeps that launch each job once, Ctrl-C that keeps the last
-checkpoint, and bad input refused before any process starts. The command is ``python -m lightning_tp2d.train``
+checkpoint, a ZeRO stage-3 run resumed from a checkpoint with the uninterrupted run's losses, and bad input refused
+before any process starts. The command is ``python -m lightning_tp2d.train``
 (what the ``tp2d-train`` console script runs) with this checkout first on ``PYTHONPATH``."""
 
 from __future__ import annotations
@@ -265,24 +266,40 @@ def test_bad_input_is_refused_before_any_process_starts(tmp_path):
     assert "Error executing job" not in offline.stderr and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("parallel, devices, log_every, precision", [("metp", 2, 20, "bf16-mixed"),
-                                                                     ("tp2d_metp", 4, 1, "bf16-true")])
-def test_ring_layouts_train_and_sample_from_the_command_line(tmp_path, parallel, devices, log_every, precision):
+@pytest.mark.parametrize("parallel, p, devices, log_every, precision, zero_stage",
+                         [("metp", 2, 4, 20, "bf16-mixed", 3), ("tp2d_metp", 4, 4, 1, "bf16-true", 0)])
+def test_ring_layouts_train_and_sample_from_the_command_line(tmp_path, parallel, p, devices, log_every, precision,
+                                                             zero_stage):
     """In bf16 with gradient clipping (the GPU default's bf16-mixed + clipping used to fail at the first optimizer
     step: Lightning refused to clip for the fused AdamW). (metp also runs shorter than its logging interval: the
-    interval shrinks to the run, so the run still leaves its metrics and plot.)"""
-    args = [*SMALL, f"parallel={parallel}", f"parallel.tensor_parallel_size={devices}", f"trainer.devices={devices}",
-            f"trainer.log_every_n_steps={log_every}", f"trainer.precision={precision}", "trainer.gradient_clip_val=0.5"]
+    interval shrinks to the run, so the run still leaves its metrics and plot.) metp runs 2 rings of 2 at ZeRO
+    stage 3 (FSDP2 over data_parallel) and keeps every checkpoint: resumed from step 3 in a copy of its run
+    directory, it logs the uninterrupted run's losses for steps 4-6."""
+    args = [*SMALL, f"parallel={parallel}", f"parallel.tensor_parallel_size={p}", f"trainer.devices={devices}",
+            f"trainer.log_every_n_steps={log_every}", f"trainer.precision={precision}", "trainer.gradient_clip_val=0.5",
+            f"parallel.zero_stage={zero_stage}", "callbacks.model_checkpoint.save_top_k=-1",
+            f"data.max_tokens={20000 * devices // p}"]  # 2 validation batches per replica
     run = tp2d_train(args, tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     (run_dir,) = run_dirs(tmp_path)
-    train, val, _ = losses(tmp_path / run_dir)
+    first = losses(tmp_path / run_dir)
+    train, val, _ = first
     assert len(train) == (6 if log_every == 1 else 1) and len(val) == 2 and val[1] < val[0]
     assert log_every == 1 or (tmp_path / run_dir / "logs" / "loss.png").is_file() or importlib.util.find_spec(
         "matplotlib") is None
     if log_every == 1:
         assert train[-1] < train[0] - 0.3
     assert (tmp_path / run_dir / "sample.txt").read_text(encoding="utf-8").startswith("The ")
+    if zero_stage:
+        assert f"{devices // p} replica(s) x ring of {p}" in (tmp_path / run_dir / "train.log").read_text()
+        copy = tmp_path / "resumed" / "outputs" / "2020-01-01" / "00-00-00"
+        shutil.copytree(tmp_path / run_dir, copy, symlinks=True)
+        resumed = tp2d_train([*args, "sample.max_new_tokens=0", f"ckpt_path={copy}/checkpoints/step=3.ckpt"],
+                             tmp_path / "resumed")
+        assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+        assert f"resuming from {copy}/checkpoints/step=3.ckpt" in (copy / "train.log").read_text()
+        for got, want in zip(losses(copy), first):  # train_loss at 6; val_loss, perplexity at 3 and 6
+            assert got == pytest.approx(want, rel=1e-6, abs=0), (got, want)  # steps 4-6 as if never stopped
 
 
 def test_llama_trains_on_a_2x2_grid_and_its_checkpoint_exports_to_transformers(tmp_path):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU benchmark runs whose results are committed next to this script (gloo, one thread per rank).
-# Each writes results.json, results.md and plots into its own folder. About 50 minutes on 2 cores.
+# Each writes results.json, results.md and plots into its own folder. About 70 minutes on 2 cores.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 
@@ -37,3 +37,8 @@ for mode in none selective full; do
   tp2d-bench --model gpt2 --batch 4 --seq 256 --p 4 --steps 3 --warmup 1 --layouts "$layouts" \
     --activation-checkpointing "$mode" --projection-gpus 4 --out "$here/activation_checkpointing/$mode"
 done
+
+# 6. ZeRO stages 0-3 (issue 23): per-rank parameter, gradient, optimizer and peak bytes and bytes sent at dp 2 and 4,
+#    the deepest GPT-2 (width 384) under 64 MiB per rank for each stage, and tp2d-train at stage 3 on 8 processes
+#    (trains, checkpoints, resumes).
+python "$here/zero_stages.py" --out "$here/zero"
