@@ -13,7 +13,7 @@ one training step ``loss = model(idx, targets); loss.backward()`` and on every r
 
 With data parallelism (issue 23), dp 2 x a ring of 2 ("metp") and dp 2 x a 2x2 grid ("2d"), GPT-2 and Llama tiny, one
 training step (forward, backward, the data-parallel average, clipping by the global norm, AdamW) at ZeRO stages 0
-(GradientSync), 2 and 3 (FSDP2): what ``count_comm`` counts on every rank (FSDP's all-gathers and reduce-scatters
+(GradientSync), 1 (and the optimizer slices' all-gather), 2 and 3 (FSDP2): what ``count_comm`` counts on every rank (FSDP's all-gathers and reduce-scatters
 included) equals ``comm_events(..., dp=2, zero_stage=stage, clip=True)`` call for call and byte for byte, for the
 step and its forward; a three-block model checks the two-trace rule on real counts.
 
@@ -38,6 +38,7 @@ from lightning_tp2d.bench.events import Comm, totals
 from lightning_tp2d.bench.measure import LiveTensorBytes
 from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
 from lightning_tp2d.training import GradientSync, clip_grad_norm_
+from lightning_tp2d.zero import shard_optimizer_state
 from tests.distributed import run_distributed
 
 TINY = {"n_head": 12}  # gpt2-tiny: h=48, V=257, L=2, block_size 64; 12 heads split over 2, 3 and 4 ranks
@@ -70,6 +71,7 @@ FAMILIES = {"gpt2": (GPT2, lambda **o: GPT2Config.from_name("gpt2-tiny", **TINY,
             "llama": (Llama, lambda **o: LlamaConfig.from_name("llama-tiny", **o))}
 DP_CASES_4 = [  # dp 2 x a ring of 2
     ("metp-zero0", "gpt2", "metp", 2, 0, {}, 2, 24, "float32"),
+    ("metp-zero1", "gpt2", "metp", 2, 1, {}, 2, 24, "float32"),  # the slices all-gathered after the step
     ("metp-zero2", "gpt2", "metp", 2, 2, {}, 2, 24, "float32"),
     ("metp-zero3", "gpt2", "metp", 2, 3, {}, 2, 24, "float32"),
     ("metp-zero3-3-blocks", "gpt2", "metp", 2, 3, {"n_layer": 3}, 2, 16, "float32"),  # extrapolated from 1 and 2
@@ -78,6 +80,7 @@ DP_CASES_4 = [  # dp 2 x a ring of 2
 ]
 DP_CASES_8 = [  # dp 2 x a 2x2 grid
     ("2d-zero0", "gpt2", "2d", 4, 0, {}, 4, 24, "float32"),
+    ("2d-zero1-llama", "llama", "2d", 4, 1, {}, 2, 16, "float32"),
     ("2d-zero2", "gpt2", "2d", 4, 2, {}, 4, 24, "float32"),
     ("2d-zero3", "gpt2", "2d", 4, 3, {}, 4, 24, "float32"),  # c_attn.bias stays whole: its gradient all-reduced
     ("2d-zero0-llama", "llama", "2d", 4, 0, {}, 4, 24, "float32"),
@@ -128,11 +131,13 @@ def _data_parallel_step(family: str, layout: str, p: int, world_size: int, stage
     torch.manual_seed(0)
     mesh = tp.init_mesh(layout, p, world_size // p)
     model = tp.parallelize(model_class(cfg), mesh, layout)
-    if stage:
+    if stage >= 2:
         fsdp.shard_data_parallel(model, stage, mp_policy=fsdp.mixed_precision_policy(PRECISION[dtype]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sync = GradientSync(model, mesh) if stage == 0 else None
-    clip = clip_grad_norm_ if stage == 0 else fsdp.clip_grad_norm_
+    if stage == 1:
+        shard_optimizer_state(optimizer, mesh)
+    sync = GradientSync(model, mesh) if stage < 2 else None
+    clip = clip_grad_norm_ if stage < 2 else fsdp.clip_grad_norm_
     g = torch.Generator().manual_seed(1 + mesh.get_local_rank("data_parallel"))
     idx, targets = (torch.randint(0, cfg.vocab_size, (batch, seq), generator=g) for _ in range(2))
     with comm.count_comm() as step:
@@ -193,7 +198,8 @@ def _check_data_parallel(results, case) -> None:
         forward = totals([e for e in events if e.phase == "forward"])
         assert _nonzero(forward) == _nonzero(r["forward"]), (name, rank)
         kinds = {e.kind for e in events if e.group == "data_parallel"}
-        assert kinds == ({"all_reduce"} if stage == 0 else {"all_gather", "reduce_scatter", "all_reduce"}), name
+        fsdp_kinds = {"all_gather", "reduce_scatter", "all_reduce"}
+        assert kinds == [{"all_reduce"}, {"all_reduce", "all_gather"}, fsdp_kinds, fsdp_kinds][stage], name
 
 
 def _check_activation(results, case, tol: float = 0.01) -> None:
@@ -511,8 +517,8 @@ def test_fsdp_collectives_hide_behind_the_neighbouring_blocks_and_leave_tensor_p
 
 def test_data_parallel_arguments_are_checked_before_anything_is_traced():
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
-    with pytest.raises(ValueError, match="zero_stage=1 is not traced"):
-        cm.comm_events("2d", cfg, 2, 16, 4, dp=2, zero_stage=1)
+    with pytest.raises(ValueError, match="zero_stage=4 is not traced"):
+        cm.comm_events("2d", cfg, 2, 16, 4, dp=2, zero_stage=4)
     with pytest.raises(ValueError, match="dp must be a positive int, got 0"):
         cm.comm_events("metp", cfg, 2, 16, 2, dp=0)
     with pytest.raises(ValueError, match="not for 'tp1d'"):

@@ -3,8 +3,8 @@ a projected step time.
 
 The step is ``loss = model(idx, targets); loss.backward()`` with ``idx [batch, seq]``, dropout 0, one data-parallel
 replica, the model in train mode. :func:`comm_events` and :func:`step_time` also trace ``dp`` replicas at ZeRO
-``zero_stage`` 0, 2 or 3, with ``clip`` (keyword arguments): GradientSync's all-reduces or FSDP's all-gathers and
-reduce-scatters over ``data_parallel``, and the clipping norm's all-reduces, each rank's calls equal to
+``zero_stage`` 0 to 3, with ``clip`` (keyword arguments): GradientSync's all-reduces (and at stage 1 the
+all-gather of the optimizer's slices) or FSDP's all-gathers and reduce-scatters over ``data_parallel``, and the clipping norm's all-reduces, each rank's calls equal to
 ``count_comm``'s (:mod:`lightning_tp2d.bench.trace` says what is assumed about FSDP's streams). Notation:
 ``N = batch * seq`` tokens, ``h`` hidden, ``V`` vocabulary, ``L`` blocks, ``p`` tensor-parallel ranks, ``q = sqrt(p)``
 the grid side of the 2-D layouts.
@@ -146,7 +146,7 @@ def comm_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem
                 rank: int = 0, *, dp: int = 1, zero_stage: int = 0, clip: bool = False) -> list[Comm]:
     """The communication of one training step on tensor-parallel rank ``rank``, traced from the layers (module
     docstring); ``totals()`` of it is what :func:`lightning_tp2d.comm.count_comm` counts on that rank (on every
-    replica's rank ``rank``, when ``dp > 1``: ``dp`` replicas at ZeRO ``zero_stage`` 0, 2 or 3; ``clip``: the
+    replica's rank ``rank``, when ``dp > 1``: ``dp`` replicas at ZeRO ``zero_stage`` 0 to 3; ``clip``: the
     step clips the gradients by their global norm; :mod:`lightning_tp2d.bench.trace`). ``cfg``: a GPT-2 or Llama
     config (any registered family's).
 

@@ -14,12 +14,13 @@ The step is ``loss = model(idx, targets); loss.backward()`` on one data-parallel
 (``dp`` replicas on a ``dp x p`` mesh; this replica's calls, which every replica repeats on its own ranks) the step
 also runs what the strategies run over ``data_parallel`` at ``zero_stage``: stage 0 averages the gradients with
 :class:`~lightning_tp2d.training.GradientSync` (buckets all-reduced while the backward runs, waited for after it);
-stages 2 and 3 shard the model with :func:`lightning_tp2d.fsdp.shard_data_parallel` (bf16 autocast, ``elem`` 2,
+stage 1 does too, and after the step all-gathers the optimizer's updated slices
+(:meth:`~lightning_tp2d.zero.ShardedOptimizer.after_step`: one all-gather per dtype, posted together, behind no
+compute; the optimizer's arithmetic is not counted); stages 2 and 3 shard the model with :func:`lightning_tp2d.fsdp.shard_data_parallel` (bf16 autocast, ``elem`` 2,
 with :func:`~lightning_tp2d.fsdp.mixed_precision_policy` ``"bf16-mixed"``), whose all-gathers and reduce-scatters
 :mod:`lightning_tp2d.comm_record` sees in ``torch.distributed``. ``clip``: the gradients are then clipped by their
 global norm as the strategies clip (:func:`lightning_tp2d.training.clip_grad_norm_`, at stages 2 and 3
-:func:`lightning_tp2d.fsdp.clip_grad_norm_`). The optimizer step communicates nothing at these stages and is not
-run. Everything after the forward is phase ``"backward"``.
+:func:`lightning_tp2d.fsdp.clip_grad_norm_`). The optimizer step itself communicates nothing and is not run. Everything after the forward is phase ``"backward"``.
 
 Streams and FSDP's schedule, as on a GPU. Calls over the tensor axes share one budget of compute (one stream, as
 with ``dp = 1``); the data-parallel calls run on other streams (other communicators, usually other links) and hide
@@ -63,7 +64,7 @@ from torch.distributed.tensor.debug import _clear_python_sharding_prop_cache  # 
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from lightning_tp2d import comm_record, fsdp, training
+from lightning_tp2d import comm_record, fsdp, training, zero
 from lightning_tp2d.bench.events import Comm
 from lightning_tp2d.bench.measure import tensors_in
 from lightning_tp2d.families import family_of, family_of_config
@@ -74,7 +75,7 @@ from lightning_tp2d.parallelize import parallelize
 _MATMUL_FLOPS = {packet.__name__: formula for packet, formula in flop_registry.items()
                  if packet.__name__ in ("mm", "addmm", "bmm", "baddbmm")}
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
-TRACED_STAGES = (0, 2, 3)  # ZeRO stages the tracer runs (stage 1's optimizer-step broadcasts are not traced yet)
+TRACED_STAGES = (0, 1, 2, 3)  # ZeRO stages the tracer runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,8 +259,7 @@ class _DataParallel:
         if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
             raise ValueError(f"dp must be a positive int, got {self.dp!r}")
         if self.stage not in TRACED_STAGES:
-            raise ValueError(f"zero_stage={self.stage!r} is not traced: choose one of {list(TRACED_STAGES)} (stage 1's "
-                             "optimizer-step broadcasts are not traced yet)")
+            raise ValueError(f"zero_stage={self.stage!r} is not traced: choose one of {list(TRACED_STAGES)}")
 
     @property
     def sharded(self) -> bool:
@@ -280,7 +280,7 @@ def trace_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: in
                dp: int = 1, zero_stage: int = 0, clip: bool = False) -> TracedStep:
     """The traced step of tensor-parallel rank ``rank`` of the first replica (``n_layer`` blocks, by the two-trace
     rule of the module docstring), ``cfg`` a config of a registered model family (GPT-2, Llama). ``elem``: 4
-    float32, 2 bf16 autocast (float32 parameters), 8 float64. ``dp`` replicas at ZeRO ``zero_stage`` (0, 2 or 3)
+    float32, 2 bf16 autocast (float32 parameters), 8 float64. ``dp`` replicas at ZeRO ``zero_stage`` (0 to 3)
     and ``clip``: what the step runs over ``data_parallel`` (module docstring); the defaults trace one replica's
     forward and backward. Cached."""
     return trace_steps(layout, cfg, batch, seq, p, elem, [rank], dp=dp, zero_stage=zero_stage, clip=clip)[rank]
@@ -433,12 +433,17 @@ def _build(spec: Layout, cfg, mesh, elem: int, data: _DataParallel, recorder: _R
                                         prepend=True)
     sync = training.GradientSync(model, mesh) if data.dp > 1 and not data.sharded else None
     clip = fsdp.clip_grad_norm_ if data.stage >= 2 else training.clip_grad_norm_  # as the strategies choose
+    # stage 1: the optimizer's own step computes and sends nothing traced; its slices' all-gather is the call
+    sharding = (zero.shard_optimizer_state(torch.optim.AdamW(model.parameters()), mesh)
+                if data.dp > 1 and data.stage == 1 else None)
 
     def after_backward() -> None:
         if sync is not None:
             sync.finish()
         if data.clip:
             clip(model.parameters(), 1.0, mesh)
+        if sharding is not None:
+            sharding.after_step()
 
     return model, after_backward
 
