@@ -62,7 +62,7 @@ class SetupBytes(L.Callback):
 def _weights(model) -> dict[str, np.ndarray]:
     """Every parameter in full (a collective), as stage 0 holds it."""
     with fsdp.gathered(model):
-        return {n: p.full_tensor().detach().clone().numpy() for n, p in model.named_parameters()}
+        return {n: p.full_tensor().detach().float().clone().numpy() for n, p in model.named_parameters()}
 
 
 def _trainer(stage: int, callbacks=(), **kw) -> L.Trainer:
@@ -84,12 +84,13 @@ def _evaluate(trainer, module, data, ckpt_path: str | None = None) -> tuple:
     return val, test, [ids.tolist() for ids in trainer.predict(module, data)]
 
 
-def _fit(stage: int, config, directory: Path, steps: int = STEPS, accumulate: int = 2) -> tuple:
-    """``steps`` clipped steps of ``config`` at ``stage`` (``accumulate`` micro-batches each); a sharded checkpoint
-    at the end."""
+def _fit(stage: int, config, directory: Path, steps: int = STEPS, accumulate: int = 2, **kw) -> tuple:
+    """``steps`` clipped steps of ``config`` at ``stage`` (``accumulate`` micro-batches each; ``kw`` more Trainer
+    arguments); a sharded checkpoint at the end."""
     L.seed_everything(0)
     record = SetupBytes()
-    trainer = _trainer(stage, [record], max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=0.5)
+    trainer = _trainer(stage, [record], max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=0.5,
+                       **kw)
     module = tp.CausalLMModule(config, learning_rate=3e-3, warmup_steps=2, init_seed=3, predict_max_new_tokens=3)
     data = _data()
     trainer.fit(module, data)
@@ -115,6 +116,13 @@ def _lifecycle(rank: int, world_size: int, directory: str, hf_directory: str) ->
     out["init_from"] = (fsdp.is_sharded(pretrained.model), _weights(pretrained.model))
     trainer, module, _, _ = _fit(3, "llama-tiny", directory / "llama", steps=1, accumulate=1)
     out["llama"] = _weights(module.model)
+    # bf16-true: the precision plugin converts the model after its blocks were cut at setup (FSDP re-registers
+    # their shards); the root is cut after it
+    for stage in (3, 0):
+        _, module, _, record = _fit(stage, "gpt2-tiny", directory / f"bf16-{stage}", steps=3, accumulate=1,
+                                    precision="bf16-true")
+        out[f"bf16_true_{stage}"] = (record.losses, sorted({str(p.dtype) for p in module.parameters()}),
+                                     fsdp.is_sharded(module.model))
     # blocks cut at stage 2 while built: finishing the model at stage 3 is refused before anything changes
     with torch.device("meta"):
         model = GPT2(GPT2Config.from_name("gpt2-tiny"))
@@ -208,6 +216,19 @@ def test_parameters_kept_whole_average_over_dp_under_accumulation_on_a_grid():
         # AdamW moves every weight by ~lr = 1e-2 a step, and turns rounding in ~0 gradients (the key bias: the
         # softmax ignores it) into noise of ~1e-5; unaveraged biases (the lost hook) were off by 4e-2
         assert _max_diff(run[3], run[0]) <= 2e-4
+
+
+def test_bf16_true_at_stage_3_under_the_trainer_trains_like_stage_0(lifecycle):
+    """precision="bf16-true" with a meta-device model: its blocks are cut over data_parallel while built, then the
+    precision plugin converts the model to bf16, then the root is cut; bf16 parameters, gradients reduce-scattered
+    in float32 and rounded once (fsdp.mixed_precision_policy): the same losses as stage 0's bf16 all-reduce at dp 2
+    (the sum of two bf16 numbers is exact in float32, and rounds once either way)."""
+    _, _, runs = lifecycle
+    for run in runs:
+        (three, dtypes3, sharded), (zero, dtypes0, _) = run["bf16_true_3"], run["bf16_true_0"]
+        assert sharded and dtypes3 == dtypes0 == ["torch.bfloat16"]
+        assert len(three) == len(zero) == 3
+        assert max(abs(a - b) / a for a, b in zip(three, zero)) <= 1e-6, (three, zero)
 
 
 def test_validate_test_and_predict_after_a_stage_3_fit_equal_stage_0_on_its_checkpoint(lifecycle):
