@@ -294,6 +294,29 @@ def test_tp1d_is_delegated():
     assert cm.comm_events("tp1d", cfg, 2, 16, 4, 4) == tp1d.tp1d_comm_events(cfg, 2, 16, 4, 4)
 
 
+def test_tp1d_baselines_price_llama_by_its_own_linears():
+    """tp1d / tp1d-sp take a Llama config: the events are the baseline's (counted against the running code in
+    tests/test_tp1d.py), FLOPs count its GQA and SwiGLU weights, and async TP hides behind exactly those."""
+    from lightning_tp2d.bench.tp1d import tp1d_comm_events
+    from lightning_tp2d.bench.tp1d_sp import tp1d_sp_comm_events
+
+    cfg = LlamaConfig.from_name("llama-3.1-8b")
+    B_, T_, p = 2, 1024, 4
+    assert cm.comm_events("tp1d", cfg, B_, T_, p, 2) == tp1d_comm_events(cfg, B_, T_, p, 2)
+    assert cm.comm_events("tp1d-sp", cfg, B_, T_, p, 2) == tp1d_sp_comm_events(cfg, B_, T_, p, 2)
+    N, h, L, V, I = B_ * T_, cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.intermediate_size
+    kv = cfg.n_kv_head * cfg.head_size  # 1024: GQA k and v are 4x narrower than q
+    weights = h * h + 2 * kv * h + h * h + 3 * I * h  # q, k, v, o, gate, up, down
+    fl = cm.flops("tp1d", cfg, B_, T_, p)
+    assert fl["matmul"] == pytest.approx(3 * (L * 2 * N * weights / p + 2 * N * h * -(-V // p)))
+    assert fl["gemms"] == 21 * L + 3
+    hidden = sum(e.calls * e.overlap_flops for e in tp1d_sp_comm_events(cfg, B_, T_, p, 2, async_tp=True))
+    assert hidden == pytest.approx(2 * (L * 2 * N * weights / p + 2 * N * h * -(-V // p)))  # forward products, twice
+    ev = tp1d_sp_comm_events(cfg, B_, T_, p, 2)  # RMSNorm weights only, no position-table gather
+    assert totals([e for e in ev if e.phase == "backward"])["all_reduce"] == {"calls": 1, "bytes": (2 * L + 1) * h * 4}
+    assert totals([e for e in ev if e.phase == "backward"])["all_gather"]["calls"] == 2 * L + 1
+
+
 def test_tp1d_sp_is_delegated_computes_like_tp1d_and_async_tp_hides_only_behind_its_matmuls():
     from lightning_tp2d.bench.tp1d_sp import tp1d_sp_comm_events
 

@@ -19,11 +19,12 @@ from lightning_tp2d.bench.tp1d import (TP1DHandle, _loss_parallel_active, check_
                                        tp1d_comm_events)
 from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel, tp1d_sp_comm_events
 from lightning_tp2d.layouts import handle_of
-from lightning_tp2d.models import GPT2, GPT2Config
+from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
 from tests.distributed import run_distributed
 
 B, T = 3, 5  # N = 15 tokens: no dimension of gpt2-tiny (h 48, V 257, heads 12) is 15, 3 or 5 apart from these
 T_SP = 8  # sequence parallelism: T divisible by p = 2 and 4
+T_SP_LLAMA = {2: 8, 3: 6}  # llama-tiny splits over p = 2 and 3 (not 4: 6 key/value heads)
 
 
 def tiny(**overrides) -> GPT2Config:
@@ -146,20 +147,79 @@ def _parity(rank, world_size, dtype, sp=False):
             for n, q in model.named_parameters() if not isinstance(q, DTensor) or q.placements == (Replicate(),)}
 
 
+def _llama_parity(rank, world_size, dtype, sp, tied):
+    """Our Llama under torchtitan's 1-D plan (GQA: n_head/p query heads on n_kv_head/p key/value heads) against the
+    plain model: loss, logits, gradients, optimizer steps, the collectives against the formula, and no rank holding
+    [tokens, V] logits. Returns the replicated parameters (every rank must hold the same)."""
+    cfg = LlamaConfig.from_name("llama-tiny", tie_embeddings=tied)
+    p, V, t = world_size, cfg.vocab_size, T_SP_LLAMA[world_size] if sp else T
+    torch.manual_seed(0)
+    ref = Llama(cfg).to(dtype)
+    model = parallelize_1d(copy.deepcopy(ref), init_tp1d_mesh(p), sequence_parallel=sp)
+    assert model.tp == TP1DHandle(model.tp.mesh, p, sp)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert model.lm_head.weight.to_local().shape[0] == len(torch.arange(V).chunk(p)[rank])  # vocab rows, uneven
+    q_local = model.model.layers[0].self_attn.q_proj.weight.to_local()
+    k_local = model.model.layers[0].self_attn.k_proj.weight.to_local()
+    assert (q_local.shape[0], k_local.shape[0]) == (cfg.n_head // p * cfg.head_size, cfg.n_kv_head // p * cfg.head_size)
+    idx, targets = _batch(V, t)
+    events = (tp1d_sp_comm_events if sp else tp1d_comm_events)(cfg, B, t, p, torch.finfo(dtype).bits // 8)
+    with count_functional_collectives() as fwd, VocabRows(V, B, t) as rows:
+        loss = model(idx, targets)
+    with count_functional_collectives() as bwd, VocabRows(V, B, t) as rows_bwd:
+        loss.backward()
+    for stats, phase in ((fwd, "forward"), (bwd, "backward")):
+        assert stats.snapshot() == totals([e for e in events if e.phase == phase]), (phase, sp)
+    assert rows.found == [] and rows_bwd.found == [], rows.found + rows_bwd.found
+    ref_loss = ref(idx, targets)
+    ref_loss.backward()
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    out = {"loss": rel(loss.detach(), ref_loss.detach())}
+    with torch.no_grad():
+        out["logits"] = rel(model(idx), ref(idx))
+    ref_params = dict(ref.named_parameters())
+    assert [n for n, _ in model.named_parameters()] == list(ref_params)
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        out[name] = rel(grad, ref_params[name].grad)
+    for m, groups in ((ref, ref.parameters()), (model, param_groups_1d(model))):
+        # AdamW in float64; in float32 its ~lr * sign(grad) first steps turn rounding noise into 1e-4 (see _parity)
+        opt = (torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=True) if dtype == torch.float64
+               else torch.optim.SGD(groups, lr=0.5, foreach=True))  # foreach: CUDA's default
+        opt.step()  # on the gradients compared above, then two more steps on fresh ones
+        for _ in range(2):
+            opt.zero_grad()
+            m(idx, targets).backward()
+            opt.step()
+    sd, ref_sd = full_state_dict_1d(model), ref.state_dict()
+    assert list(sd) == list(ref_sd)
+    out["steps"] = max(rel(sd[k], ref_sd[k]) for k in ref_sd)
+    assert all(v < tol for v in out.values()), {k: v for k, v in out.items() if v >= tol}
+    return {n: (q.to_local() if isinstance(q, DTensor) else q).detach().flatten().tolist()
+            for n, q in model.named_parameters() if not isinstance(q, DTensor) or q.placements == (Replicate(),)}
+
+
 def _parity_without_and_with_sp(rank, world_size, dtype):
     out = [_parity(rank, world_size, dtype), _parity(rank, world_size, dtype, sp=True)]
     if world_size == 4:  # the float32 count at p = 4 (p = 2: test_float32_parity_and_counter_conventions)
         _count(world_size, True, autocast=False)
+        with pytest.raises(ValueError, match=r"n_kv_head=6 is not divisible by p=4; use p in \[1, 2, 3, 6\]"):
+            parallelize_1d(Llama(LlamaConfig.from_name("llama-tiny", n_layer=1)), init_tp1d_mesh(world_size))
+    else:  # Llama: untied head without, tied head with sequence parallelism
+        out += [_llama_parity(rank, world_size, dtype, sp=False, tied=False),
+                _llama_parity(rank, world_size, dtype, sp=True, tied=True)]
     return out
 
 
-def _count(world_size, sp, autocast):
-    """One training step of a float32 model (optionally under bf16 autocast), counted against the formula."""
+def _count(world_size, sp, autocast, cfg=None, t=T_SP):
+    """One training step of a float32 model (GPT-2 unless ``cfg`` is a Llama config; optionally under bf16
+    autocast), counted against the formula."""
     torch.manual_seed(0)
-    cfg = tiny(n_layer=1)
-    model = parallelize_1d(GPT2(cfg), init_tp1d_mesh(world_size), sequence_parallel=sp)
-    idx, targets = _batch(cfg.vocab_size, T_SP)
-    events = (tp1d_sp_comm_events if sp else tp1d_comm_events)(cfg, B, T_SP, world_size, 2 if autocast else 4)
+    cfg = cfg or tiny(n_layer=1)
+    model = (Llama if isinstance(cfg, LlamaConfig) else GPT2)(cfg)
+    model = parallelize_1d(model, init_tp1d_mesh(world_size), sequence_parallel=sp)
+    idx, targets = _batch(cfg.vocab_size, t)
+    events = (tp1d_sp_comm_events if sp else tp1d_comm_events)(cfg, B, t, world_size, 2 if autocast else 4)
     with count_functional_collectives() as fwd, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = model(idx, targets)
     with count_functional_collectives() as bwd:
@@ -168,8 +228,8 @@ def _count(world_size, sp, autocast):
         assert stats.snapshot() == totals([e for e in events if e.phase == phase]), (phase, sp, autocast)
     if not sp:
         return
-    # every LayerNorm gradient was all-reduced to Replicate (in the one flat all-reduce counted above)
-    norms = [q for n, q in model.named_parameters() if ".ln_" in n]
+    # every LayerNorm / RMSNorm gradient was all-reduced to Replicate (in the one flat all-reduce counted above)
+    norms = [q for n, q in model.named_parameters() if ".ln_" in n or "norm" in n]
     assert norms and all(q.grad.placements == (Replicate(),) for q in norms)
 
 
@@ -177,7 +237,7 @@ def _count(world_size, sp, autocast):
 def test_parity_and_communication_float64(world_size):
     """Without (tp1d) and with sequence parallelism (tp1d-sp), in one process group per world size."""
     results = run_distributed(_parity_without_and_with_sp, world_size, torch.float64)
-    for mode in range(2):
+    for mode in range(len(results[0])):
         for other in results[1:]:
             assert other[mode] == results[0][mode]
 
@@ -227,6 +287,19 @@ def _float32_and_counter(rank, world_size):
     assert counter.uncounted == [("_c10d_functional.all_to_all_single.default", 16)]
     assert sum(counter.stats.snapshot()[k]["calls"] for k in counter.stats.snapshot()) == 0
     return True
+
+
+def _llama_three_ranks(rank, world_size):
+    for sp in (False, True):  # bf16 autocast: which collectives carry float32 (module docstrings)
+        _count(world_size, sp, autocast=True, cfg=LlamaConfig.from_name("llama-tiny", n_layer=1), t=T_SP_LLAMA[3])
+    return [_llama_parity(rank, world_size, torch.float32, sp=sp, tied=not sp) for sp in (False, True)]
+
+
+def test_llama_float32_parity_on_three_ranks():
+    """p = 3 divides llama-tiny's 12 query and 6 key/value heads (2 key/value heads per rank, GQA g = 2)."""
+    results = run_distributed(_llama_three_ranks, 3)
+    for mode in range(2):
+        assert results[1][mode] == results[0][mode] and results[2][mode] == results[0][mode]
 
 
 def test_float32_parity_and_counter_conventions():

@@ -53,7 +53,7 @@ from lightning_tp2d.bench.events import Comm, float32_bytes
 from lightning_tp2d.bench.gemm_rates import H200_BF16
 from lightning_tp2d.bench.gemm_rates import fit as fit_gemm_rates
 from lightning_tp2d.bench.tp1d import tp1d_comm_events
-from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel, tp1d_sp_comm_events
+from lightning_tp2d.bench.tp1d_sp import block_linears, check_sequence_parallel, tp1d_sp_comm_events
 from lightning_tp2d.bench.trace import trace_step, trace_steps
 from lightning_tp2d.layouts import Grid2D, Layout, get_layout, layout_names
 from lightning_tp2d.models.gpt2 import GPT2Config
@@ -178,11 +178,14 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int) -> dict:
     run, causal blocks counting their visible scores), so METP's recomputations (``X W1`` in the MLP backward, the
     logits in the LM-head backward) and the 2-D LM head's padded vocabulary are whatever the code does.
     ``tests/test_cost_model.py`` checks them against closed forms. The baselines: linears ``24 N h²`` forward and
-    ``48 N h²`` backward per block (``/p`` for tp1d and tp1d-sp, which compute the same), attention over ``T(T+1)/2``
-    scores per sequence and head, LM head ``2 N h V`` / ``4 N h V`` (tp1d, tp1d-sp: ``ceil(V/p)``).
+    ``48 N h²`` backward per GPT-2 block (a Llama block: ``2 N`` times its weights' entries forward,
+    :func:`~lightning_tp2d.bench.tp1d_sp.block_linears`, twice that backward; ``/p`` for tp1d and tp1d-sp, which
+    compute the same), attention over ``T(T+1)/2`` scores per sequence and head, LM head ``2 N h V`` / ``4 N h V``
+    (tp1d, tp1d-sp: ``ceil(V/p)``).
 
     ``gemms``: matrix-product kernels launched (traced: every ``mm``/``addmm``/``bmm``; a SUMMA product is ``q`` panel
-    products forward and ``2q`` backward; the baselines ``12 L + 3``), each charged the hardware's GEMM overhead.
+    products forward and ``2q`` backward; the baselines ``12 L + 3``, Llama ``21 L + 3``), each charged the hardware's
+    GEMM overhead.
     """
     _check(layout, cfg, batch, seq, p)
     h, V, L, T, B = cfg.n_embd, cfg.vocab_size, cfg.n_layer, seq, batch
@@ -198,13 +201,15 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int) -> dict:
     causal = T * (T + 1) / 2  # visible scores per sequence and head
     k = 1 if layout == "single" else p
     vocab = V if layout == "single" else -(-V // p)
-    lin_f, lin_b = 24.0 * N * h * h / k, 48.0 * N * h * h / k
+    linears = [shape for group in block_linears(cfg) for shape in group]  # GPT-2: 12 h² weights; Llama's own
+    lin_f = 2.0 * N * sum(o * i for o, i in linears) / k
+    lin_b = 2 * lin_f
     att_f, att_b = 4.0 * (h / k) * B * causal, 10.0 * (h / k) * B * causal
     head_f, head_b = 2.0 * N * h * vocab, 4.0 * N * h * vocab
     fwd = L * (lin_f + att_f) + head_f
     bwd = L * (lin_b + att_b) + head_b
     attention = L * (att_f + att_b)
-    gemms = L * 12 + 3  # per block 4 linears forward, dX and dW of each backward; the head 1 + 2
+    gemms = L * 3 * len(linears) + 3  # per block each linear forward, its dX and dW backward; the head 1 + 2
     return {"forward": fwd, "backward": bwd, "total": fwd + bwd, "matmul": fwd + bwd - attention,
             "attention": attention, "gemms": gemms}
 

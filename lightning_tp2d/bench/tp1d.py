@@ -1,4 +1,4 @@
-"""The 1-D tensor-parallel baseline: PyTorch's own ``torch.distributed.tensor.parallel`` applied to our GPT-2.
+"""The 1-D tensor-parallel baseline: PyTorch's own ``torch.distributed.tensor.parallel`` applied to our GPT-2 / Llama.
 
 This is what a Lightning ``ModelParallelStrategy`` user writes in ``configure_model`` (Megatron-style 1-D TP,
 as in torchtitan), so that the benchmarks compare our layouts against stock PyTorch rather than against a
@@ -13,6 +13,14 @@ Plan (``parallelize_module`` styles on a 1-D mesh with axis ``"tp"`` of ``p`` ra
 * ``h.*.attn.c_proj``, ``h.*.mlp.c_proj``: ``RowwiseParallel()``; weight Shard(1), bias Replicate.
 * ``lm_head``: :class:`TP1DLMHead`, column-parallel on the very wte Parameter (Shard(0)).
 * ``wpe``, ``ln_1``, ``ln_2``, ``ln_f``: untouched, plain tensors, identical on every rank.
+
+Our Llama (``model.*`` names) gets torchtitan's ``parallelize_llama`` plan: ``embed_tokens`` as ``wte``;
+``self_attn`` / ``mlp`` ``PrepareModuleInput`` (their input one Replicate DTensor, so the q/k/v and the gate/up
+projections share one backward all-reduce); ``q/k/v_proj``, ``gate_proj``, ``up_proj`` ``ColwiseParallel()``
+(separate matrices: plain Shard(0), no regrouping; the unchanged :class:`~lightning_tp2d.models.llama.LlamaAttention`
+runs ``n_head/p`` query heads on this rank's ``n_kv_head/p`` key/value heads, RoPE per head); ``o_proj``,
+``down_proj`` ``RowwiseParallel()``; RMSNorms plain; ``lm_head`` :class:`TP1DLMHead` on the embedding Parameter if
+tied, else on its own weight sharded on vocab rows (Shard(0)). Communication: :func:`tp1d_comm_events` holds for it.
 
 * **Fused QKV.** GPT-2's ``c_attn`` stacks ``[q; k; v]`` (each ``h`` rows, heads in order). A plain Shard(0)
   would give rank 0 all of q and part of k. Its rows are therefore permuted before sharding so that shard ``i``
@@ -50,6 +58,7 @@ Plan (``parallelize_module`` styles on a 1-D mesh with axis ``"tp"`` of ``p`` ra
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -58,13 +67,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
-                                               parallelize_module)
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               loss_parallel, parallelize_module)
 
 from lightning_tp2d.bench.events import Comm, float32_bytes
 from lightning_tp2d.bench.tp1d_sp import check_input_hook, reduce_norm_grads, sp_plan
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+from lightning_tp2d.models.llama import Llama, LlamaConfig
 
 __all__ = ["TP1DHandle", "init_tp1d_mesh", "check_tp1d", "parallelize_1d", "full_state_dict_1d", "param_groups_1d",
            "tp1d_comm_events", "qkv_permutation", "TP1DAttention", "TP1DLMHead"]
@@ -102,18 +112,21 @@ def init_tp1d_mesh(p: int, device_type: str | None = None) -> DeviceMesh:
     return init_device_mesh(device_type, (p,), mesh_dim_names=(AXIS,))
 
 
-def check_tp1d(config: GPT2Config, p: int) -> None:
-    """Raise ``ValueError`` naming the numbers when ``config`` cannot be split over ``p`` ranks in 1-D TP."""
-    bad = []
-    if config.n_head % p:
-        bad.append(f"n_head={config.n_head} is not divisible by p={p}")
-    if config.n_embd % p:
-        bad.append(f"n_embd={config.n_embd} is not divisible by p={p}")
+def check_tp1d(config: GPT2Config | LlamaConfig, p: int) -> None:
+    """Raise ``ValueError`` naming the numbers when ``config`` cannot be split over ``p`` ranks in 1-D TP.
+
+    GPT-2: heads and width divide by ``p``. Llama: query heads, key/value heads (each rank runs ``n_head/p`` query
+    heads on its own ``n_kv_head/p`` key/value heads) and the MLP width divide by ``p``. Both: dropout 0."""
+    sizes = _family(config).split_sizes
+    bad = [f"{name}={getattr(config, name)} is not divisible by p={p}" for name in sizes if getattr(config, name) % p]
+    if bad:
+        fits = [k for k in range(1, max(p, 8) + 1) if all(getattr(config, name) % k == 0 for name in sizes)]
+        bad.append(f"use p in {fits}")
     if config.dropout != 0.0:
         bad.append(f"dropout={config.dropout} must be 0 (replicated activations would get different masks "
                    "on each rank)")
     if bad:
-        raise ValueError("cannot parallelize GPT-2 with 1-D tensor parallelism: " + "; ".join(bad))
+        raise ValueError(f"cannot parallelize {config.KIND} with 1-D tensor parallelism: " + "; ".join(bad))
 
 
 def qkv_permutation(n_embd: int, p: int) -> torch.Tensor:
@@ -229,7 +242,9 @@ class TP1DLMHead(nn.Module):
         return loss.to_local()  # Replicate scalar -> plain tensor
 
 
-def _tp_plan(n_layer: int) -> dict:
+def _gpt2_plan(n_layer: int, sequence_parallel: bool) -> dict:
+    if sequence_parallel:
+        return sp_plan(n_layer)
     plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate())}
     for i in range(n_layer):
         prefix = f"transformer.h.{i}"
@@ -240,20 +255,89 @@ def _tp_plan(n_layer: int) -> dict:
     return plan
 
 
-def parallelize_1d(model: GPT2, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> GPT2:
-    """Apply Megatron-style 1-D tensor parallelism with torch's TP styles to ``model`` in place; returns it.
+def _llama_plan(n_layer: int, sequence_parallel: bool) -> dict:
+    """torchtitan's ``parallelize_llama`` plan on our Llama's names (module docstring). ``PrepareModuleInput`` on
+    ``self_attn`` / ``mlp`` makes their input one Replicate DTensor shared by q/k/v (gate/up): one all-gather (SP)
+    for the three, and one all-reduce (no SP) or reduce-scatter (SP) of their summed input gradients."""
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's placement between blocks
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)}
+    for i in range(n_layer):
+        prefix = f"model.layers.{i}"
+        plan[f"{prefix}.self_attn"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{prefix}.self_attn.{name}"] = ColwiseParallel()
+        plan[f"{prefix}.self_attn.o_proj"] = RowwiseParallel(output_layouts=stream)
+        plan[f"{prefix}.mlp"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+        plan[f"{prefix}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{prefix}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel(output_layouts=stream)
+        if sequence_parallel:
+            plan[f"{prefix}.input_layernorm"] = SequenceParallel()
+            plan[f"{prefix}.post_attention_layernorm"] = SequenceParallel()
+    if sequence_parallel:
+        plan["model.norm"] = SequenceParallel()
+    return plan
+
+
+def _regroup_gpt2_attention(model: GPT2, p: int) -> None:
+    """Permute each fused ``c_attn`` to head-group order and swap in :class:`TP1DAttention` (module docstring)."""
+    perm = qkv_permutation(model.config.n_embd, p)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            c_attn = block.attn.c_attn
+            c_attn.weight.copy_(c_attn.weight[perm])
+            if c_attn.bias is not None:
+                c_attn.bias.copy_(c_attn.bias[perm])
+    for block in model.transformer.h:
+        block.attn = TP1DAttention(block.attn, p)
+
+
+@dataclass(frozen=True)
+class _Family1D:
+    """What 1-D TP needs of one model class: its sizes that must divide by ``p``, its plan
+    ``(n_layer, sequence_parallel) -> {submodule: style}``, the in-place preparation before the plan applies
+    (GPT-2: regroup the fused QKV), and the path of the token embedding (the tied head's weight)."""
+
+    model_class: type
+    split_sizes: tuple[str, ...]
+    plan: Callable[[int, bool], dict]
+    prepare: Callable[[nn.Module, int], None] | None
+    embedding: str
+
+
+_FAMILIES = {
+    GPT2Config: _Family1D(GPT2, ("n_head", "n_embd"), _gpt2_plan, _regroup_gpt2_attention, "transformer.wte"),
+    # Llama's attention runs unchanged on the local heads: it reshapes with -1 heads (models/llama.py)
+    LlamaConfig: _Family1D(Llama, ("n_head", "n_kv_head", "intermediate_size"), _llama_plan, None,
+                           "model.embed_tokens"),
+}
+
+
+def _family(config) -> _Family1D:
+    for cls in type(config).__mro__:
+        if cls in _FAMILIES:
+            return _FAMILIES[cls]
+    raise TypeError(f"1-D tensor parallelism has a plan for {[c.__name__ for c in _FAMILIES]} configs, "
+                    f"got {type(config).__name__}")
+
+
+def parallelize_1d(model: GPT2 | Llama, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> GPT2 | Llama:
+    """Apply Megatron-style 1-D tensor parallelism with torch's TP styles to ``model`` (our GPT-2 or Llama) in
+    place; returns it.
 
     ``sequence_parallel=True`` adds sequence parallelism (the plan of :mod:`lightning_tp2d.bench.tp1d_sp`):
-    LayerNorms and the residual stream on ``[B, T/p, h]`` sequence shards, all-gather / reduce-scatter around the
+    norms and the residual stream on ``[B, T/p, h]`` sequence shards, all-gather / reduce-scatter around the
     column- / row-parallel linears instead of all-reduces; the sequence length must then divide by ``p``.
 
     Every rank must pass the same plain model (same seed), on the mesh's device: sharded weights are scattered
-    from rank 0 (``parallelize_module``'s default), the replicated LayerNorm/``wpe`` parameters are kept as each
-    rank has them. Raises ``ValueError`` naming the numbers (heads or hidden size not divisible by ``p``,
-    dropout) before any communication. Use :func:`param_groups_1d` for the optimizer.
+    from rank 0 (``parallelize_module``'s default; an untied Llama head's too), the replicated norm / ``wpe``
+    parameters are kept as each rank has them. Raises ``ValueError`` naming the numbers (heads, key/value heads,
+    hidden or MLP size not divisible by ``p``, dropout) before any communication. Use :func:`param_groups_1d`
+    for the optimizer.
     """
-    if not isinstance(model, GPT2):
-        raise TypeError(f"parallelize_1d expects a lightning_tp2d.models.GPT2, got {type(model).__name__}")
+    fam = _family(getattr(model, "config", None))
+    if not isinstance(model, fam.model_class):
+        raise TypeError(f"parallelize_1d expects a lightning_tp2d.models GPT2 or Llama, got {type(model).__name__}")
     done = getattr(model, "tp", None)
     if done is not None:
         raise ValueError(f"model is already parallelized with layout {getattr(done, 'name', type(done).__name__)!r}")
@@ -269,24 +353,21 @@ def parallelize_1d(model: GPT2, mesh: DeviceMesh, *, sequence_parallel: bool = F
         raise ValueError(f"model parameters are on {devices} but the mesh is on {mesh.device_type!r}; "
                          f"move the model to the mesh's device first")
 
-    perm = qkv_permutation(cfg.n_embd, p)
-    tr = model.transformer
-    with torch.no_grad():
-        for block in tr.h:
-            c_attn = block.attn.c_attn
-            c_attn.weight.copy_(c_attn.weight[perm])
-            if c_attn.bias is not None:
-                c_attn.bias.copy_(c_attn.bias[perm])
-    for block in tr.h:
-        block.attn = TP1DAttention(block.attn, p)
+    embedding = model.get_submodule(fam.embedding)
+    tied = model.lm_head.weight is embedding.weight
+    if fam.prepare is not None:
+        fam.prepare(model, p)
+    plan = fam.plan(cfg.n_layer, sequence_parallel)
+    parallelize_module(model, mesh, plan)
     if sequence_parallel:
-        parallelize_module(model, mesh, sp_plan(cfg.n_layer))
-        reduce_norm_grads(model, mesh)
+        reduce_norm_grads(model, mesh, plan)
         model.register_forward_pre_hook(check_input_hook(p), with_kwargs=True)
-    else:
-        parallelize_module(model, mesh, _tp_plan(cfg.n_layer))
-    # RowwiseParallel registered a new (DTensor) Parameter on wte; tie the head to it again.
-    model.lm_head = TP1DLMHead(tr.wte.weight, mesh)
+    # RowwiseParallel registered a new (DTensor) Parameter on the embedding; tie the head to it again, or shard an
+    # untied head's own weight on vocab rows the same way.
+    head = (embedding.weight if tied else
+            nn.Parameter(distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)]),
+                         requires_grad=model.lm_head.weight.requires_grad))
+    model.lm_head = TP1DLMHead(head, mesh)
     model.tp = TP1DHandle(mesh, p, sequence_parallel)
     return model
 
@@ -299,12 +380,11 @@ def full_state_dict_1d(model: GPT2) -> dict[str, torch.Tensor]:
     if not isinstance(handle, TP1DHandle):
         raise ValueError("full_state_dict_1d expects a model parallelized by parallelize_1d")
     p = handle.tensor_parallel_size
-    inverse = torch.argsort(qkv_permutation(model.config.n_embd, p))
     out = {}
     for key, value in model.state_dict().items():
         full = value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
-        if key.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
-            full = full[inverse.to(full.device)]
+        if key.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):  # GPT-2's fused QKV (Llama has none)
+            full = full[torch.argsort(qkv_permutation(model.config.n_embd, p)).to(full.device)]
         out[key] = full
     return out
 

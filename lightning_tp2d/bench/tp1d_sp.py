@@ -1,6 +1,6 @@
 """1-D tensor parallelism *with sequence parallelism*: the fair baseline (docs/layouts.md, the fair baseline),
-PyTorch's own styles applied to our GPT-2 the way torchtitan applies them to Llama (``apply_tp``). Build it with
-``parallelize_1d(model, mesh, sequence_parallel=True)``; this module holds the plan and its communication.
+PyTorch's own styles applied to our GPT-2 and Llama the way torchtitan applies them to Llama (``apply_tp``). Build it
+with ``parallelize_1d(model, mesh, sequence_parallel=True)``; this module holds the plan and its communication.
 
 Between blocks the residual stream is this rank's sequence shard, a plain ``[B, T/p, h]``; only the
 column-parallel inputs are gathered to the full sequence, and the row-parallel outputs are reduce-scattered back
@@ -22,6 +22,13 @@ column-parallel inputs are gathered to the full sequence, and the row-parallel o
 * ``lm_head``: :class:`~lightning_tp2d.bench.tp1d.TP1DLMHead` all-gathers the ``ln_f`` output (backward:
   reduce-scatter) and projects onto the vocab-sharded tied weight; the loss is ``loss_parallel``, as in tp1d.
 
+Llama (``model.*``), torchtitan's ``parallelize_llama`` plan: ``embed_tokens`` as ``wte``; ``input_layernorm``,
+``post_attention_layernorm``, ``norm``: ``SequenceParallel()``; ``self_attn`` and ``mlp``:
+``PrepareModuleInput(Shard(1) -> Replicate())``, one all-gather of the norm output shared by ``q/k/v_proj`` (and by
+``gate/up_proj``), each ``ColwiseParallel()``, so the attention runs ``n_head/p`` query heads on ``n_kv_head/p``
+key/value heads unchanged; ``o_proj``, ``down_proj``: ``RowwiseParallel(output_layouts=Shard(1))``; ``lm_head`` as
+above, tied to ``embed_tokens`` or an untied weight sharded on vocab rows the same way.
+
 Dropout must be 0 as in tp1d (the check is shared), and the residual adds and dropouts run on plain local
 sequence shards, so no ``SequenceParallel`` wrapper is needed around them (with dropout 0 it would only add
 DTensor conversions). The sequence length must divide by ``p`` (:func:`check_sequence_parallel`; checked on every
@@ -40,7 +47,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOut
 from lightning_tp2d.bench.events import Comm, float32_bytes
 from lightning_tp2d.models.gpt2 import GPT2Config
 
-__all__ = ["check_sequence_parallel", "sp_plan", "reduce_norm_grads", "tp1d_sp_comm_events"]
+__all__ = ["check_sequence_parallel", "sp_plan", "block_linears", "reduce_norm_grads", "tp1d_sp_comm_events"]
 
 AXIS = "tp"
 
@@ -71,6 +78,19 @@ def sp_plan(n_layer: int) -> dict:
     return plan
 
 
+def block_linears(cfg) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The ``(out, in)`` weight shapes of one block's linears, in four groups: those reading the attention input,
+    the attention output projection, those reading the MLP input, the MLP output projection. GPT-2: ``c_attn``
+    ``[3h, h]``, ``c_proj`` ``[h, h]``, ``c_fc`` ``[4h, h]``, ``mlp.c_proj`` ``[h, 4h]``. Llama (a config with
+    ``n_kv_head`` and ``intermediate_size``): ``q_proj`` ``[h, h]``, ``k_proj`` and ``v_proj`` ``[nkv*hs, h]`` (GQA),
+    ``o_proj`` ``[h, h]``, ``gate_proj`` and ``up_proj`` ``[I, h]``, ``down_proj`` ``[h, I]``."""
+    h = cfg.n_embd
+    if not hasattr(cfg, "intermediate_size"):
+        return ((3 * h, h),), ((h, h),), ((4 * h, h),), ((h, 4 * h),)
+    kv, width = cfg.n_kv_head * (h // cfg.n_head), cfg.intermediate_size
+    return ((h, h), (kv, h), (kv, h)), ((h, h),), ((width, h), (width, h)), ((h, width),)
+
+
 def check_input_hook(p: int):
     """A forward pre-hook for the model: the sequence length of ``idx`` must divide by ``p``."""
 
@@ -82,10 +102,10 @@ def check_input_hook(p: int):
 
 
 class _NormGradReducer:
-    """Turns the Partial gradients of the LayerNorm weights (each rank's sum over its own sequence shard) into
-    Replicate ones with **one** all-reduce per backward: a post-accumulate-grad hook on each parameter collects
-    them; when the last one arrives, their local values are concatenated into one flat buffer, all-reduced
-    (``Partial -> Replicate``) and split back. Left Partial, every optimizer op that reads such a gradient would
+    """Turns the Partial gradients of the norm weights (LayerNorm or RMSNorm: each rank's sum over its own
+    sequence shard) into Replicate ones with **one** all-reduce per backward: a post-accumulate-grad hook on each
+    parameter collects them; when the last one arrives, their local values are concatenated into one flat buffer,
+    all-reduced (``Partial -> Replicate``) and split back. Left Partial, every optimizer op that reads such a gradient would
     all-reduce it again, and ``2 (2L + 1)`` separate ``[h]`` all-reduces would pay the latency ``2 (2L + 1)`` times.
 
     Always correct, not always one call: a backward that does not reach every LayerNorm parameter leaves its
@@ -115,9 +135,11 @@ class _NormGradReducer:
                 q.grad = DTensor.from_local(g.view(q.shape), self.mesh, [Replicate()], run_check=False)
 
 
-def reduce_norm_grads(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Install :class:`_NormGradReducer` on the parameters of ``model``'s ``nn.LayerNorm`` modules."""
-    params = [q for m in model.modules() if isinstance(m, nn.LayerNorm) for q in m.parameters()]
+def reduce_norm_grads(model: nn.Module, mesh: DeviceMesh, plan: dict) -> None:
+    """Install :class:`_NormGradReducer` on the parameters of the modules ``plan`` makes ``SequenceParallel``
+    (GPT-2's LayerNorms, Llama's RMSNorms)."""
+    params = [q for name, style in plan.items() if isinstance(style, SequenceParallel)
+              for q in model.get_submodule(name).parameters()]
     if params:
         _NormGradReducer(params, mesh)
 
@@ -147,6 +169,11 @@ def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int
         * token embedding: 1 all-gather of ``[N/p, h]`` (``ep``: the shard gradients back to the full lookup);
         * position embedding: 1 all-gather of ``[T/p, h]`` (``ep``).
 
+    Llama (``cfg`` a :class:`~lightning_tp2d.models.llama.LlamaConfig`; torchtitan's plan, module docstring): the
+    same calls and bytes, ``q/k/v_proj`` sharing the all-gather of ``input_layernorm``'s output (``gate/up_proj``
+    that of ``post_attention_layernorm``), ``o_proj`` / ``down_proj`` in place of the ``c_proj``\ s, RMSNorm weights
+    without biases, and no position embedding (RoPE) and so no last all-gather.
+
     Every call is blocking in this code (``overlap_flops`` 0). ``async_tp=True`` prices torch's async TP
     (micro-pipelined collective matmuls) instead: each all-gather / reduce-scatter next to a column- / row-parallel
     linear carries that linear's matmul FLOPs as ``overlap_flops`` (the forward product; in backward the
@@ -169,7 +196,7 @@ def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int
     N = batch * seq
     full_e, full_ep, shard_e, shard_ep = N * h * e, N * h * ea, N * h * e // p, N * h * ea // p
     # matmul FLOPs per rank of each linear's forward (= its input-gradient product in backward)
-    qkv, proj, fc, fc_proj = 2 * N * h * 3 * h / p, 2 * N * h * h / p, 2 * N * h * 4 * h / p, 2 * N * 4 * h * h / p
+    qkv, proj, fc, fc_proj = (2 * N * sum(o * i for o, i in group) / p for group in block_linears(cfg))
     head = 2 * N * h * -(-V // p)
 
     def ev(kind: str, nbytes: int, calls: int, phase: str, matmul: float = 0.0) -> Comm:
@@ -178,7 +205,9 @@ def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int
     loss = [ev("all_reduce", N * ep, 3, "forward")]
     if p == 1:
         return loss
-    norm_grads = (2 * L + 1) * (2 if cfg.bias else 1) * h * ep
+    norm_grads = (2 * L + 1) * (2 if getattr(cfg, "bias", False) else 1) * h * ep  # RMSNorm: weights only
+    # a learned position table (GPT-2's wpe); RoPE (Llama, a rope_theta) has none
+    positions = [ev("all_gather", seq * h * ea // p, 1, "backward")] if not hasattr(cfg, "rope_theta") else []
     return [
         ev("reduce_scatter", full_ep, 1, "forward"),  # wte: MaskPartial -> Shard(1)
         ev("all_gather", shard_ep, L, "forward", qkv),  # ln_1 output -> c_attn
@@ -194,5 +223,5 @@ def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int
         ev("reduce_scatter", full_ep, L, "backward", qkv),  # c_attn input gradient
         ev("all_reduce", norm_grads, 1, "backward"),  # LayerNorm weight / bias gradients, one flat buffer
         ev("all_gather", shard_ep, 1, "backward"),  # wte output gradient
-        ev("all_gather", seq * h * ea // p, 1, "backward"),  # wpe output gradient
+        *positions,  # wpe output gradient
     ]
