@@ -13,6 +13,10 @@ With ``cap`` set, the allocation that takes the live bytes past it raises :class
 out-of-memory error on a GPU whose memory is capped with ``torch.cuda.set_per_process_memory_fraction``: the
 maximum-sequence search uses that to stop a probe at once. Tensors that existed before the mode was entered
 (parameters, optimizer state) are not seen; callers add them as ``resident`` bytes (:func:`resident_bytes`).
+
+With ``count_resizes=True`` storage resizes inside the mode count too: FSDP2 frees a gathered parameter with
+``UntypedStorage.resize_(0)`` and re-allocates it with ``resize_(n)``, which no aten op sees. That is right for
+storages made before the mode (FSDP's, made in a warm-up step's lazy init) when the measured region makes none.
 """
 
 from __future__ import annotations
@@ -43,14 +47,35 @@ class MemoryCapExceeded(RuntimeError):
 class LiveTensorBytes(TorchDispatchMode):
     """Bytes of the tensor storages allocated inside the mode and still alive: ``live``, ``peak``, ``shapes``.
 
-    ``base`` is added to ``live`` before comparing with ``cap`` (the resident bytes the mode cannot see)."""
+    ``base`` is added to ``live`` before comparing with ``cap`` (the resident bytes the mode cannot see);
+    ``count_resizes``: also count ``UntypedStorage.resize_`` (module docstring)."""
 
-    def __init__(self, cap: int | None = None, base: int = 0, record_shapes: bool = True) -> None:
+    def __init__(self, cap: int | None = None, base: int = 0, record_shapes: bool = True,
+                 count_resizes: bool = False) -> None:
         super().__init__()
         self.live = self.peak = 0
-        self.cap, self.base, self.record_shapes = cap, base, record_shapes
+        self.cap, self.base, self.record_shapes, self.count_resizes = cap, base, record_shapes, count_resizes
         self.shapes: list[tuple[int, ...]] = []
         self._refs: dict[int, weakref.ref] = {}
+        self._resize = None
+
+    def __enter__(self):
+        if self.count_resizes:
+            self._resize = original = torch.UntypedStorage.resize_
+
+            def resize_(storage, size):
+                before = storage.nbytes()
+                original(storage, size)
+                self.live += storage.nbytes() - before
+                self.peak = max(self.peak, self.live)
+
+            torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._resize is not None:
+            torch.UntypedStorage.resize_, self._resize = self._resize, None
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):

@@ -11,7 +11,8 @@ no-decay groups), runs a warm-up step (the optimizer state exists after it) and 
 
 * parameter, gradient (before the step) and optimizer bytes: local shards;
 * peak bytes: what existed before the step (parameters, optimizer state) plus the peak of the tensor storages
-  allocated during it (:class:`~lightning_tp2d.bench.measure.LiveTensorBytes`, and FSDP's storage resizes);
+  allocated during it (:class:`~lightning_tp2d.bench.measure.LiveTensorBytes` with ``count_resizes``: FSDP's
+  storage resizes too);
 * bytes sent in the step, payload convention of :mod:`lightning_tp2d.comm` (the tensor handed to each call;
   receives left out), twice: ``sent_bytes_package`` as :func:`~lightning_tp2d.comm_record.count_comm` records them
   (the package's calls, and FSDP's where it records direct ``torch.distributed`` collectives), ``sent_bytes_all``
@@ -75,28 +76,6 @@ def _tensor_bytes(tensors) -> int:
     return sum(_local(t).numel() * t.element_size() for t in tensors if t is not None)
 
 
-class _StepBytes(LiveTensorBytes):
-    """:class:`LiveTensorBytes` that also counts storage resizes: FSDP2 frees a gathered parameter with
-    ``UntypedStorage.resize_(0)`` and re-allocates it with ``resize_(n)``, which no aten op sees. Correct for
-    storages made before the mode (FSDP's, made in the warm-up step's lazy init); the measured step makes none."""
-
-    def __enter__(self):
-        self._resize = original = torch.UntypedStorage.resize_
-
-        def resize_(storage, size):
-            before = storage.nbytes()
-            original(storage, size)
-            self.live += storage.nbytes() - before
-            self.peak = max(self.peak, self.live)
-
-        torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._resize
-        return super().__exit__(*exc)
-
-
 class _CollectiveBytes(TorchDispatchMode):
     """Calls and payload bytes of every collective op dispatched inside the mode (``c10d`` and functional ops):
     FSDP's and the package's alike. Receives (``recv_``) carry no payload of this rank's."""
@@ -153,7 +132,7 @@ def _measure(model, optimizer, sync, mesh, idx) -> dict:
     _step(model, optimizer, sync, mesh, idx)  # warm-up: optimizer state and FSDP's lazy init exist after it
     optimizer.zero_grad(set_to_none=True)
     before = resident_bytes(model, optimizer)
-    tracker, wire = _StepBytes(record_shapes=False), _CollectiveBytes()
+    tracker, wire = LiveTensorBytes(record_shapes=False, count_resizes=True), _CollectiveBytes()
     with count_comm() as package, tracker, wire:
         grads = _step(model, optimizer, sync, mesh, idx)
     return {"parameter_bytes": _tensor_bytes(model.parameters()), "gradient_bytes": grads,
