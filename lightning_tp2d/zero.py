@@ -15,8 +15,10 @@ tensors per parameter element, twice the weights. :class:`ShardedOptimizer` spli
   clipped by the global norm of the whole model (the strategies clip over :attr:`ShardedOptimizer.params`); at
   ``optimizer.step()`` (after its closure, if any) each slice's ``.grad`` becomes the matching slice of its
   parameter's averaged gradient (a view: no copy).
-* after every step the updated slices are all-gathered back into the full local parameters: one all-gather per
-  dtype and device, all posted before any is waited on; then every parameter's gradient is dropped, as
+* after every step the updated slices are all-gathered back into the full local parameters, in buckets per dtype
+  and device of at most ``bucket_mib`` gathered (:data:`BUCKET_MIB`; a larger parameter is a bucket alone), at
+  most :data:`_IN_FLIGHT` + 1 on the wire at once (each later one posted before the oldest is waited on and copied
+  into its parameters); then every parameter's gradient is dropped, as
   ``zero_grad()`` would (a wrapper's ``zero_grad``, Fabric's, reaches only the slices). ``zero_grad`` clears the
   parameters' gradients too.
 
@@ -35,13 +37,14 @@ for that moment each rank holds the replicated state, as at stage 0; the full fi
 What is not sharded: gradients (all-reduced in full, as before: ZeRO-2 would reduce-scatter them) and parameters
 (ZeRO-3). Traffic per step: besides the gradient all-reduce, one all-gather in which every rank sends its ~1/dp of
 the local parameters and receives the rest, ``(dp - 1)/dp`` of the local parameter bytes in (half of what a ring
-all-reduce of the gradients moves); its receive buffers are one transient copy of the local parameters. Build
+all-reduce of the gradients moves); its receive buffers are at most three buckets at a time. Build
 the sharding after the model is parallelized, cast and on its device: the slices are views of the parameters'
 storage (a step after the storage changed raises).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
@@ -50,11 +53,13 @@ from torch.distributed.tensor import DTensor
 from lightning_tp2d.comm import all_gather_blocks, axis_rank, axis_size
 from lightning_tp2d.layouts import DATA_AXIS
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "ZERO_STAGES", "clipped_parameters", "even_slices",
-           "full_param_groups", "optimizer_state_bytes", "shard_optimizer_state", "sharding_of"]
+__all__ = ["BUCKET_MIB", "ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "ZERO_STAGES", "clipped_parameters",
+           "even_slices", "full_param_groups", "optimizer_state_bytes", "shard_optimizer_state", "sharding_of"]
 
 ZERO_STAGES = (0, 1, 2, 3)  # 2 and 3: lightning_tp2d.fsdp (FSDP2 over data_parallel)
 _ATTRIBUTE = "tp2d_sharding"  # where a sharded optimizer keeps its ShardedOptimizer
+BUCKET_MIB = 64.0  # gathered bytes per all-gather after the step (ShardedOptimizer's bucket_mib)
+_IN_FLIGHT = 2  # all-gathers left on the wire while the next is posted: at most 3 blocks of receive buffers at once
 ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in (
     "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop"))
 
@@ -98,13 +103,19 @@ class _Piece:
             self.flat[rows * self.size:].copy_(blocks[rows, self.offset:self.offset + rest])
 
 
+def _scatter(pieces: list[_Piece], blocks: torch.Tensor, handle) -> None:
+    handle.wait()
+    for piece in pieces:
+        piece.scatter(blocks)
+
+
 class ShardedOptimizer:
     """ZeRO-1 of ``optimizer`` over the ``data_parallel`` axis of ``mesh`` (module docstring), applied in place and
     once (:func:`shard_optimizer_state`). :attr:`param_groups` keeps the full parameter lists (what checkpoints
     record), :attr:`params` every parameter and :attr:`shards` this replica's slice of each, in that order; state
     the optimizer already holds is cut to the slices. With ``dp = 1`` each slice is a whole parameter."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, mesh) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, mesh, bucket_mib: float = BUCKET_MIB) -> None:
         if getattr(optimizer, _ATTRIBUTE, None) is not None:
             raise ValueError("this optimizer's state is already sharded")
         if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
@@ -132,15 +143,21 @@ class ShardedOptimizer:
         groups = iter(self._pieces)
         for group, full in zip(optimizer.param_groups, self.param_groups):
             group["params"] = [next(groups).shard for _ in full]
-        # all-gather buckets: per dtype and device, in a fixed order; each piece at its offset in the block
-        buckets: dict[tuple[str, str], list[_Piece]] = {}
+        # all-gather buckets: per dtype and device, in a fixed order, each cut where its gathered bytes would pass
+        # the cap (a piece alone may pass it); each piece at its offset in its bucket's block
+        by_kind: dict[tuple[str, str], list[_Piece]] = {}
         for piece in self._pieces:
             if not piece.whole and piece.n:
-                buckets.setdefault((str(piece.flat.dtype), str(piece.flat.device)), []).append(piece)
-        self._buckets = [buckets[key] for key in sorted(buckets)]
-        for pieces in self._buckets:
-            offset = 0
-            for piece in pieces:
+                by_kind.setdefault((str(piece.flat.dtype), str(piece.flat.device)), []).append(piece)
+        cap = bucket_mib * 2 ** 20
+        self._buckets: list[list[_Piece]] = []
+        for key in sorted(by_kind):
+            offset = cap  # start a new bucket
+            for piece in by_kind[key]:
+                if offset and (offset + piece.size) * self.dp * piece.flat.element_size() > cap:
+                    self._buckets.append([])
+                    offset = 0
+                self._buckets[-1].append(piece)
                 piece.offset, offset = offset, offset + piece.size
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_step())]
@@ -180,17 +197,17 @@ class ShardedOptimizer:
     def after_step(self) -> None:
         """All-gather the freshly stepped slices into the parameters; drop every gradient."""
         if self.dp > 1:
-            posted = []
+            posted: collections.deque = collections.deque()
             for pieces in self._buckets:
                 first = pieces[0].flat
                 block = torch.empty(pieces[-1].offset + pieces[-1].size, dtype=first.dtype, device=first.device)
                 for piece in pieces:  # the padding of shorter slices is never read back
                     block[piece.offset:piece.offset + piece.stop - piece.start].copy_(piece.shard)
                 posted.append((pieces, *all_gather_blocks(block, self.mesh, DATA_AXIS)))
-            for pieces, blocks, handle in posted:
-                handle.wait()
-                for piece in pieces:
-                    piece.scatter(blocks)
+                if len(posted) > _IN_FLIGHT:  # the oldest lands while the newer ones are on the wire
+                    _scatter(*posted.popleft())
+            while posted:
+                _scatter(*posted.popleft())
         for piece in self._pieces:
             piece.shard.grad = piece.param.grad = None
 
@@ -258,11 +275,11 @@ class ShardedOptimizer:
         setattr(self.optimizer, _ATTRIBUTE, None)
 
 
-def shard_optimizer_state(optimizer: torch.optim.Optimizer, mesh) -> ShardedOptimizer:
-    """ZeRO-1: shard ``optimizer``'s state over ``mesh``'s ``data_parallel`` axis in place (module docstring); the
-    same optimizer when it already is."""
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, mesh, bucket_mib: float = BUCKET_MIB) -> ShardedOptimizer:
+    """ZeRO-1: shard ``optimizer``'s state over ``mesh``'s ``data_parallel`` axis in place (module docstring;
+    ``bucket_mib``: gathered MiB per all-gather after the step); the same optimizer when it already is."""
     existing = sharding_of(optimizer)
-    return existing if existing is not None else ShardedOptimizer(optimizer, mesh)
+    return existing if existing is not None else ShardedOptimizer(optimizer, mesh, bucket_mib)
 
 
 def sharding_of(optimizer) -> ShardedOptimizer | None:

@@ -79,8 +79,8 @@ def _uneven_worker(rank: int, world_size: int, steps: int) -> dict:
         torch.manual_seed(0)
         model = _Uneven()
         optimizer = _adamw(model, lr=3e-2)
-        if sharded:
-            shard_optimizer_state(optimizer, mesh)
+        if sharded:  # buckets of ~1000 gathered bytes: more buckets than are kept in flight
+            shard_optimizer_state(optimizer, mesh, bucket_mib=1000 / 2 ** 20)
         models.append(model)
         optimizers.append(optimizer)
         schedulers.append(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step)))
@@ -116,7 +116,7 @@ def _uneven_worker(rank: int, world_size: int, steps: int) -> dict:
            "lrs": [[g["lr"] for g in o.param_groups] for o in optimizers],
            "grads_left": sum(q.grad is not None for q in models[1].parameters()),
            "owned_once": counts.tolist() == [float(p.numel() if p.dim() else world_size) for p in sharding.params],
-           "state_equal": state_equal}
+           "state_equal": state_equal, "buckets": len(sharding._buckets)}
     sharding.remove()  # back to a plain optimizer holding the full state, which steps on as the replicated one
     out["removed"] = zero.param_groups[0]["params"][0] is models[1].big and sharding_of(zero) is None and all(
         torch.equal(zero.state[p][k], replicated.state[q][k])
@@ -145,6 +145,7 @@ def test_zero1_splits_uneven_parameters_evenly_and_steps_exactly_like_the_replic
         assert share <= 0.27 * full, out["bytes"]  # ideal 1/4: ceil slices and step counts add a little
         assert out["grads_left"] == 0  # the step drops the parameters' gradients, as zero_grad would
         assert out["owned_once"] and out["state_equal"], out
+        assert out["buckets"] == 3  # 4097 and 403 elements each alone (over the cap), 31 and 3 together
         assert out["removed"] and out["resharded"], out
         assert "storage changed after its optimizer state was sharded" in out["moved"], out
     assert len({tuple(out["norms"]) for out in outs}) == 1
@@ -187,8 +188,8 @@ def _zero_worker(rank: int, world_size: int, layout: str, p: int, directory: str
         torch.manual_seed(0)
         model = tp.parallelize(GPT2(cfg), mesh, layout)
         optimizer = _adamw(model)
-        if sharded:
-            shard_optimizer_state(optimizer, mesh)
+        if sharded:  # buckets of ~1000 gathered bytes: more buckets than are kept in flight
+            shard_optimizer_state(optimizer, mesh, bucket_mib=1000 / 2 ** 20)
         models.append(model)
         optimizers.append(optimizer)
     syncs = [GradientSync(m, mesh) for m in models]

@@ -15,7 +15,7 @@ The step is ``loss = model(idx, targets); loss.backward()`` on one data-parallel
 also runs what the strategies run over ``data_parallel`` at ``zero_stage``: stage 0 averages the gradients with
 :class:`~lightning_tp2d.training.GradientSync` (buckets all-reduced while the backward runs, waited for after it);
 stage 1 does too, and after the step all-gathers the optimizer's updated slices
-(:meth:`~lightning_tp2d.zero.ShardedOptimizer.after_step`: one all-gather per dtype, posted together, behind no
+(:meth:`~lightning_tp2d.zero.ShardedOptimizer.after_step`: bucketed all-gathers, up to three in flight, behind no
 compute; the optimizer's arithmetic is not counted); stages 2 and 3 shard the model with :func:`lightning_tp2d.fsdp.shard_data_parallel` (bf16 autocast, ``elem`` 2,
 with :func:`~lightning_tp2d.fsdp.mixed_precision_policy` ``"bf16-mixed"``), whose all-gathers and reduce-scatters
 :mod:`lightning_tp2d.comm_record` sees in ``torch.distributed``. ``clip``: the gradients are then clipped by their
