@@ -100,9 +100,27 @@ class _Saved:
         self.recipe = recipe
 
 
+_KEPT_OBSERVERS: list[Callable[[torch.Tensor], object]] = []
+
+
+@contextlib.contextmanager
+def observing_kept(fn: Callable[[torch.Tensor], object]) -> Iterator[None]:
+    """Inside the block, ``fn(t)`` is called on every tensor that :func:`saving_recipes` keeps as it is (one with no
+    recipe): what a tracer counts as saved under selective checkpointing."""
+    _KEPT_OBSERVERS.append(fn)
+    try:
+        yield
+    finally:
+        _KEPT_OBSERVERS.remove(fn)
+
+
 def _pack(t: torch.Tensor):
     recipe = recipe_for(t)
-    return t if recipe is None else _Saved(recipe)
+    if recipe is not None:
+        return _Saved(recipe)
+    for fn in _KEPT_OBSERVERS:
+        fn(t)
+    return t
 
 
 def _unpack(saved) -> torch.Tensor:

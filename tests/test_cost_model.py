@@ -661,3 +661,45 @@ def test_fair_configurations_price_every_tensor_x_data_split_of_each_family():
     assert f["speedup"] == pytest.approx(f["best_tp1d"]["total_s"] / f["best_2d"]["total_s"])
     with pytest.raises(ValueError, match="no 2-D configuration"):
         cm.fair_configurations(cfg, 1, 48, 4)
+
+
+def _three_checkpointed_blocks_two_ways(layout: str, p: int, batch: int, seq: int, rank: int, checkpointing: str):
+    """(extrapolated from 1 and 2 blocks, traced with 3) steps of a checkpointed three-block gpt2-tiny on one
+    replica; in a forked process."""
+    from lightning_tp2d.bench import trace
+    from lightning_tp2d.layouts import get_layout
+
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY, n_layer=3)
+    spec, data = get_layout(layout), trace._DataParallel()
+    return (trace._trace_rank(spec, cfg, batch, seq, p, 4, data, rank, checkpointing),
+            trace._run_here(spec, cfg, batch, seq, p, 4, data, rank, checkpointing))
+
+
+def test_checkpointed_steps_extrapolate_from_one_and_two_blocks_exactly():
+    """Under full and selective checkpointing every block adds the same calls, FLOPs and kept bytes (the
+    recomputation included): the two-trace rule gives the step traced with all three blocks."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+        for ck in ("full", "selective"):
+            extrapolated, traced = pool.submit(_three_checkpointed_blocks_two_ways, "metp", 2, 2, 24, 1, ck).result()
+            assert Counter(extrapolated.events) == Counter(traced.events), ck
+            assert extrapolated.flops == traced.flops and extrapolated.gemms == traced.gemms, ck
+            assert extrapolated.activation_bytes == traced.activation_bytes, ck
+
+
+def test_full_checkpointing_keeps_the_roots_saved_bytes_and_each_blocks_input():
+    """Traced activation bytes: full < selective < none; full is the root's share of the uncheckpointed trace (one
+    block's trace less one block) plus every block's input, and the backward recomputes each block's forward."""
+    from lightning_tp2d.bench.memory_model import shard_bytes
+    from lightning_tp2d.bench.trace import trace_step
+
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)  # two blocks
+    one = trace_step("metp", dataclasses.replace(cfg, n_layer=1), 2, 24, 2, 4, 1)
+    none, selective, full = (trace_step("metp", cfg, 2, 24, 2, 4, 1, checkpointing=ck)
+                             for ck in ("none", "selective", "full"))
+    two = none
+    assert full.activation_bytes < selective.activation_bytes < none.activation_bytes
+    root = one.activation_bytes - (two.activation_bytes - one.activation_bytes)
+    block_input = shard_bytes("metp", cfg, 2, 24, 2)[1].block_input
+    assert full.activation_bytes == pytest.approx(root + cfg.n_layer * block_input, rel=0.01)
+    assert full.gemms["backward"] - none.gemms["backward"] == 2 * (two.gemms["forward"] - one.gemms["forward"])
+    assert full.flops["backward"]["matmul"] > none.flops["backward"]["matmul"] == selective.flops["backward"]["matmul"]

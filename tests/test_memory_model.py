@@ -3,7 +3,8 @@ ranks: every case's predicted peak per rank within 10% of the largest rank's mea
 
 The grid, on one group of 4 ranks: GPT-2 and Llama (width 192, 2 blocks, vocabulary 512), METP ring 2 x dp 2 at
 ZeRO stages 0 and 3 and the 2x2 grid ("2d", p 4, dp 1) at stage 0, each with activation checkpointing none and
-full. The measured step is ``recipes/benchmarks/zero_stages.py``'s (a warm-up step first, then zero_grad, forward,
+full, and selective on the ring at stage 0 and the grid. The measured step is
+``recipes/benchmarks/zero_stages.py``'s (a warm-up step first, then zero_grad, forward,
 backward, data-parallel averaging, clipping, AdamW's step): resident bytes plus the peak of
 :class:`~lightning_tp2d.bench.measure.LiveTensorBytes` with ``count_resizes``.
 """
@@ -31,6 +32,7 @@ MODELS = {
 # (model, layout, p, zero stage, checkpointing); dp = WORLD // p
 CASES = [(name, layout, p, stage, ck) for name in MODELS for layout, p, stages in (("metp", 2, (0, 3)), ("2d", 4, (0,)))
          for stage in stages for ck in ("none", "full")]
+CASES += [(name, layout, p, 0, "selective") for name in MODELS for layout, p in (("metp", 2), ("2d", 4))]
 
 
 def _measure_cases(rank: int, world_size: int, cases) -> list[int]:
@@ -100,6 +102,11 @@ def test_parts_follow_the_zero_stage():
     assert s0["gathered"] == 0 < s3["gathered"]
 
 
-def test_selective_checkpointing_is_refused_until_modelled():
-    with pytest.raises(ValueError, match="selective"):
-        peak_bytes("metp", MODELS["gpt2"][1], BATCH, SEQ, 2, checkpointing="selective")
+def test_checkpointing_modes_order_the_traced_activations_and_unknown_modes_are_refused():
+    """Selective keeps less than none and more than full; full alone pays a block's recomputation."""
+    cfg = MODELS["gpt2"][1]
+    parts = {ck: peak_bytes("metp", cfg, BATCH, SEQ, 2, checkpointing=ck) for ck in ("none", "selective", "full")}
+    assert parts["none"]["activations"] > parts["selective"]["activations"] > parts["full"]["activations"] > 0
+    assert parts["full"]["backward"] > parts["selective"]["backward"] == parts["none"]["backward"]
+    with pytest.raises(ValueError, match="checkpointing='some'"):
+        peak_bytes("metp", cfg, BATCH, SEQ, 2, checkpointing="some")

@@ -13,15 +13,15 @@ Where the numbers come from, per rank (``e`` = ``elem``):
 * shapes: the model is built and parallelized on torch's fake process group with fake tensors (as
   :mod:`lightning_tp2d.bench.trace` does, in a forked process) and, at stages 2 and 3, sharded with
   :func:`lightning_tp2d.fsdp.shard_data_parallel`: ``parameters`` are the local at-rest bytes; the tensor-shard
-  bytes of each FSDP group (one per block, one for the root) are what FSDP gathers; the bytes of a block's input are
-  what full checkpointing keeps per block (read by a forward hook in the same fake forward);
+  bytes of each FSDP group (one per block, one for the root) are what FSDP gathers; the bytes of a block's input
+  (read by a forward hook in the same fake forward) are what full checkpointing keeps per block;
 * ``gradients``: equal to the parameters (float32, like them); at stages 2 and 3 the dp shards;
 * ``optimizer``: AdamW's two float32 moments per element held: ``2 x parameters``; stage 1 keeps ``1 / dp`` of
   them (:func:`lightning_tp2d.zero.shard_optimizer_state`: an even split of the flat state);
-* ``activations``: ``checkpointing="none"``: traced (:func:`lightning_tp2d.bench.trace.trace_step`'s
-  ``activation_bytes``, the storages autograd saves). ``"full"``: the trace of the root (the one-block trace
-  minus one block) plus every block's input, plus one block's traced saved tensors during its recomputation in the
-  backward (the ``backward`` term). ``"selective"`` is not traced yet: ``ValueError``;
+* ``activations``: traced with the same ``checkpointing`` (:func:`lightning_tp2d.bench.trace.trace_step`'s
+  ``activation_bytes``, the storages the checkpointed forward keeps for the backward). ``"full"`` adds one block's
+  saved tensors during its recomputation in the backward (the ``backward`` term: the difference of the
+  uncheckpointed two- and one-block traces); ``"selective"``'s recipes are rebuilt one at a time and add nothing;
 * ``gathered`` (stages 2, 3, ``dp > 1``): stage 2 holds every block's and the root's tensor shard from the forward
   to the backward; stage 3 the root's and two blocks' (the one computing and the one prefetched);
 * ``backward``: the transient peak beyond the held bytes, at the start of the backward of the last block: the
@@ -52,8 +52,6 @@ from lightning_tp2d.mesh import init_mesh
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, parallelize
 
 __all__ = ["Shards", "peak_bytes", "shard_bytes"]
-
-MODELLED_CHECKPOINTING = ("none", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,9 +150,6 @@ def peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_s
     docstring). ``batch`` is per replica."""
     if checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}")
-    if checkpointing not in MODELLED_CHECKPOINTING:
-        raise ValueError(f"checkpointing={checkpointing!r} is not modelled yet: choose one of "
-                         f"{MODELLED_CHECKPOINTING}")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3")
     shards = shard_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, elem=elem)
@@ -168,14 +163,13 @@ def _parts(layout, cfg, batch, seq, p, dp, stage, checkpointing, elem, rank, s: 
     params = s.at_rest
     grads = params  # float32 gradients of what this rank holds (dp shards at stages 2 and 3)
     optimizer = 2 * params // (dp if stage == 1 else 1)
-    traced = trace_step(layout, cfg, batch, seq, p, elem, rank)
-    one = trace_step(layout, dataclasses.replace(cfg, n_layer=1), batch, seq, p, elem, rank)
-    block_act = (traced.activation_bytes - one.activation_bytes) // max(1, cfg.n_layer - 1) if cfg.n_layer > 1 \
-        else one.activation_bytes  # n_layer 1: the whole step's, an overestimate of one block's
-    if checkpointing == "none":
-        activations, recompute = traced.activation_bytes, 0
-    else:
-        activations, recompute = one.activation_bytes - block_act + cfg.n_layer * s.block_input, block_act
+    activations = trace_step(layout, cfg, batch, seq, p, elem, rank, checkpointing=checkpointing).activation_bytes
+    recompute = 0
+    if checkpointing == "full":  # one block's saved tensors, recomputed: what the uncheckpointed trace saves per block
+        plain = trace_step(layout, cfg, batch, seq, p, elem, rank)
+        one = trace_step(layout, dataclasses.replace(cfg, n_layer=1), batch, seq, p, elem, rank)
+        recompute = (plain.activation_bytes - one.activation_bytes) // max(1, cfg.n_layer - 1) if cfg.n_layer > 1 \
+            else one.activation_bytes  # n_layer 1: the whole step's, an overestimate of one block's
     gathered = 0
     if sharded:
         gathered = s.root + (sum(s.blocks) if stage == 2 else sum(sorted(s.blocks)[-2:]))

@@ -64,13 +64,13 @@ from torch.distributed.tensor.debug import _clear_python_sharding_prop_cache  # 
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from lightning_tp2d import comm_record, fsdp, training, zero
+from lightning_tp2d import comm_record, fsdp, recompute, training, zero
 from lightning_tp2d.bench.events import Comm
 from lightning_tp2d.bench.measure import tensors_in
 from lightning_tp2d.families import family_of, family_of_config
 from lightning_tp2d.layouts import DATA_AXIS, Layout, get_layout
 from lightning_tp2d.mesh import init_mesh
-from lightning_tp2d.parallelize import parallelize
+from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 
 _MATMUL_FLOPS = {packet.__name__: formula for packet, formula in flop_registry.items()
                  if packet.__name__ in ("mm", "addmm", "bmm", "baddbmm")}
@@ -115,6 +115,13 @@ class _Recorder(TorchDispatchMode):
         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
             self._saved.add(_storage(t)[0])
         return t
+
+    def keep(self, args) -> None:
+        """Forward pre-hook of a fully checkpointed block: the checkpoint holds the block's inputs for its
+        recomputation (outside any saved-tensor hook)."""
+        for t in tensors_in(args):
+            if isinstance(t, torch.Tensor):
+                self.save(t.to_local() if isinstance(t, DTensor) else t)
 
     def saved_bytes(self) -> int:
         """Bytes of the storages the forward created and autograd saved for the backward."""
@@ -277,17 +284,22 @@ _ALL_RANKS_UP_TO = 9  # trace every rank of groups this small at once (tests and
 
 
 def trace_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: int = 4, rank: int = 0, *,
-               dp: int = 1, zero_stage: int = 0, clip: bool = False) -> TracedStep:
+               dp: int = 1, zero_stage: int = 0, clip: bool = False, checkpointing: str = "none") -> TracedStep:
     """The traced step of tensor-parallel rank ``rank`` of the first replica (``n_layer`` blocks, by the two-trace
     rule of the module docstring), ``cfg`` a config of a registered model family (GPT-2, Llama). ``elem``: 4
     float32, 2 bf16 autocast (float32 parameters), 8 float64. ``dp`` replicas at ZeRO ``zero_stage`` (0 to 3)
     and ``clip``: what the step runs over ``data_parallel`` (module docstring); the defaults trace one replica's
-    forward and backward. Cached."""
-    return trace_steps(layout, cfg, batch, seq, p, elem, [rank], dp=dp, zero_stage=zero_stage, clip=clip)[rank]
+    forward and backward. ``checkpointing``: the model's blocks under
+    :func:`~lightning_tp2d.parallelize.checkpoint_activations` in that mode, as the strategies apply it; then
+    ``activation_bytes`` are what the checkpointed forward keeps (``"full"``: each block's input, held by the
+    checkpoint, and the root's saved tensors; ``"selective"``: what is saved as a tensor, not as a recipe), and the
+    backward's FLOPs, GEMMs and calls include the recomputation. Cached."""
+    return trace_steps(layout, cfg, batch, seq, p, elem, [rank], dp=dp, zero_stage=zero_stage, clip=clip,
+                       checkpointing=checkpointing)[rank]
 
 
 def trace_steps(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: int, ranks, *, dp: int = 1,
-                zero_stage: int = 0, clip: bool = False) -> dict[int, TracedStep]:
+                zero_stage: int = 0, clip: bool = False, checkpointing: str = "none") -> dict[int, TracedStep]:
     """:func:`trace_step` for several ranks; the ones not cached yet are traced together in one child process
     (every rank when ``p`` is small)."""
     spec = get_layout(layout)
@@ -295,16 +307,19 @@ def trace_steps(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: i
         raise ValueError(f"elem must be 2 (bf16 autocast), 4 (float32) or 8 (float64), got {elem}")
     if family_of_config(cfg) is None:
         raise ValueError(f"cfg must be the config of a registered model family, got {type(cfg).__name__}")
+    if checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"checkpointing={checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}")
     data = _DataParallel(dp, zero_stage, bool(clip))
     ranks = list(ranks)
     for rank in ranks:
         if not 0 <= rank < p:
             raise ValueError(f"rank {rank} is not in [0, {p})")
-    base = (type(spec), spec.options, _config_key(cfg), batch, seq, p, elem, data)
+    base = (type(spec), spec.options, _config_key(cfg), batch, seq, p, elem, data, checkpointing)
     wanted = set(ranks) | (set(range(p)) if p <= _ALL_RANKS_UP_TO else set())
     missing = sorted(r for r in wanted if base + (r,) not in _CACHE)
     if missing:
-        for rank, step in _run(spec, _traceable(spec, cfg, p), batch, seq, p, elem, data, missing).items():
+        traced = _run(spec, _traceable(spec, cfg, p), batch, seq, p, elem, data, missing, checkpointing)
+        for rank, step in traced.items():
             _CACHE[base + (rank,)] = step
     return {rank: _CACHE[base + (rank,)] for rank in ranks}
 
@@ -319,11 +334,11 @@ def _traceable(spec: Layout, cfg, p: int):
 
 
 def _trace_rank(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel,
-                rank: int) -> TracedStep:
+                rank: int, checkpointing: str = "none") -> TracedStep:
     if cfg.n_layer == 1 or not data.repeats_per_block:
-        return _run_here(spec, cfg, batch, seq, p, elem, data, rank)
-    one = _run_here(spec, dataclasses.replace(cfg, n_layer=1), batch, seq, p, elem, data, rank)
-    two = _run_here(spec, dataclasses.replace(cfg, n_layer=2), batch, seq, p, elem, data, rank)
+        return _run_here(spec, cfg, batch, seq, p, elem, data, rank, checkpointing)
+    one = _run_here(spec, dataclasses.replace(cfg, n_layer=1), batch, seq, p, elem, data, rank, checkpointing)
+    two = _run_here(spec, dataclasses.replace(cfg, n_layer=2), batch, seq, p, elem, data, rank, checkpointing)
     return _extrapolate(one, two, cfg.n_layer)
 
 
@@ -389,8 +404,8 @@ class _Worker:
 _WORKERS: list[_Worker] = []  # at most one: this process's tracing worker
 
 
-def _run(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel,
-         ranks) -> dict[int, TracedStep]:
+def _run(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel, ranks,
+         checkpointing: str) -> dict[int, TracedStep]:
     """Trace ``ranks`` in this process's tracing worker (:class:`_Worker`)."""
     if dist.is_initialized():
         raise RuntimeError("the schedule tracer runs the layers on its own fake process group; call the cost model "
@@ -398,7 +413,7 @@ def _run(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _Data
     if not (_WORKERS and _WORKERS[0].usable()):
         _WORKERS[:] = [_Worker()]
     try:
-        return _WORKERS[0].trace(spec, cfg, batch, seq, p, elem, data, list(ranks))
+        return _WORKERS[0].trace(spec, cfg, batch, seq, p, elem, data, list(ranks), checkpointing)
     except RuntimeError as err:
         raise RuntimeError(f"tracing layout {spec.name!r} on ranks {list(ranks)} of {p} failed: {err}") from None
 
@@ -406,25 +421,31 @@ def _run(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _Data
 def _serve(conn) -> None:
     while True:
         try:
-            spec, cfg, batch, seq, p, elem, data, ranks = conn.recv()
+            spec, cfg, batch, seq, p, elem, data, ranks, checkpointing = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            conn.send(("ok", {rank: _trace_rank(spec, cfg, batch, seq, p, elem, data, rank) for rank in ranks}))
+            conn.send(("ok", {rank: _trace_rank(spec, cfg, batch, seq, p, elem, data, rank, checkpointing)
+                              for rank in ranks}))
         except BaseException as err:  # noqa: BLE001 - reported by the caller
             if dist.is_initialized():
                 dist.destroy_process_group()
             conn.send(("error", f"{type(err).__name__}: {err}"))
 
 
-def _build(spec: Layout, cfg, mesh, elem: int, data: _DataParallel, recorder: _Recorder):
-    """The model of ``cfg`` parallelized on ``mesh`` (``data.dp x p``), sharded over ``data_parallel`` as ``data``
-    says, with the recorder's tensor hooks on its FSDP blocks; and what runs after the backward."""
+def _build(spec: Layout, cfg, mesh, elem: int, data: _DataParallel, recorder: _Recorder, checkpointing: str):
+    """The model of ``cfg`` parallelized on ``mesh`` (``data.dp x p``), its activations checkpointed in mode
+    ``checkpointing``, sharded over ``data_parallel`` as ``data`` says, with the recorder's hooks on its blocks;
+    and what runs after the backward."""
     model = family_of_config(cfg).model_class(cfg)
     if elem == 8:
         model = model.double()
     parallelize(model, mesh, spec)
     model.validate_inputs = False  # fake ids cannot be read
+    checkpoint_activations(model, checkpointing)
+    if checkpointing == "full":
+        for block in family_of(model).block_modules(model):
+            block.register_forward_pre_hook(lambda m, args: recorder.keep(args))
     if data.sharded:
         policy = fsdp.mixed_precision_policy("bf16-mixed" if elem == 2 else "32-true")
         fsdp.shard_data_parallel(model, data.stage, mp_policy=policy)
@@ -463,7 +484,7 @@ def _hook_outputs(out, hook) -> None:
 
 
 def _run_here(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel,
-              rank: int) -> TracedStep:
+              rank: int, checkpointing: str = "none") -> TracedStep:
     from torch._subclasses.fake_tensor import FakeTensorMode  # private: see lightning_tp2d._private_api
     from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the fake backend's store
 
@@ -474,11 +495,12 @@ def _run_here(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: 
     try:
         mesh = init_mesh(spec, p, data.dp, device_type="cpu")
         with FakeTensorMode(allow_non_fake_inputs=True):
-            model, after_backward = _build(spec, cfg, mesh, elem, data, recorder)
+            model, after_backward = _build(spec, cfg, mesh, elem, data, recorder, checkpointing)
             idx = torch.zeros(batch, seq, dtype=torch.long)
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=elem == 2)
+            recipes = recompute.observing_kept(recorder.save)  # selective checkpointing's hooks replace ours
             with comm_record.recording(recorder), recorder:
-                with autocast, torch.autograd.graph.saved_tensors_hooks(recorder.save, lambda t: t):
+                with autocast, recipes, torch.autograd.graph.saved_tensors_hooks(recorder.save, lambda t: t):
                     loss = model(idx, idx)
                 activation = recorder.saved_bytes()
                 recorder.phase = "backward"
