@@ -28,7 +28,7 @@ __all__ = [
     "full_state_dict", "gpt2_state_dict", "init_mesh", "load_gpt2", "load_hf_weights", "local_parameter_bytes",
     "parallelize", "read_state_dict", "Layout", "Grid2D", "Ring", "GridRing", "get_layout", "register_layout",
     "RingOptions", "TPOptions", "checkpoint_activations", "Llama", "LlamaConfig", "ModelFamily", "register_family",
-    "family_of", "load_llama", "llama_state_dict", "load_model", "load_hf_model", "HFFormat",
+    "family_of", "load_llama", "llama_state_dict", "load_model", "load_hf_model", "HFFormat", "plan", "PlanRow",
 ]
 
 # public name -> the module that defines it (imported on first access)
@@ -48,6 +48,7 @@ _EXPORTS = {
     "register_layout": "layouts",
     "RingOptions": "options", "TPOptions": "options",
     "ModelFamily": "families", "register_family": "families", "family_of": "families",
+    "plan": "bench.planner", "PlanRow": "bench.planner",
 }
 # names that are also submodules: importing ``lightning_tp2d.parallelize`` must not rebind ``tp.parallelize``
 _SHADOWED = {name for name, module in _EXPORTS.items() if name == module}

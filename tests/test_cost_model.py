@@ -36,6 +36,8 @@ from lightning_tp2d import comm, fsdp
 from lightning_tp2d.bench import cost_model as cm
 from lightning_tp2d.bench.events import Comm, totals
 from lightning_tp2d.bench.measure import LiveTensorBytes
+from lightning_tp2d.bench.memory_model import baseline_activation_bytes
+from lightning_tp2d.families import family_of_config
 from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
 from lightning_tp2d.training import GradientSync, clip_grad_norm_
 from lightning_tp2d.zero import shard_optimizer_state
@@ -56,6 +58,8 @@ CASES_4 = [
     ("tp1d", "tp1d", 4, TINY, 2, 24, "float32"),  # activation bytes only (its comm is tested with tp1d.py)
     ("tp1d-sp", "tp1d-sp", 4, TINY, 2, 24, "float32"),  # likewise
     ("tp1d-sp-bf16", "tp1d-sp", 4, TINY, 2, 24, "bfloat16"),
+    # the planner's baseline memory (memory_model.baseline_activation_bytes) for Llama: torchtitan's plan
+    ("tp1d-sp-llama", "tp1d-sp", 4, {"family": "llama", "n_kv_head": 4}, 2, 24, "float32"),
 ]
 TP1D = ("tp1d", "tp1d-sp")
 CASES_9 = [
@@ -92,10 +96,17 @@ def _nonzero(snapshot: dict) -> dict:
     return {k: v for k, v in snapshot.items() if v["calls"]}
 
 
+def _config(overrides: dict):
+    """A case's config: gpt2-tiny with the overrides, or another family's tiny size (``"family"`` key)."""
+    overrides = dict(overrides)
+    family = overrides.pop("family", None)
+    return GPT2Config.from_name("gpt2-tiny", **overrides) if family is None else FAMILIES[family][1](**overrides)
+
+
 def _one_step(layout: str, p: int, world_size: int, overrides: dict, batch: int, seq: int, dtype: str) -> dict:
     torch.manual_seed(0)
-    cfg = GPT2Config.from_name("gpt2-tiny", **overrides)
-    model = GPT2(cfg)
+    cfg = _config(overrides)
+    model = family_of_config(cfg).model_class(cfg)
     if layout in TP1D:
         from lightning_tp2d.bench.tp1d import init_tp1d_mesh, parallelize_1d
 
@@ -204,10 +215,13 @@ def _check_data_parallel(results, case) -> None:
 
 def _check_activation(results, case, tol: float = 0.01) -> None:
     name, layout, p, overrides, batch, seq, dtype = case
-    cfg = GPT2Config.from_name("gpt2-tiny", **overrides)
+    cfg = _config(overrides)
     for out in results:
         r = out[name]
-        model = cm.activation_bytes(layout, cfg, batch, seq, p, ELEM[dtype], rank=r["rank"])
+        if "family" in overrides:  # the planner's count of the baseline, any family
+            model = baseline_activation_bytes(cfg, batch, seq, p, elem=ELEM[dtype], ep=4, composite=True)["total"]
+        else:
+            model = cm.activation_bytes(layout, cfg, batch, seq, p, ELEM[dtype], rank=r["rank"])
         assert abs(r["activation"] - model) <= tol * model, (name, r["rank"], r["activation"], model)
 
 

@@ -47,6 +47,7 @@ lie on more than one node of ``gpus_per_node`` uses the inter-node link.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 from lightning_tp2d.bench.events import Comm, float32_bytes
@@ -57,6 +58,7 @@ from lightning_tp2d.bench.tp1d_sp import block_linears, check_sequence_parallel,
 from lightning_tp2d.bench.trace import trace_step, trace_steps
 from lightning_tp2d.layouts import Grid2D, Layout, get_layout, layout_names
 from lightning_tp2d.models.gpt2 import GPT2Config
+from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING
 
 GRID_2D = Grid2D.name  # the layout the projection compares with 1-D tensor parallelism
 # not layouts of this package: the plain model and torch's 1-D tensor parallelism, without and with sequence parallelism
@@ -68,7 +70,7 @@ def _layouts() -> tuple[str, ...]:
     return BASELINES + layout_names()
 
 
-__all__ = ["Link", "Hardware", "H100_NVLINK4_NDR", "A100_NVLINK3_HDR", "comm_events", "flops",
+__all__ = ["Link", "Hardware", "H100_NVLINK4_NDR", "H200_NVLINK4_NDR", "H100_GRAND_TETON", "A100_NVLINK3_HDR", "comm_events", "flops",
            "activation_bytes", "collective_time", "step_time", "projected_speedup", "metp_overlap_threshold"]
 
 
@@ -112,6 +114,25 @@ def _traced(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: in
     return trace_step(layout, cfg, batch, seq, p, elem, rank, **data)
 
 
+def _check_checkpointing(checkpointing: str) -> None:
+    if checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"checkpointing={checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}")
+
+
+def recomputed_linears(cfg, checkpointing: str) -> tuple[int, ...]:
+    """Indices into a block's linears (:func:`~lightning_tp2d.bench.tp1d_sp.block_linears`, flattened, in forward
+    order) whose forward product a baseline block runs again in its backward: ``"full"`` all of them; ``"selective"``
+    every second one (torchtitan's per-op selective checkpointing saves the outputs of matmuls 1, 3, 5, ... of each
+    block, of its attention kernel and of its reduce-scatters, and recomputes the rest); ``"none"`` none."""
+    _check_checkpointing(checkpointing)
+    n = sum(len(group) for group in block_linears(cfg))
+    if checkpointing == "full":
+        return tuple(range(n))
+    if checkpointing == "selective":
+        return tuple(range(1, n, 2))
+    return ()
+
+
 def _ranks_to_price(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, **data) -> list[int]:
     """:func:`_representative_ranks`, traced in one request for a layout (later per-rank calls hit the cache)."""
     ranks = _representative_ranks(layout, p)
@@ -122,7 +143,7 @@ def _ranks_to_price(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, 
 
 def _timed_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
                   rank: int, async_tp: bool = False, lean_wire: bool = False, *, dp: int = 1, zero_stage: int = 0,
-                  clip: bool = False) -> list[tuple[Comm, float, float, tuple[int, ...]]]:
+                  clip: bool = False, checkpointing: str = "none") -> list[tuple[Comm, float, float, tuple[int, ...]]]:
     """``(event, overlapped matmul FLOPs, overlapped attention FLOPs, the group's global ranks)`` per call kind.
     ``async_tp`` (``"tp1d-sp"`` only): the events carry the FLOPs of the matmul async TP would fuse them with.
     ``dp``, ``zero_stage``, ``clip``: the data-parallel part of the traced step (the package's layouts only)."""
@@ -132,18 +153,41 @@ def _timed_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, el
     if layout in BASELINES and (dp, zero_stage, clip) != (1, 0, False):
         raise ValueError(f"dp, zero_stage and clip are traced for the package's layouts, not for {layout!r} "
                          f"(got dp={dp}, zero_stage={zero_stage}, clip={clip})")
+    _check_checkpointing(checkpointing)
+    if layout in BASELINES and checkpointing != "none" and layout != "tp1d-sp" and p > 1:
+        raise ValueError(f"checkpointing is priced for the 'tp1d-sp' and 'single' baselines, not {layout!r}")
     if layout == "tp1d":  # before the p == 1 shortcut: loss_parallel all-reduces even over one rank
         return [(ev, 0.0, 0.0, tuple(range(p))) for ev in tp1d_comm_events(cfg, batch, seq, p, elem)]
     if layout == "tp1d-sp":
-        return [(ev, ev.overlap_flops, 0.0, tuple(range(p)))
-                for ev in tp1d_sp_comm_events(cfg, batch, seq, p, elem, async_tp=async_tp, lean_wire=lean_wire)]
+        kw = dict(batch=batch, seq=seq, p=p, elem=elem, async_tp=async_tp, lean_wire=lean_wire)
+        events = tp1d_sp_comm_events(cfg, **kw)
+        events += _recomputed_sp_events(cfg, events, checkpointing, **kw)
+        return [(ev, ev.overlap_flops, 0.0, tuple(range(p))) for ev in events]
     if layout == "single" or (p == 1 and dp == 1):
         return []
-    return list(_traced(layout, cfg, batch, seq, p, elem, rank, dp=dp, zero_stage=zero_stage, clip=clip).events)
+    return list(_traced(layout, cfg, batch, seq, p, elem, rank, dp=dp, zero_stage=zero_stage, clip=clip,
+                        checkpointing=checkpointing).events)
+
+
+def _recomputed_sp_events(cfg, events: list[Comm], checkpointing: str, **kw) -> list[Comm]:
+    """The sequence-parallel baseline's collectives its checkpointed blocks run again in the backward: ``"full"``
+    every block's forward all-gathers and reduce-scatters; ``"selective"`` (torchtitan's per-op policy, which saves
+    reduce-scatter outputs) the two all-gathers of each block. Phase ``"backward"``. A block's calls are those one
+    more block adds."""
+    if checkpointing == "none":
+        return []
+    deeper = tp1d_sp_comm_events(dataclasses.replace(cfg, n_layer=cfg.n_layer + 1), **kw)
+    again = []
+    for ev, more in zip(events, deeper):
+        per_block = ev.phase == "forward" and more.calls > ev.calls and ev.kind in ("all_gather", "reduce_scatter")
+        if per_block and (checkpointing == "full" or ev.kind == "all_gather"):
+            again.append(dataclasses.replace(ev, phase="backward"))
+    return again
 
 
 def comm_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int = 4,
-                rank: int = 0, *, dp: int = 1, zero_stage: int = 0, clip: bool = False) -> list[Comm]:
+                rank: int = 0, *, dp: int = 1, zero_stage: int = 0, clip: bool = False,
+                checkpointing: str = "none") -> list[Comm]:
     """The communication of one training step on tensor-parallel rank ``rank``, traced from the layers (module
     docstring); ``totals()`` of it is what :func:`lightning_tp2d.comm.count_comm` counts on that rank (on every
     replica's rank ``rank``, when ``dp > 1``: ``dp`` replicas at ZeRO ``zero_stage`` 0 to 3; ``clip``: the
@@ -156,7 +200,8 @@ def comm_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem
     bytes, overlap and phase). Only the shapes that decide byte counts are validated (hidden size, batch or
     sequence divisibility); head-count divisibility is not checked.
     """
-    timed = _timed_events(layout, cfg, batch, seq, p, elem, rank, dp=dp, zero_stage=zero_stage, clip=clip)
+    timed = _timed_events(layout, cfg, batch, seq, p, elem, rank, dp=dp, zero_stage=zero_stage, clip=clip,
+                          checkpointing=checkpointing)
     if layout in TP1D:
         return [ev for ev, _, _, _ in timed]
     merged: dict[Comm, int] = {}
@@ -169,7 +214,8 @@ def comm_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem
 # ---- FLOPs ----------------------------------------------------------------------------------------------------
 
 
-def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int) -> dict:
+def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, checkpointing: str = "none",
+          elem: int = 4) -> dict:
     """FLOPs one rank computes in one training step: ``{"forward", "backward", "total", "matmul", "attention"}``
     (``matmul + attention == total``). Matmuls ``2 m k n``; attention ``4 d`` per visible score forward and ``10 d``
     backward (flash kernels recompute the scores). Elementwise work is not counted.
@@ -186,12 +232,18 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int) -> dict:
     ``gemms``: matrix-product kernels launched (traced: every ``mm``/``addmm``/``bmm``; a SUMMA product is ``q`` panel
     products forward and ``2q`` backward; the baselines ``12 L + 3``, Llama ``21 L + 3``), each charged the hardware's
     GEMM overhead.
+
+    ``checkpointing``: the backward also runs what the checkpointed blocks recompute; traced for the package's
+    layouts (as :func:`~lightning_tp2d.parallelize.checkpoint_activations` applies it), for the baselines
+    :func:`recomputed_linears` (and ``"full"`` the block's attention forward again). ``elem``: the element size of
+    the trace to read them from (FLOPs do not depend on it; the one :func:`step_time` traces anyway is reused).
     """
     _check(layout, cfg, batch, seq, p)
+    _check_checkpointing(checkpointing)
     h, V, L, T, B = cfg.n_embd, cfg.vocab_size, cfg.n_layer, seq, batch
     if layout not in BASELINES:
         # what the layers compute, traced (any rank: every rank of a layout computes the same)
-        traced = _traced(layout, cfg, batch, seq, p, 4, 0)
+        traced = _traced(layout, cfg, batch, seq, p, elem, 0, checkpointing=checkpointing)
         fl = traced.flops
         fwd, bwd = sum(fl["forward"].values()), sum(fl["backward"].values())
         attention = fl["forward"]["attention"] + fl["backward"]["attention"]
@@ -206,10 +258,13 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int) -> dict:
     lin_b = 2 * lin_f
     att_f, att_b = 4.0 * (h / k) * B * causal, 10.0 * (h / k) * B * causal
     head_f, head_b = 2.0 * N * h * vocab, 4.0 * N * h * vocab
+    again = recomputed_linears(cfg, checkpointing)
+    re_lin = 2.0 * N * sum(linears[i][0] * linears[i][1] for i in again) / k
+    re_att = att_f if checkpointing == "full" else 0.0
     fwd = L * (lin_f + att_f) + head_f
-    bwd = L * (lin_b + att_b) + head_b
-    attention = L * (att_f + att_b)
-    gemms = L * 3 * len(linears) + 3  # per block each linear forward, its dX and dW backward; the head 1 + 2
+    bwd = L * (lin_b + att_b + re_lin + re_att) + head_b
+    attention = L * (att_f + att_b + re_att)
+    gemms = L * (3 * len(linears) + len(again)) + 3  # per block each linear forward, its dX and dW backward; the head 1 + 2
     return {"forward": fwd, "backward": bwd, "total": fwd + bwd, "matmul": fwd + bwd - attention,
             "attention": attention, "gemms": gemms}
 
@@ -295,6 +350,8 @@ class Hardware:
     inter: Link
     gpus_per_node: int
     gemm_overhead_s: float = 0.0  # fixed seconds per GEMM kernel on top of FLOPs / rate (lightning_tp2d.bench.gemm_rates)
+    hbm_bytes_per_s: float = 0.0  # memory bandwidth: prices elementwise work and the optimizer (bench.planner)
+    peak_flops_per_s: float = 0.0  # dense bf16 peak, the denominator of MFU
 
 
 # H100 SXM (bf16 dense peak ~989e12). GEMMs: the fit of the committed H200 calibration table
@@ -305,11 +362,21 @@ class Hardware:
 _H100_GEMM_RATE, _H100_GEMM_OVERHEAD = fit_gemm_rates(H200_BF16)
 H100_NVLINK4_NDR = Hardware("H100 SXM, NVLink 4 (8/node), NDR 400G", _H100_GEMM_RATE, 500e12,
                             intra=Link(3e-6, 450e9), inter=Link(5e-6, 50e9), gpus_per_node=8,
-                            gemm_overhead_s=_H100_GEMM_OVERHEAD)
+                            gemm_overhead_s=_H100_GEMM_OVERHEAD, hbm_bytes_per_s=3.35e12, peak_flops_per_s=989e12)
+# H200 SXM: an H100's compute (the GEMM table was measured on one) with 4.8 TB/s HBM3e.
+H200_NVLINK4_NDR = dataclasses.replace(H100_NVLINK4_NDR, name="H200 SXM, NVLink 4 (8/node), NDR 400G",
+                                       hbm_bytes_per_s=4.8e12)
+# The H100s torchtitan's published figures ran on (Meta's Grand Teton): 96 GB HBM2e at 2.4 TB/s, 500 W power limit;
+# torchtitan says their peak lies between the SXM's and the NVL's (835e12): the rates above scaled by 835/989. MFU
+# stays relative to the SXM peak, as torchtitan reports it.
+H100_GRAND_TETON = dataclasses.replace(
+    H100_NVLINK4_NDR, name="H100 96GB HBM2e at 500 W, NVLink 4 (8/node), 400G RDMA (torchtitan's Grand Teton)",
+    matmul_flops_per_s=_H100_GEMM_RATE * 835 / 989, attention_flops_per_s=500e12 * 835 / 989, hbm_bytes_per_s=2.4e12)
 # A100 SXM: bf16 dense peak 312e12, GEMMs ~230e12 (not calibrated: no per-kernel overhead), FA2 ~190e12. NVLink 3: 600 GB/s total = ~300 GB/s per
 # direction; HDR InfiniBand 200 Gb/s = 25 GB/s per GPU.
 A100_NVLINK3_HDR = Hardware("A100 SXM, NVLink 3 (8/node), HDR 200G", 230e12, 190e12,
-                            intra=Link(3e-6, 300e9), inter=Link(5e-6, 25e9), gpus_per_node=8)
+                            intra=Link(3e-6, 300e9), inter=Link(5e-6, 25e9), gpus_per_node=8,
+                            hbm_bytes_per_s=2.0e12, peak_flops_per_s=312e12)
 
 
 def collective_time(kind: str, n: int, nbytes: float, link: Link) -> float:
@@ -343,7 +410,7 @@ def _link(hw: Hardware, ranks) -> Link:
 
 def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
               async_tp: bool = False, lean_wire: bool = False, *, dp: int = 1, zero_stage: int = 0,
-              clip: bool = False) -> dict:
+              clip: bool = False, checkpointing: str = "none", ranks=None) -> dict:
     """Projected seconds of one training step: ``compute_s = matmul FLOPs / matmul rate + GEMM kernels * GEMM
     overhead + attention FLOPs / attention rate`` (shape-dependent GEMM rates: :mod:`lightning_tp2d.bench.gemm_rates`); per call ``t`` from :func:`collective_time` on its group's link, exposed
     ``max(0, t - overlapped matmul FLOPs / matmul rate - overlapped attention FLOPs / attention rate)``;
@@ -359,15 +426,20 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
     overhead. The other calls stay blocking. ``lean_wire`` (``"tp1d-sp"`` only): its activation collectives in the
     compute dtype, as Megatron-LM with bf16 parameters sends them (:func:`~lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`).
     ``dp``, ``zero_stage``, ``clip``: the data-parallel part of the traced step, as for :func:`comm_events` (a
-    group's ranks tell its link: ``data_parallel`` groups of replicas on other nodes pay the inter-node one)."""
+    group's ranks tell its link: ``data_parallel`` groups of replicas on other nodes pay the inter-node one).
+    ``checkpointing``: the blocks' activations checkpointed in that mode (:func:`flops`; the recomputed collectives
+    traced, for ``"tp1d-sp"`` :func:`_recomputed_sp_events`). ``ranks``: the tensor-parallel ranks to price
+    (default: one of each kind the layout names, :meth:`~lightning_tp2d.layouts.Layout.distinct_ranks`)."""
     if (async_tp or lean_wire) and layout != "tp1d-sp":
         raise ValueError(f"async_tp and lean_wire model the 'tp1d-sp' baseline, not layout {layout!r}")
-    fl = flops(layout, cfg, batch, seq, p)
+    fl = flops(layout, cfg, batch, seq, p, checkpointing, elem)
     rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
     compute = fl["matmul"] / rates["matmul"] + fl["gemms"] * hw.gemm_overhead_s + fl["attention"] / rates["attention"]
     worst = None
-    data = dict(dp=dp, zero_stage=zero_stage, clip=clip)
-    for rank in _ranks_to_price(layout, cfg, batch, seq, p, elem, **data):
+    data = dict(dp=dp, zero_stage=zero_stage, clip=clip, checkpointing=checkpointing)
+    if ranks is None:
+        ranks = _ranks_to_price(layout, cfg, batch, seq, p, elem, **data)
+    for rank in ranks:
         comm_s = exposed = 0.0
         nbytes = 0
         split_gemms = 0  # async TP cuts each fused matmul into p chunk products: p - 1 more kernels each

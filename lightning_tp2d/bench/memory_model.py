@@ -51,7 +51,8 @@ from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.mesh import init_mesh
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, parallelize
 
-__all__ = ["Shards", "peak_bytes", "shard_bytes"]
+__all__ = ["Shards", "ParameterSplit", "peak_bytes", "shard_bytes", "parameter_split", "baseline_activation_bytes",
+           "baseline_peak_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,10 @@ def _nbytes(params) -> int:
     return sum(_local(q).numel() * q.element_size() for q in params)
 
 
-def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, elem: int, rank: int) -> Shards:
+def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, elem: int, rank: int) -> dict:
+    """The model of ``cfg``'s shape built with ``min(n_layer, 2)`` blocks (blocks are identical: a deeper model's
+    shards are the second block's, repeated), parallelized and sharded on the fake process group: the bytes
+    :func:`_extrapolated` turns into :class:`Shards` for any depth."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # private: see lightning_tp2d._private_api
     from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the fake backend's store
 
@@ -86,7 +90,7 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, e
             blocks = list(family_of(model).block_modules(model))
             in_blocks = {id(q) for b in blocks for q in b.parameters()}
             root = _nbytes(q for q in model.parameters() if id(q) not in in_blocks)
-            per_block = tuple(_nbytes(b.parameters()) for b in blocks)
+            tensor_shards = [_nbytes(b.parameters()) for b in blocks]
             if dp > 1 and stage >= 2:
                 fsdp.shard_data_parallel(model, stage)
             seen: list[int] = []
@@ -95,9 +99,19 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, e
             idx = torch.zeros(batch, seq, dtype=torch.long)
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=elem == 2):
                 model(idx, idx)
-            return Shards(_nbytes(model.parameters()), root, per_block, seen[0])
+            # read after the forward, as before this model was extrapolated: FSDP leaves the root's parameters
+            # gathered after the forward (a checked calibration against the measured peaks, tests/test_memory_model)
+            rest = [_nbytes(b.parameters()) for b in blocks]
+            return {"root_at_rest": _nbytes(model.parameters()) - sum(rest), "rest": rest, "root": root,
+                    "tensor_shards": tensor_shards, "block_input": seen[0]}
     finally:
         dist.destroy_process_group()
+
+
+def _extrapolated(built: dict, layers: int) -> Shards:
+    rest, shards = built["rest"], built["tensor_shards"]
+    return Shards(built["root_at_rest"] + rest[0] + (layers - 1) * rest[-1], built["root"],
+                  (shards[0], *(shards[-1],) * (layers - 1)), built["block_input"])
 
 
 def _serve(conn, args) -> None:
@@ -107,25 +121,29 @@ def _serve(conn, args) -> None:
         conn.send(("error", f"{type(err).__name__}: {err}"))
 
 
-_SHARDS: dict[tuple, list[Shards]] = {}
+_SHARDS: dict[tuple, dict] = {}
 
 
 def shard_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_stage: int = 0,
-                elem: int = 4) -> list[Shards]:
-    """:class:`Shards` of every tensor-parallel rank of the first replica, read from the model built on the fake
-    process group in a forked process (this one must have no default process group). Cached."""
+                elem: int = 4, ranks=None) -> dict[int, Shards]:
+    """:class:`Shards` of the tensor-parallel ranks ``ranks`` (default: all ``p``) of the first replica, by rank,
+    read from the model built (two blocks, extrapolated) on the fake process group in a forked process (this one
+    must have no default process group). Cached per rank and model shape (any depth)."""
     spec = get_layout(layout)
-    key = (type(spec), spec.options, type(cfg).__name__, *sorted(vars(cfg).items()), batch, seq, p, dp, zero_stage,
-           elem)
-    if key not in _SHARDS:
-        if dist.is_initialized():
-            raise RuntimeError("shard_bytes builds the model on its own fake process group; call it from a process "
-                               "without a default process group")
-        _SHARDS[key] = [_fork(spec, cfg, batch, seq, p, dp, zero_stage, elem, rank) for rank in range(p)]
-    return _SHARDS[key]
+    built = dataclasses.replace(cfg, n_layer=min(cfg.n_layer, 2))
+    key = (type(spec), spec.options, type(cfg).__name__, *sorted(vars(built).items()), batch, seq, p, dp,
+           zero_stage, elem)
+    wanted = list(range(p) if ranks is None else ranks)
+    missing = [r for r in wanted if key + (r,) not in _SHARDS]
+    if missing and dist.is_initialized():
+        raise RuntimeError("shard_bytes builds the model on its own fake process group; call it from a process "
+                           "without a default process group")
+    for rank in missing:
+        _SHARDS[key + (rank,)] = _fork(spec, built, batch, seq, p, dp, zero_stage, elem, rank)
+    return {r: _extrapolated(_SHARDS[key + (r,)], cfg.n_layer) for r in wanted}
 
 
-def _fork(*args) -> Shards:
+def _fork(*args) -> dict:
     """:func:`_shards_here` in a forked process of its own: one fake process group per process, so that nothing
     torch caches about a group (DTensor's sharding propagation holds meshes) meets the next one."""
     ctx = mp.get_context("fork")
@@ -144,16 +162,17 @@ def _fork(*args) -> Shards:
 
 
 def peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_stage: int = 0,
-               checkpointing: str = "none", elem: int = 4, rank: int | None = None) -> dict:
+               checkpointing: str = "none", elem: int = 4, rank: int | None = None, ranks=None) -> dict:
     """Predicted peak bytes of one step on tensor-parallel rank ``rank`` (``None``: the rank with the largest
-    total): ``{"parameters", "gradients", "optimizer", "activations", "gathered", "backward", "total"}`` (module
-    docstring). ``batch`` is per replica."""
+    total; ``ranks``: the largest over these): ``{"parameters", "gradients", "optimizer", "activations", "gathered",
+    "backward", "total"}`` (module docstring). ``batch`` is per replica."""
     if checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3")
-    shards = shard_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, elem=elem)
-    ranks = range(p) if rank is None else [rank]
+    shards = shard_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, elem=elem,
+                         ranks=None if rank is None and ranks is None else ([rank] if rank is not None else ranks))
+    ranks = (range(p) if ranks is None else ranks) if rank is None else [rank]
     parts = [_parts(layout, cfg, batch, seq, p, dp, zero_stage, checkpointing, elem, r, shards[r]) for r in ranks]
     return max(parts, key=lambda d: d["total"])
 
@@ -171,8 +190,8 @@ def _parts(layout, cfg, batch, seq, p, dp, stage, checkpointing, elem, rank, s: 
         recompute = (plain.activation_bytes - one.activation_bytes) // max(1, cfg.n_layer - 1) if cfg.n_layer > 1 \
             else one.activation_bytes  # n_layer 1: the whole step's, an overestimate of one block's
     gathered = 0
-    if sharded:
-        gathered = s.root + (sum(s.blocks) if stage == 2 else sum(sorted(s.blocks)[-2:]))
+    if sharded:  # FSDP gathers in the compute dtype under bf16 (fsdp.mixed_precision_policy: param_dtype bf16)
+        gathered = (s.root + (sum(s.blocks) if stage == 2 else sum(sorted(s.blocks)[-2:]))) * min(elem, 4) // 4
     full_grads = s.root + sum(s.blocks)  # the tensor shards' gradients, before any dp reduction
     if sharded:
         transient = s.root + max(s.blocks)  # root's and one block's unsharded gradients before the reduce-scatter
@@ -184,3 +203,132 @@ def _parts(layout, cfg, batch, seq, p, dp, stage, checkpointing, elem, rank, s: 
     total = params + optimizer + max(activations + gathered, grads + activations + gathered + backward)
     return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
             "gathered": gathered, "backward": backward, "total": total}
+
+
+# ---- the 1-D baseline: torch's tensor parallelism with sequence parallelism x FSDP (torchtitan's recipe) --------
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterSplit:
+    """Parameter counts of a model: the root (embeddings, final norm, head) and one block, each with how many of
+    them are vectors (norm weights, biases: replicated by 1-D tensor parallelism)."""
+
+    root: int
+    root_vectors: int
+    block: int
+    block_vectors: int
+    n_layer: int
+
+    @property
+    def total(self) -> int:
+        return self.root + self.n_layer * self.block
+
+
+_SPLITS: dict[tuple, ParameterSplit] = {}
+
+
+def parameter_split(cfg) -> ParameterSplit:
+    """Counted from the plain model of ``cfg``'s family built with one block on the meta device (no memory)."""
+    key = (type(cfg).__name__, *sorted(vars(cfg).items()))
+    if key not in _SPLITS:
+        with torch.device("meta"):
+            model = family_of_config(cfg).model_class(dataclasses.replace(cfg, n_layer=1))
+        block = next(iter(family_of(model).block_modules(model)))
+        in_block = {id(q) for q in block.parameters()}
+        params = list(model.parameters())
+        root = [q for q in params if id(q) not in in_block]
+        _SPLITS[key] = ParameterSplit(sum(q.numel() for q in root), sum(q.numel() for q in root if q.ndim == 1),
+                                      sum(q.numel() for q in block.parameters()),
+                                      sum(q.numel() for q in block.parameters() if q.ndim == 1), cfg.n_layer)
+    return _SPLITS[key]
+
+
+def baseline_activation_bytes(cfg, batch: int, seq: int, tp: int, *, checkpointing: str = "none", elem: int = 2,
+                              ep: int | None = None, composite: bool = False) -> dict:
+    """Bytes one rank's forward saves for the backward in the 1-D baseline (``"tp1d-sp"``: torch's colwise /
+    rowwise styles with sequence-parallel norms, loss parallel, as torchtitan's ``parallelize_llama`` applies them),
+    counted from the tensors its ops save; ``{"blocks", "root", "recompute", "total"}``. ``N = batch * seq`` tokens,
+    ``t = tp``, ``e = elem`` (matmul operands and outputs), ``ep`` the residual stream, norm inputs and loss
+    (default ``e``: under FSDP's bf16 ``param_dtype`` torchtitan's whole forward runs in bf16; 4 under autocast).
+
+    Per block, ``"none"``: each norm's input ``N h ep / t`` and ``rstd`` ``4 N / t``; each all-gathered norm
+    output ``N h e`` (the column-parallel linears save their gathered input, shared); attention's q, k, v after
+    RoPE and its output ``N (h + 2 kv + h) e / t`` (RoPE saves only its tables) and log-sum-exp ``4 N H / t``;
+    the MLP's hidden activations, ``e N I / t`` each: SwiGLU gate, up, ``silu(gate)`` and their product (4), GELU
+    pre-activation and output (2, ``I = 4h``). ``"full"``: each block's input ``N h ep / t``, plus one block's
+    ``"none"`` bytes while it is recomputed (``recompute``). ``"selective"`` (torchtitan's per-op policy: the
+    outputs of every other matmul, attention and the reduce-scatters are kept): the kept matmuls' outputs (``q``,
+    ``v``, ``gate``, and ``down``'s unreduced ``[N, h]``; GPT-2 ``c_attn``, ``c_fc``), attention's output and
+    log-sum-exp, the two reduce-scatter outputs ``N h e / t`` and the block input; ``recompute`` the rest of one
+    block. Root: the final norm's input and statistics, its gathered output ``N h e``, the float32 log-softmax of
+    the local logits ``4 N ceil(V/t)`` (torchtitan upcasts the logits for the loss; the bf16 logits are not saved),
+    the ids. For GPT-2 in float32 this is :func:`lightning_tp2d.bench.cost_model.activation_bytes`'s ``"tp1d-sp"``
+    count, which ``tests/test_cost_model.py`` checks against measured runs. ``composite``: the model as this
+    package's eager Llama computes it (what the CPU check measures): its RMSNorm, made of elementwise ops, also saves
+    its normalized output ``N h ep / t``, and each attention its RoPE tables ``2 T hs ep`` (torchtitan fuses the norm
+    and keeps one table for the model: neither is counted by default)."""
+    if checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"checkpointing={checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}")
+    ep = elem if ep is None else ep
+    h, H, V, L = cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.n_layer
+    t, e, N = tp, elem, batch * seq
+    llama = hasattr(cfg, "intermediate_size")
+    kv = cfg.n_kv_head * (h // H) if llama else h
+    inner = cfg.intermediate_size if llama else 4 * h
+    stats = (4 if llama else 8) * N  # RMSNorm's rstd; LayerNorm's mean and rstd (float32)
+    extra_norm = N * h * ep / t if composite and llama else 0  # the composite RMSNorm's normalized output
+    norms = 2 * (N * h * ep + stats) / t + 2 * extra_norm
+    gathered = 2 * N * h * e
+    attention = N * (h + 2 * kv + h) * e / t + 4 * N * H / t
+    if composite and llama:
+        attention += 2 * seq * (h // H) * ep  # cos and sin, made per attention
+    mlp = (4 if llama else 2) * N * inner * e / t
+    plain = norms + gathered + attention + mlp
+    block_input = N * h * ep / t
+    if checkpointing == "none":
+        per_block, recompute = plain, 0.0
+    elif checkpointing == "full":
+        per_block, recompute = block_input, plain
+    else:
+        kept_mm = N * e * ((h + kv + inner) / t + h) if llama else N * e * (3 * h + inner) / t
+        kept = kept_mm + N * h * e / t + 4 * N * H / t + 2 * N * h * e / t + block_input
+        per_block, recompute = kept, max(0.0, plain - kept)
+    vocab = -(-V // t)
+    # the final norm's input and statistics, its gathered output, the float32 log-softmax of the local logits,
+    # the ids (GPT-2: its position ids 8 T; over several ranks the embedding's masked copy of the ids, 8 N)
+    root = (N * h * ep + stats) / t + extra_norm + N * h * e + 4 * N * vocab + (0 if llama else 8 * seq) + (8 * N if t > 1 else 0)
+    total = L * per_block + root
+    return {"blocks": int(L * per_block), "root": int(root), "recompute": int(recompute), "total": int(total)}
+
+
+def baseline_peak_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, zero_stage: int = 3,
+                        checkpointing: str = "none", elem: int = 2) -> dict:
+    """Predicted peak bytes per GPU of the 1-D baseline (``"tp1d-sp"`` over ``tp`` ranks) x FSDP over ``dp``
+    replicas at ZeRO ``zero_stage`` (2: ``reshard_after_forward=False``, 3: torchtitan's default), float32
+    parameters, gradients and AdamW moments, bf16 compute (``param_dtype``), float32 gradient reduction: the parts
+    of :func:`peak_bytes`. Vectors (norm weights) are whole on every tensor rank. Stage 0 or ``dp`` 1 is plain
+    tensor parallelism under autocast (``ep`` 4 for the residual stream). Analytic; the saved tensors are those of
+    :func:`baseline_activation_bytes`."""
+    if zero_stage not in (0, 2, 3):
+        raise ValueError(f"the baseline runs FSDP at zero_stage 2 or 3 (or 0: no data-parallel sharding), "
+                         f"got {zero_stage}")
+    split = parameter_split(cfg)
+    shard = lambda n, vectors: (n - vectors) / tp + vectors  # noqa: E731 - elements one tensor rank holds
+    root, block = shard(split.root, split.root_vectors), shard(split.block, split.block_vectors)
+    sharded = dp > 1 and zero_stage >= 2
+    local = (root + split.n_layer * block) / (dp if sharded else 1)
+    params = grads = 4 * local
+    optimizer = 8 * local
+    acts = baseline_activation_bytes(cfg, batch, seq, tp, checkpointing=checkpointing, elem=elem,
+                                     ep=elem if sharded else 4)
+    gathered = transient = 0.0
+    if sharded:
+        blocks_held = split.n_layer if zero_stage == 2 else 2
+        gathered = elem * (root + blocks_held * block)
+        transient = (elem + 4) * (root + block)  # a block's unsharded bf16 gradients and their float32 copy
+    elif elem < 4:
+        gathered = elem * (root + split.n_layer * block)  # autocast's bf16 copies of the weights, saved
+    backward = acts["recompute"] + transient
+    total = params + optimizer + max(acts["total"] + gathered, grads + acts["total"] + gathered + backward)
+    return {"parameters": int(params), "gradients": int(grads), "optimizer": int(optimizer),
+            "activations": acts["total"], "gathered": int(gathered), "backward": int(backward), "total": int(total)}

@@ -52,6 +52,7 @@ the traces run in a forked worker process, so nothing of the fake group stays be
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -280,7 +281,20 @@ class _DataParallel:
 
 
 _CACHE: dict[tuple, TracedStep] = {}
-_ALL_RANKS_UP_TO = 9  # trace every rank of groups this small at once (tests and tools ask for each in turn)
+_ALL_RANKS_UP_TO = 9  # trace every rank of groups this small at once (tests and tools ask for each in turn) ...
+_ALL_RANKS_BELOW_ELEMENTS = 2**24  # ... when the model is small too (h * seq * batch): a planner asks for one rank
+_AS_ASKED: list[bool] = []  # inside ranks_as_asked(): trace only the ranks asked for
+
+
+@contextlib.contextmanager
+def ranks_as_asked():
+    """Within this context :func:`trace_steps` traces only the ranks it is asked for (the planner prices one rank
+    per configuration; tracing every rank of a small group at once pays off only when each is asked for)."""
+    _AS_ASKED.append(True)
+    try:
+        yield
+    finally:
+        _AS_ASKED.pop()
 
 
 def trace_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: int = 4, rank: int = 0, *,
@@ -315,7 +329,8 @@ def trace_steps(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: i
         if not 0 <= rank < p:
             raise ValueError(f"rank {rank} is not in [0, {p})")
     base = (type(spec), spec.options, _config_key(cfg), batch, seq, p, elem, data, checkpointing)
-    wanted = set(ranks) | (set(range(p)) if p <= _ALL_RANKS_UP_TO else set())
+    small = p <= _ALL_RANKS_UP_TO and cfg.n_embd * seq * batch <= _ALL_RANKS_BELOW_ELEMENTS and not _AS_ASKED
+    wanted = set(ranks) | (set(range(p)) if small else set())
     missing = sorted(r for r in wanted if base + (r,) not in _CACHE)
     if missing:
         traced = _run(spec, _traceable(spec, cfg, p), batch, seq, p, elem, data, missing, checkpointing)
@@ -333,13 +348,24 @@ def _traceable(spec: Layout, cfg, p: int):
     return cfg
 
 
+_SHALLOW: dict[tuple, TracedStep] = {}  # in the worker: the one- and two-block traces, for any depth
+
+
 def _trace_rank(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel,
                 rank: int, checkpointing: str = "none") -> TracedStep:
     if cfg.n_layer == 1 or not data.repeats_per_block:
         return _run_here(spec, cfg, batch, seq, p, elem, data, rank, checkpointing)
-    one = _run_here(spec, dataclasses.replace(cfg, n_layer=1), batch, seq, p, elem, data, rank, checkpointing)
-    two = _run_here(spec, dataclasses.replace(cfg, n_layer=2), batch, seq, p, elem, data, rank, checkpointing)
+    one, two = (_shallow(spec, dataclasses.replace(cfg, n_layer=n), batch, seq, p, elem, data, rank, checkpointing)
+                for n in (1, 2))
     return _extrapolate(one, two, cfg.n_layer)
+
+
+def _shallow(spec: Layout, cfg, *args) -> TracedStep:
+    """:func:`_run_here`, remembered: models of one shape and any depth share their one- and two-block traces."""
+    key = (type(spec), spec.options, _config_key(cfg), *args)
+    if key not in _SHALLOW:
+        _SHALLOW[key] = _run_here(spec, cfg, *args)
+    return _SHALLOW[key]
 
 
 def _extrapolate(one: TracedStep, two: TracedStep, layers: int) -> TracedStep:

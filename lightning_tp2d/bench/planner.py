@@ -1,0 +1,451 @@
+"""The planner: which layout and sizes train a model on ``gpus`` GPUs of ``gpu_memory_gib`` each, how fast, and how
+that compares with what a user would run instead (torchtitan's 1-D tensor parallelism with sequence parallelism x
+FSDP).
+
+:func:`plan` enumerates configurations, keeps those whose predicted peak memory per GPU is at most
+``memory_fraction`` (0.9) of the cap, and sorts them by predicted step time. A configuration is
+
+* the package's: a layout (``"2d"``, ``"metp"``, ``"2d-metp"``) on ``p`` ranks x ``dp`` replicas, ZeRO stage 0-3
+  (FSDP2 at 2 and 3), activation checkpointing ``none`` / ``selective`` / ``full``;
+* or a 1-D baseline (``baseline=True``): ``"tp1d-sp"`` over ``tp <= gpus_per_node`` ranks (torch's colwise/rowwise
+  styles, sequence-parallel norms, loss parallel; blocking or async TP, whichever is faster, bf16 on the wire) x FSDP
+  over ``dp`` (stage 3 as torchtitan's default, or 2), or plain FSDP (``tp`` 1); checkpointing ``none``, ``full``
+  or torchtitan's per-op ``selective``;
+
+each with a micro-batch of ``micro_batch`` sequences per replica and ``grad_accum`` micro-batches per step, so that
+``dp * micro_batch * grad_accum * seq`` is the global batch (``global_batch_tokens``, rounded down to whole
+sequences for every replica).
+
+How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
+
+* memory: the package's layouts :func:`lightning_tp2d.bench.memory_model.peak_bytes` (the model built on the
+  fake process group, the activations traced), the baseline
+  :func:`~lightning_tp2d.bench.memory_model.baseline_peak_bytes` (analytic, from the tensors its ops save);
+* one micro-batch's compute and tensor-parallel communication: :func:`lightning_tp2d.bench.cost_model.step_time`
+  (the package's layouts traced, tensor-parallel rank 0 priced: the grid's ranks run the same shapes and the zigzag
+  ring balances the causal work);
+* elementwise work (norms, activations, residual adds, casts, the loss's softmax, the optimizer's reads of
+  activations): ``ELEMENTWISE_PASSES`` passes over the bytes the micro-batch's forward saves, at the GPU's memory
+  bandwidth -- one constant per execution mode, fitted to the one single-GPU measurement the project has
+  (:data:`GPT2_H200`: transformers' GPT-2 124M on an H200, 213k tokens/s eager, 412k compiled);
+* the optimizer: AdamW reads the parameter, gradient and two moments and writes three of them, 28 bytes per element
+  this rank updates, at memory bandwidth;
+* data parallelism, one rule for both families (:func:`data_parallel_time`): stage 0 and 1 all-reduce the float32
+  gradients once per step (hierarchical across nodes), hidden behind the last micro-batch's backward; stage 1 then
+  all-gathers the updated slices behind nothing; stages 2 and 3 all-gather each block's bf16 tensor shard (stage 3
+  again in the backward) and reduce-scatter its float32 gradients every micro-batch, each hidden behind the
+  neighbouring block's compute.
+
+Not modelled: pipeline parallelism (the package has none; 405B at 1024 GPUs is where that limits), float8, the
+host (assumed never the bottleneck), allocator fragmentation (memory is live bytes; the 10% margin is for it),
+contention between the data-parallel and tensor-parallel links.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from lightning_tp2d.bench import cost_model
+from lightning_tp2d.bench.cost_model import Hardware, collective_time, data_parallel_all_reduce_time, step_time
+from lightning_tp2d.bench.memory_model import (baseline_activation_bytes, baseline_peak_bytes, parameter_split,
+                                               peak_bytes)
+from lightning_tp2d.bench.trace import ranks_as_asked, trace_step
+from lightning_tp2d.families import family_of_config, fits, model_config
+from lightning_tp2d.layouts import get_layout, layout_names
+
+__all__ = ["PlanRow", "plan", "price", "HARDWARE", "ELEMENTWISE_PASSES", "GPT2_H200", "data_parallel_time",
+           "NothingFits"]
+
+GIB = 2**30
+HARDWARE = {"h100": cost_model.H100_NVLINK4_NDR, "h200": cost_model.H200_NVLINK4_NDR,
+            "h100-grand-teton": cost_model.H100_GRAND_TETON, "a100": cost_model.A100_NVLINK3_HDR}
+ELEMENT = 2  # bf16 compute
+OPTIMIZER_BYTES_PER_ELEMENT = 28  # AdamW: read param, grad, exp_avg, exp_avg_sq (16); write param and moments (12)
+BASELINE = "tp1d-sp"
+MAX_MICRO_BATCH = 16  # sequences per micro-batch tried at most by default (a layout needing more tries its least)
+log = logging.getLogger(__name__)
+
+# transformers' GPT-2 124M, bf16, batch 32 x 1024 on one H200 (issue 24, measured in the GPU week): tokens/s
+GPT2_H200 = {"model": "gpt2", "batch": 32, "seq": 1024, "eager": 213e3, "compiled": 412e3}
+
+
+class NothingFits(ValueError):
+    """No configuration fits the memory cap; the message names the least memory any configuration needs."""
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One configuration and its prediction (per GPU)."""
+
+    layout: str  # a package layout, or "tp1d-sp" (baseline: torch's 1-D TP + SP; tp 1: plain FSDP)
+    baseline: bool
+    tensor_parallel_size: int
+    data_parallel_size: int
+    zero_stage: int
+    checkpointing: str
+    micro_batch: int  # sequences per replica per micro-batch
+    grad_accum: int
+    memory_gib: float
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    async_tp: bool = False
+    parts: dict = dataclasses.field(default_factory=dict, compare=False)  # memory and time breakdowns
+
+    def describe(self) -> str:
+        kind = "baseline " if self.baseline else ""
+        return (f"{kind}{self.layout} p={self.tensor_parallel_size} dp={self.data_parallel_size} "
+                f"zero={self.zero_stage} ckpt={self.checkpointing} micro={self.micro_batch}x{self.grad_accum}"
+                f"{' async-TP' if self.async_tp else ''}: {self.memory_gib:.1f} GiB, "
+                f"{self.tokens_per_s_per_gpu:,.0f} tok/s/GPU, MFU {self.mfu:.1%}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _fit_elementwise_passes() -> dict[str, float]:
+    """Passes over the saved bytes that close the gap between the matmul/attention/optimizer time and the measured
+    GPT-2 step on the H200 (:data:`GPT2_H200`), eager and compiled."""
+    cfg = model_config(GPT2_H200["model"])
+    hw = cost_model.H200_NVLINK4_NDR
+    b, t = GPT2_H200["batch"], GPT2_H200["seq"]
+    compute = step_time("single", cfg, b, t, 1, hw, ELEMENT)["total_s"]
+    saved = baseline_activation_bytes(cfg, b, t, 1, elem=ELEMENT, ep=4)["total"]  # as price() counts it
+    optimizer = OPTIMIZER_BYTES_PER_ELEMENT * parameter_split(cfg).total / hw.hbm_bytes_per_s
+    return {mode: (b * t / GPT2_H200[mode] - compute - optimizer) / (saved / hw.hbm_bytes_per_s)
+            for mode in ("eager", "compiled")}
+
+
+ELEMENTWISE_PASSES = _fit_elementwise_passes()
+
+
+def model_flops_per_token(cfg, seq: int) -> float:
+    """Training FLOPs per token without recomputation (the MFU numerator): the plain model's step / tokens."""
+    return cost_model.flops("single", cfg, 1, seq, 1)["total"] / seq
+
+
+def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: int, stage: int, gpus_per_node: int,
+                       hw: Hardware, forward_s: float, backward_s: float, grad_accum: int, elem: int = ELEMENT) -> dict:
+    """Seconds of data-parallel communication per step for ``dp`` replicas of ``tp`` consecutive ranks, one rank
+    holding ``root`` + ``n_layer * block`` tensor-shard elements (float32 at rest, gradients reduced in float32),
+    ``forward_s`` / ``backward_s`` one micro-batch's compute: ``{"comm_s", "exposed_s"}`` (module docstring)."""
+    if dp <= 1:
+        return {"comm_s": 0.0, "exposed_s": 0.0}
+    total = root + n_layer * block
+    if stage in (0, 1):
+        reduce = data_parallel_all_reduce_time(4 * total, dp * tp, tp, hw)
+        exposed = max(0.0, reduce - backward_s)
+        comm = reduce
+        if stage == 1:  # the updated slices, gathered after the step behind no compute
+            gather = _dp_collective("all_gather", 4 * total / dp, dp, tp, gpus_per_node, hw)
+            comm += gather
+            exposed += gather
+        return {"comm_s": comm, "exposed_s": exposed}
+    gather_block = _dp_collective("all_gather", elem * block / dp, dp, tp, gpus_per_node, hw)
+    scatter_block = _dp_collective("reduce_scatter", 4 * block, dp, tp, gpus_per_node, hw)
+    gather_root = _dp_collective("all_gather", elem * root / dp, dp, tp, gpus_per_node, hw)
+    scatter_root = _dp_collective("reduce_scatter", 4 * root, dp, tp, gpus_per_node, hw)
+    fwd_block, bwd_block = forward_s / n_layer, backward_s / n_layer
+    backward_calls = scatter_block + (gather_block if stage == 3 else 0.0)
+    comm = gather_root + scatter_root + n_layer * (gather_block + backward_calls)
+    exposed = (gather_root + gather_block  # the first gathers run behind nothing
+               + (n_layer - 1) * max(0.0, gather_block - fwd_block)
+               + n_layer * max(0.0, backward_calls - bwd_block) + scatter_root)
+    return {"comm_s": grad_accum * comm, "exposed_s": grad_accum * exposed}
+
+
+def _dp_collective(kind: str, nbytes: float, dp: int, tp: int, gpus_per_node: int, hw: Hardware) -> float:
+    """A collective over the ``dp`` replicas' ranks of one tensor rank (stride ``tp``): on NVLink when they share a
+    node, else on the inter-node link."""
+    link = hw.intra if dp * tp <= gpus_per_node else hw.inter
+    return collective_time(kind, dp, nbytes, link)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: str, micro_batch: int,
+          grad_accum: int, seq: int, hw: Hardware, gpus_per_node: int, compiled: bool = True,
+          memory: dict | None = None, async_tp: bool | None = None) -> PlanRow:
+    """Predict one configuration (module docstring). ``layout`` is a package layout or ``"tp1d-sp"`` (a baseline;
+    ``p`` 1: plain FSDP; ``async_tp``: force blocking (``False``) or async TP (``True``), default the faster).
+    ``memory``: its :func:`peak_bytes` parts, if already computed."""
+    baseline = layout == BASELINE
+    hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
+    passes = ELEMENTWISE_PASSES["compiled" if compiled else "eager"]
+    split = parameter_split(cfg)
+    if baseline:
+        tp = p
+        if tp == 1:
+            micro = step_time("single", cfg, micro_batch, seq, 1, hw, ELEMENT, checkpointing=checkpointing)
+            async_tp = False
+        else:
+            micro = min((step_time(BASELINE, cfg, micro_batch, seq, tp, hw, ELEMENT, async_tp=a, lean_wire=True,
+                                   checkpointing=checkpointing) | {"async_tp": a}
+                         for a in ((False, True) if async_tp is None else (async_tp,))),
+                        key=lambda r: r["total_s"])
+            async_tp = micro["async_tp"]
+        sharded = dp > 1 and zero_stage >= 2  # FSDP's bf16 param_dtype: the residual stream is bf16 too
+        saved = baseline_activation_bytes(cfg, micro_batch, seq, tp, elem=ELEMENT, ep=ELEMENT if sharded else 4)["total"]
+        if memory is None:
+            memory = baseline_peak_bytes(cfg, micro_batch, seq, tp, dp=dp, zero_stage=zero_stage,
+                                         checkpointing=checkpointing, elem=ELEMENT)
+    else:
+        if async_tp:
+            raise ValueError(f"async_tp prices the {BASELINE!r} baseline, not layout {layout!r}")
+        async_tp = False
+        micro = step_time(layout, cfg, micro_batch, seq, p, hw, ELEMENT, checkpointing=checkpointing, ranks=[0])
+        saved = trace_step(layout, cfg, micro_batch, seq, p, ELEMENT, 0).activation_bytes
+        if memory is None:
+            memory = peak_bytes(layout, cfg, micro_batch, seq, p, dp=dp, zero_stage=zero_stage,
+                                checkpointing=checkpointing, elem=ELEMENT, ranks=[0])
+    fl = micro["flops"]
+    forward_s = micro["compute_s"] * fl["forward"] / fl["total"]
+    backward_s = micro["compute_s"] - forward_s
+    elementwise_s = passes * saved / hw.hbm_bytes_per_s
+    micro_s = micro["total_s"] + elementwise_s
+    shard = lambda n, vectors: (n - vectors) / p + vectors if baseline else n / p  # noqa: E731
+    root, block = shard(split.root, split.root_vectors), shard(split.block, split.block_vectors)
+    data = data_parallel_time(root=root, block=block, n_layer=split.n_layer, dp=dp, tp=p, stage=zero_stage,
+                              gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s, backward_s=backward_s,
+                              grad_accum=grad_accum)
+    updated = (root + split.n_layer * block) / (dp if zero_stage >= 1 else 1)
+    optimizer_s = OPTIMIZER_BYTES_PER_ELEMENT * updated / hw.hbm_bytes_per_s
+    step_s = grad_accum * micro_s + data["exposed_s"] + optimizer_s
+    tokens = dp * micro_batch * grad_accum * seq
+    per_gpu = tokens / step_s / (p * dp)
+    mfu = model_flops_per_token(cfg, seq) * per_gpu / hw.peak_flops_per_s if hw.peak_flops_per_s else 0.0
+    parts = {"memory_bytes": memory,
+             "time_s": {"micro_compute": micro["compute_s"], "micro_tp_exposed": micro["exposed_comm_s"],
+                        "micro_elementwise": elementwise_s, "dp_comm": data["comm_s"], "dp_exposed": data["exposed_s"],
+                        "optimizer": optimizer_s}}
+    return PlanRow(layout, baseline, p, dp, zero_stage, checkpointing, micro_batch, grad_accum,
+                   memory["total"] / GIB, step_s, per_gpu, mfu, async_tp, parts)
+
+
+def _micro_batches(per_replica: int, multiple: int, largest: int | None) -> list[int]:
+    """Micro-batch sizes to try, ascending: ``multiple`` times the powers of two that divide ``per_replica``, up to
+    ``largest`` (default :data:`MAX_MICRO_BATCH`, or ``multiple`` if that is more)."""
+    largest = max(multiple, MAX_MICRO_BATCH if largest is None else largest)
+    out, m = [], multiple
+    while m <= per_replica and m <= largest:
+        if per_replica % m == 0:
+            out.append(m)
+        m *= 2
+    return out
+
+
+MAX_GRID = 64  # grids up to 8 x 8 (8 nodes of 8): a larger one's SUMMA panels cross more nodes than any row helps
+
+
+def _candidates(cfg, gpus: int, gpus_per_node: int, seq: int, sequences: int, layouts, include_baselines: bool,
+                zero_stages, checkpointing, max_micro_batch: int | None):
+    """``(layout, p, dp, stages, modes, micro-batches)`` to try, micro-batches ascending. Rings stay inside a node
+    (their exchanges are sized for NVLink); grids may span nodes, up to :data:`MAX_GRID` ranks."""
+    out = []
+    for name in layouts:
+        spec = get_layout(name)
+        for p in _divisors(gpus):
+            if p == 1 or p > MAX_GRID or not fits(spec, p, cfg) or spec.sequence_problem(p, seq):
+                continue
+            if not spec.square and p > gpus_per_node:
+                continue
+            dp = gpus // p
+            micros = _micro_batches(sequences // dp, spec.input_multiples(p)[0], max_micro_batch)
+            stages = [s for s in zero_stages if s == 0 or dp > 1]
+            if micros and stages:
+                out.append((name, p, dp, stages, list(checkpointing), micros))
+    if include_baselines:
+        heads = [cfg.n_head] + ([cfg.n_kv_head] if hasattr(cfg, "n_kv_head") else [])
+        for tp in _divisors(min(gpus, gpus_per_node)):
+            if gpus % tp or any(n % tp for n in heads) or cfg.n_embd % tp or seq % tp:
+                continue
+            dp = gpus // tp
+            micros = _micro_batches(sequences // dp, 1, max_micro_batch)
+            stages = [s for s in (2, 3) if s in zero_stages] if dp > 1 else [0]
+            if micros and stages:
+                out.append((BASELINE, tp, dp, stages, list(checkpointing), micros))
+    return out
+
+
+def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq: int,
+         global_batch_tokens: int, hardware: str | Hardware = "h100", include_baselines: bool = True,
+         layouts=None, zero_stages=(0, 1, 2, 3), checkpointing=("none", "selective", "full"),
+         memory_fraction: float = 0.9, max_micro_batch: int | None = None, compiled: bool = True) -> list[PlanRow]:
+    """The configurations of ``model`` (a named size of any registered family, a config, or a config's fields)
+    that fit ``gpus`` GPUs of ``gpu_memory_gib`` GiB (predicted peak at most ``memory_fraction`` of it), best first
+    by predicted step time (module docstring). ``global_batch_tokens`` is rounded down to whole sequences of
+    ``seq`` per replica. ``layouts``: the package layouts to consider (default: all registered);
+    ``include_baselines``: the 1-D TP + SP x FSDP rows too (``baseline=True``). ``compiled``: price elementwise work
+    as ``torch.compile`` runs it (else eager). Raises :class:`NothingFits` (a ``ValueError``) naming the model, the
+    least memory per GPU any configuration needs and that configuration."""
+    cfg = model_config(model)
+    if family_of_config(cfg) is None:
+        raise ValueError(f"plan: {model!r} is not a named size or config of a registered model family")
+    if gpus < 1 or gpus_per_node < 1 or gpu_memory_gib <= 0:
+        raise ValueError(f"plan: need gpus >= 1, gpus_per_node >= 1 and gpu_memory_gib > 0, got gpus={gpus}, "
+                         f"gpus_per_node={gpus_per_node}, gpu_memory_gib={gpu_memory_gib}")
+    if seq > cfg.block_size:
+        raise ValueError(f"plan: seq={seq} exceeds the model's block_size={cfg.block_size}")
+    hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
+    sequences = global_batch_tokens // seq
+    if sequences < 1:
+        raise ValueError(f"plan: global_batch_tokens={global_batch_tokens} is less than one sequence of {seq}")
+    with ranks_as_asked():
+        return _plan(cfg, model, gpus, gpu_memory_gib, gpus_per_node, seq, sequences, hw, include_baselines, layouts,
+                     zero_stages, checkpointing, memory_fraction, max_micro_batch, compiled)
+
+
+def _plan(cfg, model, gpus, gpu_memory_gib, gpus_per_node, seq, sequences, hw, include_baselines, layouts,
+          zero_stages, checkpointing, memory_fraction, max_micro_batch, compiled) -> list[PlanRow]:
+    cap = memory_fraction * gpu_memory_gib * GIB
+    names = layout_names() if layouts is None else tuple(layouts)
+    rows, smallest = [], None
+    for name, p, dp, stages, modes, micros in _candidates(cfg, gpus, gpus_per_node, seq, sequences, names,
+                                                          include_baselines, zero_stages, checkpointing,
+                                                          max_micro_batch):
+        per_replica = sequences // dp
+        started = time.time()
+        for stage in stages:
+            for mode in modes:
+                for m in micros:  # ascending: memory grows with the micro-batch
+                    memory = _memory(cfg, name, p, dp, stage, mode, m, seq)
+                    if smallest is None or memory["total"] < smallest[0]:
+                        smallest = (memory["total"], f"{name} p={p} dp={dp} zero_stage={stage} checkpointing={mode} "
+                                                     f"micro_batch={m}")
+                    if memory["total"] > cap:
+                        break
+                    rows.append(price(cfg, layout=name, p=p, dp=dp, zero_stage=stage, checkpointing=mode,
+                                      micro_batch=m, grad_accum=per_replica // m, seq=seq, hw=hw,
+                                      gpus_per_node=gpus_per_node, compiled=compiled, memory=memory))
+        log.info("plan: %s p=%d dp=%d priced in %.1f s (%d rows so far)", name, p, dp, time.time() - started,
+                 len(rows))
+    if not rows:
+        if smallest is None:
+            raise NothingFits(f"plan: no layout splits {model!r} over {gpus} GPUs ({gpus_per_node} per node) with "
+                              f"seq={seq} and {sequences} sequences per step")
+        raise NothingFits(f"plan: nothing fits {model!r} on {gpus} GPUs of {gpu_memory_gib} GiB "
+                          f"({memory_fraction:.0%} usable): the least memory per GPU any configuration needs is "
+                          f"{smallest[0] / GIB:.1f} GiB ({smallest[1]})")
+    return sorted(rows, key=lambda r: r.step_s)
+
+
+def _memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_batch: int, seq: int) -> dict:
+    if layout == BASELINE:
+        return baseline_peak_bytes(cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, checkpointing=mode,
+                                   elem=ELEMENT)
+    return peak_bytes(layout, cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, checkpointing=mode, elem=ELEMENT,
+                      ranks=[0])
+
+
+def best(rows: list[PlanRow], baseline: bool) -> PlanRow | None:
+    """The fastest package row (``baseline=False``) or baseline row."""
+    return next((r for r in rows if r.baseline == baseline), None)
+
+
+def largest_model(gpus: int, gpu_memory_gib: float, seq: int, global_batch_tokens: int, *, base="llama-3.1-70b",
+                  baseline: bool, layouts=None, gpus_per_node: int = 8, memory_fraction: float = 0.9) -> dict:
+    """The most blocks of ``base``'s shape (its width, heads and vocabulary; more layers) that some configuration
+    of the package (``baseline=False``) or of the 1-D baseline fits on ``gpus`` GPUs: ``{"n_layer", "parameters",
+    "configuration"}``. Memory only: each configuration at its least memory (ZeRO stage 3, full checkpointing, its
+    smallest micro-batch) is affine in the depth (the memory model extrapolates blocks), so two depths give the
+    deepest that fits."""
+    cfg = model_config(base)
+    cap = memory_fraction * gpu_memory_gib * GIB
+    names = () if baseline else (layout_names() if layouts is None else tuple(layouts))
+    found = {"n_layer": 0, "parameters": 0, "configuration": None}
+    with ranks_as_asked():
+        for candidate in _candidates(cfg, gpus, gpus_per_node, seq, global_batch_tokens // seq, names, baseline,
+                                     (0, 3), ("full",), None):
+            found = _deepest(cfg, candidate, seq, cap, found)
+    return found
+
+
+def _deepest(cfg, candidate, seq: int, cap: float, found: dict) -> dict:
+    """``found``, or this candidate's deepest model if it is deeper (:func:`largest_model`)."""
+    name, p, dp, stages, _, micros = candidate
+    stage = max(stages)
+    at = {n: _memory(dataclasses.replace(cfg, n_layer=n), name, p, dp, stage, "full", micros[0], seq)["total"]
+          for n in (cfg.n_layer, 2 * cfg.n_layer)}
+    per_block = (at[2 * cfg.n_layer] - at[cfg.n_layer]) / cfg.n_layer
+    fixed = at[cfg.n_layer] - cfg.n_layer * per_block
+    deepest = int((cap - fixed) // per_block) if per_block > 0 else 0
+    if deepest <= found["n_layer"]:
+        return found
+    deeper = dataclasses.replace(cfg, n_layer=deepest)
+    return {"n_layer": deepest, "parameters": parameter_split(deeper).total,
+            "configuration": f"{name} p={p} dp={dp} zero_stage={stage} checkpointing=full micro_batch={micros[0]}"}
+
+
+# ---- tp2d-plan ------------------------------------------------------------------------------------------------
+
+
+def table(rows: list[PlanRow], limit: int | None = 12) -> str:
+    """A markdown table of ``rows`` (the first ``limit``)."""
+    head = ("| # | configuration | p | dp | ZeRO | checkpointing | micro x accum | GiB/GPU | step s | tok/s/GPU | MFU |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for i, r in enumerate(rows[:limit] if limit else rows, 1):
+        name = (f"1-D TP+SP{' (async)' if r.async_tp else ''} x FSDP" if r.baseline and r.tensor_parallel_size > 1
+                else "FSDP (no TP)" if r.baseline else r.layout)
+        lines.append(f"| {i} | {name} | {r.tensor_parallel_size} | {r.data_parallel_size} | {r.zero_stage} | "
+                     f"{r.checkpointing} | {r.micro_batch} x {r.grad_accum} | {r.memory_gib:.1f} | {r.step_s:.2f} | "
+                     f"{r.tokens_per_s_per_gpu:,.0f} | {r.mfu:.1%} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``tp2d-plan MODEL --gpus N --gpu-memory-gib G --seq T [--global-batch-tokens K] ...``: print the fitting
+    configurations, best first, and write them as JSON (``--json``)."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(prog="tp2d-plan", description="Which layout and sizes train MODEL on these GPUs, "
+                                     "how fast, against torch's 1-D TP + SP x FSDP (predicted, not measured).")
+    parser.add_argument("model", help="a named size of any registered family, e.g. llama-3.1-70b, gpt2-medium")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpu-memory-gib", type=float, required=True)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--seq", type=int, required=True)
+    parser.add_argument("--global-batch-tokens", type=int, default=4 * 2**20)
+    parser.add_argument("--hardware", choices=sorted(HARDWARE), default="h100")
+    parser.add_argument("--layouts", nargs="*", default=None, help="package layouts to consider (default: all)")
+    parser.add_argument("--no-baselines", action="store_true", help="leave out the 1-D TP + SP x FSDP rows")
+    parser.add_argument("--zero-stages", type=int, nargs="*", default=[0, 1, 2, 3], help="ZeRO stages to consider")
+    parser.add_argument("--checkpointing", nargs="*", default=["none", "selective", "full"],
+                        help="activation checkpointing modes to consider")
+    parser.add_argument("--max-micro-batch", type=int, default=None, help="largest micro-batch (sequences) to try")
+    parser.add_argument("--eager", action="store_true", help="price elementwise work as eager runs it")
+    parser.add_argument("--top", type=int, default=12, help="rows to print (0: all)")
+    parser.add_argument("--json", default="plan.json", help="where to write every row (default plan.json; '' none)")
+    args = parser.parse_args(argv)
+    try:
+        rows = plan(args.model, gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib, gpus_per_node=args.gpus_per_node,
+                    seq=args.seq, global_batch_tokens=args.global_batch_tokens, hardware=args.hardware,
+                    include_baselines=not args.no_baselines, layouts=args.layouts, compiled=not args.eager,
+                    zero_stages=tuple(args.zero_stages), checkpointing=tuple(args.checkpointing),
+                    max_micro_batch=args.max_micro_batch)
+    except (ValueError, KeyError) as err:
+        print(f"tp2d-plan: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.model} on {args.gpus} GPUs ({args.gpus_per_node}/node, {args.gpu_memory_gib:g} GiB, "
+          f"{HARDWARE[args.hardware].name}), seq {args.seq}, {args.global_batch_tokens:,} tokens per step: "
+          f"{len(rows)} configurations fit")
+    print(table(rows, args.top or None))
+    package, baseline = best(rows, False), best(rows, True)
+    if package and baseline:
+        print(f"best package: {package.describe()}\nbest 1-D baseline: {baseline.describe()}\n"
+              f"package / baseline tokens/s/GPU: {package.tokens_per_s_per_gpu / baseline.tokens_per_s_per_gpu:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "gpus": args.gpus, "gpu_memory_gib": args.gpu_memory_gib,
+                       "gpus_per_node": args.gpus_per_node, "seq": args.seq,
+                       "global_batch_tokens": args.global_batch_tokens, "hardware": HARDWARE[args.hardware].name,
+                       "rows": [r.to_dict() for r in rows]}, f, indent=1)
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 0

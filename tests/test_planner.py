@@ -1,0 +1,118 @@
+"""The planner (:mod:`lightning_tp2d.bench.planner`, ``lightning_tp2d.plan``, ``tp2d-plan``): every row it returns
+fits the cap by the memory models, accounts for the whole global batch, is sorted by predicted step time; nothing
+fitting is one error naming the least memory; the elementwise constants reproduce the measurement they are fitted
+to; the data-parallel rule prices what the tracer counts. A tiny Llama on 4 "GPUs" keeps it quick."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import lightning_tp2d as tp
+from lightning_tp2d.bench import cost_model as cm
+from lightning_tp2d.bench import planner
+from lightning_tp2d.bench.memory_model import baseline_peak_bytes, parameter_split, peak_bytes
+from lightning_tp2d.families import model_config
+
+MODEL = "llama-tiny"
+SEQ, GPUS, TOKENS = 48, 4, 16 * 48
+OPTIONS = dict(gpus=GPUS, gpu_memory_gib=0.05, gpus_per_node=4, seq=SEQ, global_batch_tokens=TOKENS,
+               zero_stages=(0, 3), checkpointing=("none", "full"), max_micro_batch=2, layouts=("2d", "metp"))
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return tp.plan(MODEL, **OPTIONS)
+
+
+def test_rows_fit_account_for_the_batch_and_are_sorted(rows):
+    assert rows == sorted(rows, key=lambda r: r.step_s)
+    cap = 0.9 * OPTIONS["gpu_memory_gib"]
+    for r in rows:
+        assert r.tensor_parallel_size * r.data_parallel_size == GPUS, r
+        assert r.data_parallel_size * r.micro_batch * r.grad_accum * SEQ == TOKENS, r
+        assert 0 < r.memory_gib <= cap, r
+        assert r.tokens_per_s_per_gpu == pytest.approx(TOKENS / r.step_s / GPUS)
+        assert 0 < r.mfu < 1
+        assert r.zero_stage in (0, 3) and r.checkpointing in ("none", "full")
+        assert r.micro_batch <= 2
+        if r.zero_stage:
+            assert r.data_parallel_size > 1
+    kinds = {(r.baseline, r.layout) for r in rows}
+    assert {(False, "2d"), (False, "metp"), (True, "tp1d-sp")} <= kinds
+    assert any(r.baseline and r.tensor_parallel_size == 1 for r in rows)  # plain FSDP is a baseline too
+    assert all(r.zero_stage in (0, 3) for r in rows if r.baseline)
+    json.dumps([r.to_dict() for r in rows])  # plain data
+
+
+def test_a_row_s_memory_is_the_memory_model_s(rows):
+    cfg = model_config(MODEL)
+    for r in (planner.best(rows, False), planner.best(rows, True)):
+        if r.baseline:
+            want = baseline_peak_bytes(cfg, r.micro_batch, SEQ, r.tensor_parallel_size, dp=r.data_parallel_size,
+                                       zero_stage=r.zero_stage, checkpointing=r.checkpointing, elem=2)
+        else:
+            want = peak_bytes(r.layout, cfg, r.micro_batch, SEQ, r.tensor_parallel_size, dp=r.data_parallel_size,
+                              zero_stage=r.zero_stage, checkpointing=r.checkpointing, elem=2, ranks=[0])
+        assert r.memory_gib * planner.GIB == want["total"]
+
+
+def test_nothing_fits_names_the_model_and_the_least_memory():
+    with pytest.raises(planner.NothingFits, match=r"nothing fits 'llama-tiny' on 4 GPUs of 0.0001 GiB .* least "
+                                                  r"memory per GPU any configuration needs is [0-9.]+ GiB \(\S+ p="):
+        tp.plan(MODEL, **{**OPTIONS, "gpu_memory_gib": 0.0001})
+    with pytest.raises(ValueError, match="exceeds the model's block_size"):
+        tp.plan(MODEL, **{**OPTIONS, "seq": 10**6})
+    with pytest.raises(ValueError, match="less than one sequence"):
+        tp.plan(MODEL, **{**OPTIONS, "global_batch_tokens": 3})
+
+
+def test_elementwise_passes_reproduce_the_measured_gpt2_step_on_the_h200():
+    cfg = model_config("gpt2")
+    m = planner.GPT2_H200
+    for mode in ("eager", "compiled"):
+        row = planner.price(cfg, layout="tp1d-sp", p=1, dp=1, zero_stage=0, checkpointing="none",
+                            micro_batch=m["batch"], grad_accum=1, seq=m["seq"], hw=planner.HARDWARE["h200"],
+                            gpus_per_node=8, compiled=mode == "compiled")
+        assert row.tokens_per_s_per_gpu == pytest.approx(m[mode], rel=1e-6)
+    assert 1 < planner.ELEMENTWISE_PASSES["compiled"] < planner.ELEMENTWISE_PASSES["eager"]
+
+
+def test_data_parallel_rule_prices_the_bytes_the_tracer_counts():
+    """Stage 3 on a ring of 2 x dp 2 (float32 compute here, so the gathers are float32): the rule's per-block
+    all-gather and reduce-scatter payloads are the traced ones."""
+    cfg = model_config(MODEL)
+    events = cm.comm_events("metp", cfg, 2, SEQ, 2, 4, dp=2, zero_stage=3)
+    traced = {k: sum(e.nbytes * e.calls for e in events if e.group == "data_parallel" and e.kind == k)
+              for k in ("all_gather", "reduce_scatter")}
+    split = parameter_split(cfg)
+    elements = split.total / 2  # one tensor rank's shard
+    # all-gather: every group twice (forward, backward) but the root once (FSDP keeps it after the forward); 1/dp
+    want_gather = 4 * (split.root + 2 * split.n_layer * split.block) / 2 / 2
+    assert traced["all_gather"] == pytest.approx(want_gather, rel=0.05)
+    assert traced["reduce_scatter"] == pytest.approx(4 * elements, rel=0.05)
+    hw = planner.HARDWARE["h100"]
+    kw = dict(root=split.root / 2, block=split.block / 2, n_layer=split.n_layer, tp=2, gpus_per_node=8, hw=hw,
+              forward_s=1.0, backward_s=2.0, grad_accum=1)
+    assert planner.data_parallel_time(dp=1, stage=3, **kw) == {"comm_s": 0.0, "exposed_s": 0.0}
+    three = planner.data_parallel_time(dp=2, stage=3, **kw)
+    assert 0 < three["exposed_s"] < three["comm_s"]  # hidden behind long blocks, but for the first gathers
+    zero = planner.data_parallel_time(dp=2, stage=0, **kw)
+    assert zero["exposed_s"] == 0.0 < zero["comm_s"]  # the all-reduce hides behind a 2 s backward
+    assert planner.data_parallel_time(dp=2, stage=3, **{**kw, "grad_accum": 3})["comm_s"] == pytest.approx(
+        3 * three["comm_s"])
+
+
+def test_tp2d_plan_prints_the_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = [MODEL, "--gpus", "4", "--gpu-memory-gib", "0.05", "--gpus-per-node", "4", "--seq", str(SEQ),
+            "--global-batch-tokens", str(TOKENS), "--layouts", "2d", "--zero-stages", "0", "3", "--checkpointing",
+            "none", "full", "--max-micro-batch", "2", "--json", str(out)]
+    assert planner.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| 1 |" in printed and "best package: 2d" in printed and "best 1-D baseline" in printed
+    data = json.loads(out.read_text())
+    assert data["model"] == MODEL and data["rows"] and {r["layout"] for r in data["rows"]} == {"2d", "tp1d-sp"}
+    assert planner.main(["no-such-model", "--gpus", "4", "--gpu-memory-gib", "80", "--seq", "64"]) == 2
+    assert "tp2d-plan:" in capsys.readouterr().err
