@@ -30,6 +30,7 @@ def quick(tmp_path_factory):
         return json.load(f), out
 
 
+@pytest.mark.slow
 def test_quick_run_reports_every_field_of_every_scenario(quick):
     results, out = quick
     rows = {r["layout"]: r for r in results["scenarios"]}
@@ -58,6 +59,7 @@ def test_quick_run_reports_every_field_of_every_scenario(quick):
     assert len(proj["gemm_calibration"]["table"]) == 2 and proj["gemm_calibration"]["overhead_s"] > 0
 
 
+@pytest.mark.slow
 def test_counted_communication_equals_the_cost_model(quick):
     results, _ = quick
     for r in results["scenarios"] + results["weak_scaling"]:
@@ -69,6 +71,7 @@ def test_counted_communication_equals_the_cost_model(quick):
         assert (r["comm_bytes"] > 0) == (r["p"] > 1 or r["layout"] == "tp1d")  # tp1d: loss_parallel even on one rank
 
 
+@pytest.mark.slow
 def test_memory_sections_order_the_layouts_as_designed(quick):
     results, _ = quick
     rows = {r["layout"]: r for r in results["scenarios"]}

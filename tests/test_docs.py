@@ -80,6 +80,9 @@ def python_blocks(doc: Path) -> list[Block]:
 BLOCKS = [block for doc in DOCS for block in python_blocks(doc)]
 
 
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def cpu_sized(block: Block) -> str:
     code = block.code
     for documented, cpu, _ in CPU_SIZED:
@@ -120,6 +123,11 @@ def ran(tmp_path_factory):
             cmd = [sys.executable, block.script]
         proc = subprocess.run(cmd, cwd=cwd, env=environment(), capture_output=True, text=True, timeout=300)
         output = proc.stdout + proc.stderr
+        if proc.returncode and TEARDOWN_ABORT in output and proc.stdout.strip():
+            # gloo's teardown aborted a rank after the script had finished and printed (seen once in ~30 CI runs,
+            # never reproduced in 50 local runs): run it once more, and fail if it aborts again
+            proc = subprocess.run(cmd, cwd=cwd, env=environment(), capture_output=True, text=True, timeout=300)
+            output = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{block.id} ({' '.join(cmd)}) exited {proc.returncode}:\n{output[-4000:]}"
         done[block.id] = (cwd, output)
         return done[block.id]

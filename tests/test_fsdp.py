@@ -304,7 +304,8 @@ def _rel(a: list[float], b: list[float]) -> list[float]:
     return [abs(x - y) / abs(y) for x, y in zip(a, b)]
 
 
-@pytest.mark.parametrize("layout, p, world_size", [("metp", 2, 4), ("2d", 4, 8)], ids=["dp2-ring2", "dp2-grid2x2"])
+@pytest.mark.parametrize("layout, p, world_size", [("metp", 2, 4), pytest.param("2d", 4, 8, marks=pytest.mark.slow)],
+                         ids=["dp2-ring2", "dp2-grid2x2"])
 def test_bf16_stage_3_gathers_bf16_reduces_float32_and_trains_like_stage_0(layout, p, world_size):
     """bf16-mixed at stage 3: FSDP gathers bf16 parameters (half the bytes of a 32-true stage 3 step), the blocks
     compute with them, gradients are reduce-scattered in float32 and the optimizer steps float32 gradients. bf16-true:
@@ -371,6 +372,7 @@ def _fabric_stage_3(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_fabric_at_stage_3_compiles_each_block_like_eager_and_gathers_bf16_under_bf16_mixed():
     """compile at ZeRO stage 3 compiles each transformer block alone (FSDP's all-gathers and reduce-scatters run
     between the compiled blocks): one graph for the equal blocks, no graph break, the eager losses; the strategy

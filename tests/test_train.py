@@ -104,6 +104,7 @@ def test_4_process_run_leaves_metrics_checkpoint_plot_and_sample(single_node):
     assert "max_steps: 6" in (run_dir / ".hydra" / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_two_machines_on_loopback_match_the_single_machine_run(single_node, tmp_path):
     """NODE_RANK 0 and 1, two processes each (Lightning starts the second on each machine), one 2x2 grid across
     both: rows 0 and 1 of the grid live on different 'machines'."""
@@ -157,6 +158,7 @@ def test_resume_continues_in_the_run_directory_and_command_line_callbacks_are_us
     assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == "step=8.ckpt"
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_at_resume_is_one_line_naming_the_file(single_node, tmp_path):
     """A shard of the checkpoint overwritten: every rank finds it before loading anything (checksums), and the user
     reads one line naming the file (it used to be a Hydra traceback from every rank); a checkpoint whose meta.pt is
@@ -181,6 +183,7 @@ def test_a_damaged_checkpoint_at_resume_is_one_line_naming_the_file(single_node,
     assert "Initializing distributed" not in refused.stdout + refused.stderr
 
 
+@pytest.mark.slow
 def test_multirun_launches_each_job_once_in_its_own_folder(tmp_path):
     args = ["-m", "experiment=quick", "trainer.max_steps=2,3", "trainer.val_check_interval=2",
             "trainer.limit_val_batches=1", "data.max_tokens=20000", "sample.max_new_tokens=0"]
@@ -213,6 +216,7 @@ def long_run_until_checkpoint(cwd: Path, every: int, step: int, stdout=subproces
 READER = "import sys\nfor line in sys.stdin:\n    sys.stdout.write(line)\n"  # `tee`: dies of the Ctrl-C it gets
 
 
+@pytest.mark.slow
 def test_ctrl_c_under_a_pipe_saves_the_step_and_exits_130(tmp_path):
     """``tp2d-train ... | tee run.log`` and Ctrl-C (SIGINT to the whole process group, the reader included, which
     dies of it) while checkpoints are written every two steps: rank 0 outlives the closed pipe (its signal handler
@@ -267,7 +271,8 @@ def test_bad_input_is_refused_before_any_process_starts(tmp_path):
 
 
 @pytest.mark.parametrize("parallel, p, devices, log_every, precision, zero_stage",
-                         [("metp", 2, 4, 20, "bf16-mixed", 3), ("tp2d_metp", 4, 4, 1, "bf16-true", 0)])
+                         [("metp", 2, 4, 20, "bf16-mixed", 3),
+                          pytest.param("tp2d_metp", 4, 4, 1, "bf16-true", 0, marks=pytest.mark.slow)])
 def test_ring_layouts_train_and_sample_from_the_command_line(tmp_path, parallel, p, devices, log_every, precision,
                                                              zero_stage):
     """In bf16 with gradient clipping (the GPU default's bf16-mixed + clipping used to fail at the first optimizer
