@@ -1,7 +1,8 @@
 """What the Trainer strategy (:class:`~lightning_tp2d.strategy.TP2DStrategy`) and the Fabric strategy
 (:class:`~lightning_tp2d.fabric.TP2DFabricStrategy`) share: the arguments and their checks, resolving the
-tensor- and data-parallel sizes, the mesh, finding and parallelizing the :class:`~lightning_tp2d.models.GPT2`
-(or other registered model family: :mod:`lightning_tp2d.families`) modules (meta-device models from one seed or
+tensor- and data-parallel sizes (or, with ``layout="auto"``, the planner's choice of layout, sizes, ZeRO stage and
+checkpointing: :mod:`lightning_tp2d.bench.planner`), the mesh, finding and parallelizing the
+:class:`~lightning_tp2d.models.GPT2` (or other registered model family: :mod:`lightning_tp2d.families`) modules (meta-device models from one seed or
 a transformers directory, eager ones made identical on every rank, then activation checkpointing and
 ``torch.compile``), and what a checkpoint records about the run.
 
@@ -15,7 +16,7 @@ import functools
 import os
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn as nn
@@ -31,9 +32,17 @@ from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes
 from lightning_tp2d.training import broadcast_module_, clip_grad_norm_
 from lightning_tp2d.zero import ZERO_STAGES
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+if TYPE_CHECKING:
+    from lightning_tp2d.bench.planner import PlanRow
 
-__all__ = ["SUPPORTED_PRECISION", "TensorParallelCore", "compile_options", "find_model_config"]
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+AUTO_LAYOUT = "auto"  # layout="auto": the planner picks layout, sizes, ZeRO stage and checkpointing at start-up
+# what plan_options may set: lightning_tp2d.bench.planner.plan's arguments that are not the job's (gpus, memory)
+PLAN_OPTIONS = ("seq", "global_batch_tokens", "hardware", "layouts", "zero_stages", "checkpointing", "memory_fraction",
+                "max_micro_batch", "compiled")
+
+__all__ = ["AUTO_LAYOUT", "PLAN_OPTIONS", "SUPPORTED_PRECISION", "TensorParallelCore", "compile_options",
+           "find_model_config"]
 
 
 def compile_options(compile: bool | str | dict | None) -> dict | None:
@@ -75,21 +84,24 @@ def _models(module: nn.Module) -> list[tuple[str, nn.Module]]:
 class TensorParallelCore:
     """The layout, sizes, mesh and model handling of both strategies (module docstring)."""
 
-    layout_spec: Layout
+    layout_spec: Layout | None  # None while layout="auto" is not planned yet
     _dims: ParallelDims | None = None
     _mesh: Any = None  # the strategy's mesh (built in setup_environment)
     _run_precision: str = "32-true"  # the Lightning precision name (kept by _check_precision_name)
+    plans_layout: bool = False  # layout="auto" is supported (the strategy knows the model before the process group)
+    chosen_plan: PlanRow | None = None  # layout="auto": the planner's row this run follows
 
     def __init__(self, layout: str | Layout = "2d", tensor_parallel_size: Literal["auto"] | int = "auto",
                  data_parallel_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | float | None = default_pg_timeout,
                  activation_checkpointing: str = "none", compile: bool | str | dict = False,
-                 allow_fallback: bool = False, zero_stage: int = 0) -> None:
+                 allow_fallback: bool = False, zero_stage: int = 0, memory_gib: float | None = None,
+                 plan_options: Mapping[str, Any] | None = None) -> None:
         """The arguments of both strategies (documented on :class:`~lightning_tp2d.strategy.TP2DStrategy`): checked
         and kept, then the Lightning base class (``ModelParallelStrategy``, given :meth:`_base_arguments`), then the
         strategy's own state (:meth:`_init_state`)."""
         self._check_arguments(layout, tensor_parallel_size, data_parallel_size, timeout, activation_checkpointing,
-                              compile, allow_fallback, zero_stage)
+                              compile, allow_fallback, zero_stage, memory_gib, plan_options)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=self.timeout, **self._base_arguments())
@@ -106,9 +118,11 @@ class TensorParallelCore:
     def _check_arguments(self, layout: str | Layout, tensor_parallel_size: Literal["auto"] | int,
                          data_parallel_size: Literal["auto"] | int, timeout: timedelta | float | None,
                          activation_checkpointing: str, compile: bool | str | dict, allow_fallback: bool,
-                         zero_stage: int) -> None:
+                         zero_stage: int, memory_gib: float | None = None,
+                         plan_options: Mapping[str, Any] | None = None) -> None:
         """Check and keep the strategy arguments (before the Lightning base class is initialised)."""
-        spec = get_layout(layout)
+        auto = isinstance(layout, str) and layout == AUTO_LAYOUT
+        spec = None if auto else get_layout(layout)
         if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of "
                              f"{', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
@@ -118,7 +132,7 @@ class TensorParallelCore:
             raise ValueError("compile with activation_checkpointing='selective' is not supported: its saved-tensor "
                              "hooks and recipes run in eager mode only (use 'full', or no compile)")
         checkpointed = activation_checkpointing != "none"
-        if self.compile_options is not None and checkpointed and not spec.compiles_checkpointed:
+        if spec is not None and self.compile_options is not None and checkpointed and not spec.compiles_checkpointed:
             raise ValueError(f"compile with activation_checkpointing={activation_checkpointing!r} is not supported "
                              f"for layout {spec.name!r} yet: torch 2.13's AOTAutograd fails to save the DTensor "
                              "parameters' metadata inside a checkpointed region (use one of them, or layout 'metp' / "
@@ -131,12 +145,39 @@ class TensorParallelCore:
                              "replica keeps the full optimizer state of its tensor shard; 1: the state is sharded "
                              "over the replicas; 2: gradients too; 3: parameters too)")
         self.timeout = as_timeout(timeout)
+        self._check_plan_arguments(auto, memory_gib, plan_options, zero_stage, activation_checkpointing)
         self.layout_spec = spec
-        self.layout = spec.name
+        self.layout = AUTO_LAYOUT if auto else spec.name
         self._requested = (tensor_parallel_size, data_parallel_size)
         self.allow_fallback = bool(allow_fallback)
         self.zero_stage = zero_stage
         self._dims = None
+
+    def _check_plan_arguments(self, auto: bool, memory_gib: float | None, plan_options: Mapping[str, Any] | None,
+                              zero_stage: int, activation_checkpointing: str) -> None:
+        """Check and keep ``memory_gib`` and ``plan_options``: arguments of ``layout="auto"`` only."""
+        if not auto:
+            if memory_gib is not None or plan_options:
+                raise ValueError("memory_gib and plan_options configure layout='auto' (the planner); with a named "
+                                 "layout leave them out")
+            self.memory_gib, self.plan_options = None, {}
+            return
+        if not self.plans_layout:
+            raise ValueError(f"layout='auto' is not supported by {type(self).__name__}: the plan needs the model "
+                             "before the process group starts, which only the Trainer's TP2DStrategy sees; name a "
+                             "layout (`tp2d-plan MODEL --gpus N --gpu-memory-gib G --seq T` prints the best)")
+        if zero_stage != 0 or activation_checkpointing != "none":
+            raise ValueError(f"layout='auto' chooses zero_stage and activation_checkpointing itself, got zero_stage="
+                             f"{zero_stage!r}, activation_checkpointing={activation_checkpointing!r}; restrict the "
+                             "choice with plan_options={'zero_stages': (...), 'checkpointing': (...)}")
+        if memory_gib is not None and (isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float))
+                                       or memory_gib <= 0):
+            raise ValueError(f"memory_gib must be a positive number of GiB per device, got {memory_gib!r}")
+        unknown = sorted(set(plan_options or {}) - set(PLAN_OPTIONS))
+        if unknown:
+            raise ValueError(f"plan_options: unknown keys {unknown}; known: {list(PLAN_OPTIONS)}")
+        self.memory_gib = None if memory_gib is None else float(memory_gib)
+        self.plan_options = dict(plan_options or {})
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
@@ -174,6 +215,58 @@ class TensorParallelCore:
         tp, dp = resolve_sizes(self.layout_spec, config, self.num_processes, self.num_nodes, *self._requested,
                                allow_fallback=self.allow_fallback, names=ARGUMENTS)
         return ParallelDims(self.layout_spec, tp, dp)
+
+    def _plan(self, config: Any, memory_gib: float, per_node: int, nodes: int) -> list[PlanRow]:
+        """``layout="auto"``: the configurations of :func:`lightning_tp2d.bench.planner.plan` (no 1-D baselines) for
+        ``config`` on ``per_node x nodes`` devices of ``memory_gib`` GiB, best first, that this strategy runs: the
+        family's layouts (those without dropout when ``config.dropout``), the sizes asked for (numbers given as
+        ``tensor_parallel_size`` / ``data_parallel_size``) and, under ``compile``, no checkpointing that does not
+        compile. ``plan_options`` go to the planner; ``seq`` defaults to ``config.block_size`` and
+        ``global_batch_tokens`` to one sequence per device. Deterministic: every rank plans the same. Nothing that
+        fits: the planner's :class:`~lightning_tp2d.bench.planner.NothingFits` (a ``ValueError``)."""
+        from lightning_tp2d.bench.planner import plan  # deferred: heavy, the cost model fits its GEMM rates on import
+
+        family = family_of_config(config)
+        if family is None:
+            raise ValueError(f"layout='auto' plans for a model of a registered family, got {type(config).__name__}")
+        options = dict(self.plan_options)
+        seq = int(options.pop("seq", None) or config.block_size)
+        world = per_node * nodes
+        tokens = int(options.pop("global_batch_tokens", None) or world * seq)
+        asked = tuple(options.pop("layouts", None) or family.layouts)
+        if set(asked) - set(family.layouts):
+            raise ValueError(f"plan_options['layouts']={list(asked)}: model family {family.name!r} has plans for "
+                             f"{list(family.layouts)} only")
+        dropout = getattr(config, "dropout", 0.0)
+        layouts = [n for n in asked if get_layout(n).dropout_problem(dropout) is None]
+        if not layouts:
+            raise ValueError(f"layout='auto': none of the layouts {list(asked)} trains with dropout={dropout}; set "
+                             "the model's dropout to 0")
+        if self.compile_options is not None:  # selective checkpointing runs eagerly only (see _check_arguments)
+            options["checkpointing"] = tuple(m for m in options.get("checkpointing", ACTIVATION_CHECKPOINTING)
+                                             if m != "selective")
+        rows = plan(config, gpus=world, gpu_memory_gib=memory_gib, gpus_per_node=per_node, seq=seq,
+                    global_batch_tokens=tokens, include_baselines=False, layouts=layouts, **options)
+        tensor, data = self._requested
+        kept = [r for r in rows if tensor in ("auto", r.tensor_parallel_size) and data in ("auto", r.data_parallel_size)
+                and (self.compile_options is None or r.checkpointing == "none"
+                     or get_layout(r.layout).compiles_checkpointed)]
+        if not kept:
+            sizes = sorted({(r.tensor_parallel_size, r.data_parallel_size) for r in rows})
+            raise ValueError(f"layout='auto': none of the {len(rows)} configurations that fit has tensor_parallel_size="
+                             f"{tensor}, data_parallel_size={data}" + (" and compiles" if self.compile_options else "")
+                             + f"; the planned (p, dp): {sizes}")
+        return kept
+
+    def _take_plan(self, row: PlanRow) -> None:
+        """Run the planner's ``row``: its layout, sizes, ZeRO stage and activation checkpointing (its micro-batch and
+        accumulation are advice: the data and the Trainer keep theirs)."""
+        self.layout_spec = get_layout(row.layout)
+        self.layout = self.layout_spec.name
+        self._requested = (row.tensor_parallel_size, row.data_parallel_size)
+        self.zero_stage = row.zero_stage
+        self.activation_checkpointing = row.checkpointing
+        self.chosen_plan = row
 
     # ---- environment --------------------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ CONF_DIR = _find_conf_dir()
 RUN_DIR_ENV = "TP2D_RUN_DIR"
 CPU_PROCESSES = 4  # the CPU default: one 2x2 grid
 GPU_MODEL, CPU_MODEL = "gpt2", "gpt2-mini"
+CPU_MEMORY_GIB = 1.0  # parallel=auto without GPUs: the memory per CPU process the plan may fill
 # flags after which tp2d-train does not check override keys (other config sources, or nothing is composed)
 _NO_KEY_CHECK = ("-h", "--help", "--hydra-help", "--version", "-i", "--info", "-sc", "--shell-completion", "-cd",
                  "--config-dir", "-cp", "--config-path", "-cn", "--config-name", "--experimental-rerun")
@@ -349,7 +350,10 @@ def auto_value(key: str, env: Mapping[str, str] | None = None):
         return "bf16-mixed" if _cuda_bf16() else "32-true"
     if key == "model":
         return GPU_MODEL if _cuda_devices() else CPU_MODEL
-    raise ValueError(f"${{tp2d.auto:{key}}}: unknown key; use accelerator, devices, num_nodes, precision or model")
+    if key == "memory_gib":  # None: each GPU's total memory (TP2DStrategy's default on CUDA)
+        return None if _cuda_devices() else CPU_MEMORY_GIB
+    raise ValueError(f"${{tp2d.auto:{key}}}: unknown key; use accelerator, devices, num_nodes, precision, model or "
+                     "memory_gib")
 
 
 def torch_device(accelerator: str) -> str:

@@ -5,6 +5,8 @@ Builds on Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrateg
 process-group set-up, data-parallel sampler sharding and the DCP checkpoint plumbing. On top of it:
 
 * ``setup_environment`` builds the layout's mesh, axes ``(data_parallel, row, col)`` or ``(data_parallel, ring)``;
+  with ``layout="auto"`` it first asks the planner (:func:`lightning_tp2d.bench.planner.plan`) which layout, sizes,
+  ZeRO stage and checkpointing train the model fastest in this job's devices and memory (:meth:`plan_layout`);
 * ``setup`` finds the :class:`~lightning_tp2d.models.GPT2` modules inside the LightningModule and parallelizes
   them (no ``configure_model`` parallel code needed); models built on the meta device are materialised shard by
   shard from one seed, eager models are first made identical on every rank (broadcast from rank 0);
@@ -24,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -32,6 +34,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_tp2d import checkpoint as ckpt
 from lightning_tp2d import families
@@ -43,13 +46,19 @@ from lightning_tp2d.quiet import silence_known_noise
 from lightning_tp2d.training import GradientSync, clip_grad_value_
 from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
 
+if TYPE_CHECKING:
+    from lightning_tp2d.bench.planner import PlanRow
+
 
 class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
     """Tensor-parallel GPT-2 training on a ``dp x p`` mesh.
 
     Args:
         layout: ``"2d"`` (SUMMA on a ``q x q`` grid), ``"metp"`` (ring of ``p``) or ``"2d-metp"``, or a
-            :class:`~lightning_tp2d.layouts.Layout` object (which carries the layers' ``TPOptions``).
+            :class:`~lightning_tp2d.layouts.Layout` object (which carries the layers' ``TPOptions``), or ``"auto"``:
+            the planner's fastest configuration that fits (:meth:`plan_layout`), which also sets ``zero_stage`` and
+            ``activation_checkpointing`` (leave those at their defaults; restrict them with ``plan_options``).
+            ``tensor_parallel_size`` / ``data_parallel_size`` given as numbers restrict the plan to them.
         tensor_parallel_size: ranks per model replica ``p``, or ``"auto"``: the largest size valid for the layout
             (square for the grid layouts; dividing the model's heads and width when the model is known) that
             divides the devices of one node.
@@ -84,9 +93,18 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             gathered and computed in bf16, gradients reduced in float32; ``"bf16-true"``: reduced in float32:
             :func:`~lightning_tp2d.fsdp.mixed_precision_policy`); with ``dp = 1`` a warning and no sharding. ``0``
             (default): each replica keeps the full state of its tensor shard.
+        memory_gib: ``layout="auto"``: GiB of memory per device the plan may fill (90% of it: the planner's
+            ``memory_fraction``). Default on CUDA: the device's total memory; required on CPU (a ``ValueError``
+            without it).
+        plan_options: ``layout="auto"``: further arguments of :func:`~lightning_tp2d.bench.planner.plan`
+            (:data:`~lightning_tp2d.core.PLAN_OPTIONS`): ``seq`` (default: the model's ``block_size``),
+            ``global_batch_tokens`` (default: one sequence per device), ``hardware`` (priced as, default
+            ``"h100"``), ``layouts``, ``zero_stages``, ``checkpointing``, ``max_micro_batch``, ``memory_fraction``,
+            ``compiled``.
     """
 
     strategy_name = "tp2d"
+    plans_layout = True  # layout="auto": setup_environment knows the module before the process group starts
 
     # __init__: TensorParallelCore's (the one argument set of both strategies)
 
@@ -103,7 +121,10 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         self._check_precision()
-        self._dims = self._resolve_dims(None)
+        if self.layout_spec is None:  # layout="auto": planned in setup_environment, once the module is known
+            self._device_memory_gib(early=True)
+        else:
+            self._dims = self._resolve_dims(None)
         launcher = self._launcher
         if launcher is not None:  # Lightning starts the other local ranks: check module and data once, before it does
             launch = launcher.launch
@@ -126,7 +147,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             return
         if module is not None and hasattr(module, "check_data_sizes"):
             module.check_data_sizes(data)
-        batch = getattr(data, "batch_size", None) if fitting else None
+        batch = getattr(data, "batch_size", None) if fitting and self.layout_spec is not None else None
         problem = self.layout_spec.batch_problem(self._dims.tensor_parallel_size, batch) if batch else None
         if problem:
             raise ValueError(problem)
@@ -138,12 +159,41 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         self._limit_cpu_threads()
+        if self.layout_spec is None:
+            self.plan_layout()  # before the process group: the planner traces on a fake one of its own
         self._setup_distributed()
         dims = self._resolve_dims(find_model_config(self.lightning_module))
         self._dims = dims
         # validate/test after fit, or a second Trainer, reuse the mesh the module is parallelized on
         self._mesh = self._build_mesh(dims, self.lightning_module)
         self.lightning_module._device_mesh = self._mesh
+
+    def plan_layout(self) -> PlanRow:
+        """``layout="auto"``: plan for the LightningModule's model on this job's ``devices x num_nodes`` devices of
+        :meth:`_device_memory_gib` GiB (:meth:`~lightning_tp2d.core.TensorParallelCore._plan`), take the fastest
+        configuration (layout, sizes, ZeRO stage, checkpointing) and log it and the runner-up on rank 0; return it
+        (also :attr:`chosen_plan`). Every rank plans the same, without communication; before any process group."""
+        config = find_model_config(self.lightning_module)
+        if config is None:
+            raise ValueError("layout='auto' plans for the model inside the LightningModule, but it holds no model of "
+                             f"a registered family ({families.model_names()}) nor a `config` of one")
+        rows = self._plan(config, self._device_memory_gib(), self.num_processes, self.num_nodes)
+        self._take_plan(rows[0])
+        self.set_world_ranks()  # rank_zero_info knows the rank before _setup_distributed sets it again
+        runner_up = f"; runner-up: {rows[1].describe()}" if len(rows) > 1 else ""
+        rank_zero_info(f"layout='auto' chose {rows[0].describe()} (predicted, of {len(rows)} that fit; "
+                       f"micro-batch x accumulation is advice: the data and Trainer keep theirs){runner_up}")
+        return rows[0]
+
+    def _device_memory_gib(self, early: bool = False) -> float | None:
+        """GiB per device for the plan: ``memory_gib``, else this CUDA device's total memory; on CPU ``memory_gib``
+        is required. ``early`` (when the Trainer is built): only check that, touching no CUDA device yet."""
+        if self.memory_gib is not None:
+            return self.memory_gib
+        if self.root_device.type != "cuda":
+            raise ValueError(f"layout='auto' on {self.root_device.type} needs memory_gib=<GiB per device> (the memory "
+                             "the plan may fill per process; CUDA devices report theirs)")
+        return None if early else torch.cuda.mem_get_info(self.root_device)[1] / 2**30
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None

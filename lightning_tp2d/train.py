@@ -47,6 +47,7 @@ from omegaconf.errors import MissingMandatoryValue
 from lightning_tp2d import launch
 from lightning_tp2d.callbacks import GracefulInterrupt
 from lightning_tp2d.checkpoint import saved_step
+from lightning_tp2d.core import AUTO_LAYOUT
 from lightning_tp2d.data import (check_format, check_path, get_tokenizer, is_token_file, text_suffixes,
                                  tokenizer_vocab_size)
 from lightning_tp2d.errors import CheckpointError, CommError, DivergenceError
@@ -392,6 +393,8 @@ def check_config(cfg: DictConfig, model) -> str:
                               f"{nodes} = {devices * nodes}: use trainer.devices=1, or a tensor-parallel layout "
                               "(parallel=tp2d)")
         return f"plain {_model_name(model)} ({model.n_layer} layers, {model.n_embd} wide) on one device ({where})"
+    if str(cfg.parallel.layout) == AUTO_LAYOUT:
+        return check_auto(cfg.parallel, model, str(tr.accelerator)) + f" ({where})"
     if devices is None:
         return f"layout {cfg.parallel.layout!r} on trainer.devices={tr.devices} ({where})"
     return check_layout(cfg.parallel, model, devices, nodes, batch, seq) + f" ({where})"
@@ -401,6 +404,19 @@ def _model_name(model) -> str:
     """``GPT2`` / ``Llama``: the model class of ``model``'s (a config's) family, for messages."""
     family = family_of_config(model)
     return "GPT-2" if family is None or family.name == "gpt2" else family.model_class.__name__
+
+
+def check_auto(par: DictConfig, model, accelerator: str) -> str:
+    """``parallel=auto``: what can be checked before the plan (which each rank makes at start-up, from the model)."""
+    if family_of_config(model) is None:
+        raise ConfigError(f"model: {type(model).__name__} is not the config of a registered model family")
+    memory = par.get("memory_gib")
+    if memory is None and accelerator not in ("gpu", "cuda", "auto"):
+        raise ConfigError(f"parallel=auto on trainer.accelerator={accelerator} needs parallel.memory_gib=<GiB per "
+                          "process> (the memory the plan may fill; GPUs report theirs)")
+    per_device = "each GPU's memory" if memory is None else f"{float(memory):g} GiB per device"
+    return (f"layout 'auto': the planner picks the layout, sizes, ZeRO stage and checkpointing for "
+            f"{_model_name(model)} in {per_device} at start-up")
 
 
 def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, seq: int) -> str:

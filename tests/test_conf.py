@@ -24,7 +24,7 @@ from lightning_tp2d.train import ConfigError, check_config, device_count
 CONF = launch.CONF_DIR
 GROUPS = {"model": ["gpt2", "gpt2-large", "gpt2-medium", "gpt2-mini", "gpt2-tiny", "gpt2-xl", "llama-3.2-1b",
                     "llama-mini", "llama-tiny"],
-          "parallel": ["metp", "single", "tp2d", "tp2d_metp"],
+          "parallel": ["auto", "metp", "single", "tp2d", "tp2d_metp"],
           "trainer": ["auto", "cpu", "gpu", "multinode"],
           "data": ["default", "text", "tokens"],
           "callbacks": ["default", "divergence_guard", "early_stopping", "lr_monitor", "model_checkpoint", "none",
