@@ -41,6 +41,11 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RAN
 CPU_SIZED = [
     ('GPT2Config.from_name("gpt2")', 'GPT2Config.from_name("gpt2-tiny")',
      'with `"gpt2-tiny"` in place of\n`"gpt2"` it runs in seconds'),
+    ('tp.plan("llama-3.1-70b", gpus=64, gpu_memory_gib=80, seq=8192, global_batch_tokens=4 * 2**20)',
+     'tp.plan("llama-tiny", gpus=4, gpu_memory_gib=0.05, seq=48, global_batch_tokens=768, layouts=("2d",), '
+     'checkpointing=("none",))',
+     '`tp.plan("llama-tiny", gpus=4, gpu_memory_gib=0.05, seq=48, global_batch_tokens=768, layouts=("2d",), '
+     'checkpointing=("none",))`\nanswers in seconds'),
 ]
 # A block holding the first string uses the file (or folder) that the block holding the second one wrote: that block
 # runs first, and what it wrote is copied into this block's folder when the two are in different documents.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -117,6 +118,7 @@ def test_every_recipe_file_the_docs_name_exists():
             and p.name not in index] == []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
 def test_single_node_torchrun_recipe_trains_on_4_cpu_processes(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TP2D_RUN_DIR")}
@@ -163,3 +165,24 @@ def test_zero_stages_recipe_measures_what_each_stage_shards_and_sends(monkeypatc
         assert s0["sent_bytes_all"] < s2["sent_bytes_all"] < s3["sent_bytes_all"]
         for s in (s0, s1, s2, s3):
             assert s["peak_bytes"] >= s["parameter_bytes"] + s["gradient_bytes"] + s["optimizer_bytes"]
+
+
+def test_scale_recipe_writes_the_tables_and_the_calibration(tmp_path):
+    """``recipes/benchmarks/scale.py --tiny``: the same tables on llama-tiny (the real run takes an hour); the
+    calibration rows price torchtitan's configurations and reproduce the fitted GPT-2 step exactly."""
+    spec = importlib.util.spec_from_file_location("scale", ROOT / "recipes" / "benchmarks" / "scale.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    assert recipe.main(["--tiny", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    (scenario,) = results["scenarios"]
+    assert scenario["status"] == "ok" and scenario["best_package"]["layout"] == "2d"
+    assert scenario["best_baseline"]["baseline"] and scenario["package_over_baseline"] > 0
+    big = results["largest_model"]
+    assert big["package"]["n_layer"] > 0 and big["baseline"]["n_layer"] > 0
+    ratios = {c["configuration"]: c["ratio"] for c in results["calibration"]}
+    assert len(ratios) == len(recipe.TORCHTITAN) + 2
+    assert [r for name, r in ratios.items() if "fitted" in name] == [pytest.approx(1.0)] * 2
+    assert all(0.5 < r < 2.0 for r in ratios.values())
+    text = (tmp_path / "results.md").read_text()
+    assert "package / baseline" in text and "Calibration" in text and "Float8" in text

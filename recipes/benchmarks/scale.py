@@ -1,0 +1,211 @@
+"""Scale tables: Llama 3.1 8B / 70B / 405B on H100-80GB nodes of 8, seq 8192, ~4M tokens per step -- the
+package's best configuration against the best 1-D TP + SP x FSDP one (async TP where it is faster), as the planner
+predicts them (:mod:`lightning_tp2d.bench.planner`; predictions, not measurements: no GPU has run them).
+
+    python recipes/benchmarks/scale.py [--out recipes/benchmarks/scale] [--tiny]
+
+For each (model, GPUs): every configuration that fits (memory <= 90% of 80 GiB), the best package row and the best
+baseline row (tokens/s/GPU, MFU, memory per GPU) and their ratio. Then the largest Llama-shaped model (70B's width,
+heads and vocabulary, more layers) each trains on 64 GPUs, and calibration rows: torchtitan's published
+configurations priced on the hardware they ran on (``h100-grand-teton``), beside the published figures, and the one
+single-GPU measurement the elementwise constants are fitted to. Writes ``results.json``, ``results.md`` and
+``tokens_per_gpu.png`` (when matplotlib is installed) into ``--out``. ``--tiny`` runs the same on llama-tiny
+(a check that the recipe works, seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from lightning_tp2d.bench import planner
+from lightning_tp2d.families import model_config
+
+HERE = Path(__file__).resolve().parent
+SEQ, TOKENS, MEMORY_GIB, PER_NODE = 8192, 4 * 2**20, 80.0, 8
+SCENARIOS = [("llama-3.1-8b", 8), ("llama-3.1-8b", 64), ("llama-3.1-70b", 64), ("llama-3.1-70b", 256),
+             ("llama-3.1-405b", 256), ("llama-3.1-405b", 1024)]
+# torchtitan's published bf16 configurations (benchmarks/llama3_h100_202412_torchtitan.md, Table 1;
+# benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md): (name, model, tp, dp, checkpointing, local batch,
+# async TP, published tokens/s/GPU, published memory GiB or None)
+TORCHTITAN = [
+    ("8B, 8 H100, FSDP 8 + compile, selective AC, local batch 2", "llama-3.1-8b", 1, 8, "selective", 2, False,
+     6667, 77.0),
+    ("8B, 64 H100, FSDP 8 x TP 8 + compile, per-op SAC, local batch 12", "llama-3.1-8b", 8, 8, "selective", 12,
+     False, 4378, None),
+    ("8B, 64 H100, FSDP 8 x TP 8 + compile + async TP, per-op SAC, local batch 12", "llama-3.1-8b", 8, 8,
+     "selective", 12, True, 4809.4, None),
+    ("70B, 256 H100, FSDP 32 x TP 8 + compile, full AC, local batch 16", "llama-3.1-70b", 8, 32, "full", 16, False,
+     597.3, None),
+    ("70B, 256 H100, FSDP 32 x TP 8 + compile + async TP, full AC, local batch 16", "llama-3.1-70b", 8, 32, "full",
+     16, True, 652.4, None),
+]
+FLOAT8_NOTE = ("torchtitan's 829 / 876 tokens/s/GPU for 70B on 256 H100s (FSDP 32 x TP 8, Table 4 of its December "
+               "2024 benchmarks) ran with Float8 linears; the planner prices bf16 only, so the bf16 figures of the "
+               "same configuration (597.3 / 652.4, its June 2025 async-TP benchmarks) are the calibration rows.")
+
+
+def calibration() -> list[dict]:
+    hw = planner.HARDWARE["h100-grand-teton"]
+    rows = []
+    for name, model, tp, dp, ck, batch, async_tp, published, memory in TORCHTITAN:
+        row = planner.price(model_config(model), layout=planner.BASELINE, p=tp, dp=dp, zero_stage=3,
+                            checkpointing=ck, micro_batch=batch, grad_accum=1, seq=SEQ, hw=hw, gpus_per_node=PER_NODE,
+                            async_tp=async_tp if tp > 1 else None)
+        rows.append({"configuration": name, "published_tokens_per_s_per_gpu": published,
+                     "predicted_tokens_per_s_per_gpu": row.tokens_per_s_per_gpu,
+                     "ratio": row.tokens_per_s_per_gpu / published, "published_memory_gib": memory,
+                     "predicted_memory_gib": row.memory_gib, "row": row.to_dict()})
+    gpt2 = model_config(planner.GPT2_H200["model"])
+    for mode in ("eager", "compiled"):
+        row = planner.price(gpt2, layout=planner.BASELINE, p=1, dp=1, zero_stage=0, checkpointing="none",
+                            micro_batch=planner.GPT2_H200["batch"], grad_accum=1, seq=planner.GPT2_H200["seq"],
+                            hw=planner.HARDWARE["h200"], gpus_per_node=PER_NODE, compiled=mode == "compiled")
+        rows.append({"configuration": f"transformers GPT-2 124M, 1 H200, bf16, batch 32 x 1024, {mode} (fitted)",
+                     "published_tokens_per_s_per_gpu": planner.GPT2_H200[mode],
+                     "predicted_tokens_per_s_per_gpu": row.tokens_per_s_per_gpu,
+                     "ratio": row.tokens_per_s_per_gpu / planner.GPT2_H200[mode], "published_memory_gib": None,
+                     "predicted_memory_gib": row.memory_gib, "row": row.to_dict()})
+    return rows
+
+
+def scenario(model: str, gpus: int, seq: int, tokens: int, memory_gib: float, per_node: int, **options) -> dict:
+    started = time.time()
+    try:
+        rows = planner.plan(model, gpus=gpus, gpu_memory_gib=memory_gib, gpus_per_node=per_node, seq=seq,
+                            global_batch_tokens=tokens, **options)
+    except planner.NothingFits as err:
+        return {"model": model, "gpus": gpus, "status": "nothing fits", "error": str(err)}
+    package, baseline = planner.best(rows, False), planner.best(rows, True)
+    ratio = package.tokens_per_s_per_gpu / baseline.tokens_per_s_per_gpu if package and baseline else None
+    return {"model": model, "gpus": gpus, "status": "ok", "configurations": len(rows),
+            "best_package": package.to_dict() if package else None,
+            "best_baseline": baseline.to_dict() if baseline else None, "package_over_baseline": ratio,
+            "top": [r.to_dict() for r in rows[:8]], "seconds": time.time() - started}
+
+
+def _name(r: dict | None) -> str:
+    if r is None:
+        return "none fits"
+    if r["baseline"]:
+        tp = r["tensor_parallel_size"]
+        kind = f"1-D TP {tp}{' async' if r['async_tp'] else ''} + SP" if tp > 1 else "no TP"
+        return f"{kind} x FSDP {r['data_parallel_size']}"
+    return f"{r['layout']} p={r['tensor_parallel_size']} x dp {r['data_parallel_size']}"
+
+
+def _cells(r: dict | None) -> str:
+    if r is None:
+        return "- | - | - | -"
+    return (f"{_name(r)}, ZeRO {r['zero_stage']}, {r['checkpointing']} AC, micro {r['micro_batch']} x "
+            f"{r['grad_accum']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['memory_gib']:.1f}")
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# Scale tables (predicted): Llama 3.1 on H100-80GB, {PER_NODE} per node, seq {results['seq']}, "
+             f"{results['tokens']:,} tokens per step", "",
+             "Predictions of `lightning_tp2d.plan` (`lightning_tp2d/bench/planner.py`, which says how each term is "
+             "priced), not measurements: no GPU has run these. Regenerate: `python recipes/benchmarks/scale.py`.",
+             "", "## Best package configuration against the best 1-D TP + SP x FSDP configuration", "",
+             "| model | GPUs | package: configuration | tok/s/GPU | MFU | GiB/GPU | baseline: configuration | "
+             "tok/s/GPU | MFU | GiB/GPU | package / baseline |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in results["scenarios"]:
+        if s["status"] != "ok":
+            lines.append(f"| {s['model']} | {s['gpus']} | {s['error']} | | | | | | | | |")
+            continue
+        ratio = f"{s['package_over_baseline']:.2f}x" if s["package_over_baseline"] else "-"
+        lines.append(f"| {s['model']} | {s['gpus']} | {_cells(s['best_package'])} | {_cells(s['best_baseline'])} "
+                     f"| {ratio} |")
+    big = results["largest_model"]
+    lines += ["", f"## Largest Llama-shaped model on {big['gpus']} GPUs ({big['base']}'s width, more layers)", "",
+              "| family | blocks | parameters | configuration |", "|---|---|---|---|"]
+    for kind in ("package", "baseline"):
+        r = big[kind]
+        lines.append(f"| {kind} | {r['n_layer']} | {r['parameters'] / 1e9:.1f}B | {r['configuration']} |")
+    if big["baseline"]["parameters"]:
+        lines.append(f"\nPackage / baseline parameters: {big['package']['parameters'] / big['baseline']['parameters']:.2f}x")
+    lines += ["", "## Calibration: published figures priced by the same model", "",
+              "| configuration | published tok/s/GPU | predicted | predicted / published | published GiB | predicted GiB |",
+              "|---|---|---|---|---|---|"]
+    for c in results["calibration"]:
+        mem = f"{c['published_memory_gib']:.1f}" if c["published_memory_gib"] else "-"
+        lines.append(f"| {c['configuration']} | {c['published_tokens_per_s_per_gpu']:,.0f} | "
+                     f"{c['predicted_tokens_per_s_per_gpu']:,.0f} | {c['ratio']:.2f} | {mem} | "
+                     f"{c['predicted_memory_gib']:.1f} |")
+    lines += ["", FLOAT8_NOTE, "",
+              "torchtitan's H100s (Grand Teton) are 96 GB HBM2e cards at 500 W whose peak, it says, lies between the "
+              "SXM's and the NVL's: they are priced on `h100-grand-teton` (the H100 preset's rates x 835/989, 2.4 TB/s); "
+              "the scale tables above use the 700 W H100 SXM preset (`h100`).", ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, out: Path) -> None:
+    try:
+        import matplotlib  # deferred: optional, for the figure only
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ok = [s for s in results["scenarios"] if s["status"] == "ok"]
+    labels = [f"{s['model'].removeprefix('llama-3.1-')}\n{s['gpus']} GPUs" for s in ok]
+    xs = range(len(ok))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for offset, key, label in ((-0.2, "best_package", "package (best layout)"),
+                               (0.2, "best_baseline", "1-D TP + SP x FSDP (best)")):
+        ax.bar([x + offset for x in xs], [s[key]["tokens_per_s_per_gpu"] if s[key] else 0 for s in ok], 0.4,
+               label=label)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("predicted tokens/s per GPU")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title(f"Llama 3.1, H100-80GB, seq {results['seq']}, {results['tokens'] // 2**20}M tokens/step (predicted)")
+    fig.tight_layout()
+    fig.savefig(out / "tokens_per_gpu.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(HERE / "scale"))
+    parser.add_argument("--tiny", action="store_true", help="llama-tiny on 4 GPUs of 0.05 GiB: checks the recipe")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        seq, tokens, memory, per_node, base, big_gpus = 48, 16 * 48, 0.05, 4, "llama-tiny", 4
+        scenarios = [("llama-tiny", 4)]
+        options = dict(zero_stages=(0, 3), checkpointing=("none", "full"), max_micro_batch=2, layouts=("2d",))
+    else:
+        seq, tokens, memory, per_node, base, big_gpus = SEQ, TOKENS, MEMORY_GIB, PER_NODE, "llama-3.1-70b", 64
+        scenarios, options = SCENARIOS, {}
+    results = {"seq": seq, "tokens": tokens, "gpu_memory_gib": memory, "gpus_per_node": per_node,
+               "hardware": planner.HARDWARE["h100"].name, "torch": torch.__version__,
+               "python": platform.python_version(), "scenarios": []}
+    for model, gpus in scenarios:
+        results["scenarios"].append(scenario(model, gpus, seq, tokens, memory, per_node, **options))
+        print(json.dumps({k: v for k, v in results["scenarios"][-1].items() if k != "top"})[:400], flush=True)
+    layouts = options.get("layouts")
+    results["largest_model"] = {
+        "gpus": big_gpus, "base": base,
+        "package": planner.largest_model(big_gpus, memory, seq, tokens, base=base, baseline=False, layouts=layouts,
+                                         gpus_per_node=per_node),
+        "baseline": planner.largest_model(big_gpus, memory, seq, tokens, base=base, baseline=True,
+                                          gpus_per_node=per_node)}
+    results["calibration"] = calibration()
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "results.md").write_text(markdown(results))
+    plot(results, out)
+    print(f"wrote {out / 'results.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
