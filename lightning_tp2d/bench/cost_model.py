@@ -410,7 +410,7 @@ def _link(hw: Hardware, ranks) -> Link:
 
 def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
               async_tp: bool = False, lean_wire: bool = False, *, dp: int = 1, zero_stage: int = 0,
-              clip: bool = False, checkpointing: str = "none", ranks=None) -> dict:
+              clip: bool = False, checkpointing: str = "none", ranks=None, async_overlap: float = 1.0) -> dict:
     """Projected seconds of one training step: ``compute_s = matmul FLOPs / matmul rate + GEMM kernels * GEMM
     overhead + attention FLOPs / attention rate`` (shape-dependent GEMM rates: :mod:`lightning_tp2d.bench.gemm_rates`); per call ``t`` from :func:`collective_time` on its group's link, exposed
     ``max(0, t - overlapped matmul FLOPs / matmul rate - overlapped attention FLOPs / attention rate)``;
@@ -423,7 +423,9 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
     matmul's pieces): the first of the ``p`` chunks cannot overlap, the other ``(p-1)/p`` of ``t`` hide behind the
     matmul, so such a call exposes ``t / p + max(0, t (p-1)/p - matmul FLOPs / matmul rate)``: ``t / p`` when the
     matmul covers the rest, never more than the blocking ``t``; the ``p - 1`` extra chunk products each pay the GEMM
-    overhead. The other calls stay blocking. ``lean_wire`` (``"tp1d-sp"`` only): its activation collectives in the
+    overhead. ``async_overlap`` (0 to 1, default 1) is the fraction of that hideable time async TP really hides:
+    exposed ``t - async_overlap * min(t (p-1)/p, matmul FLOPs / matmul rate)`` (the planner uses a fitted value,
+    :data:`lightning_tp2d.bench.planner.ASYNC_TP_OVERLAP`). The other calls stay blocking. ``lean_wire`` (``"tp1d-sp"`` only): its activation collectives in the
     compute dtype, as Megatron-LM with bf16 parameters sends them (:func:`~lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`).
     ``dp``, ``zero_stage``, ``clip``: the data-parallel part of the traced step, as for :func:`comm_events` (a
     group's ranks tell its link: ``data_parallel`` groups of replicas on other nodes pay the inter-node one).
@@ -448,7 +450,7 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
             comm_s += ev.calls * t
             if async_tp and fm > 0:  # micro-pipelined with its matmul: all but the first chunk can hide
                 first = t / ev.group_size
-                exposed += ev.calls * (first + max(0.0, t - first - fm / rates["matmul"]))
+                exposed += ev.calls * (t - async_overlap * min(t - first, fm / rates["matmul"]))
                 split_gemms += ev.calls * (ev.group_size - 1)
             else:
                 exposed += ev.calls * max(0.0, t - fm / rates["matmul"] - fa / rates["attention"])
