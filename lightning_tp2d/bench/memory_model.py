@@ -170,9 +170,8 @@ def peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_s
         raise ValueError(f"checkpointing={checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3")
-    shards = shard_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, elem=elem,
-                         ranks=None if rank is None and ranks is None else ([rank] if rank is not None else ranks))
-    ranks = (range(p) if ranks is None else ranks) if rank is None else [rank]
+    ranks = [rank] if rank is not None else list(range(p) if ranks is None else ranks)
+    shards = shard_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, elem=elem, ranks=ranks)
     parts = [_parts(layout, cfg, batch, seq, p, dp, zero_stage, checkpointing, elem, r, shards[r]) for r in ranks]
     return max(parts, key=lambda d: d["total"])
 
