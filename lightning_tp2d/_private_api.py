@@ -111,13 +111,14 @@ torch (2.13)
     ``full_tensor()`` and checkpoints hold.
 
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``
-    where: metp.py:block_kernel, metp.py:_fused_forward
-    why: the CPU flash-attention kernel also returns the log-sum-exp, which the ring's online-softmax merge needs.
+    where: metp.py:block_kernel, metp.py:_fused_forward, bench/context_parallel.py:(module)
+    why: the CPU flash-attention kernel also returns the log-sum-exp, which the ring's online-softmax merge needs;
+    bench/context_parallel.py gives torch's own context-parallel ring this op (and its backward) as the block op.
     public: none. ``F.scaled_dot_product_attention`` returns the output only (``flex_attention`` can return the
     log-sum-exp but is fast only under ``torch.compile``).
 
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward``
-    where: metp.py:_fused_backward
+    where: metp.py:_fused_backward, bench/context_parallel.py:(module)
     why: the block backward from the *global* output and log-sum-exp, as torch's own context-parallel ring
     attention calls its flash backward.
     public: none.
@@ -137,6 +138,30 @@ torch (2.13)
     why: whether torch's ``loss_parallel()`` handlers are installed now (keyed by the ops it replaces): entering
     it again and leaving would remove the caller's handlers.
     public: none; ``loss_parallel`` exposes no state.
+
+``torch.distributed.tensor.experimental._context_parallel._attention`` (``_templated_ring_attention``,
+``_templated_ring_attention_backward``, its handler table ``custom_ops``)
+    where: bench/context_parallel.py:_ring_forward, bench/context_parallel.py:_ring_backward,
+    bench/context_parallel.py:cpu_ring_attention
+    why: the CPU baseline runs torch's own context-parallel ring attention (schedule, causal blocks, log-sum-exp
+    merge, rotation) with the CPU flash kernel as its block op; torch 2.13 maps only the CUDA fused kernels to it.
+    The handler for the CPU op goes into ``custom_ops``, which ``context_parallel`` merges into DTensor's dispatcher
+    on entry, and is removed on exit.
+    public: none; ``context_parallel`` takes no attention op and fails on CPU (no sharding strategy).
+
+``torch.distributed.tensor.experimental._context_parallel._sharding_rules._op_strategy_context``,
+``torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy``
+    where: bench/context_parallel.py:cpu_ring_attention, bench/context_parallel.py:_forward_strategy,
+    bench/context_parallel.py:_backward_strategy
+    why: the sequence-sharded (``Shard(2)``) sharding strategy of the CPU flash op and its backward, registered for a
+    block and restored after it with the helper torch's CP uses for the CUDA ops.
+    public: none; DTensor has no public strategy registration.
+
+``DTensor._op_dispatcher``
+    where: bench/context_parallel.py:_cpu_sdpa_handler
+    why: the CPU twin of torch's ``_sdpa_handler``: unwrap the DTensor arguments, propagate their sharding, wrap the
+    ring's local results, as torch's CP handler does through the same dispatcher.
+    public: none (custom op handlers are internal to DTensor).
 
 ``torch._subclasses.fake_tensor.FakeTensor``, ``torch._subclasses.fake_tensor.FakeTensorMode``
     where: bench/collectives.py:_shape_only, bench/measure.py:_storage_key, bench/memory_model.py:_shards_here,
@@ -298,9 +323,11 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      ("nn/linear.py:_out_shard", "nn/ring.py:RingLinear.__init__", "checkpoint.py:box_view",
       "checkpoint.py:_strided_over_dp_only", "fsdp.py:_dp_shard_dim", "fsdp.py:_stage0_only"),
      "the only DTensor placement for the fused c_attn rows [q_i; k_i; v_i] of one rank"),
-    ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", ("metp.py:block_kernel", "metp.py:_fused_forward"),
+    ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+     ("metp.py:block_kernel", "metp.py:_fused_forward", "bench/context_parallel.py:(module)"),
      "the CPU flash kernel returns the log-sum-exp the ring's online-softmax merge needs"),
-    ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", ("metp.py:_fused_backward",),
+    ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
+     ("metp.py:_fused_backward", "bench/context_parallel.py:(module)"),
      "the block backward from the global output and log-sum-exp"),
     ("torch.ops.aten._scaled_dot_product_flash_attention, torch.ops.aten._scaled_dot_product_efficient_attention",
      ("metp.py:_fused_forward",), "CUDA fused attention returning the log-sum-exp the ring merge needs"),
@@ -310,6 +337,18 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("DTensor._op_dispatcher._custom_op_handlers, torch.ops.aten._log_softmax",
      ("bench/tp1d.py:_loss_parallel_active",),
      "whether torch's loss_parallel() handlers are installed right now"),
+    ("torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention, "
+     "_templated_ring_attention_backward",
+     ("bench/context_parallel.py:_ring_forward", "bench/context_parallel.py:_ring_backward",
+      "bench/context_parallel.py:cpu_ring_attention"),
+     "torch's own CP ring attention, run with the CPU flash kernel; its handler table takes the CPU op's handler"),
+    ("torch.distributed.tensor.experimental._context_parallel._sharding_rules._op_strategy_context, "
+     "torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy",
+     ("bench/context_parallel.py:cpu_ring_attention", "bench/context_parallel.py:_forward_strategy",
+      "bench/context_parallel.py:_backward_strategy"),
+     "register the CPU flash op's sequence-sharded strategy for a block, as torch's CP does for the CUDA ops"),
+    ("DTensor._op_dispatcher", ("bench/context_parallel.py:_cpu_sdpa_handler",),
+     "unwrap, propagate and wrap around the ring, as torch's _sdpa_handler"),
     ("torch._subclasses.fake_tensor.FakeTensor, torch._subclasses.fake_tensor.FakeTensorMode",
      ("bench/collectives.py:_shape_only", "bench/measure.py:_storage_key", "bench/memory_model.py:_shards_here",
       "bench/trace.py:_run_here"),

@@ -1,0 +1,291 @@
+"""torch's own context parallelism (CP) as a long-context baseline, run for real on CPU gloo ranks.
+
+What long-context users run (torchtitan's ``context_parallel`` x FSDP): the sequence sharded through every layer,
+``F.scaled_dot_product_attention`` replaced inside :func:`torch.distributed.tensor.experimental.context_parallel`
+by torch's ring attention (``_templated_ring_attention``: K/V rotated around the p ranks, blocks merged by their
+log-sum-exp; causal load balancing by torch's head-tail balancer: rank r holds sequence chunks r and 2p-1-r of
+2p), and the weights sharded by FSDP2 ``fully_shard`` over the same p ranks ("zero_stage=3").
+
+**How it runs on CPU.** torch 2.13's CP maps only the CUDA fused kernels (flash, memory-efficient, cuDNN) to its
+ring; on CPU SDPA calls ``aten._scaled_dot_product_flash_attention_for_cpu``, which has no DTensor sharding
+strategy, so ``context_parallel`` fails with ``NotImplementedError``. :func:`cpu_ring_attention` adds, for the
+duration of a block, exactly what torch has for the CUDA flash op and nothing else:
+
+* a sharding strategy for the CPU op and its backward (all inputs and outputs ``Shard(2)``, the sequence dim, or
+  all ``Replicate()``), installed with torch's own ``_op_strategy_context`` (restored on exit);
+* a handler, the CPU twin of torch's ``_sdpa_handler``, in the table ``custom_ops`` that ``context_parallel`` merges
+  into DTensor's dispatcher on entry (and drops on exit). It calls torch's ``_templated_ring_attention`` /
+  ``_templated_ring_attention_backward`` with the CPU kernels as the block op. Only the argument conventions are
+  adapted: the CPU forward returns ``(out, logsumexp)`` with a natural-log ``logsumexp`` of shape ``(B, H, T)``,
+  the convention torch's merger (``_SDPAMerger``) reads from the CUDA flash op; its backward takes
+  ``(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal)`` and returns ``(dq, dk, dv)``. GQA needs nothing:
+  the CPU kernel takes fewer K/V heads, and the ring rotates K/V as they are.
+
+The ring schedule, the causal-block rule, the merge, the load balancer and all communication are torch's code
+(K/V all-gathered once per attention forward and backward, the dK/dV partial sums passed on with
+``all_to_all_single`` permutes); this module writes none of them.
+
+**The model.** The package's plain :class:`~lightning_tp2d.models.Llama`, unchanged: :func:`parallelize_cp` shards
+its weights with ``fully_shard`` (each block, then the root) over the 1-D CP mesh; :func:`sharded_sequence` passes
+``idx``, ``targets`` and the absolute positions ``0 .. T-1`` to ``context_parallel`` as its buffers (sequence dims
+1, 1, 0: torch shards them in place with the head-tail balancer, as torchtitan passes ``freqs_cis``), and a forward
+pre-hook on each attention hands the local positions to :meth:`LlamaAttention.forward
+<lightning_tp2d.models.llama.LlamaAttention.forward>`, so RoPE follows the sharded sequence. Each rank's loss is the
+mean over its own tokens; :func:`sequence_loss` scales it by ``p * n_r / n`` (``n_r`` counted targets here, ``n``
+in all), so FSDP's averaging reduce-scatter yields the gradient of the global mean exactly, however unevenly
+``-100`` targets fall.
+
+``cp-tp`` (torchtitan's CP x 1-D TP + SP): on a 2-D ``("cp", "tp")`` mesh from :func:`init_cp_mesh`,
+:func:`parallelize_cp` first applies :func:`~lightning_tp2d.bench.tp1d.parallelize_1d` with sequence parallelism
+over ``"tp"``; the attention then runs on its local heads, and CP and FSDP use the ``"cp"`` axis only.
+
+Costs per rank and step (measured by :func:`measure_step`): FSDP's all-gathers (forward and backward) and
+reduce-scatters of the parameters, the ring's K/V all-gathers and dK/dV permutes, two small all-reduces (the
+8-byte target count and the 4-byte reported loss), and with ``cp-tp`` TP's all-gathers and reduce-scatters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
+from torch.distributed.tensor.experimental._context_parallel._sharding_rules import _op_strategy_context
+
+from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
+from lightning_tp2d.bench.events import wire_factor
+from lightning_tp2d.bench.measure import LiveTensorBytes, resident_bytes
+from lightning_tp2d.bench.tp1d import parallelize_1d
+from lightning_tp2d.comm_record import recording
+from lightning_tp2d.models.llama import Llama, LlamaAttention
+
+__all__ = ["cp_mesh_of", "cpu_ring_attention", "init_cp_mesh", "measure_step", "parallelize_cp", "sequence_loss",
+           "sharded_sequence", "train_step", "SentBytes"]
+
+CP_AXIS, TP_AXIS = "cp", "tp"
+SEQ_DIM = 2  # the sequence dim of SDPA's (B, H, T, hs) operands, the one torch's CP shards
+_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+# ---- torch's ring attention with the CPU flash kernel --------------------------------------------------------------
+
+def _forward_strategy(op_schema):
+    """``[out, logsumexp, q, k, v]``: all sharded on the sequence (CP) or all replicated."""
+    placements = [[Shard(SEQ_DIM)] * 5, [Replicate()] * 5]
+    return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(), op_schema, placements, input_index=2)
+
+
+def _backward_strategy(op_schema):
+    """``[dq, dk, dv, grad_out, q, k, v, out, logsumexp]``: all sharded on the sequence or all replicated."""
+    placements = [[Shard(SEQ_DIM)] * 9, [Replicate()] * 9]
+    return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(validate=False), op_schema, placements,
+                                           input_index=3)
+
+
+def _ring_forward(mesh: DeviceMesh, query, key, value, dropout_p: float = 0.0, is_causal: bool = False, *,
+                  attn_mask=None, scale=None) -> tuple[torch.Tensor, ...]:
+    """The CPU op's signature, local shards in; torch's ring with the CPU kernel per block; ``(out, logsumexp)``."""
+    if dropout_p or attn_mask is not None:
+        raise NotImplementedError(f"CPU context-parallel attention takes no dropout (got {dropout_p}) and no "
+                                  f"attn_mask (got {'a tensor' if attn_mask is not None else None}), as torch's ring")
+    return torch_cp._templated_ring_attention(mesh.get_group(), SEQ_DIM, _FORWARD, query=query, key=key,
+                                              value=value, is_causal=is_causal, scale=scale)
+
+
+def _ring_backward(mesh: DeviceMesh, grad_out, query, key, value, out, logsumexp, dropout_p: float,
+                   is_causal: bool, *, attn_mask=None, scale=None) -> tuple[torch.Tensor, ...]:
+    """The CPU backward's signature; torch's ring backward with the CPU backward kernel per block; ``(dq, dk, dv)``."""
+    if dropout_p or attn_mask is not None:
+        raise NotImplementedError("CPU context-parallel attention takes no dropout and no attn_mask")
+    return torch_cp._templated_ring_attention_backward(
+        mesh.get_group(), SEQ_DIM, _BACKWARD, grad_out=grad_out, grad_out_name="grad_out", query=query, key=key,
+        value=value, out=out, logsumexp=logsumexp, is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+
+
+_RING = {_FORWARD: _ring_forward, _BACKWARD: _ring_backward}
+
+
+def _cpu_sdpa_handler(op_call, args, kwargs):
+    """torch's ``_sdpa_handler`` for the CPU ops: propagate the sharding, run the ring on the local shards (or the
+    kernel itself when everything is replicated), wrap the results in the propagated specs."""
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    sharding = op_info.output_sharding
+    if sharding is None or sharding.needs_redistribute:
+        raise AssertionError(f"{op_call}: inputs must all be Shard({SEQ_DIM}) or all Replicate on one mesh")
+    if all(isinstance(p, Replicate) for p in sharding.output_spec[0].placements):
+        local = op_call(*op_info.local_args, **op_info.local_kwargs)
+    else:
+        local = _RING[op_call](op_info.compute_mesh, *op_info.local_args, **op_info.local_kwargs)
+    return dispatcher.wrap(local, sharding.output_spec)
+
+
+@contextlib.contextmanager
+def cpu_ring_attention() -> Iterator[None]:
+    """Within the block, torch's ``context_parallel`` also handles the CPU flash-attention op (module docstring).
+
+    Enter it *before* ``context_parallel`` (which copies torch's handler table into DTensor's dispatcher when it is
+    entered); on exit the strategies and the handlers are removed again (torch's own strategies are restored by
+    ``_op_strategy_context``)."""
+    if any(op in torch_cp.custom_ops for op in _RING):
+        raise RuntimeError("cpu_ring_attention is already active (it does not nest)")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_op_strategy_context(_FORWARD, _forward_strategy))
+        stack.enter_context(_op_strategy_context(_BACKWARD, _backward_strategy))
+        torch_cp.custom_ops.update(dict.fromkeys(_RING, _cpu_sdpa_handler))
+        try:
+            yield
+        finally:
+            for op in _RING:
+                torch_cp.custom_ops.pop(op, None)
+
+
+# ---- Llama under CP x FSDP -----------------------------------------------------------------------------------------
+
+def init_cp_mesh(p: int, tp: int = 1, device_type: str = "cpu") -> DeviceMesh:
+    """The mesh of ``p * tp`` ranks: 1-D, axis ``"cp"`` (the sequence and, by FSDP, the weights sharded over ``p``)
+    when ``tp`` is 1, else 2-D ``("cp", "tp")`` for CP x 1-D TP + SP, the TP groups of ``tp`` adjacent ranks (as
+    torchtitan orders its mesh)."""
+    if tp == 1:
+        return init_device_mesh(device_type, (p,), mesh_dim_names=(CP_AXIS,))
+    return init_device_mesh(device_type, (p, tp), mesh_dim_names=(CP_AXIS, TP_AXIS))
+
+
+def cp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D CP axis of a mesh from :func:`init_cp_mesh`."""
+    return mesh if mesh.ndim == 1 else mesh[CP_AXIS]
+
+
+def _attentions(model: nn.Module) -> list[LlamaAttention]:
+    return [m for m in model.modules() if isinstance(m, LlamaAttention)]
+
+
+def parallelize_cp(model: Llama, mesh: DeviceMesh) -> Llama:
+    """Shard ``model``'s weights with FSDP2 over the CP axis of ``mesh`` (each decoder layer, then the root:
+    embedding, final norm, head), resharding after forward (ZeRO stage 3), as torchtitan does over
+    ``dp_shard x cp``. On a 2-D ``("cp", "tp")`` mesh, 1-D TP + SP (:func:`~lightning_tp2d.bench.tp1d.parallelize_1d`,
+    torchtitan's Llama plan) over ``"tp"`` first, as torchtitan composes CP x TP. The sequence is sharded per step by
+    :func:`sharded_sequence`. Refuses other models and dropout > 0 (torch's ring takes none)."""
+    if not isinstance(model, Llama):
+        raise TypeError(f"parallelize_cp takes the package's Llama, got {type(model).__name__}")
+    if model.config.dropout:
+        raise ValueError(f"dropout={model.config.dropout}: torch's ring attention takes no dropout; use 0.0")
+    if mesh.ndim == 2:
+        parallelize_1d(model, mesh[TP_AXIS], sequence_parallel=True)
+    cp_mesh = cp_mesh_of(mesh)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=cp_mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=cp_mesh, reshard_after_forward=True)
+    return model
+
+
+def _with_positions(positions: torch.Tensor, module, args, kwargs):
+    return args, {**kwargs, "positions": positions}
+
+
+@contextlib.contextmanager
+def sharded_sequence(model: Llama, mesh: DeviceMesh, idx: torch.Tensor,
+                     targets: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Run the block under torch's ``context_parallel`` (with :func:`cpu_ring_attention`) over the CP axis of
+    ``mesh`` (``p`` ranks), yielding this rank's ``(idx, targets)`` shards ``(B, T/p)``: chunks ``r`` and ``2p-1-r``
+    of ``2p`` (torch's head-tail balancer). The absolute positions are a CP buffer too, handed to every attention
+    (RoPE); forward *and* backward must run in the block. ``idx`` / ``targets`` (the full ``(B, T)``, the same on
+    every rank) are copied, not changed."""
+    mesh = cp_mesh_of(mesh)
+    p, T = mesh.size(), idx.size(1)
+    if T % (2 * p):
+        raise ValueError(f"sequence length {T} is not divisible by 2p = {2 * p}: torch's head-tail load balancer "
+                         f"needs 2p equal chunks; use T in multiples of {2 * p}")
+    idx, targets = idx.clone(), targets.clone()
+    positions = torch.arange(T, device=idx.device)
+    hooks = [a.register_forward_pre_hook(functools.partial(_with_positions, positions), with_kwargs=True)
+             for a in _attentions(model)]
+    buffers = [idx, targets, positions]
+    try:
+        with cpu_ring_attention(), context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 0],
+                                                    no_restore_buffers=set(buffers)):
+            yield idx, targets
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def sequence_loss(model: Llama, mesh: DeviceMesh, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """This rank's mean loss over its shard times ``p * n_r / n`` (module docstring): the mean of the returned
+    values over the ranks is the global mean loss, and FSDP's averaged gradients are its gradients. Every rank's
+    shard needs one target that is not ``-100``. One all-reduce of the 8-byte count."""
+    mesh = cp_mesh_of(mesh)
+    counted = (targets != -100).sum()
+    total = counted.clone()
+    dist.all_reduce(total, group=mesh.get_group())
+    return model(idx, targets) * (counted * mesh.size() / total)
+
+
+def train_step(model: Llama, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, idx: torch.Tensor,
+               targets: torch.Tensor) -> torch.Tensor:
+    """One step of CP x FSDP on the full ``(B, T)`` batch (the same on every rank): zero_grad, forward and backward
+    on this rank's sequence shard, the optimizer step. Returns the global mean loss (an all-reduce of 4 bytes)."""
+    optimizer.zero_grad(set_to_none=True)
+    with sharded_sequence(model, mesh, idx, targets) as (idx_here, targets_here):
+        loss = sequence_loss(model, mesh, idx_here, targets_here)
+        loss.backward()
+    optimizer.step()
+    loss, mesh = loss.detach(), cp_mesh_of(mesh)
+    dist.all_reduce(loss, group=mesh.get_group())
+    return loss / mesh.size()
+
+
+# ---- what one step costs on this rank ------------------------------------------------------------------------------
+
+class SentBytes:
+    """Bytes this rank sends, from the calls :mod:`lightning_tp2d.comm_record` announces (``comm.py``'s and FSDP's
+    ``torch.distributed`` collectives) and those of a :class:`FunctionalCollectiveCounter` (DTensor's and torch's
+    ring), each priced by :func:`~lightning_tp2d.bench.events.wire_factor`: an all-gather sends its input ``n-1``
+    times, a reduce-scatter ``(n-1)/n`` of its input, a permute (``all_to_all_single`` routing the whole input to
+    one peer, what torch's ring sends dK/dV with) its input once."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size  # of the functional collectives, which the counter does not record
+        self.direct = 0.0
+
+    def posted(self, call) -> None:
+        self.direct += call.nbytes * wire_factor(call.kind, len(call.ranks))
+
+    def waited(self, call) -> None:
+        pass
+
+    def total(self, counter: FunctionalCollectiveCounter) -> int:
+        functional = sum(v["bytes"] * wire_factor(kind, self.group_size)
+                         for kind, v in counter.stats.snapshot().items() if v["calls"])
+        permuted = sum(nbytes for op, nbytes in counter.uncounted if "all_to_all_single" in op)
+        others = [op for op, _ in counter.uncounted if "all_to_all_single" not in op]
+        if others:
+            raise RuntimeError(f"uncounted point-to-point collectives {others}: no rule for their bytes here")
+        return round(self.direct + functional + permuted)
+
+
+def measure_step(step, model: nn.Module, optimizer: torch.optim.Optimizer, group_size: int) -> dict[str, int]:
+    """Peak bytes and bytes sent by this rank in one call of ``step()`` (a whole training step that zeroes the
+    gradients first), after a warm-up call (optimizer state and FSDP's lazy init then exist): ``peak_bytes`` is the
+    resident bytes (parameter shards, optimizer state) plus the peak of
+    :class:`~lightning_tp2d.bench.measure.LiveTensorBytes` with ``count_resizes`` (FSDP's gathered parameters);
+    ``sent_bytes`` by :class:`SentBytes`, ``group_size`` the size of the functional collectives' group."""
+    step()
+    optimizer.zero_grad(set_to_none=True)
+    before = resident_bytes(model, optimizer)
+    sent, counter = SentBytes(group_size), FunctionalCollectiveCounter(strict=False)
+    tracker = LiveTensorBytes(record_shapes=False, count_resizes=True)
+    with recording(sent), counter, tracker:
+        step()
+    return {"peak_bytes": before + tracker.peak, "sent_bytes": sent.total(counter)}

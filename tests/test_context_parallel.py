@@ -1,0 +1,185 @@
+"""torch's own context parallelism on CPU (:mod:`lightning_tp2d.bench.context_parallel`): CP x FSDP over 4 gloo
+ranks equals the plain Llama, torch's ring really runs (its collectives, counted), and what a step costs beside
+"metp" at p 4. One spawned group of 4 ranks serves every multi-rank test."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
+
+import lightning_tp2d as tp
+from lightning_tp2d.bench import context_parallel as cp
+from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
+from lightning_tp2d.models import Llama, LlamaConfig
+from tests.distributed import run_distributed
+
+WORLD, B = 4, 2
+# GQA (4 query heads on 2 key/value heads), RoPE, untied head; vocab 257 divides by no p
+CFG = LlamaConfig(vocab_size=257, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=128, block_size=128)
+SEQS = (32, 64)  # multiples of 2p = 8 (torch's head-tail balancer)
+
+
+def _batch(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.randint(0, CFG.vocab_size, (B, seq + 1), generator=torch.Generator().manual_seed(seq))
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _parity(rank: int, tp: int) -> dict:
+    """Loss and every gradient (gathered from FSDP's and TP's shards) of CP x FSDP (x 1-D TP + SP over ``tp``)
+    against the plain model on the whole sequence, with unevenly ignored targets; the functional collectives
+    counted on the way."""
+    torch.manual_seed(0)
+    plain = Llama(CFG)
+    mesh = cp.init_cp_mesh(WORLD // tp, tp)
+    cp_rank, n_cp = rank // tp, WORLD // tp
+    model = cp.parallelize_cp(copy.deepcopy(plain), mesh)
+    idx, targets = _batch(SEQS[0])
+    targets[0, :11] = -100  # 11 of 64 targets ignored, in the first rank's head chunk and the next one
+    expected = plain(idx, targets)
+    expected.backward()
+    counter = FunctionalCollectiveCounter(strict=False)
+    sdpa = F.scaled_dot_product_attention
+    with counter, cp.sharded_sequence(model, mesh, idx, targets) as (idx_here, targets_here):
+        chunks = idx.chunk(2 * n_cp, dim=1)
+        head_tail = torch.equal(idx_here, torch.cat((chunks[cp_rank], chunks[2 * n_cp - 1 - cp_rank]), dim=1))
+        loss = cp.sequence_loss(model, mesh, idx_here, targets_here)
+        loss.backward()
+    loss = loss.detach()
+    dist.all_reduce(loss)
+    grads = {n: _rel(p.grad.full_tensor(), dict(plain.named_parameters())[n].grad)
+             for n, p in model.named_parameters()}
+    return {"loss": (loss / WORLD).item(), "expected": expected.item(), "grads": grads, "head_tail": head_tail,
+            "all_gather": counter.stats.snapshot()["all_gather"]["calls"],
+            "permutes": sum("all_to_all_single" in op for op, _ in counter.uncounted),
+            "restored": F.scaled_dot_product_attention is sdpa
+            and cp._FORWARD not in DTensor._op_dispatcher._custom_op_handlers}
+
+
+def _costs(rank: int) -> dict:
+    """Peak bytes and bytes sent per step on this rank, "cp" and "metp", at each of SEQS."""
+    out = {}
+    for seq in SEQS:
+        idx, targets = _batch(seq)
+        torch.manual_seed(0)
+        mesh = cp.init_cp_mesh(WORLD)
+        model = cp.parallelize_cp(Llama(CFG), mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        out["cp", seq] = cp.measure_step(lambda: cp.train_step(model, optimizer, mesh, idx, targets), model,
+                                         optimizer, WORLD)
+        torch.manual_seed(0)
+        model = Llama(CFG)
+        tp.parallelize(model, tp.init_mesh("metp", WORLD, 1), "metp")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            model(idx, targets).backward()
+            optimizer.step()
+
+        out["metp", seq] = cp.measure_step(step, model, optimizer, WORLD)
+    return out
+
+
+def _ranks(rank: int, world_size: int) -> dict:
+    return {"parity": _parity(rank, 1), "parity_tp": _parity(rank, 2), "costs": _costs(rank)}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_distributed(_ranks, WORLD, timeout=300)
+
+
+def test_cpu_flash_logsumexp_is_the_natural_log_the_ring_merger_reads():
+    """The CPU kernel's second output is log Σ exp(scale · q kᵀ) over the unmasked keys, shape (B, H, T): what
+    torch's ``_SDPAMerger`` takes from the CUDA flash kernel."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8)
+    out, lse = cp._FORWARD(q, k, v, is_causal=True)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(8)
+    scores = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    assert lse.shape == (2, 4, 16)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, scores.softmax(-1) @ v, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_ring_attention_is_undone_on_exit_and_does_not_nest():
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    before = propagator.op_strategy_funcs.get(cp._FORWARD), propagator.op_strategy_funcs.get(cp._BACKWARD)
+    with cp.cpu_ring_attention():
+        assert cp._FORWARD in propagator.op_strategy_funcs and cp._BACKWARD in propagator.op_strategy_funcs
+        with pytest.raises(RuntimeError, match="does not nest"):
+            with cp.cpu_ring_attention():
+                pass
+    assert (propagator.op_strategy_funcs.get(cp._FORWARD), propagator.op_strategy_funcs.get(cp._BACKWARD)) == before
+    assert cp._FORWARD not in torch_cp.custom_ops and cp._BACKWARD not in torch_cp.custom_ops
+
+
+def test_sequence_length_must_split_into_2p_chunks():
+    class _Mesh:  # a 1-D mesh of 4 ranks as far as the check reads it (refused before any communication)
+        ndim = 1
+
+        def size(self):
+            return 4
+
+    idx = torch.zeros(1, 36, dtype=torch.long)
+    with pytest.raises(ValueError, match="36 is not divisible by 2p = 8"):
+        with cp.sharded_sequence(Llama(CFG), _Mesh(), idx, idx):
+            pass
+
+
+@pytest.mark.parametrize("case", ["parity", "parity_tp"], ids=["cp", "cp-tp"])
+def test_cp_fsdp_loss_and_every_gradient_equal_the_plain_model(ranks, case):
+    """cp: CP over 4 ranks x FSDP over the same 4; cp-tp: CP over 2 x 1-D TP + SP over 2, FSDP over the CP axis."""
+    for r in ranks:
+        p = r[case]
+        assert p["head_tail"]  # this rank holds chunks r and 2p-1-r of 2p: torch's head-tail load balancer
+        assert p["loss"] == pytest.approx(p["expected"], rel=1e-6)
+        assert len(p["grads"]) == len(list(Llama(CFG).parameters()))
+        worst = max(p["grads"], key=p["grads"].get)
+        assert p["grads"][worst] < 1e-5, (worst, p["grads"][worst])
+        assert p["restored"]
+
+
+def test_torch_ring_runs_its_schedule(ranks):
+    """Per layer: one K/V all-gather in the forward and one in the backward (torch's default rotation), and p
+    permutes of the dK/dV partial sums in the backward."""
+    for r in ranks:
+        assert r["parity"]["all_gather"] == 2 * CFG.n_layer
+        assert r["parity"]["permutes"] == WORLD * CFG.n_layer
+
+
+def test_cp_bytes_sent_grow_by_the_ring_traffic_alone(ranks):
+    """FSDP's traffic does not depend on T; per layer the ring sends its K/V shard (k and v, ``B * T/p * nkv * hs``
+    float32 each) p-1 times in each of two all-gathers and p times as dK/dV: (3p - 2) shards per layer."""
+    def kv_bytes(seq):
+        return 2 * B * (seq // WORLD) * CFG.n_kv_head * CFG.head_size * 4
+
+    ring = CFG.n_layer * (3 * WORLD - 2) * (kv_bytes(SEQS[1]) - kv_bytes(SEQS[0]))
+    for r in ranks:
+        assert r["costs"]["cp", SEQS[1]]["sent_bytes"] - r["costs"]["cp", SEQS[0]]["sent_bytes"] == ring
+
+
+def test_report_peak_and_sent_bytes_of_cp_and_metp(ranks):
+    """The measured numbers per rank (largest rank), printed as a table; each grows with the sequence."""
+    rows = []
+    for layout in ("cp", "metp"):
+        for seq in SEQS:
+            peak = max(r["costs"][layout, seq]["peak_bytes"] for r in ranks)
+            sent = max(r["costs"][layout, seq]["sent_bytes"] for r in ranks)
+            rows.append((layout, seq, peak, sent))
+            print(f"{layout:5} p={WORLD} T={seq:4}: peak {peak / 2**20:.3f} MiB, sent {sent / 2**20:.3f} MiB, "
+                  f"{sent / (B * seq):.0f} B/token")
+    for layout in ("cp", "metp"):
+        short, long = (r for r in rows if r[0] == layout)
+        assert long[2] > short[2] > 0 and long[3] > short[3] > 0
