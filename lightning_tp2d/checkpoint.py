@@ -214,10 +214,21 @@ def _named_param_groups(names: dict[int, str], optimizer: torch.optim.Optimizer)
             for g, full in zip(optimizer.param_groups, full_groups)]
 
 
+def _stage0_fields(fields: dict[str, Any], spec) -> dict[str, Any]:
+    """``fields`` (one parameter's optimizer state) with each DTensor of the parameter's shape in its stage-0 form
+    when FSDP cut the parameter in a way no box describes (``spec``: its :class:`~lightning_tp2d.fsdp.Stage0`, a
+    gather over ``data_parallel``: a collective); as they are when ``spec`` is ``None``."""
+    if spec is None:
+        return fields
+    return {k: spec.gather(v) if isinstance(v, DTensor) and tuple(v.shape) == spec.shape else v
+            for k, v in fields.items()}
+
+
 def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``{"state": {param name: {field: tensor}}, "param_groups": [{..., "params": [names]}]}`` with live
-    (sharded) tensors, each parameter's state in its stage-0 form: with ZeRO-1 gathered over ``data_parallel``
-    (a collective; for the save every rank holds the replicated state, as at stage 0)."""
+    (sharded) tensors, each parameter's state in its stage-0 form: with ZeRO-1 the sliced ones gathered over
+    ``data_parallel`` (a collective; for the save every rank holds their replicated state, as at stage 0), FSDP's
+    unboxed cuts gathered too (:func:`~lightning_tp2d.fsdp.stage0_specs`), the rest as they are."""
     names = _param_names(module)
     groups = _named_param_groups(names, optimizer)
     sharding = sharding_of(optimizer)
@@ -226,26 +237,24 @@ def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer)
     else:
         state = {names[id(p)]: dict(s) for p, s in optimizer.state.items()}
     specs = stage0_specs(module)
-    for name, fields in state.items():  # FSDP's unboxed cuts: their stage-0 form (module docstring)
-        if name in specs:
-            fields.update({k: specs[name].gather(v) for k, v in fields.items()
-                           if isinstance(v, DTensor) and tuple(v.shape) == specs[name].shape})
-    return {"state": state, "param_groups": groups}
+    return {"state": {name: _stage0_fields(fields, specs.get(name)) for name, fields in state.items()},
+            "param_groups": groups}
 
 
 @torch.no_grad()
 def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
     """torch's ``optimizer.state_dict()`` format with full plain tensors and ``param_names``, on rank 0 (a
     collective; empty on the other ranks). With ZeRO-1 each parameter's state is gathered over ``data_parallel``
-    one parameter at a time."""
+    one parameter at a time (in its stage-0 form, as :func:`sharded_optimizer_state` gives it)."""
     sharding = sharding_of(optimizer)
     sharded = (sharded_optimizer_state(module, optimizer) if sharding is None else
                {"state": {}, "param_groups": _named_param_groups(_param_names(module), optimizer)})
     order = [name for g in sharded["param_groups"] for name in g["params"]]
+    specs = stage0_specs(module) if sharding is not None else {}
     state = {}
     for index, name in enumerate(order):
         if sharding is not None:
-            fields = sharding.full_state(sharding.params[index]) or None
+            fields = _stage0_fields(sharding.full_state(sharding.params[index]), specs.get(name)) or None
         else:
             fields = sharded["state"].get(name)
         if fields is not None:
@@ -392,7 +401,6 @@ def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any
     optim_targets: list[dict[str, torch.Tensor]] = []
     for i, optimizer in enumerate(optimizers):
         prefix = f"optimizer_{i}."
-        sharding = sharding_of(optimizer)
         fields = {}
         for key, md in stored.items():
             if not key.startswith(prefix):
@@ -421,6 +429,7 @@ def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any
         elif MODEL + k in targets:
             _assign(v, targets[MODEL + k])
     for i, optimizer in enumerate(optimizers):
+        sharding = sharding_of(optimizer)
         for key, (name, field, value) in optim_targets[i].items():
             p = params[name]
             if name in specs and isinstance(value, DTensor) and value.placements == specs[name].placements:
@@ -428,8 +437,8 @@ def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any
                                            shape=p.shape, stride=p.stride())
             else:
                 _assign(value, targets[key])
-            if sharding is not None:  # ZeRO-1: this replica's slice, under its slice of the parameter
-                optimizer.state[sharding.shard_of(p)][field] = sharding.owned_slice(p, value)
+            if sharding is not None:  # ZeRO-1: this replica's slice, under its slice of the parameter (FSDP's
+                optimizer.state[sharding.shard_of(p)][field] = sharding.owned_slice(p, value)  # as they are)
             else:
                 optimizer.state[p][field] = value
         _load_param_groups(optimizer, meta["tp2d_optimizer_param_groups"][i], params, path)
@@ -492,8 +501,8 @@ def _load_full(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
                     _assign(fields[field], v)
                 else:
                     fields[field] = v.clone() if isinstance(v, torch.Tensor) else v
-            if sharding is not None:  # ZeRO-1: this replica's slices, under its slice of the parameter
-                fields = {k: sharding.owned_slice(param, v) for k, v in fields.items()}
+            if sharding is not None:  # ZeRO-1: this replica's slices, under its slice of the parameter (FSDP's:
+                fields = {k: sharding.owned_slice(param, v) for k, v in fields.items()}  # its own, as they are)
                 param = sharding.shard_of(param)
             optimizer.state[param] = fields
     checkpoint.pop("optimizer_states", None)

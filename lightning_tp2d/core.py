@@ -370,6 +370,12 @@ class TensorParallelCore:
             if not fsdp.is_sharded(m):
                 fsdp.shard_data_parallel(m, self.zero_stage, mp_policy=fsdp.mixed_precision_policy(self._run_precision))
 
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Whether the optimizers get ZeRO-1's slices (:func:`~lightning_tp2d.zero.shard_optimizer_state`): at stage
+        1, and at stages 2/3 with ``dp > 1`` for the parameters FSDP keeps whole (its own shards pass through)."""
+        return self.zero_stage == 1 or (self.zero_stage >= 2 and self.parallel_dims.data_parallel_size > 1)
+
     def sharded_models(self, module: nn.Module | None) -> list[nn.Module]:
         """The models inside ``module`` that FSDP shards (stage 2/3 with ``dp > 1``)."""
         return [m for _, m in _models(module) if fsdp.is_sharded(m)] if module is not None else []

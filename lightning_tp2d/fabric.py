@@ -110,7 +110,7 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self.zero_stage == 1:
+        if self.shards_optimizer_state:  # (stage 2/3: slices of the parameters FSDP keeps whole; its shards pass)
             shard_optimizer_state(optimizer, self.device_mesh)
         return optimizer
 

@@ -13,11 +13,17 @@ it over the ``data_parallel`` axis of its one root mesh, on top of the tensor-pa
   strided (GPT-2's fused ``c_attn`` weight: ``[q_c | k_c | v_c]`` rows) the cut is along dim 1 instead, since no
   DTensor placement describes a contiguous cut of strided rows; a 1-D parameter of that kind (``c_attn.bias`` on
   the grids: ``3 * n_embd / q`` elements per block) has no other dim and is left to FSDP's ``ignored_params``: it
-  stays whole on every replica (its optimizer state too), and a gradient hook averages it over ``data_parallel``;
+  stays whole on every replica and a gradient hook averages it over ``data_parallel``; its optimizer state is
+  sharded by ZeRO-1's flat slices instead (:func:`~lightning_tp2d.zero.shard_optimizer_state` on the optimizer,
+  which the strategies call at stages 2/3: each rank keeps and steps ``ceil(n / dp)`` of its ``n`` elements, reads
+  them from the averaged gradient and all-gathers the stepped slices after the step, while FSDP's shards pass
+  through untouched), so no parameter keeps a replicated optimizer state;
 * before a group's forward FSDP all-gathers its parameters over ``data_parallel`` and after its backward
   reduce-scatters the gradients, averaged over ``dp`` (FSDP's default prefetching: in the backward the next
   block's all-gather is issued before the current block's gradients), so each rank keeps the gradient of its
-  parameter shard. An optimizer built afterwards sees the sharded parameters and keeps state for them alone.
+  parameter shard. An optimizer built afterwards sees the sharded parameters and keeps state for them alone
+  (plain loops: ``shard_optimizer_state(optimizer, mesh)`` right after building it slices the state of those
+  kept whole too).
 
 ``stage=3`` (``reshard_after_forward=True``): a block's full parameters are freed after its forward and gathered
 again for its backward; per step each block costs two all-gathers and one reduce-scatter of its parameters.
@@ -61,9 +67,10 @@ at stage 0 (full tensor-parallel parameters) for reading weights, ``full_tensor(
     model = tp.parallelize(GPT2(cfg), mesh, "2d")
     shard_data_parallel(model, stage=3)             # before building the optimizer
     optimizer = torch.optim.AdamW(model.parameters())
+    shard_optimizer_state(optimizer, mesh)          # lightning_tp2d.zero: slices of the parameters kept whole
     loss = model(idx, targets); loss.backward()     # gradients reduce-scattered during the backward
     clip_grad_norm_(model.parameters(), 1.0, mesh)  # dp shards included
-    optimizer.step()
+    optimizer.step()                                # then the slices all-gathered
 """
 
 from __future__ import annotations

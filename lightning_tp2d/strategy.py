@@ -89,7 +89,8 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             all-gathers them after the step. ``2`` and ``3`` shard the gradients, and at ``3`` the parameters, over
             ``data_parallel`` with torch's FSDP2 (:mod:`lightning_tp2d.fsdp`: each block's parameters gathered
             just before use, gradients reduce-scattered during the backward, the optimizer state of this rank's
-            shard only); under ``precision="bf16-mixed"`` with FSDP's mixed precision (parameters float32 at rest,
+            shard only; the parameters FSDP keeps whole, GPT-2's fused q/k/v bias on the grids, get ZeRO-1's
+            slices); under ``precision="bf16-mixed"`` with FSDP's mixed precision (parameters float32 at rest,
             gathered and computed in bf16, gradients reduced in float32; ``"bf16-true"``: reduced in float32:
             :func:`~lightning_tp2d.fsdp.mixed_precision_policy`); with ``dp = 1`` a warning and no sharding. ``0``
             (default): each replica keeps the full state of its tensor shard.
@@ -216,7 +217,8 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
                     for key, value in fields.items() if isinstance(fields, dict) else ():
                         if key != "step":
                             fields[key] = move_data_to_device(value, self.root_device)
-            if self.zero_stage == 1:  # before a checkpoint is restored: each replica loads only its slices
+            if self.shards_optimizer_state:  # before a checkpoint is restored: each replica loads only its slices
+                # (stage 2/3: of the parameters FSDP keeps whole; its own shards pass through)
                 for optimizer in self.optimizers:
                     shard_optimizer_state(_unwrap(optimizer), self.device_mesh)
             if self._grad_sync is None and self.zero_stage < 2:  # (stage 2/3: FSDP's reduce-scatter averages)

@@ -145,7 +145,7 @@ def _data_parallel_step(family: str, layout: str, p: int, world_size: int, stage
     if stage >= 2:
         fsdp.shard_data_parallel(model, stage, mp_policy=fsdp.mixed_precision_policy(PRECISION[dtype]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if stage == 1:
+    if stage >= 1:  # at stages 2/3 it slices what FSDP keeps whole, as the strategies do
         shard_optimizer_state(optimizer, mesh)
     sync = GradientSync(model, mesh) if stage < 2 else None
     clip = clip_grad_norm_ if stage < 2 else fsdp.clip_grad_norm_

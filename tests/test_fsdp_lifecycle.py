@@ -22,6 +22,7 @@ from lightning_tp2d.bench.measure import LiveTensorBytes
 from lightning_tp2d.models import GPT2, GPT2Config
 from lightning_tp2d.parallelize import local_parameter_bytes
 from lightning_tp2d.training import average_gradients_
+from lightning_tp2d.zero import even_slices, shard_optimizer_state, sharding_of
 from tests.distributed import run_distributed
 from tests.lightning_ranks import run_ranks
 
@@ -57,6 +58,10 @@ class SetupBytes(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             self.losses.append(trainer.callback_metrics["train_loss"].item())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _weights(model) -> dict[str, np.ndarray]:
@@ -102,8 +107,11 @@ def _lifecycle(rank: int, world_size: int, directory: str, hf_directory: str) ->
     directory = Path(directory)
     out = {}
     trainer, module, data, record = _fit(3, DEEP, directory)
+    sharding = sharding_of(trainer.strategy.optimizers[0])  # the strategy shards the optimizer at stage 3 too
     out[3] = dict(peak=record.peak, setup=record.weights, losses=record.losses, trained=_weights(module.model),
-                  sharded=fsdp.is_sharded(module.model), evaluated=_evaluate(trainer, module, data))
+                  sharded=fsdp.is_sharded(module.model), evaluated=_evaluate(trainer, module, data),
+                  zero=sharding is not None and (len(sharding._hooks), all(s is q for s, q in zip(sharding.shards,
+                                                                                               sharding.params))))
     trainer, module, data, record = _fit(0, DEEP, directory)
     out[0] = dict(peak=record.peak, setup=record.weights, losses=record.losses, trained=_weights(module.model),
                   blocks=record.blocks, root=record.root)
@@ -161,6 +169,8 @@ def test_stage_3_setup_holds_the_dp_shards_of_the_blocks_and_one_block_in_full(l
         assert run[3]["peak"] <= bound, (run[3]["peak"], bound)
         assert run[0]["peak"] > bound, (run[0]["peak"], bound)  # what stage 3 used to hold too
         assert run[3]["sharded"] and _max_diff(run[3]["setup"], run[0]["setup"]) == 0
+        # on the ring FSDP cuts every parameter: the optimizer's sharding passes each through, with no step hook
+        assert run[3]["zero"] == (0, True), run[3]["zero"]
 
 
 def test_gradient_accumulation_at_stage_3_trains_like_stage_0(lifecycle):
@@ -191,6 +201,8 @@ def _accumulate(rank: int, world_size: int) -> dict:
             fsdp.shard_data_parallel(model, 3)
             out["whole"] = sorted(f"{n}.{w}" for n, m in model.named_modules() for w in getattr(m, "tp2d_whole", ()))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if stage:  # as the strategies do: the whole-kept biases' AdamW state in ZeRO-1's slices
+            sharding = shard_optimizer_state(optimizer, mesh)
         torch.manual_seed(10 + mesh.get_local_rank("data_parallel"))
         for _ in range(3):
             for micro in range(2):
@@ -203,6 +215,11 @@ def _accumulate(rank: int, world_size: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         out[stage] = _weights(model)
+        if stage:  # (exp_avg elements on this rank, of the local bias) per whole-kept bias
+            biases = [model.get_parameter(n) for n in out["whole"]]
+            out["whole_state"] = [(_local(optimizer.state[sharding.shard_of(b)]["exp_avg"]).numel(), _local(b).numel())
+                                  for b in biases]
+    out["dp"] = (mesh.get_local_rank("data_parallel"), 2)
     return out
 
 
@@ -213,6 +230,10 @@ def test_parameters_kept_whole_average_over_dp_under_accumulation_on_a_grid():
     registered on the old Parameter was lost there: those biases then trained on one replica's gradients)."""
     for run in run_distributed(_accumulate, 8, timeout=600):
         assert run["whole"] == ["transformer.h.0.attn.c_attn.bias", "transformer.h.1.attn.c_attn.bias"]
+        r, dp = run["dp"]  # each rank steps its ceil(n/dp) slice of them (or the rest), read from the average
+        for held, n in run["whole_state"]:
+            start, stop = even_slices(n, dp)[r]
+            assert held == stop - start and 0 < held < n, run["whole_state"]
         # AdamW moves every weight by ~lr = 1e-2 a step, and turns rounding in ~0 gradients (the key bias: the
         # softmax ignores it) into noise of ~1e-5; unaveraged biases (the lost hook) were off by 4e-2
         assert _max_diff(run[3], run[0]) <= 2e-4

@@ -4,6 +4,7 @@ with or without sharding, in either format."""
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -11,10 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 import lightning_tp2d as tp
 from lightning_tp2d import checkpoint as ckpt
-from lightning_tp2d.comm import all_reduce_along
+from lightning_tp2d.comm import all_reduce_along, count_comm
 from lightning_tp2d.models import GPT2, GPT2Config
 from lightning_tp2d.training import GradientSync, average_gradients_, clip_grad_norm_
 from lightning_tp2d.zero import (ShardedOptimizer, even_slices, full_param_groups, optimizer_state_bytes,
@@ -269,3 +273,89 @@ def test_zero1_trains_like_the_replicated_optimizer_and_its_checkpoints_load_eit
         assert out["weights_True"] == 0.0 and out["weights_False"] == 0.0
         assert out["load_sharded"], out
         assert out["owned_once"]  # every element of every parameter has exactly one owner
+
+
+# ---- parameters FSDP shards over data_parallel pass through; the ones it keeps whole are sliced ----------------
+
+
+def _mixed_worker(rank: int, world_size: int, steps: int) -> dict:
+    """``steps`` AdamW steps of ``_Uneven`` replicated (gradients averaged) and with FSDP over data_parallel but for
+    two parameters kept whole (averaged by hand, as fsdp's hook does), its optimizer sharded; then a model FSDP
+    cuts whole, whose sharding has nothing to slice."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",))
+    torch.manual_seed(0)
+    reference = _Uneven()
+    plain = _adamw(reference, lr=3e-2)
+    model = copy.deepcopy(reference)  # FSDP shards lin and big, and keeps small and temperature whole (told to):
+    whole = {model.small, model.temperature}  # the mix ZeRO-1 sees at stages 2/3 (GPT-2's fused q/k/v bias, grids)
+    fully_shard(model.lin, mesh=mesh)
+    fully_shard(model, mesh=mesh, ignored_params=whole)
+    optimizer = _adamw(model, lr=3e-2)
+    sharding = shard_optimizer_state(optimizer, mesh)
+    torch.manual_seed(10 + rank)  # each replica its own data
+    diff, grads_after_step = 0.0, []
+    for _ in range(steps):
+        x = torch.randn(4, 13)
+        for m, opt in ((reference, plain), (model, optimizer)):
+            opt.zero_grad()
+            m(x).backward()
+            if m is reference:
+                average_gradients_(m, mesh)
+            else:  # what fsdp's hook does for the parameters it keeps whole
+                for p in whole:
+                    all_reduce_along(p.grad, mesh, "data_parallel")
+                    p.grad.div_(world_size)
+            opt.step()
+        grads_after_step.append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
+        diff = max(diff, max((b.full_tensor() if isinstance(b, DTensor) else b).sub(a).abs().max().item()
+                             for a, b in zip(reference.parameters(), model.parameters())))
+    names = {id(p): n for n, p in model.named_parameters()}
+    split = [p for p in model.parameters() if isinstance(p, DTensor)]
+    out = {"diff": diff, "grads_after_step": grads_after_step,
+           "split": sorted(names[id(p)] for p in split),
+           # FSDP's: their own entries, state keyed by them, given back as they are
+           "passthrough": all(sharding.shard_of(p) is p and p in optimizer.state and all(
+               sharding.full_state(p)[k] is v and sharding.owned_slice(p, v) is v
+               for k, v in optimizer.state[p].items()) for p in split),
+           "in_groups": [sum(any(q is p for q in g["params"]) for g in optimizer.param_groups) for p in split],
+           "whole_state": {names[id(p)]: optimizer.state[sharding.shard_of(p)]["exp_avg"].numel() for p in whole},
+           "whole_full": {names[id(p)]: sharding.full_state(p)["exp_avg"].shape == p.shape for p in whole},
+           "buckets": len(sharding._buckets)}
+    # nothing replicated left: no hook, no bucket, no collective at the step, and the same update as plain AdamW
+    torch.manual_seed(0)
+    reference = nn.Linear(13, 31)
+    alone = fully_shard(copy.deepcopy(reference), mesh=mesh)
+    plain, optimizer = _adamw(reference), _adamw(alone)
+    sharding = shard_optimizer_state(optimizer, mesh)
+    x = torch.randn(4, 13)
+    for m, opt in ((reference, plain), (alone, optimizer)):
+        m(x).pow(2).sum().backward()
+        if m is reference:
+            average_gradients_(m, mesh)
+        with count_comm() as stats:
+            opt.step()
+    out["alone"] = {"hooks": len(sharding._hooks), "buckets": len(sharding._buckets),
+                    "calls": sum(v["calls"] for v in stats.snapshot().values()),
+                    # nothing to slice: any optimizer is exact (FSDP's own sharding of it is untouched)
+                    "any_optimizer": isinstance(shard_optimizer_state(torch.optim.Adafactor(alone.parameters()),
+                                                                      mesh), ShardedOptimizer),
+                    "diff": max((b.full_tensor() - a).abs().max().item()
+                                for a, b in zip(reference.parameters(), alone.parameters()))}
+    return out
+
+
+def test_zero1_slices_only_what_fsdp_keeps_whole_and_steps_like_plain_adamw():
+    outs = run_distributed(_mixed_worker, 2, 4, timeout=180)
+    for out in outs:
+        assert out["diff"] <= 1e-6, out  # 4 AdamW steps, two weight-decay groups: FSDP's shards and the slices
+        assert out["split"] == ["big", "lin.bias", "lin.weight"], out
+        assert out["passthrough"] and out["in_groups"] == [1, 1, 1], out
+        assert out["whole_state"]["temperature"] == 1, out  # 0-dim: whole everywhere (its own entry, as FSDP's)
+        assert out["whole_full"] == {"small": True, "temperature": True}, out
+        assert out["buckets"] == 1, out  # only "small" is gathered after the step
+        # the step drops the sliced parameter's gradient; those passing through keep theirs until zero_grad
+        assert all(names == ["big", "lin.bias", "lin.weight", "temperature"] for names in out["grads_after_step"])
+        assert out["alone"] == {"hooks": 0, "buckets": 0, "calls": 0, "any_optimizer": True,
+                                "diff": out["alone"]["diff"]}, out
+        assert out["alone"]["diff"] <= 1e-6, out
+    assert sorted(out["whole_state"]["small"] for out in outs) == [1, 2]  # the whole-kept 3 elements: ceil(3/2), rest

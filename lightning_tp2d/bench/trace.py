@@ -250,8 +250,11 @@ def _attention_flops(func, args, kwargs, backward: bool) -> float:
     return (10.0 if backward else 4.0) * d * scores
 
 
-def _config_key(cfg) -> tuple:
-    return (type(cfg).__name__, *sorted(vars(cfg).items()))
+def config_key(cfg) -> tuple:
+    """A hashable key of a model config's class and fields (a dict field, e.g. Llama's ``rope_scaling``, as its
+    sorted items): the caches of the tracer and the memory model."""
+    return (type(cfg).__name__, *sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
+                                        for k, v in vars(cfg).items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +331,7 @@ def trace_steps(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: i
     for rank in ranks:
         if not 0 <= rank < p:
             raise ValueError(f"rank {rank} is not in [0, {p})")
-    base = (type(spec), spec.options, _config_key(cfg), batch, seq, p, elem, data, checkpointing)
+    base = (type(spec), spec.options, config_key(cfg), batch, seq, p, elem, data, checkpointing)
     small = p <= _ALL_RANKS_UP_TO and cfg.n_embd * seq * batch <= _ALL_RANKS_BELOW_ELEMENTS and not _AS_ASKED
     wanted = set(ranks) | (set(range(p)) if small else set())
     missing = sorted(r for r in wanted if base + (r,) not in _CACHE)
@@ -357,12 +360,19 @@ def _trace_rank(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data
         return _run_here(spec, cfg, batch, seq, p, elem, data, rank, checkpointing)
     one, two = (_shallow(spec, dataclasses.replace(cfg, n_layer=n), batch, seq, p, elem, data, rank, checkpointing)
                 for n in (1, 2))
-    return _extrapolate(one, two, cfg.n_layer)
+    try:
+        return _extrapolate(one, two, cfg.n_layer)
+    except _NotLinear:  # e.g. ZeRO-1's bucketed gather of what FSDP keeps whole (GPT-2's q/k/v bias on the grids)
+        return _run_here(spec, cfg, batch, seq, p, elem, data, rank, checkpointing)
+
+
+class _NotLinear(RuntimeError):
+    """A call the second block does not repeat (a bucket holding every block's parameters): trace every block."""
 
 
 def _shallow(spec: Layout, cfg, *args) -> TracedStep:
     """:func:`_run_here`, remembered: models of one shape and any depth share their one- and two-block traces."""
-    key = (type(spec), spec.options, _config_key(cfg), *args)
+    key = (type(spec), spec.options, config_key(cfg), *args)
     if key not in _SHALLOW:
         _SHALLOW[key] = _run_here(spec, cfg, *args)
     return _SHALLOW[key]
@@ -380,7 +390,7 @@ def _extrapolate(one: TracedStep, two: TracedStep, layers: int) -> TracedStep:
     for key in c1.keys() | c2.keys():
         block = c2.get(key, 0) - c1.get(key, 0)
         if block < 0:
-            raise RuntimeError(f"traced schedule is not linear in the number of blocks: {key[0]}")
+            raise _NotLinear(f"traced schedule is not linear in the number of blocks: {key[0]}")
         calls = c1.get(key, 0) + (layers - 1) * block
         if calls:
             ev, fm, fa, ranks = key
@@ -480,9 +490,10 @@ def _build(spec: Layout, cfg, mesh, elem: int, data: _DataParallel, recorder: _R
                                         prepend=True)
     sync = training.GradientSync(model, mesh) if data.dp > 1 and not data.sharded else None
     clip = fsdp.clip_grad_norm_ if data.stage >= 2 else training.clip_grad_norm_  # as the strategies choose
-    # stage 1: the optimizer's own step computes and sends nothing traced; its slices' all-gather is the call
+    # stage 1: the optimizer's own step computes and sends nothing traced; its slices' all-gather is the call (at
+    # stages 2/3 as the strategies do: only the parameters FSDP keeps whole are sliced, GPT-2's q/k/v bias on grids)
     sharding = (zero.shard_optimizer_state(torch.optim.AdamW(model.parameters()), mesh)
-                if data.dp > 1 and data.stage == 1 else None)
+                if data.dp > 1 and data.stage >= 1 else None)
 
     def after_backward() -> None:
         if sync is not None:
