@@ -33,6 +33,7 @@ from lightning_tp2d.export import is_hf_directory, load_hf_model
 from lightning_tp2d.export import load_model as load_plain_model
 from lightning_tp2d.families import families
 from lightning_tp2d.families import model_config
+from lightning_tp2d.models.config import max_seq_len
 from lightning_tp2d.module import sample
 
 PROG = "tp2d-generate"
@@ -143,7 +144,7 @@ def generate(args: argparse.Namespace) -> str:
         raise ValueError(f"the prompt holds token id {max(ids)} (tokenizer {tokenizer.name!r}, {tokenizer.vocab_size} "
                          f"ids) but the model's vocab_size is {cfg.vocab_size}: use the tokenizer the model was "
                          "trained with (--tokenizer)")
-    if len(ids) > cfg.block_size:
+    if max_seq_len(cfg) is not None and len(ids) > cfg.block_size:  # None: a RoPE model takes any length
         raise ValueError(f"the prompt is {len(ids)} tokens, more than the model's block_size {cfg.block_size}")
     model = model.to(device)
     idx = torch.tensor([ids], dtype=torch.long, device=device)

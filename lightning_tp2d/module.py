@@ -38,6 +38,7 @@ from lightning_tp2d.export import hf_loader, hf_model_config
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.families import model_config
+from lightning_tp2d.models.config import max_seq_len
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.models.llama import Llama, LlamaConfig
 from lightning_tp2d.precision import allow_clipping_without_scaler
@@ -193,8 +194,8 @@ class CausalLMModule(L.LightningModule):
     def check_data_sizes(self, datamodule) -> None:
         """Raise ``ValueError`` when the data's windows are longer than the positions the model embeds (cheap: no data
         is read; :class:`~lightning_tp2d.strategy.TP2DStrategy` calls it before Lightning starts the other ranks)."""
-        block, T = getattr(datamodule, "block_size", None), self.config.block_size
-        if block is not None and block > T:
+        block, T = getattr(datamodule, "block_size", None), max_seq_len(self.config)  # None: any length (RoPE)
+        if block is not None and T is not None and block > T:
             raise ValueError(f"data block_size {block} exceeds the model's block_size {T}: lower the data module's "
                              f"block_size, or use a model with block_size >= {block}")
 
@@ -301,8 +302,9 @@ def sample(model: GPT2 | Llama, idx: torch.Tensor, max_new_tokens: int, temperat
            seed: int = 0) -> torch.Tensor:
     """``idx [B, T]`` followed by ``max_new_tokens`` tokens sampled from ``model`` (plain or parallelized): from
     ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely (all if ``None``), or greedy for
-    ``temperature <= 0``, drawn from one generator seeded with ``seed``. ``T <= block_size``; the model then sees the
-    last ``block_size`` tokens. A parallelized model needs the same call on every rank of its mesh (same tokens out)."""
+    ``temperature <= 0``, drawn from one generator seeded with ``seed``. A model with a position table (GPT-2) takes
+    ``T <= block_size`` and then sees the last ``block_size`` tokens; a RoPE model (Llama) sees them all. A
+    parallelized model needs the same call on every rank of its mesh (same tokens out)."""
     was_training = model.training
     model.check_input(idx, values=True)
     model.eval()
@@ -311,11 +313,11 @@ def sample(model: GPT2 | Llama, idx: torch.Tensor, max_new_tokens: int, temperat
     pad = (-B) % batch_multiple
     # ring layouts cut each sequence into 2p chunks: right-pad the context (causal attention keeps the
     # padding from touching earlier positions) and read the logits of the last real token
-    block_size = model.config.block_size
-    window = block_size - block_size % seq_multiple
+    limit = max_seq_len(model.config)  # None: no position table, the whole context every step
+    window = None if limit is None else limit - limit % seq_multiple
     generator = torch.Generator(device=idx.device).manual_seed(seed)
     for _ in range(max_new_tokens):
-        cond = idx[:, -window:]
+        cond = idx if window is None else idx[:, -window:]
         T = cond.size(1)
         if pad:
             cond = torch.cat([cond, cond[:1].expand(pad, -1)])  # the grid splits the batch into q rows

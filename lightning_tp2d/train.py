@@ -53,6 +53,7 @@ from lightning_tp2d.data import (check_format, check_path, get_tokenizer, is_tok
 from lightning_tp2d.errors import CheckpointError, CommError, DivergenceError
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import STRATEGY_NAMES, get_layout
+from lightning_tp2d.models.config import max_seq_len
 from lightning_tp2d.quiet import silence_known_noise
 from lightning_tp2d.safe_files import clear, resolve, staging_path
 from lightning_tp2d.sizes import CONFIG_KEYS, resolve_sizes
@@ -378,7 +379,7 @@ def check_config(cfg: DictConfig, model) -> str:
         except (ValueError, OSError, RuntimeError) as err:
             raise ConfigError(f"data.tokenizer: {err}") from None
     seq, batch = int(data.block_size), int(data.batch_size)
-    if seq > model.block_size:
+    if max_seq_len(model) is not None and seq > model.block_size:  # None: RoPE, any length
         raise ConfigError(f"data.block_size={seq} exceeds model.block_size={model.block_size} (the positions the "
                           f"model can embed): lower data.block_size or set model.block_size={seq}")
     devices, nodes = device_count(tr.devices, str(tr.accelerator)), int(tr.num_nodes)

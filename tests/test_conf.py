@@ -340,7 +340,8 @@ def test_llama_model_files_build_their_named_configs(option):
     from lightning_tp2d.models import LlamaConfig
 
     cfg = composed(f"model={option}")
-    assert instantiate(cfg.model) == LlamaConfig.from_name(option)
+    context = {"llama-3.2-1b": dict(block_size=8192)}.get(option, {})  # trains at its pre-training context
+    assert instantiate(cfg.model) == LlamaConfig.from_name(option, **context)
     assert OmegaConf.to_container(cfg, resolve=True)["module"]["model"]["_target_"] == "lightning_tp2d.LlamaConfig"
     quick = composed("experiment=quick", f"model={option}")  # the command line's model wins over the recipe's
     assert quick.model.n_kv_head == LlamaConfig.from_name(option).n_kv_head
@@ -352,6 +353,8 @@ def test_llama_layouts_follow_the_family_rules():
     from lightning_tp2d.models import LlamaConfig
 
     assert checked("model=llama-tiny", "trainer=cpu").startswith("layout '2d': 1 replica(s) x 2x2 grid (p=4)")
+    # RoPE has no position table: data longer than model.block_size=64 fits (GPT-2's is refused, above)
+    assert "8 x 256 tokens per step" in checked("model=llama-tiny", "trainer=cpu", "data.block_size=256")
     assert checked("model=llama-tiny", "parallel=single", "trainer.devices=1").startswith("plain Llama (2 layers")
     # the ring plans are Llama's too (a family without a plan is refused naming its layouts: test_llama_parallel.py)
     ring = checked("model=llama-tiny", "parallel=metp", "trainer=cpu")

@@ -25,6 +25,12 @@ from lightning_tp2d.data import ByteTokenizer
 from tests.distributed import run_distributed
 
 
+# Llama 3.1's RoPE scaling from a pre-training context of 8 (llama-tiny: hs 8, wavelengths 6.3, 63, 628, 6283):
+# one frequency interpolated, three divided by 8, over the test's 12-16 (zigzag, absolute) positions.
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8}
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
@@ -85,9 +91,10 @@ def _parity(rank, world_size, dtype, overrides, meta):
 
 @pytest.mark.parametrize("world_size, dtype, overrides, meta, tol", [
     (4, torch.float64, {}, False, 1e-10),  # GQA (12 / 6 heads), untied head
-    (4, torch.float64, {"n_kv_head": 12, "tie_embeddings": True}, True, 1e-10),  # MHA, tied head, meta build
+    (4, torch.float64, {"n_kv_head": 12, "tie_embeddings": True, "rope_scaling": LLAMA3},
+     True, 1e-10),  # MHA, tied head, meta build, Llama 3.1's RoPE scaling
     (9, torch.float32, {"n_kv_head": 3, "tie_embeddings": False}, False, 1e-4),  # 3x3, g = 4
-], ids=["2x2-gqa-untied-f64", "2x2-mha-tied-meta-f64", "3x3-gqa-untied-f32"])
+], ids=["2x2-gqa-untied-f64", "2x2-mha-tied-meta-llama3-f64", "3x3-gqa-untied-f32"])
 def test_llama_2d_matches_plain_model(world_size, dtype, overrides, meta, tol):
     results = run_distributed(_parity, world_size, dtype, overrides, meta)
     tied = overrides.get("tie_embeddings", False)
@@ -136,8 +143,8 @@ def _assert_ring_parity(out: dict, tol: float, tied: bool) -> None:
 @pytest.mark.parametrize("world_size, overrides", [
     (2, {}),  # GQA (12 / 6 heads, g = 2), untied head
     (4, {"n_kv_head": 3, "tie_embeddings": True}),  # GQA g = 4 (24 k/v rows: 6 per rank), tied head
-    (2, {"n_kv_head": 12, "tie_embeddings": True}),  # multi-head attention, tied head
-], ids=["ring2-gqa-untied", "ring4-gqa4-tied", "ring2-mha-tied"])
+    (2, {"n_kv_head": 12, "tie_embeddings": True, "rope_scaling": LLAMA3}),  # MHA, tied head, scaled RoPE
+], ids=["ring2-gqa-untied", "ring4-gqa4-tied", "ring2-mha-tied-llama3"])
 def test_llama_metp_matches_plain_model(world_size, overrides):
     tol = 1e-10  # float64
     tied = overrides.get("tie_embeddings", False)
@@ -156,8 +163,8 @@ def test_llama_metp_matches_plain_model(world_size, overrides):
         _assert_ring_parity(out, tol, tied)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"n_kv_head": 12, "tie_embeddings": True}],
-                         ids=["2x2-gqa-untied", "2x2-mha-tied"])
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_head": 12, "tie_embeddings": True, "rope_scaling": LLAMA3}],
+                         ids=["2x2-gqa-untied", "2x2-mha-tied-llama3"])
 def test_llama_2d_metp_matches_plain_model(overrides):
     tol = 1e-10  # float64
     tied = overrides.get("tie_embeddings", False)

@@ -57,6 +57,7 @@ from lightning_tp2d.bench.tp1d import tp1d_comm_events
 from lightning_tp2d.bench.tp1d_sp import block_linears, check_sequence_parallel, tp1d_sp_comm_events
 from lightning_tp2d.bench.trace import trace_step, trace_steps
 from lightning_tp2d.layouts import Grid2D, Layout, get_layout, layout_names
+from lightning_tp2d.models.config import max_seq_len
 from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING
 
@@ -85,7 +86,7 @@ def _check(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int) 
         raise ValueError(f"p must be a positive int, got {p!r}")
     if batch < 1 or seq < 1:
         raise ValueError(f"batch and seq must be positive, got batch={batch} seq={seq}")
-    if seq > cfg.block_size:
+    if max_seq_len(cfg) is not None and seq > cfg.block_size:  # (None: RoPE, any length)
         raise ValueError(f"seq {seq} exceeds block_size {cfg.block_size}")
     h = cfg.n_embd
     if layout == "single":

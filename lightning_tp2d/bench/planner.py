@@ -55,6 +55,7 @@ from lightning_tp2d.bench.memory_model import (baseline_activation_bytes, baseli
 from lightning_tp2d.bench.trace import ranks_as_asked, trace_step
 from lightning_tp2d.families import family_of_config, fits, model_config
 from lightning_tp2d.layouts import get_layout, layout_names
+from lightning_tp2d.models.config import max_seq_len
 
 __all__ = ["PlanRow", "plan", "price", "HARDWARE", "ELEMENTWISE_PASSES", "GPT2_H200", "ASYNC_TP_OVERLAP",
            "data_parallel_time", "NothingFits"]
@@ -294,7 +295,7 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
     if gpus < 1 or gpus_per_node < 1 or gpu_memory_gib <= 0:
         raise ValueError(f"plan: need gpus >= 1, gpus_per_node >= 1 and gpu_memory_gib > 0, got gpus={gpus}, "
                          f"gpus_per_node={gpus_per_node}, gpu_memory_gib={gpu_memory_gib}")
-    if seq > cfg.block_size:
+    if max_seq_len(cfg) is not None and seq > cfg.block_size:  # (None: RoPE, any length)
         raise ValueError(f"plan: seq={seq} exceeds the model's block_size={cfg.block_size}")
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
     sequences = global_batch_tokens // seq

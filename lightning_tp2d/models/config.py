@@ -28,8 +28,15 @@ def check_dropout(dropout: float) -> None:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
 
 
+def max_seq_len(config: Any) -> int | None:
+    """The longest sequence ``config``'s model runs: its ``max_seq_len`` (``None``: any length, as for RoPE), or
+    ``block_size`` for a config without one (a learned position table has ``block_size`` rows)."""
+    return getattr(config, "max_seq_len", config.block_size)
+
+
 class NamedSizes:
-    """``from_name`` and ``head_size`` for a config dataclass with ``n_embd``, ``n_head`` and a ``NAMED`` table."""
+    """``from_name``, ``max_seq_len`` and ``head_size`` for a config dataclass with ``n_embd``, ``n_head``,
+    ``block_size`` and a ``NAMED`` table."""
 
     NAMED: ClassVar[dict[str, dict]] = {}
     KIND: ClassVar[str] = "model"  # how messages name the family ("GPT-2", "Llama")
@@ -40,6 +47,12 @@ class NamedSizes:
         if name not in cls.NAMED:
             raise ValueError(f"unknown {cls.KIND} config {name!r}; valid names: {sorted(cls.NAMED)}")
         return cls(**{**cls.NAMED[name], **overrides})
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """The longest sequence the model runs: ``block_size`` (a learned position table has that many rows);
+        ``None`` where any length runs, as for RoPE (a config class overrides this)."""
+        return self.block_size  # type: ignore[attr-defined]
 
     @property
     def head_size(self) -> int:

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints
+from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints, max_seq_len
 from lightning_tp2d.models.hf import HFFormat
 
 # Weights that transformers stores as Conv1D, i.e. [in, out], while nn.Linear stores [out, in].
@@ -243,15 +243,16 @@ class GPT2(nn.Module):
         return sum(p.numel() for p in self.parameters())  # parameters() yields each tensor once
 
     def check_input(self, idx: torch.Tensor, targets: torch.Tensor | None = None, values: bool | None = None) -> None:
-        """Raise ValueError unless idx is (B, T) integer ids in [0, V) with T <= block_size, and targets
-        (if given) has idx's shape with values in [0, V) or -100 (ignored). ``values``: whether to read the ids
-        (``None``: :attr:`validate_inputs`)."""
-        V, block_size = self.config.vocab_size, self.config.block_size
+        """Raise ValueError unless idx is (B, T) integer ids in [0, V) with T <= block_size (no limit where the
+        config's :func:`~lightning_tp2d.models.config.max_seq_len` is ``None``: RoPE), and targets (if given) has
+        idx's shape with values in [0, V) or -100 (ignored). ``values``: whether to read the ids (``None``:
+        :attr:`validate_inputs`)."""
+        V, block_size = self.config.vocab_size, max_seq_len(self.config)
         if idx.dim() != 2 or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
             raise ValueError(f"idx must be a 2-D (B, T) integer tensor, got shape {tuple(idx.shape)} "
                              f"dtype {idx.dtype}")
         T = idx.size(1)
-        if T > block_size:
+        if block_size is not None and T > block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {block_size}")
         if not (self.validate_inputs if values is None else values):
             if targets is not None and targets.shape != idx.shape:

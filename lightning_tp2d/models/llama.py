@@ -24,11 +24,13 @@ heads per key/value head, GQA), I = intermediate_size, V = vocab_size. Block:
 reads key/value head ``j // g`` (transformers' ``repeat_kv`` / SDPA ``enable_gqa`` grouping).
 
 RoPE is the "rotate half" form of transformers (feature ``i`` pairs with ``i + hs/2`` inside each head; HF
-checkpoints are already permuted for it). It has no parameters or buffers: :func:`rope_cache` computes cos/sin
-(float32, like transformers) for ``T`` or for any tensor of absolute positions, and :func:`apply_rope` applies
-them, optionally gathering rows by a position tensor. Llama 3.1 / 3.2's ``rope_scaling`` (``rope_type="llama3"``)
-is not implemented: ``LlamaConfig.from_hf`` refuses it, and the named ``llama-3.*`` configs have those models'
-shapes (for training from scratch) with ``block_size`` 8192, their pre-training context.
+checkpoints are already permuted for it), in :mod:`lightning_tp2d.models.rope`: no parameters or buffers;
+:func:`rope_cache` computes cos/sin (float32, like transformers) for ``T`` or for any tensor of absolute positions
+from the config's :attr:`LlamaConfig.rope` (base ``rope_theta``, and ``rope_scaling``: none, or Llama 3.1 / 3.2's
+``"llama3"`` frequency scaling), and :func:`apply_rope` applies them, optionally gathering rows by a position
+tensor. Having no position table, the model runs sequences of any length: ``block_size`` (transformers'
+``max_position_embeddings``) is the context the model is made for, not a limit. The named ``llama-3.*`` configs have
+those models' shapes, scaling and 131072-token context.
 
 What the parallel plans need (the GPT-2 plans carry over role by role):
 
@@ -62,6 +64,7 @@ import torch.nn.functional as F
 from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints
 from lightning_tp2d.models.gpt2 import GPT2, LMHead, _fill_normal_
 from lightning_tp2d.models.hf import HFFormat
+from lightning_tp2d.models.rope import RoPE, apply_rope, rope_cache, rope_inv_freq, rotate_half
 
 INIT_STD = 0.02  # transformers' initializer_range for Llama
 # transformers' LlamaConfig defaults (a config.json may omit them)
@@ -80,11 +83,14 @@ class LlamaConfig(NamedSizes):
     n_kv_head: int  # key/value heads; must divide n_head, < n_head is GQA (HF: num_key_value_heads)
     n_embd: int  # hidden size h (HF: hidden_size)
     intermediate_size: int  # width I of the SwiGLU MLP
-    block_size: int  # longest sequence accepted (HF: max_position_embeddings); RoPE itself has no limit
+    block_size: int  # the context it is made for (HF: max_position_embeddings); RoPE runs longer sequences too
     rope_theta: float = 10000.0  # RoPE base (Llama 3: 500000)
     norm_eps: float = 1e-5  # RMSNorm epsilon (HF: rms_norm_eps)
     tie_embeddings: bool = False  # lm_head.weight is model.embed_tokens.weight (HF: tie_word_embeddings)
     dropout: float = 0.0  # attention-probability dropout (HF: attention_dropout); Llama has no other dropout
+    # RoPE frequency scaling (HF: rope_scaling / rope_parameters): None, or {"rope_type": "llama3", "factor": 8.0,
+    # "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192} (Llama 3.1)
+    rope_scaling: dict | None = None
 
     KIND: ClassVar[str] = "Llama"
 
@@ -103,6 +109,18 @@ class LlamaConfig(NamedSizes):
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"LlamaConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         check_dropout(self.dropout)
+        self.rope_scaling = self.rope.scaling  # checked, as a plain dict (a YAML node arrives as a DictConfig)
+
+    @property
+    def rope(self) -> RoPE:
+        """The RoPE this config describes (``rope_theta`` and ``rope_scaling``); ``ValueError`` naming a scaling
+        field that is missing, unknown or does not fit."""
+        return RoPE.from_scaling(self.rope_theta, self.rope_scaling, "LlamaConfig.rope_scaling")
+
+    @property
+    def max_seq_len(self) -> None:
+        """``None``: RoPE has no position table, so any sequence length runs (``block_size`` is no limit)."""
+        return None
 
     @property
     def kv_groups(self) -> int:
@@ -124,24 +142,40 @@ class LlamaConfig(NamedSizes):
         if head_dim is not None and head_dim * n_head != hf_config.hidden_size:
             problems.append(f"head_dim={head_dim} (need hidden_size // num_attention_heads = "
                             f"{hf_config.hidden_size} // {n_head})")
-        # transformers 5 keeps rope_theta and the rope type in rope_parameters (rope_scaling is an alias of it);
-        # transformers 4 has rope_theta and rope_scaling (None unless scaled) as attributes.
-        rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            problems.append(f"rope_type={rope_type!r} in rope_scaling/rope_parameters (need 'default': RoPE "
-                            f"scaling such as Llama 3.1's 'llama3' is not implemented)")
-        theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        theta, scaling = _hf_rope(hf_config)
+        try:
+            RoPE.from_scaling(theta, scaling, "rope_scaling/rope_parameters")
+        except ValueError as err:
+            problems.append(str(err))
         if problems:
             raise ValueError("unsupported transformers LlamaConfig: " + "; ".join(problems))
         return cls(vocab_size=hf_config.vocab_size, n_layer=hf_config.num_hidden_layers, n_head=n_head,
                    n_kv_head=n_kv_head, n_embd=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
-                   block_size=hf_config.max_position_embeddings, rope_theta=float(theta),
+                   block_size=hf_config.max_position_embeddings, rope_theta=float(theta), rope_scaling=scaling,
                    norm_eps=float(hf_config.rms_norm_eps), tie_embeddings=bool(hf_config.tie_word_embeddings),
                    dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0))
 
 
-_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, block_size=8192)
+def _hf_rope(hf_config) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)`` of a transformers config. transformers 5 keeps theta, the rope type and its
+    fields in ``rope_parameters`` (``rope_scaling`` is an alias of it; in a ``config.json`` a non-null
+    ``rope_scaling`` wins, as there); transformers 4 has ``rope_theta`` and ``rope_scaling`` (``None`` unless
+    scaled; old files say ``type`` for ``rope_type``) as attributes."""
+    rope = dict(getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None) or {})
+    theta = rope.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":  # as transformers: the pre-training context defaults to max_position_embeddings
+        rope.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    return theta, {"rope_type": rope_type, **rope}
+
+
+# Llama 3.1 and 3.2: RoPE scaled from the 8192-token pre-training context to 131072 (their config.json files).
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, block_size=131072)
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+_LLAMA32_ROPE = {**_LLAMA31_ROPE, "factor": 32.0}
 _NAMED_CONFIGS = {
     # Test sizes: 12 query and 6 key/value heads (GQA, g = 2) split over 2 or 3 ranks per grid side; hs = 8;
     # n_embd 96 and intermediate 264 divide by 2, 3, 4 and 6; vocab 257 (bytes + 1) divides by none of them.
@@ -149,18 +183,19 @@ _NAMED_CONFIGS = {
                        block_size=64),
     "llama-mini": dict(vocab_size=257, n_layer=4, n_head=12, n_kv_head=6, n_embd=192, intermediate_size=528,
                        block_size=128),
-    # Shapes of real models. Llama 2 loads exactly from its checkpoints; the Llama 3.x ones use RoPE scaling
-    # ('llama3', not implemented here) and a 131072 context: their shapes, theta and a block_size of 8192.
+    # Real models (shapes, RoPE and context of their config.json), loading exactly from their checkpoints.
     "llama-2-7b": dict(vocab_size=32000, n_layer=32, n_head=32, n_kv_head=32, n_embd=4096, intermediate_size=11008,
                        block_size=4096),  # 6.74B
     "llama-3.2-1b": dict(_LLAMA3, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192,
-                         tie_embeddings=True),  # 1.24B
+                         tie_embeddings=True, rope_scaling=_LLAMA32_ROPE),  # 1.24B
     "llama-3.2-3b": dict(_LLAMA3, n_layer=28, n_head=24, n_kv_head=8, n_embd=3072, intermediate_size=8192,
-                         tie_embeddings=True),  # 3.21B
-    "llama-3.1-8b": dict(_LLAMA3, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336),  # 8.03B
-    "llama-3.1-70b": dict(_LLAMA3, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, intermediate_size=28672),  # 70.6B
-    "llama-3.1-405b": dict(_LLAMA3, n_layer=126, n_head=128, n_kv_head=8, n_embd=16384,
-                           intermediate_size=53248),  # 405.9B
+                         tie_embeddings=True, rope_scaling=_LLAMA32_ROPE),  # 3.21B
+    "llama-3.1-8b": dict(_LLAMA3, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
+                         rope_scaling=_LLAMA31_ROPE),  # 8.03B
+    "llama-3.1-70b": dict(_LLAMA3, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, intermediate_size=28672,
+                          rope_scaling=_LLAMA31_ROPE),  # 70.6B
+    "llama-3.1-405b": dict(_LLAMA3, n_layer=126, n_head=128, n_kv_head=8, n_embd=16384, intermediate_size=53248,
+                           rope_scaling=_LLAMA31_ROPE),  # 405.9B
 }
 LlamaConfig.NAMED = _NAMED_CONFIGS
 
@@ -174,51 +209,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.to(torch.promote_types(dtype, torch.float32))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
-
-
-def rope_inv_freq(head_size: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
-    """Float32 inverse frequencies theta^(-2i/hs), i < hs/2 (transformers' default RoPE)."""
-    exponents = torch.arange(0, head_size, 2, dtype=torch.int64, device=device).to(torch.float32) / head_size
-    return 1.0 / (theta ** exponents)
-
-
-def rope_cache(positions: int | torch.Tensor, head_size: int, theta: float,
-               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), float32, of shape ``(T, hs)`` for positions ``0 .. T-1`` (``positions`` an int T), or
-    ``positions.shape + (hs,)`` for a tensor of absolute positions (any integer tensor, e.g. a zigzag chunk's;
-    ``device`` is then the tensor's). Each row depends only on its position, so rows equal those of a longer cache.
-    """
-    if not isinstance(positions, torch.Tensor):  # an int (or a SymInt under torch.compile)
-        positions = torch.arange(positions, device=device)
-    freqs = positions[..., None].to(torch.float32) * rope_inv_freq(head_size, theta, positions.device)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (..., hs): feature i and i + hs/2 share a frequency
-    return emb.cos(), emb.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the last dimension (halves of a head)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin for x of shape (B, heads, T, hs), in x's dtype.
-
-    ``cos`` / ``sin`` from :func:`rope_cache`: ``(T_cache, hs)`` rows per position or ``(B, T, hs)`` per sequence.
-    With ``positions`` (``(T,)`` or ``(B, T)`` integer indices) the rows for those positions are gathered from a
-    ``(T_cache, hs)`` cache; without, the first T rows are used (a longer cache serves shorter sequences)."""
-    T = x.size(-2)
-    if positions is not None:
-        cos, sin = cos[positions], sin[positions]
-    elif cos.dim() == 2:
-        if cos.size(0) < T:
-            raise ValueError(f"RoPE cache has {cos.size(0)} positions, the sequence {T}")
-        cos, sin = cos[:T], sin[:T]
-    if cos.dim() == 3:  # (B, T, hs) -> (B, 1, T, hs), broadcast over heads
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
 
 
 # ---- modules -------------------------------------------------------------------------------------------------------
@@ -250,7 +240,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(h, config.n_kv_head * hs, bias=False)
         self.o_proj = nn.Linear(config.n_head * hs, h, bias=False)
         self.head_size = hs
-        self.rope_theta = config.rope_theta
+        self.rope = config.rope  # theta and scaling (the parallel layers read it here)
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -261,7 +251,7 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        cos, sin = rope_cache(T if positions is None else positions, hs, self.rope_theta, x.device)
+        cos, sin = rope_cache(T if positions is None else positions, hs, self.rope, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
@@ -359,7 +349,7 @@ class Llama(nn.Module):
         """Number of distinct parameter entries; a tied embed_tokens/lm_head matrix counts once."""
         return sum(p.numel() for p in self.parameters())
 
-    # The same checks and messages as GPT-2 (they only read config.vocab_size / block_size and validate_inputs).
+    # The same checks and messages as GPT-2 (they read config.vocab_size / max_seq_len and validate_inputs).
     check_input = GPT2.check_input
     _assert_ids_on_device = GPT2._assert_ids_on_device
 
@@ -405,22 +395,24 @@ def _write_hf_config(cfg: LlamaConfig) -> dict:
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
         "head_dim": cfg.head_size, "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
         "hidden_act": "silu",
-        # transformers 5 reads rope_parameters, 4 reads rope_theta (and rope_scaling None)
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        # transformers 5 reads rope_parameters (or rope_scaling where it is set), 4 rope_theta and rope_scaling
+        "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+        "rope_parameters": {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "attention_dropout": cfg.dropout, "torch_dtype": "float32",
     }
 
 
 # LlamaForCausalLM's keys are ours, nothing is transposed, q/k/v are separate; the bare LlamaModel lacks "model.".
-# RoPE has no position table, so any block_size fits.
+# RoPE has no position table, so any block_size fits; its theta and scaling must match.
 HF_FORMAT = HFFormat(
     model_type="llama", architecture="LlamaForCausalLM", read_config=_read_hf_config, write_config=_write_hf_config,
     embedding="model.embed_tokens.weight", prefix="model.",
     # non-persistent RoPE buffers that some transformers versions saved (Llama 2 era files carry
     # model.layers.{i}.self_attn.rotary_emb.inv_freq); this model recomputes them
     ignored=("rotary_emb.inv_freq", "rotary_emb.original_inv_freq"),
-    sizes=("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size", "rope_theta", "norm_eps"),
+    sizes=("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size", "rope_theta",
+           "rope_scaling", "norm_eps"),
     tie_option="tie_embeddings")
 
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from lightning_tp2d import recompute
 from lightning_tp2d.comm import all_reduce_along
-from lightning_tp2d.models.llama import apply_rope, rope_cache
+from lightning_tp2d.models.rope import apply_rope, rope_cache
 from lightning_tp2d.nn.functional import autocast_operands, axis_index, pad_rows, shard_parameter, sum_grad_along
 from lightning_tp2d.nn.head import LMHead2D
 from lightning_tp2d.nn.layernorm import _stat_dtype
@@ -99,7 +99,7 @@ class LlamaAttention2D(nn.Module):
     def __init__(self, attn: nn.Module, mesh: DeviceMesh, *, options=None) -> None:
         super().__init__()
         q = axis_index(mesh, "col")[1]
-        self.head_size, self.rope_theta, self.dropout = attn.head_size, attn.rope_theta, attn.dropout
+        self.head_size, self.rope, self.dropout = attn.head_size, attn.rope, attn.dropout
         n_head, n_kv_head = attn.q_proj.out_features // self.head_size, attn.k_proj.out_features // self.head_size
         # heads and key/value heads divide by q: the family's size rule, checked before any layer is built
         # (families.ModelFamily.check_model in parallelize)
@@ -115,7 +115,7 @@ class LlamaAttention2D(nn.Module):
         q = self.q_proj(x).view(B, T, self.local_heads, hs).transpose(1, 2)  # (B/q, nh/q, T, hs)
         k = self.k_proj(x).view(B, T, self.local_kv_heads, hs).transpose(1, 2)  # (B/q, nkv/q, T, hs)
         v = self.v_proj(x).view(B, T, self.local_kv_heads, hs).transpose(1, 2)
-        cos, sin = rope_cache(T, hs, self.rope_theta, x.device)
+        cos, sin = rope_cache(T, hs, self.rope, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0,

@@ -88,7 +88,7 @@ class RingLlamaAttention(nn.Module):
     def __init__(self, attn: nn.Module, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
         super().__init__()
         self.mesh, self.options = mesh, ring_options(options)
-        self.head_size, self.rope_theta, self.dropout = attn.head_size, attn.rope_theta, attn.dropout
+        self.head_size, self.rope, self.dropout = attn.head_size, attn.rope, attn.dropout
         self.n_head = attn.q_proj.out_features // self.head_size
         self.n_kv_head = attn.k_proj.out_features // self.head_size
         self.q_proj = RingLinear(attn.q_proj, mesh, "out")
@@ -107,7 +107,7 @@ class RingLlamaAttention(nn.Module):
         (wk, _), (wv, _) = self.k_proj.local(), self.v_proj.local()
         k, v = ring_linear_out(x2d, torch.cat([wk, wv]), None, self.mesh, AXIS,
                                HeadBlocks(2, B, S, self.n_kv_head, hs, p), options=self.options)  # (B, nkv, S, hs)
-        cos, sin = rope_cache(zigzag_positions(S * p, p, i, x.device), hs, self.rope_theta)  # absolute positions
+        cos, sin = rope_cache(zigzag_positions(S * p, p, i, x.device), hs, self.rope)  # absolute positions
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = ring_attention(group_queries(q, k, v), self.mesh, AXIS, groups=self.n_head // self.n_kv_head,
                            options=self.options)  # (B, nh, S, hs)
@@ -170,7 +170,7 @@ class LlamaAttention2DMetp(LlamaAttention2D):
         q_ = self.q_proj(x).view(B, S, self.local_heads, hs).transpose(1, 2)  # (B, nh/q, S, hs)
         k = self.k_proj(x).view(B, S, self.local_kv_heads, hs).transpose(1, 2)  # (B, nkv/q, S, hs)
         v = self.v_proj(x).view(B, S, self.local_kv_heads, hs).transpose(1, 2)
-        cos, sin = rope_cache(zigzag_positions(S * q, q, r, x.device), hs, self.rope_theta)
+        cos, sin = rope_cache(zigzag_positions(S * q, q, r, x.device), hs, self.rope)
         q_, k = apply_rope(q_, cos, sin), apply_rope(k, cos, sin)
         y = ring_attention(group_queries(q_, k, v), self.mesh, "row", groups=self.local_heads // self.local_kv_heads,
                            options=self.options)  # (B, nh/q, S, hs)
