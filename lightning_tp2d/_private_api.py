@@ -192,7 +192,7 @@ torch (2.13)
 
 ``torch.distributed.tensor.debug._clear_python_sharding_prop_cache``,
 ``torch._C._clear_DTensor_sharding_propagator_cache``
-    where: bench/trace.py:_forget_meshes
+    where: bench/trace.py:forget_meshes
     why: DTensor's sharding-propagation caches (Python and C++ fast path) key on meshes by value and hand out output
     specs that hold the equal mesh of an earlier trace, whose fake process group is gone; FSDP gathers over the mesh
     its parameters hold, so a sharded trace empties them first.
@@ -359,7 +359,7 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "see every aten op: collectives with their bytes, live tensor bytes, host syncs, the traced schedule, FSDP's c10d "
      "collectives"),
     ("torch.distributed.tensor.debug._clear_python_sharding_prop_cache, "
-     "torch._C._clear_DTensor_sharding_propagator_cache", ("bench/trace.py:_forget_meshes",),
+     "torch._C._clear_DTensor_sharding_propagator_cache", ("bench/trace.py:forget_meshes",),
      "DTensor's caches hand stale (equal) meshes of earlier traces to new parameters, which FSDP gathers over"),
     ("torch._ops.HigherOrderOperator",
      ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import math
+import warnings
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -77,6 +78,13 @@ ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in (
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _data_ptr(t: torch.Tensor) -> int:
+    """``t.data_ptr()``; quiet for a fake tensor (the tracer's and the memory model's), which warns and never moves."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        return t.data_ptr()
 
 
 def _split_over_dp(param: torch.Tensor) -> bool:
@@ -106,7 +114,7 @@ class _Piece:
         if not local.is_contiguous():
             raise ValueError(f"ZeRO-1 slices a parameter's local shard in place, but one of shape {tuple(local.shape)} "
                              f"is not contiguous (strides {local.stride()})")
-        self.param, self.flat, self.ptr, self.n = param, local.view(-1), local.data_ptr(), local.numel()
+        self.param, self.flat, self.ptr, self.n = param, local.view(-1), _data_ptr(local), local.numel()
         self.whole = local.dim() == 0
         self.size = self.n if self.whole else math.ceil(self.n / dp)
         self.start, self.stop = (0, self.n) if self.whole else even_slices(self.n, dp)[rank]
@@ -220,7 +228,7 @@ class ShardedOptimizer:
     def bind_gradients(self) -> None:
         """Each slice's ``.grad``: the matching slice of its parameter's gradient (``None`` where that is)."""
         for piece in self._pieces:
-            if _local(piece.param.detach()).data_ptr() != piece.ptr:
+            if _data_ptr(_local(piece.param.detach())) != piece.ptr:
                 raise RuntimeError("a parameter's storage changed after its optimizer state was sharded (the model "
                                    "was moved or cast later): shard the optimizer after that")
             grad = piece.param.grad

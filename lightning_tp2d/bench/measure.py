@@ -13,10 +13,16 @@ With ``cap`` set, the allocation that takes the live bytes past it raises :class
 out-of-memory error on a GPU whose memory is capped with ``torch.cuda.set_per_process_memory_fraction``: the
 maximum-sequence search uses that to stop a probe at once. Tensors that existed before the mode was entered
 (parameters, optimizer state) are not seen; callers add them as ``resident`` bytes (:func:`resident_bytes`).
+Fake tensors (``FakeTensorMode``: shapes, no data) are counted like real ones, so the same mode profiles a step
+that never computes.
 
 With ``count_resizes=True`` storage resizes inside the mode count too: FSDP2 frees a gathered parameter with
 ``UntypedStorage.resize_(0)`` and re-allocates it with ``resize_(n)``, which no aten op sees. That is right for
 storages made before the mode (FSDP's, made in a warm-up step's lazy init) when the measured region makes none.
+
+:func:`step_peak_bytes` measures a whole training step that way, at a ZeRO stage, as the strategies run it: what
+:mod:`lightning_tp2d.bench.memory_model` predicts (``tests/test_memory_model.py`` and
+``recipes/benchmarks/memory_model.py`` compare the two).
 """
 
 from __future__ import annotations
@@ -27,6 +33,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_tp2d import fsdp, training
+from lightning_tp2d.families import family_of_config
+from lightning_tp2d.mesh import init_mesh
+from lightning_tp2d.parallelize import checkpoint_activations, parallelize
+from lightning_tp2d.zero import full_param_groups, shard_optimizer_state
 
 
 def tensors_in(obj) -> list[torch.Tensor]:
@@ -67,7 +79,7 @@ class LiveTensorBytes(TorchDispatchMode):
                 before = storage.nbytes()
                 original(storage, size)
                 self.live += storage.nbytes() - before
-                self.peak = max(self.peak, self.live)
+                self._rose()
 
             torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
@@ -85,17 +97,17 @@ class LiveTensorBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {_storage_key(t) for t in tensors_in((args, kwargs))}
         for t in tensors_in(out):
-            if type(t) is torch.Tensor and t.device.type != "meta" and t.untyped_storage().data_ptr() not in inputs:
+            if type(t) in _PLAIN and t.device.type != "meta" and _storage_key(t) not in inputs:
                 self._track(t)  # a new storage: views, in-place results and aliases of the inputs are not
         return out
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
+        key, nbytes = _storage_key(t), storage.nbytes()
         if nbytes == 0 or (key in self._refs and self._refs[key]() is not None):
             return  # empty, or a view of a storage already counted
         self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        self._rose()
         if self.record_shapes:
             self.shapes.append(tuple(t.shape))
         self._refs[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
@@ -104,16 +116,26 @@ class LiveTensorBytes(TorchDispatchMode):
                 f"tracked memory {self.base + self.live} bytes (resident {self.base} + live {self.live}) exceeds "
                 f"the cap of {self.cap} bytes at a {list(t.shape)} {t.dtype} tensor")
 
+    def _rose(self) -> None:
+        """Called whenever ``live`` grows (a subclass may note more than the peak)."""
+        self.peak = max(self.peak, self.live)
+
     def _free(self, key: int, nbytes: int) -> None:
         self.live -= nbytes
         self._refs.pop(key, None)
 
 
+_PLAIN = (torch.Tensor, FakeTensor)  # tensors with a storage of their own (not wrapper subclasses such as DTensor)
+
+
 def _storage_key(t: torch.Tensor) -> int | None:
-    """The data pointer of ``t``'s storage (Parameters included); ``None`` for tensors without real storage
-    (meta, fake or wrapper subclasses)."""
-    if t.device.type == "meta" or isinstance(t, FakeTensor):
+    """The data pointer of ``t``'s storage (Parameters included); for a fake tensor the identity of its storage
+    object (one per storage while it lives: a fake storage has no data pointer); ``None`` for tensors without
+    storage (meta or wrapper subclasses)."""
+    if t.device.type == "meta":
         return None
+    if isinstance(t, FakeTensor):
+        return id(t.untyped_storage())
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
@@ -151,6 +173,71 @@ def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
                 if isinstance(value, torch.Tensor) and value.numel() > 1:  # skip scalar step counters
                     add(value)
     return total
+
+
+def step_peak_bytes(model: torch.nn.Module, mesh, idx: torch.Tensor, *, zero_stage: int = 0,
+                    max_norm: float = 1.0) -> dict[str, int]:
+    """This rank's measured peak of one training step of ``model`` (parallelized on ``mesh``, with any activation
+    checkpointing already applied) on the batch ``idx`` (inputs and targets, ``[batch, seq]`` per replica), at ZeRO
+    ``zero_stage`` as the strategies run it: 2 and 3 shard the model with
+    :func:`~lightning_tp2d.fsdp.shard_data_parallel` (when ``data_parallel`` has more than one rank), 0 and 1
+    average gradients with :class:`~lightning_tp2d.training.GradientSync` and clip over every parameter, 1 shards the
+    optimizer state (:func:`~lightning_tp2d.zero.shard_optimizer_state`). The optimizer is an AdamW with
+    ``foreach``, weight decay on the matrices (``CausalLMModule``'s groups).
+
+    A warm-up step first (the optimizer state and FSDP's lazy buffers exist after it), then ``zero_grad``, forward,
+    backward, data-parallel averaging, global-norm clipping, ``step``: ``{"resident"`` (bytes before the measured
+    step: :func:`resident_bytes`), ``"step"`` (the peak of the tensors the step allocates: :class:`LiveTensorBytes`
+    with ``count_resizes``), ``"peak"`` (their sum)``}``."""
+    if zero_stage >= 2 and mesh["data_parallel"].size() > 1:
+        fsdp.shard_data_parallel(model, zero_stage)  # before the optimizer: it sees the dp shards
+    sync = training.GradientSync(model, mesh) if zero_stage < 2 else None
+    decay = [q for q in model.parameters() if q.dim() >= 2]
+    rest = [q for q in model.parameters() if q.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=1e-4, foreach=True)
+    if zero_stage == 1 or (zero_stage >= 2 and mesh["data_parallel"].size() > 1):  # (2/3: what FSDP keeps whole)
+        shard_optimizer_state(optimizer, mesh)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(idx, idx).backward()
+        if sync is not None:
+            sync.finish()
+            training.clip_grad_norm_([q for group in full_param_groups(optimizer) for q in group], max_norm, mesh)
+        else:
+            fsdp.clip_grad_norm_(model.parameters(), max_norm, mesh)  # the dp shards of the gradients included
+        optimizer.step()
+
+    step()
+    optimizer.zero_grad(set_to_none=True)
+    resident = resident_bytes(model, optimizer)
+    tracker = LiveTensorBytes(record_shapes=False, count_resizes=True)
+    with tracker:
+        step()
+    return {"resident": resident, "step": tracker.peak, "peak": resident + tracker.peak}
+
+
+def measured_peaks(rank: int, world_size: int, cases, batch: int, seq: int) -> list[dict[str, int]]:
+    """:func:`step_peak_bytes` of each case on this rank, every rank of a process group of ``world_size`` calling
+    it with the same ``cases``: ``(cfg, layout, p, zero_stage, checkpointing)``, ``dp = world_size // p``; the model
+    of ``cfg``'s family built on the meta device and parallelized (materialised from seed 0), each replica fed its
+    own ``[batch, seq]`` ids. One mesh per layout and ``p``."""
+    meshes, out = {}, []
+    for cfg, layout, p, stage, checkpointing in cases:
+        if (layout, p) not in meshes:
+            meshes[(layout, p)] = init_mesh(layout, p, world_size // p)
+        mesh = meshes[(layout, p)]
+        with torch.device("meta"):
+            model = family_of_config(cfg).model_class(cfg)
+        torch.manual_seed(0)
+        parallelize(model, mesh, layout)
+        checkpoint_activations(model, checkpointing)
+        torch.manual_seed(1 + mesh.get_local_rank("data_parallel"))
+        idx = torch.randint(0, cfg.vocab_size, (batch, seq))
+        out.append(step_peak_bytes(model, mesh, idx, zero_stage=stage))
+        del model
+    return out
 
 
 # ops whose result the host must read from the device before it can go on (or whose output shape depends on data)

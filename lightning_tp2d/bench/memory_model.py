@@ -1,55 +1,59 @@
-"""Predicted peak bytes of one training step per rank: parameters, gradients, optimizer state, saved activations,
-FSDP's gathered blocks and the backward's transient tensors, for a layout, tensor size ``p``, ``dp`` replicas, ZeRO
-stage and activation checkpointing.
+"""Predicted peak bytes of one training step per rank, for a layout, tensor size ``p``, ``dp`` replicas, ZeRO stage
+and activation checkpointing: what exists before the step (parameters, optimizer state) plus the peak of what the
+step allocates, profiled on fake tensors; with the sizes of its parts.
 
-The step is the one ``recipes/benchmarks/zero_stages.py`` measures (an AdamW with ``foreach``, float32 parameters):
-``zero_grad(set_to_none=True)``, forward, backward, data-parallel averaging, global-norm clipping, ``step``. Its
-peak is what exists before the step (parameters, optimizer state) plus the peak of what the step allocates
-(:class:`~lightning_tp2d.bench.measure.LiveTensorBytes` with ``count_resizes``); ``tests/test_memory_model.py``
-compares the two on gloo ranks.
+The step is the one :func:`lightning_tp2d.bench.measure.step_peak_bytes` measures (an AdamW with ``foreach``,
+float32 parameters): ``zero_grad(set_to_none=True)``, forward, backward, data-parallel averaging, global-norm
+clipping, ``step``; its peak is the resident bytes plus :class:`~lightning_tp2d.bench.measure.LiveTensorBytes`'s
+(``count_resizes``). ``tests/test_memory_model.py`` and ``recipes/benchmarks/memory_model.py`` compare the two on 8
+gloo ranks for every layout x stage {0, 1, 3} x checkpointing.
 
 Where the numbers come from, per rank (``e`` = ``elem``):
 
-* shapes: the model is built and parallelized on torch's fake process group with fake tensors (as
-  :mod:`lightning_tp2d.bench.trace` does, in a forked process) and, at stages 2 and 3, sharded with
-  :func:`lightning_tp2d.fsdp.shard_data_parallel`: ``parameters`` are the local at-rest bytes; the tensor-shard
-  bytes of each FSDP group (one per block, one for the root) are what FSDP gathers; the bytes of a block's input
-  (read by a forward hook in the same fake forward) are what full checkpointing keeps per block;
+* the model is built, parallelized, checkpointed and, at stages 2 and 3 with ``dp > 1``, sharded with
+  :func:`lightning_tp2d.fsdp.shard_data_parallel` on torch's fake process group with fake tensors (in the tracer's
+  forked worker, :func:`lightning_tp2d.bench.trace.in_worker`, whose fake-tensor caches stay warm): ``parameters`` are the local at-rest bytes; the tensor-shard bytes of each FSDP group (one per block,
+  one for the root) are what FSDP gathers; the bytes of a block's input are what full checkpointing keeps per block;
+* ``step``: the same :class:`~lightning_tp2d.bench.measure.LiveTensorBytes` over the fake step (forward, backward,
+  GradientSync's buckets at stages 0 and 1, FSDP's gathers and reduce-scatters, clipping, AdamW's step with its
+  foreach temporaries and at stage 1 the all-gather of the updated slices), after FSDP's lazy initialisation and a
+  step that creates AdamW's state: the live bytes over time, so activations freed as gradients appear are not counted beside them.
+  The model is built with its own depth up to 3 blocks; deeper, with 2 and 3 and each phase's peak (the forward
+  and the root's backward, the middle blocks' backward, the first block's and what follows) extended linearly;
+* ``total`` = ``parameters`` + ``optimizer`` + ``step``. The other parts are sizes, never all alive at once:
 * ``gradients``: equal to the parameters (float32, like them); at stages 2 and 3 the dp shards;
 * ``optimizer``: AdamW's two float32 moments per element held: ``2 x parameters``; stage 1 keeps ``1 / dp`` of
   them (:func:`lightning_tp2d.zero.shard_optimizer_state`: an even split of the flat state);
 * ``activations``: traced with the same ``checkpointing`` (:func:`lightning_tp2d.bench.trace.trace_step`'s
-  ``activation_bytes``, the storages the checkpointed forward keeps for the backward). ``"full"`` adds one block's
-  saved tensors during its recomputation in the backward (the ``backward`` term: the difference of the
-  uncheckpointed two- and one-block traces); ``"selective"``'s recipes are rebuilt one at a time and add nothing;
+  ``activation_bytes``, the storages the checkpointed forward keeps for the backward);
 * ``gathered`` (stages 2, 3, ``dp > 1``): stage 2 holds every block's and the root's tensor shard from the forward
   to the backward; stage 3 the root's and two blocks' (the one computing and the one prefetched);
-* ``backward``: the transient peak beyond the held bytes, at the start of the backward of the last block: the
-  gradients of the root group (the head's and embeddings', made first) less their dp share, at stages 2 and 3 a
-  block's unsharded gradients before their reduce-scatter; at stage 0 with ``dp > 1`` GradientSync's flat buckets
-  (every gradient once, for these sizes one bucket).
+* ``backward``: the transient bytes of the backward: one block's saved tensors while ``"full"`` recomputes it (the
+  difference of the uncheckpointed two- and one-block traces), the root group's gradients less their dp share and at
+  stages 2 and 3 a block's unsharded gradients before their reduce-scatter, at stage 0 with ``dp > 1``
+  GradientSync's flat buckets.
 
 Not modelled: allocator fragmentation (a GPU's caching allocator rounds and caches blocks; this is live bytes),
-kernel workspaces, communication buffers inside one op, AdamW's foreach temporaries (one parameter-sized list
-during ``step``, after the gradients of the backward's peak are no longer joined by activations).
+kernel workspaces, communication buffers inside one op.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_tp2d import fsdp
-from lightning_tp2d.bench.measure import tensors_in
-from lightning_tp2d.bench.trace import trace_step
+from lightning_tp2d import fsdp, training
+from lightning_tp2d.bench.measure import LiveTensorBytes, tensors_in
+from lightning_tp2d.bench.trace import config_key, forget_meshes, in_worker, trace_step
 from lightning_tp2d.families import family_of, family_of_config
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.mesh import init_mesh
-from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, parallelize
+from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
+from lightning_tp2d.zero import shard_optimizer_state
 
 __all__ = ["Shards", "ParameterSplit", "peak_bytes", "shard_bytes", "parameter_split", "baseline_activation_bytes",
            "baseline_peak_bytes"]
@@ -57,12 +61,14 @@ __all__ = ["Shards", "ParameterSplit", "peak_bytes", "shard_bytes", "parameter_s
 
 @dataclasses.dataclass(frozen=True)
 class Shards:
-    """One rank's parameter bytes: at rest, each FSDP group's tensor shard (what FSDP gathers), a block's input."""
+    """One rank's bytes: parameters at rest, each FSDP group's tensor shard (what FSDP gathers), a block's input, and
+    the profiled peak of what one step allocates."""
 
     at_rest: int  # local parameter bytes this rank holds between steps
     root: int  # tensor-shard bytes of the root group (embeddings, norms, head)
     blocks: tuple[int, ...]  # tensor-shard bytes of each block
     block_input: int  # bytes of one block's input (what full checkpointing saves per block)
+    step: int = 0  # peak live bytes the step allocates: forward, backward, data-parallel averaging, clipping
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -73,13 +79,46 @@ def _nbytes(params) -> int:
     return sum(_local(q).numel() * q.element_size() for q in params)
 
 
-def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, elem: int, rank: int) -> dict:
-    """The model of ``cfg``'s shape built with ``min(n_layer, 2)`` blocks (blocks are identical: a deeper model's
-    shards are the second block's, repeated), parallelized and sharded on the fake process group: the bytes
-    :func:`_extrapolated` turns into :class:`Shards` for any depth."""
+class _PhasePeaks(LiveTensorBytes):
+    """Live bytes of a fake step with the peak of each phase: 0 the forward and the root's backward, 1 the backward
+    of every block but the first, 2 the first block's backward and all that follows (:func:`_extrapolated_step`)."""
+
+    def __init__(self) -> None:
+        super().__init__(record_shapes=False, count_resizes=True)
+        self.phase, self.peaks, self.tracing = 0, [0, 0, 0], True
+
+    def enter(self, phase: int) -> None:
+        self.phase = max(self.phase, phase)
+        self._rose()
+
+    def _rose(self) -> None:
+        super()._rose()
+        self.peaks[self.phase] = max(self.peaks[self.phase], self.live)
+
+
+def _marks_backward(block, tracker: _PhasePeaks, phase: int) -> None:
+    """When the gradient of the block's output arrives (its backward starts), ``tracker`` enters ``phase``."""
+
+    def hook(module, args, out) -> None:
+        if tracker.tracing:  # the forward, not a recomputation in the backward
+            for t in tensors_in(out):
+                if t.requires_grad:
+                    t.register_hook(lambda grad: tracker.enter(phase))
+
+    block.register_forward_hook(hook, prepend=True)  # before FSDP's pre-backward hook
+
+
+def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, checkpointing: str, elem: int,
+                 rank: int) -> dict:
+    """The model of ``cfg`` (built as given: :func:`shard_bytes` asks for 1 to 3 blocks) parallelized, checkpointed
+    and sharded as the strategies do on the fake process group, its shards read, then one step profiled with
+    :class:`_PhasePeaks`: forward and backward under the fake tensors, :class:`~lightning_tp2d.training.GradientSync`
+    at stages 0 and 1 (``dp > 1``), global-norm clipping. FSDP's lazy initialisation runs first (a no-grad forward,
+    then every group resharded), as the measured step's warm-up does."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # private: see lightning_tp2d._private_api
     from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the fake backend's store
 
+    forget_meshes()  # the worker's earlier builds: their meshes must not reach this one's parameters
     dist.init_process_group("fake", rank=rank, world_size=p * dp, store=FakeStore())
     try:
         mesh = init_mesh(spec, p, dp, device_type="cpu")
@@ -87,91 +126,120 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, e
             model = family_of_config(cfg).model_class(cfg)
             parallelize(model, mesh, spec)
             model.validate_inputs = False  # fake ids cannot be read
+            checkpoint_activations(model, checkpointing)
             blocks = list(family_of(model).block_modules(model))
             in_blocks = {id(q) for b in blocks for q in b.parameters()}
             root = _nbytes(q for q in model.parameters() if id(q) not in in_blocks)
             tensor_shards = [_nbytes(b.parameters()) for b in blocks]
-            if dp > 1 and stage >= 2:
-                fsdp.shard_data_parallel(model, stage)
+            sharded = dp > 1 and stage >= 2
+            if sharded:
+                fsdp.shard_data_parallel(model, stage, mp_policy=fsdp.mixed_precision_policy(
+                    "bf16-mixed" if elem == 2 else "32-true"))
+            rest = [_nbytes(b.parameters()) for b in blocks]
+            at_rest = _nbytes(model.parameters())
             seen: list[int] = []
             blocks[0].register_forward_pre_hook(
                 lambda m, args: seen.append(sum(_local(t).untyped_storage().nbytes() for t in tensors_in(args))))
+            tracker = _PhasePeaks()
+            for i, block in enumerate(blocks):
+                _marks_backward(block, tracker, 2 if i == 0 else 1)
             idx = torch.zeros(batch, seq, dtype=torch.long)
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=elem == 2):
-                model(idx, idx)
-            # read after the forward, as before this model was extrapolated: FSDP leaves the root's parameters
-            # gathered after the forward (a checked calibration against the measured peaks, tests/test_memory_model)
-            rest = [_nbytes(b.parameters()) for b in blocks]
-            return {"root_at_rest": _nbytes(model.parameters()) - sum(rest), "rest": rest, "root": root,
-                    "tensor_shards": tensor_shards, "block_input": seen[0]}
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=elem == 2)
+            if sharded:  # FSDP's lazy init (its buffers exist before the measured step), then all resharded
+                with torch.no_grad(), autocast:
+                    model(idx, idx)
+                for module in model.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
+            sync = training.GradientSync(model, mesh) if stage < 2 else None
+            clip = fsdp.clip_grad_norm_ if stage >= 2 else training.clip_grad_norm_
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+            if stage == 1 or sharded:  # (stages 2/3: the parameters FSDP keeps whole, as the strategies do)
+                shard_optimizer_state(optimizer, mesh)
+            for q in model.parameters():  # a step on zero gradients: AdamW's state exists before the profiled one
+                q.grad = torch.zeros_like(q)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            with tracker:
+                with autocast:
+                    loss = model(idx, idx)
+                tracker.tracing = False
+                loss.backward()
+                if sync is not None:
+                    sync.finish()
+                clip(model.parameters(), 1.0, mesh)
+                optimizer.step()
+            return {"root_at_rest": at_rest - sum(rest), "rest": rest, "root": root, "tensor_shards": tensor_shards,
+                    "block_input": seen[0], "phases": tracker.peaks}
     finally:
         dist.destroy_process_group()
 
 
-def _extrapolated(built: dict, layers: int) -> Shards:
-    rest, shards = built["rest"], built["tensor_shards"]
-    return Shards(built["root_at_rest"] + rest[0] + (layers - 1) * rest[-1], built["root"],
-                  (shards[0], *(shards[-1],) * (layers - 1)), built["block_input"])
+def _depths(layers: int) -> tuple[int, ...]:
+    """The depths built for a model of ``layers`` blocks: itself up to 3, else 2 and 3 (:func:`_extrapolated_step`)."""
+    return (layers,) if layers <= 3 else (2, 3)
 
 
-def _serve(conn, args) -> None:
-    try:
-        conn.send(("ok", _shards_here(*args)))
-    except BaseException as err:  # noqa: BLE001 - reported by the caller
-        conn.send(("error", f"{type(err).__name__}: {err}"))
+def _extrapolated_step(built: list[dict], layers: int) -> int:
+    """The step's peak at ``layers`` blocks from the profiles of :func:`_depths`. Blocks are identical, so each
+    block added shifts every later point of the step by the same bytes: what a block holds until its backward
+    (phase 0: its saved activations), then its gradients less what it freed (phase 2; at stage 0 also its share of
+    GradientSync's buckets); phase 1 (the blocks between the last and the first) grows by one block's backward
+    too, its peak at its first or last block. So each phase's peak is linear in the depth from 2 blocks on: read at
+    2 and 3 blocks, extended, the largest taken."""
+    if len(built) == 1:
+        return max(built[0]["phases"])
+    two, three = built[0]["phases"], built[1]["phases"]
+    return max(c + (layers - 3) * (c - b) for b, c in zip(two, three))
+
+
+def _extrapolated(built: list[dict], layers: int) -> Shards:
+    first = built[0]
+    rest, shards = first["rest"], first["tensor_shards"]
+    return Shards(first["root_at_rest"] + rest[0] + (layers - 1) * rest[-1], first["root"],
+                  (shards[0], *(shards[-1],) * (layers - 1)), first["block_input"], _extrapolated_step(built, layers))
 
 
 _SHARDS: dict[tuple, dict] = {}
 
 
 def shard_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_stage: int = 0,
-                elem: int = 4, ranks=None) -> dict[int, Shards]:
+                checkpointing: str = "none", elem: int = 4, ranks=None) -> dict[int, Shards]:
     """:class:`Shards` of the tensor-parallel ranks ``ranks`` (default: all ``p``) of the first replica, by rank,
-    read from the model built (two blocks, extrapolated) on the fake process group in a forked process (this one
-    must have no default process group). Cached per rank and model shape (any depth)."""
+    read from the model built (1 to 3 blocks, :func:`_depths`; deeper models extrapolated) on the fake process group
+    in the tracer's worker process (this one must have no default process group). Cached per rank and model shape."""
     spec = get_layout(layout)
-    built = dataclasses.replace(cfg, n_layer=min(cfg.n_layer, 2))
-    key = (type(spec), spec.options, type(cfg).__name__, *sorted(vars(built).items()), batch, seq, p, dp,
-           zero_stage, elem)
     wanted = list(range(p) if ranks is None else ranks)
-    missing = [r for r in wanted if key + (r,) not in _SHARDS]
-    if missing and dist.is_initialized():
-        raise RuntimeError("shard_bytes builds the model on its own fake process group; call it from a process "
-                           "without a default process group")
-    for rank in missing:
-        _SHARDS[key + (rank,)] = _fork(spec, built, batch, seq, p, dp, zero_stage, elem, rank)
-    return {r: _extrapolated(_SHARDS[key + (r,)], cfg.n_layer) for r in wanted}
-
-
-def _fork(*args) -> dict:
-    """:func:`_shards_here` in a forked process of its own: one fake process group per process, so that nothing
-    torch caches about a group (DTensor's sharding propagation holds meshes) meets the next one."""
-    ctx = mp.get_context("fork")
-    mine, theirs = ctx.Pipe()
-    process = ctx.Process(target=_serve, args=(theirs, args), daemon=True, name="tp2d-shards")
-    process.start()
-    theirs.close()
-    try:
-        status, value = mine.recv()
-    except EOFError:
-        status, value = "error", f"the process died (exit code {process.exitcode})"
-    process.join()
-    if status != "ok":
-        raise RuntimeError(f"building layout {args[0].name!r} on the fake process group failed: {value}")
-    return value
+    per_depth = []
+    for depth in _depths(cfg.n_layer):
+        built = dataclasses.replace(cfg, n_layer=depth)
+        key = (type(spec), spec.options, config_key(built), batch, seq, p, dp, zero_stage, checkpointing, elem)
+        missing = [r for r in wanted if key + (r,) not in _SHARDS]
+        if missing and dist.is_initialized():
+            raise RuntimeError("shard_bytes builds the model on its own fake process group; call it from a process "
+                               "without a default process group")
+        for rank in missing:
+            try:
+                _SHARDS[key + (rank,)] = in_worker(_shards_here, spec, built, batch, seq, p, dp, zero_stage,
+                                                   checkpointing, elem, rank)
+            except RuntimeError as err:
+                raise RuntimeError(f"building layout {spec.name!r} on the fake process group failed: {err}") from None
+        per_depth.append(key)
+    return {r: _extrapolated([_SHARDS[key + (r,)] for key in per_depth], cfg.n_layer) for r in wanted}
 
 
 def peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_stage: int = 0,
                checkpointing: str = "none", elem: int = 4, rank: int | None = None, ranks=None) -> dict:
     """Predicted peak bytes of one step on tensor-parallel rank ``rank`` (``None``: the rank with the largest
     total; ``ranks``: the largest over these): ``{"parameters", "gradients", "optimizer", "activations", "gathered",
-    "backward", "total"}`` (module docstring). ``batch`` is per replica."""
+    "backward", "step", "total"}`` (module docstring). ``batch`` is per replica."""
     if checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3")
     ranks = [rank] if rank is not None else list(range(p) if ranks is None else ranks)
-    shards = shard_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, elem=elem, ranks=ranks)
+    shards = shard_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, checkpointing=checkpointing,
+                         elem=elem, ranks=ranks)
     parts = [_parts(layout, cfg, batch, seq, p, dp, zero_stage, checkpointing, elem, r, shards[r]) for r in ranks]
     return max(parts, key=lambda d: d["total"])
 
@@ -199,9 +267,9 @@ def _parts(layout, cfg, batch, seq, p, dp, stage, checkpointing, elem, rank, s: 
     else:
         transient = 0
     backward = recompute + transient
-    total = params + optimizer + max(activations + gathered, grads + activations + gathered + backward)
+    total = params + optimizer + s.step
     return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
-            "gathered": gathered, "backward": backward, "total": total}
+            "gathered": gathered, "backward": backward, "step": s.step, "total": total}
 
 
 # ---- the 1-D baseline: torch's tensor parallelism with sequence parallelism x FSDP (torchtitan's recipe) --------
@@ -228,7 +296,7 @@ _SPLITS: dict[tuple, ParameterSplit] = {}
 
 def parameter_split(cfg) -> ParameterSplit:
     """Counted from the plain model of ``cfg``'s family built with one block on the meta device (no memory)."""
-    key = (type(cfg).__name__, *sorted(vars(cfg).items()))
+    key = config_key(cfg)
     if key not in _SPLITS:
         with torch.device("meta"):
             model = family_of_config(cfg).model_class(dataclasses.replace(cfg, n_layer=1))

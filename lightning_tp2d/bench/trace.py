@@ -426,8 +426,9 @@ class _Worker:
     def usable(self) -> bool:
         return self.owner == os.getpid() and self.process.is_alive()
 
-    def trace(self, *request) -> dict[int, TracedStep]:
-        self.conn.send(request)
+    def call(self, fn, *args):
+        """``fn(*args)`` in the worker (``fn`` a module-level function: sent by name)."""
+        self.conn.send((fn, args))
         try:
             status, value = self.conn.recv()
         except EOFError:
@@ -440,29 +441,42 @@ class _Worker:
 _WORKERS: list[_Worker] = []  # at most one: this process's tracing worker
 
 
-def _run(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel, ranks,
-         checkpointing: str) -> dict[int, TracedStep]:
-    """Trace ``ranks`` in this process's tracing worker (:class:`_Worker`)."""
+def in_worker(fn, *args):
+    """``fn(*args)`` in this process's fake-group worker (:class:`_Worker`, started on first use): the tracer's
+    and the memory model's builds on torch's fake process group. ``fn`` creates and destroys its own fake group (an
+    error destroys one left behind) and empties DTensor's caches of earlier meshes first (:func:`forget_meshes`)."""
     if dist.is_initialized():
         raise RuntimeError("the schedule tracer runs the layers on its own fake process group; call the cost model "
                            "from a process without a default process group (e.g. the benchmark's parent process)")
     if not (_WORKERS and _WORKERS[0].usable()):
         _WORKERS[:] = [_Worker()]
+    return _WORKERS[0].call(fn, *args)
+
+
+def _trace_ranks(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel, ranks,
+                 checkpointing: str) -> dict[int, TracedStep]:
+    return {rank: _trace_rank(spec, cfg, batch, seq, p, elem, data, rank, checkpointing) for rank in ranks}
+
+
+def _run(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel, ranks,
+         checkpointing: str) -> dict[int, TracedStep]:
+    """Trace ``ranks`` in this process's tracing worker (:class:`_Worker`)."""
     try:
-        return _WORKERS[0].trace(spec, cfg, batch, seq, p, elem, data, list(ranks), checkpointing)
+        return in_worker(_trace_ranks, spec, cfg, batch, seq, p, elem, data, list(ranks), checkpointing)
     except RuntimeError as err:
+        if dist.is_initialized():
+            raise
         raise RuntimeError(f"tracing layout {spec.name!r} on ranks {list(ranks)} of {p} failed: {err}") from None
 
 
 def _serve(conn) -> None:
     while True:
         try:
-            spec, cfg, batch, seq, p, elem, data, ranks, checkpointing = conn.recv()
+            fn, args = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            conn.send(("ok", {rank: _trace_rank(spec, cfg, batch, seq, p, elem, data, rank, checkpointing)
-                              for rank in ranks}))
+            conn.send(("ok", fn(*args)))
         except BaseException as err:  # noqa: BLE001 - reported by the caller
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -506,7 +520,7 @@ def _build(spec: Layout, cfg, mesh, elem: int, data: _DataParallel, recorder: _R
     return model, after_backward
 
 
-def _forget_meshes() -> None:
+def forget_meshes() -> None:
     """Empty DTensor's sharding-propagation caches: their output specs hold the (equal) meshes of earlier traces,
     whose fake process groups are gone, and hand them to new parameters; FSDP gathers over the mesh its parameters
     hold, so a sharded trace must not meet them."""
@@ -526,7 +540,7 @@ def _run_here(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: 
     from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the fake backend's store
 
     if data.sharded:
-        _forget_meshes()
+        forget_meshes()
     dist.init_process_group("fake", rank=rank, world_size=p * data.dp, store=FakeStore())
     recorder = _Recorder()
     try:
