@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -107,10 +108,13 @@ def test_scenario_rules_come_from_the_layouts():
     from lightning_tp2d.bench.cli import local_mlp_shape
     from lightning_tp2d.bench.runner import SCENARIOS, check_scenario, input_multiples
 
-    assert SCENARIOS == ("single", "hf", "tp1d", "tp1d-sp", "2d", "metp", "2d-metp")
+    assert SCENARIOS == ("single", "hf", "tp1d", "tp1d-sp", "cp", "cp-tp", "2d", "metp", "2d-metp")
     # (batch, sequence) multiples on 4 ranks: grid rows split the batch; zigzag layouts cut 2 * side chunks;
-    # sequence parallelism splits the sequence
-    assert [input_multiples(s, 4) for s in SCENARIOS] == [(1, 1), (1, 1), (1, 1), (1, 4), (2, 1), (1, 8), (1, 4)]
+    # sequence parallelism splits the sequence; CP cuts 2 * (CP ranks) chunks (cp-tp: CP over 2, SP over 2 of each
+    # rank's T/2 tokens)
+    assert [input_multiples(s, 4) for s in SCENARIOS] == [(1, 1), (1, 1), (1, 1), (1, 4), (1, 8), (1, 4), (2, 1),
+                                                          (1, 8), (1, 4)]
+    assert input_multiples("cp-tp", 8) == (1, 8) and input_multiples("cp-tp", 8, cp_tp_size=4) == (1, 8)
     spec = BenchSpec(overrides={"n_head": 12})
     assert "sequence length 62 is not divisible by 2*q=4" in check_scenario("2d-metp", 4, spec, 1, 62)
     assert check_scenario("2d-metp", 4, spec, 1, 64) is None  # batch 1 on the grid that splits sequences
@@ -161,16 +165,19 @@ def test_llama_runs_the_layouts_its_family_has_and_reports_the_others():
 
     spec = BenchSpec(model="llama-tiny", steps=1, warmup=0)
     assert spec.config() == LlamaConfig.from_name("llama-tiny")
-    for baseline in ("hf", "tp1d", "tp1d-sp"):
-        assert "baseline is GPT-2 only (model 'llama-tiny' is a Llama)" in run_scenario(baseline, 4, spec)["reason"]
+    assert "baseline is GPT-2 only (model 'llama-tiny' is a Llama)" in run_scenario("hf", 4, spec)["reason"]
+    for baseline in ("tp1d", "tp1d-sp"):  # torch's 1-D TP (+ SP) has torchtitan's Llama plan (bench/tp1d.py)
+        assert check_scenario(baseline, 2, spec, 4, 64) is None
+        assert "n_kv_head=6 is not divisible by p=4" in check_scenario(baseline, 4, spec, 4, 64)
     for layout in ("metp", "2d-metp"):
         if layout not in get_family("llama").layouts:  # (ring plans for Llama are being added elsewhere)
             assert "model family 'llama' (Llama) has no plan for layout" in run_scenario(layout, 4, spec)["reason"]
     odd = BenchSpec(model="llama-tiny", overrides={"intermediate_size": 265})
     assert "intermediate_size=265 is not divisible by q=2" in check_scenario("2d", 4, odd, 4, 64)
-    single, grid = run_scenario("single", 1, spec), run_scenario("2d", 4, spec)
-    assert single["status"] == grid["status"] == "ok", (single, grid)
+    single, grid, sp = run_scenario("single", 1, spec), run_scenario("2d", 4, spec), run_scenario("tp1d-sp", 2, spec)
+    assert single["status"] == grid["status"] == sp["status"] == "ok", (single, grid, sp)
     assert grid["loss"] == pytest.approx(single["loss"], rel=1e-4) and grid["comm_calls"] > 0
+    assert sp["loss"] == pytest.approx(single["loss"], rel=1e-5) and sp["sent_bytes"] > 0
     assert "model_comm_bytes" not in grid  # the cost model describes GPT-2 only
 
 
@@ -240,3 +247,85 @@ def test_results_md_names_the_model_in_words_and_calls_a_lower_bound_one(tmp_pat
     # a target this run did not measure still says so
     (row,) = [line for line in md.splitlines() if line.startswith("| plain GPT2 tokens/s")]
     assert "| not measured |" in row
+
+
+LLAMA = BenchSpec(model="llama-tiny", batch=2, steps=1, warmup=0)
+
+
+def test_context_parallel_scenarios_take_a_llama_and_refuse_the_rest_with_the_numbers():
+    from lightning_tp2d.bench.runner import check_scenario
+
+    for layout, p in (("cp", 2), ("cp", 4), ("cp-tp", 4), ("cp-tp", 8)):
+        assert check_scenario(layout, p, LLAMA, 1, 64) is None, (layout, p)
+    gpt2 = check_scenario("cp", 4, BenchSpec(), 1, 64)
+    assert "runs the package's Llama only (model 'gpt2-tiny' is a GPT2)" in gpt2 and "wpe(arange(T))" in gpt2
+    assert "sequence length 60 is not divisible by 2p = 8" in check_scenario("cp", 4, LLAMA, 1, 60)
+    assert "2p = 4 (CP ranks 2)" in check_scenario("cp-tp", 4, LLAMA, 1, 62)  # CP over 4 / 2 ranks
+    assert "needs p >= 4 (2 CP x 2 TP ranks), got p=2" in check_scenario("cp-tp", 2, LLAMA, 1, 64)
+    assert "needs p a multiple of 4" in check_scenario("cp-tp", 6, replace(LLAMA, cp_tp_size=4), 1, 64)
+    # TP over 4 of the 6 key/value heads of llama-tiny (12 query, 6 key/value)
+    assert "n_kv_head=6 is not divisible by p=4" in check_scenario("cp-tp", 8, replace(LLAMA, cp_tp_size=4), 1, 64)
+    assert "eager float32" in check_scenario("cp", 4, replace(LLAMA, dtype="bfloat16"), 1, 64)
+    assert "dropout=0.1" in check_scenario("cp", 4, replace(LLAMA, overrides={"dropout": 0.1}), 1, 64)
+
+
+def test_context_parallel_scenario_starts_from_the_single_device_loss_and_counts_what_it_sends():
+    """``cp`` on 2 ranks (torch's ring, FSDP2 over the same 2): the global mean loss of the plain model; every rank
+    sends at least its half of the weights once (all-gathers) and half of the gradients (reduce-scatters), and the
+    ring's dK/dV permutes show as ``all_to_all_single``."""
+    from lightning_tp2d.models import Llama
+
+    single, ring = run_scenario("single", 1, LLAMA), run_scenario("cp", 2, LLAMA)
+    assert ring["status"] == "ok", ring
+    assert ring["loss"] == pytest.approx(single["loss"], rel=1e-5)
+    params = sum(p.numel() for p in Llama(LLAMA.config()).parameters())
+    assert ring["sent_bytes"] >= 4 * params  # float32: (1/2 + 1/2) x 4 bytes per parameter at p = 2
+    assert ring["sent_bytes_per_token"] == ring["sent_bytes"] / (LLAMA.batch * LLAMA.seq)
+    assert all(r["comm"]["all_to_all_single"]["calls"] > 0 for r in ring["ranks"])
+    assert ring["peak_bytes"] > ring["resident_bytes"] > 0 and ring["step_time_s"] > 0
+
+
+def test_max_sequence_section_reports_the_p8_long_context_targets_and_plots_every_probe(monkeypatch, tmp_path):
+    """METP against cp and 1-D TP + SP at p = 8, same cap: the ratios of the longest sequences; the table gives
+    each answer's peak and bytes sent per token; the figure has one curve per search, its fitted probes."""
+    def search(layout, max_seq, fitted):
+        probes = [{"seq": q, "status": "ok", "peak_bytes": q * 2**14, "sent_bytes_per_token": 1000.0}
+                  for q in fitted] + [{"seq": 2 * max_seq, "status": "oom", "peak_bytes": None}]
+        return {"layout": layout, "p": 8, "batch": 1, "cap_bytes": 2**26, "status": "ok", "max_seq": max_seq,
+                "capped_by_limit": False, "peak_bytes": max_seq * 2**14, "sent_bytes_per_token": 1000.0,
+                "probes": probes}
+
+    results = {"command": "tp2d-bench", "machine": {"summary": "m"}, "date": "d",
+               "spec": {"model": "llama-tiny", "overrides": {}, "dtype": "float32", "device": "cpu"},
+               "max_seq": [search("metp", 4096, [512, 1024, 2048, 4096]), search("cp", 2048, [512, 1024, 2048]),
+                           search("tp1d-sp", 1024, [512, 1024])]}
+    targets = {t["key"]: t for t in report.evaluate_targets(results)}
+    assert targets["max_seq_metp_vs_cp_p8"]["value"] == 2.0 and targets["max_seq_metp_vs_cp_p8"]["met"] is True
+    assert targets["max_seq_metp_vs_tp1d_sp_p8"]["value"] == 4.0 and targets["max_seq_metp_vs_tp1d_sp_p8"]["met"]
+    results["targets"] = list(targets.values())
+    (row,) = [line for line in report.markdown(results).splitlines() if line.startswith("| cp | 8 |")]
+    assert row.startswith("| cp | 8 | 1 | 64.00 | 2048 | 32.00 | 1000 | 4 |")
+    saved = {}
+    monkeypatch.setattr(report, "_save", lambda fig, out_dir, name: saved.setdefault(name, fig) and name)
+    assert report.plots(results, str(tmp_path)) == ["max_seq_probes.png"]
+    curves = {line.get_label(): list(line.get_xdata()) for line in saved["max_seq_probes.png"].axes[0].get_lines()
+              if not line.get_label().startswith("_")}
+    assert curves == {"metp (p=8): 4096": [512, 1024, 2048, 4096], "cp (p=8): 2048": [512, 1024, 2048],
+                      "tp1d-sp (p=8): 1024": [512, 1024]}
+
+
+def test_a_cap_passed_inside_dtensor_dispatch_ends_the_probe_as_out_of_memory():
+    """DTensor re-raises what an op raised during its sharding propagation as a ``RuntimeError`` caused by it: the
+    probe of a DTensor baseline (tp1d-sp, cp-tp) that passes the cap there is an OOM, not an error."""
+    from lightning_tp2d.bench.measure import MemoryCapExceeded
+    from lightning_tp2d.bench.procs import _oom_in
+
+    cap = MemoryCapExceeded("tracked memory 36170752 bytes exceeds the cap of 33554432 bytes")
+    try:
+        try:
+            raise cap
+        except MemoryCapExceeded as e:
+            raise RuntimeError("Sharding propagation failed for aten.mm.default") from e
+    except RuntimeError as wrapped:
+        assert _oom_in(wrapped) is cap
+    assert _oom_in(RuntimeError("a real error")) is None

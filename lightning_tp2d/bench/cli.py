@@ -4,9 +4,11 @@ Sections, each on when its options are given:
 
 * scenarios (always): ``--layouts`` on ``--p`` ranks (single-device layouts on one), the same model, batch and
   sequence: loss, step time and tokens/s, resident / activation / peak memory per rank, communication per step
-  and whether it equals the cost model's prediction;
+  (payload and bytes sent) and whether it equals the cost model's prediction; the baselines include torch's
+  context parallelism, ``cp`` and ``cp-tp`` (``--cp-tp-size``), for a Llama;
 * ``--memory-seqs``: peak memory per rank at several sequence lengths (plot ``memory_vs_seq.png``);
-* ``--max-seq-layouts``: the largest trainable sequence length under ``--cap-mib`` per rank at ``--max-seq-p``;
+* ``--max-seq-layouts``: the largest trainable sequence length under ``--cap-mib`` per rank at ``--max-seq-p``,
+  with its peak and bytes sent per token (plot ``max_seq_probes.png``: every probe's peak against its length);
 * ``--weak-scaling``: the layouts at several p with the batch growing with p (plot ``comm_vs_p.png``);
 * the cost model's projection for ``--projection-model`` on ``--hardware`` (plot ``speedup_vs_gpus.png``).
 
@@ -82,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
                     help="torch.compile every scenario's model (default backend inductor); the timed steps run "
                          "compiled, memory and communication are measured on an eager step")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per scenario")
+    ap.add_argument("--cp-tp-size", type=int, default=2,
+                    help="cp-tp: the 1-D TP + SP size t inside p (torch's context parallelism over p / t ranks)")
     ap.add_argument("--memory-seqs", default="", help="sequence lengths for the memory-vs-sequence section")
     ap.add_argument("--memory-layouts", default="tp1d,2d,metp,2d-metp")
     ap.add_argument("--max-seq-layouts", default="", help="layouts for the maximum-sequence search")
@@ -282,7 +286,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     spec = BenchSpec(model=args.model, overrides=_overrides(args.set), batch=args.batch, seq=args.seq,
                      steps=args.steps, warmup=args.warmup, dtype=args.dtype, device=args.device,
                      timeout=args.timeout, compile=args.compile,
-                     activation_checkpointing=args.activation_checkpointing)
+                     activation_checkpointing=args.activation_checkpointing, cp_tp_size=args.cp_tp_size)
     results: dict = {"command": "tp2d-bench " + shlex.join(argv), "machine": machine(),
                      "date": datetime.datetime.now().isoformat(timespec="seconds"), "spec": asdict(spec)}
     t0 = time.perf_counter()

@@ -12,7 +12,8 @@ scale, :class:`FunctionalCollectiveCounter` is a ``TorchDispatchMode`` that sees
   ``backward()`` called inside the block are counted too.
 * Bytes per call, as in ``comm.py``: ``all_reduce`` and ``broadcast``: the tensor; ``all_gather``: the *local*
   input; ``reduce_scatter``: the *full* input. A ``*_coalesced`` op is one call whose bytes are all of its
-  tensors. The in-place and ``*_out`` variants count like the plain ones.
+  tensors. The in-place and ``*_out`` variants count like the plain ones. ``by_group`` holds the same bytes per
+  kind and process group name (what pricing a call by its group's size needs).
 * Only the native ops (``_c10d_functional``) are counted. Their autograd wrappers
   (``_c10d_functional_autograd.*``) are not seen by a dispatch mode at all (autograd runs above the Python mode
   key and calls the native op, which is what the mode sees), so nothing is counted twice.
@@ -94,6 +95,7 @@ class FunctionalCollectiveCounter(TorchDispatchMode):
         self.stats = stats if stats is not None else CommStats()
         self.strict = strict
         self.uncounted: list[tuple[str, int]] = []
+        self.by_group: dict[tuple[str, str], int] = {}  # (kind, process group name) -> payload bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -107,6 +109,10 @@ class FunctionalCollectiveCounter(TorchDispatchMode):
             pass  # shape propagation (meta / fake tensors) sends nothing
         elif kind is not None:
             self.stats.add(kind, *_payload(args[0]))
+            group = kwargs.get("group_name") or [a for a in args if isinstance(a, str)][-1]  # the last str argument
+            key = (kind, group)
+            nbytes = sum(t.numel() * t.element_size() for t in _payload(args[0]))
+            self.by_group[key] = self.by_group.get(key, 0) + nbytes
         elif packet in _UNCOUNTABLE:
             tensors = tensors_in((args, kwargs))
             nbytes = sum(t.numel() * t.element_size() for t in tensors)

@@ -68,8 +68,8 @@ from lightning_tp2d.bench.tp1d import parallelize_1d
 from lightning_tp2d.comm_record import recording
 from lightning_tp2d.models.llama import Llama, LlamaAttention
 
-__all__ = ["cp_mesh_of", "cpu_ring_attention", "init_cp_mesh", "measure_step", "parallelize_cp", "sequence_loss",
-           "sharded_sequence", "train_step", "SentBytes"]
+__all__ = ["cp_mesh_of", "cpu_ring_attention", "group_sizes", "init_cp_mesh", "mean_loss", "measure_step",
+           "parallelize_cp", "sequence_loss", "sharded_sequence", "train_step", "SentBytes"]
 
 CP_AXIS, TP_AXIS = "cp", "tp"
 SEQ_DIM = 2  # the sequence dim of SDPA's (B, H, T, hs) operands, the one torch's CP shards
@@ -241,22 +241,35 @@ def train_step(model: Llama, optimizer: torch.optim.Optimizer, mesh: DeviceMesh,
         loss = sequence_loss(model, mesh, idx_here, targets_here)
         loss.backward()
     optimizer.step()
-    loss, mesh = loss.detach(), cp_mesh_of(mesh)
+    return mean_loss(loss, mesh)
+
+
+def mean_loss(loss: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The global mean loss from each rank's :func:`sequence_loss` (detached): their mean over the CP axis, one
+    all-reduce of 4 bytes."""
+    loss, mesh = loss.detach().clone(), cp_mesh_of(mesh)
     dist.all_reduce(loss, group=mesh.get_group())
     return loss / mesh.size()
 
 
 # ---- what one step costs on this rank ------------------------------------------------------------------------------
 
+def group_sizes(mesh: DeviceMesh) -> dict[str, int]:
+    """Process group name -> size for each axis of ``mesh`` (what :class:`SentBytes` prices functional
+    collectives by when the axes differ in size, as ``cp-tp``'s)."""
+    return {mesh.get_group(dim).group_name: mesh.size(dim) for dim in range(mesh.ndim)}
+
+
 class SentBytes:
     """Bytes this rank sends, from the calls :mod:`lightning_tp2d.comm_record` announces (``comm.py``'s and FSDP's
     ``torch.distributed`` collectives) and those of a :class:`FunctionalCollectiveCounter` (DTensor's and torch's
     ring), each priced by :func:`~lightning_tp2d.bench.events.wire_factor`: an all-gather sends its input ``n-1``
     times, a reduce-scatter ``(n-1)/n`` of its input, a permute (``all_to_all_single`` routing the whole input to
-    one peer, what torch's ring sends dK/dV with) its input once."""
+    one peer, what torch's ring sends dK/dV with) its input once. ``group_size``: the size of every functional
+    collective's group, or a map from process group name to size (:func:`group_sizes`)."""
 
-    def __init__(self, group_size: int) -> None:
-        self.group_size = group_size  # of the functional collectives, which the counter does not record
+    def __init__(self, group_size: int | dict[str, int]) -> None:
+        self.group_size = group_size  # of the functional collectives, which the counter records by group name
         self.direct = 0.0
 
     def posted(self, call) -> None:
@@ -265,9 +278,17 @@ class SentBytes:
     def waited(self, call) -> None:
         pass
 
+    def _size(self, group_name: str) -> int:
+        if isinstance(self.group_size, int):
+            return self.group_size
+        if group_name not in self.group_size:
+            raise RuntimeError(f"a functional collective on process group {group_name!r}, not one of the mesh's "
+                               f"{sorted(self.group_size)}: no size to price it by")
+        return self.group_size[group_name]
+
     def total(self, counter: FunctionalCollectiveCounter) -> int:
-        functional = sum(v["bytes"] * wire_factor(kind, self.group_size)
-                         for kind, v in counter.stats.snapshot().items() if v["calls"])
+        functional = sum(nbytes * wire_factor(kind, self._size(group)) for (kind, group), nbytes in
+                         counter.by_group.items())
         permuted = sum(nbytes for op, nbytes in counter.uncounted if "all_to_all_single" in op)
         others = [op for op, _ in counter.uncounted if "all_to_all_single" not in op]
         if others:
@@ -275,16 +296,19 @@ class SentBytes:
         return round(self.direct + functional + permuted)
 
 
-def measure_step(step, model: nn.Module, optimizer: torch.optim.Optimizer, group_size: int) -> dict[str, int]:
+def measure_step(step, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 group_size: int | DeviceMesh) -> dict[str, int]:
     """Peak bytes and bytes sent by this rank in one call of ``step()`` (a whole training step that zeroes the
     gradients first), after a warm-up call (optimizer state and FSDP's lazy init then exist): ``peak_bytes`` is the
     resident bytes (parameter shards, optimizer state) plus the peak of
     :class:`~lightning_tp2d.bench.measure.LiveTensorBytes` with ``count_resizes`` (FSDP's gathered parameters);
-    ``sent_bytes`` by :class:`SentBytes`, ``group_size`` the size of the functional collectives' group."""
+    ``sent_bytes`` by :class:`SentBytes`, ``group_size`` the size of the functional collectives' group, or the mesh
+    whose axes they run on."""
     step()
     optimizer.zero_grad(set_to_none=True)
     before = resident_bytes(model, optimizer)
-    sent, counter = SentBytes(group_size), FunctionalCollectiveCounter(strict=False)
+    sizes = group_sizes(group_size) if isinstance(group_size, DeviceMesh) else group_size
+    sent, counter = SentBytes(sizes), FunctionalCollectiveCounter(strict=False)
     tracker = LiveTensorBytes(record_shapes=False, count_resizes=True)
     with recording(sent), counter, tracker:
         step()

@@ -43,8 +43,12 @@ class RunResult:
         return self.status == "ok"
 
 
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, (MemoryCapExceeded, torch.OutOfMemoryError))
+def _oom_in(exc: BaseException | None) -> BaseException | None:
+    """The out-of-memory error (or cap exceeded) ``exc`` is or was raised from, if any: DTensor's dispatcher
+    re-raises what an op raised inside its sharding propagation as a ``RuntimeError`` caused by it."""
+    while exc is not None and not isinstance(exc, (MemoryCapExceeded, torch.OutOfMemoryError)):
+        exc = exc.__cause__ or exc.__context__
+    return exc
 
 
 def _short(exc: BaseException) -> str:
@@ -74,8 +78,9 @@ def _worker(rank: int, world_size: int, init_file: str, device: str, cap_bytes: 
             dist.destroy_process_group()
         results.put((rank, "ok", out))
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent, which decides
-        status = OOM if _is_oom(exc) else "error"
-        detail = _short(exc) if status == OOM or isinstance(exc, ValueError) else traceback.format_exc()
+        oom = _oom_in(exc)
+        status = OOM if oom is not None else "error"
+        detail = _short(oom) if oom is not None else _short(exc) if isinstance(exc, ValueError) else traceback.format_exc()
         results.put((rank, status, detail))
 
 

@@ -9,6 +9,8 @@ single     1      the plain model (:class:`~lightning_tp2d.models.GPT2`, :class:
 hf         1      transformers' ``GPT2LMHeadModel`` (SDPA attention), same shapes (reference for ``single``; GPT-2)
 tp1d       p      PyTorch's 1-D tensor parallelism (:mod:`lightning_tp2d.bench.tp1d`)
 tp1d-sp    p      the same with sequence parallelism (:mod:`lightning_tp2d.bench.tp1d_sp`; seq divisible by p)
+cp         p      torch's context parallelism x FSDP2, both over p (:mod:`lightning_tp2d.bench.context_parallel`)
+cp-tp      p      CP over p / t x 1-D TP + SP over t = ``BenchSpec.cp_tp_size`` (default 2), FSDP2 over the CP axis
 2d         p      TP2D, SUMMA on a q x q grid
 metp       p      METP ring over p ranks
 2d-metp    p      grid rows split the sequence, attention rings along rows
@@ -17,50 +19,60 @@ metp       p      METP ring over p ranks
 The baselines are bench scenarios, not layouts; every rule about a layout (valid ``p``, what the model, batch and
 sequence must divide by) is asked of its :class:`~lightning_tp2d.layouts.Layout` object, and of the model's family
 (:mod:`lightning_tp2d.families`: the sizes it splits, the layouts it has a plan for). ``--model`` is a named size of
-any family (``gpt2-tiny``, ``llama-tiny`` ...); the baselines ``hf``, ``tp1d`` and ``tp1d-sp`` and the cost model's
-communication prediction describe GPT-2 only (a Llama's scenario rows leave the prediction columns empty).
+any family (``gpt2-tiny``, ``llama-tiny`` ...); the baseline ``hf`` and the cost model's communication prediction
+describe GPT-2 only (a Llama's scenario rows leave the prediction columns empty); ``tp1d`` and ``tp1d-sp`` have a
+plan for both families; ``cp`` and ``cp-tp`` run the Llama only (:func:`check_scenario` says why), float32, eager.
 
 Per scenario every rank reports (:func:`measure_rank`): the first loss (the same model and data everywhere, so
 the losses must agree), step times after warm-up, the bytes resident between steps (parameters and optimizer
 state), the activation bytes (allocated by the forward and still alive at its end), the peak of one whole step
 (resident + the most alive during forward, backward and optimizer step), and the communication calls and bytes
 of one step (our collectives from :func:`lightning_tp2d.comm.count_comm`; DTensor's from
-:mod:`lightning_tp2d.bench.collectives`). On CPU memory is the live tensor bytes of
-:class:`~lightning_tp2d.bench.measure.LiveTensorBytes`; on GPU the CUDA allocator's statistics.
+:mod:`lightning_tp2d.bench.collectives`; torch's ring's dK/dV permutes as ``all_to_all_single``), and the bytes it
+sends (``sent_bytes``: every call priced by its group's size,
+:class:`~lightning_tp2d.bench.context_parallel.SentBytes`). On CPU memory is the live tensor bytes of
+:class:`~lightning_tp2d.bench.measure.LiveTensorBytes` (storage resizes counted for FSDP's gathered parameters); on
+GPU the CUDA allocator's statistics.
 
-:func:`max_sequence` searches the largest trainable sequence length under a per-rank memory cap, each probe one
-step on fresh processes (:func:`lightning_tp2d.bench.procs.run_ranks`).
+:func:`max_sequence` searches the largest trainable sequence length under a per-rank memory cap, each probe on
+fresh processes (:func:`lightning_tp2d.bench.procs.run_ranks`): a warm-up step, then the measured step under the
+cap, so every layout is measured as it trains, its optimizer state resident (and FSDP's lazy initialisation and
+DTensor's sharding propagation, which the tracker would count, done).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 from lightning_tp2d import layouts
+from lightning_tp2d.bench import context_parallel as cp
 from lightning_tp2d.bench import cost_model
 from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
+from lightning_tp2d.bench.context_parallel import SentBytes
 from lightning_tp2d.bench.events import totals, wire_bytes
-from lightning_tp2d.bench.measure import LiveTensorBytes, resident_bytes
+from lightning_tp2d.bench.measure import LiveTensorBytes, MemoryCapExceeded, resident_bytes
 from lightning_tp2d.bench.procs import RunResult, run_ranks
 from lightning_tp2d.bench.tp1d import check_tp1d, init_tp1d_mesh, param_groups_1d, parallelize_1d
 from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel
 from lightning_tp2d.bench.trace import trace_steps
-from lightning_tp2d.comm_record import count_comm
+from lightning_tp2d.comm_record import count_comm, recording
 from lightning_tp2d.families import family_of_config, model_config
 from lightning_tp2d.mesh import init_mesh
 from lightning_tp2d.metp import block_kernel
-from lightning_tp2d.models import GPT2, GPT2Config
+from lightning_tp2d.models import GPT2, GPT2Config, Llama
 from lightning_tp2d.parallelize import checkpoint_activations, parallelize
 
-BASELINES = ("single", "hf", "tp1d", "tp1d-sp")  # bench scenarios that are not layouts
+BASELINES = ("single", "hf", "tp1d", "tp1d-sp", "cp", "cp-tp")  # bench scenarios that are not layouts
 TP1D = ("tp1d", "tp1d-sp")  # torch's 1-D tensor parallelism, without and with sequence parallelism
+CONTEXT_PARALLEL = ("cp", "cp-tp")  # torch's context parallelism x FSDP2 (bench.context_parallel), Llama only
 SINGLE_DEVICE = ("single", "hf")
 SCENARIOS = BASELINES + layouts.layout_names()
 
@@ -81,6 +93,7 @@ class BenchSpec:
     timeout: float = 900.0
     compile: str = ""  # a torch.compile backend ("inductor", "aot_eager"): compile the model after sharding
     activation_checkpointing: str = "none"  # for the package's layouts: none | full | selective
+    cp_tp_size: int = 2  # cp-tp: the 1-D TP + SP size t inside p (CP over p / t ranks, adjacent ranks in a TP group)
 
     def config(self, seq: int | None = None):
         seq = self.seq if seq is None else seq
@@ -96,11 +109,22 @@ def ranks_of(layout: str, p: int) -> int:
     return 1 if layout in SINGLE_DEVICE else p
 
 
-def input_multiples(layout: str, p: int) -> tuple[int, int]:
+def cp_sizes(layout: str, p: int, spec: BenchSpec) -> tuple[int, int]:
+    """``(CP ranks, TP ranks)`` of a context-parallel scenario on ``p`` ranks: ``cp`` all ``p`` by 1, ``cp-tp``
+    ``p / t`` by ``t = spec.cp_tp_size``."""
+    tp = spec.cp_tp_size if layout == "cp-tp" else 1
+    return p // tp, tp
+
+
+def input_multiples(layout: str, p: int, cp_tp_size: int = 2) -> tuple[int, int]:
     """``(batch, sequence)`` multiples the scenario's input needs on ``p`` ranks (baselines take any, but
-    sequence parallelism splits the sequence)."""
+    sequence parallelism splits the sequence, and context parallelism cuts ``2 * CP ranks`` chunks, each rank's
+    pair split again by sequence parallelism in ``cp-tp``)."""
     if layout == "tp1d-sp":
         return 1, p
+    if layout in CONTEXT_PARALLEL:
+        chunks = 2 * p // (cp_tp_size if layout == "cp-tp" else 1)
+        return 1, chunks * p // math.gcd(chunks, p)
     return (1, 1) if layout in BASELINES else layouts.get_layout(layout).input_multiples(p)
 
 
@@ -113,8 +137,10 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
     family = family_of_config(cfg)
     if seq > cfg.block_size:
         return f"seq {seq} > block_size {cfg.block_size}"
-    if family.name != "gpt2" and layout in ("hf", *TP1D):
+    if family.name != "gpt2" and layout == "hf":
         return f"the {layout!r} baseline is GPT-2 only (model {spec.model!r} is a {family.model_class.__name__})"
+    if layout in CONTEXT_PARALLEL:
+        return context_parallel_problem(layout, p, spec, seq)
     if layout not in BASELINES and layout not in family.layouts:
         return (f"model family {family.name!r} ({family.model_class.__name__}) has no plan for layout {layout!r} "
                 f"yet; layouts it has: {list(family.layouts)}")
@@ -139,10 +165,78 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
     return None
 
 
+def context_parallel_problem(layout: str, p: int, spec: BenchSpec, seq: int) -> str | None:
+    """Why ``cp`` / ``cp-tp`` cannot run on ``p`` ranks at this sequence length, or ``None``."""
+    cfg = spec.config(seq)
+    family = family_of_config(cfg)
+    if not issubclass(family.model_class, Llama):
+        return (f"the {layout!r} baseline runs the package's Llama only (model {spec.model!r} is a "
+                f"{family.model_class.__name__}): the plain GPT-2 adds wpe(arange(T)) of its local length inside "
+                "forward, so a CP shard (chunks r and 2p-1-r of 2p) would get positions 0..T/p-1; the Llama's "
+                "attention takes the shard's absolute positions for RoPE")
+    if spec.dtype != "float32" or spec.compile:
+        return (f"the {layout!r} baseline runs eager float32 here (got dtype {spec.dtype}, compile "
+                f"{spec.compile or 'off'}): torch's CP ring is not checked under autocast or torch.compile")
+    if not isinstance(p, int) or p < 1:
+        return f"p must be a positive int, got {p!r}"
+    if cfg.dropout:
+        return f"dropout={cfg.dropout}: torch's ring attention takes no dropout; use 0.0"
+    n_cp, tp = cp_sizes(layout, p, spec)
+    if layout == "cp-tp" and (p % tp or n_cp < 2):
+        fits = [k for k in range(2, p // 2 + 1) if p % k == 0]
+        return (f"cp-tp with TP size {tp} needs p a multiple of {tp} with at least 2 CP ranks, got p={p}; "
+                f"use cp_tp_size in {fits}" if fits else f"cp-tp needs p >= 4 (2 CP x 2 TP ranks), got p={p}")
+    if seq % (2 * n_cp):
+        return (f"sequence length {seq} is not divisible by 2p = {2 * n_cp} (CP ranks {n_cp}): torch's head-tail "
+                f"load balancer needs 2p equal chunks")
+    if layout == "cp-tp":
+        try:
+            check_tp1d(cfg, tp)
+            check_sequence_parallel(seq // n_cp, tp)
+        except ValueError as e:
+            return f"cp-tp, TP over {tp} of each CP rank's {seq // n_cp} tokens: {e}"
+    return None
+
+
 # ---- one rank ------------------------------------------------------------------------------------------
 
 
-def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
+@dataclass
+class _Built:
+    """One rank's scenario: ``forward()`` returns the loss to call ``backward()`` on, both inside ``region()``;
+    ``loss_value(loss)`` is the global mean loss (a collective for CP, whose ranks hold their shard's share);
+    ``groups`` the size of the functional collectives' groups, or a map by group name (for :class:`SentBytes`);
+    ``fsdp``: the weights are FSDP2's (its gathered parameters are storage resizes, counted after a warm-up)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    forward: Callable[[], torch.Tensor]
+    region: Callable = contextlib.nullcontext
+    loss_value: Callable[[torch.Tensor], float] = lambda loss: loss.item()  # noqa: E731
+    groups: int | dict[str, int] = 1
+    fsdp: bool = False
+
+
+def _context_parallel(layout: str, spec: BenchSpec, model: Llama, world_size: int, device: torch.device,
+                      idx: torch.Tensor, targets: torch.Tensor) -> _Built:
+    """``cp`` / ``cp-tp`` on this rank (:mod:`~lightning_tp2d.bench.context_parallel`): the region shards the
+    sequence (torch's ``context_parallel``), the forward is this rank's :func:`~.context_parallel.sequence_loss`."""
+    n_cp, tp = cp_sizes(layout, world_size, spec)
+    mesh = cp.init_cp_mesh(n_cp, tp, device_type=device.type)
+    cp.parallelize_cp(model, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    shards: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def region():
+        with cp.sharded_sequence(model, mesh, idx, targets) as (shards["idx"], shards["targets"]):
+            yield
+
+    return _Built(model, optimizer, lambda: cp.sequence_loss(model, mesh, shards["idx"], shards["targets"]), region,
+                  lambda loss: cp.mean_loss(loss, mesh).item(), cp.group_sizes(mesh), fsdp=True)
+
+
+def _build(layout: str, spec: BenchSpec, seq: int, world_size: int) -> _Built:
     """The model of ``layout`` on this rank, its optimizer and the step function."""
     cfg = spec.config(seq)
     device = torch.device(spec.device, torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
@@ -162,7 +256,7 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
                                f"unexpected {result.unexpected_keys}")
     else:
         model = family_of_config(cfg).model_class(cfg)
-        if layout == "single":
+        if layout in ("single", *CONTEXT_PARALLEL):
             model = model.to(device)
         elif layout in TP1D:
             parallelize_1d(model.to(device), init_tp1d_mesh(world_size, device_type=device.type),
@@ -171,6 +265,11 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
             parallelize(model, init_mesh(layout, world_size, 1, device_type=device.type), layout=layout)
             checkpoint_activations(model, spec.activation_checkpointing)
     model.train()
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    data = torch.randint(0, cfg.vocab_size, (spec.batch, seq + 1), generator=gen).to(device)
+    idx, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    if layout in CONTEXT_PARALLEL:  # sharded after the data is drawn (the same data as every other scenario)
+        return _context_parallel(layout, spec, model, world_size, device, idx, targets)
     if spec.compile:  # the timed steps run compiled; the measured step's dispatch modes make Dynamo run it eagerly
         if layout != "hf":
             model.validate_inputs = False  # the ids are drawn in range; value checks would read the device
@@ -179,9 +278,7 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
         optimizer = torch.optim.AdamW(param_groups_1d(model), lr=1e-4)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(spec.seed + 1)
-    data = torch.randint(0, cfg.vocab_size, (spec.batch, seq + 1), generator=gen).to(device)
-    idx, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
     def forward():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.dtype == "bfloat16"):
             if layout == "hf":
@@ -189,7 +286,7 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int):
                 return model(idx, labels=idx).loss
             return model(idx, targets)
 
-    return model, optimizer, forward
+    return _Built(model, optimizer, forward, groups=world_size)
 
 
 def _sync(device: str) -> None:
@@ -200,9 +297,11 @@ def _sync(device: str) -> None:
 def measure_rank(rank: int, world_size: int, layout: str, spec: BenchSpec, seq: int, full: bool,
                  cap_bytes: int | None = None) -> dict:
     """One rank of a scenario. ``full``: time ``spec.steps`` steps after warm-up, then measure memory and
-    communication on one more step; otherwise (a max-sequence probe) just that one measured step, which raises
-    :class:`~lightning_tp2d.bench.measure.MemoryCapExceeded` (CPU) or an OOM (GPU) past the cap."""
-    model, optimizer, forward = _build(layout, spec, seq, world_size)
+    communication on one more step; otherwise (a max-sequence probe) one warm-up step, then that measured step;
+    either raises :class:`~lightning_tp2d.bench.measure.MemoryCapExceeded` (CPU) or an OOM (GPU) past the cap."""
+    run = _build(layout, spec, seq, world_size)
+    model, optimizer, on_gpu = run.model, run.optimizer, spec.device == "cuda"
+    cap = None if on_gpu else cap_bytes
     out: dict = {"rank": rank}
     kernel = ring_attention_kernel(layout, spec, seq)
     if kernel is not None:
@@ -210,8 +309,9 @@ def measure_rank(rank: int, world_size: int, layout: str, spec: BenchSpec, seq: 
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        loss = forward()
-        loss.backward()
+        with run.region():
+            loss = run.forward()
+            loss.backward()
         optimizer.step()
         return loss
 
@@ -225,37 +325,44 @@ def measure_rank(rank: int, world_size: int, layout: str, spec: BenchSpec, seq: 
             _sync(spec.device)
             times.append(time.perf_counter() - t0)
             if i == 0:
-                out["loss"] = loss.item()
+                out["loss"] = run.loss_value(loss)
         out["step_times"] = times[spec.warmup:]
+    else:  # not under the cap: DTensor's first call of an op propagates its sharding on fake global-shape tensors
+        out["loss"] = run.loss_value(step())
 
     # the measured step: memory and communication
     optimizer.zero_grad(set_to_none=True)
     resident = resident_bytes(model, optimizer)
-    on_gpu = spec.device == "cuda"
-    tracker = LiveTensorBytes(cap=None if on_gpu else cap_bytes, base=resident, record_shapes=False)
-    counter = FunctionalCollectiveCounter()
+    tracker = LiveTensorBytes(cap=cap, base=resident, record_shapes=False, count_resizes=run.fsdp)
+    counter, sent = FunctionalCollectiveCounter(strict=not run.fsdp), SentBytes(run.groups)
     dist.barrier()
     if on_gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         resident = torch.cuda.memory_allocated()
-    with count_comm() as stats, counter, (nullcontext() if on_gpu else tracker):
-        loss = forward()
-        activation = (torch.cuda.memory_allocated() - resident) if on_gpu else tracker.live
-        loss.backward()
+    with count_comm() as stats, recording(sent), counter, (contextlib.nullcontext() if on_gpu else tracker):
+        with run.region():
+            loss = run.forward()
+            activation = (torch.cuda.memory_allocated() - resident) if on_gpu else tracker.live
+            loss.backward()
         optimizer.step()
     if on_gpu:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resident + tracker.peak
+    if cap is not None and peak > cap:  # reached by a storage resize (FSDP's gathers), which does not check the cap
+        raise MemoryCapExceeded(f"tracked memory peaked at {peak} bytes (resident {resident}), over the cap of {cap}")
     snapshot = stats.snapshot()
     for kind, value in counter.stats.snapshot().items():
         snapshot[kind] = {"calls": snapshot[kind]["calls"] + value["calls"],
                           "bytes": snapshot[kind]["bytes"] + value["bytes"]}
+    if counter.uncounted:  # torch's ring passes dK/dV on with all_to_all_single (a kind comm.KINDS does not have)
+        snapshot["all_to_all_single"] = {"calls": len(counter.uncounted),
+                                         "bytes": sum(nbytes for _, nbytes in counter.uncounted)}
     out.update(resident_bytes=resident, activation_bytes=activation, peak_bytes=peak, comm=snapshot,
-               measured_loss=loss.item())
-    out.setdefault("loss", loss.item())
+               sent_bytes=sent.total(counter), measured_loss=run.loss_value(loss))
+    out.setdefault("loss", out["measured_loss"])
     return out
 
 
@@ -311,6 +418,8 @@ def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict])
         row[key] = max(r[key] for r in ranks)
     row["comm_calls"] = max(sum(v["calls"] for v in r["comm"].values()) for r in ranks)
     row["comm_bytes"] = max(sum(v["bytes"] for v in r["comm"].values()) for r in ranks)
+    row["sent_bytes"] = max(r["sent_bytes"] for r in ranks)  # what the rank that sends most puts on the wire
+    row["sent_bytes_per_token"] = row["sent_bytes"] / (spec.batch * seq)
     cfg = spec.config(seq)
     if layout != "hf" and isinstance(cfg, GPT2Config):  # the cost model (and its tracer) describe GPT-2
         if layout not in BASELINES:  # every rank is compared with its own count: trace them in one go
@@ -345,11 +454,12 @@ def calls_per_block(layout: str, cfg, batch: int, seq: int, p: int, elem: int) -
 
 def max_sequence(layout: str, p: int, spec: BenchSpec, cap_bytes: int, unit: int = 64, limit: int = 1 << 17,
                  log=print) -> dict:
-    """Largest multiple of ``unit`` (rounded to what the layout needs) that trains one step under the cap.
+    """Largest multiple of ``unit`` (rounded to what the layout needs) that trains one step under the cap, with
+    its peak and bytes sent per token; every probe's too.
 
     Doubling from ``unit`` until a probe fails, then bisection; every probe is a fresh process group."""
     world = ranks_of(layout, p)
-    batch, granule = input_multiples(layout, world)  # the smallest batch; sequences a multiple of the granule
+    batch, granule = input_multiples(layout, world, spec.cp_tp_size)  # the smallest batch; sequences: the granule
     unit = unit * granule // math.gcd(unit, granule)
     probe_spec = replace(spec, batch=batch)
     probes: list[dict] = []
@@ -361,6 +471,7 @@ def max_sequence(layout: str, p: int, spec: BenchSpec, cap_bytes: int, unit: int
             return False
         r = run_scenario(layout, p, probe_spec, seq=seq, cap_bytes=cap_bytes, full=False)
         probes.append({"seq": seq, "status": r["status"], "peak_bytes": r.get("peak_bytes"),
+                       "sent_bytes": r.get("sent_bytes"), "sent_bytes_per_token": r.get("sent_bytes_per_token"),
                        "reason": r.get("reason", "")})
         if r.get("attention_kernel"):
             row["attention_kernel"] = r["attention_kernel"]
@@ -385,5 +496,7 @@ def max_sequence(layout: str, p: int, spec: BenchSpec, cap_bytes: int, unit: int
                 hi = mid
     except RuntimeError as e:
         return {**row, "status": "error", "reason": str(e), "probes": probes}
-    return {**row, "status": "ok", "max_seq": lo, "capped_by_limit": lo >= limit, "probes": probes}
+    longest = next(x for x in probes if x["seq"] == lo and x["status"] == "ok")  # what the answer costs
+    return {**row, "status": "ok", "max_seq": lo, "capped_by_limit": lo >= limit, "peak_bytes": longest["peak_bytes"],
+            "sent_bytes_per_token": longest["sent_bytes_per_token"], "probes": probes}
 
