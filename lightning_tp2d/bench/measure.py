@@ -13,8 +13,9 @@ With ``cap`` set, the allocation that takes the live bytes past it raises :class
 out-of-memory error on a GPU whose memory is capped with ``torch.cuda.set_per_process_memory_fraction``: the
 maximum-sequence search uses that to stop a probe at once. Tensors that existed before the mode was entered
 (parameters, optimizer state) are not seen; callers add them as ``resident`` bytes (:func:`resident_bytes`).
-Fake tensors (``FakeTensorMode``: shapes, no data) are counted like real ones, so the same mode profiles a step
-that never computes.
+With ``fake=True`` fake tensors (``FakeTensorMode``: shapes, no data) are counted like real ones, so the same mode
+profiles a step that never computes; by default they are not (a real step's DTensor ops propagate their sharding
+on fake tensors of the global shapes, which hold no memory).
 
 With ``count_resizes=True`` storage resizes inside the mode count too: FSDP2 frees a gathered parameter with
 ``UntypedStorage.resize_(0)`` and re-allocates it with ``resize_(n)``, which no aten op sees. That is right for
@@ -63,10 +64,11 @@ class LiveTensorBytes(TorchDispatchMode):
     ``count_resizes``: also count ``UntypedStorage.resize_`` (module docstring)."""
 
     def __init__(self, cap: int | None = None, base: int = 0, record_shapes: bool = True,
-                 count_resizes: bool = False) -> None:
+                 count_resizes: bool = False, fake: bool = False) -> None:
         super().__init__()
         self.live = self.peak = 0
         self.cap, self.base, self.record_shapes, self.count_resizes = cap, base, record_shapes, count_resizes
+        self._plain = _PLAIN if fake else (torch.Tensor,)  # real runs: DTensor's propagation fakes are no memory
         self.shapes: list[tuple[int, ...]] = []
         self._refs: dict[int, weakref.ref] = {}
         self._resize = None
@@ -97,7 +99,7 @@ class LiveTensorBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {_storage_key(t) for t in tensors_in((args, kwargs))}
         for t in tensors_in(out):
-            if type(t) in _PLAIN and t.device.type != "meta" and _storage_key(t) not in inputs:
+            if type(t) in self._plain and t.device.type != "meta" and _storage_key(t) not in inputs:
                 self._track(t)  # a new storage: views, in-place results and aliases of the inputs are not
         return out
 

@@ -84,7 +84,7 @@ class _PhasePeaks(LiveTensorBytes):
     of every block but the first, 2 the first block's backward and all that follows (:func:`_extrapolated_step`)."""
 
     def __init__(self) -> None:
-        super().__init__(record_shapes=False, count_resizes=True)
+        super().__init__(record_shapes=False, count_resizes=True, fake=True)
         self.phase, self.peaks, self.tracing = 0, [0, 0, 0], True
 
     def enter(self, phase: int) -> None:
