@@ -42,11 +42,15 @@ over ``"tp"``; the attention then runs on its local heads, and CP and FSDP use t
 Costs per rank and step (measured by :func:`measure_step`): FSDP's all-gathers (forward and backward) and
 reduce-scatters of the parameters, the ring's K/V all-gathers and dK/dV permutes, two small all-reduces (the
 8-byte target count and the 4-byte reported loss), and with ``cp-tp`` TP's all-gathers and reduce-scatters.
+The same schedule, declared for the cost model (``"cp"`` rows of :func:`lightning_tp2d.bench.planner.price`):
+:func:`cp_comm_events` (equal on every rank to what :func:`measure_step` counts, ``tests/test_context_parallel.py``),
+:func:`cp_peak_bytes` (analytic) and :func:`diagonal_share` (the ring steps' shares of the causal scores).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 
@@ -62,14 +66,16 @@ from torch.distributed.tensor.experimental._context_parallel import _attention a
 from torch.distributed.tensor.experimental._context_parallel._sharding_rules import _op_strategy_context
 
 from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
-from lightning_tp2d.bench.events import wire_factor
+from lightning_tp2d.bench.events import Comm, float32_bytes, wire_factor
 from lightning_tp2d.bench.measure import LiveTensorBytes, resident_bytes
+from lightning_tp2d.bench.memory_model import baseline_peak_bytes
 from lightning_tp2d.bench.tp1d import parallelize_1d
 from lightning_tp2d.comm_record import recording
 from lightning_tp2d.models.llama import Llama, LlamaAttention
 
-__all__ = ["cp_mesh_of", "cpu_ring_attention", "group_sizes", "init_cp_mesh", "mean_loss", "measure_step",
-           "parallelize_cp", "sequence_loss", "sharded_sequence", "train_step", "SentBytes"]
+__all__ = ["cp_comm_events", "cp_mesh_of", "cp_peak_bytes", "cpu_ring_attention", "diagonal_share",
+           "fsdp_shard_elements", "group_sizes", "init_cp_mesh", "mean_loss", "measure_step", "parallelize_cp",
+           "sequence_loss", "sharded_sequence", "train_step", "SentBytes"]
 
 CP_AXIS, TP_AXIS = "cp", "tp"
 SEQ_DIM = 2  # the sequence dim of SDPA's (B, H, T, hs) operands, the one torch's CP shards
@@ -313,3 +319,110 @@ def measure_step(step, model: nn.Module, optimizer: torch.optim.Optimizer,
     with recording(sent), counter, tracker:
         step()
     return {"peak_bytes": before + tracker.peak, "sent_bytes": sent.total(counter)}
+
+
+# ---- what one step sends and holds, declared (the cost model's "cp" rows) -----------------------------------------
+# Not traced: torch's ring and FSDP2's schedule as read from their code (torch 2.13), written out once here and
+# checked against the bytes a real step counts (tests/test_context_parallel.py).
+
+RING_AXIS, FSDP_AXIS = "cp", "data_parallel"  # the ring's group; FSDP's (the same ranks when dp is 1)
+_SCORE_FLOPS = {"forward": 4, "backward": 10}  # per visible score and head channel (the cost model's convention)
+
+
+def _shards(params, world: int) -> int:
+    """Elements of one rank's FSDP2 shard of ``params``: each one's dim 0 padded to a multiple of ``world``."""
+    return sum(-(-q.shape[0] // world) * (q.numel() // q.shape[0]) for q in params)
+
+
+def fsdp_shard_elements(cfg, world: int) -> tuple[int, int]:
+    """``(root, block)``: elements of one rank's FSDP2 shard of the root group (embedding, final norm, head) and
+    of one decoder layer, sharded over ``world`` ranks (counted on the meta device)."""
+    with torch.device("meta"):
+        model = Llama(dataclasses.replace(cfg, n_layer=1))
+    layer = model.model.layers[0]
+    in_layer = {id(q) for q in layer.parameters()}
+    return (_shards([q for q in model.parameters() if id(q) not in in_layer], world),
+            _shards(list(layer.parameters()), world))
+
+
+def _kv_width(cfg) -> int:
+    return cfg.n_kv_head * (cfg.n_embd // cfg.n_head)
+
+
+def diagonal_share(seq: int, p: int) -> tuple[float, float]:
+    """``(diagonal, off-diagonal)``: the fraction of one rank's visible causal scores in the ring's first step (its
+    own two chunks, ``c (2c + 1)`` scores for ``c = seq / (2p)``) and in each of the other ``p - 1`` (``2c²``: the
+    head-tail balancer's half blocks); ``diagonal + (p - 1) * off-diagonal == 1``."""
+    c = seq // (2 * p)
+    total = c * (2 * c + 1) + (p - 1) * 2 * c * c
+    return c * (2 * c + 1) / total, 2 * c * c / total
+
+
+def cp_comm_events(cfg, batch: int, seq: int, p: int, elem: int = 2, *, dp: int = 1,
+                   checkpointing: str = "none") -> list[Comm]:
+    """The communication of one :func:`train_step` on one rank: CP over ``p`` ranks x FSDP2 over ``p * dp``
+    (torchtitan shards the weights over ``dp_shard x cp``). ``elem``: the activations' and gathered weights' bytes
+    (4: float32, as the CPU runs; 2: torchtitan's FSDP ``param_dtype`` bf16); gradients are reduced in float32.
+
+    * FSDP (axis ``"data_parallel"``; :func:`fsdp_shard_elements`, ``S_root`` / ``S_block`` per rank): forward
+      all-gathers of the root's and each block's shard (``elem`` bytes each), backward all-gathers of each again
+      (:func:`parallelize_cp` reshards the root after forward too), reduce-scatters of the root's and each block's
+      float32 gradients (payload ``p dp S``).
+    * torch's ring (axis ``"cp"``) per layer, ``kv = 2 B (T/p) n_kv hs elem`` (the local K and V, concatenated):
+      one all-gather in the forward (posted at ring step 0, waited at step 1: it runs behind the diagonal block's
+      attention, ``overlap_flops``), one in the backward (behind the diagonal block's backward kernel), with
+      ``"full"`` checkpointing one more for the recomputed forward; ``p`` permutes of the float32 dK/dV partial
+      sums (``all_to_all_single`` to the next rank, kind ``"send"``, ``2 B (T/p) n_kv hs 4`` bytes): the one posted
+      at step ``i`` runs behind step ``i + 1``'s backward kernel, the last behind nothing.
+    * :func:`sequence_loss`'s 8-byte target count and :func:`mean_loss`'s 4-byte loss, all-reduced over ``"cp"``.
+
+    FLOPs behind the ring are attention FLOPs (``4`` / ``10`` per visible score and channel, forward / backward)."""
+    if seq % (2 * p):
+        raise ValueError(f"sequence length {seq} is not divisible by 2p = {2 * p} (torch's head-tail balancer)")
+    world, L, tokens = p * dp, cfg.n_layer, batch * seq // p
+    root, block = fsdp_shard_elements(cfg, world)
+    grad = float32_bytes(elem)
+    kv = 2 * tokens * _kv_width(cfg)
+    diagonal, off = diagonal_share(seq, p)
+    scores = batch * cfg.n_embd * (seq * (seq + 1) // 2) / p  # one layer's visible scores x channels, per rank
+    fwd, bwd = (_SCORE_FLOPS[k] * scores for k in ("forward", "backward"))
+    gathers = 2 if checkpointing == "full" else 1  # forward all-gathers per layer in the backward phase
+    events = [Comm("all_gather", FSDP_AXIS, world, elem * root, 1),
+              Comm("all_gather", FSDP_AXIS, world, elem * block, L),
+              Comm("all_gather", FSDP_AXIS, world, elem * block, L, phase="backward"),
+              Comm("all_gather", FSDP_AXIS, world, elem * root, 1, phase="backward"),
+              Comm("reduce_scatter", FSDP_AXIS, world, grad * world * block, L, phase="backward"),
+              Comm("reduce_scatter", FSDP_AXIS, world, grad * world * root, 1, phase="backward"),
+              Comm("all_gather", RING_AXIS, p, elem * kv, L, diagonal * fwd),
+              Comm("all_gather", RING_AXIS, p, elem * kv, L * (gathers - 1), diagonal * fwd, "backward"),
+              Comm("all_gather", RING_AXIS, p, elem * kv, L, diagonal * bwd, "backward"),
+              Comm("send", RING_AXIS, p, grad * kv, L * (p - 1), off * bwd, "backward"),
+              Comm("send", RING_AXIS, p, grad * kv, L, 0.0, "backward"),
+              Comm("all_reduce", RING_AXIS, p, 8, 1), Comm("all_reduce", RING_AXIS, p, 4, 1, phase="backward")]
+    return [ev for ev in events if ev.calls and ev.group_size > 1]
+
+
+def cp_peak_bytes(cfg, batch: int, seq: int, p: int, *, dp: int = 1, checkpointing: str = "none",
+                  elem: int = 2) -> dict:
+    """Predicted peak bytes per GPU of CP over ``p`` x FSDP2 (stage 3) over ``p * dp`` ranks, bf16 compute
+    (FSDP ``param_dtype``), float32 parameters, gradients and AdamW moments: the parts of
+    :func:`~lightning_tp2d.bench.memory_model.baseline_peak_bytes` for plain FSDP over ``p * dp`` ranks on this
+    rank's ``T/p`` tokens (every layer sees ``T/p`` tokens; attention saves its local q, k, v, output and
+    log-sum-exp; the loss its ``T/p`` rows of full-vocabulary logits), plus the ring's transients ``ring``: in the
+    forward the gathered K/V (``2 B T n_kv hs e``), the local K/V it was gathered from and the merger's float32
+    output and log-sum-exp; in the backward the gathered K/V, the float32 dQ/dK/dV accumulators, one step's
+    ``e``-byte block gradients and two float32 dK/dV permute buffers; ``loss``: the float32 gradient of the
+    ``T/p x V`` logits beside their saved log-softmax when the backward starts (what a fused or compiled
+    cross-entropy holds; eager's separate ``nll_loss`` gradient would add as much again), before any parameter
+    gradient exists. Analytic; not checked against a GPU."""
+    parts = baseline_peak_bytes(cfg, batch, seq // p, 1, dp=p * dp, zero_stage=3, checkpointing=checkpointing,
+                                elem=elem)
+    tokens, kv, h = batch * seq // p, _kv_width(cfg), cfg.n_embd
+    gathered_kv = 2 * batch * seq * kv * elem
+    forward = gathered_kv + 2 * tokens * kv * elem + tokens * (h + cfg.n_head) * 4
+    backward = gathered_kv + tokens * (h + 2 * kv) * (4 + elem) + 2 * 2 * tokens * kv * 4
+    loss = 4 * tokens * cfg.vocab_size
+    held = parts["activations"] + parts["gathered"]
+    total = parts["parameters"] + parts["optimizer"] + max(
+        held + forward, held + loss, parts["gradients"] + held + parts["backward"] + backward)
+    return {**parts, "ring": int(max(forward, backward)), "loss": loss, "total": int(total)}

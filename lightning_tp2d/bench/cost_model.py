@@ -23,7 +23,9 @@ counts on that rank by construction (``tests/test_cost_model.py`` still checks i
 bf16 autocast). There is no hand-written event list: a schedule change in a layer (a prefetch, double buffering, a
 new collective) changes the model with no edit here. ``"single"`` sends nothing; ``"tp1d"`` (torch's own tensor
 parallelism, the baseline) is :func:`lightning_tp2d.bench.tp1d.tp1d_comm_events`, and ``"tp1d-sp"`` (the same with
-sequence parallelism) :func:`lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`.
+sequence parallelism) :func:`lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`; torch's context parallelism
+(``"cp"``, not a layout: :func:`cp_step_time`) its declared schedule,
+:func:`lightning_tp2d.bench.context_parallel.cp_comm_events`.
 
 ``overlap_flops`` is the compute a transfer runs behind: every FLOP computed between posting a call and waiting for it
 is shared among the calls in flight in proportion to their bytes (SUMMA: the broadcast of panel ``l+1`` is posted
@@ -50,6 +52,7 @@ import math
 import dataclasses
 from dataclasses import dataclass
 
+from lightning_tp2d.bench.context_parallel import RING_AXIS, cp_comm_events
 from lightning_tp2d.bench.events import Comm, float32_bytes
 from lightning_tp2d.bench.gemm_rates import H200_BF16
 from lightning_tp2d.bench.gemm_rates import fit as fit_gemm_rates
@@ -71,8 +74,9 @@ def _layouts() -> tuple[str, ...]:
     return BASELINES + layout_names()
 
 
-__all__ = ["Link", "Hardware", "H100_NVLINK4_NDR", "H200_NVLINK4_NDR", "H100_GRAND_TETON", "A100_NVLINK3_HDR", "comm_events", "flops",
-           "activation_bytes", "collective_time", "step_time", "projected_speedup", "metp_overlap_threshold"]
+__all__ = ["Link", "Hardware", "H100_NVLINK4_NDR", "H200_NVLINK4_NDR", "H100_GRAND_TETON", "A100_NVLINK3_HDR",
+           "comm_events", "flops", "activation_bytes", "collective_time", "step_time", "cp_step_time",
+           "projected_speedup", "metp_overlap_threshold"]
 
 
 def _check(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int) -> int:
@@ -462,6 +466,37 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
         if worst is None or result["total_s"] > worst["total_s"]:
             worst = result
     return worst
+
+
+def cp_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2, *, dp: int = 1,
+                 checkpointing: str = "none") -> dict:
+    """Projected seconds of one step of torch's context parallelism over ``p`` ranks (``"cp"``, CP x FSDP2 over
+    ``p * dp``; :mod:`lightning_tp2d.bench.context_parallel`) on one rank, as :func:`step_time` returns them.
+
+    FLOPs: the plain model's (:func:`flops` of ``"single"``, with ``checkpointing``) over ``p``, as every layer runs
+    on ``T/p`` tokens and the head-tail balancer gives each rank exactly ``1/p`` of the causal scores; the same number
+    of GEMM kernels as the plain model, each ``1/p`` the size. Communication: torch's ring only
+    (:func:`~lightning_tp2d.bench.context_parallel.cp_comm_events`, axis ``"cp"``) on the link of ``p`` consecutive
+    ranks, each call exposing ``max(0, t - its overlapped attention FLOPs / attention rate)`` (the all-gathers behind
+    the diagonal block's kernel, the dK/dV permutes behind the next step's, the last behind nothing); ``comm_bytes``
+    the ring's payload. FSDP's all-gathers and reduce-scatters are the data-parallel part, priced by the planner as
+    for plain FSDP over ``p * dp`` ranks (:func:`lightning_tp2d.bench.planner.data_parallel_time`)."""
+    single = flops("single", cfg, batch, seq, 1, checkpointing, elem)
+    fl = {k: (v if k == "gemms" else v / p) for k, v in single.items()}
+    compute = (fl["matmul"] / hw.matmul_flops_per_s + fl["gemms"] * hw.gemm_overhead_s
+               + fl["attention"] / hw.attention_flops_per_s)
+    link = _link(hw, range(p))
+    comm_s = exposed = 0.0
+    nbytes = 0
+    for ev in cp_comm_events(cfg, batch, seq, p, elem, dp=dp, checkpointing=checkpointing):
+        if ev.group != RING_AXIS:
+            continue
+        t = collective_time(ev.kind, ev.group_size, ev.nbytes, link)
+        comm_s += ev.calls * t
+        exposed += ev.calls * max(0.0, t - ev.overlap_flops / hw.attention_flops_per_s)
+        nbytes += ev.calls * ev.nbytes
+    return {"compute_s": compute, "comm_s": comm_s, "exposed_comm_s": exposed, "total_s": compute + exposed,
+            "comm_bytes": nbytes, "rank": 0, "flops": fl}
 
 
 def _representative_ranks(layout: str, p: int) -> list[int]:

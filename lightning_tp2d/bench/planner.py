@@ -12,6 +12,9 @@ FSDP).
   over ``dp`` (stage 3 as torchtitan's default, or 2), or plain FSDP (``tp`` 1); checkpointing ``none``, ``full``
   or torchtitan's per-op ``selective``;
 
+* priced by :func:`price` only, not enumerated by :func:`plan`: torch's context parallelism (``"cp"``, CP x FSDP2
+  over the same ranks, :mod:`lightning_tp2d.bench.context_parallel`);
+
 each with a micro-batch of ``micro_batch`` sequences per replica and ``grad_accum`` micro-batches per step, so that
 ``dp * micro_batch * grad_accum * seq`` is the global batch (``global_batch_tokens``, rounded down to whole
 sequences for every replica).
@@ -49,6 +52,7 @@ import time
 from dataclasses import dataclass
 
 from lightning_tp2d.bench import cost_model
+from lightning_tp2d.bench.context_parallel import cp_peak_bytes
 from lightning_tp2d.bench.cost_model import Hardware, collective_time, data_parallel_all_reduce_time, step_time
 from lightning_tp2d.bench.memory_model import (baseline_activation_bytes, baseline_peak_bytes, parameter_split,
                                                peak_bytes)
@@ -66,6 +70,7 @@ HARDWARE = {"h100": cost_model.H100_NVLINK4_NDR, "h200": cost_model.H200_NVLINK4
 ELEMENT = 2  # bf16 compute
 OPTIMIZER_BYTES_PER_ELEMENT = 28  # AdamW: read param, grad, exp_avg, exp_avg_sq (16); write param and moments (12)
 BASELINE = "tp1d-sp"
+CP = "cp"  # torch's context parallelism x FSDP2 (lightning_tp2d.bench.context_parallel): priced by price(), not planned
 MAX_MICRO_BATCH = 16  # sequences per micro-batch tried at most by default (a layout needing more tries its least)
 log = logging.getLogger(__name__)
 
@@ -177,14 +182,26 @@ def _divisors(n: int) -> list[int]:
 def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: str, micro_batch: int,
           grad_accum: int, seq: int, hw: Hardware, gpus_per_node: int, compiled: bool = True,
           memory: dict | None = None, async_tp: bool | None = None) -> PlanRow:
-    """Predict one configuration (module docstring). ``layout`` is a package layout or ``"tp1d-sp"`` (a baseline;
-    ``p`` 1: plain FSDP; ``async_tp``: force blocking (``False``) or async TP (``True``), default the faster).
-    ``memory``: its :func:`peak_bytes` parts, if already computed."""
-    baseline = layout == BASELINE
+    """Predict one configuration (module docstring). ``layout`` is a package layout, ``"tp1d-sp"`` (a baseline;
+    ``p`` 1: plain FSDP; ``async_tp``: force blocking (``False``) or async TP (``True``), default the faster) or
+    ``"cp"``: torch's context parallelism over ``p`` ranks x FSDP2 (``zero_stage`` 3) over ``p * dp``, the step
+    :func:`~lightning_tp2d.bench.cost_model.cp_step_time`, the memory
+    :func:`~lightning_tp2d.bench.context_parallel.cp_peak_bytes`, FSDP's traffic and the optimizer as plain FSDP's
+    over ``p * dp`` ranks. ``memory``: its :func:`peak_bytes` parts, if already computed."""
+    baseline, cp = layout == BASELINE, layout == CP
     hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
     passes = ELEMENTWISE_PASSES["compiled" if compiled else "eager"]
     split = parameter_split(cfg)
-    if baseline:
+    if cp:
+        if zero_stage != 3 or async_tp:
+            raise ValueError(f"'cp' runs FSDP2 at zero_stage 3 and no async TP, got zero_stage={zero_stage}, "
+                             f"async_tp={async_tp}")
+        async_tp = False
+        micro = cost_model.cp_step_time(cfg, micro_batch, seq, p, hw, ELEMENT, dp=dp, checkpointing=checkpointing)
+        saved = baseline_activation_bytes(cfg, micro_batch, seq // p, 1, elem=ELEMENT, ep=ELEMENT)["total"]
+        if memory is None:
+            memory = cp_peak_bytes(cfg, micro_batch, seq, p, dp=dp, checkpointing=checkpointing, elem=ELEMENT)
+    elif baseline:
         tp = p
         if tp == 1:
             micro = step_time("single", cfg, micro_batch, seq, 1, hw, ELEMENT, checkpointing=checkpointing)
@@ -216,10 +233,13 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     micro_s = micro["total_s"] + elementwise_s
     shard = lambda n, vectors: (n - vectors) / p + vectors if baseline else n / p  # noqa: E731
     root, block = shard(split.root, split.root_vectors), shard(split.block, split.block_vectors)
-    data = data_parallel_time(root=root, block=block, n_layer=split.n_layer, dp=dp, tp=p, stage=zero_stage,
+    sharding, ranks = dp, p  # FSDP / ZeRO over the replicas, each replica's tensor shard of ranks
+    if cp:  # FSDP over all p * dp ranks, of the whole (not tensor-sharded) parameters
+        root, block, sharding, ranks = split.root, split.block, p * dp, 1
+    data = data_parallel_time(root=root, block=block, n_layer=split.n_layer, dp=sharding, tp=ranks, stage=zero_stage,
                               gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s, backward_s=backward_s,
                               grad_accum=grad_accum)
-    updated = (root + split.n_layer * block) / (dp if zero_stage >= 1 else 1)
+    updated = (root + split.n_layer * block) / (sharding if zero_stage >= 1 else 1)
     optimizer_s = OPTIMIZER_BYTES_PER_ELEMENT * updated / hw.hbm_bytes_per_s
     step_s = grad_accum * micro_s + data["exposed_s"] + optimizer_s
     tokens = dp * micro_batch * grad_accum * seq
