@@ -167,9 +167,10 @@ class Layout:
         if seq % multiple == 0:
             return None
         label = f"{key}={seq}" if key else f"sequence length {seq}"
-        below = seq - seq % multiple
-        fix = (f"{key}={below or multiple}" if key else
-               f"a multiple of {multiple}, e.g. {below or multiple} or {seq + multiple - seq % multiple}")
+        below, above = seq - seq % multiple, seq - seq % multiple + multiple  # the nearest lengths that divide
+        named = [f"{key}={n}" if key else str(n) for n in (below, above) if n > 0]
+        fix = (f"{named[0]} or {named[1]}, the nearest multiples of {multiple}" if below > 0 else
+               f"{named[0]}, the shortest multiple of {multiple}")
         return (f"{label} is not divisible by 2*{self.side_symbol}={multiple} (layout {self.name!r} cuts every "
                 f"sequence into {multiple} zigzag chunks); use {fix}")
 

@@ -278,7 +278,8 @@ def test_plan_of_the_cpu_default():
                             "rows); use data.batch_size=6"),
     # the ring takes all 4 devices (it splits gpt2-mini's width, whatever its head count)
     (["parallel=metp", "data.block_size=102"], "data.block_size=102 is not divisible by 2*p=8 (layout 'metp' cuts "
-                                             "every sequence into 8 zigzag chunks); use data.block_size=96"),
+                                             "every sequence into 8 zigzag chunks); use data.block_size=96 or "
+                                             "data.block_size=104"),
     (["parallel=single", "trainer.devices=2"], "parallel=single runs one process, but trainer.devices=2"),
     (["data.block_size=4096"], "data.block_size=4096 exceeds model.block_size=128"),
     (["data.tokenizer=gpt2"], "data.tokenizer=gpt2 makes 50257 token ids but model.vocab_size=257"),

@@ -108,8 +108,8 @@ def test_layout_messages_name_the_numbers_and_a_size_that_fits():
         "data.batch_size=5 is not divisible by q=2 (layout '2d' splits each batch over the 2 grid rows); use "
         "data.batch_size=6")
     assert Ring().sequence_problem(4, 60) == (
-        "sequence length 60 is not divisible by 2*p=8 (layout 'metp' cuts every sequence into 8 zigzag chunks); use a "
-        "multiple of 8, e.g. 56 or 64")
+        "sequence length 60 is not divisible by 2*p=8 (layout 'metp' cuts every sequence into 8 zigzag chunks); use 56 "
+        "or 64, the nearest multiples of 8")
     assert Ring().batch_problem(4, 5) is None and Grid2D().sequence_problem(4, 7) is None
     with pytest.raises(ValueError, match="does not support dropout"):
         GridRing().check_sizes(4, {"n_head": 6, "n_embd": 48}, dropout=0.1)

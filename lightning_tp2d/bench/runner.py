@@ -68,6 +68,7 @@ from lightning_tp2d.families import family_of_config, model_config
 from lightning_tp2d.mesh import init_mesh
 from lightning_tp2d.metp import block_kernel
 from lightning_tp2d.models import GPT2, GPT2Config, Llama
+from lightning_tp2d.models.config import max_seq_len
 from lightning_tp2d.parallelize import checkpoint_activations, parallelize
 
 BASELINES = ("single", "hf", "tp1d", "tp1d-sp", "cp", "cp-tp")  # bench scenarios that are not layouts
@@ -135,8 +136,9 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
         return f"unknown layout {layout!r}; choose from {list(SCENARIOS)}"
     cfg = spec.config(seq)
     family = family_of_config(cfg)
-    if seq > cfg.block_size:
-        return f"seq {seq} > block_size {cfg.block_size}"
+    limit = max_seq_len(cfg)  # None: RoPE (Llama) runs any length; a position table has block_size rows
+    if limit is not None and seq > limit:
+        return f"seq {seq} > block_size {limit} (the rows of {spec.model!r}'s position table)"
     if family.name != "gpt2" and layout == "hf":
         return f"the {layout!r} baseline is GPT-2 only (model {spec.model!r} is a {family.model_class.__name__})"
     if layout in CONTEXT_PARALLEL:
