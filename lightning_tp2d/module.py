@@ -213,28 +213,39 @@ class CausalLMModule(L.LightningModule):
         allow_clipping_without_scaler(self.trainer.precision_plugin)
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
-        """Check the ``(idx, targets)`` batch's token ids while it is still on the host (a ``ValueError`` naming the
-        ids that do not fit), so no step reads them back from the device."""
-        if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
+        """Check the ``(idx, targets)`` (or packed ``(idx, targets, doc_ids)``) batch's token ids, and the document
+        ids' shape and order, while it is still on the host (a ``ValueError`` naming the ids or shapes that do not
+        fit), so no step reads them back from the device."""
+        if isinstance(batch, (tuple, list)) and len(batch) in (2, 3) and all(isinstance(t, torch.Tensor)
+                                                                               for t in batch[:2]):
             if self.model is not None and batch[0].device.type == "cpu":
                 self.model.check_input(batch[0], batch[1], values=True)
+                if len(batch) == 3:
+                    self.model.check_documents(batch[0], batch[2], values=True)
         return batch
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(idx, targets)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc_ids=None) -> torch.Tensor:
+        return self.model(idx, targets) if doc_ids is None else self.model(idx, targets, doc_ids=doc_ids)
+
+    @staticmethod
+    def _unpack(batch) -> tuple:
+        """``(idx, targets, doc_ids or None)`` of a ``(idx, targets)`` or packed ``(idx, targets, doc_ids)`` batch
+        (:class:`~lightning_tp2d.data.TextDataModule` with ``pack_documents=True``)."""
+        idx, targets, *rest = batch
+        return idx, targets, (rest[0] if rest else None)
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        idx, targets = batch
-        loss = self.model(idx, targets)
+        idx, targets, doc_ids = self._unpack(batch)
+        loss = self.forward(idx, targets, doc_ids)
         self.log("train_loss", loss.detach(), on_step=True, on_epoch=False, sync_dist=True,
                  prog_bar=self.hparams.get("loss_on_progress_bar", True))  # (older checkpoints lack the key)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        idx, targets = batch
-        loss = self.model(idx, targets)
+        idx, targets, doc_ids = self._unpack(batch)
+        loss = self.forward(idx, targets, doc_ids)
         self.val_perplexity.update(loss, (targets != -100).sum())
         self.log("val_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=idx.size(0))
         self.log("val_perplexity", self.val_perplexity, on_step=False, on_epoch=True)
@@ -249,8 +260,8 @@ class CausalLMModule(L.LightningModule):
         return out.cpu()
 
     def test_step(self, batch, batch_idx: int) -> None:
-        idx, targets = batch
-        loss = self.model(idx, targets)
+        idx, targets, doc_ids = self._unpack(batch)
+        loss = self.forward(idx, targets, doc_ids)
         self.log("test_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=idx.size(0))
 
     def on_validation_start(self) -> None:

@@ -150,10 +150,10 @@ def _blocks(model: nn.Module):
 def _recomputed(block: nn.Module):
     forward = block.forward
 
-    def checkpointed(x: torch.Tensor) -> torch.Tensor:
+    def checkpointed(x: torch.Tensor, *args) -> torch.Tensor:  # args: the block's packed documents, if any
         if not (torch.is_grad_enabled() and block.training):
-            return forward(x)
-        return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)
+            return forward(x, *args)
+        return torch.utils.checkpoint.checkpoint(forward, x, *args, use_reentrant=False)
 
     checkpointed.recomputes = forward  # what the wrapper recomputes; marks the block as wrapped
     return checkpointed

@@ -13,24 +13,39 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_tp2d.data.token_files import (build_cache, check_format, is_token_file, load_tokens, raw_dtype,
                                              text_suffixes)
 from lightning_tp2d.data.tokenizers import ByteTokenizer, get_tokenizer
+from lightning_tp2d.models.documents import Documents
 
 
 # ---- datasets, sampler, loader ---------------------------------------------------------------------------------
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping ``(inputs, targets)`` windows of ``block_size`` tokens, targets shifted by one."""
+    """Non-overlapping ``(inputs, targets)`` windows of ``block_size`` tokens, targets shifted by one. With
+    ``eos_id`` (packed documents) a third item: the inputs' document ids, the number of end-of-text tokens before
+    each input token in the window (:meth:`~lightning_tp2d.models.documents.Documents.from_eos`)."""
 
-    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
-        self.tokens, self.block_size = tokens, block_size
+    def __init__(self, tokens: np.ndarray, block_size: int, eos_id: int | None = None) -> None:
+        self.tokens, self.block_size, self.eos_id = tokens, block_size, eos_id
 
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.block_size)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
         T = self.block_size
         chunk = torch.from_numpy(np.asarray(self.tokens[i * T: i * T + T + 1], dtype=np.int64))
-        return chunk[:-1], chunk[1:]
+        if self.eos_id is None:
+            return chunk[:-1], chunk[1:]
+        return chunk[:-1], chunk[1:], Documents.from_eos(chunk[None, :-1], self.eos_id).ids[0]
+
+
+def collate_documents(samples: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor, Documents]:
+    """``(idx [B, T], targets [B, T], Documents)`` from packed samples: the ids stacked and each row's document
+    starts computed here, on the CPU (in the loader's worker), so the ring layouts decide which attention blocks to
+    skip without a host sync in the step; Lightning moves the ``Documents`` with the batch (its ``to``)."""
+    idx, targets, ids = (torch.stack(parts) for parts in zip(*samples))
+    documents = Documents(ids)
+    documents.starts  # noqa: B018 - computed now, on the host
+    return idx, targets, documents
 
 
 class ResumableSampler(DistributedSampler):
@@ -105,13 +120,19 @@ class TextDataModule(L.LightningDataModule):
             is text, a ``.bin`` too) or ``"tokens"`` (every source is token ids).
         suffixes: more suffixes of the files a text folder contributes (``[".py"]``), besides ``.txt``, ``.md`` and
             ``.rst``.
+        pack_documents: batches are ``(idx, targets, Documents)``: each window's document ids from its end-of-text
+            tokens (:class:`~lightning_tp2d.models.documents.Documents`), so attention stays inside each document
+            (the module passes them to the model as ``doc_ids``). Windows still cut the stream every
+            ``block_size`` tokens: a document may begin in one window and continue in the next.
+        eos_id: the end-of-text id that separates documents (default: the tokenizer's; needed when every source is
+            a token file, which carries no tokenizer).
     """
 
     def __init__(self, path: str | None = None, tokenizer: str = "byte", block_size: int = 64, batch_size: int = 8,
                  val_fraction: float = 0.05, shuffle: bool = True, seed: int = 0, max_tokens: int | None = None,
                  num_workers: int = 0, prompts: list[str] | None = None, val_path: str | None = None,
                  dtype: str = "uint16", cache: bool | str = True, format: str = "auto",
-                 suffixes: list[str] | None = None) -> None:
+                 suffixes: list[str] | None = None, pack_documents: bool = False, eos_id: int | None = None) -> None:
         super().__init__()
         if val_path is None and not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -130,6 +151,15 @@ class TextDataModule(L.LightningDataModule):
         self.prompts = list(prompts or [])
         self.tokenizer_name = tokenizer
         self.tokenizer = get_tokenizer(tokenizer) if self.reads_text else None
+        if not isinstance(pack_documents, bool):
+            raise TypeError(f"pack_documents must be True or False, got {pack_documents!r}")
+        if eos_id is not None and (not isinstance(eos_id, int) or isinstance(eos_id, bool) or eos_id < 0):
+            raise ValueError(f"eos_id must be a non-negative int, got {eos_id!r}")
+        if pack_documents and eos_id is None and self.tokenizer is None:
+            raise ValueError("pack_documents=True with token files only needs eos_id: the end-of-text id of the "
+                             "tokenizer that made them (e.g. 50256 for GPT-2's)")
+        self.pack_documents = pack_documents
+        self.eos_id = (eos_id if eos_id is not None else self.tokenizer.eot) if pack_documents else None
         self.tokens: np.ndarray | None = None  # the training source's whole stream (with its validation tail)
         self.val_tokens: np.ndarray | None = None
         self._max_token_id: int | None = None
@@ -186,8 +216,8 @@ class TextDataModule(L.LightningDataModule):
                     raise ValueError(f"{key} {where}: {len(part)} tokens are too few for one window of "
                                      f"block_size+1 = {need}")
         self.tokens, self.val_tokens = tokens, val
-        self.train_set = TokenWindows(train, self.block_size)
-        self.val_set = TokenWindows(val, self.block_size)
+        self.train_set = TokenWindows(train, self.block_size, self.eos_id)
+        self.val_set = TokenWindows(val, self.block_size, self.eos_id)
 
     def _replicas(self) -> dict[str, int]:
         strategy = self.trainer.strategy if self.trainer is not None else None
@@ -205,7 +235,8 @@ class TextDataModule(L.LightningDataModule):
                                    **replicas)
         cls = ResumableLoader if train else DataLoader
         # drop_last: every batch is full, so it divides by the grid side like batch_size does
-        return cls(dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True, num_workers=self.num_workers)
+        return cls(dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True, num_workers=self.num_workers,
+                   collate_fn=collate_documents if self.pack_documents else None)
 
     def train_dataloader(self) -> DataLoader:
         self.setup()

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints, max_seq_len
+from lightning_tp2d.models.documents import Documents, as_documents
 from lightning_tp2d.models.hf import HFFormat
 
 # Weights that transformers stores as Conv1D, i.e. [in, out], while nn.Linear stores [out, in].
@@ -106,15 +107,19 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = config.n_embd
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """x (B, T, h) -> (B, T, h). ``documents`` (packed documents, :mod:`~lightning_tp2d.models.documents`): each
+        query sees the keys of its own document at or before it, through SDPA with the ``[B, 1, T, T]`` bool mask
+        (the one place it exists: the single-device reference; the ring layouts never build it)."""
         B, T, h = x.shape
         hs = h // self.n_head
         q, k, v = self.c_attn(x).split(h, dim=2)  # 3 x (B, T, h)
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        mask = None if documents is None else documents.mask()  # (B, 1, T, T) bool
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
         )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, h)  # (B, T, h), heads side by side again
         return self.resid_dropout(self.c_proj(y))
@@ -146,9 +151,11 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Only submodule calls here: parallel versions may hand around a sharded x.
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        # Only submodule calls here: parallel versions may hand around a sharded x. ``documents`` reaches the
+        # attention only when given, so attention classes that know no packed documents run as before.
+        h = self.ln_1(x)
+        x = x + (self.attn(h) if documents is None else self.attn(h, documents=documents))
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -276,6 +283,13 @@ class GPT2(nn.Module):
                 raise ValueError(f"target ids must be in [0, {V}) or -100 (ignored), got "
                                  f"{bad.numel()} outside, min {bad.min().item()} max {bad.max().item()}")
 
+    def check_documents(self, idx: torch.Tensor, doc_ids, values: bool | None = None) -> Documents | None:
+        """``doc_ids`` as :class:`~lightning_tp2d.models.documents.Documents` (``None``: none); ``ValueError`` naming
+        both shapes unless they are idx's, and (``values``, default :attr:`validate_inputs`; host ids only) unless
+        every row is non-decreasing."""
+        values = self.validate_inputs if values is None else values
+        return as_documents(doc_ids, idx, values=values and not torch.compiler.is_compiling())
+
     def _assert_ids_on_device(self, idx: torch.Tensor, targets: torch.Tensor | None) -> None:
         """:meth:`check_input`'s value checks as asserts the device runs (``torch._assert_async``: under
         ``torch.compile`` the graph keeps them, and nothing waits for a value on the host)."""
@@ -287,18 +301,23 @@ class GPT2(nn.Module):
             ok = (targets == -100) | ((targets >= 0) & (targets < V))
             torch._assert_async(ok.all(), f"target ids must be in [0, {V}) or -100 (ignored)")
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | Documents | None = None) -> torch.Tensor:
         """idx (B, T) -> logits (B, T, V), or the mean next-token loss (a scalar) if targets (B, T) given.
+        ``doc_ids``: packed documents, a (B, T) integer tensor non-decreasing per row or a
+        :class:`~lightning_tp2d.models.documents.Documents`: attention stays inside each document. Positions still
+        count from the start of the row (as in nanoGPT-style packing).
 
         Kept generic on purpose: parallel versions swap wte / wpe / blocks / lm_head and reuse this.
         """
         self.check_input(idx, targets)
+        documents = self.check_documents(idx, doc_ids)
         T = idx.size(1)
         pos = torch.arange(T, device=idx.device)  # (T,)
         tr = self.transformer
         x = tr.drop(tr.wte(idx) + tr.wpe(pos))  # (B, T, h) + (T, h) -> (B, T, h)
         for block in tr.h:
-            x = block(x)
+            x = block(x) if documents is None else block(x, documents)
         x = tr.ln_f(x)
         return self.lm_head(x, targets)
 

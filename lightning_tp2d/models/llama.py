@@ -62,6 +62,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints
+from lightning_tp2d.models.documents import Documents
 from lightning_tp2d.models.gpt2 import GPT2, LMHead, _fill_normal_
 from lightning_tp2d.models.hf import HFFormat
 from lightning_tp2d.models.rope import RoPE, apply_rope, rope_cache, rope_inv_freq, rotate_half
@@ -243,9 +244,12 @@ class LlamaAttention(nn.Module):
         self.rope = config.rope  # theta and scaling (the parallel layers read it here)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         """x (B, T, h) -> (B, T, h). ``positions``: absolute positions of x's T rows ((T,) or (B, T)); default
-        ``0 .. T-1``. The causal mask is by row order, so rows must be in increasing position order."""
+        ``0 .. T-1``. The causal mask is by row order, so rows must be in increasing position order. ``documents``
+        (packed documents): each query sees the keys of its own document at or before it, through SDPA with the
+        ``[B, 1, T, T]`` bool mask (the single-device reference; the ring layouts never build it)."""
         B, T, _ = x.shape
         hs = self.head_size
         q = self.q_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
@@ -253,8 +257,9 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
         cos, sin = rope_cache(T if positions is None else positions, hs, self.rope, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None if documents is None else documents.mask()  # (B, 1, T, T) bool
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.size(1) != k.size(1),
         )  # (B, nh, T, hs); query head j reads key/value head j // g
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
@@ -287,9 +292,10 @@ class LlamaBlock(nn.Module):
         self.input_layernorm = RMSNorm(config.n_embd, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Only submodule calls here: parallel versions may hand around a sharded x.
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        # Only submodule calls here: parallel versions may hand around a sharded x; ``documents`` as GPT-2's Block.
+        h = self.input_layernorm(x)
+        x = x + (self.self_attn(h) if documents is None else self.self_attn(h, documents=documents))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
@@ -351,16 +357,20 @@ class Llama(nn.Module):
 
     # The same checks and messages as GPT-2 (they read config.vocab_size / max_seq_len and validate_inputs).
     check_input = GPT2.check_input
+    check_documents = GPT2.check_documents
     _assert_ids_on_device = GPT2._assert_ids_on_device
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | Documents | None = None) -> torch.Tensor:
         """idx (B, T) -> logits (B, T, V), or the mean next-token loss (a scalar; targets -100 ignored) if targets
-        (B, T) given. Generic on purpose: parallel versions swap embed_tokens / layers / norms / lm_head."""
+        (B, T) given. ``doc_ids``: packed documents, as :meth:`GPT2.forward`'s (RoPE positions still count from the
+        start of the row). Generic on purpose: parallel versions swap embed_tokens / layers / norms / lm_head."""
         self.check_input(idx, targets)
+        documents = self.check_documents(idx, doc_ids)
         m = self.model
         x = m.embed_tokens(idx)  # (B, T, h)
         for layer in m.layers:
-            x = layer(x)
+            x = layer(x) if documents is None else layer(x, documents)
         x = m.norm(x)
         return self.lm_head(x, targets)
 

@@ -32,7 +32,8 @@ class Attention2D(nn.Module):
         self.c_proj = Linear2D(attn.c_proj, mesh, options=options)
         self.resid_dropout = nn.Dropout(attn.resid_dropout.p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
+        refuse_documents(documents, "2d")
         B, T, _ = x.shape  # (B/q, T, h/q)
         hs = self.n_embd // self.n_head
         qkv = self.c_attn(x).view(B, T, 3, self.local_heads, hs)  # [q_c | k_c | v_c]
@@ -41,6 +42,14 @@ class Attention2D(nn.Module):
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, self.local_heads * hs)  # (B/q, T, h/q)
         return self.resid_dropout(self.c_proj(y))
+
+
+def refuse_documents(documents, layout: str) -> None:
+    """``NotImplementedError`` when packed documents reach an attention layer of ``layout`` that has no document
+    mask (the plain models, "metp" and "2d-metp" have one)."""
+    if documents is not None:
+        raise NotImplementedError(f"packed documents (doc_ids) are not implemented in layout {layout!r}; use the "
+                                  f"plain model, 'metp' or '2d-metp'")
 
 
 class MLP2D(nn.Module):

@@ -68,12 +68,13 @@ class Attention2DMetp(Attention2D):
         super().__init__(attn, mesh, options=options)
         self.mesh, self.options = mesh, ring_options(options)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
+        """``documents``: the full batch's packed documents; the ring along ``row`` masks and skips by them."""
         refuse_attention_dropout(self)
         B, S, _ = x.shape  # (B, S, h/q): zigzag chunks of row r, hidden block c
         hs = self.n_embd // self.n_head
         qkv = self.c_attn(x).view(B, S, 3, self.local_heads, hs).permute(2, 0, 3, 1, 4)  # (3, B, nh/q, S, hs)
-        y = ring_attention(qkv, self.mesh, "row", options=self.options)  # (B, nh/q, S, hs)
+        y = ring_attention(qkv, self.mesh, "row", options=self.options, documents=documents)  # (B, nh/q, S, hs)
         y = y.transpose(1, 2).reshape(B, S, self.local_heads * hs)
         return self.resid_dropout(self.c_proj(y))
 

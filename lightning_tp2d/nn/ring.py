@@ -117,13 +117,14 @@ class RingAttention(nn.Module):
         self.c_proj = RingLinear(attn.c_proj, mesh, "in")
         self.resid_dropout = nn.Dropout(attn.resid_dropout.p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
+        """``documents``: the full batch's packed documents (:func:`~lightning_tp2d.metp.ring_attention`)."""
         refuse_attention_dropout(self)
         B, S, h = x.shape
         p = axis_index(self.mesh, AXIS)[1]
         heads = (B, S, self.n_head, h // self.n_head, p)
         qkv = self.c_attn(x.reshape(B * S, h), HeadBlocks(3, *heads), self.options)  # (3, B, nh, S, hs)
-        y = ring_attention(qkv, self.mesh, AXIS, options=self.options)  # (B, nh, S, hs)
+        y = ring_attention(qkv, self.mesh, AXIS, options=self.options, documents=documents)  # (B, nh, S, hs)
         out = self.c_proj(y.unsqueeze(0), HeadBlocks(1, *heads), self.options)  # (B*S, h)
         return self.resid_dropout(out.view(B, S, h))
 

@@ -96,7 +96,8 @@ class RingLlamaAttention(nn.Module):
         self.v_proj = RingLinear(attn.v_proj, mesh, "out")
         self.o_proj = RingLinear(attn.o_proj, mesh, "in")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
+        """``documents``: the full batch's packed documents (:func:`~lightning_tp2d.metp.ring_attention`)."""
         refuse_attention_dropout(self)
         B, S, h = x.shape
         i, p = axis_index(self.mesh, AXIS)
@@ -110,7 +111,7 @@ class RingLlamaAttention(nn.Module):
         cos, sin = rope_cache(zigzag_positions(S * p, p, i, x.device), hs, self.rope)  # absolute positions
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = ring_attention(group_queries(q, k, v), self.mesh, AXIS, groups=self.n_head // self.n_kv_head,
-                           options=self.options)  # (B, nh, S, hs)
+                           options=self.options, documents=documents)  # (B, nh, S, hs)
         out = self.o_proj(y.unsqueeze(0), HeadBlocks(1, B, S, self.n_head, hs, p), self.options)  # (B*S, h)
         return out.view(B, S, h)
 
@@ -162,7 +163,8 @@ class LlamaAttention2DMetp(LlamaAttention2D):
         super().__init__(attn, mesh, options=options)
         self.mesh, self.options = mesh, ring_options(options)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
+        """``documents``: the full batch's packed documents; the ring along ``row`` masks and skips by them."""
         refuse_attention_dropout(self)
         B, S, _ = x.shape  # (B, S, h/q)
         hs = self.head_size
@@ -173,7 +175,7 @@ class LlamaAttention2DMetp(LlamaAttention2D):
         cos, sin = rope_cache(zigzag_positions(S * q, q, r, x.device), hs, self.rope)
         q_, k = apply_rope(q_, cos, sin), apply_rope(k, cos, sin)
         y = ring_attention(group_queries(q_, k, v), self.mesh, "row", groups=self.local_heads // self.local_kv_heads,
-                           options=self.options)  # (B, nh/q, S, hs)
+                           options=self.options, documents=documents)  # (B, nh/q, S, hs)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, self.local_heads * hs))
 
 
