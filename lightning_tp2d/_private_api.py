@@ -164,8 +164,8 @@ torch (2.13)
     public: none (custom op handlers are internal to DTensor).
 
 ``torch._subclasses.fake_tensor.FakeTensor``, ``torch._subclasses.fake_tensor.FakeTensorMode``
-    where: bench/collectives.py:_shape_only, bench/measure.py:_storage_key, bench/memory_model.py:_shards_here,
-    bench/trace.py:_run_here
+    where: bench/collectives.py:_shape_only, bench/measure.py:_storage_key, bench/measure.py:LiveTensorBytes,
+    bench/memory_model.py:_shards_here, bench/trace.py:_run_here
     why: DTensor's shape propagation runs ops on fake tensors, which are neither allocations nor communication;
     the schedule tracer runs the parallel model on fake tensors, without memory or compute; the memory model
     reads the local shard shapes from the model built on them.
@@ -221,7 +221,7 @@ torch (2.13)
     public: none; the Python wrappers (``torch.distributed._functional_collectives``) are private too.
 
 ``torch.testing._internal.distributed.fake_pg.FakeStore``
-    where: bench/memory_model.py:_shards_here, bench/trace.py:_run_here
+    where: bench/trace.py:fake_group, bench/trace.py:_run_here
     why: importing the module registers the ``"fake"`` process-group backend the schedule tracer runs on (no
     peers, no communication).
     public: partly: ``torch.distributed.HashStore`` can replace ``FakeStore``, but only this import registers the
@@ -350,8 +350,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("DTensor._op_dispatcher", ("bench/context_parallel.py:_cpu_sdpa_handler",),
      "unwrap, propagate and wrap around the ring, as torch's _sdpa_handler"),
     ("torch._subclasses.fake_tensor.FakeTensor, torch._subclasses.fake_tensor.FakeTensorMode",
-     ("bench/collectives.py:_shape_only", "bench/measure.py:_storage_key", "bench/memory_model.py:_shards_here",
-      "bench/trace.py:_run_here"),
+     ("bench/collectives.py:_shape_only", "bench/measure.py:_storage_key", "bench/measure.py:LiveTensorBytes",
+      "bench/memory_model.py:_shards_here", "bench/trace.py:_run_here"),
      "recognise DTensor's shape-propagation tensors; trace the parallel model without memory or compute"),
     ("torch.utils._python_dispatch.TorchDispatchMode",
      ("bench/collectives.py:FunctionalCollectiveCounter", "bench/measure.py:LiveTensorBytes",
@@ -381,7 +381,7 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("ProcessGroup._get_backend, Backend.options._timeout", ("mesh.py:group_timeout",),
      "the timeout a process group was created with"),
     ("DeviceMesh._dim_group_names", ("ops.py:_mesh_names",), "a mesh's name, read at trace time, for op constants"),
-    ("torch.testing._internal.distributed.fake_pg.FakeStore", ("bench/memory_model.py:_shards_here",
+    ("torch.testing._internal.distributed.fake_pg.FakeStore", ("bench/trace.py:fake_group",
                                                                "bench/trace.py:_run_here"),
      "importing it registers the 'fake' process-group backend the schedule tracer runs on"),
 )

@@ -37,12 +37,13 @@ if TYPE_CHECKING:
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 AUTO_LAYOUT = "auto"  # layout="auto": the planner picks layout, sizes, ZeRO stage and checkpointing at start-up
+LONGEST_DEFAULT_SEQ = 8192  # layout="auto" plans for config.block_size up to this; longer needs plan_options["seq"]
 # what plan_options may set: lightning_tp2d.bench.planner.plan's arguments that are not the job's (gpus, memory)
 PLAN_OPTIONS = ("seq", "global_batch_tokens", "hardware", "layouts", "zero_stages", "checkpointing", "memory_fraction",
                 "max_micro_batch", "compiled")
 
-__all__ = ["AUTO_LAYOUT", "PLAN_OPTIONS", "SUPPORTED_PRECISION", "TensorParallelCore", "compile_options",
-           "find_model_config"]
+__all__ = ["AUTO_LAYOUT", "LONGEST_DEFAULT_SEQ", "PLAN_OPTIONS", "SUPPORTED_PRECISION", "TensorParallelCore",
+           "compile_options", "find_model_config"]
 
 
 def compile_options(compile: bool | str | dict | None) -> dict | None:
@@ -221,8 +222,11 @@ class TensorParallelCore:
         ``config`` on ``per_node x nodes`` devices of ``memory_gib`` GiB, best first, that this strategy runs: the
         family's layouts (those without dropout when ``config.dropout``), the sizes asked for (numbers given as
         ``tensor_parallel_size`` / ``data_parallel_size``) and, under ``compile``, no checkpointing that does not
-        compile. ``plan_options`` go to the planner; ``seq`` defaults to ``config.block_size`` and
-        ``global_batch_tokens`` to one sequence per device. Deterministic: every rank plans the same. Nothing that
+        compile. ``plan_options`` go to the planner; ``seq`` defaults to the window length of the data the strategy
+        can see (the Trainer's datamodule's ``block_size``, :meth:`_data_window`), else to ``config.block_size`` up to
+        :data:`LONGEST_DEFAULT_SEQ` tokens (a longer one, such as the 131072 of the named Llama 3.x configs, is the
+        model's limit, not the job's: then ``plan_options["seq"]`` is required); ``global_batch_tokens`` defaults to
+        one sequence per device. Deterministic: every rank plans the same. Nothing that
         fits: the planner's :class:`~lightning_tp2d.bench.planner.NothingFits` (a ``ValueError``)."""
         from lightning_tp2d.bench.planner import plan  # deferred: heavy, the cost model fits its GEMM rates on import
 
@@ -230,7 +234,14 @@ class TensorParallelCore:
         if family is None:
             raise ValueError(f"layout='auto' plans for a model of a registered family, got {type(config).__name__}")
         options = dict(self.plan_options)
-        seq = int(options.pop("seq", None) or config.block_size)
+        seq = int(options.pop("seq", None) or self._data_window() or 0)
+        if not seq:
+            if config.block_size > LONGEST_DEFAULT_SEQ:
+                raise ValueError(f"layout='auto' plans for the sequence length the job trains on, and none is known: "
+                                 f"the model's block_size={config.block_size} is more than {LONGEST_DEFAULT_SEQ}, the "
+                                 "longest taken as the default, and no data module with a block_size is attached; "
+                                 "pass plan_options={'seq': <tokens per sequence>}")
+            seq = config.block_size
         world = per_node * nodes
         tokens = int(options.pop("global_batch_tokens", None) or world * seq)
         asked = tuple(options.pop("layouts", None) or family.layouts)
@@ -257,6 +268,18 @@ class TensorParallelCore:
                              f"{tensor}, data_parallel_size={data}" + (" and compiles" if self.compile_options else "")
                              + f"; the planned (p, dp): {sizes}")
         return kept
+
+    def _data_window(self) -> int | None:
+        """Tokens per sequence of the data this strategy trains on, when it can see it: the ``block_size`` of the
+        datamodule attached to the LightningModule's Trainer (``TokenDataModule``'s windows); else ``None``
+        (Fabric, or data without one)."""
+        module = getattr(self, "lightning_module", None)
+        try:
+            trainer = getattr(module, "trainer", None)
+        except RuntimeError:  # a LightningModule not attached to a Trainer
+            trainer = None
+        window = getattr(getattr(trainer, "datamodule", None), "block_size", None)
+        return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
 
     def _take_plan(self, row: PlanRow) -> None:
         """Run the planner's ``row``: its layout, sizes, ZeRO stage and activation checkpointing (its micro-batch and

@@ -17,8 +17,9 @@ from torch.distributed.tensor.experimental._context_parallel import _attention a
 import lightning_tp2d as tp
 from lightning_tp2d.bench import context_parallel as cp
 from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
-from lightning_tp2d.bench.cost_model import cp_step_time, flops
+from lightning_tp2d.bench.cost_model import collective_time, cp_step_time, flops
 from lightning_tp2d.bench.events import wire_bytes
+from lightning_tp2d.bench.memory_model import parameter_split
 from lightning_tp2d.bench.planner import BASELINE, CP, HARDWARE, price
 from lightning_tp2d.families import model_config
 from lightning_tp2d.models import Llama, LlamaConfig
@@ -242,14 +243,23 @@ def test_cp_peak_bytes_grow_with_the_sequence_as_measured(ranks):
 
 
 def test_cp_row_prices_fsdp_and_the_optimizer_as_plain_fsdp_over_its_ranks():
-    """A "cp" row of the planner: CP 8 x FSDP over the same 8 GPUs moves and updates what plain FSDP over 8 does
-    (the same data-parallel rule), its step is the cost model's, and its tokens per GPU follow from the step."""
+    """A "cp" row of the planner: CP 8 x FSDP over the same 8 GPUs moves the FSDP traffic :func:`cp.cp_comm_events`
+    counts (the root, resharded after forward by :func:`cp.parallelize_cp`, gathered again in the backward), which is
+    plain FSDP over 8's (the same data-parallel rule) with the whole root gathered again where plain FSDP gathers
+    only its untied embedding again; it updates what plain FSDP does, its step is the cost model's, and its
+    tokens per GPU follow from the step."""
     cfg, seq = model_config("llama-3.1-8b"), 32768
-    kw = dict(dp=1, zero_stage=3, checkpointing="full", micro_batch=1, grad_accum=1, seq=seq, hw=HARDWARE["h100"],
-              gpus_per_node=8)
+    hw = HARDWARE["h100"]
+    kw = dict(dp=1, zero_stage=3, checkpointing="full", micro_batch=1, grad_accum=1, seq=seq, hw=hw, gpus_per_node=8)
     row = price(cfg, layout=CP, p=8, **kw)
     fsdp = price(cfg, layout=BASELINE, p=1, **(kw | {"dp": 8, "seq": seq // 8}))
-    assert row.parts["time_s"]["dp_comm"] == pytest.approx(fsdp.parts["time_s"]["dp_comm"], rel=1e-12)
+    counted = sum(e.calls * collective_time(e.kind, e.group_size, e.nbytes, hw.intra)
+                  for e in cp.cp_comm_events(cfg, 1, seq, 8, 2, checkpointing="full") if e.group == cp.FSDP_AXIS)
+    assert row.parts["time_s"]["dp_comm"] == pytest.approx(counted, rel=1e-3)
+    split = parameter_split(cfg)
+    gather = lambda elements: collective_time("all_gather", 8, 2 * elements / 8, hw.intra)  # noqa: E731
+    assert row.parts["time_s"]["dp_comm"] == pytest.approx(
+        fsdp.parts["time_s"]["dp_comm"] - gather(split.embedding) + gather(split.root), rel=1e-12)
     assert row.parts["time_s"]["optimizer"] == pytest.approx(fsdp.parts["time_s"]["optimizer"], rel=1e-12)
     step = cp_step_time(cfg, 1, seq, 8, HARDWARE["h100"], checkpointing="full")
     assert row.parts["time_s"]["micro_compute"] == step["compute_s"]

@@ -60,6 +60,7 @@ CASES_4 = [
     ("tp1d-sp-bf16", "tp1d-sp", 4, TINY, 2, 24, "bfloat16"),
     # the planner's baseline memory (memory_model.baseline_activation_bytes) for Llama: torchtitan's plan
     ("tp1d-sp-llama", "tp1d-sp", 4, {"family": "llama", "n_kv_head": 4}, 2, 24, "float32"),
+    ("tp1d-llama", "tp1d", 4, {"family": "llama", "n_kv_head": 4}, 2, 24, "float32"),  # norms on the whole sequence
 ]
 TP1D = ("tp1d", "tp1d-sp")
 CASES_9 = [
@@ -218,10 +219,10 @@ def _check_activation(results, case, tol: float = 0.01) -> None:
     cfg = _config(overrides)
     for out in results:
         r = out[name]
-        if "family" in overrides:  # the planner's count of the baseline, any family
-            model = baseline_activation_bytes(cfg, batch, seq, p, elem=ELEM[dtype], ep=4, composite=True)["total"]
-        else:
-            model = cm.activation_bytes(layout, cfg, batch, seq, p, ELEM[dtype], rank=r["rank"])
+        model = cm.activation_bytes(layout, cfg, batch, seq, p, ELEM[dtype], rank=r["rank"])
+        if "family" in overrides:  # a Llama's baseline: the planner's count (one rule)
+            assert model == baseline_activation_bytes(cfg, batch, seq, p, elem=ELEM[dtype], ep=4, composite=True,
+                                                      sequence_parallel=layout == "tp1d-sp")["total"]
         assert abs(r["activation"] - model) <= tol * model, (name, r["rank"], r["activation"], model)
 
 

@@ -135,3 +135,58 @@ def test_async_overlap_scales_what_async_tp_hides_and_the_fit_reproduces_torchti
                                  gpus_per_node=8, async_tp=a) for a in (False, True)}
         predicted = rows[True].tokens_per_s_per_gpu / rows[False].tokens_per_s_per_gpu
         assert predicted == pytest.approx(gain, abs=0.01), model
+
+
+def test_data_parallel_time_gathers_the_root_groups_resharded_after_forward_again_at_stage_3():
+    """The package's FSDP keeps its root gathered from the forward to the backward: its traced stage-3 schedule
+    (every block's shard gathered twice, the root's once, each group's gradients reduce-scattered) priced call by call
+    is ``data_parallel_time`` with nothing gathered again. The 1-D baseline's untied embedding is its own group,
+    resharded after forward: ``price`` adds one all-gather of its bf16 tensor shard at stage 3, none at stage 2."""
+    cfg = model_config(MODEL)
+    hw = planner.HARDWARE["h100"]
+    split = parameter_split(cfg)
+    events = [e for e in cm.comm_events("metp", cfg, 2, SEQ, 2, 4, dp=2, zero_stage=3)
+              if e.group == "data_parallel" and e.kind in ("all_gather", "reduce_scatter")]
+    traced = sum(e.calls * cm.collective_time(e.kind, e.group_size, e.nbytes, hw.intra) for e in events)
+    kw = dict(root=split.root / 2, block=split.block / 2, n_layer=split.n_layer, dp=2, tp=2, gpus_per_node=8, hw=hw,
+              forward_s=1.0, backward_s=2.0, grad_accum=1, elem=4)
+    assert planner.data_parallel_time(stage=3, **kw)["comm_s"] == pytest.approx(traced, rel=0.05)
+    again = cm.collective_time("all_gather", 2, 4 * 1000 / 2, hw.intra)
+    assert planner.data_parallel_time(stage=3, regathered=1000, **kw)["comm_s"] == pytest.approx(
+        planner.data_parallel_time(stage=3, **kw)["comm_s"] + again, rel=1e-12)
+    assert planner.data_parallel_time(stage=2, regathered=1000, **kw) == planner.data_parallel_time(stage=2, **kw)
+    rows = {stage: planner.price(cfg, layout=planner.BASELINE, p=2, dp=2, zero_stage=stage, checkpointing="none",
+                                 micro_batch=1, grad_accum=1, seq=SEQ, hw=hw, gpus_per_node=8) for stage in (2, 3)}
+    assert split.embedding > 0  # llama-tiny's head is untied
+    shard = lambda n, v: (n - v) / 2 + v  # noqa: E731  (1-D TP splits the matrices, keeps the vectors whole)
+    kw = dict(kw, root=shard(split.root, split.root_vectors), block=shard(split.block, split.block_vectors), elem=2)
+    for stage, row in rows.items():  # comm_s does not depend on the compute seconds
+        want = planner.data_parallel_time(stage=stage, regathered=split.embedding / 2, **kw)["comm_s"]
+        assert row.parts["time_s"]["dp_comm"] == pytest.approx(want, rel=1e-12), stage
+    assert rows[3].parts["time_s"]["dp_comm"] > planner.data_parallel_time(stage=3, **kw)["comm_s"]
+
+
+def test_auto_layout_plans_for_the_datas_window_and_refuses_a_long_block_size_without_seq(monkeypatch):
+    """``TP2DStrategy(layout="auto")`` plans for the sequence the job trains on: ``plan_options["seq"]``, else the
+    attached datamodule's ``block_size``, else the model's ``block_size`` when it is at most 8192; the named Llama 3.x
+    configs' 131072 is their limit, not a job's, so without either the strategy refuses, naming the numbers."""
+    from types import SimpleNamespace
+
+    from lightning_tp2d.core import LONGEST_DEFAULT_SEQ
+    from lightning_tp2d.strategy import TP2DStrategy
+
+    asked = []
+    row = SimpleNamespace(tensor_parallel_size=4, data_parallel_size=2, checkpointing="none", layout="2d")
+    monkeypatch.setattr(planner, "plan", lambda cfg, **kw: asked.append(kw["seq"]) or [row])
+    tiny, long = model_config("llama-tiny"), model_config("llama-3.1-8b")
+    assert long.block_size == 131072 > LONGEST_DEFAULT_SEQ >= tiny.block_size
+    strategy = TP2DStrategy(layout="auto", memory_gib=80.0)
+    with pytest.raises(ValueError, match=r"block_size=131072 is more than 8192.*plan_options=\{'seq'"):
+        strategy._plan(long, 80.0, 8, 1)
+    strategy._plan(tiny, 80.0, 8, 1)  # a short block_size is a fine default
+    data = SimpleNamespace(block_size=4096)
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(datamodule=data))
+    strategy._plan(long, 80.0, 8, 1)  # the data's windows
+    strategy.plan_options = {"seq": 8192}
+    strategy._plan(long, 80.0, 8, 1)  # the asked length first
+    assert asked == [tiny.block_size, 4096, 8192]

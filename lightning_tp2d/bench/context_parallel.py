@@ -68,7 +68,7 @@ from torch.distributed.tensor.experimental._context_parallel._sharding_rules imp
 from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
 from lightning_tp2d.bench.events import Comm, float32_bytes, wire_factor
 from lightning_tp2d.bench.measure import LiveTensorBytes, resident_bytes
-from lightning_tp2d.bench.memory_model import baseline_peak_bytes
+from lightning_tp2d.bench.memory_model import baseline_peak_bytes, parameter_split
 from lightning_tp2d.bench.tp1d import parallelize_1d
 from lightning_tp2d.comm_record import recording
 from lightning_tp2d.models.llama import Llama, LlamaAttention
@@ -414,7 +414,10 @@ def cp_peak_bytes(cfg, batch: int, seq: int, p: int, *, dp: int = 1, checkpointi
     ``e``-byte block gradients and two float32 dK/dV permute buffers; ``loss``: the float32 gradient of the
     ``T/p x V`` logits beside their saved log-softmax when the backward starts (what a fused or compiled
     cross-entropy holds; eager's separate ``nll_loss`` gradient would add as much again), before any parameter
-    gradient exists. Analytic; not checked against a GPU."""
+    gradient exists. ``total``: the largest of plain FSDP's peak on ``T/p`` tokens, the ring's forward or the loss
+    on top of the activations and gathered groups, and the last block's backward (those, the gradients, FSDP's
+    unsharded block gradients in ``e`` and float32, the ring's backward transients). Analytic; not checked against
+    a GPU."""
     parts = baseline_peak_bytes(cfg, batch, seq // p, 1, dp=p * dp, zero_stage=3, checkpointing=checkpointing,
                                 elem=elem)
     tokens, kv, h = batch * seq // p, _kv_width(cfg), cfg.n_embd
@@ -422,7 +425,13 @@ def cp_peak_bytes(cfg, batch: int, seq: int, p: int, *, dp: int = 1, checkpointi
     forward = gathered_kv + 2 * tokens * kv * elem + tokens * (h + cfg.n_head) * 4
     backward = gathered_kv + tokens * (h + 2 * kv) * (4 + elem) + 2 * 2 * tokens * kv * 4
     loss = 4 * tokens * cfg.vocab_size
+    resident = parts["parameters"] + parts["optimizer"]
     held = parts["activations"] + parts["gathered"]
-    total = parts["parameters"] + parts["optimizer"] + max(
-        held + forward, held + loss, parts["gradients"] + held + parts["backward"] + backward)
+    # the last block's backward: every activation still held, the gradients, FSDP's unsharded block gradients
+    # before their reduce-scatter (bf16 and their float32 copy), the ring's backward transients
+    unsharded = (elem + 4) * parameter_split(cfg).block
+    # plain FSDP's own peak on T/p tokens (its loss's forward, the end of its backward), or the ring's transients on
+    # top of what is held when attention runs
+    total = max(parts["total"], resident + held + max(forward, loss),
+                resident + held + parts["gradients"] + unsharded + backward)
     return {**parts, "ring": int(max(forward, backward)), "loss": loss, "total": int(total)}

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from lightning_tp2d.bench.context_parallel import RING_AXIS, cp_comm_events
 from lightning_tp2d.bench.events import Comm, float32_bytes
 from lightning_tp2d.bench.gemm_rates import H200_BF16
+from lightning_tp2d.bench.memory_model import baseline_activation_bytes, parameter_split
 from lightning_tp2d.bench.gemm_rates import fit as fit_gemm_rates
 from lightning_tp2d.bench.tp1d import tp1d_comm_events
 from lightning_tp2d.bench.tp1d_sp import block_linears, check_sequence_parallel, tp1d_sp_comm_events
@@ -308,6 +309,10 @@ def activation_bytes(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int,
         gathered tensor for the weight gradient; Megatron saves the shard and gathers again in backward), so the
         LayerNorm-output term stays full; ``B H T ep / p``. Outside the blocks as tp1d, with the final LayerNorm's
         input and statistics sharded.
+
+    A Llama config (``"tp1d"``, ``"tp1d-sp"``): :func:`lightning_tp2d.bench.memory_model.baseline_activation_bytes`
+    (the planner's rule; ``composite``: the package's eager RMSNorm and RoPE tables), plus under autocast the bf16
+    copies of the block matrices and the head's ``ceil(V/p)`` rows.
     """
     _check(layout, cfg, batch, seq, p)
     if rank is not None and not 0 <= rank < p:
@@ -315,6 +320,13 @@ def activation_bytes(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int,
     if layout not in BASELINES:
         ranks = _ranks_to_price(layout, cfg, batch, seq, p, elem) if rank is None else [rank]
         return max(_traced(layout, cfg, batch, seq, p, elem, r).activation_bytes for r in ranks)
+    if layout in TP1D and hasattr(cfg, "intermediate_size"):  # Llama: the planner's rule, as this eager model runs
+        total = baseline_activation_bytes(cfg, batch, seq, p, elem=elem, ep=float32_bytes(elem), composite=True,
+                                          sequence_parallel=layout == "tp1d-sp")["total"]
+        if elem < 4:  # autocast's copies of the block matrices and the head's rows (the embedding is looked up)
+            split = parameter_split(cfg)
+            total += elem * (cfg.n_layer * (split.block - split.block_vectors) / p + -(-cfg.vocab_size // p) * cfg.n_embd)
+        return int(total)
     h, V, L, T, B, H = cfg.n_embd, cfg.vocab_size, cfg.n_layer, seq, batch, cfg.n_head
     N = B * T
     e, ep = elem, float32_bytes(elem)

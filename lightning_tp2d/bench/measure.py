@@ -13,9 +13,11 @@ With ``cap`` set, the allocation that takes the live bytes past it raises :class
 out-of-memory error on a GPU whose memory is capped with ``torch.cuda.set_per_process_memory_fraction``: the
 maximum-sequence search uses that to stop a probe at once. Tensors that existed before the mode was entered
 (parameters, optimizer state) are not seen; callers add them as ``resident`` bytes (:func:`resident_bytes`).
-With ``fake=True`` fake tensors (``FakeTensorMode``: shapes, no data) are counted like real ones, so the same mode
-profiles a step that never computes; by default they are not (a real step's DTensor ops propagate their sharding
-on fake tensors of the global shapes, which hold no memory).
+With ``fake`` a ``FakeTensorMode``, the fake tensors of that mode (shapes, no data) are counted like real ones, so
+the same mode profiles a step that never computes (``fake=True``: every fake tensor); by default none are. DTensor's
+sharding propagation, the first time an op meets a placement, runs the op on fake tensors of the global shapes in a
+mode of its own: those hold no memory in a real step, and in a profiled one they would be counted or not as the
+propagation cache happens to be cold or warm.
 
 With ``count_resizes=True`` storage resizes inside the mode count too: FSDP2 frees a gathered parameter with
 ``UntypedStorage.resize_(0)`` and re-allocates it with ``resize_(n)``, which no aten op sees. That is right for
@@ -31,13 +33,16 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_tp2d import fsdp, training
+from lightning_tp2d.bench.tp1d import parallelize_1d
+from lightning_tp2d.bench.tp1d_sp import AXIS, DP_AXIS, init_tp_dp_mesh, shard_1d_data_parallel
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.mesh import init_mesh
+from lightning_tp2d.models import GPT2Config, LlamaConfig
 from lightning_tp2d.parallelize import checkpoint_activations, parallelize
 from lightning_tp2d.zero import full_param_groups, shard_optimizer_state
 
@@ -64,11 +69,12 @@ class LiveTensorBytes(TorchDispatchMode):
     ``count_resizes``: also count ``UntypedStorage.resize_`` (module docstring)."""
 
     def __init__(self, cap: int | None = None, base: int = 0, record_shapes: bool = True,
-                 count_resizes: bool = False, fake: bool = False) -> None:
+                 count_resizes: bool = False, fake: bool | FakeTensorMode = False) -> None:
         super().__init__()
         self.live = self.peak = 0
         self.cap, self.base, self.record_shapes, self.count_resizes = cap, base, record_shapes, count_resizes
-        self._plain = _PLAIN if fake else (torch.Tensor,)  # real runs: DTensor's propagation fakes are no memory
+        self._plain = _PLAIN if fake is not False else (torch.Tensor,)  # real runs: propagation's fakes are no memory
+        self._fake_mode = fake if isinstance(fake, FakeTensorMode) else None
         self.shapes: list[tuple[int, ...]] = []
         self._refs: dict[int, weakref.ref] = {}
         self._resize = None
@@ -99,7 +105,8 @@ class LiveTensorBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {_storage_key(t) for t in tensors_in((args, kwargs))}
         for t in tensors_in(out):
-            if type(t) in self._plain and t.device.type != "meta" and _storage_key(t) not in inputs:
+            if type(t) in self._plain and t.device.type != "meta" and _storage_key(t) not in inputs and (
+                    self._fake_mode is None or not isinstance(t, FakeTensor) or t.fake_mode is self._fake_mode):
                 self._track(t)  # a new storage: views, in-place results and aliases of the inputs are not
         return out
 
@@ -241,6 +248,89 @@ def measured_peaks(rank: int, world_size: int, cases, batch: int, seq: int) -> l
         del model
     return out
 
+
+def baseline_step_peak_bytes(model: torch.nn.Module, mesh, idx: torch.Tensor, *, zero_stage: int = 3,
+                             precision: str = "32-true", max_norm: float = 1.0) -> dict[str, int]:
+    """:func:`step_peak_bytes` for the 1-D baseline: ``model`` parallelized by
+    :func:`~lightning_tp2d.bench.tp1d.parallelize_1d` with sequence parallelism on the ``"tp"`` axis of ``mesh``
+    (:func:`~lightning_tp2d.bench.tp1d_sp.init_tp_dp_mesh`), any activation checkpointing applied, then sharded over
+    ``"dp"`` at ``zero_stage`` 2 or 3 by :func:`~lightning_tp2d.bench.tp1d_sp.shard_1d_data_parallel` (torchtitan's
+    ``apply_fsdp``) with FSDP's policy for ``precision`` (``"bf16-mixed"``: bf16 parameters in the forward and
+    backward, float32 reduction, no autocast, as torchtitan trains). An AdamW with ``foreach`` (one group per
+    mesh: the foreach kernels take one mesh's DTensors), global-norm clipping as torchtitan's (each mesh's norm
+    reduced, the total applied to every gradient). The same warm-up step, then the measured one:
+    ``{"resident", "step", "peak"}``."""
+    shard_1d_data_parallel(model, mesh[DP_AXIS], zero_stage, fsdp.mixed_precision_policy(precision))
+    groups: dict = {}
+    for q in model.parameters():
+        groups.setdefault(q.device_mesh if isinstance(q, DTensor) else None, []).append(q)
+    optimizer = torch.optim.AdamW([{"params": g} for g in groups.values()], lr=1e-4, foreach=True)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(idx, idx).backward()
+        norms = [torch.nn.utils.get_total_norm([q.grad for q in g if q.grad is not None], foreach=True)
+                 for g in groups.values()]
+        total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
+        for g in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(g, max_norm, total, foreach=True)
+        optimizer.step()
+
+    step()
+    optimizer.zero_grad(set_to_none=True)
+    resident = resident_bytes(model, optimizer)
+    tracker = LiveTensorBytes(record_shapes=False, count_resizes=True)
+    with tracker:
+        step()
+    return {"resident": resident, "step": tracker.peak, "peak": resident + tracker.peak}
+
+
+def baseline_measured_peaks(rank: int, world_size: int, cases, batch: int, seq: int) -> list[dict[str, int]]:
+    """:func:`baseline_step_peak_bytes` of each case on this rank (every rank of a process group of ``world_size``
+    calling it with the same ``cases``: ``(cfg, tp, zero_stage, checkpointing, precision)``, ``dp = world_size //
+    tp``): the model of ``cfg``'s family built from seed 0, parallelized with 1-D TP + SP, checkpointed, sharded;
+    each replica fed its own ``[batch, seq]`` ids. One mesh per ``tp``."""
+    meshes, out = {}, []
+    for cfg, tp, stage, checkpointing, precision in cases:
+        if tp not in meshes:
+            meshes[tp] = init_tp_dp_mesh(tp, world_size // tp)
+        mesh = meshes[tp]
+        torch.manual_seed(0)
+        model = family_of_config(cfg).model_class(cfg)
+        parallelize_1d(model, mesh[AXIS], sequence_parallel=True)
+        checkpoint_activations(model, checkpointing)
+        torch.manual_seed(1 + mesh.get_local_rank(DP_AXIS))
+        idx = torch.randint(0, cfg.vocab_size, (batch, seq))
+        out.append(baseline_step_peak_bytes(model, mesh, idx, zero_stage=stage, precision=precision))
+        del model
+    return out
+
+
+
+# ---- the baseline's checked grid (tests/test_memory_model.py, recipes/benchmarks/memory_model_baseline.py) ----------
+
+BASELINE_BATCH, BASELINE_SEQ, BASELINE_TP = 4, 64, 2
+BASELINE_WORLDS = (4, 8)  # tp 2 x dp 2 and tp 2 x dp 4
+# (model, zero stage, checkpointing, precision, blocks): both families at 2 and 4 blocks, ZeRO stages 3 and 2,
+# checkpointing none and full, float32 and bf16 mixed (FSDP's param_dtype, no autocast, as torchtitan trains)
+BASELINE_GRID = [(name, stage, ck, precision, depth) for name in ("gpt2", "llama") for stage in (3, 2)
+                 for ck in ("none", "full") for precision in ("32-true", "bf16-mixed") for depth in (2, 4)]
+
+
+def baseline_grid_config(name: str, depth: int):
+    """The grid's model ``name`` (``"gpt2"`` or ``"llama"``: width 192, 4 heads, vocabulary 512; Llama with 2 key /
+    value heads and an MLP of 512) with ``depth`` blocks."""
+    if name == "gpt2":
+        return GPT2Config.from_name("gpt2-tiny", n_layer=depth, n_embd=192, n_head=4, vocab_size=512,
+                                    block_size=BASELINE_SEQ, dropout=0.0)
+    return LlamaConfig.from_name("llama-tiny", n_layer=depth, n_embd=192, n_head=4, n_kv_head=2,
+                                 intermediate_size=512, vocab_size=512)
+
+
+def baseline_grid_cases(cases) -> list[tuple]:
+    """Grid ``cases`` as :func:`baseline_measured_peaks` takes them."""
+    return [(baseline_grid_config(name, depth), BASELINE_TP, stage, ck, precision)
+            for name, stage, ck, precision, depth in cases]
 
 # ops whose result the host must read from the device before it can go on (or whose output shape depends on data)
 _SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave")

@@ -39,7 +39,9 @@ kernel workspaces, communication buffers inside one op.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -48,15 +50,14 @@ from torch.distributed.tensor import DTensor
 
 from lightning_tp2d import fsdp, training
 from lightning_tp2d.bench.measure import LiveTensorBytes, tensors_in
-from lightning_tp2d.bench.trace import config_key, forget_meshes, in_worker, trace_step
+from lightning_tp2d.bench.trace import config_key, fake_group, fake_mesh, in_worker, trace_step
 from lightning_tp2d.families import family_of, family_of_config
 from lightning_tp2d.layouts import get_layout
-from lightning_tp2d.mesh import init_mesh
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 from lightning_tp2d.zero import shard_optimizer_state
 
 __all__ = ["Shards", "ParameterSplit", "peak_bytes", "shard_bytes", "parameter_split", "baseline_activation_bytes",
-           "baseline_peak_bytes"]
+           "baseline_peak_bytes", "loss_input_bytes", "loss_forward_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,17 +84,30 @@ class _PhasePeaks(LiveTensorBytes):
     """Live bytes of a fake step with the peak of each phase: 0 the forward and the root's backward, 1 the backward
     of every block but the first, 2 the first block's backward and all that follows (:func:`_extrapolated_step`)."""
 
-    def __init__(self) -> None:
-        super().__init__(record_shapes=False, count_resizes=True, fake=True)
+    def __init__(self, mode) -> None:
+        super().__init__(record_shapes=False, count_resizes=True, fake=mode)
         self.phase, self.peaks, self.tracing = 0, [0, 0, 0], True
+        self.series = array.array("q")  # the live bytes at every rise, in order (:func:`_at_batch`)
+        self.starts = [0, 0, 0]  # where each phase's rises begin in ``series``
+        self.kinds: list[str] = []
+
+    def _track(self, t: torch.Tensor) -> None:
+        self.kinds.append(f"{t.ndim}{t.dtype}")  # what the step allocates, batch aside (:func:`_at_batch`)
+        super()._track(t)
+
+    def signature(self) -> int:
+        return zlib.crc32(";".join(self.kinds).encode())
 
     def enter(self, phase: int) -> None:
-        self.phase = max(self.phase, phase)
+        if phase > self.phase:
+            self.starts[self.phase + 1:phase + 1] = [len(self.series)] * (phase - self.phase)
+            self.phase = phase
         self._rose()
 
     def _rose(self) -> None:
         super()._rose()
         self.peaks[self.phase] = max(self.peaks[self.phase], self.live)
+        self.series.append(self.live)
 
 
 def _marks_backward(block, tracker: _PhasePeaks, phase: int) -> None:
@@ -116,63 +130,89 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, c
     at stages 0 and 1 (``dp > 1``), global-norm clipping. FSDP's lazy initialisation runs first (a no-grad forward,
     then every group resharded), as the measured step's warm-up does."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # private: see lightning_tp2d._private_api
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the fake backend's store
 
-    forget_meshes()  # the worker's earlier builds: their meshes must not reach this one's parameters
-    dist.init_process_group("fake", rank=rank, world_size=p * dp, store=FakeStore())
-    try:
-        mesh = init_mesh(spec, p, dp, device_type="cpu")
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model = family_of_config(cfg).model_class(cfg)
-            parallelize(model, mesh, spec)
-            model.validate_inputs = False  # fake ids cannot be read
-            checkpoint_activations(model, checkpointing)
-            blocks = list(family_of(model).block_modules(model))
-            in_blocks = {id(q) for b in blocks for q in b.parameters()}
-            root = _nbytes(q for q in model.parameters() if id(q) not in in_blocks)
-            tensor_shards = [_nbytes(b.parameters()) for b in blocks]
-            sharded = dp > 1 and stage >= 2
-            if sharded:
-                fsdp.shard_data_parallel(model, stage, mp_policy=fsdp.mixed_precision_policy(
-                    "bf16-mixed" if elem == 2 else "32-true"))
-            rest = [_nbytes(b.parameters()) for b in blocks]
-            at_rest = _nbytes(model.parameters())
-            seen: list[int] = []
-            blocks[0].register_forward_pre_hook(
-                lambda m, args: seen.append(sum(_local(t).untyped_storage().nbytes() for t in tensors_in(args))))
-            tracker = _PhasePeaks()
-            for i, block in enumerate(blocks):
-                _marks_backward(block, tracker, 2 if i == 0 else 1)
-            idx = torch.zeros(batch, seq, dtype=torch.long)
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=elem == 2)
-            if sharded:  # FSDP's lazy init (its buffers exist before the measured step), then all resharded
-                with torch.no_grad(), autocast:
-                    model(idx, idx)
-                for module in model.modules():
-                    if isinstance(module, FSDPModule):
-                        module.reshard()
-            sync = training.GradientSync(model, mesh) if stage < 2 else None
-            clip = fsdp.clip_grad_norm_ if stage >= 2 else training.clip_grad_norm_
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-            if stage == 1 or sharded:  # (stages 2/3: the parameters FSDP keeps whole, as the strategies do)
-                shard_optimizer_state(optimizer, mesh)
-            for q in model.parameters():  # a step on zero gradients: AdamW's state exists before the profiled one
-                q.grad = torch.zeros_like(q)
+    fake_group(p * dp, rank)  # the worker's live group when it is this one (shard_bytes: in_worker's group)
+    mesh = fake_mesh(spec, p, dp)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        model = family_of_config(cfg).model_class(cfg)
+        parallelize(model, mesh, spec)
+        model.validate_inputs = False  # fake ids cannot be read
+        checkpoint_activations(model, checkpointing)
+        blocks = list(family_of(model).block_modules(model))
+        in_blocks = {id(q) for b in blocks for q in b.parameters()}
+        root = _nbytes(q for q in model.parameters() if id(q) not in in_blocks)
+        tensor_shards = [_nbytes(b.parameters()) for b in blocks]
+        sharded = dp > 1 and stage >= 2
+        if sharded:
+            fsdp.shard_data_parallel(model, stage, mp_policy=fsdp.mixed_precision_policy(
+                "bf16-mixed" if elem == 2 else "32-true"))
+        rest = [_nbytes(b.parameters()) for b in blocks]
+        at_rest = _nbytes(model.parameters())
+        seen: list[int] = []
+        blocks[0].register_forward_pre_hook(
+            lambda m, args: seen.append(sum(_local(t).untyped_storage().nbytes() for t in tensors_in(args))))
+        tracker = _PhasePeaks(mode)
+        for i, block in enumerate(blocks):
+            _marks_backward(block, tracker, 2 if i == 0 else 1)
+        idx = torch.zeros(batch, seq, dtype=torch.long)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=elem == 2)
+        if sharded:  # FSDP's lazy init (its buffers exist before the measured step), then all resharded
+            with torch.no_grad(), autocast:
+                model(idx, idx)
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        sync = training.GradientSync(model, mesh) if stage < 2 else None
+        clip = fsdp.clip_grad_norm_ if stage >= 2 else training.clip_grad_norm_
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        if stage == 1 or sharded:  # (stages 2/3: the parameters FSDP keeps whole, as the strategies do)
+            shard_optimizer_state(optimizer, mesh)
+        for q in model.parameters():  # a step on zero gradients: AdamW's state exists before the profiled one
+            q.grad = torch.zeros_like(q)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with tracker:
+            with autocast:
+                loss = model(idx, idx)
+            tracker.tracing = False
+            loss.backward()
+            if sync is not None:
+                sync.finish()
+            clip(model.parameters(), 1.0, mesh)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            with tracker:
-                with autocast:
-                    loss = model(idx, idx)
-                tracker.tracing = False
-                loss.backward()
-                if sync is not None:
-                    sync.finish()
-                clip(model.parameters(), 1.0, mesh)
-                optimizer.step()
-            return {"root_at_rest": at_rest - sum(rest), "rest": rest, "root": root, "tensor_shards": tensor_shards,
-                    "block_input": seen[0], "phases": tracker.peaks}
-    finally:
-        dist.destroy_process_group()
+        return {"root_at_rest": at_rest - sum(rest), "rest": rest, "root": root, "tensor_shards": tensor_shards,
+                "block_input": seen[0], "phases": tracker.peaks, "series": tracker.series, "starts": tracker.starts,
+            "signature": tracker.signature()}
+
+
+def _at_batch(a: dict, b: dict, batch_a: int, batch_b: int, batch: int) -> dict | None:
+    """The profile at ``batch`` sequences, between ``batch_a`` and ``batch_b``, from the two profiles of the same
+    model there; ``None`` when they do not make one. The step's choices that depend on sizes (e.g. SUMMA streams a
+    weight column when it outweighs the activation block) each switch once as the batch grows, so when the two
+    profiles allocate tensors of the same ranks and dtypes in the same order, rise as often and start their phases
+    at the same rises (the check), every batch between them runs the same ops on the same tensors, each tensor's
+    bytes constant or proportional to the batch: the live bytes at every rise are affine in it, each exactly an
+    integer at ``batch`` (else: ``None``), and each phase's peak is the largest of them. What holds no activation
+    (parameters, shards) must be equal."""
+    if not (batch_a < batch < batch_b or batch_b < batch < batch_a):
+        return None
+    if (len(a["series"]) != len(b["series"]) or a["starts"] != b["starts"] or a["signature"] != b["signature"]
+            or any(a[k] != b[k] for k in ("root_at_rest", "rest", "root", "tensor_shards"))):
+        return None
+    span, step = batch_b - batch_a, batch - batch_a
+    series = array.array("q")
+    for x, y in zip(a["series"], b["series"]):
+        value, exact = divmod(x * span + (y - x) * step, span)
+        if exact:
+            return None
+        series.append(value)
+    block_input, exact = divmod(a["block_input"] * span + (b["block_input"] - a["block_input"]) * step, span)
+    if exact:
+        return None
+    starts = a["starts"]
+    ends = starts[1:] + [len(series)]
+    phases = [max(series[i:j], default=0) for i, j in zip(starts, ends)]  # (a phase never entered: 0)
+    return dict(a, block_input=block_input, phases=phases, series=series)
 
 
 def _depths(layers: int) -> tuple[int, ...]:
@@ -200,32 +240,51 @@ def _extrapolated(built: list[dict], layers: int) -> Shards:
                   (shards[0], *(shards[-1],) * (layers - 1)), first["block_input"], _extrapolated_step(built, layers))
 
 
-_SHARDS: dict[tuple, dict] = {}
+_SHARDS: dict[tuple, dict[int, dict]] = {}  # per model shape and rank: the profiles built, by batch
+_DERIVED: dict[tuple, dict[int, dict]] = {}  # ... and those read from two of them (:func:`_at_batch`)
+
+
+def _profile(spec, built, batch: int, seq: int, p: int, dp: int, stage: int, checkpointing: str, elem: int,
+             rank: int) -> dict:
+    """:func:`_shards_here`'s profile of rank ``rank``: cached; read from the nearest profiles of the same model at a
+    smaller and a larger batch when they make one (:func:`_at_batch`: exact; the planner builds a configuration's
+    least and largest micro-batch, then asks for those between), else built in the worker kept for the group."""
+    shape = (type(spec), spec.options, config_key(built), seq, p, dp, stage, checkpointing, elem, rank)
+    made, derived = _SHARDS.setdefault(shape, {}), _DERIVED.setdefault(shape, {})
+    if batch in made or batch in derived:
+        return made.get(batch) or derived[batch]
+    below, above = [m for m in made if m < batch], [m for m in made if m > batch]
+    if below and above:
+        got = _at_batch(made[max(below)], made[min(above)], max(below), min(above), batch)
+        if got is not None:
+            derived[batch] = got
+            return got
+    if dist.is_initialized():
+        raise RuntimeError("shard_bytes builds the model on its own fake process group; call it from a process "
+                           "without a default process group")
+    try:
+        made[batch] = in_worker(_shards_here, spec, built, batch, seq, p, dp, stage, checkpointing, elem, rank,
+                                group=(p * dp, rank))
+    except RuntimeError as err:
+        raise RuntimeError(f"building layout {spec.name!r} on the fake process group failed: {err}") from None
+    return made[batch]
 
 
 def shard_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_stage: int = 0,
                 checkpointing: str = "none", elem: int = 4, ranks=None) -> dict[int, Shards]:
     """:class:`Shards` of the tensor-parallel ranks ``ranks`` (default: all ``p``) of the first replica, by rank,
     read from the model built (1 to 3 blocks, :func:`_depths`; deeper models extrapolated) on the fake process group
-    in the tracer's worker process (this one must have no default process group). Cached per rank and model shape."""
+    in a worker process kept for the group (:func:`lightning_tp2d.bench.trace.in_worker`; this process must have no
+    default process group). Cached per rank and model shape; a third batch of one shape is read from two profiles
+    (:func:`_profile`)."""
     spec = get_layout(layout)
     wanted = list(range(p) if ranks is None else ranks)
-    per_depth = []
-    for depth in _depths(cfg.n_layer):
-        built = dataclasses.replace(cfg, n_layer=depth)
-        key = (type(spec), spec.options, config_key(built), batch, seq, p, dp, zero_stage, checkpointing, elem)
-        missing = [r for r in wanted if key + (r,) not in _SHARDS]
-        if missing and dist.is_initialized():
-            raise RuntimeError("shard_bytes builds the model on its own fake process group; call it from a process "
-                               "without a default process group")
-        for rank in missing:
-            try:
-                _SHARDS[key + (rank,)] = in_worker(_shards_here, spec, built, batch, seq, p, dp, zero_stage,
-                                                   checkpointing, elem, rank)
-            except RuntimeError as err:
-                raise RuntimeError(f"building layout {spec.name!r} on the fake process group failed: {err}") from None
-        per_depth.append(key)
-    return {r: _extrapolated([_SHARDS[key + (r,)] for key in per_depth], cfg.n_layer) for r in wanted}
+    out = {}
+    for rank in wanted:
+        built = [_profile(spec, dataclasses.replace(cfg, n_layer=depth), batch, seq, p, dp, zero_stage, checkpointing,
+                          elem, rank) for depth in _depths(cfg.n_layer)]
+        out[rank] = _extrapolated(built, cfg.n_layer)
+    return out
 
 
 def peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_stage: int = 0,
@@ -278,17 +337,30 @@ def _parts(layout, cfg, batch, seq, p, dp, stage, checkpointing, elem, rank, s: 
 @dataclasses.dataclass(frozen=True)
 class ParameterSplit:
     """Parameter counts of a model: the root (embeddings, final norm, head) and one block, each with how many of
-    them are vectors (norm weights, biases: replicated by 1-D tensor parallelism)."""
+    them are vectors (norm weights, biases: replicated by 1-D tensor parallelism); of the root, ``vocab`` the
+    elements of the matrices 1-D tensor parallelism splits by vocabulary rows (the token embedding and an untied
+    head; a position table stays whole on every rank) and ``embedding`` the input embedding's when the head is untied
+    (then torchtitan's FSDP wraps it alone; 0 when tied)."""
 
     root: int
     root_vectors: int
     block: int
     block_vectors: int
     n_layer: int
+    vocab: int = 0
+    embedding: int = 0
 
     @property
     def total(self) -> int:
         return self.root + self.n_layer * self.block
+
+    def root_shard(self, tp: int) -> float:
+        """Root elements one of ``tp`` tensor ranks holds in the 1-D baseline: ``1 / tp`` of the vocabulary rows."""
+        return self.vocab / tp + self.root - self.vocab
+
+    def block_shard(self, tp: int) -> float:
+        """Block elements one of ``tp`` tensor ranks holds: ``1 / tp`` of every matrix, the vectors whole."""
+        return (self.block - self.block_vectors) / tp + self.block_vectors
 
 
 _SPLITS: dict[tuple, ParameterSplit] = {}
@@ -304,14 +376,20 @@ def parameter_split(cfg) -> ParameterSplit:
         in_block = {id(q) for q in block.parameters()}
         params = list(model.parameters())
         root = [q for q in params if id(q) not in in_block]
+        head = model.lm_head.weight
+        embedding = next(m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)
+                         and m.weight.shape[0] == head.shape[0])
+        tied = embedding is head
         _SPLITS[key] = ParameterSplit(sum(q.numel() for q in root), sum(q.numel() for q in root if q.ndim == 1),
                                       sum(q.numel() for q in block.parameters()),
-                                      sum(q.numel() for q in block.parameters() if q.ndim == 1), cfg.n_layer)
+                                      sum(q.numel() for q in block.parameters() if q.ndim == 1), cfg.n_layer,
+                                      vocab=embedding.numel() * (1 if tied else 2),
+                                      embedding=0 if tied else embedding.numel())
     return _SPLITS[key]
 
 
 def baseline_activation_bytes(cfg, batch: int, seq: int, tp: int, *, checkpointing: str = "none", elem: int = 2,
-                              ep: int | None = None, composite: bool = False) -> dict:
+                              ep: int | None = None, composite: bool = False, sequence_parallel: bool = True) -> dict:
     """Bytes one rank's forward saves for the backward in the 1-D baseline (``"tp1d-sp"``: torch's colwise /
     rowwise styles with sequence-parallel norms, loss parallel, as torchtitan's ``parallelize_llama`` applies them),
     counted from the tensors its ops save; ``{"blocks", "root", "recompute", "total"}``. ``N = batch * seq`` tokens,
@@ -331,27 +409,35 @@ def baseline_activation_bytes(cfg, batch: int, seq: int, tp: int, *, checkpointi
     the local logits ``4 N ceil(V/t)`` (torchtitan upcasts the logits for the loss; the bf16 logits are not saved),
     the ids. For GPT-2 in float32 this is :func:`lightning_tp2d.bench.cost_model.activation_bytes`'s ``"tp1d-sp"``
     count, which ``tests/test_cost_model.py`` checks against measured runs. ``composite``: the model as this
-    package's eager Llama computes it (what the CPU check measures): its RMSNorm, made of elementwise ops, also saves
-    its normalized output ``N h ep / t``, and each attention its RoPE tables ``2 T hs ep`` (torchtitan fuses the norm
-    and keeps one table for the model: neither is counted by default)."""
+    package's eager code computes it (what the CPU check measures): Llama's RMSNorm, made of elementwise ops, saves
+    its input upcast to float32 (``N h max(ep, 4) / t``) and its normalized output ``N h ep / t``, and each attention
+    its RoPE tables, float32 ``cos`` and ``sin`` ``8 T hs`` or, when q is in another dtype, the four copies cast for
+    q and for k ``4 T hs e`` (torchtitan fuses the norm and keeps one table for the model: neither is counted by
+    default); both families' head hands its logits to the loss uncast, so the saved log-softmax is in ``ep``
+    bytes (:func:`loss_input_bytes`). ``sequence_parallel=False``: ``"tp1d"``
+    (torch's styles without sequence parallelism), whose norms run on the whole sequence on every rank: their
+    inputs, statistics (and composite outputs) are not divided by ``t``; everything else is the same."""
     if checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}")
     ep = elem if ep is None else ep
     h, H, V, L = cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.n_layer
     t, e, N = tp, elem, batch * seq
+    s = tp if sequence_parallel else 1  # what sequence parallelism shards: the norms' inputs and statistics
     llama = hasattr(cfg, "intermediate_size")
     kv = cfg.n_kv_head * (h // H) if llama else h
     inner = cfg.intermediate_size if llama else 4 * h
     stats = (4 if llama else 8) * N  # RMSNorm's rstd; LayerNorm's mean and rstd (float32)
-    extra_norm = N * h * ep / t if composite and llama else 0  # the composite RMSNorm's normalized output
-    norms = 2 * (N * h * ep + stats) / t + 2 * extra_norm
+    eager_norm = composite and llama
+    extra_norm = N * h * ep / s if eager_norm else 0  # the composite RMSNorm's normalized output
+    norm_in = max(ep, 4) if eager_norm else ep  # the composite RMSNorm saves its input upcast to float32
+    norms = 2 * (N * h * norm_in + stats) / s + 2 * extra_norm
     gathered = 2 * N * h * e
     attention = N * (h + 2 * kv + h) * e / t + 4 * N * H / t
-    if composite and llama:
-        attention += 2 * seq * (h // H) * ep  # cos and sin, made per attention
+    if eager_norm:  # float32 cos and sin per attention, or, in another dtype, their copies cast for q and for k
+        attention += 2 * seq * (h // H) * (4 if e == 4 else 2 * e)
     mlp = (4 if llama else 2) * N * inner * e / t
     plain = norms + gathered + attention + mlp
-    block_input = N * h * ep / t
+    block_input = N * h * ep / s
     if checkpointing == "none":
         per_block, recompute = plain, 0.0
     elif checkpointing == "full":
@@ -361,41 +447,113 @@ def baseline_activation_bytes(cfg, batch: int, seq: int, tp: int, *, checkpointi
         kept = kept_mm + N * h * e / t + 4 * N * H / t + 2 * N * h * e / t + block_input
         per_block, recompute = kept, max(0.0, plain - kept)
     vocab = -(-V // t)
-    # the final norm's input and statistics, its gathered output, the float32 log-softmax of the local logits,
-    # the ids (GPT-2: its position ids 8 T; over several ranks the embedding's masked copy of the ids, 8 N)
-    root = (N * h * ep + stats) / t + extra_norm + N * h * e + 4 * N * vocab + (0 if llama else 8 * seq) + (8 * N if t > 1 else 0)
+    # the final norm's input and statistics, its gathered output, the log-softmax of the local logits (float32, or
+    # composite: in the loss's input dtype, loss_input_bytes), the ids (GPT-2: its position ids 8 T; over several
+    # ranks the embedding's masked copy of the ids, 8 N)
+    root = ((N * h * norm_in + stats) / s + extra_norm + N * h * e + loss_input_bytes(ep, composite) * N * vocab
+            + (0 if llama else 8 * seq) + (8 * N if t > 1 else 0))
     total = L * per_block + root
     return {"blocks": int(L * per_block), "root": int(root), "recompute": int(recompute), "total": int(total)}
 
 
+def loss_input_bytes(ep: int, composite: bool) -> int:
+    """Bytes per element of the local logits the vocab-parallel log-softmax reads, and so of the output it saves:
+    torchtitan upcasts the logits to float32 before the loss (``max(ep, 4)``); this package's head passes them as
+    they are, in ``ep`` (bf16 under FSDP's bf16 ``param_dtype``; float32 under autocast, which runs log-softmax in
+    float32)."""
+    return ep if composite else max(ep, 4)
+
+
+def loss_forward_bytes(elem: int, ep: int, composite: bool) -> int:
+    """Peak bytes per element of the local logits ``[N, ceil(V/t)]`` while the loss's forward runs: the logits
+    (``elem``) when the loss reads a cast copy of them, the loss input (:func:`loss_input_bytes`), the float32 copy
+    torch's ``_log_softmax`` makes of a half input, its float32 shifted logits and their exponentials (or the
+    output after the sum frees them), and a half input's output cast back. Sharded bf16, composite: ``2 + 2 + 4 + 8
+    + 2 = 16``; float32: ``12``; under autocast or torchtitan's upcast from bf16: ``14``."""
+    li = loss_input_bytes(ep, composite)
+    return (elem if li != elem else 0) + li + (4 if li < 4 else 0) + 2 * max(li, 4) + (li if li < 4 else 0)
+
+
 def baseline_peak_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, zero_stage: int = 3,
-                        checkpointing: str = "none", elem: int = 2) -> dict:
-    """Predicted peak bytes per GPU of the 1-D baseline (``"tp1d-sp"`` over ``tp`` ranks) x FSDP over ``dp``
-    replicas at ZeRO ``zero_stage`` (2: ``reshard_after_forward=False``, 3: torchtitan's default), float32
-    parameters, gradients and AdamW moments, bf16 compute (``param_dtype``), float32 gradient reduction: the parts
-    of :func:`peak_bytes`. Vectors (norm weights) are whole on every tensor rank. Stage 0 or ``dp`` 1 is plain
-    tensor parallelism under autocast (``ep`` 4 for the residual stream). Analytic; the saved tensors are those of
-    :func:`baseline_activation_bytes`."""
+                        checkpointing: str = "none", elem: int = 2, composite: bool = False) -> dict:
+    """Predicted peak bytes per GPU of the 1-D baseline (``"tp1d-sp"`` over ``tp`` ranks) x FSDP2 over ``dp``
+    replicas at ZeRO ``zero_stage``, grouped as torchtitan's ``apply_fsdp`` groups it
+    (:func:`lightning_tp2d.bench.tp1d_sp.shard_1d_data_parallel`: the input embedding, each block, the final norm
+    with the head, the root; a tied head in the root), float32 parameters, gradients and AdamW moments, compute in
+    ``elem`` bytes (FSDP's ``param_dtype``; its gradients reduced in float32): the parts of :func:`peak_bytes`.
+    Stage 0 or ``dp`` 1 is plain tensor parallelism under autocast (``ep`` 4 for the residual stream, float32
+    gradients). Analytic: the saved tensors are those of :func:`baseline_activation_bytes` (``composite`` passed on),
+    and, per rank (``root``, ``block``: the tensor shards of :meth:`ParameterSplit.root_shard` /
+    :meth:`~ParameterSplit.block_shard`; ``g`` the gradients' bytes, ``e`` sharded, else 4):
+
+    * ``gathered``: stage 3 the root's groups but the embedding (resharded after its forward, gathered again at the
+      end of the backward) and two blocks (the one computing and the one prefetched), stage 2 every group, in
+      ``e`` bytes; unsharded with ``elem`` < 4 autocast's copies of the weights, saved for the backward;
+    * ``loss_forward``: what the loss's forward adds to the saved tensors: its temporaries beyond the saved
+      log-softmax (:func:`loss_forward_bytes` less :func:`loss_input_bytes`, per element of the local logits
+      ``[N, ceil(V/t)]``) beside FSDP's flat all-gather output of the last group gathered (FSDP2 keeps it until the
+      next all-gather: the head's group, tied the last block's); then at stage 3 only the root's groups are
+      gathered (the blocks were resharded after their forward), at stage 2 every group;
+    * ``backward``: the most the backward adds to the saved tensors at any point, the largest of: the loss's float32
+      gradient of the local logits ``4 N ceil(V/t)`` when it starts; in a block's backward the MLP's gradients in
+      flight (its down projection's weight gradient ``g h I / t`` and its input's gradient ``e N I / t``) on top of
+      the block's recomputed activations (checkpointing); when a block's backward ends, its unsharded gradients
+      beside FSDP's float32 reduce-scatter input and output (``(g + 4) block + 4 block / dp``), the block's own
+      activations freed by then;
+    * at the end of the backward, when the activations are gone: the sharded gradients and the embedding's gradient,
+      which torch computes as a replicated ``[V, h]`` on every tensor rank before slicing it.
+
+    ``total`` = parameters + optimizer + the largest of activations + gathered + backward, the loss's forward
+    (activations + what is gathered then + ``loss_forward``) and that end point.
+    ``tests/test_memory_model.py`` checks it against measured CPU runs of the real step
+    (:func:`lightning_tp2d.bench.measure.baseline_measured_peaks`)."""
     if zero_stage not in (0, 2, 3):
         raise ValueError(f"the baseline runs FSDP at zero_stage 2 or 3 (or 0: no data-parallel sharding), "
                          f"got {zero_stage}")
     split = parameter_split(cfg)
-    shard = lambda n, vectors: (n - vectors) / tp + vectors  # noqa: E731 - elements one tensor rank holds
-    root, block = shard(split.root, split.root_vectors), shard(split.block, split.block_vectors)
+    root, block = split.root_shard(tp), split.block_shard(tp)
+    L, h, V, N = split.n_layer, cfg.n_embd, cfg.vocab_size, batch * seq
+    inner = getattr(cfg, "intermediate_size", 4 * h)
     sharded = dp > 1 and zero_stage >= 2
-    local = (root + split.n_layer * block) / (dp if sharded else 1)
+    local = (root + L * block) / (dp if sharded else 1)
     params = grads = 4 * local
     optimizer = 8 * local
-    acts = baseline_activation_bytes(cfg, batch, seq, tp, checkpointing=checkpointing, elem=elem,
-                                     ep=elem if sharded else 4)
-    gathered = transient = 0.0
+    ep = elem if sharded else 4
+    acts = baseline_activation_bytes(cfg, batch, seq, tp, checkpointing=checkpointing, elem=elem, ep=ep,
+                                     composite=composite)
+    plain = baseline_activation_bytes(cfg, batch, seq, tp, elem=elem, ep=ep, composite=composite)["blocks"] / L
+    g = elem if sharded else 4  # gradients of FSDP's bf16 parameters are bf16; autocast's parameters stay float32
     if sharded:
-        blocks_held = split.n_layer if zero_stage == 2 else 2
-        gathered = elem * (root + blocks_held * block)
-        transient = (elem + 4) * (root + block)  # a block's unsharded bf16 gradients and their float32 copy
-    elif elem < 4:
-        gathered = elem * (root + split.n_layer * block)  # autocast's bf16 copies of the weights, saved
-    backward = acts["recompute"] + transient
-    total = params + optimizer + max(acts["total"] + gathered, grads + acts["total"] + gathered + backward)
+        kept_root = root - (split.embedding / tp if zero_stage == 3 else 0)
+        gathered = elem * (kept_root + (L if zero_stage == 2 else min(2, L)) * block)
+        reduce = (g + 4) * block + 4 * block / dp
+    else:
+        gathered = elem * (root + L * block) if elem < 4 else 0.0
+        reduce = 0.0
+    vocab = N * -(-V // tp)
+    loss = 4 * vocab
+    # the loss's forward: its temporaries beside the saved log-softmax and, sharded, FSDP's flat all-gather output
+    # of the last group gathered (kept until the next all-gather: the head's group, or tied the last block)
+    head = root - split.embedding / tp  # the final norm and the head (tied: the embedding too)
+    last_gather = (elem * (head if split.embedding else block)) if sharded else 0.0
+    loss_forward = (loss_forward_bytes(elem, ep, composite) - loss_input_bytes(ep, composite)) * vocab + last_gather
+    mlp = g * h * inner / tp + elem * N * inner / tp
+    if not sharded:
+        head_grads = 4 * head  # float32 gradients, kept where the backward puts them
+    elif split.embedding:
+        head_grads = 4 * head / dp  # their own group, reduce-scattered when the backward has passed them
+    else:
+        head_grads = g * root  # the root group's, reduce-scattered at the very end
+    kept = acts["blocks"] / L  # what a block keeps for its backward, freed with it
+    # per block whose backward is over: its gradient (shard) held, its saved tensors and (stage 2) its gathered
+    # parameters freed: FSDP reshards a group after its backward
+    done = 4 * block / (dp if sharded else 1) - kept - (elem * block if sharded and zero_stage == 2 else 0)
+    in_block = acts["recompute"] + max(mlp, reduce - plain) + head_grads + max(0.0, (L - 1) * done)
+    # at stage 3 the blocks were resharded after their forward: the loss's forward has the root's groups gathered
+    at_loss = elem * kept_root if sharded and zero_stage == 3 else gathered
+    backward = max(loss, in_block)
+    end = grads + gathered + g * V * h
+    total = params + optimizer + max(acts["total"] + gathered + backward, acts["total"] + at_loss + loss_forward, end)
     return {"parameters": int(params), "gradients": int(grads), "optimizer": int(optimizer),
-            "activations": acts["total"], "gathered": int(gathered), "backward": int(backward), "total": int(total)}
+            "activations": acts["total"], "gathered": int(gathered), "loss_forward": int(loss_forward),
+            "backward": int(backward), "total": int(total)}

@@ -19,6 +19,12 @@ each with a micro-batch of ``micro_batch`` sequences per replica and ``grad_accu
 ``dp * micro_batch * grad_accum * seq`` is the global batch (``global_batch_tokens``, rounded down to whole
 sequences for every replica).
 
+The search goes from the least memory up: for each layout and size, ZeRO stage 3 before 2, 1 and 0, checkpointing
+``full`` before ``selective`` and ``none``, micro-batches ascending; a configuration that does not fit at its least
+micro-batch leaves out those that keep more (a lower stage, a lighter checkpointing mode), as their memory is
+never less. The memory model builds each configuration's least micro-batches and the largest a line through them
+says fits, and reads those between from two profiles (exact: :func:`lightning_tp2d.bench.memory_model.shard_bytes`).
+
 How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
 
 * memory: the package's layouts :func:`lightning_tp2d.bench.memory_model.peak_bytes` (the model built on the
@@ -36,8 +42,9 @@ How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
 * data parallelism, one rule for both families (:func:`data_parallel_time`): stage 0 and 1 all-reduce the float32
   gradients once per step (hierarchical across nodes), hidden behind the last micro-batch's backward; stage 1 then
   all-gathers the updated slices behind nothing; stages 2 and 3 all-gather each block's bf16 tensor shard (stage 3
-  again in the backward) and reduce-scatter its float32 gradients every micro-batch, each hidden behind the
-  neighbouring block's compute.
+  again in the backward, with the root groups resharded after the forward: the baseline's untied embedding, cp's
+  root) and reduce-scatter its float32 gradients every micro-batch, each hidden behind the neighbouring block's
+  compute.
 
 Not modelled: pipeline parallelism (the package has none; 405B at 1024 GPUs is where that limits), float8, the
 host (assumed never the bottleneck), allocator fragmentation (memory is live bytes; the 10% margin is for it),
@@ -139,10 +146,17 @@ def model_flops_per_token(cfg, seq: int) -> float:
 
 
 def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: int, stage: int, gpus_per_node: int,
-                       hw: Hardware, forward_s: float, backward_s: float, grad_accum: int, elem: int = ELEMENT) -> dict:
+                       hw: Hardware, forward_s: float, backward_s: float, grad_accum: int, elem: int = ELEMENT,
+                       regathered: float = 0.0) -> dict:
     """Seconds of data-parallel communication per step for ``dp`` replicas of ``tp`` consecutive ranks, one rank
     holding ``root`` + ``n_layer * block`` tensor-shard elements (float32 at rest, gradients reduced in float32),
-    ``forward_s`` / ``backward_s`` one micro-batch's compute: ``{"comm_s", "exposed_s"}`` (module docstring)."""
+    ``forward_s`` / ``backward_s`` one micro-batch's compute: ``{"comm_s", "exposed_s"}`` (module docstring).
+
+    ``regathered``: the root's elements (of ``root``) that stage 3 resharded after the forward and so all-gathers
+    again at the end of the backward, prefetched behind the first block's backward: the 1-D baseline's untied
+    input embedding (torchtitan's ``apply_fsdp`` wraps it alone, resharded after forward), the whole root of torch's
+    context parallelism (:func:`~lightning_tp2d.bench.context_parallel.parallelize_cp`); 0 for the package's
+    layouts, whose root group FSDP keeps gathered from the forward to the backward. Ignored below stage 3."""
     if dp <= 1:
         return {"comm_s": 0.0, "exposed_s": 0.0}
     total = root + n_layer * block
@@ -161,10 +175,14 @@ def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: 
     scatter_root = _dp_collective("reduce_scatter", 4 * root, dp, tp, gpus_per_node, hw)
     fwd_block, bwd_block = forward_s / n_layer, backward_s / n_layer
     backward_calls = scatter_block + (gather_block if stage == 3 else 0.0)
-    comm = gather_root + scatter_root + n_layer * (gather_block + backward_calls)
+    again = _dp_collective("all_gather", elem * regathered / dp, dp, tp, gpus_per_node, hw) \
+        if stage == 3 and regathered else 0.0
+    comm = gather_root + scatter_root + n_layer * (gather_block + backward_calls) + again
     exposed = (gather_root + gather_block  # the first gathers run behind nothing
                + (n_layer - 1) * max(0.0, gather_block - fwd_block)
-               + n_layer * max(0.0, backward_calls - bwd_block) + scatter_root)
+               + n_layer * max(0.0, backward_calls - bwd_block) + scatter_root
+               # the root's gather again shares the first block's backward with that block's own calls
+               + max(0.0, backward_calls + again - bwd_block) - max(0.0, backward_calls - bwd_block))
     return {"comm_s": grad_accum * comm, "exposed_s": grad_accum * exposed}
 
 
@@ -234,11 +252,14 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     shard = lambda n, vectors: (n - vectors) / p + vectors if baseline else n / p  # noqa: E731
     root, block = shard(split.root, split.root_vectors), shard(split.block, split.block_vectors)
     sharding, ranks = dp, p  # FSDP / ZeRO over the replicas, each replica's tensor shard of ranks
+    # gathered again in the backward at stage 3: the baseline's untied embedding (its own group), cp's whole root
+    regathered = split.embedding / p if baseline else 0.0
     if cp:  # FSDP over all p * dp ranks, of the whole (not tensor-sharded) parameters
         root, block, sharding, ranks = split.root, split.block, p * dp, 1
+        regathered = split.root
     data = data_parallel_time(root=root, block=block, n_layer=split.n_layer, dp=sharding, tp=ranks, stage=zero_stage,
                               gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s, backward_s=backward_s,
-                              grad_accum=grad_accum)
+                              grad_accum=grad_accum, regathered=regathered)
     updated = (root + split.n_layer * block) / (sharding if zero_stage >= 1 else 1)
     optimizer_s = OPTIMIZER_BYTES_PER_ELEMENT * updated / hw.hbm_bytes_per_s
     step_s = grad_accum * micro_s + data["exposed_s"] + optimizer_s
@@ -336,18 +357,29 @@ def _plan(cfg, model, gpus, gpu_memory_gib, gpus_per_node, seq, sequences, hw, i
                                                           max_micro_batch):
         per_replica = sequences // dp
         started = time.time()
-        for stage in stages:
-            for mode in modes:
-                for m in micros:  # ascending: memory grows with the micro-batch
+        # least memory first (ZeRO stage 3 before 2, 1, 0; full checkpointing before selective and none): what does
+        # not fit at its least micro-batch leaves out every configuration that keeps more
+        for stage in sorted(stages, reverse=True):
+            fitted = False
+            for mode in sorted(modes, key=_LEAST_MEMORY_FIRST.index):
+                for i, m in enumerate(micros):  # ascending: memory grows with the micro-batch
                     memory = _memory(cfg, name, p, dp, stage, mode, m, seq)
                     if smallest is None or memory["total"] < smallest[0]:
                         smallest = (memory["total"], f"{name} p={p} dp={dp} zero_stage={stage} checkpointing={mode} "
                                                      f"micro_batch={m}")
                     if memory["total"] > cap:
                         break
+                    if i == 1 and name != BASELINE:
+                        _bracket(cfg, name, p, dp, stage, mode, micros, seq, previous, memory, cap)
+                    previous = memory
                     rows.append(price(cfg, layout=name, p=p, dp=dp, zero_stage=stage, checkpointing=mode,
                                       micro_batch=m, grad_accum=per_replica // m, seq=seq, hw=hw,
                                       gpus_per_node=gpus_per_node, compiled=compiled, memory=memory))
+                if memory["total"] > cap and m == micros[0]:
+                    break  # the modes that keep more do not fit either
+                fitted = True
+            if not fitted:
+                break  # nor do the lower stages
         log.info("plan: %s p=%d dp=%d priced in %.1f s (%d rows so far)", name, p, dp, time.time() - started,
                  len(rows))
     if not rows:
@@ -358,6 +390,20 @@ def _plan(cfg, model, gpus, gpu_memory_gib, gpus_per_node, seq, sequences, hw, i
                           f"({memory_fraction:.0%} usable): the least memory per GPU any configuration needs is "
                           f"{smallest[0] / GIB:.1f} GiB ({smallest[1]})")
     return sorted(rows, key=lambda r: r.step_s)
+
+
+_LEAST_MEMORY_FIRST = ("full", "selective", "none")
+
+
+def _bracket(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micros: list[int], seq: int, first: dict,
+             second: dict, cap: float) -> None:
+    """Profile the largest micro-batch that the first two (``first``, ``second``: their parts) say will fit, read
+    as a straight line through them, so that the memory model reads those between from it and the second
+    (:func:`lightning_tp2d.bench.memory_model.shard_bytes`; exact: the line only picks which one to build)."""
+    slope = (second["total"] - first["total"]) / (micros[1] - micros[0])
+    likely = [m for m in micros[3:] if second["total"] + slope * (m - micros[1]) <= cap]
+    if likely:
+        _memory(cfg, layout, p, dp, stage, mode, likely[-1], seq)
 
 
 def _memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_batch: int, seq: int) -> dict:

@@ -39,15 +39,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel)
 
 from lightning_tp2d.bench.events import Comm, float32_bytes
+from lightning_tp2d.families import family_of
 from lightning_tp2d.models.gpt2 import GPT2Config
+from lightning_tp2d.models.llama import LlamaConfig
 
-__all__ = ["check_sequence_parallel", "sp_plan", "block_linears", "reduce_norm_grads", "tp1d_sp_comm_events"]
+__all__ = ["check_sequence_parallel", "sp_plan", "block_linears", "reduce_norm_grads", "tp1d_sp_comm_events",
+           "init_tp_dp_mesh", "shard_1d_data_parallel"]
 
 AXIS = "tp"
 
@@ -225,3 +229,41 @@ def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int
         ev("all_gather", shard_ep, 1, "backward"),  # wte output gradient
         *positions,  # wpe output gradient
     ]
+
+
+# ---- x FSDP2: torchtitan's composition (``apply_fsdp`` after ``apply_tp``) ---------------------------------------
+
+DP_AXIS = "dp"
+_ENDS = {GPT2Config: ("transformer.wte", "transformer.ln_f"), LlamaConfig: ("model.embed_tokens", "model.norm")}
+
+
+def init_tp_dp_mesh(tp: int, dp: int, device_type: str = "cpu") -> DeviceMesh:
+    """The 2-D ``("dp", "tp")`` mesh of ``dp * tp`` ranks (the default process group's): tensor-parallel groups of
+    ``tp`` adjacent ranks, data parallelism across them, as torchtitan orders its mesh."""
+    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=(DP_AXIS, AXIS))
+
+
+def shard_1d_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, mp_policy=None) -> nn.Module:
+    """FSDP2 over ``dp_mesh`` on a model parallelized by :func:`~lightning_tp2d.bench.tp1d.parallelize_1d`, as
+    torchtitan's ``apply_fsdp`` groups it: the input embedding alone, each block, the final norm with the head, then
+    the root (what is left: GPT-2's position table). ``zero_stage`` 3: the embedding and every block resharded after
+    their forward (torchtitan's default policy), so each is all-gathered again in the backward; the norm and head
+    not (FSDP would gather them again at once: the backward starts there). 2: nothing resharded after the forward.
+    A head tied to the embedding (GPT-2) joins it in the root group, which FSDP keeps gathered from the forward to
+    the backward (``reshard_after_forward`` left to FSDP: the root is not resharded). ``mp_policy``: FSDP's
+    :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` (torchtitan: bf16 parameters, float32 reduction)."""
+    if zero_stage not in (2, 3):
+        raise ValueError(f"shard_1d_data_parallel: zero_stage={zero_stage!r} is not 2 or 3")
+    again = zero_stage == 3
+    options = {"mesh": dp_mesh, "mp_policy": mp_policy} if mp_policy is not None else {"mesh": dp_mesh}
+    embedding_name, norm_name = next(ends for cls, ends in _ENDS.items() if isinstance(model.config, cls))
+    embedding, norm = model.get_submodule(embedding_name), model.get_submodule(norm_name)
+    tied = model.lm_head.weight is embedding.weight
+    if not tied:
+        fully_shard(embedding, reshard_after_forward=again, **options)
+    for block in family_of(model).block_modules(model):
+        fully_shard(block, reshard_after_forward=again, **options)
+    if not tied:
+        fully_shard([norm, model.lm_head], reshard_after_forward=False, **options)
+    fully_shard(model, **options)
+    return model

@@ -70,7 +70,8 @@ from lightning_tp2d.bench.events import Comm
 from lightning_tp2d.bench.measure import tensors_in
 from lightning_tp2d.families import family_of, family_of_config
 from lightning_tp2d.layouts import DATA_AXIS, Layout, get_layout
-from lightning_tp2d.mesh import init_mesh
+from lightning_tp2d.mesh import ParallelDims, init_mesh
+from lightning_tp2d.ops import register_mesh
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 
 _MATMUL_FLOPS = {packet.__name__: formula for packet, formula in flop_registry.items()
@@ -426,6 +427,14 @@ class _Worker:
     def usable(self) -> bool:
         return self.owner == os.getpid() and self.process.is_alive()
 
+    def close(self) -> None:
+        """End the worker (its pipe closed, it returns; killed if it does not within a second)."""
+        self.conn.close()
+        self.process.join(1.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
     def call(self, fn, *args):
         """``fn(*args)`` in the worker (``fn`` a module-level function: sent by name)."""
         self.conn.send((fn, args))
@@ -438,19 +447,70 @@ class _Worker:
         return value
 
 
-_WORKERS: list[_Worker] = []  # at most one: this process's tracing worker
+_WORKERS: list[_Worker] = []  # this process's tracing worker (at most one)
+_GROUP_WORKERS: dict[tuple[int, int], _Worker] = {}  # workers that keep a fake group of (world, rank), oldest first
+_MAX_GROUP_WORKERS = 4
 
 
-def in_worker(fn, *args):
-    """``fn(*args)`` in this process's fake-group worker (:class:`_Worker`, started on first use): the tracer's
-    and the memory model's builds on torch's fake process group. ``fn`` creates and destroys its own fake group (an
-    error destroys one left behind) and empties DTensor's caches of earlier meshes first (:func:`forget_meshes`)."""
+def in_worker(fn, *args, group: tuple[int, int] | None = None):
+    """``fn(*args)`` in one of this process's fake-group workers (:class:`_Worker`, started on first use): the
+    tracer's and the memory model's builds on torch's fake process group.
+
+    ``group=None``: the tracing worker; ``fn`` creates and destroys its own fake group (an error destroys one left
+    behind). ``group=(world, rank)``: a worker kept for that group (at most :data:`_MAX_GROUP_WORKERS`, the least
+    recently used closed first), in which ``fn`` calls :func:`fake_group` and :func:`fake_mesh`: the group and its
+    meshes live on between calls, so DTensor's sharding-propagation caches, keyed by mesh, stay valid and warm (a
+    build with cold caches costs 2-3x a warm one)."""
     if dist.is_initialized():
         raise RuntimeError("the schedule tracer runs the layers on its own fake process group; call the cost model "
                            "from a process without a default process group (e.g. the benchmark's parent process)")
-    if not (_WORKERS and _WORKERS[0].usable()):
-        _WORKERS[:] = [_Worker()]
-    return _WORKERS[0].call(fn, *args)
+    if group is None:
+        if not (_WORKERS and _WORKERS[0].usable()):
+            _WORKERS[:] = [_Worker()]
+        return _WORKERS[0].call(fn, *args)
+    worker = _GROUP_WORKERS.pop(group, None)
+    if worker is None or not worker.usable():
+        while len(_GROUP_WORKERS) >= _MAX_GROUP_WORKERS:
+            _GROUP_WORKERS.pop(next(iter(_GROUP_WORKERS))).close()
+        worker = _Worker()
+    _GROUP_WORKERS[group] = worker  # (re-inserted: the most recently used last)
+    return worker.call(fn, *args)
+
+
+_LIVE: dict = {}  # in a group worker: its fake group {"group": (world, rank)} and meshes {"meshes": {...}}
+
+
+def fake_group(world: int, rank: int) -> None:
+    """Make the default process group torch's fake one of ``world`` ranks, as ``rank``: the live one if it is that
+    group already (:func:`in_worker`'s ``group``), else a new one, the old group destroyed and DTensor's caches of
+    its meshes emptied (:func:`forget_meshes`)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the fake backend's store
+
+    if dist.is_initialized() and _LIVE.get("group") == (world, rank):
+        return
+    drop_fake_group()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    _LIVE.update(group=(world, rank), meshes={})
+
+
+def drop_fake_group() -> None:
+    """Destroy this process's (fake) default group, if any, and forget its meshes."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _LIVE.clear()
+    forget_meshes()
+
+
+def fake_mesh(spec: Layout, p: int, dp: int):
+    """The layout's mesh of ``dp x p`` on the live :func:`fake_group`, one per shape and axis names while the
+    group lives (so cached sharding decisions keep meeting the mesh they were made for)."""
+    dims = ParallelDims(spec, p, dp)
+    key = (tuple(dims.mesh_shape), tuple(dims.mesh_dim_names))
+    meshes = _LIVE["meshes"]
+    if key not in meshes:
+        meshes[key] = init_mesh(spec, p, dp, device_type="cpu")
+    register_mesh(meshes[key])
+    return meshes[key]
 
 
 def _trace_ranks(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel, ranks,
@@ -478,8 +538,7 @@ def _serve(conn) -> None:
         try:
             conn.send(("ok", fn(*args)))
         except BaseException as err:  # noqa: BLE001 - reported by the caller
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            drop_fake_group()
             conn.send(("error", f"{type(err).__name__}: {err}"))
 
 
@@ -539,7 +598,9 @@ def _run_here(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: 
     from torch._subclasses.fake_tensor import FakeTensorMode  # private: see lightning_tp2d._private_api
     from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the fake backend's store
 
-    if data.sharded:
+    if dist.is_initialized():  # a group a memory-model build kept (fake_group) in this worker
+        drop_fake_group()
+    elif data.sharded:
         forget_meshes()
     dist.init_process_group("fake", rank=rank, world_size=p * data.dp, store=FakeStore())
     recorder = _Recorder()
