@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import axis_rank, axis_size, ring_shift
-from lightning_tp2d.models.documents import MASKED, SKIPPED, WHOLE, pair_mask
+from lightning_tp2d import comm
+from lightning_tp2d.models.documents import SKIPPED, WHOLE, Documents
 from lightning_tp2d.options import ATTENTION_KERNELS, RingOptions, TPOptions, tp_options  # noqa: F401 (re-exported)
 from lightning_tp2d.ops import registered
 
@@ -164,21 +165,17 @@ _VERIFIED: dict[tuple, bool] = {}  # (kernel, device, dtype, head size) -> the f
 _AUX: dict[tuple, tuple] = {}  # (kernel, device, dtype, shapes, causal) -> the forward's extra outputs (no dropout)
 
 
-def block_kernel(q: torch.Tensor, options: RingOptions | None = None, masked: bool = False) -> str:
+def block_kernel(q: torch.Tensor, options: RingOptions | None = None) -> str:
     """The per-block attention kernel :func:`attend_block` uses for ``q``: ``"math"`` when
     ``options.attention_kernel == "math"``; otherwise the fused kernel that returns the log-sum-exp: torch's CPU flash
     kernel on CPU; on CUDA the flash kernel (fp16/bf16, head size a multiple of 8 up to 256) or the memory-efficient
     one. A CUDA kernel is first checked once per process (device, dtype, head size) against the math kernel on a
-    small block, forward and backward; if it fails or disagrees, a warning says so and the math kernel is used.
-    ``masked`` (a packed-document mask): the CPU flash kernel takes it as an additive mask; on CUDA such blocks use
-    the math kernel (the fused CUDA kernels' masked forms are not checked here)."""
+    small block, forward and backward; if it fails or disagrees, a warning says so and the math kernel is used."""
     options = ring_options(options)
     if options.attention_kernel == "math":
         return "math"
     if q.device.type == "cpu":
         return "flash_cpu" if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") else "math"
-    if masked:
-        return "math"
     if q.device.type == "cuda":
         d = q.shape[-1]
         if q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256 and _verified("flash_cuda", q):
@@ -221,18 +218,10 @@ def _check_kernel(kernel: str, device, dtype, d: int) -> bool:
         return False
 
 
-def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A bool visibility mask as the additive one the CPU flash kernel takes: 0 where visible, -inf elsewhere."""
-    if mask is None:
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-def _fused_forward(kernel: str, q, k, v, causal: bool, scale: float, mask: torch.Tensor | None = None):
+def _fused_forward(kernel: str, q, k, v, causal: bool, scale: float):
     aten = torch.ops.aten
     if kernel == "flash_cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                     attn_mask=_additive(mask, q.dtype), scale=scale)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.to(acc_dtype(q.dtype))
     if kernel == "flash_cuda":
         out, lse, *aux = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
@@ -243,13 +232,11 @@ def _fused_forward(kernel: str, q, k, v, causal: bool, scale: float, mask: torch
     return out, lse.float()
 
 
-def _fused_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float,
-                    mask: torch.Tensor | None = None):
+def _fused_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float):
     aten = torch.ops.aten
     if kernel == "flash_cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), 0.0, causal, attn_mask=_additive(mask, q.dtype),
-            scale=scale)
+            dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), 0.0, causal, scale=scale)
     key = (kernel, q.device, q.dtype, q.shape, k.shape, causal)
     if key not in _AUX:  # the forward's bookkeeping outputs (no dropout: the same for any values)
         _fused_forward(kernel, q, k, v, causal, scale)
@@ -270,19 +257,16 @@ def _causal_mask(r0: int, r1: int, cols: int, device) -> torch.Tensor:
     return torch.arange(cols, device=device) > torch.arange(r0, r1, device=device).unsqueeze(-1)
 
 
-def attend_block(q, k, v, causal: bool, scale: float, options: RingOptions | None = None,
-                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_block(q, k, v, causal: bool, scale: float,
+                 options: RingOptions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(softmax(q kᵀ·scale [+ causal]) v, logsumexp)`` of one block. ``q [.., Lq, d]``, ``k, v [.., Lk, d]``;
     ``causal`` needs ``Lq == Lk``. Output in ``q``'s dtype, log-sum-exp ``[.., Lq]`` in :func:`acc_dtype`.
-    The kernel is :func:`block_kernel`'s choice: a fused one, or ``options.math_tile``-row score tiles.
-    ``mask``: bool ``[B, 1, Lq, Lk]``, True where a query may see a key (packed documents; ``causal`` is then
-    False, the mask holding any causal part); a query row that sees no key gets output 0 and log-sum-exp
-    ``-inf``, so the online merge adds nothing for it (no NaN)."""
+    The kernel is :func:`block_kernel`'s choice: a fused one, or ``options.math_tile``-row score tiles."""
     options = ring_options(options)
-    kernel = block_kernel(q, options, masked=mask is not None)
+    kernel = block_kernel(q, options)
     if kernel != "math":
-        out, lse = _fused_forward(kernel, q, k, v, causal, scale, mask)
-        return _empty_rows(out, lse.to(acc_dtype(q.dtype)), mask)
+        out, lse = _fused_forward(kernel, q, k, v, causal, scale)
+        return out, lse.to(acc_dtype(q.dtype))
     acc = acc_dtype(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
@@ -293,32 +277,20 @@ def attend_block(q, k, v, causal: bool, scale: float, options: RingOptions | Non
         s = torch.matmul(q[..., r0:r1, :].to(acc), kt).mul_(scale)  # (.., tile, Lk)
         if causal:
             s.masked_fill_(_causal_mask(r0, r1, s.shape[-1], s.device), float("-inf"))
-        if mask is not None:
-            s.masked_fill_(~mask[..., r0:r1, :], float("-inf"))
         l = torch.logsumexp(s, -1)
         out[..., r0:r1, :] = torch.matmul(s.sub_(l.unsqueeze(-1)).exp_(), v.to(acc))
         lse[..., r0:r1] = l
-    return _empty_rows(out, lse, mask)
+    return out, lse
 
 
-def _empty_rows(out: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of a masked block that see no key: output 0 and log-sum-exp ``-inf`` (the kernels give NaN or 0 there)."""
-    if mask is None:
-        return out, lse
-    seen = mask.any(-1)  # (B, 1, Lq), on the device: no host read
-    return (torch.where(seen.unsqueeze(-1), out, out.new_zeros(())),
-            torch.where(seen, lse, lse.new_full((), float("-inf"))))
-
-
-def attend_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, options: RingOptions | None = None,
-                          mask: torch.Tensor | None = None):
+def attend_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, options: RingOptions | None = None):
     """``(dq, dk, dv)`` of one block given the *final* output rows ``out`` and log-sum-exp ``lse`` of these
-    queries (so ``P = exp(q kᵀ·scale - lse)`` is this block's share of the full softmax); kernel and ``mask`` as in
-    :func:`attend_block` (``lse`` is finite: every query sees itself somewhere, so hidden pairs give ``P = 0``)."""
+    queries (so ``P = exp(q kᵀ·scale - lse)`` is this block's share of the full softmax); kernel as in
+    :func:`attend_block`."""
     options = ring_options(options)
-    kernel = block_kernel(q, options, masked=mask is not None)
+    kernel = block_kernel(q, options)
     if kernel != "math":
-        return _fused_backward(kernel, dout, q, k, v, out, lse, causal, scale, mask)
+        return _fused_backward(kernel, dout, q, k, v, out, lse, causal, scale)
     acc = acc_dtype(q.dtype)
     q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
     delta = (dout * out.to(acc)).sum(-1)  # rowsum(dO ∘ O)
@@ -329,8 +301,6 @@ def attend_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, o
         s = torch.matmul(q[..., r0:r1, :], k.transpose(-1, -2)).mul_(scale)
         if causal:
             s.masked_fill_(_causal_mask(r0, r1, s.shape[-1], s.device), float("-inf"))
-        if mask is not None:
-            s.masked_fill_(~mask[..., r0:r1, :], float("-inf"))
         prob = s.sub_(lse[..., r0:r1].unsqueeze(-1)).exp_()  # (.., tile, Lk)
         do = dout[..., r0:r1, :]
         dv += torch.matmul(prob.transpose(-1, -2), do)
@@ -355,27 +325,48 @@ def visible(i: int, j: int, c: int) -> tuple[slice, slice, bool]:
     return slice(c, None), slice(None), False
 
 
-def document_pairs(i: int, j: int, n: int, c: int, links) -> list[tuple[slice, slice, slice, slice, int]]:
-    """The chunk pairs of block ``(i, j)`` that packed documents leave visible: ``(query rows, key rows, query
-    positions, key positions, kind)``, rows local to the ``2c``-row zigzag shards, positions global, ``kind``
-    :data:`~lightning_tp2d.models.documents.WHOLE` (the plain block: causal when on the diagonal) or ``MASKED``
-    (document mask needed). ``links``: :meth:`~lightning_tp2d.models.documents.Documents.chunk_links` of the ``2n``
-    chunks. Diagonal pairs come first: every query row sees itself there, so the merge of later pairs starts from a
-    finite log-sum-exp. Pairs ``links`` marks skipped (or causally empty) are left out: never computed."""
-    mine, theirs = (i, 2 * n - 1 - i), (j, 2 * n - 1 - j)
-    pairs = []
-    for qa, a in enumerate(mine):
-        for kb, b in enumerate(theirs):
-            if links[a][b] != SKIPPED:
-                pairs.append((slice(qa * c, (qa + 1) * c), slice(kb * c, (kb + 1) * c),
-                              slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c), links[a][b]))
-    return sorted(pairs, key=lambda pair: pair[2].start != pair[3].start)
+def document_blocks(i: int, j: int, n: int, c: int, documents: Documents) -> list[tuple[slice, slice, slice, bool]]:
+    """The plain attention blocks that make up ring block ``(i, j)`` under packed documents: ``(batch rows, query
+    rows, key rows, causal)``, rows local to the ``2c``-row zigzag shards of ranks ``i`` (queries) and ``j`` (keys).
+
+    The block is cut into its ``[c, c]`` chunk pairs ``(a, b)`` (query chunk ``a`` of ``i``'s two, key chunk ``b``
+    of ``j``'s two). By :meth:`~lightning_tp2d.models.documents.Documents.chunk_links` a pair in which no query of
+    any row may see a key is left out (never computed); a pair inside one document in every row is one block over
+    the whole batch (causal on the diagonal ``a == b``); a pair that crosses a document start is cut into
+    :meth:`~lightning_tp2d.models.documents.Documents.segments`: each run of queries of one document with the run
+    of keys of that document it sees, a plain block (causal on the diagonal, else full), over the whole batch when
+    every row has the same runs, else row by row. Every other (query, key) combination is hidden and not computed,
+    so no mask exists; a query row that sees no key of the pair gets no block (its output and log-sum-exp are left
+    as they are). Diagonal blocks come first: they cover every query row once (each sees itself), so the merge of
+    the later blocks starts from a finite log-sum-exp. Plain Python from the documents' host-side starts."""
+    chunks = 2 * n
+    links = documents.chunk_links(chunks)
+    blocks = []
+    for qa, a in enumerate((i, chunks - 1 - i)):
+        for kb, b in enumerate((j, chunks - 1 - j)):
+            kind, q0, k0 = links[a][b], qa * c, kb * c
+            if kind == SKIPPED:
+                continue
+            if kind == WHOLE:
+                blocks.append((slice(None), slice(q0, q0 + c), slice(k0, k0 + c), a == b))
+                continue
+            per_row = documents.segments(chunks, a, b)
+            batches = ([(slice(None), per_row[0])] if all(runs == per_row[0] for runs in per_row)
+                       else [(slice(r, r + 1), runs) for r, runs in enumerate(per_row)])
+            for rows, runs in batches:
+                blocks.extend((rows, slice(q0 + s0, q0 + s1), slice(k0 + t0, k0 + t1), a == b)
+                              for s0, s1, t0, t1 in runs)
+    return sorted(blocks, key=lambda block: not block[3])
 
 
-def _pair_mask(doc_ids: torch.Tensor, pair) -> torch.Tensor | None:
-    """The bool document mask of a :func:`document_pairs` pair (``None`` for a whole one)."""
-    _, _, qpos, kpos, kind = pair
-    return None if kind == WHOLE else pair_mask(doc_ids, qpos, kpos, causal=qpos.start == kpos.start)
+def _op_documents(documents: Documents | None, doc_ids: torch.Tensor | None) -> Documents | None:
+    """The packed documents a ring-attention op works with: ``documents`` (eager), or under ``torch.compile``
+    (where an op's arguments are tensors or graph constants, and host data per batch would be a recompile per batch)
+    rebuilt from the ids tensor, whose starts are read on the host once per call; ``None`` in the compiler's shape
+    pass (fake ids cannot be read; the causal ring's shapes are the same)."""
+    if documents is not None or doc_ids is None:
+        return documents
+    return None if comm._SHAPES_ONLY else Documents(doc_ids)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, l_b: torch.Tensor) -> None:
@@ -393,11 +384,13 @@ def _groups_first(t: torch.Tensor, groups: int) -> torch.Tensor:
 @registered("ring_attention")
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, mesh, axis, scale, groups, options, doc_ids, links):
+    def forward(ctx, qkv, mesh, axis, scale, groups, options, documents, doc_ids):
         # qkv (g+2, B, nkv, S, d) with S = 2c: this rank's zigzag chunks; the g query rows stay, k|v travel as one
         # tensor at the nkv heads; each query row attends to the same key/value block (no expanded copy).
-        # doc_ids (B, T) the full batch's document ids and links their chunk table (packed documents), or None
+        # documents: the full batch's packed documents (eager) or None; doc_ids: their (B, T) ids under
+        # torch.compile instead (_op_documents), else None
         i, n = axis_rank(mesh, axis), axis_size(mesh, axis)
+        docs = _op_documents(documents, doc_ids)
         q, kv = qkv[:groups], qkv[groups:]
         c = q.shape[-2] // 2
         out = torch.empty(q.shape, dtype=acc_dtype(q.dtype), device=q.device)  # (g, B, nkv, S, d)
@@ -405,43 +398,37 @@ class _RingAttention(torch.autograd.Function):
 
         def step(j, blocks):
             (kv_j,) = blocks
-            if doc_ids is not None:
-                return document_step(j, kv_j)
-            rows, cols, causal = visible(i, j, c)
-            k_j, v_j = kv_j[0][..., cols, :], kv_j[1][..., cols, :]
-            for r in range(groups):
-                o_b, l_b = attend_block(q[r][..., rows, :], k_j, v_j, causal, scale, options)
-                if j == i:  # step 0, the diagonal block: every query row sees at least itself
-                    out[r].copy_(o_b)
-                    lse[r].copy_(l_b)
-                else:
-                    _merge(out[r][..., rows, :], lse[r][..., rows], o_b, l_b)
+            if docs is None:
+                rows, cols, causal = visible(i, j, c)
+                # step 0 is the diagonal block j == i: every query row sees at least itself
+                attend(kv_j, slice(None), rows, cols, causal, first=j == i)
+                return
+            for batch, rows, cols, diagonal in document_blocks(i, j, n, c, docs):
+                attend(kv_j, batch, rows, cols, diagonal, first=diagonal)  # diagonals: the first to reach their rows
 
-        def document_step(j, kv_j):
-            for pair in document_pairs(i, j, n, c, links):
-                rows, cols, qpos, kpos, kind = pair
-                mask, diagonal = _pair_mask(doc_ids, pair), qpos.start == kpos.start
-                k_j, v_j = kv_j[0][..., cols, :], kv_j[1][..., cols, :]
-                for r in range(groups):
-                    o_b, l_b = attend_block(q[r][..., rows, :], k_j, v_j, diagonal and mask is None, scale, options,
-                                            mask)
-                    if diagonal:  # the first pair to reach these rows (document_pairs' order); each sees itself
-                        out[r][..., rows, :].copy_(o_b)
-                        lse[r][..., rows].copy_(l_b)
-                    else:
-                        _merge(out[r][..., rows, :], lse[r][..., rows], o_b, l_b)
+        def attend(kv_j, batch, rows, cols, causal, first):
+            k_j, v_j = kv_j[0][batch][..., cols, :], kv_j[1][batch][..., cols, :]
+            for r in range(groups):
+                o_b, l_b = attend_block(q[r][batch][..., rows, :], k_j, v_j, causal, scale, options)
+                o, l = out[r][batch][..., rows, :], lse[r][batch][..., rows]  # views
+                if first:
+                    o.copy_(o_b)
+                    l.copy_(l_b)
+                else:
+                    _merge(o, l, o_b, l_b)
 
         ring_forward((kv,), mesh, axis, step, double_buffer=options.double_buffer)
         g, B, nkv, S, d = q.shape
         y = out.to(qkv.dtype).permute(1, 2, 0, 3, 4).reshape(B, nkv * g, S, d)  # a view when g == 1
         ctx.save_for_backward(qkv, y, lse, *(() if doc_ids is None else (doc_ids,)))
-        ctx.mesh, ctx.axis, ctx.scale, ctx.groups, ctx.options, ctx.links = mesh, axis, scale, groups, options, links
+        ctx.mesh, ctx.axis, ctx.scale, ctx.groups, ctx.options = mesh, axis, scale, groups, options
+        ctx.documents = documents  # host data, kept in eager only (under torch.compile: None, rebuilt from doc_ids)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        qkv, y, lse, *docs = ctx.saved_tensors
-        doc_ids = docs[0] if docs else None
+        qkv, y, lse, *ids = ctx.saved_tensors
+        docs = _op_documents(ctx.documents, ids[0] if ids else None)
         i, n, g = axis_rank(ctx.mesh, ctx.axis), axis_size(ctx.mesh, ctx.axis), ctx.groups
         q, kv = qkv[:g], qkv[g:]
         c = q.shape[-2] // 2
@@ -452,26 +439,23 @@ class _RingAttention(torch.autograd.Function):
         def step(j, blocks):
             (kv_j,) = blocks
             dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)  # the nkv heads travel, summed over g
-            if doc_ids is not None:
-                for pair in document_pairs(i, j, n, c, ctx.links):
-                    rows, cols, qpos, kpos, _ = pair
-                    mask = _pair_mask(doc_ids, pair)
-                    causal = qpos.start == kpos.start and mask is None
-                    add_block(dkv, kv_j, rows, cols, causal, mask)
-                return (dkv,)
-            rows, cols, causal = visible(i, j, c)
-            add_block(dkv, kv_j, rows, cols, causal, None)
+            if docs is None:
+                rows, cols, causal = visible(i, j, c)
+                add_block(dkv, kv_j, slice(None), rows, cols, causal)
+            else:
+                for batch, rows, cols, diagonal in document_blocks(i, j, n, c, docs):
+                    add_block(dkv, kv_j, batch, rows, cols, diagonal)
             return (dkv,)
 
-        def add_block(dkv, kv_j, rows, cols, causal, mask):
-            k_j, v_j = kv_j[0][..., cols, :], kv_j[1][..., cols, :]
+        def add_block(dkv, kv_j, batch, rows, cols, causal):
+            k_j, v_j = kv_j[0][batch][..., cols, :], kv_j[1][batch][..., cols, :]
             for r in range(g):
-                dq_b, dk_b, dv_b = attend_block_backward(dy[r][..., rows, :], q[r][..., rows, :], k_j, v_j,
-                                                         y[r][..., rows, :], lse[r][..., rows], causal, ctx.scale,
-                                                         ctx.options, mask)
-                dq[r][..., rows, :] += dq_b
-                dkv[0][..., cols, :] += dk_b
-                dkv[1][..., cols, :] += dv_b
+                dq_b, dk_b, dv_b = attend_block_backward(dy[r][batch][..., rows, :], q[r][batch][..., rows, :], k_j,
+                                                         v_j, y[r][batch][..., rows, :], lse[r][batch][..., rows],
+                                                         causal, ctx.scale, ctx.options)
+                dq[r][batch][..., rows, :] += dq_b
+                dkv[0][batch][..., cols, :] += dk_b
+                dkv[1][batch][..., cols, :] += dv_b
 
         ring_backward((kv,), ctx.mesh, ctx.axis, step, home=(dqkv[g:],), double_buffer=ctx.options.double_buffer,
                       wire_dtype=ctx.options.wire_dtype(kv.dtype))
@@ -501,32 +485,28 @@ def ring_attention(qkv: torch.Tensor, mesh: DeviceMesh, axis: str, scale: float 
     ``p-1`` exchanges of ``K|V``; backward: ``p-1`` of ``K|V`` and ``p`` of ``dK|dV``.
 
     ``documents`` (:class:`~lightning_tp2d.models.documents.Documents` of the full ``[B, T]`` batch, which every
-    rank of the ring holds): per-document causal attention. Each block is cut into its ``[c, c]`` chunk pairs
-    (:func:`document_pairs`); a pair in which no query may see any key in any row is skipped (neither computed nor
-    masked), a pair inside one document runs as the plain block, and only pairs that straddle a document start
-    build a ``[B, 1, c, c]`` mask from the ids. Which pairs are which is decided on the host from the documents'
-    start positions (:meth:`~lightning_tp2d.models.documents.Documents.chunk_links`): no host sync in the step.
-    Under ``torch.compile`` the table would be a graph constant (a recompile per batch), so nothing is skipped
-    there: every causal pair is computed with its mask."""
+    rank of the ring holds): per-document causal attention with no mask. Each block is cut into its ``[c, c]``
+    chunk pairs and those into plain blocks (:func:`document_blocks`): a pair in which no query may see any key in
+    any row is skipped (never computed), a pair inside one document runs as the plain block, and a pair that
+    crosses a document start runs as one plain block per (query run, key run) of the same document, the rest of
+    it neither computed nor masked. All of it is decided on the host from the documents' start positions: no host
+    sync in the step, no tensor beyond the plain kernel's. Under ``torch.compile`` the op receives the ids instead
+    (host data per batch would be a recompile per batch) and reads their starts once per call (a host sync on a
+    GPU)."""
     if not isinstance(groups, int) or groups < 1 or qkv.dim() != 5 or qkv.shape[0] != groups + 2 \
             or qkv.shape[-2] % 2:
         raise ValueError(f"ring_attention expects qkv [groups+2, B, nkv, S, d] with S even (two zigzag chunks), "
                          f"got {tuple(qkv.shape)} with groups={groups!r}")
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else scale
-    doc_ids = links = None
+    doc_ids = None
     if documents is not None:
         n = axis_size(mesh, axis)
         if tuple(documents.shape) != (qkv.shape[1], qkv.shape[-2] * n):
             raise ValueError(f"ring_attention: documents of shape {tuple(documents.shape)} do not cover the batch "
                              f"(B, T) = {(qkv.shape[1], qkv.shape[-2] * n)} of these shards")
-        doc_ids = documents.ids
-        links = _all_causal(2 * n) if torch.compiler.is_compiling() else documents.chunk_links(2 * n)
-    return _RingAttention.apply(qkv.contiguous(), mesh, axis, scale, groups, ring_options(options), doc_ids, links)
-
-
-def _all_causal(chunks: int) -> tuple[tuple[int, ...], ...]:
-    """The chunk table that skips only what causality does (every pair ``b <= a`` masked)."""
-    return tuple(tuple(MASKED if b <= a else SKIPPED for b in range(chunks)) for a in range(chunks))
+        if torch.compiler.is_compiling():
+            documents, doc_ids = None, documents.ids
+    return _RingAttention.apply(qkv.contiguous(), mesh, axis, scale, groups, ring_options(options), documents, doc_ids)
 
 
 # ---- MLP -------------------------------------------------------------------------------------------------

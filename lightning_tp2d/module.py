@@ -314,8 +314,9 @@ def sample(model: GPT2 | Llama, idx: torch.Tensor, max_new_tokens: int, temperat
     """``idx [B, T]`` followed by ``max_new_tokens`` tokens sampled from ``model`` (plain or parallelized): from
     ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely (all if ``None``), or greedy for
     ``temperature <= 0``, drawn from one generator seeded with ``seed``. A model with a position table (GPT-2) takes
-    ``T <= block_size`` and then sees the last ``block_size`` tokens; a RoPE model (Llama) sees them all. A
-    parallelized model needs the same call on every rank of its mesh (same tokens out)."""
+    ``T <= block_size`` and then sees the last ``block_size`` tokens; a RoPE model (Llama) sees them all. Each step
+    asks the model for one position's logits (``logits_at``), so a long prompt's prefill holds ``[B, V]`` logits,
+    not ``[B, T, V]``. A parallelized model needs the same call on every rank of its mesh (same tokens out)."""
     was_training = model.training
     model.check_input(idx, values=True)
     model.eval()
@@ -334,7 +335,7 @@ def sample(model: GPT2 | Llama, idx: torch.Tensor, max_new_tokens: int, temperat
             cond = torch.cat([cond, cond[:1].expand(pad, -1)])  # the grid splits the batch into q rows
         if T % seq_multiple:
             cond = torch.cat([cond, cond[:, -1:].expand(-1, seq_multiple - T % seq_multiple)], dim=1)
-        logits = model(cond)[:B, T - 1, :].float()
+        logits = model(cond, logits_at=T - 1)[:B, 0, :].float()  # the last real token's only: no [T, V] logits
         if temperature <= 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:

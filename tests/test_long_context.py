@@ -6,6 +6,7 @@ dim (torch's fake process group, fake tensors: shapes only), tp2d-bench's scenar
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -20,6 +21,7 @@ from lightning_tp2d.comm_record import count_comm
 from lightning_tp2d.families import family_of, model_config
 from lightning_tp2d.layouts import GridRing, Ring, get_layout
 from lightning_tp2d.models import Llama, LlamaConfig
+from lightning_tp2d.models.documents import Documents
 from lightning_tp2d.parallelize import checkpoint_activations, parallelize
 from tests.distributed import run_distributed
 
@@ -67,15 +69,55 @@ def _checkpointing(rank: int, world_size: int) -> dict:
             out[layout, mode] = {"loss": loss.item(), "kept": kept, "backward": calls(backward),
                                  "blocks_forward": [calls(s) for s in blocks],
                                  "same_grads": all(torch.equal(reference[n], g) for n, g in grads.items())}
+    out["logits_at"] = _logits_at_errors(cfg, idx, world_size)
     return out  # plain numbers: tensors would travel as shared memory that a finished rank takes with it
 
 
-def test_checkpointing_the_ring_blocks_keeps_the_gradients_saves_bytes_and_reruns_each_blocks_exchanges():
+def _logits_at_errors(cfg: LlamaConfig, idx: torch.Tensor, world_size: int) -> dict:
+    """Per layout (and the plain model), the largest difference between ``model(idx, logits_at=t)`` and the full
+    logits at ``t``, over positions in different zigzag chunks (and one from the end), and the returned shape."""
+    torch.manual_seed(0)
+    plain = Llama(cfg).eval()
+    idx = idx.repeat(2, 1)  # "2d" splits the batch over the grid's 2 rows
+    errors = {}
+    for layout in (None, "2d", "metp", "2d-metp"):
+        model = plain if layout is None else parallelize(copy.deepcopy(plain), tp.init_mesh(layout, world_size, 1),
+                                                         layout)
+        with torch.no_grad():
+            full = model(idx)
+            picked = {t: model(idx, logits_at=t) for t in (0, 37, 100, 200, 255, -3)}
+        errors[layout] = (max((full[:, t] - y[:, 0]).abs().max().item() for t, y in picked.items()),
+                          {tuple(y.shape) for y in picked.values()})
+    return errors
+
+
+@pytest.fixture(scope="module")
+def ring_runs() -> list:
+    """One spawned group of 4 ranks for this file's multi-rank checks (:func:`_checkpointing`)."""
+    return run_distributed(_checkpointing, 4)
+
+
+def test_logits_at_one_position_equals_that_position_of_the_full_logits_in_every_layout(ring_runs):
+    """Llama (untied head), T = 256: ``logits_at=t`` gives ``[B, 1, V]`` equal to the full logits at ``t`` (to
+    float32 rounding: one row's product instead of all rows') on one device, "2d", "metp" and "2d-metp" (4 ranks);
+    with targets, or outside ``[-T, T)``, it is refused."""
+    for out in ring_runs:
+        for layout, (error, shapes) in out["logits_at"].items():
+            assert error < 1e-5 and shapes == {(2, 1, 257)}, (layout, error, shapes)
+    model = Llama(LlamaConfig.from_name("llama-tiny", **{**SMALL, "vocab_size": 257}))
+    idx = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="pass targets or logits_at, not both"):
+        model(idx, idx, logits_at=-1)
+    with pytest.raises(ValueError, match=r"logits_at must be an int in \[-8, 8\) for a sequence of 8 tokens, got 8"):
+        model(idx, logits_at=8)
+
+
+def test_checkpointing_the_ring_blocks_keeps_the_gradients_saves_bytes_and_reruns_each_blocks_exchanges(ring_runs):
     """Llama on "metp" (ring of 4) and "2d-metp" (2 x 2): "full" and "selective" give bit-identical gradients;
     "full" keeps under a third of what the forward keeps for the backward without it, "selective" less than
     without; "full"'s backward makes exactly the communication calls of one more forward of every block (the
     ring's exchanges included) on top of the uncheckpointed backward's, "selective"'s none more."""
-    for rank, out in enumerate(run_distributed(_checkpointing, 4)):
+    for rank, out in enumerate(ring_runs):
         for layout in ("metp", "2d-metp"):
             none, full, selective = (out[layout, m] for m in ("none", "full", "selective"))
             assert none["loss"] == full["loss"] == selective["loss"], (rank, layout)
@@ -94,9 +136,10 @@ def test_checkpointing_the_ring_blocks_keeps_the_gradients_saves_bytes_and_rerun
 # ---- the audit: no [T, T] and no [T, vocab] tensor at T = 262144 (fake process group, fake tensors) ------------
 
 
-def _shapes_of_a_step(layout: str, p: int, rank: int, seq: int) -> dict:
+def _shapes_of_a_step(layout: str, p: int, rank: int, seq: int, starts: tuple[int, ...] | None = None) -> dict:
     """In a fake-group worker: every shape a training step (forward, backward) of the small Llama allocates on
-    ``rank`` of ``layout`` at ``seq`` tokens, fake tensors only; and the error a sequence one token longer raises."""
+    ``rank`` of ``layout`` at ``seq`` tokens, fake tensors only; and the error a sequence one token longer raises.
+    ``starts``: packed documents starting there (host data: the fake ids are never read)."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # private: see lightning_tp2d._private_api
 
     fake_group(p, rank)
@@ -106,9 +149,10 @@ def _shapes_of_a_step(layout: str, p: int, rank: int, seq: int) -> dict:
             model = parallelize(Llama(LlamaConfig.from_name("llama-tiny", **SMALL)), mesh, layout)
             model.validate_inputs = False  # fake ids cannot be read
             idx = torch.zeros(1, seq, dtype=torch.long)
+            docs = None if starts is None else Documents(torch.zeros(1, seq, dtype=torch.long), (starts,))
             tracker = LiveTensorBytes(record_shapes=True, fake=mode)
             with tracker:
-                loss = model(idx, idx)
+                loss = model(idx, idx, doc_ids=docs)
                 loss.backward()
             grads = all(q.grad is not None for q in model.parameters())
             try:
@@ -143,6 +187,69 @@ def test_a_training_step_at_262144_tokens_makes_no_quadratic_and_no_full_vocabul
     multiple = get_layout(layout).input_multiples(p)[1]  # 2p on the ring, 2q on the grid
     assert f"sequence length {T + 1} is not divisible" in out["error"], out["error"]
     assert f"use {T} or {T + multiple}, the nearest multiples of {multiple}" in out["error"], out["error"]
+
+
+@pytest.mark.parametrize("layout, rank", [("metp", 1), ("2d-metp", 2)])
+def test_a_packed_training_step_at_262144_tokens_makes_no_tensor_of_a_chunk_pairs_size(layout, rank):
+    """As above with packed documents whose starts fall inside zigzag chunks (so the ring cuts chunk pairs at
+    them): no tensor has as many elements as one ``[c, c]`` chunk pair (``c = T/(2p)``), so no document mask
+    exists, and the step holds no full-vocabulary tensor either."""
+    p, T, V = 4, LONG_T, SMALL["vocab_size"]
+    c = T // (2 * p)
+    starts = (0, 1000, 3 * c + 5, 4 * c, 150000, 7 * c + 17)  # inside chunks 0, 3, 4 and 7; one on a chunk edge
+    out = in_worker(_shapes_of_a_step, layout, p, rank, T, starts)
+    shapes = out["shapes"]
+    assert shapes and out["grads"]
+    assert max(torch.Size(s).numel() for s in shapes) < c * c
+    assert not [s for s in shapes if sum(d >= c for d in s) >= 2], "quadratic in the sequence"
+    assert not [s for s in shapes if any(d >= c for d in s) and any(d >= V for d in s if d < c)], "logits"
+    assert any(T // get_layout(layout).side(p) in s for s in shapes), "the step did not run at length T"
+
+
+# ---- generation's prefill at T = 262144: one position's logits, never [T, V] ----------------------------------------
+
+
+def _shapes_of_a_prefill(layout: str | None, p: int, rank: int, seq: int) -> dict:
+    """Every shape one sampling step (:func:`~lightning_tp2d.module.sample`, greedy) of the small Llama allocates
+    on ``rank`` of ``layout`` (``None``: the plain model, one device) from a ``seq``-token prompt, fake tensors only
+    (the token-id checks, which read values, switched off); and the shape of what it returns."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # private: see lightning_tp2d._private_api
+
+    from lightning_tp2d.module import sample
+
+    if layout is not None:
+        fake_group(p, rank)
+    try:
+        mesh = None if layout is None else fake_mesh(get_layout(layout), p, 1)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            model = Llama(LlamaConfig.from_name("llama-tiny", **SMALL))
+            if layout is not None:
+                model = parallelize(model, mesh, layout)
+            prompt = torch.zeros(1, seq, dtype=torch.long)
+            model.check_input = lambda idx, targets=None, values=None: None  # fake ids cannot be read
+            tracker = LiveTensorBytes(record_shapes=True, fake=mode)
+            with tracker:
+                out = sample(model, prompt, 1, temperature=0)
+        return {"shapes": sorted(set(tracker.shapes)), "out": tuple(out.shape)}
+    finally:
+        if layout is not None:
+            drop_fake_group()
+
+
+@pytest.mark.parametrize("layout, rank", [(None, 0), ("metp", 2), ("2d-metp", 3)])
+def test_a_prefill_at_262144_tokens_makes_no_full_vocabulary_tensor(layout, rank):
+    """``sample``'s step asks the model for the last real token's logits only (``logits_at``): at T = 262144,
+    vocabulary 1000, no tensor has a dim of a zigzag chunk's length (T for the plain model) beside one of the
+    vocabulary's, on the plain model, the ring of 4 and the 2 x 2 grid; the step runs at length T and appends one
+    token."""
+    p, T, V = 4, LONG_T, SMALL["vocab_size"]
+    out = in_worker(_shapes_of_a_prefill, layout, p, rank, T)
+    long = T if layout is None else T // (2 * p)  # the shortest sequence-sized dim a rank holds
+    shapes = out["shapes"]
+    assert out["out"] == (1, T + 1)
+    assert any(T // (1 if layout is None else get_layout(layout).side(p)) in s for s in shapes), "not at length T"
+    assert not [s for s in shapes if any(d >= long for d in s) and any(V <= d < long for d in s)], "logits"
+    assert any(V in s for s in shapes), "no logits at all: the step did not reach the head"
 
 
 # ---- tp2d-bench: no block_size bound for RoPE; bad lengths name the nearest good ones ------------------------------

@@ -3,14 +3,16 @@
 Single device: the ids from end-of-text tokens and their chunk table; a packed Llama (RoPE: relative positions) gives
 each document the logits it has alone, a packed GPT-2 its first document's; bad ids are refused naming both shapes.
 Four gloo ranks, one spawned group: "metp" and "2d-metp" (2x2), GPT-2 and Llama (GQA), equal the plain model with
-the same documents in loss and every gradient (float64), and the ring calls the block kernel exactly for the chunk
-pairs in which some query may see some key (pairs across a document start are skipped). The data module packs
+the same documents in loss and every gradient (float64), and the ring calls the plain block kernel exactly for the
+runs of queries and keys of one document that see each other (chunk pairs across a document start are skipped, pairs
+that cross one are cut at it: no mask anywhere). The data module packs
 documents from end-of-text tokens and the training step hands them to the model.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -19,8 +21,9 @@ import lightning_tp2d as tp
 from lightning_tp2d import metp
 from lightning_tp2d.data.datamodule import TokenWindows, collate_documents
 from lightning_tp2d.models import GPT2, GPT2Config
-from lightning_tp2d.models.documents import MASKED, SKIPPED, WHOLE, Documents
+from lightning_tp2d.models.documents import SKIPPED, SPLIT, WHOLE, Documents
 from lightning_tp2d.models.llama import Llama, LlamaConfig
+from lightning_tp2d.nn.sequence import zigzag_positions
 from tests.distributed import run_distributed
 
 SEQ = 32  # 8 zigzag chunks of 4 on a ring of 4; 4 chunks of 8 on a 2x2 grid's rows
@@ -50,8 +53,8 @@ def test_doc_ids_from_end_of_text_tokens_and_the_chunk_table():
     assert docs.ids.tolist() == [[0, 0, 0, 1, 1, 1, 2, 3]]  # an end-of-text token closes its own document
     assert docs.starts == ((0, 3, 6, 7),)
     links = Documents(DOC_IDS).chunk_links(8)  # chunks of 4: starts 5, 25 (row 0) and 13, 16 (row 1)
-    assert links[0][0] == WHOLE and links[1][1] == MASKED  # chunk 1 = [4, 8) holds row 0's start 5
-    assert links[1][0] == MASKED  # row 0: rows 4 sees 0..4; row 1: one document until 13
+    assert links[0][0] == WHOLE and links[1][1] == SPLIT  # chunk 1 = [4, 8) holds row 0's start 5
+    assert links[1][0] == SPLIT  # row 0: rows 4 sees 0..4; row 1: one document until 13
     assert links[7][0] == SKIPPED  # starts 5 (row 0) and 13 (row 1) lie between
     assert links[5][4] == WHOLE and links[0][1] == SKIPPED  # [16, 24) one document in both rows; b > a causal
     # the table agrees with the full mask: a pair is skipped iff no query of it sees any key of it
@@ -60,6 +63,21 @@ def test_doc_ids_from_end_of_text_tokens_and_the_chunk_table():
         for b in range(a + 1):
             seen = bool(mask[:, 4 * a:4 * a + 4, 4 * b:4 * b + 4].any())
             assert (links[a][b] != SKIPPED) == seen, (a, b)
+
+
+def test_a_split_chunk_pair_is_cut_into_the_runs_of_one_document_that_see_each_other():
+    """Chunks of 4; row 0 starts documents at 5 and 25, row 1 at 13 and 16. Offsets (q0, q1, k0, k1) in the chunks."""
+    docs = Documents(DOC_IDS)
+    # diagonal [4, 8): row 0 cut at 5, each run causal with itself; row 1 one document
+    assert docs.segments(8, 1, 1) == (((0, 1, 0, 1), (1, 4, 1, 4)), ((0, 4, 0, 4),))
+    # queries [4, 8) on keys [0, 4): row 0's query 4 (document 0) sees all four keys, 5..7 (document 1) none
+    assert docs.segments(8, 1, 0) == (((0, 1, 0, 4),), ((0, 4, 0, 4),))
+    # queries [12, 16) on keys [8, 12): row 1's query 12 (document 0, until 13) sees them, 13..15 do not
+    assert docs.segments(8, 3, 2) == (((0, 4, 0, 4),), ((0, 1, 0, 4),))
+    # queries [16, 20) on keys [12, 16): row 1's document starts at 16 exactly: nothing seen in that row
+    assert docs.segments(8, 4, 3) == (((0, 4, 0, 4),), ())
+    with pytest.raises(ValueError, match="b <= a"):
+        docs.segments(8, 1, 2)
 
 
 def test_a_packed_llama_gives_each_document_its_logits_alone_and_gpt2_its_first():
@@ -97,30 +115,51 @@ def test_doc_ids_of_another_shape_or_decreasing_are_refused_naming_both_shapes()
 
 
 def _count_blocks(monkeypatch_target):
-    """Wrap ``metp.attend_block``; returns the call log ``[masked?]``."""
+    """Wrap ``metp.attend_block``; returns the call log ``[(batch rows, query rows, key rows, causal)]``."""
     calls = []
     real = monkeypatch_target.attend_block
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("mask", args[6] if len(args) > 6 else None) is not None)
-        return real(*args, **kwargs)
+    def counting(q, k, v, causal, *args, **kwargs):
+        assert not [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)], "a mask reached the kernel"
+        calls.append((q.shape[0], q.shape[-2], k.shape[-2], causal))
+        return real(q, k, v, causal, *args, **kwargs)
 
     monkeypatch_target.attend_block = counting
     return calls, real
 
 
-def _expected_blocks(i: int, n: int, docs: Documents) -> tuple[int, int]:
-    """``(pairs, masked pairs)`` of chunk pairs rank ``i`` of ``n`` computes in one ring pass, from the full mask: a
-    pair is computed iff some query sees some key; it needs a mask iff it is not one document in every row."""
+def _expected_blocks(i: int, n: int, docs: Documents) -> tuple[int, Counter]:
+    """``(visible chunk pairs, plain blocks)`` rank ``i`` of ``n`` computes in one ring pass, from the full mask and
+    the ids: a ``[c, c]`` pair is computed iff some query sees some key in it; inside one document in every row it
+    is one block over the batch; otherwise each row's document ``d`` contributes the block of its queries that see a
+    key of the pair by the keys they see, over the whole batch when all rows have the same blocks, else row by row.
+    Blocks as ``(batch rows, query rows, key rows, causal)``."""
     c = SEQ // (2 * n)
     mask, ids = docs.mask()[:, 0], docs.ids
-    pairs = masked = 0
+    pairs, blocks = 0, Counter()
     for a in (i, 2 * n - 1 - i):
         for b in range(a + 1):
-            if mask[:, a * c:(a + 1) * c, b * c:(b + 1) * c].any():
-                pairs += 1
-                masked += bool((ids[:, b * c:(a + 1) * c] != ids[:, b * c:b * c + 1]).any())
-    return pairs, masked
+            qs, ks = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+            if not mask[:, qs, ks].any():
+                continue
+            pairs += 1
+            if (ids[:, b * c:(a + 1) * c] == ids[:, b * c:b * c + 1]).all():
+                blocks[len(ids), c, c, a == b] += 1
+                continue
+            per_row = []
+            for row in range(len(ids)):
+                runs = []
+                for d in ids[row].unique().tolist():
+                    sub = mask[row, qs, ks] & (ids[row, qs] == d)[:, None]  # (c, c): document d's visible pairs
+                    q_rows, k_rows = sub.any(1).nonzero().flatten(), sub.any(0).nonzero().flatten()
+                    if len(q_rows):
+                        runs.append((tuple(q_rows.tolist()), tuple(k_rows.tolist())))
+                per_row.append(sorted(runs))
+            same = all(runs == per_row[0] for runs in per_row)
+            for runs in per_row[:1] if same else per_row:
+                for q_rows, k_rows in runs:
+                    blocks[len(ids) if same else 1, len(q_rows), len(k_rows), a == b] += 1
+    return pairs, blocks
 
 
 def _ring_parity(rank, world_size):
@@ -145,29 +184,65 @@ def _ring_parity(rank, world_size):
             grads = {n: _rel(p.grad.full_tensor(), p0.grad)
                      for (n, p), p0 in zip(par.named_parameters(), plain.parameters())}
             out[layout, family] = {"loss": (loss0.item(), loss1.item()), "grads": grads,
-                                   "calls": (len(calls), sum(calls)), "plain_loss": plain(idx, targets).item()}
+                                   "calls": calls, "plain_loss": plain(idx, targets).item()}
+    out["same rows"] = _same_rows_parity(rank, world_size)
     return out
+
+
+def _same_rows_parity(rank: int, world_size: int) -> tuple[float, float, list]:
+    """``ring_attention`` alone on the ring of 4 with two rows cut at the same places (so split pairs run as one
+    block over the batch) against SDPA with the full mask: (output error, q|k|v gradient error, kernel calls)."""
+    mesh = tp.init_mesh("metp", world_size, 1)
+    docs = Documents(torch.stack([DOC_IDS[0], DOC_IDS[0]]))
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dy = (torch.randn(2, 3, SEQ, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    full = torch.stack([q, k, v]).requires_grad_()
+    ref = torch.nn.functional.scaled_dot_product_attention(*full, attn_mask=docs.mask())
+    ref.backward(dy)
+    rows = zigzag_positions(SEQ, world_size, rank)
+    shard = full.detach()[..., rows, :].clone().requires_grad_()
+    calls, real = _count_blocks(metp)
+    try:
+        y = metp.ring_attention(shard, mesh, "ring", documents=docs)
+    finally:
+        metp.attend_block = real
+    y.backward(dy[..., rows, :])
+    return _rel(y, ref.detach()[..., rows, :]), _rel(shard.grad, full.grad[..., rows, :]), calls
 
 
 def test_metp_and_2d_metp_with_packed_documents_match_the_plain_model_and_skip_empty_blocks():
     results = run_distributed(_ring_parity, 4)
     docs = Documents(DOC_IDS)
+    same = Documents(torch.stack([DOC_IDS[0], DOC_IDS[0]]))
     for rank, out in enumerate(results):
+        out_err, grad_err, calls = out.pop("same rows")
+        assert out_err <= 1e-12 and grad_err <= 1e-12, (rank, out_err, grad_err)
+        assert Counter(calls) == _expected_blocks(rank, 4, same)[1], rank  # every block over both rows at once
+        assert all(batch == 2 for batch, *_ in calls)
         for (layout, family), got in out.items():
             loss0, loss1 = got["loss"]
             assert abs(loss1 - loss0) <= 1e-10 * abs(loss0), (layout, family)
             assert abs(loss0 - got["plain_loss"]) > 1e-4  # the documents change the loss: the mask is not a no-op
             worst = max(got["grads"], key=got["grads"].get)
             assert got["grads"][worst] <= 1e-10, (layout, family, worst, got["grads"][worst])
-            # block-kernel calls in the forward: one per visible chunk pair, layer and query group, nothing else
+            # plain block-kernel calls in the forward: one per block of one document's queries and keys, layer and
+            # query group, nothing else
             n, i = (4, rank) if layout == "metp" else (2, rank // 2)  # "2d-metp": the ring runs along row
             layers = 2
             groups = 1 if family == "gpt2" else 2  # llama-tiny: 12 query heads on 6 key/value heads
-            pairs, masked = _expected_blocks(i, n, docs)
-            assert got["calls"] == (layers * groups * pairs, layers * groups * masked), (layout, family, rank)
+            blocks = _expected_blocks(i, n, docs)[1]
+            assert Counter(got["calls"]) == Counter({k: layers * groups * v for k, v in blocks.items()}), (
+                layout, family, rank)
     # on the ring of 4 (chunks of 4) the documents cut away work the causal mask alone keeps: of the 2n + 1 = 9
     # causal chunk pairs per rank, rank 0 (chunks 0 and 7) computes 5 ((0, 0) and (7, 4..7)), the others 8
     assert [_expected_blocks(i, 4, docs)[0] for i in range(4)] == [5, 8, 8, 8]
+    # rank 1 (chunks 1 = [4, 8) and 6 = [24, 28)), row by row (the rows' documents differ in every split pair):
+    # (1, 1) row 0 cut at 5 into causal runs of 1 and 3, row 1 whole; (1, 0) row 0's query 4 on keys 0..3, row 1
+    # whole; (6, 6) row 0 cut at 25 (runs of 1 and 3), row 1 whole; (6, 1..5) row 0's query 24 (document [5, 25))
+    # on its keys in [5, 8) then 4 per chunk, queries 25..27 on none; row 1 (document [16, 32)) on (6, 4) and (6, 5)
+    assert _expected_blocks(1, 4, docs)[1] == Counter({(1, 1, 1, True): 2, (1, 3, 3, True): 2, (1, 4, 4, True): 2,
+                                                       (1, 1, 4, False): 5, (1, 1, 3, False): 1,
+                                                       (1, 4, 4, False): 3})
 
 
 # ---- the data module -------------------------------------------------------------------------------------------
@@ -211,3 +286,33 @@ def test_the_data_module_packs_documents_and_the_training_step_passes_them(tmp_p
                         callbacks=[Record()])
     trainer.fit(tp.CausalLMModule("gpt2-tiny"), dm)
     assert len(seen) == 1 and isinstance(seen[0], Documents) and seen[0].shape == (2, 16)
+
+
+def test_tp2d_train_has_the_packing_keys_and_they_reach_the_data_module(tmp_path):
+    """``data.pack_documents`` / ``data.eos_id`` in every data option: off by default; on, the composed config
+    builds a packing ``TextDataModule`` (the byte tokenizer's end-of-text 256, or the given id for token files,
+    which carry no tokenizer), and ``check_config`` plans the ring run as before."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from lightning_tp2d import launch
+    from lightning_tp2d.train import check_config
+
+    launch.register_resolvers()
+    ids = tmp_path / "train.bin"
+    torch.arange(200, dtype=torch.int16).numpy().tofile(ids)
+    with initialize_config_dir(config_dir=str(launch.CONF_DIR), version_base="1.3", job_name="test"):
+        configs = {name: compose(config_name="config", overrides=overrides) for name, overrides in {
+            "default": [], "packed": ["data.pack_documents=true", "parallel=metp", "model=llama-tiny"],
+            "tokens": ["data=tokens", f"data.path={ids}", "data.pack_documents=true", "data.eos_id=7"],
+            "text": ["data=text", f"data.path={tmp_path}", "data.pack_documents=true"]}.items()}
+    for name, cfg in configs.items():
+        assert set(cfg.data) >= {"pack_documents", "eos_id"}, name
+    assert instantiate(configs["default"].data).pack_documents is False
+    packed = instantiate(configs["packed"].data)
+    assert packed.pack_documents is True and packed.eos_id == 256
+    assert instantiate(configs["text"].data).eos_id == 256
+    tokens = instantiate(configs["tokens"].data)
+    assert tokens.pack_documents is True and tokens.eos_id == 7
+    assert check_config(configs["packed"], instantiate(configs["packed"].model)).startswith("layout 'metp'")
+

@@ -9,7 +9,9 @@ its document, the next token opens the following one), as ``TextDataModule(pack_
 
 :class:`Documents` also keeps, per row, the positions where a document starts (``starts``), as plain Python data
 computed on the host. The ring layouts decide from them which blocks of the ``[T, T]`` attention hold no visible
-pair and skip those without reading anything back from the device (:meth:`Documents.chunk_links`). When a
+pair and skip those (:meth:`Documents.chunk_links`), and cut a block that crosses a document start into the runs of
+queries and keys of one document (:meth:`Documents.segments`), each attended as a plain block: no mask is built,
+and nothing is read back from the device. When a
 :class:`Documents` is built from device ids without ``starts``, the first question that needs them reads the ids
 once (a host sync on a GPU); the data module builds them on the CPU, before the batch moves.
 
@@ -18,11 +20,11 @@ once (a host sync on a GPU); the data module builds them on the CPU, before the 
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 
 import torch
 
-WHOLE, MASKED, SKIPPED = 2, 1, 0  # the kinds of chunk pair chunk_links reports
+WHOLE, SPLIT, SKIPPED = 2, 1, 0  # the kinds of chunk pair chunk_links reports
 
 
 class Documents:
@@ -38,6 +40,7 @@ class Documents:
         self.ids = ids
         self._starts = None if starts is None else tuple(tuple(int(s) for s in row) for row in starts)
         self._links: dict[int, tuple[tuple[int, ...], ...]] = {}
+        self._segments: dict[tuple[int, int, int], tuple[tuple[tuple[int, int, int, int], ...], ...]] = {}
 
     @classmethod
     def from_eos(cls, tokens: torch.Tensor, eos_id: int) -> "Documents":
@@ -91,13 +94,11 @@ class Documents:
         """For the sequence cut into ``chunks`` equal chunks, ``links[a][b]`` (``b <= a``; query chunk ``a``, key
         chunk ``b``) over the whole batch: :data:`SKIPPED` when no query of ``a`` may see a key of ``b`` in any row
         (a document starts between the last key and the first query), :data:`WHOLE` when every row's tokens from
-        chunk ``b`` to chunk ``a`` are one document (the plain causal block, no document mask), :data:`MASKED`
-        otherwise. Entries ``b > a`` are :data:`SKIPPED` (causally empty). Plain Python from ``starts``; cached."""
+        chunk ``b`` to chunk ``a`` are one document (the plain causal block), :data:`SPLIT` otherwise (the pair is
+        attended by :meth:`segments`). Entries ``b > a`` are :data:`SKIPPED` (causally empty). Plain Python from
+        ``starts``; cached."""
         if chunks not in self._links:
-            T = self.ids.shape[1]
-            if chunks < 1 or T % chunks:
-                raise ValueError(f"chunk_links: {T} tokens do not cut into {chunks} equal chunks")
-            c = T // chunks
+            c = self._chunk(chunks)
             starts = self.starts
 
             def any_start(lo: int, hi: int, row: tuple[int, ...]) -> bool:  # a start in [lo, hi]?
@@ -110,10 +111,49 @@ class Documents:
                 if b < a and all(any_start((b + 1) * c, a * c, row) for row in starts):
                     return SKIPPED
                 whole = not any(any_start(b * c + 1, (a + 1) * c - 1, row) for row in starts)
-                return WHOLE if whole else MASKED
+                return WHOLE if whole else SPLIT
 
             self._links[chunks] = tuple(tuple(kind(a, b) for b in range(chunks)) for a in range(chunks))
         return self._links[chunks]
+
+    def segments(self, chunks: int, a: int, b: int) -> tuple[tuple[tuple[int, int, int, int], ...], ...]:
+        """Query chunk ``a`` and key chunk ``b <= a`` (of ``chunks`` equal chunks of ``c`` tokens) cut at document
+        starts: per row, the ``(q0, q1, k0, k1)`` offsets inside the two chunks of each run of queries
+        ``[q0, q1)`` and the run of keys ``[k0, k1)`` of the same document that it sees. On the diagonal
+        (``a == b``) every document's run in the chunk sees itself causally (``k0, k1 == q0, q1``); below it
+        (``b < a``) a document's run in chunk ``a`` sees all of the same document's run in chunk ``b``, and a run
+        whose document starts after chunk ``b`` sees nothing (left out). Every other (query, key) combination is
+        hidden, so attending these segments as plain blocks is per-document causal attention with no mask.
+        Runs in increasing order; plain Python from ``starts``; cached."""
+        key = (chunks, a, b)
+        if key not in self._segments:
+            if not 0 <= b <= a < chunks:
+                raise ValueError(f"segments: need 0 <= b <= a < chunks, got a={a}, b={b}, chunks={chunks}")
+            c, T = self._chunk(chunks), self.ids.shape[1]
+            q_lo, k_lo = a * c, b * c
+            rows = []
+            for row in self.starts:
+                inner = row[bisect_right(row, q_lo):bisect_left(row, q_lo + c)]  # starts inside query chunk a
+                cuts = (q_lo, *inner, q_lo + c)
+                runs = []
+                for s0, s1 in zip(cuts, cuts[1:]):  # [s0, s1): one document's queries
+                    if a == b:
+                        runs.append((s0 - q_lo, s1 - q_lo, s0 - q_lo, s1 - q_lo))
+                        continue
+                    d = bisect_right(row, s0) - 1  # the document of [s0, s1): starts at row[d]
+                    lo, hi = max(row[d], k_lo), min(row[d + 1] if d + 1 < len(row) else T, k_lo + c)
+                    if lo < hi:
+                        runs.append((s0 - q_lo, s1 - q_lo, lo - k_lo, hi - k_lo))
+                rows.append(tuple(runs))
+            self._segments[key] = tuple(rows)
+        return self._segments[key]
+
+    def _chunk(self, chunks: int) -> int:
+        """The length of each of ``chunks`` equal chunks (``ValueError`` unless they cut the sequence evenly)."""
+        T = self.ids.shape[1]
+        if chunks < 1 or T % chunks:
+            raise ValueError(f"{T} tokens do not cut into {chunks} equal chunks")
+        return T // chunks
 
     def __repr__(self) -> str:
         return f"Documents(ids {tuple(self.ids.shape)} on {self.ids.device})"
@@ -139,13 +179,4 @@ def as_documents(doc_ids: "torch.Tensor | Documents | None", idx: torch.Tensor,
     return documents
 
 
-def pair_mask(ids: torch.Tensor, q_rows: slice, k_rows: slice, causal: bool) -> torch.Tensor:
-    """``[B, 1, Lq, Lk]`` bool: True where query position ``q_rows`` may see key position ``k_rows`` (same document;
-    with ``causal``, the two ranges are the same chunk and the key is at or before the query)."""
-    mask = ids[:, q_rows].unsqueeze(-1) == ids[:, k_rows].unsqueeze(-2)  # (B, Lq, Lk)
-    if causal:
-        mask &= torch.ones(mask.shape[-2:], dtype=torch.bool, device=ids.device).tril()
-    return mask.unsqueeze(1)
-
-
-__all__ = ["Documents", "MASKED", "SKIPPED", "WHOLE", "as_documents", "check_non_decreasing", "pair_mask"]
+__all__ = ["Documents", "SKIPPED", "SPLIT", "WHOLE", "as_documents", "check_non_decreasing"]

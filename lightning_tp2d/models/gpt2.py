@@ -170,12 +170,30 @@ class LMHead(nn.Module):
         super().__init__()
         self.weight = weight  # the same Parameter object as transformer.wte.weight
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                logits_at: int | None = None) -> torch.Tensor:
+        """``logits_at`` (a position ``0 <= t < T``, no targets): the logits of that position only, ``[B, 1, V]``."""
+        if logits_at is not None:
+            x = x[:, logits_at:logits_at + 1]  # (B, 1, h)
         logits = F.linear(x, self.weight)  # (B, T, V)
         if targets is None:
             return logits
         V = logits.size(-1)
         return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
+
+
+def logits_position(idx: torch.Tensor, targets: torch.Tensor | None, logits_at: int | None) -> int | None:
+    """``logits_at`` as a position ``0 <= t < T`` of ``idx [B, T]`` (``None`` stays ``None``); ``ValueError`` for a
+    position outside ``[-T, T)`` or given with targets (a loss reads every position)."""
+    if logits_at is None:
+        return None
+    T = idx.size(1)
+    if targets is not None:
+        raise ValueError("logits_at selects the logits of one position and returns no loss: pass targets or "
+                         "logits_at, not both")
+    if not isinstance(logits_at, int) or isinstance(logits_at, bool) or not -T <= logits_at < T:
+        raise ValueError(f"logits_at must be an int in [-{T}, {T}) for a sequence of {T} tokens, got {logits_at!r}")
+    return logits_at % T
 
 
 class GPT2(nn.Module):
@@ -302,16 +320,19 @@ class GPT2(nn.Module):
             torch._assert_async(ok.all(), f"target ids must be in [0, {V}) or -100 (ignored)")
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | Documents | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | Documents | None = None, logits_at: int | None = None) -> torch.Tensor:
         """idx (B, T) -> logits (B, T, V), or the mean next-token loss (a scalar) if targets (B, T) given.
         ``doc_ids``: packed documents, a (B, T) integer tensor non-decreasing per row or a
         :class:`~lightning_tp2d.models.documents.Documents`: attention stays inside each document. Positions still
-        count from the start of the row (as in nanoGPT-style packing).
+        count from the start of the row (as in nanoGPT-style packing). ``logits_at`` (no targets): the logits of
+        that one position (an int, negative from the end), ``[B, 1, V]``: a generation prefill at long T never
+        forms the ``[B, T, V]`` logits (nor, in the parallel heads, their ``[T/p, V]`` shards).
 
         Kept generic on purpose: parallel versions swap wte / wpe / blocks / lm_head and reuse this.
         """
         self.check_input(idx, targets)
         documents = self.check_documents(idx, doc_ids)
+        at = logits_position(idx, targets, logits_at)
         T = idx.size(1)
         pos = torch.arange(T, device=idx.device)  # (T,)
         tr = self.transformer
@@ -319,7 +340,7 @@ class GPT2(nn.Module):
         for block in tr.h:
             x = block(x) if documents is None else block(x, documents)
         x = tr.ln_f(x)
-        return self.lm_head(x, targets)
+        return self.lm_head(x, targets) if at is None else self.lm_head(x, logits_at=at)
 
     # ---- transformers GPT2LMHeadModel layout -------------------------------------------------------
 

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints
 from lightning_tp2d.models.documents import Documents
-from lightning_tp2d.models.gpt2 import GPT2, LMHead, _fill_normal_
+from lightning_tp2d.models.gpt2 import GPT2, LMHead, _fill_normal_, logits_position
 from lightning_tp2d.models.hf import HFFormat
 from lightning_tp2d.models.rope import RoPE, apply_rope, rope_cache, rope_inv_freq, rotate_half
 
@@ -361,18 +361,20 @@ class Llama(nn.Module):
     _assert_ids_on_device = GPT2._assert_ids_on_device
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | Documents | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | Documents | None = None, logits_at: int | None = None) -> torch.Tensor:
         """idx (B, T) -> logits (B, T, V), or the mean next-token loss (a scalar; targets -100 ignored) if targets
         (B, T) given. ``doc_ids``: packed documents, as :meth:`GPT2.forward`'s (RoPE positions still count from the
-        start of the row). Generic on purpose: parallel versions swap embed_tokens / layers / norms / lm_head."""
+        start of the row); ``logits_at``: one position's logits ``[B, 1, V]``, as :meth:`GPT2.forward`'s. Generic
+        on purpose: parallel versions swap embed_tokens / layers / norms / lm_head."""
         self.check_input(idx, targets)
         documents = self.check_documents(idx, doc_ids)
+        at = logits_position(idx, targets, logits_at)
         m = self.model
         x = m.embed_tokens(idx)  # (B, T, h)
         for layer in m.layers:
             x = layer(x) if documents is None else layer(x, documents)
         x = m.norm(x)
-        return self.lm_head(x, targets)
+        return self.lm_head(x, targets) if at is None else self.lm_head(x, logits_at=at)
 
     # ---- transformers LlamaForCausalLM layout ------------------------------------------------------------------
 

@@ -88,6 +88,14 @@ class LMHead2DMetp(LMHead2D):
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
         return targets[:, _row_positions(targets.shape[1], self.mesh, targets.device)].reshape(-1)
 
+    def position_rows(self, x: torch.Tensor, at: int) -> tuple[torch.Tensor, int]:
+        """Position ``at`` lies in zigzag chunk ``k = at // c`` at offset ``m`` (``c = S/2``), held by one grid row:
+        every row takes offset ``m`` of both its chunks (``[B, 2, h/q]``), so the gathered logits ``[B, 2q, V]``
+        are offset ``m`` of every chunk in chunk order, and position ``at`` is entry ``k``."""
+        c = x.shape[1] // 2
+        m = at % c
+        return x[:, [m, c + m]], at // c
+
     def full_logits(self, full: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q = axis_index(self.mesh, "row")[1]
         B, S = x.shape[:2]

@@ -12,7 +12,7 @@ back of the weight gradient. The alternative ``A Bᵀ`` SUMMA on the embedding's
 Vocab blocks are zero-padded to ``ceil(V/q)`` rows so every block has one shape; the padded logit columns
 are masked in the loss and dropped when logits are gathered. With targets the vocab-parallel cross-entropy
 returns the mean loss and no rank ever holds more than its ``[N/q, V/q]`` block; without targets the full
-``[B, T, V]`` logits are gathered on every rank.
+``[B, T, V]`` logits are gathered on every rank, or with ``logits_at`` only one position's ``[B, 1, V]``.
 """
 
 from __future__ import annotations
@@ -65,12 +65,23 @@ class LMHead2D(nn.Module):
         q = axis_index(self.mesh, "row")[1]
         return full.view(x.shape[0] * q, x.shape[1], self.vocab_size)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def position_rows(self, x: torch.Tensor, at: int) -> tuple[torch.Tensor, int]:
+        """``(rows of x to compute logits for, index of position at among their gathered logits)``: here every
+        rank holds the whole sequence of its batch shard, so the one row ``at``."""
+        return x[:, at:at + 1], 0
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                logits_at: int | None = None) -> torch.Tensor:
+        """``logits_at`` (a position ``0 <= t < T``, no targets): the logits ``[B, 1, V]`` of that position only,
+        from the few rows :meth:`position_rows` picks (every rank computes and gathers those, not ``[N/q, V/q]``)."""
+        if logits_at is not None:
+            x, index = self.position_rows(x, logits_at)
         if targets is not None:
             local_targets = self.local_targets(targets)
         logits = self.local_logits(x)
         if targets is None:
-            return self.full_logits(gather_grid(logits, self.mesh)[:, : self.vocab_size], x)  # (B*T, V) rows
+            full = self.full_logits(gather_grid(logits, self.mesh)[:, : self.vocab_size], x)  # (B, rows, V)
+            return full if logits_at is None else full[:, index:index + 1]
         return vocab_parallel_cross_entropy(logits, local_targets, self.mesh, self.vocab_size)
 
     def extra_repr(self) -> str:

@@ -18,7 +18,8 @@ writing q|k|v of all heads for this rank's tokens), the ring attention rotates K
 streams its input-column blocks (in-split linear). The MLP is one fused ring pass. The token embedding
 (``wte``: Shard(0), vocab rows) and the tied LM head stream vocab blocks (:mod:`~lightning_tp2d.nn.ring_stream`);
 the position embedding (replicated) picks this rank's zigzag rows. Without targets the head returns the full
-logits ``[B, T, V]`` on every rank (an all-gather of the sequence): for evaluation, ``[N, V]`` per rank.
+logits ``[B, T, V]`` on every rank (an all-gather of the sequence): for evaluation, ``[N, V]`` per rank; with
+``logits_at`` one position's ``[B, 1, V]`` (generation), ``[2B, V]`` per rank.
 
 Every layer is built as ``Cls(module, mesh, options=RingOptions(...))`` (``None``: the defaults) and passes its
 :class:`~lightning_tp2d.metp.RingOptions` to every ring function it calls; layers that call none keep it too.
@@ -191,7 +192,10 @@ class RingPositionEmbedding(nn.Module):
 
 class RingLMHead(nn.Module):
     """``x_i [B, S, h]`` -> mean loss (with ``targets [B, T]``, the full batch; the same scalar on every rank)
-    or the full logits ``[B, T, V]``."""
+    or the full logits ``[B, T, V]``, or with ``logits_at`` one position's logits ``[B, 1, V]`` (generation's
+    prefill): position ``at`` lies in zigzag chunk ``k = at // c`` at offset ``m``; every rank streams the vocab
+    blocks past offset ``m`` of both its chunks (``[2B, h]``, not ``[2cB, h]``), and the gathered ``[B, 2p, V]``
+    logits (offset ``m`` of every chunk, in chunk order) give entry ``k``."""
 
     def __init__(self, weight: nn.Parameter, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
         super().__init__()
@@ -200,8 +204,12 @@ class RingLMHead(nn.Module):
         self.vocab_size = weight.shape[0]
         self.block_rows = -(-self.vocab_size // axis_index(mesh, AXIS)[1])
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                logits_at: int | None = None) -> torch.Tensor:
         i, p = axis_index(self.mesh, AXIS)
+        if logits_at is not None:
+            c = x.shape[1] // 2
+            x, index = x[:, [logits_at % c, c + logits_at % c]], logits_at // c  # (B, 2, h): offset m of each chunk
         B, S, h = x.shape
         if targets is not None:
             check_sequence_length(targets.shape[1], LAYOUT, p)
@@ -212,7 +220,8 @@ class RingLMHead(nn.Module):
             return ring_cross_entropy(x2d, weight, targets, self.mesh, AXIS, self.vocab_size, options=self.options)
         logits = ring_linear_out(x2d, weight, None, self.mesh, AXIS, ColumnBlocks(B * S, p, self.block_rows),
                                  options=self.options)
-        return gather_sequence(logits[:, : self.vocab_size].reshape(B, S, self.vocab_size), self.mesh, AXIS)
+        full = gather_sequence(logits[:, : self.vocab_size].reshape(B, S, self.vocab_size), self.mesh, AXIS)
+        return full if logits_at is None else full[:, index:index + 1]
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, tied to transformer.wte.weight"
