@@ -58,6 +58,7 @@ class Layout:
     splits_batch: ClassVar[bool] = False  # the batch is split over the side (grid rows)
     zigzag: ClassVar[bool] = False  # sequences are cut into 2*side zigzag chunks
     supports_dropout: ClassVar[bool] = True
+    packs_documents: ClassVar[bool] = False  # attention can keep inside each packed document (doc_ids)
     splits_heads: ClassVar[bool] = True  # heads are split over the side (else only the width must divide)
     # torch.compile of activation-checkpointed blocks works (torch 2.13's AOTAutograd fails to save the DTensor
     # parameters' metadata inside a checkpointed "2d" block)
@@ -132,6 +133,14 @@ class Layout:
         """Why ``dropout`` cannot train in this layout (``None``: it can)."""
         if dropout and not self.supports_dropout:
             return f"{key}={dropout}: layout {self.name!r} does not support dropout; set {key}=0"
+        return None
+
+    def documents_problem(self, key: str = "pack_documents") -> str | None:
+        """Why packed documents cannot train in this layout (``None``: they can)."""
+        if not self.packs_documents:
+            packing = sorted(name for name, cls in _REGISTRY.items() if cls.packs_documents)
+            return (f"{key}=true: layout {self.name!r} has no per-document attention; use one of {packing} (or one "
+                    f"device), or set {key}=false")
         return None
 
     def check_sizes(self, p: int, sizes: Iterable[tuple[str, int]] | Mapping[str, int], dropout: float = 0.0) -> None:
@@ -233,6 +242,7 @@ class Ring(Layout):
 
     name = "metp"
     tensor_axes = ("ring",)
+    packs_documents = True
     zigzag = True
     supports_dropout = False
     splits_heads = False  # only the width must divide: weight and head blocks are column blocks (any head count)
@@ -245,6 +255,7 @@ class GridRing(SquareGrid):
     name = "2d-metp"
     zigzag = True
     supports_dropout = False
+    packs_documents = True
 
     def distinct_ranks(self, p: int) -> list[int]:
         # The attention ring along row sees different causal blocks at each row; diagonal vs off-diagonal as "2d".

@@ -140,14 +140,18 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
 
     def _check_module_and_data(self, args, fitting: bool) -> None:
         """In the launching process, before any other rank starts: the module's data sizes (its
-        ``check_data_sizes``, e.g. a data ``block_size`` longer than the model's) and, for ``fit``, the training
-        batch size the layout needs. A mismatch found after the launch stops every rank with its own traceback."""
+        ``check_data_sizes``, e.g. a data ``block_size`` longer than the model's), packed documents on a layout
+        without per-document attention and, for ``fit``, the training batch size the layout needs. A mismatch found after the launch stops every rank with its own traceback."""
         module = next((a for a in args if isinstance(a, LightningModule)), None)
         data = next((a for a in args if isinstance(a, LightningDataModule)), None)
         if data is None:
             return
         if module is not None and hasattr(module, "check_data_sizes"):
             module.check_data_sizes(data)
+        if getattr(data, "pack_documents", False) is True and self.layout_spec is not None:
+            problem = self.layout_spec.documents_problem()
+            if problem:
+                raise ValueError(problem)
         batch = getattr(data, "batch_size", None) if fitting and self.layout_spec is not None else None
         problem = self.layout_spec.batch_problem(self._dims.tensor_parallel_size, batch) if batch else None
         if problem:

@@ -398,7 +398,8 @@ def check_config(cfg: DictConfig, model) -> str:
         return check_auto(cfg.parallel, model, str(tr.accelerator)) + f" ({where})"
     if devices is None:
         return f"layout {cfg.parallel.layout!r} on trainer.devices={tr.devices} ({where})"
-    return check_layout(cfg.parallel, model, devices, nodes, batch, seq) + f" ({where})"
+    return check_layout(cfg.parallel, model, devices, nodes, batch, seq,
+                        packed=bool(data.get("pack_documents", False))) + f" ({where})"
 
 
 def _model_name(model) -> str:
@@ -420,7 +421,8 @@ def check_auto(par: DictConfig, model, accelerator: str) -> str:
             f"{_model_name(model)} in {per_device} at start-up")
 
 
-def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, seq: int) -> str:
+def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, seq: int,
+                 packed: bool = False) -> str:
     try:
         layout = get_layout(str(par.layout))
     except ValueError as err:
@@ -445,7 +447,8 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
                 layout.sequence_problem(p, seq, key="data.block_size")):
         if bad:
             raise ConfigError(bad)
-    bad = layout.dropout_problem(model.dropout, key="model.dropout")
+    bad = layout.dropout_problem(model.dropout, key="model.dropout") or (
+        layout.documents_problem(key="data.pack_documents") if packed else None)
     if bad:
         raise ConfigError(bad)
     text = f"layout {layout.name!r}: {world // p} replica(s) x {layout.describe(p)} (p={p}) on {here}"

@@ -296,7 +296,7 @@ def test_tp2d_train_has_the_packing_keys_and_they_reach_the_data_module(tmp_path
     from hydra.utils import instantiate
 
     from lightning_tp2d import launch
-    from lightning_tp2d.train import check_config
+    from lightning_tp2d.train import ConfigError, check_config
 
     launch.register_resolvers()
     ids = tmp_path / "train.bin"
@@ -305,7 +305,8 @@ def test_tp2d_train_has_the_packing_keys_and_they_reach_the_data_module(tmp_path
         configs = {name: compose(config_name="config", overrides=overrides) for name, overrides in {
             "default": [], "packed": ["data.pack_documents=true", "parallel=metp", "model=llama-tiny"],
             "tokens": ["data=tokens", f"data.path={ids}", "data.pack_documents=true", "data.eos_id=7"],
-            "text": ["data=text", f"data.path={tmp_path}", "data.pack_documents=true"]}.items()}
+            "text": ["data=text", f"data.path={tmp_path}", "data.pack_documents=true"],
+            "grid": ["data.pack_documents=true", "parallel=tp2d", "model=llama-tiny"]}.items()}
     for name, cfg in configs.items():
         assert set(cfg.data) >= {"pack_documents", "eos_id"}, name
     assert instantiate(configs["default"].data).pack_documents is False
@@ -315,4 +316,12 @@ def test_tp2d_train_has_the_packing_keys_and_they_reach_the_data_module(tmp_path
     tokens = instantiate(configs["tokens"].data)
     assert tokens.pack_documents is True and tokens.eos_id == 7
     assert check_config(configs["packed"], instantiate(configs["packed"].model)).startswith("layout 'metp'")
+    # the "2d" grid has no per-document attention: refused before any process starts, naming the layouts that have
+    with pytest.raises(ConfigError, match=r"data.pack_documents=true: layout '2d' .*\['2d-metp', 'metp'\]"):
+        check_config(configs["grid"], instantiate(configs["grid"].model))
+    from lightning_tp2d.strategy import TP2DStrategy
+
+    strategy = TP2DStrategy(layout="2d", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="layout '2d' has no per-document attention"):
+        strategy._check_module_and_data((packed,), fitting=True)
 
