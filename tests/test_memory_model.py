@@ -18,29 +18,16 @@ import dataclasses
 import pytest
 
 from lightning_tp2d.bench.measure import (BASELINE_BATCH, BASELINE_GRID, BASELINE_SEQ, BASELINE_TP, BASELINE_WORLDS,
-                                          baseline_grid_cases, baseline_grid_config, baseline_measured_peaks,
-                                          measured_peaks)
+                                          GRID, GRID_BATCH, GRID_SEQ, GRID_WORLD, baseline_grid_cases,
+                                          baseline_grid_config, baseline_measured_peaks, grid_config, measured_peaks)
 from lightning_tp2d.bench.memory_model import (baseline_peak_bytes, loss_forward_bytes, loss_input_bytes,
                                                parameter_split, peak_bytes)
-from lightning_tp2d.models import GPT2Config, LlamaConfig
 from tests.distributed import run_distributed
 
-BATCH, SEQ, WORLD = 4, 64, 8
-MODELS = {
-    "gpt2": GPT2Config.from_name("gpt2-tiny", n_layer=2, n_embd=192, n_head=4, vocab_size=512, block_size=SEQ,
-                                 dropout=0.0),
-    "llama": LlamaConfig.from_name("llama-tiny", n_layer=2, n_embd=192, n_head=4, n_kv_head=2,
-                                   intermediate_size=512, vocab_size=512),
-}
-# (model, layout, p, zero stage, checkpointing, blocks); dp = WORLD // p
-CASES = [(name, layout, 4, stage, ck, 2) for name in MODELS for layout in ("metp", "2d", "2d-metp")
-         for stage in (0, 1, 3) for ck in ("none", "full")]
-CASES += [(name, layout, 4, 0, "selective", 2) for name in MODELS for layout in ("metp", "2d")]
-CASES += [(name, "metp", 4, 3, ck, 4) for name in MODELS for ck in ("none", "full")]
-
-
-def config_of(case) -> object:
-    return dataclasses.replace(MODELS[case[0]], n_layer=case[5])
+BATCH, SEQ, WORLD = GRID_BATCH, GRID_SEQ, GRID_WORLD
+MODELS = {name: baseline_grid_config(name, 2) for name in ("gpt2", "llama")}
+CASES = GRID  # (model, layout, p, zero stage, checkpointing, blocks); dp = WORLD // p
+config_of = grid_config
 
 
 # one case of each layout, each stage and each checkpointing mode, both families: checked in the default suite

@@ -218,6 +218,12 @@ def step_peak_bytes(model: torch.nn.Module, mesh, idx: torch.Tensor, *, zero_sta
             fsdp.clip_grad_norm_(model.parameters(), max_norm, mesh)  # the dp shards of the gradients included
         optimizer.step()
 
+    return _warm_then_measured(step, model, optimizer)
+
+
+def _warm_then_measured(step, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """``step()`` once (the optimizer state and FSDP's lazy buffers exist after it), then again under
+    :class:`LiveTensorBytes`: ``{"resident", "step", "peak"}``."""
     step()
     optimizer.zero_grad(set_to_none=True)
     resident = resident_bytes(model, optimizer)
@@ -276,13 +282,7 @@ def baseline_step_peak_bytes(model: torch.nn.Module, mesh, idx: torch.Tensor, *,
             torch.nn.utils.clip_grads_with_norm_(g, max_norm, total, foreach=True)
         optimizer.step()
 
-    step()
-    optimizer.zero_grad(set_to_none=True)
-    resident = resident_bytes(model, optimizer)
-    tracker = LiveTensorBytes(record_shapes=False, count_resizes=True)
-    with tracker:
-        step()
-    return {"resident": resident, "step": tracker.peak, "peak": resident + tracker.peak}
+    return _warm_then_measured(step, model, optimizer)
 
 
 def baseline_measured_peaks(rank: int, world_size: int, cases, batch: int, seq: int) -> list[dict[str, int]]:
@@ -304,7 +304,6 @@ def baseline_measured_peaks(rank: int, world_size: int, cases, batch: int, seq: 
         out.append(baseline_step_peak_bytes(model, mesh, idx, zero_stage=stage, precision=precision))
         del model
     return out
-
 
 
 # ---- the baseline's checked grid (tests/test_memory_model.py, recipes/benchmarks/memory_model_baseline.py) ----------
@@ -331,6 +330,24 @@ def baseline_grid_cases(cases) -> list[tuple]:
     """Grid ``cases`` as :func:`baseline_measured_peaks` takes them."""
     return [(baseline_grid_config(name, depth), BASELINE_TP, stage, ck, precision)
             for name, stage, ck, precision, depth in cases]
+
+
+# ---- the layouts' checked grid (tests/test_memory_model.py, recipes/benchmarks/memory_model.py) ------------------
+
+GRID_BATCH, GRID_SEQ, GRID_WORLD = 4, 64, 8  # dp = GRID_WORLD // p
+# (model, layout, p, zero stage, checkpointing, blocks): the grid's two models (baseline_grid_config) on every layout
+# with dp 2 x ZeRO stages 0, 1, 3 x checkpointing none and full; selective on the ring and the grid at stage 0; 4
+# blocks on the ring at stage 3 (deeper than the 2 and 3 blocks the memory model builds)
+GRID = [(name, layout, 4, stage, ck, 2) for name in ("gpt2", "llama") for layout in ("metp", "2d", "2d-metp")
+        for stage in (0, 1, 3) for ck in ("none", "full")]
+GRID += [(name, layout, 4, 0, "selective", 2) for name in ("gpt2", "llama") for layout in ("metp", "2d")]
+GRID += [(name, "metp", 4, 3, ck, 4) for name in ("gpt2", "llama") for ck in ("none", "full")]
+
+
+def grid_config(case):
+    """The model of a :data:`GRID` case (:func:`baseline_grid_config`'s, with the case's blocks)."""
+    return baseline_grid_config(case[0], case[5])
+
 
 # ops whose result the host must read from the device before it can go on (or whose output shape depends on data)
 _SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave")

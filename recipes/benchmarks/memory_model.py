@@ -1,16 +1,17 @@
 """The memory model against measured runs: every layout x ZeRO stage {0, 1, 3} x activation checkpointing, GPT-2
 and Llama, on 8 CPU processes (gloo).
 
-    python recipes/benchmarks/memory_model.py [--out recipes/benchmarks/memory_model]
+    python recipes/benchmarks/memory_model.py [--out recipes/benchmarks/memory_model] [--predict-only]
 
 Per case, the largest rank's measured peak of one training step
 (:func:`lightning_tp2d.bench.measure.measured_peaks`: a warm-up step, then zero_grad, forward, backward,
 data-parallel averaging, clipping, AdamW's step; resident bytes plus the live peak) beside
 :func:`lightning_tp2d.bench.memory_model.peak_bytes`'s prediction and its parts. The grid is
-``tests/test_memory_model.py``'s (its ``CASES``): "metp" (ring 4), "2d" (2x2 grid) and "2d-metp" (2x2 grid of
+:data:`lightning_tp2d.bench.measure.GRID` (the one ``tests/test_memory_model.py`` checks): "metp" (ring 4), "2d" (2x2 grid) and "2d-metp" (2x2 grid of
 rings), each x dp 2, stages 0, 1 and 3, checkpointing none and full; selective on "metp" and "2d" at stage 0; a
 4-block model on the ring at stage 3 (deeper than the 2 and 3 blocks the model is built with). Writes
-``results.json`` and ``results.md`` into ``--out``.
+``results.json`` and ``results.md`` into ``--out``. ``--predict-only`` keeps the measurements of ``--out``'s
+``results.json`` and predicts them again with the model as it is now (minutes instead of the runs).
 """
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tests package: the grid is the test's
-
-from lightning_tp2d.bench.measure import measured_peaks  # noqa: E402
-from lightning_tp2d.bench.memory_model import peak_bytes  # noqa: E402
-from lightning_tp2d.bench.procs import run_ranks  # noqa: E402
-from tests.test_memory_model import BATCH, CASES, SEQ, WORLD, config_of  # noqa: E402
+from lightning_tp2d.bench.measure import GRID as CASES
+from lightning_tp2d.bench.measure import GRID_BATCH as BATCH
+from lightning_tp2d.bench.measure import GRID_SEQ as SEQ
+from lightning_tp2d.bench.measure import GRID_WORLD as WORLD
+from lightning_tp2d.bench.measure import grid_config as config_of
+from lightning_tp2d.bench.measure import measured_peaks
+from lightning_tp2d.bench.memory_model import peak_bytes
+from lightning_tp2d.bench.procs import run_ranks
 
 MIB = 2 ** 20
 PARTS = ("parameters", "gradients", "optimizer", "activations", "gathered", "backward", "step")
@@ -38,18 +40,29 @@ PARTS = ("parameters", "gradients", "optimizer", "activations", "gathered", "bac
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).with_suffix("")))
+    parser.add_argument("--predict-only", action="store_true",
+                        help="keep the measurements in --out's results.json; predict them again with today's model")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    result = run_ranks(measured_peaks, WORLD, [(config_of(c), *c[1:5]) for c in CASES], BATCH, SEQ, timeout=3000)
-    if not result.ok:
-        raise SystemExit(f"the measured runs failed: {result.reason}")
-    measured_s = time.time() - start
+    if args.predict_only:
+        old = json.loads((out / "results.json").read_text())
+        if [_case(r) for r in old["rows"]] != [tuple(c) for c in CASES]:
+            raise SystemExit(f"{out / 'results.json'} measured another grid: measure again (without --predict-only)")
+        per_case = [[{"peak": r["measured_bytes"], "resident": r["measured_resident_bytes"]} if k == r["measured_rank"]
+                     else {"peak": -1, "resident": 0} for k in range(WORLD)] for r in old["rows"]]
+        measured_s = old["meta"]["measured_s"]
+    else:
+        result = run_ranks(measured_peaks, WORLD, [(config_of(c), *c[1:5]) for c in CASES], BATCH, SEQ, timeout=3000)
+        if not result.ok:
+            raise SystemExit(f"the measured runs failed: {result.reason}")
+        per_case = [[rank[i] for rank in result.values] for i in range(len(CASES))]
+        measured_s = time.time() - start
     rows = []
     for i, case in enumerate(CASES):
         name, layout, p, stage, ck, depth = case
-        peaks = [rank[i] for rank in result.values]
+        peaks = per_case[i]
         worst = max(range(WORLD), key=lambda r: peaks[r]["peak"])
         predicted = peak_bytes(layout, config_of(case), BATCH, SEQ, p, dp=WORLD // p, zero_stage=stage,
                                checkpointing=ck)
@@ -61,8 +74,14 @@ def main() -> None:
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "batch": BATCH, "seq": SEQ, "world_size": WORLD, "measured_s": round(measured_s, 1),
             "total_s": round(time.time() - start, 1)}
+    if args.predict_only:  # the measurements' own record stays; the predictions are today's
+        meta = old["meta"] | {"predicted_again": time.strftime("%Y-%m-%d"), "predict_s": meta["total_s"]}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (out / "results.md").write_text(_markdown(rows, meta))
+
+
+def _case(row: dict) -> tuple:
+    return (row["model"], row["layout"], row["p"], row["zero_stage"], row["checkpointing"], row["n_layer"])
 
 
 def _markdown(rows, meta) -> str:
@@ -76,7 +95,9 @@ def _markdown(rows, meta) -> str:
              "other parts are sizes, not all alive at once).", "",
              f"Largest deviation: {worst['ratio']:.3f} ({worst['model']}, {worst['layout']}, stage "
              f"{worst['zero_stage']}, {worst['checkpointing']}). Measured in {meta['measured_s']:.0f} s, "
-             f"{meta['total_s']:.0f} s with the predictions.", "",
+             f"{meta['total_s']:.0f} s with the predictions"
+             + (f"; predicted again on {meta['predicted_again']} from the same measurements ({meta['predict_s']:.0f} s)"
+                if "predicted_again" in meta else "") + ".", "",
              "| model | blocks | layout | p x dp | stage | checkpointing | measured MiB | predicted MiB | ratio | "
              + " | ".join(PARTS) + " |",
              "|" + "---|" * (9 + len(PARTS))]
