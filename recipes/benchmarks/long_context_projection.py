@@ -51,9 +51,10 @@ GiB); the ring traffic of METP and of cp hides behind the attention it overlaps 
 steps of seconds), and cp's FSDP gathers hide behind the blocks. METP computes a little more than cp -- its MLP
 recomputes `X W1` in the backward and its LM head the logits -- which is the 2-3% between them; 1-D TP + SP exposes
 its blocking all-gathers and reduce-scatters (0.5 s per step at 128k). METP's advantage is memory (22.8 GiB against
-cp's 40.8 at 128k, full checkpointing), which at 8 GPUs buys no speed here: with `selective` checkpointing (torchtitan's
-per-op policy for cp) both need 73-75 GiB at 128k, just over the planner's 72 GiB margin, and would run at ~3,030 /
-3,050 tokens/s/GPU.
+cp's 44.8 at 128k, full checkpointing; at 256k 33.8 against 76.5, which is over the planner's 72 GiB margin on an
+80 GB card: cp's loss holds the float32 log-softmax and its temporaries for `T/p` rows of the whole 128k vocabulary,
+METP streams vocabulary blocks), which at 8 GPUs and 128k buys no speed: with `selective` checkpointing (torchtitan's
+per-op policy for cp) both would need more than the 72 GiB margin at 128k.
 
 **Calibration: 2.1x above torchtitan's 548 tokens/s/GPU at CP 8; the gap grows with the CP degree.** The CP 1 row
 (plain FSDP 8 at 32k) is 1.22x, the planner's usual optimism for torchtitan's rows (1.17-1.24 in
@@ -69,8 +70,10 @@ cp at degree 8 by up to ~1.75x beyond the usual 1.2x; METP's ring also runs p ke
 blocks, so its rows may carry a similar loss (no GPU has measured it). The METP / cp ratio does not depend on the
 attention rate to first order (both compute the same scores per GPU): at 181 TFLOP/s it is 0.99 at 128k. Memory:
 torchtitan reports the caching allocator's maximum reserved memory, and its CP rows fill the card (83.9-84.5 GiB at
-every CP degree, chosen to); the model counts live bytes (56-57 GiB), without Float8's weight casts and the
-allocator's caching.
+every CP degree, chosen to); the model counts live bytes: 76.5 GiB at every degree (0.91 of the published; each rank
+holds `T/p` = 32k tokens in every row, so the model's memory is flat as the published is), without Float8's weight
+casts and the allocator's caching. (Before the 1-D baseline's rule was checked against measured FSDP2 runs, which
+added the loss's forward temporaries, it said 56-57 GiB.)
 """
 TARGET = 0.9  # 128k: METP's (or 2d-METP's) tokens/s/GPU at least 0.9 of cp's
 
