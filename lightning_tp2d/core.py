@@ -222,7 +222,9 @@ class TensorParallelCore:
         ``config`` on ``per_node x nodes`` devices of ``memory_gib`` GiB, best first, that this strategy runs: the
         family's layouts (those without dropout when ``config.dropout``), the sizes asked for (numbers given as
         ``tensor_parallel_size`` / ``data_parallel_size``) and, under ``compile``, no checkpointing that does not
-        compile. ``plan_options`` go to the planner; ``seq`` defaults to the window length of the data the strategy
+        compile; when the attached datamodule packs documents (``pack_documents=True``), only layouts with
+        per-document attention (:meth:`~lightning_tp2d.layouts.Layout.documents_problem`). ``plan_options`` go to
+        the planner; ``seq`` defaults to the window length of the data the strategy
         can see (the Trainer's datamodule's ``block_size``, :meth:`_data_window`), else to ``config.block_size`` up to
         :data:`LONGEST_DEFAULT_SEQ` tokens (a longer one, such as the 131072 of the named Llama 3.x configs, is the
         model's limit, not the job's: then ``plan_options["seq"]`` is required); ``global_batch_tokens`` defaults to
@@ -253,6 +255,13 @@ class TensorParallelCore:
         if not layouts:
             raise ValueError(f"layout='auto': none of the layouts {list(asked)} trains with dropout={dropout}; set "
                              "the model's dropout to 0")
+        if self._data_packs_documents():  # attention must keep inside each document: only layouts that can
+            packing = [n for n in layouts if get_layout(n).documents_problem() is None]
+            if not packing:
+                raise ValueError(f"layout='auto': the data packs documents (pack_documents=True), and none of the "
+                                 f"layouts {layouts} has per-document attention: "
+                                 f"{get_layout(layouts[0]).documents_problem()}")
+            layouts = packing
         if self.compile_options is not None:  # selective checkpointing runs eagerly only (see _check_arguments)
             options["checkpointing"] = tuple(m for m in options.get("checkpointing", ACTIVATION_CHECKPOINTING)
                                              if m != "selective")
@@ -269,17 +278,26 @@ class TensorParallelCore:
                              + f"; the planned (p, dp): {sizes}")
         return kept
 
-    def _data_window(self) -> int | None:
-        """Tokens per sequence of the data this strategy trains on, when it can see it: the ``block_size`` of the
-        datamodule attached to the LightningModule's Trainer (``TokenDataModule``'s windows); else ``None``
-        (Fabric, or data without one)."""
+    def _attached_datamodule(self) -> Any:
+        """The datamodule of the Trainer the LightningModule is attached to, or ``None`` (Fabric, no Trainer)."""
         module = getattr(self, "lightning_module", None)
         try:
             trainer = getattr(module, "trainer", None)
         except RuntimeError:  # a LightningModule not attached to a Trainer
             trainer = None
-        window = getattr(getattr(trainer, "datamodule", None), "block_size", None)
+        return getattr(trainer, "datamodule", None)
+
+    def _data_window(self) -> int | None:
+        """Tokens per sequence of the data this strategy trains on, when it can see it: the ``block_size`` of the
+        datamodule attached to the LightningModule's Trainer (``TokenDataModule``'s windows); else ``None``
+        (Fabric, or data without one)."""
+        window = getattr(self._attached_datamodule(), "block_size", None)
         return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+
+    def _data_packs_documents(self) -> bool:
+        """Whether the data this strategy trains on packs documents (its datamodule's ``pack_documents``), when it
+        can see it (:meth:`_data_window`'s datamodule); ``False`` otherwise."""
+        return getattr(self._attached_datamodule(), "pack_documents", False) is True
 
     def _take_plan(self, row: PlanRow) -> None:
         """Run the planner's ``row``: its layout, sizes, ZeRO stage and activation checkpointing (its micro-batch and

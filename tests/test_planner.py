@@ -190,3 +190,31 @@ def test_auto_layout_plans_for_the_datas_window_and_refuses_a_long_block_size_wi
     strategy.plan_options = {"seq": 8192}
     strategy._plan(long, 80.0, 8, 1)  # the asked length first
     assert asked == [tiny.block_size, 4096, 8192]
+
+
+def test_auto_layout_with_packed_documents_plans_only_layouts_that_keep_attention_inside_documents(monkeypatch):
+    """Data that packs documents (``pack_documents=True``) trains only on layouts with per-document attention
+    (``Layout.documents_problem() is None``: the rings), so ``layout="auto"`` plans among those; when the layouts
+    asked for have none, the strategy refuses, quoting the layout's own reason."""
+    from types import SimpleNamespace
+
+    from lightning_tp2d.layouts import get_layout
+    from lightning_tp2d.strategy import TP2DStrategy
+
+    asked = []
+    row = SimpleNamespace(tensor_parallel_size=4, data_parallel_size=2, checkpointing="none", layout="metp")
+    monkeypatch.setattr(planner, "plan", lambda cfg, **kw: asked.append(tuple(kw["layouts"])) or [row])
+    tiny = model_config("llama-tiny")
+    strategy = TP2DStrategy(layout="auto", memory_gib=80.0)
+    data = SimpleNamespace(block_size=64, pack_documents=False)
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(datamodule=data))
+    strategy._plan(tiny, 80.0, 8, 1)
+    data.pack_documents = True
+    strategy._plan(tiny, 80.0, 8, 1)
+    everything, packing = asked
+    assert "2d" in everything and get_layout("2d").documents_problem() is not None
+    assert packing == tuple(n for n in everything if get_layout(n).documents_problem() is None)
+    assert set(packing) == {"metp", "2d-metp"}
+    strategy.plan_options = {"layouts": ("2d",)}
+    with pytest.raises(ValueError, match=r"packs documents.*none of the layouts \['2d'\].*use one of"):
+        strategy._plan(tiny, 80.0, 8, 1)
