@@ -2,7 +2,7 @@
 package's best configuration against the best 1-D TP + SP x FSDP one (async TP where it is faster), as the planner
 predicts them (:mod:`lightning_tp2d.bench.planner`; predictions, not measurements: no GPU has run them).
 
-    python recipes/benchmarks/scale.py [--out recipes/benchmarks/scale] [--tiny]
+    python recipes/benchmarks/scale.py [--out recipes/benchmarks/scale] [--tiny] [--cache DIR] [--only 8b:8,70b:64]
 
 For each (model, GPUs): every configuration that fits (memory <= 90% of 80 GiB), the best package row and the best
 baseline row (tokens/s/GPU, MFU, memory per GPU) and their ratio. Then the largest Llama-shaped model (70B's width,
@@ -10,7 +10,10 @@ heads and vocabulary, more layers) each trains on 64 GPUs, and calibration rows:
 configurations priced on the hardware they ran on (``h100-grand-teton``), beside the published figures, and the one
 single-GPU measurement the elementwise constants are fitted to. Writes ``results.json``, ``results.md`` and
 ``tokens_per_gpu.png`` (when matplotlib is installed) into ``--out``. ``--tiny`` runs the same on llama-tiny
-(a check that the recipe works, seconds).
+(a check that the recipe works, seconds). ``--cache DIR`` keeps each finished scenario's result there and reuses
+it on the next run, so a long run that stops part way resumes (planning all six takes 1-1.5 hours on 2 cores);
+``--only`` plans just the named scenarios (``MODEL:GPUS``, the model without its ``llama-3.1-`` prefix) into the
+cache and writes nothing else.
 """
 
 from __future__ import annotations
@@ -179,7 +182,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(HERE / "scale"))
     parser.add_argument("--tiny", action="store_true", help="llama-tiny on 4 GPUs of 0.05 GiB: checks the recipe")
+    parser.add_argument("--cache", default=None, help="keep and reuse each scenario's result in this folder")
+    parser.add_argument("--only", default=None, help="plan only these scenarios into --cache, e.g. 8b:8,70b:64")
     args = parser.parse_args(argv)
+    if args.only and not args.cache:
+        parser.error("--only needs --cache: it plans scenarios into the cache and writes no tables")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,9 +200,22 @@ def main(argv=None) -> int:
     results = {"seq": seq, "tokens": tokens, "gpu_memory_gib": memory, "gpus_per_node": per_node,
                "hardware": planner.HARDWARE["h100"].name, "torch": torch.__version__,
                "python": platform.python_version(), "scenarios": []}
+    cache = Path(args.cache) if args.cache else None
+    only = {tuple(item.split(":")) for item in args.only.split(",")} if args.only else None
     for model, gpus in scenarios:
-        results["scenarios"].append(scenario(model, gpus, seq, tokens, memory, per_node, **options))
+        if only is not None and (model.removeprefix("llama-3.1-"), str(gpus)) not in only:
+            continue
+        kept = cache / f"{model}-{gpus}.json" if cache else None
+        if kept is not None and kept.exists():
+            results["scenarios"].append(json.loads(kept.read_text()))
+        else:
+            results["scenarios"].append(scenario(model, gpus, seq, tokens, memory, per_node, **options))
+            if kept is not None:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                kept.write_text(json.dumps(results["scenarios"][-1], default=str) + "\n")
         print(json.dumps({k: v for k, v in results["scenarios"][-1].items() if k != "top"})[:400], flush=True)
+    if only is not None:
+        return 0
     layouts = options.get("layouts")
     results["largest_model"] = {
         "gpus": big_gpus, "base": base,
