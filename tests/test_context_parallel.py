@@ -20,7 +20,7 @@ from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
 from lightning_tp2d.bench.cost_model import collective_time, cp_step_time, flops
 from lightning_tp2d.bench.events import wire_bytes
 from lightning_tp2d.bench.memory_model import parameter_split
-from lightning_tp2d.bench.planner import BASELINE, CP, HARDWARE, price
+from lightning_tp2d.bench.planner import BASELINE, CP, CP_TP, HARDWARE, price
 from lightning_tp2d.families import model_config
 from lightning_tp2d.models import Llama, LlamaConfig
 from tests.distributed import run_distributed
@@ -72,8 +72,9 @@ def _parity(rank: int, tp: int) -> dict:
 
 
 def _costs(rank: int) -> dict:
-    """Peak bytes and bytes sent per step on this rank, "cp" and "metp", at each of SEQS."""
+    """Peak bytes and bytes sent per step on this rank, "cp", "cp-tp" (CP 2 x TP 2) and "metp", at each of SEQS."""
     out = {}
+    cp_tp_mesh = cp.init_cp_mesh(WORLD // 2, 2)
     for seq in SEQS:
         idx, targets = _batch(seq)
         torch.manual_seed(0)
@@ -82,6 +83,13 @@ def _costs(rank: int) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         out["cp", seq] = cp.measure_step(lambda: cp.train_step(model, optimizer, mesh, idx, targets), model,
                                          optimizer, WORLD)
+        torch.manual_seed(0)
+        model = cp.parallelize_cp(Llama(CFG), cp_tp_mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        # both axes have 2 ranks: every functional collective is priced as a 2-rank one (DTensor's caches, keyed by
+        # mesh shape, may hand this mesh the process groups of _parity's equal one)
+        out["cp-tp", seq] = cp.measure_step(lambda: cp.train_step(model, optimizer, cp_tp_mesh, idx, targets), model,
+                                            optimizer, 2)
         torch.manual_seed(0)
         model = Llama(CFG)
         tp.parallelize(model, tp.init_mesh("metp", WORLD, 1), "metp")
@@ -200,6 +208,31 @@ def test_declared_cp_events_send_the_bytes_a_real_step_counts(ranks):
             assert declared == r["costs"]["cp", seq]["sent_bytes"], (seq, declared, r["costs"]["cp", seq])
 
 
+def test_declared_cp_tp_events_send_the_bytes_a_real_step_counts(ranks):
+    """"cp-tp" (CP 2 x 1-D TP + SP 2, FSDP over the CP axis): :func:`cp.cp_comm_events` with ``tp=2`` -- FSDP's
+    traffic of the TP shards, torch's ring on this rank's key/value heads, TP + SP's calls on the CP rank's ``T/2``
+    tokens -- sends exactly what a real 4-rank step counts on tensor rank 0 (ranks 0 and 2, which hold the larger
+    half of the 257-row vocabulary); tensor rank 1 sends less, by FSDP's gathers and reduce-scatters of one
+    vocabulary row fewer per FSDP shard."""
+    for seq in SEQS:
+        declared = wire_bytes(cp.cp_comm_events(CFG, B, seq, WORLD // 2, elem=4, tp=2))
+        sent = [r["costs"]["cp-tp", seq]["sent_bytes"] for r in ranks]
+        assert sent[0] == sent[2] == declared, (seq, declared, sent)
+        assert sent[1] == sent[3] < declared
+
+
+def test_cp_tp_peak_bytes_grow_with_the_sequence_as_measured(ranks):
+    """:func:`cp.cp_peak_bytes` with ``tp=2`` (the 1-D TP + SP baseline's parts on the CP rank's ``T/2`` tokens, the
+    ring on half the heads) against the growth of the largest rank's measured "cp-tp" peak from T = 32 to 64, within
+    20% as for "cp"."""
+    predicted = [cp.cp_peak_bytes(CFG, B, seq, WORLD // 2, elem=4, tp=2)["total"] for seq in SEQS]
+    measured = [max(r["costs"]["cp-tp", seq]["peak_bytes"] for r in ranks) for seq in SEQS]
+    growth = (predicted[1] - predicted[0]) / (measured[1] - measured[0])
+    print(f"cp-tp peak growth T={SEQS[0]} -> {SEQS[1]}: predicted {predicted[1] - predicted[0]} B, measured "
+          f"{measured[1] - measured[0]} B")
+    assert 0.8 < growth < 1.2, (predicted, measured)
+
+
 def test_head_tail_ring_gives_every_rank_a_pth_of_the_causal_scores():
     """Counted from torch's own causal rule per ring step (``_is_causal_behavior``): each rank computes
     ``T (T+1) / (2p)`` visible scores, split as :func:`cp.diagonal_share` says (step 0 vs each later step)."""
@@ -240,6 +273,50 @@ def test_cp_peak_bytes_grow_with_the_sequence_as_measured(ranks):
     print(f"cp peak growth T={SEQS[0]} -> {SEQS[1]}: predicted {predicted[1] - predicted[0]} B, measured "
           f"{measured[1] - measured[0]} B")
     assert 0.8 < growth < 1.2, (predicted, measured)
+
+
+def test_cp_tp_step_computes_the_plain_models_flops_over_its_ranks_and_prices_tp_as_the_baseline_does():
+    """"cp-tp" at 128k on 8 H100s (CP 4 x TP 2): each rank computes ``1/8`` of the plain model's FLOPs (the linears
+    as 1-D TP + SP on ``T/4`` tokens, the attention ``1/8`` of the causal scores); its TP + SP calls expose what
+    :func:`step_time` exposes for "tp1d-sp" over 2 on ``T/4`` tokens (blocking: all of them; async TP less), and its
+    ring what "cp"'s ring exposes at degree 4 on half the heads, so the step is the sum of the parts."""
+    from lightning_tp2d.bench.cost_model import step_time
+
+    cfg, seq, hw = model_config("llama-3.1-8b"), 131072, HARDWARE["h100"]
+    plain = flops("single", cfg, 1, seq, 1, "full")
+    for async_tp in (False, True):
+        step = cp_step_time(cfg, 1, seq, 4, hw, checkpointing="full", tp=2, async_tp=async_tp, async_overlap=0.57)
+        for key in ("forward", "backward", "matmul", "attention", "attention_forward"):
+            assert step["flops"][key] == pytest.approx(plain[key] / 8, rel=1e-9), key
+        tp_alone = step_time("tp1d-sp", cfg, 1, seq // 4, 2, hw, checkpointing="full", async_tp=async_tp,
+                             lean_wire=True, async_overlap=0.57)
+        ring = sum(e.calls * max(0.0, collective_time(e.kind, e.group_size, e.nbytes, hw.intra)
+                                 - e.overlap_flops / hw.attention_flops_per_s)
+                   for e in cp.cp_comm_events(cfg, 1, seq, 4, 2, checkpointing="full", tp=2) if e.group == cp.RING_AXIS)
+        assert step["exposed_comm_s"] == pytest.approx(tp_alone["exposed_comm_s"] + ring, rel=1e-9)
+        assert step["compute_s"] - tp_alone["compute_s"] == pytest.approx(
+            (step["flops"]["attention"] - tp_alone["flops"]["attention"]) / hw.attention_flops_per_s, rel=1e-9)
+    blocking = cp_step_time(cfg, 1, seq, 4, hw, checkpointing="full", tp=2)
+    assert step["exposed_comm_s"] < blocking["exposed_comm_s"]
+
+
+def test_cp_tp_row_shards_the_tensor_shards_over_the_cp_ranks():
+    """A "cp-tp" row of the planner (CP 4 x TP 2 on 8 GPUs): FSDP over the 4 CP ranks of each tensor rank moves
+    :func:`cp.cp_comm_events`' FSDP traffic; the optimizer updates 1/8 of the matrices and 1/4 of the vectors, as the
+    1-D baseline over TP 2 x FSDP 4 does; memory is :func:`cp.cp_peak_bytes` with ``tp=2``."""
+    cfg, seq = model_config("llama-3.1-8b"), 32768
+    hw = HARDWARE["h100"]
+    kw = dict(dp=1, zero_stage=3, checkpointing="full", micro_batch=1, grad_accum=1, seq=seq, hw=hw, gpus_per_node=8)
+    row = price(cfg, layout=CP_TP, p=8, cp_tp_size=2, **kw)
+    assert (row.context_parallel_size, row.tensor_parallel_size) == (4, 8) and "CP 4 x TP 2" in row.describe()
+    counted = sum(e.calls * collective_time(e.kind, e.group_size, e.nbytes, hw.intra)
+                  for e in cp.cp_comm_events(cfg, 1, seq, 4, 2, checkpointing="full", tp=2) if e.group == cp.FSDP_AXIS)
+    assert row.parts["time_s"]["dp_comm"] == pytest.approx(counted, rel=2e-3)
+    baseline = price(cfg, layout=BASELINE, p=2, **(kw | {"dp": 4}))
+    assert row.parts["time_s"]["optimizer"] == pytest.approx(baseline.parts["time_s"]["optimizer"], rel=1e-12)
+    assert row.memory_gib * 2**30 == cp.cp_peak_bytes(cfg, 1, seq, 4, checkpointing="full", elem=2, tp=2)["total"]
+    with pytest.raises(ValueError, match=r"'cp-tp' needs cp_tp_size >= 2 dividing p with at least 2 CP ranks"):
+        price(cfg, layout=CP_TP, p=8, cp_tp_size=8, **kw)
 
 
 def test_cp_row_prices_fsdp_and_the_optimizer_as_plain_fsdp_over_its_ranks():

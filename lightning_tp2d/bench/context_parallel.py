@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Iterator
 
 import torch
@@ -69,7 +70,8 @@ from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
 from lightning_tp2d.bench.events import Comm, float32_bytes, wire_factor
 from lightning_tp2d.bench.measure import LiveTensorBytes, resident_bytes
 from lightning_tp2d.bench.memory_model import baseline_peak_bytes, parameter_split
-from lightning_tp2d.bench.tp1d import parallelize_1d
+from lightning_tp2d.bench.tp1d import local_shapes_1d, parallelize_1d
+from lightning_tp2d.bench.tp1d_sp import recomputed_sp_events, tp1d_sp_comm_events
 from lightning_tp2d.comm_record import recording
 from lightning_tp2d.models.llama import Llama, LlamaAttention
 
@@ -329,20 +331,23 @@ RING_AXIS, FSDP_AXIS = "cp", "data_parallel"  # the ring's group; FSDP's (the sa
 _SCORE_FLOPS = {"forward": 4, "backward": 10}  # per visible score and head channel (the cost model's convention)
 
 
-def _shards(params, world: int) -> int:
-    """Elements of one rank's FSDP2 shard of ``params``: each one's dim 0 padded to a multiple of ``world``."""
-    return sum(-(-q.shape[0] // world) * (q.numel() // q.shape[0]) for q in params)
+def _shards(shapes, world: int) -> int:
+    """Elements of one rank's FSDP2 shard of parameters of these ``shapes``: each one's dim 0 padded to a multiple
+    of ``world``."""
+    return sum(-(-shape[0] // world) * math.prod(shape[1:]) for shape in shapes)
 
 
-def fsdp_shard_elements(cfg, world: int) -> tuple[int, int]:
+def fsdp_shard_elements(cfg, world: int, tp: int = 1) -> tuple[int, int]:
     """``(root, block)``: elements of one rank's FSDP2 shard of the root group (embedding, final norm, head) and
-    of one decoder layer, sharded over ``world`` ranks (counted on the meta device)."""
+    of one decoder layer, sharded over ``world`` ranks (counted on the meta device). ``tp`` > 1 (``cp-tp``): FSDP2
+    cuts each parameter's 1-D TP shard (:func:`~lightning_tp2d.bench.tp1d.local_shapes_1d`, tensor rank 0's: the
+    largest where the vocabulary does not divide)."""
     with torch.device("meta"):
         model = Llama(dataclasses.replace(cfg, n_layer=1))
-    layer = model.model.layers[0]
-    in_layer = {id(q) for q in layer.parameters()}
-    return (_shards([q for q in model.parameters() if id(q) not in in_layer], world),
-            _shards(list(layer.parameters()), world))
+    shapes = local_shapes_1d(model, tp)
+    in_layer = {f"model.layers.0.{name}" for name, _ in model.model.layers[0].named_parameters()}
+    return (_shards([v for k, v in shapes.items() if k not in in_layer], world),
+            _shards([v for k, v in shapes.items() if k in in_layer], world))
 
 
 def _kv_width(cfg) -> int:
@@ -359,32 +364,40 @@ def diagonal_share(seq: int, p: int) -> tuple[float, float]:
 
 
 def cp_comm_events(cfg, batch: int, seq: int, p: int, elem: int = 2, *, dp: int = 1,
-                   checkpointing: str = "none") -> list[Comm]:
+                   checkpointing: str = "none", tp: int = 1, async_tp: bool = False) -> list[Comm]:
     """The communication of one :func:`train_step` on one rank: CP over ``p`` ranks x FSDP2 over ``p * dp``
-    (torchtitan shards the weights over ``dp_shard x cp``). ``elem``: the activations' and gathered weights' bytes
-    (4: float32, as the CPU runs; 2: torchtitan's FSDP ``param_dtype`` bf16); gradients are reduced in float32.
+    (torchtitan shards the weights over ``dp_shard x cp``), and with ``tp`` > 1 (``cp-tp``) 1-D TP + SP over ``tp``
+    ranks inside each CP rank. ``elem``: the activations' and gathered weights' bytes (4: float32, as the CPU runs;
+    2: torchtitan's FSDP ``param_dtype`` bf16); gradients are reduced in float32.
 
-    * FSDP (axis ``"data_parallel"``; :func:`fsdp_shard_elements`, ``S_root`` / ``S_block`` per rank): forward
-      all-gathers of the root's and each block's shard (``elem`` bytes each), backward all-gathers of each again
-      (:func:`parallelize_cp` reshards the root after forward too), reduce-scatters of the root's and each block's
-      float32 gradients (payload ``p dp S``).
-    * torch's ring (axis ``"cp"``) per layer, ``kv = 2 B (T/p) n_kv hs elem`` (the local K and V, concatenated):
-      one all-gather in the forward (posted at ring step 0, waited at step 1: it runs behind the diagonal block's
-      attention, ``overlap_flops``), one in the backward (behind the diagonal block's backward kernel), with
-      ``"full"`` checkpointing one more for the recomputed forward; ``p`` permutes of the float32 dK/dV partial
-      sums (``all_to_all_single`` to the next rank, kind ``"send"``, ``2 B (T/p) n_kv hs 4`` bytes): the one posted
-      at step ``i`` runs behind step ``i + 1``'s backward kernel, the last behind nothing.
+    * FSDP (axis ``"data_parallel"``; :func:`fsdp_shard_elements`, ``S_root`` / ``S_block`` per rank, of the TP
+      shards when ``tp`` > 1): forward all-gathers of the root's and each block's shard (``elem`` bytes each),
+      backward all-gathers of each again (:func:`parallelize_cp` reshards the root after forward too),
+      reduce-scatters of the root's and each block's float32 gradients (payload ``p dp S``).
+    * torch's ring (axis ``"cp"``) per layer, ``kv = 2 B (T/p) n_kv hs elem / tp`` (the local K and V of this
+      rank's key/value heads, concatenated): one all-gather in the forward (posted at ring step 0, waited at step 1:
+      it runs behind the diagonal block's attention, ``overlap_flops``), one in the backward (behind the diagonal
+      block's backward kernel), with ``"full"`` checkpointing one more for the recomputed forward; ``p`` permutes of
+      the float32 dK/dV partial sums (``all_to_all_single`` to the next rank, kind ``"send"``,
+      ``2 B (T/p) n_kv hs 4 / tp`` bytes): the one posted at step ``i`` runs behind step ``i + 1``'s backward
+      kernel, the last behind nothing.
+    * ``tp`` > 1: 1-D TP + SP's calls on this CP rank's ``T/p`` tokens (axis ``"tp"``,
+      :func:`~lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events` with its activations in ``elem`` as FSDP's
+      ``param_dtype`` runs them, and :func:`~lightning_tp2d.bench.tp1d_sp.recomputed_sp_events` for
+      ``checkpointing``); ``async_tp``: they carry the FLOPs of the matmul torch's async TP fuses them with.
     * :func:`sequence_loss`'s 8-byte target count and :func:`mean_loss`'s 4-byte loss, all-reduced over ``"cp"``.
 
     FLOPs behind the ring are attention FLOPs (``4`` / ``10`` per visible score and channel, forward / backward)."""
     if seq % (2 * p):
         raise ValueError(f"sequence length {seq} is not divisible by 2p = {2 * p} (torch's head-tail balancer)")
+    if tp < 1 or cfg.n_kv_head % tp or cfg.n_head % tp:
+        raise ValueError(f"cp-tp: n_head={cfg.n_head} and n_kv_head={cfg.n_kv_head} must divide by tp={tp}")
     world, L, tokens = p * dp, cfg.n_layer, batch * seq // p
-    root, block = fsdp_shard_elements(cfg, world)
+    root, block = fsdp_shard_elements(cfg, world, tp)
     grad = float32_bytes(elem)
-    kv = 2 * tokens * _kv_width(cfg)
+    kv = 2 * tokens * _kv_width(cfg) // tp
     diagonal, off = diagonal_share(seq, p)
-    scores = batch * cfg.n_embd * (seq * (seq + 1) // 2) / p  # one layer's visible scores x channels, per rank
+    scores = batch * cfg.n_embd / tp * (seq * (seq + 1) // 2) / p  # one layer's visible scores x channels, per rank
     fwd, bwd = (_SCORE_FLOPS[k] * scores for k in ("forward", "backward"))
     gathers = 2 if checkpointing == "full" else 1  # forward all-gathers per layer in the backward phase
     events = [Comm("all_gather", FSDP_AXIS, world, elem * root, 1),
@@ -399,11 +412,15 @@ def cp_comm_events(cfg, batch: int, seq: int, p: int, elem: int = 2, *, dp: int 
               Comm("send", RING_AXIS, p, grad * kv, L * (p - 1), off * bwd, "backward"),
               Comm("send", RING_AXIS, p, grad * kv, L, 0.0, "backward"),
               Comm("all_reduce", RING_AXIS, p, 8, 1), Comm("all_reduce", RING_AXIS, p, 4, 1, phase="backward")]
+    if tp > 1:
+        kw = dict(batch=batch, seq=seq // p, p=tp, elem=elem, async_tp=async_tp, lean_wire=True)
+        inside = tp1d_sp_comm_events(cfg, **kw)
+        events += inside + recomputed_sp_events(cfg, inside, checkpointing, **kw)
     return [ev for ev in events if ev.calls and ev.group_size > 1]
 
 
 def cp_peak_bytes(cfg, batch: int, seq: int, p: int, *, dp: int = 1, checkpointing: str = "none",
-                  elem: int = 2) -> dict:
+                  elem: int = 2, tp: int = 1) -> dict:
     """Predicted peak bytes per GPU of CP over ``p`` x FSDP2 (stage 3) over ``p * dp`` ranks, bf16 compute
     (FSDP ``param_dtype``), float32 parameters, gradients and AdamW moments: the parts of
     :func:`~lightning_tp2d.bench.memory_model.baseline_peak_bytes` for plain FSDP over ``p * dp`` ranks on this
@@ -416,20 +433,21 @@ def cp_peak_bytes(cfg, batch: int, seq: int, p: int, *, dp: int = 1, checkpointi
     cross-entropy holds; eager's separate ``nll_loss`` gradient would add as much again), before any parameter
     gradient exists. ``total``: the largest of plain FSDP's peak on ``T/p`` tokens, the ring's forward or the loss
     on top of the activations and gathered groups, and the last block's backward (those, the gradients, FSDP's
-    unsharded block gradients in ``e`` and float32, the ring's backward transients). Analytic; not checked against
-    a GPU."""
-    parts = baseline_peak_bytes(cfg, batch, seq // p, 1, dp=p * dp, zero_stage=3, checkpointing=checkpointing,
+    unsharded block gradients in ``e`` and float32, the ring's backward transients). ``tp`` > 1 (``cp-tp``): the
+    1-D TP + SP baseline's parts over ``tp`` ranks on the ``T/p`` tokens instead of plain FSDP's, and the ring's
+    heads, the loss's vocabulary and the unsharded block ``1 / tp`` of each. Analytic; not checked against a GPU."""
+    parts = baseline_peak_bytes(cfg, batch, seq // p, tp, dp=p * dp, zero_stage=3, checkpointing=checkpointing,
                                 elem=elem)
-    tokens, kv, h = batch * seq // p, _kv_width(cfg), cfg.n_embd
+    tokens, kv, h, heads = batch * seq // p, _kv_width(cfg) // tp, cfg.n_embd // tp, cfg.n_head // tp
     gathered_kv = 2 * batch * seq * kv * elem
-    forward = gathered_kv + 2 * tokens * kv * elem + tokens * (h + cfg.n_head) * 4
+    forward = gathered_kv + 2 * tokens * kv * elem + tokens * (h + heads) * 4
     backward = gathered_kv + tokens * (h + 2 * kv) * (4 + elem) + 2 * 2 * tokens * kv * 4
-    loss = 4 * tokens * cfg.vocab_size
+    loss = 4 * tokens * -(-cfg.vocab_size // tp)
     resident = parts["parameters"] + parts["optimizer"]
     held = parts["activations"] + parts["gathered"]
     # the last block's backward: every activation still held, the gradients, FSDP's unsharded block gradients
     # before their reduce-scatter (bf16 and their float32 copy), the ring's backward transients
-    unsharded = (elem + 4) * parameter_split(cfg).block
+    unsharded = (elem + 4) * parameter_split(cfg).block_shard(tp)
     # plain FSDP's own peak on T/p tokens (its loss's forward, the end of its backward), or the ring's transients on
     # top of what is held when attention runs
     total = max(parts["total"], resident + held + max(forward, loss),

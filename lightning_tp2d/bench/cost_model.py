@@ -58,7 +58,9 @@ from lightning_tp2d.bench.gemm_rates import H200_BF16
 from lightning_tp2d.bench.memory_model import baseline_activation_bytes, parameter_split
 from lightning_tp2d.bench.gemm_rates import fit as fit_gemm_rates
 from lightning_tp2d.bench.tp1d import tp1d_comm_events
-from lightning_tp2d.bench.tp1d_sp import block_linears, check_sequence_parallel, tp1d_sp_comm_events
+from lightning_tp2d.bench.tp1d_sp import AXIS as TP_AXIS
+from lightning_tp2d.bench.tp1d_sp import (block_linears, check_sequence_parallel, recomputed_sp_events,
+                                          tp1d_sp_comm_events)
 from lightning_tp2d.bench.trace import trace_step, trace_steps
 from lightning_tp2d.layouts import Grid2D, Layout, get_layout, layout_names
 from lightning_tp2d.models.config import max_seq_len
@@ -167,28 +169,12 @@ def _timed_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, el
     if layout == "tp1d-sp":
         kw = dict(batch=batch, seq=seq, p=p, elem=elem, async_tp=async_tp, lean_wire=lean_wire)
         events = tp1d_sp_comm_events(cfg, **kw)
-        events += _recomputed_sp_events(cfg, events, checkpointing, **kw)
+        events += recomputed_sp_events(cfg, events, checkpointing, **kw)
         return [(ev, ev.overlap_flops, 0.0, tuple(range(p))) for ev in events]
     if layout == "single" or (p == 1 and dp == 1):
         return []
     return list(_traced(layout, cfg, batch, seq, p, elem, rank, dp=dp, zero_stage=zero_stage, clip=clip,
                         checkpointing=checkpointing).events)
-
-
-def _recomputed_sp_events(cfg, events: list[Comm], checkpointing: str, **kw) -> list[Comm]:
-    """The sequence-parallel baseline's collectives its checkpointed blocks run again in the backward: ``"full"``
-    every block's forward all-gathers and reduce-scatters; ``"selective"`` (torchtitan's per-op policy, which saves
-    reduce-scatter outputs) the two all-gathers of each block. Phase ``"backward"``. A block's calls are those one
-    more block adds."""
-    if checkpointing == "none":
-        return []
-    deeper = tp1d_sp_comm_events(dataclasses.replace(cfg, n_layer=cfg.n_layer + 1), **kw)
-    again = []
-    for ev, more in zip(events, deeper):
-        per_block = ev.phase == "forward" and more.calls > ev.calls and ev.kind in ("all_gather", "reduce_scatter")
-        if per_block and (checkpointing == "full" or ev.kind == "all_gather"):
-            again.append(dataclasses.replace(ev, phase="backward"))
-    return again
 
 
 def comm_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int = 4,
@@ -223,7 +209,7 @@ def comm_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem
 def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, checkpointing: str = "none",
           elem: int = 4) -> dict:
     """FLOPs one rank computes in one training step: ``{"forward", "backward", "total", "matmul", "attention"}``
-    (``matmul + attention == total``). Matmuls ``2 m k n``; attention ``4 d`` per visible score forward and ``10 d``
+    (``matmul + attention == total``; ``attention_forward``: the forward's part of ``attention``). Matmuls ``2 m k n``; attention ``4 d`` per visible score forward and ``10 d``
     backward (flash kernels recompute the scores). Elementwise work is not counted.
 
     The package's layouts: traced from the layers (every ``mm``/``addmm``/``bmm`` and fused attention kernel they
@@ -254,7 +240,8 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, checkpoint
         fwd, bwd = sum(fl["forward"].values()), sum(fl["backward"].values())
         attention = fl["forward"]["attention"] + fl["backward"]["attention"]
         return {"forward": fwd, "backward": bwd, "total": fwd + bwd, "matmul": fwd + bwd - attention,
-                "attention": attention, "gemms": sum(traced.gemms.values())}
+                "attention": attention, "attention_forward": fl["forward"]["attention"],
+                "gemms": sum(traced.gemms.values())}
     N = B * T
     causal = T * (T + 1) / 2  # visible scores per sequence and head
     k = 1 if layout == "single" else p
@@ -272,7 +259,7 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, checkpoint
     attention = L * (att_f + att_b + re_att)
     gemms = L * (3 * len(linears) + len(again)) + 3  # per block each linear forward, its dX and dW backward; the head 1 + 2
     return {"forward": fwd, "backward": bwd, "total": fwd + bwd, "matmul": fwd + bwd - attention,
-            "attention": attention, "gemms": gemms}
+            "attention": attention, "attention_forward": L * att_f, "gemms": gemms}
 
 
 # ---- saved activations --------------------------------------------------------------------------------------
@@ -425,6 +412,17 @@ def _link(hw: Hardware, ranks) -> Link:
     return hw.intra if len({g // hw.gpus_per_node for g in ranks}) == 1 else hw.inter
 
 
+def _hidden(ev: Comm, t: float, matmul_flops: float, attention_flops: float, rates: dict, async_tp: bool,
+            async_overlap: float) -> tuple[float, int]:
+    """``(seconds of the call's ``t`` hidden, extra GEMM kernels)``: behind the FLOPs it overlaps, at most ``t``;
+    under ``async_tp`` a call carrying matmul FLOPs is micro-pipelined with that matmul in ``n`` chunks (the group's
+    size), of which all but the first can hide, ``async_overlap`` of that really hidden, and the matmul runs as ``n``
+    kernels (:func:`step_time`)."""
+    if async_tp and matmul_flops > 0:
+        return async_overlap * min(t - t / ev.group_size, matmul_flops / rates["matmul"]), ev.group_size - 1
+    return min(t, matmul_flops / rates["matmul"] + attention_flops / rates["attention"]), 0
+
+
 def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
               async_tp: bool = False, lean_wire: bool = False, *, dp: int = 1, zero_stage: int = 0,
               clip: bool = False, checkpointing: str = "none", ranks=None, async_overlap: float = 1.0) -> dict:
@@ -447,7 +445,7 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
     ``dp``, ``zero_stage``, ``clip``: the data-parallel part of the traced step, as for :func:`comm_events` (a
     group's ranks tell its link: ``data_parallel`` groups of replicas on other nodes pay the inter-node one).
     ``checkpointing``: the blocks' activations checkpointed in that mode (:func:`flops`; the recomputed collectives
-    traced, for ``"tp1d-sp"`` :func:`_recomputed_sp_events`). ``ranks``: the tensor-parallel ranks to price
+    traced, for ``"tp1d-sp"`` :func:`~lightning_tp2d.bench.tp1d_sp.recomputed_sp_events`). ``ranks``: the tensor-parallel ranks to price
     (default: one of each kind the layout names, :meth:`~lightning_tp2d.layouts.Layout.distinct_ranks`)."""
     if (async_tp or lean_wire) and layout != "tp1d-sp":
         raise ValueError(f"async_tp and lean_wire model the 'tp1d-sp' baseline, not layout {layout!r}")
@@ -464,13 +462,10 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
         split_gemms = 0  # async TP cuts each fused matmul into p chunk products: p - 1 more kernels each
         for ev, fm, fa, group in _timed_events(layout, cfg, batch, seq, p, elem, rank, async_tp, lean_wire, **data):
             t = collective_time(ev.kind, ev.group_size, ev.nbytes, _link(hw, group))
+            hidden, chunks = _hidden(ev, t, fm, fa, rates, async_tp, async_overlap)
             comm_s += ev.calls * t
-            if async_tp and fm > 0:  # micro-pipelined with its matmul: all but the first chunk can hide
-                first = t / ev.group_size
-                exposed += ev.calls * (t - async_overlap * min(t - first, fm / rates["matmul"]))
-                split_gemms += ev.calls * (ev.group_size - 1)
-            else:
-                exposed += ev.calls * max(0.0, t - fm / rates["matmul"] - fa / rates["attention"])
+            exposed += ev.calls * (t - hidden)
+            split_gemms += ev.calls * chunks
             nbytes += ev.calls * ev.nbytes
         rank_compute = compute + split_gemms * hw.gemm_overhead_s
         result = {"compute_s": rank_compute, "comm_s": comm_s, "exposed_comm_s": exposed,
@@ -481,32 +476,50 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
 
 
 def cp_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2, *, dp: int = 1,
-                 checkpointing: str = "none") -> dict:
+                 checkpointing: str = "none", tp: int = 1, async_tp: bool = False,
+                 async_overlap: float = 1.0) -> dict:
     """Projected seconds of one step of torch's context parallelism over ``p`` ranks (``"cp"``, CP x FSDP2 over
-    ``p * dp``; :mod:`lightning_tp2d.bench.context_parallel`) on one rank, as :func:`step_time` returns them.
+    ``p * dp``; :mod:`lightning_tp2d.bench.context_parallel`) on one rank, as :func:`step_time` returns them; with
+    ``tp`` > 1 (``"cp-tp"``) each CP rank is ``tp`` ranks of 1-D TP + SP, ``p * tp`` ranks in all.
 
     FLOPs: the plain model's (:func:`flops` of ``"single"``, with ``checkpointing``) over ``p``, as every layer runs
     on ``T/p`` tokens and the head-tail balancer gives each rank exactly ``1/p`` of the causal scores; the same number
-    of GEMM kernels as the plain model, each ``1/p`` the size. Communication: torch's ring only
-    (:func:`~lightning_tp2d.bench.context_parallel.cp_comm_events`, axis ``"cp"``) on the link of ``p`` consecutive
-    ranks, each call exposing ``max(0, t - its overlapped attention FLOPs / attention rate)`` (the all-gathers behind
-    the diagonal block's kernel, the dK/dV permutes behind the next step's, the last behind nothing); ``comm_bytes``
-    the ring's payload. FSDP's all-gathers and reduce-scatters are the data-parallel part, priced by the planner as
-    for plain FSDP over ``p * dp`` ranks (:func:`lightning_tp2d.bench.planner.data_parallel_time`)."""
+    of GEMM kernels as the plain model, each ``1/p`` the size. ``tp`` > 1: the linears and the LM head of ``"tp1d-sp"``
+    on the ``T/p`` tokens over ``tp`` ranks, the attention ``1 / (p tp)`` of the plain model's. Communication: torch's
+    ring (:func:`~lightning_tp2d.bench.context_parallel.cp_comm_events`, axis ``"cp"``) on the link of the CP ranks
+    (``tp`` apart), each call exposing ``max(0, t - its overlapped attention FLOPs / attention rate)`` (the
+    all-gathers behind the diagonal block's kernel, the dK/dV permutes behind the next step's, the last behind
+    nothing); TP + SP's calls (axis ``"tp"``, ``tp`` consecutive ranks) exposed as :func:`step_time` exposes
+    ``"tp1d-sp"``'s, blocking or ``async_tp`` (hiding ``async_overlap`` of what it could); ``comm_bytes`` their
+    payload. FSDP's all-gathers and reduce-scatters are the data-parallel part, priced by the planner as for plain
+    FSDP over ``p * dp`` ranks (:func:`lightning_tp2d.bench.planner.data_parallel_time`)."""
     single = flops("single", cfg, batch, seq, 1, checkpointing, elem)
-    fl = {k: (v if k == "gemms" else v / p) for k, v in single.items()}
-    compute = (fl["matmul"] / hw.matmul_flops_per_s + fl["gemms"] * hw.gemm_overhead_s
-               + fl["attention"] / hw.attention_flops_per_s)
-    link = _link(hw, range(p))
+    if tp == 1:
+        fl = {k: (v if k == "gemms" else v / p) for k, v in single.items()}
+    else:  # the linears as 1-D TP + SP runs them on T/p tokens; attention over the whole causal sequence
+        local = flops("tp1d-sp", cfg, batch, seq // p, tp, checkpointing, elem)
+        att, att_f = single["attention"] / (p * tp), single["attention_forward"] / (p * tp)
+        fwd = local["forward"] - local["attention_forward"] + att_f
+        bwd = local["backward"] - (local["attention"] - local["attention_forward"]) + (att - att_f)
+        fl = {"forward": fwd, "backward": bwd, "total": fwd + bwd, "matmul": local["matmul"], "attention": att,
+              "attention_forward": att_f, "gemms": local["gemms"]}
+    rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
+    compute = (fl["matmul"] / rates["matmul"] + fl["gemms"] * hw.gemm_overhead_s
+               + fl["attention"] / rates["attention"])
+    links = {RING_AXIS: _link(hw, range(0, p * tp, tp)), TP_AXIS: _link(hw, range(tp))}
     comm_s = exposed = 0.0
-    nbytes = 0
-    for ev in cp_comm_events(cfg, batch, seq, p, elem, dp=dp, checkpointing=checkpointing):
-        if ev.group != RING_AXIS:
+    nbytes = split_gemms = 0
+    for ev in cp_comm_events(cfg, batch, seq, p, elem, dp=dp, checkpointing=checkpointing, tp=tp, async_tp=async_tp):
+        if ev.group not in links:  # FSDP's: the planner's data-parallel part
             continue
-        t = collective_time(ev.kind, ev.group_size, ev.nbytes, link)
+        t = collective_time(ev.kind, ev.group_size, ev.nbytes, links[ev.group])
+        matmul, attention = (ev.overlap_flops, 0.0) if ev.group == TP_AXIS else (0.0, ev.overlap_flops)
+        hidden, chunks = _hidden(ev, t, matmul, attention, rates, async_tp and ev.group == TP_AXIS, async_overlap)
         comm_s += ev.calls * t
-        exposed += ev.calls * max(0.0, t - ev.overlap_flops / hw.attention_flops_per_s)
+        exposed += ev.calls * (t - hidden)
+        split_gemms += ev.calls * chunks
         nbytes += ev.calls * ev.nbytes
+    compute += split_gemms * hw.gemm_overhead_s
     return {"compute_s": compute, "comm_s": comm_s, "exposed_comm_s": exposed, "total_s": compute + exposed,
             "comm_bytes": nbytes, "rank": 0, "flops": fl}
 

@@ -13,7 +13,8 @@ FSDP).
   or torchtitan's per-op ``selective``;
 
 * priced by :func:`price` only, not enumerated by :func:`plan`: torch's context parallelism (``"cp"``, CP x FSDP2
-  over the same ranks, :mod:`lightning_tp2d.bench.context_parallel`);
+  over the same ranks, :mod:`lightning_tp2d.bench.context_parallel`; ``"cp-tp"``, torchtitan's CP x 1-D TP + SP,
+  FSDP2 over the CP ranks);
 
 each with a micro-batch of ``micro_batch`` sequences per replica and ``grad_accum`` micro-batches per step, so that
 ``dp * micro_batch * grad_accum * seq`` is the global batch (``global_batch_tokens``, rounded down to whole
@@ -68,7 +69,7 @@ from lightning_tp2d.families import family_of_config, fits, model_config
 from lightning_tp2d.layouts import get_layout, layout_names
 from lightning_tp2d.models.config import max_seq_len
 
-__all__ = ["PlanRow", "plan", "price", "HARDWARE", "ELEMENTWISE_PASSES", "GPT2_H200", "ASYNC_TP_OVERLAP",
+__all__ = ["PlanRow", "plan", "price", "HARDWARE", "CP", "CP_TP", "ELEMENTWISE_PASSES", "GPT2_H200", "ASYNC_TP_OVERLAP",
            "data_parallel_time", "NothingFits"]
 
 GIB = 2**30
@@ -78,6 +79,7 @@ ELEMENT = 2  # bf16 compute
 OPTIMIZER_BYTES_PER_ELEMENT = 28  # AdamW: read param, grad, exp_avg, exp_avg_sq (16); write param and moments (12)
 BASELINE = "tp1d-sp"
 CP = "cp"  # torch's context parallelism x FSDP2 (lightning_tp2d.bench.context_parallel): priced by price(), not planned
+CP_TP = "cp-tp"  # the same x 1-D TP + SP inside each CP rank (torchtitan's composition): priced by price(), not planned
 MAX_MICRO_BATCH = 16  # sequences per micro-batch tried at most by default (a layout needing more tries its least)
 log = logging.getLogger(__name__)
 
@@ -112,10 +114,13 @@ class PlanRow:
     mfu: float
     async_tp: bool = False
     parts: dict = dataclasses.field(default_factory=dict, compare=False)  # memory and time breakdowns
+    context_parallel_size: int = 1  # "cp" / "cp-tp": CP ranks of the p (the rest, p / CP, 1-D TP + SP inside each)
 
     def describe(self) -> str:
         kind = "baseline " if self.baseline else ""
-        return (f"{kind}{self.layout} p={self.tensor_parallel_size} dp={self.data_parallel_size} "
+        cp = (f" (CP {self.context_parallel_size} x TP {self.tensor_parallel_size // self.context_parallel_size})"
+              if self.context_parallel_size > 1 else "")
+        return (f"{kind}{self.layout} p={self.tensor_parallel_size}{cp} dp={self.data_parallel_size} "
                 f"zero={self.zero_stage} ckpt={self.checkpointing} micro={self.micro_batch}x{self.grad_accum}"
                 f"{' async-TP' if self.async_tp else ''}: {self.memory_gib:.1f} GiB, "
                 f"{self.tokens_per_s_per_gpu:,.0f} tok/s/GPU, MFU {self.mfu:.1%}")
@@ -199,26 +204,37 @@ def _divisors(n: int) -> list[int]:
 
 def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: str, micro_batch: int,
           grad_accum: int, seq: int, hw: Hardware, gpus_per_node: int, compiled: bool = True,
-          memory: dict | None = None, async_tp: bool | None = None) -> PlanRow:
+          memory: dict | None = None, async_tp: bool | None = None, cp_tp_size: int = 2) -> PlanRow:
     """Predict one configuration (module docstring). ``layout`` is a package layout, ``"tp1d-sp"`` (a baseline;
-    ``p`` 1: plain FSDP; ``async_tp``: force blocking (``False``) or async TP (``True``), default the faster) or
+    ``p`` 1: plain FSDP; ``async_tp``: force blocking (``False``) or async TP (``True``), default the faster),
     ``"cp"``: torch's context parallelism over ``p`` ranks x FSDP2 (``zero_stage`` 3) over ``p * dp``, the step
     :func:`~lightning_tp2d.bench.cost_model.cp_step_time`, the memory
     :func:`~lightning_tp2d.bench.context_parallel.cp_peak_bytes`, FSDP's traffic and the optimizer as plain FSDP's
-    over ``p * dp`` ranks. ``memory``: its :func:`peak_bytes` parts, if already computed."""
-    baseline, cp = layout == BASELINE, layout == CP
+    over ``p * dp`` ranks, or ``"cp-tp"``: the same with CP over ``p / cp_tp_size`` ranks, each ``cp_tp_size`` ranks
+    of 1-D TP + SP (``async_tp`` as for the baseline), FSDP2 over the ``p / cp_tp_size * dp`` ranks of each tensor
+    rank, as the 1-D baseline's. ``memory``: its :func:`peak_bytes` parts, if already computed."""
+    baseline, cp = layout == BASELINE, layout in (CP, CP_TP)
     hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
     passes = ELEMENTWISE_PASSES["compiled" if compiled else "eager"]
     split = parameter_split(cfg)
+    inner = cp_tp_size if layout == CP_TP else 1  # TP ranks inside each CP rank
     if cp:
-        if zero_stage != 3 or async_tp:
+        if zero_stage != 3 or (async_tp and inner == 1):
             raise ValueError(f"'cp' runs FSDP2 at zero_stage 3 and no async TP, got zero_stage={zero_stage}, "
                              f"async_tp={async_tp}")
-        async_tp = False
-        micro = cost_model.cp_step_time(cfg, micro_batch, seq, p, hw, ELEMENT, dp=dp, checkpointing=checkpointing)
-        saved = baseline_activation_bytes(cfg, micro_batch, seq // p, 1, elem=ELEMENT, ep=ELEMENT)["total"]
+        if layout == CP_TP and (inner < 2 or p % inner or p // inner < 2):
+            raise ValueError(f"'cp-tp' needs cp_tp_size >= 2 dividing p with at least 2 CP ranks, got p={p}, "
+                             f"cp_tp_size={cp_tp_size}")
+        ring = p // inner
+        micro = min((cost_model.cp_step_time(cfg, micro_batch, seq, ring, hw, ELEMENT, dp=dp, tp=inner, async_tp=a,
+                                             checkpointing=checkpointing, async_overlap=ASYNC_TP_OVERLAP)
+                     | {"async_tp": a} for a in ((False, True) if async_tp is None and inner > 1
+                                                 else (bool(async_tp),))), key=lambda r: r["total_s"])
+        async_tp = micro["async_tp"]
+        saved = baseline_activation_bytes(cfg, micro_batch, seq // ring, inner, elem=ELEMENT, ep=ELEMENT)["total"]
         if memory is None:
-            memory = cp_peak_bytes(cfg, micro_batch, seq, p, dp=dp, checkpointing=checkpointing, elem=ELEMENT)
+            memory = cp_peak_bytes(cfg, micro_batch, seq, ring, dp=dp, checkpointing=checkpointing, elem=ELEMENT,
+                                   tp=inner)
     elif baseline:
         tp = p
         if tp == 1:
@@ -249,14 +265,15 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     backward_s = micro["compute_s"] - forward_s
     elementwise_s = passes * saved / hw.hbm_bytes_per_s
     micro_s = micro["total_s"] + elementwise_s
-    shard = lambda n, vectors: (n - vectors) / p + vectors if baseline else n / p  # noqa: E731
+    tensor = inner if cp else p  # the ranks that cut each parameter before FSDP / ZeRO shards it
+    shard = lambda n, vectors: (n - vectors) / tensor + vectors if baseline or cp else n / tensor  # noqa: E731
     root, block = shard(split.root, split.root_vectors), shard(split.block, split.block_vectors)
     sharding, ranks = dp, p  # FSDP / ZeRO over the replicas, each replica's tensor shard of ranks
     # gathered again in the backward at stage 3: the baseline's untied embedding (its own group), cp's whole root
     regathered = split.embedding / p if baseline else 0.0
-    if cp:  # FSDP over all p * dp ranks, of the whole (not tensor-sharded) parameters
-        root, block, sharding, ranks = split.root, split.block, p * dp, 1
-        regathered = split.root
+    if cp:  # FSDP over the CP ranks of every replica, of each tensor rank's (cp: whole) parameters
+        sharding, ranks = p // inner * dp, inner
+        regathered = root
     data = data_parallel_time(root=root, block=block, n_layer=split.n_layer, dp=sharding, tp=ranks, stage=zero_stage,
                               gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s, backward_s=backward_s,
                               grad_accum=grad_accum, regathered=regathered)
@@ -271,7 +288,7 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
                         "micro_elementwise": elementwise_s, "dp_comm": data["comm_s"], "dp_exposed": data["exposed_s"],
                         "optimizer": optimizer_s}}
     return PlanRow(layout, baseline, p, dp, zero_stage, checkpointing, micro_batch, grad_accum,
-                   memory["total"] / GIB, step_s, per_gpu, mfu, async_tp, parts)
+                   memory["total"] / GIB, step_s, per_gpu, mfu, async_tp, parts, p // inner if cp else 1)
 
 
 def _micro_batches(per_replica: int, multiple: int, largest: int | None) -> list[int]:

@@ -76,7 +76,7 @@ from lightning_tp2d.bench.tp1d_sp import check_input_hook, reduce_norm_grads, sp
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.models.llama import Llama, LlamaConfig
 
-__all__ = ["TP1DHandle", "init_tp1d_mesh", "check_tp1d", "parallelize_1d", "full_state_dict_1d", "param_groups_1d",
+__all__ = ["TP1DHandle", "init_tp1d_mesh", "check_tp1d", "parallelize_1d", "local_shapes_1d", "full_state_dict_1d", "param_groups_1d",
            "tp1d_comm_events", "qkv_permutation", "TP1DAttention", "TP1DLMHead"]
 
 AXIS = "tp"
@@ -370,6 +370,30 @@ def parallelize_1d(model: GPT2 | Llama, mesh: DeviceMesh, *, sequence_parallel: 
     model.lm_head = TP1DLMHead(head, mesh)
     model.tp = TP1DHandle(mesh, p, sequence_parallel)
     return model
+
+
+def local_shapes_1d(model: GPT2 | Llama, p: int) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape on tensor rank 0 of :func:`parallelize_1d` over ``p`` ranks (its plan read, nothing
+    sharded: ``model`` may live on the meta device): a column-parallel linear's weight and bias cut on dim 0, a
+    row-parallel one's weight on dim 1, a row-parallel embedding on vocab rows (dim 0), the LM head on vocab rows,
+    the rest whole. DTensor cuts as ``torch.chunk`` does, so rank 0 holds the largest piece, ``ceil(n / p)``."""
+    fam = _family(model.config)
+    dims = {"lm_head.weight": 0}
+    for path, style in fam.plan(model.config.n_layer, True).items():
+        module = model.get_submodule(path)
+        if isinstance(module, nn.Embedding) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            dims[f"{path}.weight"] = 1 if isinstance(style, ColwiseParallel) else 0
+        elif isinstance(style, ColwiseParallel):
+            dims[f"{path}.weight"] = dims[f"{path}.bias"] = 0
+        elif isinstance(style, RowwiseParallel):
+            dims[f"{path}.weight"] = 1
+    shapes = {}
+    for name, param in model.named_parameters():
+        shape = list(param.shape)
+        if name in dims:
+            shape[dims[name]] = -(-shape[dims[name]] // p)
+        shapes[name] = tuple(shape)
+    return shapes
 
 
 @torch.no_grad()

@@ -37,6 +37,8 @@ forward, before any communication).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -51,7 +53,7 @@ from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.models.llama import LlamaConfig
 
 __all__ = ["check_sequence_parallel", "sp_plan", "block_linears", "reduce_norm_grads", "tp1d_sp_comm_events",
-           "init_tp_dp_mesh", "shard_1d_data_parallel"]
+           "recomputed_sp_events", "init_tp_dp_mesh", "shard_1d_data_parallel"]
 
 AXIS = "tp"
 
@@ -229,6 +231,22 @@ def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int
         ev("all_gather", shard_ep, 1, "backward"),  # wte output gradient
         *positions,  # wpe output gradient
     ]
+
+
+def recomputed_sp_events(cfg, events: list[Comm], checkpointing: str, **kw) -> list[Comm]:
+    """The sequence-parallel baseline's collectives its checkpointed blocks run again in the backward: ``"full"``
+    every block's forward all-gathers and reduce-scatters; ``"selective"`` (torchtitan's per-op policy, which saves
+    reduce-scatter outputs) the two all-gathers of each block. Phase ``"backward"``. A block's calls are those one
+    more block adds."""
+    if checkpointing == "none":
+        return []
+    deeper = tp1d_sp_comm_events(dataclasses.replace(cfg, n_layer=cfg.n_layer + 1), **kw)
+    again = []
+    for ev, more in zip(events, deeper):
+        per_block = ev.phase == "forward" and more.calls > ev.calls and ev.kind in ("all_gather", "reduce_scatter")
+        if per_block and (checkpointing == "full" or ev.kind == "all_gather"):
+            again.append(dataclasses.replace(ev, phase="backward"))
+    return again
 
 
 # ---- x FSDP2: torchtitan's composition (``apply_fsdp`` after ``apply_tp``) ---------------------------------------
