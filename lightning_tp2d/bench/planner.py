@@ -119,7 +119,7 @@ class PlanRow:
     def describe(self) -> str:
         kind = "baseline " if self.baseline else ""
         cp = (f" (CP {self.context_parallel_size} x TP {self.tensor_parallel_size // self.context_parallel_size})"
-              if self.context_parallel_size > 1 else "")
+              if self.context_parallel_size not in (1, self.tensor_parallel_size) else "")
         return (f"{kind}{self.layout} p={self.tensor_parallel_size}{cp} dp={self.data_parallel_size} "
                 f"zero={self.zero_stage} ckpt={self.checkpointing} micro={self.micro_batch}x{self.grad_accum}"
                 f"{' async-TP' if self.async_tp else ''}: {self.memory_gib:.1f} GiB, "
