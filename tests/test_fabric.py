@@ -110,7 +110,10 @@ def test_fabric_trains_like_one_device_and_saves_through_our_checkpoints(tmp_pat
     path = tmp_path / "fabric.ckpt"
     outs = run_ranks(_fabric_run, 4, str(path), stage)
     for out in outs:
-        assert out["worst"] <= 2e-5, out  # dp 2 x ring 2, accumulation, clipping, ZeRO-1 or 3 = one device
+        # dp 2 x ring 2, accumulation, clipping, ZeRO-1 or 3 = one device, to float32 rounding grown by Adam's
+        # steps at lr 1e-2 (which divide small gradients by their own size): 2.7e-5 on an Intel Xeon's kernels,
+        # under 2e-5 on an AMD EPYC's; a wrong gradient moves a parameter by about the learning rate
+        assert out["worst"] <= 1e-4, out
         assert out["norm"] == pytest.approx(out["plain_norm"], rel=1e-5)
         assert out["sharded"]
         assert out["loaded"] == 0.0 and out["states_equal"], out

@@ -71,7 +71,12 @@ def _parity(rank, world_size, dtype, config_overrides, options=None):
     return out
 
 
-def _check_parity(results, tol):
+def _check_parity(results, tol, step_tol=None):
+    """``step_tol`` (default ``tol``): the optimizer step's. Adam's first step divides each gradient by its own size,
+    so where a tensor's gradients are small (GPT-2's key rows of ``c_attn`` at initialisation) float32 rounding of
+    the gradient grows into the update: 2.3e-5 of the update's norm on an Intel Xeon's kernels for gradients equal
+    to 4e-7, under 2e-5 on an AMD EPYC's."""
+    step_tol = tol if step_tol is None else step_tol
     for out in results:
         assert out["names"] and out["shapes"] and out["keys"] and out["plain_tensors"]
         assert out["init"] == 0.0  # sharding loses nothing: full_tensor() is the plain parameter
@@ -80,7 +85,7 @@ def _check_parity(results, tol):
         assert out["logits"] <= tol
         worst = max(out["grads"], key=out["grads"].get)
         assert out["grads"][worst] <= tol, f"gradient of {worst} differs by {out['grads'][worst]:.2e}"
-        assert out["step"] <= tol
+        assert out["step"] <= step_tol
     # every rank reports the same loss
     assert len({out["loss"][1] for out in results}) == 1
 
@@ -103,7 +108,7 @@ def test_2d_summa_variants_match_plain_model_float64(options):
 
 def test_2d_matches_plain_model_float32_without_bias():
     results = run_distributed(_parity, 4, torch.float32, {"bias": False})
-    _check_parity(results, tol=2e-5)
+    _check_parity(results, tol=2e-5, step_tol=1e-4)
     assert not any("bias" in n for n in results[0]["grads"])
 
 
