@@ -220,8 +220,8 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     inner = cp_tp_size if layout == CP_TP else 1  # TP ranks inside each CP rank
     if cp:
         if zero_stage != 3 or (async_tp and inner == 1):
-            raise ValueError(f"'cp' runs FSDP2 at zero_stage 3 and no async TP, got zero_stage={zero_stage}, "
-                             f"async_tp={async_tp}")
+            raise ValueError(f"{layout!r} runs FSDP2 at zero_stage 3{' and no async TP' if inner == 1 else ''}, got "
+                             f"zero_stage={zero_stage}, async_tp={async_tp}")
         if layout == CP_TP and (inner < 2 or p % inner or p // inner < 2):
             raise ValueError(f"'cp-tp' needs cp_tp_size >= 2 dividing p with at least 2 CP ranks, got p={p}, "
                              f"cp_tp_size={cp_tp_size}")
