@@ -367,7 +367,8 @@ def test_tp1d_sp_is_delegated_computes_like_tp1d_and_async_tp_hides_only_behind_
     assert one["tp1d-sp"]["comm_s"] == pytest.approx(one["tp1d"]["comm_s"], rel=0.02)
 
 
-@pytest.mark.parametrize("layout, p", [("2d", 4), ("2d", 16), ("2d-metp", 9), ("metp", 4), ("metp", 8)])
+@pytest.mark.parametrize("layout, p", [("2d", 4), ("2d", 16), ("2d-metp", 9), ("metp", 4),
+                                       pytest.param("metp", 8, marks=pytest.mark.slow)])  # (metp 4: the same rules)
 def test_events_name_their_group_and_overlap_only_behind_compute(layout, p):
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
     batch, seq = (4, 48) if layout == "2d" else (1, 48)
