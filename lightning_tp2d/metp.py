@@ -362,8 +362,8 @@ def document_blocks(i: int, j: int, n: int, c: int, documents: Documents) -> lis
 def _op_documents(documents: Documents | None, doc_ids: torch.Tensor | None) -> Documents | None:
     """The packed documents a ring-attention op works with: ``documents`` (eager), or under ``torch.compile``
     (where an op's arguments are tensors or graph constants, and host data per batch would be a recompile per batch)
-    rebuilt from the ids tensor, whose starts are read on the host once per call; ``None`` in the compiler's shape
-    pass (fake ids cannot be read; the causal ring's shapes are the same)."""
+    rebuilt from the ids tensor (the batch's CPU copy, :func:`ring_attention`), whose starts are read once per call;
+    ``None`` in the compiler's shape pass (fake ids cannot be read; the causal ring's shapes are the same)."""
     if documents is not None or doc_ids is None:
         return documents
     return None if comm._SHAPES_ONLY else Documents(doc_ids)
@@ -491,8 +491,9 @@ def ring_attention(qkv: torch.Tensor, mesh: DeviceMesh, axis: str, scale: float 
     crosses a document start runs as one plain block per (query run, key run) of the same document, the rest of
     it neither computed nor masked. All of it is decided on the host from the documents' start positions: no host
     sync in the step, no tensor beyond the plain kernel's. Under ``torch.compile`` the op receives the ids instead
-    (host data per batch would be a recompile per batch) and reads their starts once per call (a host sync on a
-    GPU)."""
+    (host data per batch would be a recompile per batch): the CPU copy the batch came with
+    (:attr:`~lightning_tp2d.models.documents.Documents.host_ids`), whose starts it reads once per call without a
+    device sync; only ids that were never on the host (a user's device tensor) are read from the device."""
     if not isinstance(groups, int) or groups < 1 or qkv.dim() != 5 or qkv.shape[0] != groups + 2 \
             or qkv.shape[-2] % 2:
         raise ValueError(f"ring_attention expects qkv [groups+2, B, nkv, S, d] with S even (two zigzag chunks), "
@@ -504,8 +505,8 @@ def ring_attention(qkv: torch.Tensor, mesh: DeviceMesh, axis: str, scale: float 
         if tuple(documents.shape) != (qkv.shape[1], qkv.shape[-2] * n):
             raise ValueError(f"ring_attention: documents of shape {tuple(documents.shape)} do not cover the batch "
                              f"(B, T) = {(qkv.shape[1], qkv.shape[-2] * n)} of these shards")
-        if torch.compiler.is_compiling():
-            documents, doc_ids = None, documents.ids
+        if torch.compiler.is_compiling():  # the ids as a tensor argument, on the host where the batch came from
+            documents, doc_ids = None, documents.ids if documents.host_ids is None else documents.host_ids
     return _RingAttention.apply(qkv.contiguous(), mesh, axis, scale, groups, ring_options(options), documents, doc_ids)
 
 

@@ -115,3 +115,50 @@ def test_compiled_token_id_checks_stay_in_the_graph_and_still_refuse_bad_ids():
     finally:  # this process forks later tests' ranks: leave them no compiled state or counts
         torch._dynamo.reset()
         counters.clear()
+
+
+def _compare_packed(rank: int, world_size: int) -> dict:
+    """"metp" over 2 ranks with packed documents, compiled (aot_eager) against eager: loss and gradients, graphs
+    and breaks, and the ids the ring-attention op was handed: the batch's CPU ids, not its moved copy (the move is
+    simulated by a copy on the same device)."""
+    from torch._dynamo.utils import counters
+
+    from lightning_tp2d import metp
+    from lightning_tp2d.models.documents import Documents
+
+    torch._dynamo.reset()
+    counters.clear()
+    mesh = tp.init_mesh("metp", world_size, 1)
+    eager, cfg = _model("metp", mesh)
+    compiled_model, _ = _model("metp", mesh)
+    compiled = torch.compile(compiled_model, backend="aot_eager", dynamic=False)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+    host = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 11 + [1] * 5])  # starts 5, 12 and 11: pairs cut
+    moved = Documents(host).to(torch.device("cpu"), copy=True)  # as Lightning's batch transfer moves it
+    handed, real = [], metp._op_documents
+    metp._op_documents = lambda documents, ids: handed.append(ids) or real(documents, ids)
+    try:
+        losses = []
+        for model in (eager, compiled):
+            loss = model(idx, idx, doc_ids=moved)
+            loss.backward()
+            losses.append(loss.detach())
+    finally:
+        metp._op_documents = real
+    # (the compiler's shape pass hands fake tensors, which have no data: the calls that run have plain ones)
+    on_host = [ids.data_ptr() == host.data_ptr() for ids in handed if type(ids) is torch.Tensor]
+    grad = max(_rel(c, e) for e, c in zip(_grads(eager), _grads(compiled_model)))
+    return {"loss": _rel(losses[1], losses[0]), "grad": grad, "graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values()), "on_host": on_host,
+            "moved": moved.ids.data_ptr() != host.data_ptr()}
+
+
+def test_packed_documents_compile_to_one_graph_and_the_ring_reads_the_batchs_host_ids():
+    """Compiled, the ring-attention op takes the documents as their ids tensor; it is handed the CPU ids the batch
+    came with (``Documents.host_ids``, kept when the batch moves), so deciding its blocks reads nothing from the
+    device: in the forward and in the backward of each block, the loss and gradients those of eager."""
+    for rank, r in enumerate(run_distributed(_compare_packed, 2, timeout=300)):
+        assert r["breaks"] == 0 and r["graphs"] == 1, (rank, r)
+        assert r["loss"] < 1e-6 and r["grad"] < 1e-5, (rank, r)
+        assert r["moved"] and r["on_host"] and all(r["on_host"]), (rank, r)

@@ -15,7 +15,9 @@ and nothing is read back from the device. When a
 :class:`Documents` is built from device ids without ``starts``, the first question that needs them reads the ids
 once (a host sync on a GPU); the data module builds them on the CPU, before the batch moves.
 
-``Documents`` has a ``to`` method, so Lightning's batch transfer moves its ids and keeps ``starts`` as they are.
+``Documents`` has a ``to`` method, so Lightning's batch transfer moves its ids and keeps ``starts`` as they are, and
+``host_ids``: the ids as they were on the CPU before the move. Under ``torch.compile`` the ring layouts hand the
+attention op those host ids (an op's arguments are tensors, not host data), so it reads them without a device sync.
 """
 
 from __future__ import annotations
@@ -29,15 +31,18 @@ WHOLE, SPLIT, SKIPPED = 2, 1, 0  # the kinds of chunk pair chunk_links reports
 
 class Documents:
     """Document ids ``ids [B, T]`` (non-decreasing integers per row) and ``starts``: per row, the sorted positions
-    where a document starts (``0`` first), computed from the ids on first use unless given."""
+    where a document starts (``0`` first), computed from the ids on first use unless given. ``host_ids``: the ids
+    on the CPU (``ids`` itself when on the CPU; kept by :meth:`to`), or ``None`` when built from device ids."""
 
-    def __init__(self, ids: torch.Tensor, starts: tuple[tuple[int, ...], ...] | None = None) -> None:
+    def __init__(self, ids: torch.Tensor, starts: tuple[tuple[int, ...], ...] | None = None,
+                 host_ids: torch.Tensor | None = None) -> None:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() \
                 or ids.dtype == torch.bool:
             shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise ValueError(f"doc_ids must be a 2-D (B, T) integer tensor, got {shape}"
                              + (f" dtype {ids.dtype}" if isinstance(ids, torch.Tensor) else ""))
         self.ids = ids
+        self.host_ids = host_ids if host_ids is not None else ids if ids.device.type == "cpu" else None
         self._starts = None if starts is None else tuple(tuple(int(s) for s in row) for row in starts)
         self._links: dict[int, tuple[tuple[int, ...], ...]] = {}
         self._segments: dict[tuple[int, int, int], tuple[tuple[tuple[int, int, int, int], ...], ...]] = {}
@@ -58,7 +63,7 @@ class Documents:
         """Per row, the positions where a document starts (reads the ids on the host the first time if they were
         not given; ``ValueError`` if a row's ids decrease)."""
         if self._starts is None:
-            ids = self.ids.detach().cpu()
+            ids = (self.ids if self.host_ids is None else self.host_ids).detach().cpu()
             check_non_decreasing(ids)
             change = ids[:, 1:] != ids[:, :-1]
             self._starts = tuple((0, *(int(t) + 1 for t in row.nonzero().flatten().tolist())) for row in change)
@@ -70,8 +75,8 @@ class Documents:
         return self._starts is not None
 
     def to(self, *args, **kwargs) -> "Documents":
-        """The ids moved (``Tensor.to``'s arguments); ``starts`` kept (they are host data)."""
-        return Documents(self.ids.to(*args, **kwargs), self._starts)
+        """The ids moved (``Tensor.to``'s arguments); ``starts`` and ``host_ids`` kept (they are host data)."""
+        return Documents(self.ids.to(*args, **kwargs), self._starts, self.host_ids)
 
     def check(self, idx: torch.Tensor, values: bool = False) -> None:
         """``ValueError`` naming both shapes unless the ids have ``idx``'s shape; with ``values``, also unless every
