@@ -186,3 +186,39 @@ def test_scale_recipe_writes_the_tables_and_the_calibration(tmp_path):
     assert all(0.5 < r < 2.0 for r in ratios.values())
     text = (tmp_path / "results.md").read_text()
     assert "package / baseline" in text and "Calibration" in text and "Float8" in text
+
+
+def test_gpu_rates_recipe_measures_every_table_and_the_planner_prices_with_it(tmp_path, capsys):
+    """``recipes/gpu_rates.py --smoke`` (CPU, toy sizes; on a GPU it measures bf16 at the planner's shapes): GEMMs,
+    causal SDPA, the METP ring's two block kinds on the package's kernel and the copy bandwidth, each rate positive
+    and consistent with its time; :func:`~lightning_tp2d.bench.cost_model.with_measured_rates` takes the fit, the
+    attention rate and the bandwidth from it, and ``tp2d-plan --rates`` plans with them (a table that is not one is
+    refused in one line)."""
+    from lightning_tp2d.bench import cost_model, gemm_rates, planner
+
+    spec = importlib.util.spec_from_file_location("gpu_rates", ROOT / "recipes" / "gpu_rates.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    out = tmp_path / "rates.json"
+    assert recipe.main(["--smoke", "--out", str(out)]) == 0
+    rates = json.loads(out.read_text())
+    for r in rates["gemm"]:
+        assert r["flops_per_s"] == pytest.approx(2 * r["m"] * r["k"] * r["n"] / r["seconds"])
+    assert [r["seq"] for r in rates["sdpa"]] == [64, 128]  # (toy sizes on a busy CPU: times, not their order)
+    assert all(r["step_s"] > 0 and r["forward_s"] > 0 for r in rates["sdpa"])
+    assert {(r["block"], r["kernel"]) for r in rates["ring"]} == {("diagonal", "flash_cpu"), ("half", "flash_cpu")}
+    assert rates["bandwidth"]["bytes_per_s"] > 0 and (tmp_path / "rates.md").is_file()
+    hw = cost_model.with_measured_rates(cost_model.H100_NVLINK4_NDR, rates)
+    points = [gemm_rates.GemmPoint(r["m"], r["k"], r["n"], r["flops_per_s"]) for r in rates["gemm"]]
+    assert (hw.matmul_flops_per_s, hw.gemm_overhead_s) == gemm_rates.fit(points)
+    assert hw.attention_flops_per_s == rates["summary"]["attention_flops_per_s"] == rates["sdpa"][-1]["step_flops_per_s"]
+    assert hw.hbm_bytes_per_s == rates["bandwidth"]["bytes_per_s"] and hw.intra == cost_model.H100_NVLINK4_NDR.intra
+    plan = tmp_path / "plan.json"
+    args = ["llama-tiny", "--gpus", "4", "--gpus-per-node", "4", "--gpu-memory-gib", "0.05", "--seq", "48",
+            "--global-batch-tokens", "768", "--layouts", "2d", "--no-baselines", "--zero-stages", "0",
+            "--checkpointing", "none", "--max-micro-batch", "4"]
+    assert planner.main([*args, "--rates", str(out), "--json", str(plan)]) == 0
+    assert json.loads(plan.read_text())["hardware"].endswith(f"rates measured on {rates['device']}")
+    (tmp_path / "bad.json").write_text('{"gemm": []}')
+    assert planner.main([*args, "--rates", str(tmp_path / "bad.json"), "--json", ""]) == 2
+    assert "not a rate table of recipes/gpu_rates.py" in capsys.readouterr().err

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 from lightning_tp2d.bench.context_parallel import RING_AXIS, cp_comm_events
 from lightning_tp2d.bench.events import Comm, float32_bytes
-from lightning_tp2d.bench.gemm_rates import H200_BF16
+from lightning_tp2d.bench.gemm_rates import H200_BF16, GemmPoint
 from lightning_tp2d.bench.memory_model import baseline_activation_bytes, parameter_split
 from lightning_tp2d.bench.gemm_rates import fit as fit_gemm_rates
 from lightning_tp2d.bench.tp1d import tp1d_comm_events
@@ -79,7 +79,7 @@ def _layouts() -> tuple[str, ...]:
 
 __all__ = ["Link", "Hardware", "H100_NVLINK4_NDR", "H200_NVLINK4_NDR", "H100_GRAND_TETON", "A100_NVLINK3_HDR",
            "comm_events", "flops", "activation_bytes", "collective_time", "step_time", "cp_step_time",
-           "projected_speedup", "metp_overlap_threshold"]
+           "with_measured_rates", "projected_speedup", "metp_overlap_threshold"]
 
 
 def _check(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int) -> int:
@@ -381,6 +381,23 @@ H100_GRAND_TETON = dataclasses.replace(
 A100_NVLINK3_HDR = Hardware("A100 SXM, NVLink 3 (8/node), HDR 200G", 230e12, 190e12,
                             intra=Link(3e-6, 300e9), inter=Link(5e-6, 25e9), gpus_per_node=8,
                             hbm_bytes_per_s=2.0e12, peak_flops_per_s=312e12)
+
+
+def with_measured_rates(hw: Hardware, rates: dict) -> Hardware:
+    """``hw`` with its compute and memory rates replaced by those measured on a GPU (the JSON ``recipes/gpu_rates.py``
+    writes): GEMMs by the fit of its products (:func:`lightning_tp2d.bench.gemm_rates.fit`: rate and overhead per
+    kernel), attention by its ``summary``'s rate (causal SDPA forward + backward at the longest length measured),
+    memory by its copy bandwidth; the links, node size and MFU peak stay ``hw``'s. ``ValueError`` naming what is
+    missing if ``rates`` is not such a table."""
+    try:
+        points = [GemmPoint(r["m"], r["k"], r["n"], r["flops_per_s"], r.get("label", "")) for r in rates["gemm"]]
+        attention, hbm = rates["summary"]["attention_flops_per_s"], rates["summary"]["hbm_bytes_per_s"]
+        device = rates["device"]
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"not a rate table of recipes/gpu_rates.py: no {err} in it") from None
+    rate, overhead = fit_gemm_rates(points)
+    return dataclasses.replace(hw, name=f"{hw.name}; rates measured on {device}", matmul_flops_per_s=rate,
+                               gemm_overhead_s=overhead, attention_flops_per_s=attention, hbm_bytes_per_s=hbm)
 
 
 def collective_time(kind: str, n: int, nbytes: float, link: Link) -> float:

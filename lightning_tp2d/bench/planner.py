@@ -503,6 +503,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, required=True)
     parser.add_argument("--global-batch-tokens", type=int, default=4 * 2**20)
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default="h100")
+    parser.add_argument("--rates", default=None, help="a rate table measured on your GPU (recipes/gpu_rates.py's "
+                        "JSON): its GEMM, attention and memory rates replace the preset's; links stay the preset's")
     parser.add_argument("--layouts", nargs="*", default=None, help="package layouts to consider (default: all)")
     parser.add_argument("--no-baselines", action="store_true", help="leave out the 1-D TP + SP x FSDP rows")
     parser.add_argument("--zero-stages", type=int, nargs="*", default=[0, 1, 2, 3], help="ZeRO stages to consider")
@@ -513,17 +515,21 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=12, help="rows to print (0: all)")
     parser.add_argument("--json", default="plan.json", help="where to write every row (default plan.json; '' none)")
     args = parser.parse_args(argv)
+    hardware = HARDWARE[args.hardware]
     try:
+        if args.rates:
+            with open(args.rates) as f:
+                hardware = cost_model.with_measured_rates(hardware, json.load(f))
         rows = plan(args.model, gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib, gpus_per_node=args.gpus_per_node,
-                    seq=args.seq, global_batch_tokens=args.global_batch_tokens, hardware=args.hardware,
+                    seq=args.seq, global_batch_tokens=args.global_batch_tokens, hardware=hardware,
                     include_baselines=not args.no_baselines, layouts=args.layouts, compiled=not args.eager,
                     zero_stages=tuple(args.zero_stages), checkpointing=tuple(args.checkpointing),
                     max_micro_batch=args.max_micro_batch)
-    except (ValueError, KeyError) as err:
+    except (ValueError, KeyError, OSError) as err:
         print(f"tp2d-plan: {err}", file=sys.stderr)
         return 2
     print(f"{args.model} on {args.gpus} GPUs ({args.gpus_per_node}/node, {args.gpu_memory_gib:g} GiB, "
-          f"{HARDWARE[args.hardware].name}), seq {args.seq}, {args.global_batch_tokens:,} tokens per step: "
+          f"{hardware.name}), seq {args.seq}, {args.global_batch_tokens:,} tokens per step: "
           f"{len(rows)} configurations fit")
     print(table(rows, args.top or None))
     package, baseline = best(rows, False), best(rows, True)
@@ -534,7 +540,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "gpus": args.gpus, "gpu_memory_gib": args.gpu_memory_gib,
                        "gpus_per_node": args.gpus_per_node, "seq": args.seq,
-                       "global_batch_tokens": args.global_batch_tokens, "hardware": HARDWARE[args.hardware].name,
+                       "global_batch_tokens": args.global_batch_tokens, "hardware": hardware.name,
                        "rows": [r.to_dict() for r in rows]}, f, indent=1)
         print(f"wrote {len(rows)} rows to {args.json}")
     return 0

@@ -1,0 +1,223 @@
+"""The rate table the cost model and the planner are priced with, measured on one GPU in a few minutes. NOT YET RUN
+on a GPU: no device time was lent to the session that wrote it; ``--smoke`` runs every part at toy sizes on the CPU
+(as CI does, ``tests/test_recipes.py``).
+
+    python recipes/gpu_rates.py --out recipes/benchmarks/gpu_rates/h200.json   # one CUDA GPU, bf16, ~3 minutes
+    python recipes/gpu_rates.py --smoke --out /tmp/rates.json                  # CPU, tiny sizes: checks the script
+    tp2d-plan llama-3.1-70b --gpus 64 --gpu-memory-gib 80 --seq 8192 --rates recipes/benchmarks/gpu_rates/h200.json
+
+Today every projection rests on two bf16 GEMMs measured in the project's first week and on assumed attention and
+memory rates (:data:`lightning_tp2d.bench.cost_model.H100_NVLINK4_NDR`). This measures, with CUDA events, median of
+``--repeats``:
+
+1. **GEMMs** ``[m, k] @ [k, n]`` in bf16 at the shapes the planner prices: each linear of Llama 3.1 8B and 70B
+   (q/k/v/o, gate/up/down) as 1-D TP cuts it over 1, 2, 4 and 8 ranks, at 8192 and 16384 tokens, and the MLP
+   product of GPT-2 medium on the 1x1, 2x2 and 3x3 grids (the committed two points among them). The fit
+   ``t = FLOPs / rate + overhead`` (:func:`lightning_tp2d.bench.gemm_rates.fit`) is the one the cost model takes.
+2. **Attention**, head size 128, 32 query heads on 8 key/value heads (Llama's GQA), one sequence: torch's SDPA over
+   the whole causal sequence (what the plain model, 1-D TP and each CP ring step run), forward and forward +
+   backward, at 2k-32k tokens; and the METP ring's blocks through :func:`lightning_tp2d.metp.attend_block` /
+   ``attend_block_backward`` (the fused kernel that returns the log-sum-exp): the causal diagonal block ``2c x 2c``
+   and an off-diagonal ``2c x c`` half block, ``c`` 1k-8k. Rates in the cost model's convention: 4 FLOPs per visible
+   score and head channel forward, 10 backward (flash recomputes the scores).
+3. **Memory bandwidth**: a 1 GiB copy (bytes read + written per second), what elementwise work and the optimizer
+   are priced at.
+
+Writes ``--out`` (JSON: every point, the GEMM fit, the attention rate the planner takes -- causal SDPA forward +
+backward at the longest length measured -- and the bandwidth) and a markdown summary beside it.
+:func:`lightning_tp2d.bench.cost_model.with_measured_rates` turns the JSON into a hardware preset; ``tp2d-plan
+--rates FILE`` plans with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lightning_tp2d import metp
+from lightning_tp2d.bench import gemm_rates
+from lightning_tp2d.families import model_config
+
+HEAD, Q_HEADS, KV_HEADS = 128, 32, 8
+SCORE_FLOPS = {"forward": 4, "backward": 10}  # per visible score and head channel (the cost model's convention)
+
+
+class Timer:
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup``: CUDA events on a GPU, wall clock on CPU."""
+
+    def __init__(self, device: torch.device, repeats: int, warmup: int = 2) -> None:
+        self.device, self.repeats, self.warmup = device, repeats, warmup
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.repeats):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def gemm_shapes(smoke: bool) -> list[tuple[str, int, int, int]]:
+    """``(label, m, k, n)``: the linears of Llama 3.1 8B and 70B cut by 1-D TP over ``t`` ranks (column-parallel
+    ``[in, out/t]``, row-parallel ``[in/t, out]``) at 8192 and 16384 tokens, and GPT-2 medium's MLP product on
+    ``q x q`` grids (:func:`lightning_tp2d.bench.gemm_rates.table_shapes`) at 8192 tokens."""
+    if smoke:
+        return [("toy 64x32x96", 64, 32, 96), ("toy 128x64x128", 128, 64, 128), ("toy 32x32x32", 32, 32, 32)]
+    shapes = []
+    for name in ("llama-3.1-8b", "llama-3.1-70b"):
+        cfg = model_config(name)
+        h, kv, inter = cfg.n_embd, cfg.n_kv_head * (cfg.n_embd // cfg.n_head), cfg.intermediate_size
+        for t in (1, 2, 4, 8):
+            for m in (8192, 16384):
+                for label, k, n in (("q", h, h // t), ("kv", h, kv // t), ("o", h // t, h), ("gate/up", h, inter // t),
+                                    ("down", inter // t, h)):
+                    shapes.append((f"{name} {label} tp{t}", m, k, n))
+    for q, (m, k, n) in zip((1, 2, 3), gemm_rates.table_shapes(8192, model_config("gpt2-medium").n_embd)):
+        shapes.append((f"gpt2-medium mlp {q}x{q} grid", m, k, n))
+    return shapes
+
+
+def measure_gemms(device, dtype, timer: Timer, smoke: bool) -> list[dict]:
+    rows = []
+    for label, m, k, n in gemm_shapes(smoke):
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        seconds = timer(lambda: a @ b)
+        rows.append({"label": label, "m": m, "k": k, "n": n, "seconds": seconds,
+                     "flops_per_s": 2.0 * m * k * n / seconds})
+    return rows
+
+
+def _attention_flops(rows: int, cols: int, causal: bool, heads: int, d: int, backward: bool) -> float:
+    scores = rows * (rows + 1) / 2 if causal else rows * cols
+    per = SCORE_FLOPS["forward"] + (SCORE_FLOPS["backward"] if backward else 0)
+    return per * d * heads * scores
+
+
+def measure_sdpa(device, dtype, timer: Timer, smoke: bool) -> list[dict]:
+    """Causal SDPA over one whole sequence (GQA: the key/value heads repeated as the plain Llama does)."""
+    heads, kv_heads, d = (4, 2, 16) if smoke else (Q_HEADS, KV_HEADS, HEAD)
+    rows = []
+    for T in ((64, 128) if smoke else (2048, 8192, 16384, 32768)):
+        q = torch.randn(1, heads, T, d, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(1, kv_heads, T, d, device=device, dtype=dtype).repeat_interleave(heads // kv_heads, 1)
+        v = torch.randn_like(k)
+        k.requires_grad_(True)
+        v.requires_grad_(True)
+        dout = torch.randn(1, heads, T, d, device=device, dtype=dtype)
+        forward = timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        both = timer(lambda: torch.autograd.backward(F.scaled_dot_product_attention(q, k, v, is_causal=True), dout))
+        rows.append({"seq": T, "heads": heads, "head_size": d,
+                     "forward_s": forward, "forward_flops_per_s": _attention_flops(T, T, True, heads, d, False) / forward,
+                     "step_s": both, "step_flops_per_s": _attention_flops(T, T, True, heads, d, True) / both})
+    return rows
+
+
+def measure_ring_blocks(device, dtype, timer: Timer, smoke: bool) -> list[dict]:
+    """The METP ring's blocks through the package's kernel choice (:func:`lightning_tp2d.metp.block_kernel`): the
+    causal diagonal ``2c x 2c`` block and an off-diagonal ``2c`` queries x ``c`` keys block, forward and backward
+    (the backward given the block's output and log-sum-exp, as the ring's)."""
+    heads, d = (4, 16) if smoke else (Q_HEADS, HEAD)
+    rows = []
+    for c in ((32, 64) if smoke else (1024, 4096, 8192)):
+        for kind, rows_q, cols, causal in (("diagonal", 2 * c, 2 * c, True), ("half", 2 * c, c, False)):
+            q = torch.randn(1, heads, rows_q, d, device=device, dtype=dtype)
+            k, v = (torch.randn(1, heads, cols, d, device=device, dtype=dtype) for _ in range(2))
+            scale = d ** -0.5
+            out, lse = metp.attend_block(q, k, v, causal, scale)
+            dout = torch.randn_like(out)
+            forward = timer(lambda: metp.attend_block(q, k, v, causal, scale))
+            backward = timer(lambda: metp.attend_block_backward(dout, q, k, v, out, lse, causal, scale))
+            fwd_flops = _attention_flops(rows_q, cols, causal, heads, d, False)
+            both = _attention_flops(rows_q, cols, causal, heads, d, True)
+            rows.append({"block": kind, "c": c, "rows": rows_q, "cols": cols, "kernel": metp.block_kernel(q),
+                         "forward_s": forward, "backward_s": backward,
+                         "forward_flops_per_s": fwd_flops / forward, "step_flops_per_s": both / (forward + backward)})
+    return rows
+
+
+def measure_bandwidth(device, timer: Timer, smoke: bool) -> dict:
+    n = (1 << 20) if smoke else (1 << 28)  # float32 elements: 4 MiB / 1 GiB
+    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+    seconds = timer(lambda: dst.copy_(src))
+    return {"bytes": 4 * n, "seconds": seconds, "bytes_per_s": 2 * 4 * n / seconds}
+
+
+def summarize(result: dict) -> dict:
+    points = [gemm_rates.GemmPoint(r["m"], r["k"], r["n"], r["flops_per_s"], r["label"]) for r in result["gemm"]]
+    rate, overhead = gemm_rates.fit(points)
+    longest = max(result["sdpa"], key=lambda r: r["seq"])
+    return {"gemm_rate_flops_per_s": rate, "gemm_overhead_s": overhead,
+            "attention_flops_per_s": longest["step_flops_per_s"], "attention_from": f"causal SDPA forward + backward "
+            f"at {longest['seq']} tokens", "hbm_bytes_per_s": result["bandwidth"]["bytes_per_s"]}
+
+
+def markdown(result: dict) -> str:
+    s = result["summary"]
+    lines = [f"# Rates measured on {result['device']} ({result['dtype']})", "",
+             f"torch {result['torch']}, {result['date']}; `python recipes/gpu_rates.py` "
+             f"({result['seconds']:.0f} s). What the planner takes: GEMMs {s['gemm_rate_flops_per_s'] / 1e12:.3g} "
+             f"TFLOP/s + {s['gemm_overhead_s'] * 1e6:.1f} us per kernel; attention "
+             f"{s['attention_flops_per_s'] / 1e12:.3g} TFLOP/s ({s['attention_from']}); memory "
+             f"{s['hbm_bytes_per_s'] / 1e12:.3g} TB/s.", "", "## GEMMs", "", "| product | m | k | n | TFLOP/s |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['label']} | {r['m']} | {r['k']} | {r['n']} | {r['flops_per_s'] / 1e12:.3g} |" for r in result["gemm"]]
+    lines += ["", "## Causal SDPA, one sequence", "", "| tokens | forward TFLOP/s | forward + backward TFLOP/s |",
+              "|---|---|---|"]
+    lines += [f"| {r['seq']} | {r['forward_flops_per_s'] / 1e12:.3g} | {r['step_flops_per_s'] / 1e12:.3g} |"
+              for r in result["sdpa"]]
+    lines += ["", "## METP ring blocks", "", "| block | c | queries x keys | kernel | forward TFLOP/s | "
+              "forward + backward TFLOP/s |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['block']} | {r['c']} | {r['rows']} x {r['cols']} | {r['kernel']} | "
+              f"{r['forward_flops_per_s'] / 1e12:.3g} | {r['step_flops_per_s'] / 1e12:.3g} |" for r in result["ring"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="the JSON to write (markdown beside it)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes: checks the script")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error("no CUDA device: this measures a GPU (use --smoke to check the script on the CPU)")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    timer = Timer(device, 3 if args.smoke else args.repeats)
+    started = time.time()
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+              "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "smoke": args.smoke}
+    with torch.no_grad():
+        result["gemm"] = measure_gemms(device, dtype, timer, args.smoke)
+        result["bandwidth"] = measure_bandwidth(device, timer, args.smoke)
+    result["sdpa"] = measure_sdpa(device, dtype, timer, args.smoke)
+    with torch.no_grad():
+        result["ring"] = measure_ring_blocks(device, dtype, timer, args.smoke)
+    result["summary"] = summarize(result)
+    result["seconds"] = time.time() - started
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
