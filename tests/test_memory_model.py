@@ -5,10 +5,11 @@ measured one.
 The grid, on one group of 8 ranks (:func:`lightning_tp2d.bench.measure.measured_peaks`, the step the strategies
 run): GPT-2 and Llama (width 192, 2 blocks, vocabulary 512) on every layout with dp 2 -- "metp" (ring 4), "2d"
 (2x2 grid), "2d-metp" (2x2 grid of rings) -- x ZeRO stages 0, 1, 3 x checkpointing none and full; selective on
-the ring and the grid at stage 0; and 4 blocks on the ring at stage 3, deeper than the 2 and 3 blocks the model is
-profiled with. ``recipes/benchmarks/memory_model.py`` writes the same grid's table. The grid is slow (about 3
-minutes of runs and 20 of fake-tensor profiles on 2 cores): marked ``slow``; four of its cases (every layout,
-stage and mode once, both families) and the checks of the parts are not.
+the ring and the grid at stage 0; and 8 blocks on the ring at stages 0 and 3 and on the grid of rings at stage 3,
+deeper than the 4 and 5 blocks the model extrapolates from. ``recipes/benchmarks/memory_model.py`` writes the same
+grid's table. The grid is slow (minutes of runs and tens of minutes of fake-tensor profiles on 2 cores): marked
+``slow``; four of its cases (every layout, stage and mode once, both families), the extrapolation in depth against
+direct builds and the checks of the parts are not.
 """
 
 from __future__ import annotations
@@ -67,6 +68,32 @@ def test_predicted_peak_within_10_percent_of_measured(measured, case):
 @pytest.mark.parametrize("case", FAST, ids=["-".join(map(str, c)) for c in FAST])
 def test_one_case_of_each_layout_stage_and_mode_within_10_percent(measured_fast, case):
     _check(measured_fast, case)
+
+
+@pytest.mark.parametrize("case", [("llama", "metp", 0, "none"), ("gpt2", "2d-metp", 3, "full")],
+                         ids=["llama-metp-0-none", "gpt2-2d-metp-3-full"])
+def test_a_deep_models_step_extrapolated_from_4_and_5_blocks_equals_its_direct_build(case):
+    """The step's peak of a model deeper than 5 blocks is extended from its builds at 4 and 5 (each phase's peak
+    affine in the depth: ``memory_model._extrapolated_step``); on fake tensors it equals the 7-block model's own
+    profile byte for byte. The cases are the two that broke the former rule (one line per three coarse phases from
+    2 and 3 blocks): at ZeRO stage 0 GradientSync's buckets make block 0's phase grow by a block's gradients from
+    the fourth block on; at stage 3 with full checkpointing the phase of the blocks between first and last has its
+    ends only from 3 blocks on (the 405B ring of 8 read 216 GiB per GPU)."""
+    from lightning_tp2d.bench import memory_model
+    from lightning_tp2d.bench.trace import in_worker
+    from lightning_tp2d.layouts import get_layout
+
+    name, layout, stage, ck = case
+
+    def build(depth):
+        return in_worker(memory_model._shards_here, get_layout(layout), baseline_grid_config(name, depth), BATCH,
+                         SEQ, 4, WORLD // 4, stage, ck, 4, 0, group=(WORLD, 0))
+
+    assert memory_model._depths(7) == memory_model.EXTRAPOLATED_FROM == (4, 5)
+    built = [build(depth) for depth in memory_model.EXTRAPOLATED_FROM]
+    assert memory_model._extrapolated_step(built, 7) == max(build(7)["phases"])
+    two, three = (max(build(depth)["phases"]) for depth in (2, 3))
+    assert three + 4 * (three - two) != max(build(7)["phases"])  # (a line through 2 and 3 blocks misses it)
 
 
 def test_parts_follow_the_zero_stage():

@@ -336,12 +336,14 @@ def baseline_grid_cases(cases) -> list[tuple]:
 
 GRID_BATCH, GRID_SEQ, GRID_WORLD = 4, 64, 8  # dp = GRID_WORLD // p
 # (model, layout, p, zero stage, checkpointing, blocks): the grid's two models (baseline_grid_config) on every layout
-# with dp 2 x ZeRO stages 0, 1, 3 x checkpointing none and full; selective on the ring and the grid at stage 0; 4
-# blocks on the ring at stage 3 (deeper than the 2 and 3 blocks the memory model builds)
+# with dp 2 x ZeRO stages 0, 1, 3 x checkpointing none and full; selective on the ring and the grid at stage 0; 8
+# blocks (deeper than the 4 and 5 the memory model extrapolates from) on the ring at stages 0 and 3 and on the grid
+# of rings at stage 3 with full checkpointing
 GRID = [(name, layout, 4, stage, ck, 2) for name in ("gpt2", "llama") for layout in ("metp", "2d", "2d-metp")
         for stage in (0, 1, 3) for ck in ("none", "full")]
 GRID += [(name, layout, 4, 0, "selective", 2) for name in ("gpt2", "llama") for layout in ("metp", "2d")]
-GRID += [(name, "metp", 4, 3, ck, 4) for name in ("gpt2", "llama") for ck in ("none", "full")]
+GRID += [(name, "metp", 4, stage, ck, 8) for name in ("gpt2", "llama") for stage in (0, 3) for ck in ("none", "full")]
+GRID += [(name, "2d-metp", 4, 3, "full", 8) for name in ("gpt2", "llama")]
 
 
 def grid_config(case):

@@ -18,8 +18,9 @@ Where the numbers come from, per rank (``e`` = ``elem``):
   GradientSync's buckets at stages 0 and 1, FSDP's gathers and reduce-scatters, clipping, AdamW's step with its
   foreach temporaries and at stage 1 the all-gather of the updated slices), after FSDP's lazy initialisation and a
   step that creates AdamW's state: the live bytes over time, so activations freed as gradients appear are not counted beside them.
-  The model is built with its own depth up to 3 blocks; deeper, with 2 and 3 and each phase's peak (the forward
-  and the root's backward, the middle blocks' backward, the first block's and what follows) extended linearly;
+  The model is built with its own depth up to 5 blocks; deeper, with 4 and 5 and each phase's peak (the forward
+  and the root's backward, the backward of each of the last two blocks and of blocks 1 and 0, what follows the
+  backward) extended linearly (:func:`_extrapolated_step`);
 * ``total`` = ``parameters`` + ``optimizer`` + ``step``. The other parts are sizes, never all alive at once:
 * ``gradients``: equal to the parameters (float32, like them); at stages 2 and 3 the dp shards;
 * ``optimizer``: AdamW's two float32 moments per element held: ``2 x parameters``; stage 1 keeps ``1 / dp`` of
@@ -80,15 +81,34 @@ def _nbytes(params) -> int:
     return sum(_local(q).numel() * q.element_size() for q in params)
 
 
+# The phases of a profiled step, in the order the step runs them (:class:`_PhasePeaks`): the forward and the root's
+# backward; the backward of the last block, of the one before it, of the blocks between that and block 1, of block 1,
+# of block 0; what follows the backward (data-parallel averaging, clipping, the optimizer's step).
+FORWARD, LAST_BLOCK, BLOCK_BEFORE_LAST, MIDDLE_BLOCKS, BLOCK_1, BLOCK_0, AFTER_BACKWARD = range(7)
+_PHASES = 7
+EXTRAPOLATED_FROM = (4, 5)  # the depths built for a deeper model (:func:`_extrapolated_step`)
+
+
+def _block_phase(i: int, layers: int) -> int:
+    """The phase of block ``i``'s backward in a model of ``layers`` blocks (the backward runs them last to first)."""
+    if i == 0:
+        return BLOCK_0
+    if i == layers - 1:
+        return LAST_BLOCK
+    if i == layers - 2:
+        return BLOCK_BEFORE_LAST
+    return BLOCK_1 if i == 1 else MIDDLE_BLOCKS
+
+
 class _PhasePeaks(LiveTensorBytes):
-    """Live bytes of a fake step with the peak of each phase: 0 the forward and the root's backward, 1 the backward
-    of every block but the first, 2 the first block's backward and all that follows (:func:`_extrapolated_step`)."""
+    """Live bytes of a fake step with the peak of each phase (:data:`FORWARD` ... :data:`AFTER_BACKWARD`;
+    :func:`_extrapolated_step`)."""
 
     def __init__(self, mode) -> None:
         super().__init__(record_shapes=False, count_resizes=True, fake=mode)
-        self.phase, self.peaks, self.tracing = 0, [0, 0, 0], True
+        self.phase, self.peaks, self.tracing = 0, [0] * _PHASES, True
         self.series = array.array("q")  # the live bytes at every rise, in order (:func:`_at_batch`)
-        self.starts = [0, 0, 0]  # where each phase's rises begin in ``series``
+        self.starts = [0] * _PHASES  # where each phase's rises begin in ``series``
         self.kinds: list[str] = []
 
     def _track(self, t: torch.Tensor) -> None:
@@ -124,7 +144,7 @@ def _marks_backward(block, tracker: _PhasePeaks, phase: int) -> None:
 
 def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, checkpointing: str, elem: int,
                  rank: int) -> dict:
-    """The model of ``cfg`` (built as given: :func:`shard_bytes` asks for 1 to 3 blocks) parallelized, checkpointed
+    """The model of ``cfg`` (built as given: :func:`shard_bytes` asks for 1 to 5 blocks) parallelized, checkpointed
     and sharded as the strategies do on the fake process group, its shards read, then one step profiled with
     :class:`_PhasePeaks`: forward and backward under the fake tensors, :class:`~lightning_tp2d.training.GradientSync`
     at stages 0 and 1 (``dp > 1``), global-norm clipping. FSDP's lazy initialisation runs first (a no-grad forward,
@@ -153,7 +173,7 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, c
             lambda m, args: seen.append(sum(_local(t).untyped_storage().nbytes() for t in tensors_in(args))))
         tracker = _PhasePeaks(mode)
         for i, block in enumerate(blocks):
-            _marks_backward(block, tracker, 2 if i == 0 else 1)
+            _marks_backward(block, tracker, _block_phase(i, len(blocks)))
         idx = torch.zeros(batch, seq, dtype=torch.long)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=elem == 2)
         if sharded:  # FSDP's lazy init (its buffers exist before the measured step), then all resharded
@@ -176,6 +196,7 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, c
                 loss = model(idx, idx)
             tracker.tracing = False
             loss.backward()
+            tracker.enter(AFTER_BACKWARD)
             if sync is not None:
                 sync.finish()
             clip(model.parameters(), 1.0, mesh)
@@ -216,21 +237,31 @@ def _at_batch(a: dict, b: dict, batch_a: int, batch_b: int, batch: int) -> dict 
 
 
 def _depths(layers: int) -> tuple[int, ...]:
-    """The depths built for a model of ``layers`` blocks: itself up to 3, else 2 and 3 (:func:`_extrapolated_step`)."""
-    return (layers,) if layers <= 3 else (2, 3)
+    """The depths built for a model of ``layers`` blocks: itself up to 5, else :data:`EXTRAPOLATED_FROM`
+    (:func:`_extrapolated_step`)."""
+    return (layers,) if layers <= max(EXTRAPOLATED_FROM) else EXTRAPOLATED_FROM
 
 
 def _extrapolated_step(built: list[dict], layers: int) -> int:
-    """The step's peak at ``layers`` blocks from the profiles of :func:`_depths`. Blocks are identical, so each
-    block added shifts every later point of the step by the same bytes: what a block holds until its backward
-    (phase 0: its saved activations), then its gradients less what it freed (phase 2; at stage 0 also its share of
-    GradientSync's buckets); phase 1 (the blocks between the last and the first) grows by one block's backward
-    too, its peak at its first or last block. So each phase's peak is linear in the depth from 2 blocks on: read at
-    2 and 3 blocks, extended, the largest taken."""
+    """The step's peak at ``layers`` blocks from the profiles of :func:`_depths`: the largest phase peak of a model
+    built whole; deeper, each phase's peak read at 4 and 5 blocks and extended linearly, the largest taken.
+
+    Blocks are identical, so a block added shifts every later point of the step by the same bytes: what a block
+    holds from its forward to its backward (its saved activations, its input under full checkpointing), then its
+    gradients (whole, or FSDP's dp shards) and whatever follows from them (GradientSync's buckets, AdamW's foreach
+    temporaries). Each phase that is one block's backward, or what precedes or follows the backward, therefore peaks
+    at an affine function of the depth; the blocks between the one before last and block 1 peak affinely in their
+    position too, so never above those two. Each phase needs its own line: one phase's peak overtakes another's as
+    the depth grows (2d-metp at ZeRO 3 with full checkpointing, Llama 3.1 8B's width: block 0's backward peaks
+    highest up to 7 blocks, the optimizer's step from 8), so a line through the whole step's peaks at two depths --
+    or through a phase that runs several of these situations, as the earlier three phases did -- misses the later
+    slope (at 126 blocks it put a ring of 8 at ZeRO 3 at 216 GiB per GPU for Llama 3.1 405B; the step holds a third
+    of that)."""
     if len(built) == 1:
         return max(built[0]["phases"])
-    two, three = built[0]["phases"], built[1]["phases"]
-    return max(c + (layers - 3) * (c - b) for b, c in zip(two, three))
+    shallow, deep = (p["phases"] for p in built)
+    extend = layers - EXTRAPOLATED_FROM[1]
+    return max(y + extend * (y - x) for phase, (x, y) in enumerate(zip(shallow, deep)) if phase != MIDDLE_BLOCKS)
 
 
 def _extrapolated(built: list[dict], layers: int) -> Shards:
@@ -273,7 +304,7 @@ def _profile(spec, built, batch: int, seq: int, p: int, dp: int, stage: int, che
 def shard_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_stage: int = 0,
                 checkpointing: str = "none", elem: int = 4, ranks=None) -> dict[int, Shards]:
     """:class:`Shards` of the tensor-parallel ranks ``ranks`` (default: all ``p``) of the first replica, by rank,
-    read from the model built (1 to 3 blocks, :func:`_depths`; deeper models extrapolated) on the fake process group
+    read from the model built (1 to 5 blocks, :func:`_depths`; deeper models extrapolated) on the fake process group
     in a worker process kept for the group (:func:`lightning_tp2d.bench.trace.in_worker`; this process must have no
     default process group). Cached per rank and model shape; a third batch of one shape is read from two profiles
     (:func:`_profile`)."""

@@ -8,8 +8,9 @@ Per case, the largest rank's measured peak of one training step
 data-parallel averaging, clipping, AdamW's step; resident bytes plus the live peak) beside
 :func:`lightning_tp2d.bench.memory_model.peak_bytes`'s prediction and its parts. The grid is
 :data:`lightning_tp2d.bench.measure.GRID` (the one ``tests/test_memory_model.py`` checks): "metp" (ring 4), "2d" (2x2 grid) and "2d-metp" (2x2 grid of
-rings), each x dp 2, stages 0, 1 and 3, checkpointing none and full; selective on "metp" and "2d" at stage 0; a
-4-block model on the ring at stage 3 (deeper than the 2 and 3 blocks the model is built with). Writes
+rings), each x dp 2, stages 0, 1 and 3, checkpointing none and full; selective on "metp" and "2d" at stage 0; an
+8-block model on the ring at stages 0 and 3 and on the grid of rings at stage 3 (deeper than the 4 and 5 blocks the
+model extrapolates from). Writes
 ``results.json`` and ``results.md`` into ``--out``. ``--predict-only`` keeps the measurements of ``--out``'s
 ``results.json`` and predicts them again with the model as it is now (minutes instead of the runs).
 """
