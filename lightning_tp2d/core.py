@@ -40,7 +40,7 @@ AUTO_LAYOUT = "auto"  # layout="auto": the planner picks layout, sizes, ZeRO sta
 LONGEST_DEFAULT_SEQ = 8192  # layout="auto" plans for config.block_size up to this; longer needs plan_options["seq"]
 # what plan_options may set: lightning_tp2d.bench.planner.plan's arguments that are not the job's (gpus, memory)
 PLAN_OPTIONS = ("seq", "global_batch_tokens", "hardware", "layouts", "zero_stages", "checkpointing", "memory_fraction",
-                "max_micro_batch", "compiled")
+                "max_micro_batch", "compiled", "workers")
 
 __all__ = ["AUTO_LAYOUT", "LONGEST_DEFAULT_SEQ", "PLAN_OPTIONS", "SUPPORTED_PRECISION", "TensorParallelCore",
            "compile_options", "find_model_config"]

@@ -46,6 +46,24 @@ def test_rows_fit_account_for_the_batch_and_are_sorted(rows):
     json.dumps([r.to_dict() for r in rows])  # plain data
 
 
+def test_planning_candidates_in_parallel_processes_gives_the_same_rows(rows, monkeypatch):
+    """``workers=2`` plans the (layout, size) candidates two at a time, each in a forked process with its own
+    memory-model worker: the same rows in the same order as planning them in turn; a candidate that fails there
+    raises its own error here."""
+    assert tp.plan(MODEL, **OPTIONS, workers=2) == rows
+    assert planner.in_processes(lambda x: x * x, range(5), 3) == [0, 1, 4, 9, 16]
+
+    def broken(x):
+        if x == 3:
+            raise ValueError("candidate 3 does not fit")
+        return x
+
+    with pytest.raises(ValueError, match="candidate 3 does not fit"):
+        planner.in_processes(broken, range(5), 2)
+    with pytest.raises(ValueError, match="workers must be a positive int, got 0"):
+        tp.plan(MODEL, **OPTIONS, workers=0)
+
+
 def test_a_row_s_memory_is_the_memory_model_s(rows):
     cfg = model_config(MODEL)
     for r in (planner.best(rows, False), planner.best(rows, True)):

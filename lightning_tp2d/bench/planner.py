@@ -55,9 +55,13 @@ contention between the data-parallel and tensor-parallel links.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import multiprocessing as mp
+import os
 import time
 from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
 
 from lightning_tp2d.bench import cost_model
 from lightning_tp2d.bench.context_parallel import cp_peak_bytes
@@ -339,66 +343,41 @@ def _candidates(cfg, gpus: int, gpus_per_node: int, seq: int, sequences: int, la
 def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq: int,
          global_batch_tokens: int, hardware: str | Hardware = "h100", include_baselines: bool = True,
          layouts=None, zero_stages=(0, 1, 2, 3), checkpointing=("none", "selective", "full"),
-         memory_fraction: float = 0.9, max_micro_batch: int | None = None, compiled: bool = True) -> list[PlanRow]:
+         memory_fraction: float = 0.9, max_micro_batch: int | None = None, compiled: bool = True,
+         workers: int = 1) -> list[PlanRow]:
     """The configurations of ``model`` (a named size of any registered family, a config, or a config's fields)
     that fit ``gpus`` GPUs of ``gpu_memory_gib`` GiB (predicted peak at most ``memory_fraction`` of it), best first
     by predicted step time (module docstring). ``global_batch_tokens`` is rounded down to whole sequences of
     ``seq`` per replica. ``layouts``: the package layouts to consider (default: all registered);
     ``include_baselines``: the 1-D TP + SP x FSDP rows too (``baseline=True``). ``compiled``: price elementwise work
-    as ``torch.compile`` runs it (else eager). Raises :class:`NothingFits` (a ``ValueError``) naming the model, the
-    least memory per GPU any configuration needs and that configuration."""
+    as ``torch.compile`` runs it (else eager). ``workers``: how many (layout, size) candidates to plan at once, each
+    in a forked process of its own (with its own memory-model worker; the rows are the same as with one). Raises
+    :class:`NothingFits` (a ``ValueError``) naming the model, the least memory per GPU any configuration needs and
+    that configuration."""
     cfg = model_config(model)
     if family_of_config(cfg) is None:
         raise ValueError(f"plan: {model!r} is not a named size or config of a registered model family")
     if gpus < 1 or gpus_per_node < 1 or gpu_memory_gib <= 0:
         raise ValueError(f"plan: need gpus >= 1, gpus_per_node >= 1 and gpu_memory_gib > 0, got gpus={gpus}, "
                          f"gpus_per_node={gpus_per_node}, gpu_memory_gib={gpu_memory_gib}")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"plan: workers must be a positive int, got {workers!r}")
     if max_seq_len(cfg) is not None and seq > cfg.block_size:  # (None: RoPE, any length)
         raise ValueError(f"plan: seq={seq} exceeds the model's block_size={cfg.block_size}")
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
     sequences = global_batch_tokens // seq
     if sequences < 1:
         raise ValueError(f"plan: global_batch_tokens={global_batch_tokens} is less than one sequence of {seq}")
-    with ranks_as_asked():
-        return _plan(cfg, model, gpus, gpu_memory_gib, gpus_per_node, seq, sequences, hw, include_baselines, layouts,
-                     zero_stages, checkpointing, memory_fraction, max_micro_batch, compiled)
-
-
-def _plan(cfg, model, gpus, gpu_memory_gib, gpus_per_node, seq, sequences, hw, include_baselines, layouts,
-          zero_stages, checkpointing, memory_fraction, max_micro_batch, compiled) -> list[PlanRow]:
     cap = memory_fraction * gpu_memory_gib * GIB
     names = layout_names() if layouts is None else tuple(layouts)
-    rows, smallest = [], None
-    for name, p, dp, stages, modes, micros in _candidates(cfg, gpus, gpus_per_node, seq, sequences, names,
-                                                          include_baselines, zero_stages, checkpointing,
-                                                          max_micro_batch):
-        per_replica = sequences // dp
-        started = time.time()
-        # least memory first (ZeRO stage 3 before 2, 1, 0; full checkpointing before selective and none): what does
-        # not fit at its least micro-batch leaves out every configuration that keeps more
-        for stage in sorted(stages, reverse=True):
-            fitted = False
-            for mode in sorted(modes, key=_LEAST_MEMORY_FIRST.index):
-                for i, m in enumerate(micros):  # ascending: memory grows with the micro-batch
-                    memory = _memory(cfg, name, p, dp, stage, mode, m, seq)
-                    if smallest is None or memory["total"] < smallest[0]:
-                        smallest = (memory["total"], f"{name} p={p} dp={dp} zero_stage={stage} checkpointing={mode} "
-                                                     f"micro_batch={m}")
-                    if memory["total"] > cap:
-                        break
-                    if i == 1 and name != BASELINE:
-                        _bracket(cfg, name, p, dp, stage, mode, micros, seq, previous, memory, cap)
-                    previous = memory
-                    rows.append(price(cfg, layout=name, p=p, dp=dp, zero_stage=stage, checkpointing=mode,
-                                      micro_batch=m, grad_accum=per_replica // m, seq=seq, hw=hw,
-                                      gpus_per_node=gpus_per_node, compiled=compiled, memory=memory))
-                if memory["total"] > cap and m == micros[0]:
-                    break  # the modes that keep more do not fit either
-                fitted = True
-            if not fitted:
-                break  # nor do the lower stages
-        log.info("plan: %s p=%d dp=%d priced in %.1f s (%d rows so far)", name, p, dp, time.time() - started,
-                 len(rows))
+    candidates = _candidates(cfg, gpus, gpus_per_node, seq, sequences, names, include_baselines, zero_stages,
+                             checkpointing, max_micro_batch)
+    with ranks_as_asked():
+        planned = in_processes(functools.partial(_plan_candidate, cfg, seq=seq, sequences=sequences, hw=hw,
+                                                 gpus_per_node=gpus_per_node, cap=cap, compiled=compiled),
+                               candidates, workers)
+    rows = [row for found, _ in planned for row in found]
+    smallest = min((least for _, least in planned if least is not None), default=None)
     if not rows:
         if smallest is None:
             raise NothingFits(f"plan: no layout splits {model!r} over {gpus} GPUs ({gpus_per_node} per node) with "
@@ -407,6 +386,93 @@ def _plan(cfg, model, gpus, gpu_memory_gib, gpus_per_node, seq, sequences, hw, i
                           f"({memory_fraction:.0%} usable): the least memory per GPU any configuration needs is "
                           f"{smallest[0] / GIB:.1f} GiB ({smallest[1]})")
     return sorted(rows, key=lambda r: r.step_s)
+
+
+def _plan_candidate(cfg, candidate, *, seq: int, sequences: int, hw: Hardware, gpus_per_node: int, cap: float,
+                    compiled: bool) -> tuple[list[PlanRow], tuple[int, str] | None]:
+    """One (layout, size) candidate of :func:`plan`: its rows that fit, and its least memory with the configuration
+    that needs it. From the least memory up (ZeRO stage 3 before 2, 1, 0; full checkpointing before selective and
+    none; micro-batches ascending): what does not fit at its least micro-batch leaves out every configuration that
+    keeps more."""
+    name, p, dp, stages, modes, micros = candidate
+    per_replica = sequences // dp
+    started = time.time()
+    rows, smallest, previous = [], None, None
+    for stage in sorted(stages, reverse=True):
+        fitted = False
+        for mode in sorted(modes, key=_LEAST_MEMORY_FIRST.index):
+            for i, m in enumerate(micros):  # ascending: memory grows with the micro-batch
+                memory = _memory(cfg, name, p, dp, stage, mode, m, seq)
+                if smallest is None or memory["total"] < smallest[0]:
+                    smallest = (memory["total"], f"{name} p={p} dp={dp} zero_stage={stage} checkpointing={mode} "
+                                                 f"micro_batch={m}")
+                if memory["total"] > cap:
+                    break
+                if i == 1 and name != BASELINE:
+                    _bracket(cfg, name, p, dp, stage, mode, micros, seq, previous, memory, cap)
+                previous = memory
+                rows.append(price(cfg, layout=name, p=p, dp=dp, zero_stage=stage, checkpointing=mode,
+                                  micro_batch=m, grad_accum=per_replica // m, seq=seq, hw=hw,
+                                  gpus_per_node=gpus_per_node, compiled=compiled, memory=memory))
+            if memory["total"] > cap and m == micros[0]:
+                break  # the modes that keep more do not fit either
+            fitted = True
+        if not fitted:
+            break  # nor do the lower stages
+    log.info("plan: %s p=%d dp=%d priced in %.1f s (%d rows)", name, p, dp, time.time() - started, len(rows))
+    return rows, smallest
+
+
+def in_processes(fn, items, workers: int) -> list:
+    """``[fn(item) for item in items]``, in this process when ``workers`` is 1, else up to ``workers`` at a time,
+    each in a forked process of its own that sends its result back (a failure there is raised here, the other
+    processes ended). The processes are not daemonic: each may start the memory model's and the tracer's workers
+    (:func:`lightning_tp2d.bench.trace.in_worker`), which are its own."""
+    items = list(items)
+    if workers <= 1 or len(items) <= 1:
+        return [fn(item) for item in items]
+    ctx = mp.get_context("fork")
+    results, waiting, running = [None] * len(items), list(enumerate(items)), {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < workers:
+                i, item = waiting.pop(0)
+                ours, theirs = ctx.Pipe(duplex=False)
+                process = ctx.Process(target=_child, args=(theirs, fn, item), name=f"tp2d-plan-{i}")
+                process.start()
+                theirs.close()
+                running[ours] = (i, process)
+            for conn in mp_connection.wait(list(running)):
+                i, process = running.pop(conn)
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    status, value = "died", f"the planning process of item {i} exited with code {process.exitcode}"
+                conn.close()
+                process.join()
+                if status == "error":
+                    raise value
+                if status == "died":
+                    raise RuntimeError(value)
+                results[i] = value
+    finally:
+        for conn, (_, process) in running.items():
+            process.kill()
+            process.join()
+            conn.close()
+    return results
+
+
+def _child(conn, fn, item) -> None:
+    try:
+        conn.send(("ok", fn(item)))
+    except BaseException as err:  # noqa: BLE001 - raised again in the parent
+        try:
+            conn.send(("error", err))
+        except Exception:  # noqa: BLE001 - an exception that does not pickle: its text then
+            conn.send(("error", RuntimeError(f"{type(err).__name__}: {err}")))
+    finally:
+        conn.close()
 
 
 _LEAST_MEMORY_FIRST = ("full", "selective", "none")
@@ -512,6 +578,8 @@ def main(argv=None) -> int:
                         help="activation checkpointing modes to consider")
     parser.add_argument("--max-micro-batch", type=int, default=None, help="largest micro-batch (sequences) to try")
     parser.add_argument("--eager", action="store_true", help="price elementwise work as eager runs it")
+    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                        help="candidates planned at once, each in a process of its own (default: up to 4 cores)")
     parser.add_argument("--top", type=int, default=12, help="rows to print (0: all)")
     parser.add_argument("--json", default="plan.json", help="where to write every row (default plan.json; '' none)")
     args = parser.parse_args(argv)
@@ -524,7 +592,7 @@ def main(argv=None) -> int:
                     seq=args.seq, global_batch_tokens=args.global_batch_tokens, hardware=hardware,
                     include_baselines=not args.no_baselines, layouts=args.layouts, compiled=not args.eager,
                     zero_stages=tuple(args.zero_stages), checkpointing=tuple(args.checkpointing),
-                    max_micro_batch=args.max_micro_batch)
+                    max_micro_batch=args.max_micro_batch, workers=args.workers)
     except (ValueError, KeyError, OSError) as err:
         print(f"tp2d-plan: {err}", file=sys.stderr)
         return 2

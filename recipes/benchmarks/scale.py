@@ -3,6 +3,7 @@ package's best configuration against the best 1-D TP + SP x FSDP one (async TP w
 predicts them (:mod:`lightning_tp2d.bench.planner`; predictions, not measurements: no GPU has run them).
 
     python recipes/benchmarks/scale.py [--out recipes/benchmarks/scale] [--tiny] [--cache DIR] [--only 8b:8,70b:64]
+                                       [--workers N]
 
 For each (model, GPUs): every configuration that fits (memory <= 90% of 80 GiB), the best package row and the best
 baseline row (tokens/s/GPU, MFU, memory per GPU) and their ratio. Then the largest Llama-shaped model (70B's width,
@@ -183,6 +184,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(HERE / "scale"))
     parser.add_argument("--tiny", action="store_true", help="llama-tiny on 4 GPUs of 0.05 GiB: checks the recipe")
     parser.add_argument("--cache", default=None, help="keep and reuse each scenario's result in this folder")
+    parser.add_argument("--workers", type=int, default=1, help="candidates each scenario plans at once (plan's workers)")
     parser.add_argument("--only", default=None, help="plan only these scenarios into --cache, e.g. 8b:8,70b:64")
     args = parser.parse_args(argv)
     if args.only and not args.cache:
@@ -197,6 +199,7 @@ def main(argv=None) -> int:
     else:
         seq, tokens, memory, per_node, base, big_gpus = SEQ, TOKENS, MEMORY_GIB, PER_NODE, "llama-3.1-70b", 64
         scenarios, options = SCENARIOS, {}
+    options["workers"] = args.workers
     results = {"seq": seq, "tokens": tokens, "gpu_memory_gib": memory, "gpus_per_node": per_node,
                "hardware": planner.HARDWARE["h100"].name, "torch": torch.__version__,
                "python": platform.python_version(), "scenarios": []}
@@ -216,7 +219,7 @@ def main(argv=None) -> int:
         print(json.dumps({k: v for k, v in results["scenarios"][-1].items() if k != "top"})[:400], flush=True)
     if only is not None:
         return 0
-    layouts = options.get("layouts")
+    layouts = options.get("layouts")  # (largest_model plans each candidate in turn: it takes no workers)
     results["largest_model"] = {
         "gpus": big_gpus, "base": base,
         "package": planner.largest_model(big_gpus, memory, seq, tokens, base=base, baseline=False, layouts=layouts,
