@@ -50,6 +50,11 @@ def test_planning_candidates_in_parallel_processes_gives_the_same_rows(rows, mon
     """``workers=2`` plans the (layout, size) candidates two at a time, each in a forked process with its own
     memory-model worker: the same rows in the same order as planning them in turn; a candidate that fails there
     raises its own error here."""
+    from lightning_tp2d.bench import memory_model
+
+    # the profiles forgotten, so that the forked processes build them (in workers of their own), not read this one's
+    monkeypatch.setattr(memory_model, "_SHARDS", {})
+    monkeypatch.setattr(memory_model, "_DERIVED", {})
     assert tp.plan(MODEL, **OPTIONS, workers=2) == rows
     assert planner.in_processes(lambda x: x * x, range(5), 3) == [0, 1, 4, 9, 16]
 
