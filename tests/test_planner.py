@@ -77,7 +77,7 @@ def test_a_row_s_memory_is_the_memory_model_s(rows):
                                        zero_stage=r.zero_stage, checkpointing=r.checkpointing, elem=2)
         else:
             want = peak_bytes(r.layout, cfg, r.micro_batch, SEQ, r.tensor_parallel_size, dp=r.data_parallel_size,
-                              zero_stage=r.zero_stage, checkpointing=r.checkpointing, elem=2, ranks=[0])
+                              zero_stage=r.zero_stage, checkpointing=r.checkpointing, elem=2, ranks=[0], fused=True)
         assert r.memory_gib * planner.GIB == want["total"]
 
 

@@ -185,14 +185,15 @@ def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
 
 
 def step_peak_bytes(model: torch.nn.Module, mesh, idx: torch.Tensor, *, zero_stage: int = 0,
-                    max_norm: float = 1.0) -> dict[str, int]:
+                    max_norm: float = 1.0, fused: bool = False) -> dict[str, int]:
     """This rank's measured peak of one training step of ``model`` (parallelized on ``mesh``, with any activation
     checkpointing already applied) on the batch ``idx`` (inputs and targets, ``[batch, seq]`` per replica), at ZeRO
     ``zero_stage`` as the strategies run it: 2 and 3 shard the model with
     :func:`~lightning_tp2d.fsdp.shard_data_parallel` (when ``data_parallel`` has more than one rank), 0 and 1
     average gradients with :class:`~lightning_tp2d.training.GradientSync` and clip over every parameter, 1 shards the
     optimizer state (:func:`~lightning_tp2d.zero.shard_optimizer_state`). The optimizer is an AdamW with
-    ``foreach``, weight decay on the matrices (``CausalLMModule``'s groups).
+    ``foreach`` (``fused``: the fused kernel, as ``CausalLMModule`` runs it on a GPU), weight decay on the matrices
+    (``CausalLMModule``'s groups).
 
     A warm-up step first (the optimizer state and FSDP's lazy buffers exist after it), then ``zero_grad``, forward,
     backward, data-parallel averaging, global-norm clipping, ``step``: ``{"resident"`` (bytes before the measured
@@ -204,7 +205,7 @@ def step_peak_bytes(model: torch.nn.Module, mesh, idx: torch.Tensor, *, zero_sta
     decay = [q for q in model.parameters() if q.dim() >= 2]
     rest = [q for q in model.parameters() if q.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=1e-4, foreach=True)
+                                  lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
     if zero_stage == 1 or (zero_stage >= 2 and mesh["data_parallel"].size() > 1):  # (2/3: what FSDP keeps whole)
         shard_optimizer_state(optimizer, mesh)
 
@@ -233,9 +234,10 @@ def _warm_then_measured(step, model: torch.nn.Module, optimizer: torch.optim.Opt
     return {"resident": resident, "step": tracker.peak, "peak": resident + tracker.peak}
 
 
-def measured_peaks(rank: int, world_size: int, cases, batch: int, seq: int) -> list[dict[str, int]]:
-    """:func:`step_peak_bytes` of each case on this rank, every rank of a process group of ``world_size`` calling
-    it with the same ``cases``: ``(cfg, layout, p, zero_stage, checkpointing)``, ``dp = world_size // p``; the model
+def measured_peaks(rank: int, world_size: int, cases, batch: int, seq: int,
+                   fused: bool = False) -> list[dict[str, int]]:
+    """:func:`step_peak_bytes` of each case on this rank (``fused``: its AdamW's fused kernel), every rank of a process
+    group of ``world_size`` calling it with the same ``cases``: ``(cfg, layout, p, zero_stage, checkpointing)``, ``dp = world_size // p``; the model
     of ``cfg``'s family built on the meta device and parallelized (materialised from seed 0), each replica fed its
     own ``[batch, seq]`` ids. One mesh per layout and ``p``."""
     meshes, out = {}, []
@@ -250,7 +252,7 @@ def measured_peaks(rank: int, world_size: int, cases, batch: int, seq: int) -> l
         checkpoint_activations(model, checkpointing)
         torch.manual_seed(1 + mesh.get_local_rank("data_parallel"))
         idx = torch.randint(0, cfg.vocab_size, (batch, seq))
-        out.append(step_peak_bytes(model, mesh, idx, zero_stage=stage))
+        out.append(step_peak_bytes(model, mesh, idx, zero_stage=stage, fused=fused))
         del model
     return out
 

@@ -2,8 +2,8 @@
 and activation checkpointing: what exists before the step (parameters, optimizer state) plus the peak of what the
 step allocates, profiled on fake tensors; with the sizes of its parts.
 
-The step is the one :func:`lightning_tp2d.bench.measure.step_peak_bytes` measures (an AdamW with ``foreach``,
-float32 parameters): ``zero_grad(set_to_none=True)``, forward, backward, data-parallel averaging, global-norm
+The step is the one :func:`lightning_tp2d.bench.measure.step_peak_bytes` measures (an AdamW with ``foreach``, or
+``fused`` as the package runs it on a GPU and the planner prices it, float32 parameters): ``zero_grad(set_to_none=True)``, forward, backward, data-parallel averaging, global-norm
 clipping, ``step``; its peak is the resident bytes plus :class:`~lightning_tp2d.bench.measure.LiveTensorBytes`'s
 (``count_resizes``). ``tests/test_memory_model.py`` and ``recipes/benchmarks/memory_model.py`` compare the two on 8
 gloo ranks for every layout x stage {0, 1, 3} x checkpointing.
@@ -143,7 +143,7 @@ def _marks_backward(block, tracker: _PhasePeaks, phase: int) -> None:
 
 
 def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, checkpointing: str, elem: int,
-                 rank: int) -> dict:
+                 rank: int, fused: bool = False) -> dict:
     """The model of ``cfg`` (built as given: :func:`shard_bytes` asks for 1 to 5 blocks) parallelized, checkpointed
     and sharded as the strategies do on the fake process group, its shards read, then one step profiled with
     :class:`_PhasePeaks`: forward and backward under the fake tensors, :class:`~lightning_tp2d.training.GradientSync`
@@ -184,7 +184,7 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, c
                     module.reshard()
         sync = training.GradientSync(model, mesh) if stage < 2 else None
         clip = fsdp.clip_grad_norm_ if stage >= 2 else training.clip_grad_norm_
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
         if stage == 1 or sharded:  # (stages 2/3: the parameters FSDP keeps whole, as the strategies do)
             shard_optimizer_state(optimizer, mesh)
         for q in model.parameters():  # a step on zero gradients: AdamW's state exists before the profiled one
@@ -276,11 +276,11 @@ _DERIVED: dict[tuple, dict[int, dict]] = {}  # ... and those read from two of th
 
 
 def _profile(spec, built, batch: int, seq: int, p: int, dp: int, stage: int, checkpointing: str, elem: int,
-             rank: int) -> dict:
+             rank: int, fused: bool = False) -> dict:
     """:func:`_shards_here`'s profile of rank ``rank``: cached; read from the nearest profiles of the same model at a
     smaller and a larger batch when they make one (:func:`_at_batch`: exact; the planner builds a configuration's
     least and largest micro-batch, then asks for those between), else built in the worker kept for the group."""
-    shape = (type(spec), spec.options, config_key(built), seq, p, dp, stage, checkpointing, elem, rank)
+    shape = (type(spec), spec.options, config_key(built), seq, p, dp, stage, checkpointing, elem, rank, fused)
     made, derived = _SHARDS.setdefault(shape, {}), _DERIVED.setdefault(shape, {})
     if batch in made or batch in derived:
         return made.get(batch) or derived[batch]
@@ -294,7 +294,7 @@ def _profile(spec, built, batch: int, seq: int, p: int, dp: int, stage: int, che
         raise RuntimeError("shard_bytes builds the model on its own fake process group; call it from a process "
                            "without a default process group")
     try:
-        made[batch] = in_worker(_shards_here, spec, built, batch, seq, p, dp, stage, checkpointing, elem, rank,
+        made[batch] = in_worker(_shards_here, spec, built, batch, seq, p, dp, stage, checkpointing, elem, rank, fused,
                                 group=(p * dp, rank))
     except RuntimeError as err:
         raise RuntimeError(f"building layout {spec.name!r} on the fake process group failed: {err}") from None
@@ -302,34 +302,38 @@ def _profile(spec, built, batch: int, seq: int, p: int, dp: int, stage: int, che
 
 
 def shard_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_stage: int = 0,
-                checkpointing: str = "none", elem: int = 4, ranks=None) -> dict[int, Shards]:
+                checkpointing: str = "none", elem: int = 4, ranks=None, fused: bool = False) -> dict[int, Shards]:
     """:class:`Shards` of the tensor-parallel ranks ``ranks`` (default: all ``p``) of the first replica, by rank,
     read from the model built (1 to 5 blocks, :func:`_depths`; deeper models extrapolated) on the fake process group
     in a worker process kept for the group (:func:`lightning_tp2d.bench.trace.in_worker`; this process must have no
     default process group). Cached per rank and model shape; a third batch of one shape is read from two profiles
-    (:func:`_profile`)."""
+    (:func:`_profile`). ``fused``: the step's AdamW is the fused kernel (as :class:`~lightning_tp2d.CausalLMModule`
+    runs it on a GPU), else the foreach one (the measured CPU steps')."""
     spec = get_layout(layout)
     wanted = list(range(p) if ranks is None else ranks)
     out = {}
     for rank in wanted:
         built = [_profile(spec, dataclasses.replace(cfg, n_layer=depth), batch, seq, p, dp, zero_stage, checkpointing,
-                          elem, rank) for depth in _depths(cfg.n_layer)]
+                          elem, rank, fused) for depth in _depths(cfg.n_layer)]
         out[rank] = _extrapolated(built, cfg.n_layer)
     return out
 
 
 def peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_stage: int = 0,
-               checkpointing: str = "none", elem: int = 4, rank: int | None = None, ranks=None) -> dict:
+               checkpointing: str = "none", elem: int = 4, rank: int | None = None, ranks=None,
+               fused: bool = False) -> dict:
     """Predicted peak bytes of one step on tensor-parallel rank ``rank`` (``None``: the rank with the largest
     total; ``ranks``: the largest over these): ``{"parameters", "gradients", "optimizer", "activations", "gathered",
-    "backward", "step", "total"}`` (module docstring). ``batch`` is per replica."""
+    "backward", "step", "total"}`` (module docstring). ``batch`` is per replica. ``fused``: AdamW's fused step (a
+    GPU's), whose only temporaries are per kernel, instead of the foreach step, which holds a float32 copy of the
+    parameters (``sqrt`` of the second moments) at once: at ZeRO 3 in a deep model the step's peak."""
     if checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3")
     ranks = [rank] if rank is not None else list(range(p) if ranks is None else ranks)
     shards = shard_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, checkpointing=checkpointing,
-                         elem=elem, ranks=ranks)
+                         elem=elem, ranks=ranks, fused=fused)
     parts = [_parts(layout, cfg, batch, seq, p, dp, zero_stage, checkpointing, elem, r, shards[r]) for r in ranks]
     return max(parts, key=lambda d: d["total"])
 

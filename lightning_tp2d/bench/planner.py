@@ -29,7 +29,8 @@ says fits, and reads those between from two profiles (exact: :func:`lightning_tp
 How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
 
 * memory: the package's layouts :func:`lightning_tp2d.bench.memory_model.peak_bytes` (the model built on the
-  fake process group, the activations traced), the baseline
+  fake process group, the activations traced; AdamW's fused step, as ``CausalLMModule`` runs it on a GPU and
+  torchtitan does), the baseline
   :func:`~lightning_tp2d.bench.memory_model.baseline_peak_bytes` (analytic, from the tensors its ops save);
 * one micro-batch's compute and tensor-parallel communication: :func:`lightning_tp2d.bench.cost_model.step_time`
   (the package's layouts traced, tensor-parallel rank 0 priced: the grid's ranks run the same shapes and the zigzag
@@ -263,7 +264,7 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
         saved = trace_step(layout, cfg, micro_batch, seq, p, ELEMENT, 0).activation_bytes
         if memory is None:
             memory = peak_bytes(layout, cfg, micro_batch, seq, p, dp=dp, zero_stage=zero_stage,
-                                checkpointing=checkpointing, elem=ELEMENT, ranks=[0])
+                                checkpointing=checkpointing, elem=ELEMENT, ranks=[0], fused=True)
     fl = micro["flops"]
     forward_s = micro["compute_s"] * fl["forward"] / fl["total"]
     backward_s = micro["compute_s"] - forward_s
@@ -494,7 +495,7 @@ def _memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_batc
         return baseline_peak_bytes(cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, checkpointing=mode,
                                    elem=ELEMENT)
     return peak_bytes(layout, cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, checkpointing=mode, elem=ELEMENT,
-                      ranks=[0])
+                      ranks=[0], fused=True)
 
 
 def best(rows: list[PlanRow], baseline: bool) -> PlanRow | None:

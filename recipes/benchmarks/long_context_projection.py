@@ -95,7 +95,7 @@ def _memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, seq: int) 
     if layout == planner.BASELINE:
         return baseline_peak_bytes(cfg, 1, seq, p, dp=dp, zero_stage=stage, checkpointing=mode, elem=planner.ELEMENT)
     return peak_bytes(layout, cfg, 1, seq, p, dp=dp, zero_stage=stage, checkpointing=mode, elem=planner.ELEMENT,
-                      ranks=[0])
+                      ranks=[0], fused=True)  # AdamW's fused step, as the planner prices it
 
 
 def row(cfg, layout: str, p: int, dp: int, stages, seq: int, hw, memory_gib: float = MEMORY_GIB) -> dict:
