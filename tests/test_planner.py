@@ -5,6 +5,7 @@ to; the data-parallel rule prices what the tracer counts. A tiny Llama on 4 "GPU
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -241,3 +242,26 @@ def test_auto_layout_with_packed_documents_plans_only_layouts_that_keep_attentio
     strategy.plan_options = {"layouts": ("2d",)}
     with pytest.raises(ValueError, match=r"packs documents.*none of the layouts \['2d'\].*use one of"):
         strategy._plan(tiny, 80.0, 8, 1)
+
+
+@pytest.mark.parametrize("baseline", [False, True], ids=["package", "baseline"])
+def test_largest_model_is_the_deepest_whose_own_peak_fits(baseline):
+    """:func:`planner.largest_model` answers a depth whose peak fits the cap and one block more that does not (a
+    line through two depths would err where a later phase of the step overtakes the one that peaks at their
+    depths)."""
+    cap = 0.9 * 0.05 * planner.GIB
+    found = planner.largest_model(GPUS, 0.05, SEQ, TOKENS, base=MODEL, baseline=baseline, layouts=("2d",),
+                                  gpus_per_node=4)
+    name, settings = found["configuration"].split(" ", 1)
+    fields = dict(kv.split("=") for kv in settings.split())
+    p, dp, stage, micro = (int(fields[k]) for k in ("p", "dp", "zero_stage", "micro_batch"))
+    cfg = model_config(MODEL)
+
+    def peak(n):
+        deeper = dataclasses.replace(cfg, n_layer=n)
+        with planner.ranks_as_asked():
+            return planner._memory(deeper, name, p, dp, stage, "full", micro, SEQ)["total"]
+
+    assert found["n_layer"] > cfg.n_layer
+    assert peak(found["n_layer"]) <= cap < peak(found["n_layer"] + 1)
+    assert found["parameters"] == parameter_split(dataclasses.replace(cfg, n_layer=found["n_layer"])).total

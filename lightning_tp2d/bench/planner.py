@@ -508,8 +508,8 @@ def largest_model(gpus: int, gpu_memory_gib: float, seq: int, global_batch_token
     """The most blocks of ``base``'s shape (its width, heads and vocabulary; more layers) that some configuration
     of the package (``baseline=False``) or of the 1-D baseline fits on ``gpus`` GPUs: ``{"n_layer", "parameters",
     "configuration"}``. Memory only: each configuration at its least memory (ZeRO stage 3, full checkpointing, its
-    smallest micro-batch) is affine in the depth (the memory model extrapolates blocks), so two depths give the
-    deepest that fits."""
+    smallest micro-batch). Its peak grows with the depth (the memory model extends a deep model from two builds,
+    phase by phase, so any depth costs no build of its own), and the deepest that fits is found by bisection."""
     cfg = model_config(base)
     cap = memory_fraction * gpu_memory_gib * GIB
     names = () if baseline else (layout_names() if layouts is None else tuple(layouts))
@@ -522,18 +522,27 @@ def largest_model(gpus: int, gpu_memory_gib: float, seq: int, global_batch_token
 
 
 def _deepest(cfg, candidate, seq: int, cap: float, found: dict) -> dict:
-    """``found``, or this candidate's deepest model if it is deeper (:func:`largest_model`)."""
+    """``found``, or this candidate's deepest model if it is deeper (:func:`largest_model`). The peak is the largest
+    of several phases, each affine in the depth, so a line through two depths can err beyond them (a later phase
+    overtakes); the line only brackets the search, and every answer is a depth whose own peak fits."""
     name, p, dp, stages, _, micros = candidate
     stage = max(stages)
-    at = {n: _memory(dataclasses.replace(cfg, n_layer=n), name, p, dp, stage, "full", micros[0], seq)["total"]
-          for n in (cfg.n_layer, 2 * cfg.n_layer)}
-    per_block = (at[2 * cfg.n_layer] - at[cfg.n_layer]) / cfg.n_layer
-    fixed = at[cfg.n_layer] - cfg.n_layer * per_block
-    deepest = int((cap - fixed) // per_block) if per_block > 0 else 0
-    if deepest <= found["n_layer"]:
+
+    def fits(n: int) -> bool:
+        return _memory(dataclasses.replace(cfg, n_layer=n), name, p, dp, stage, "full", micros[0], seq)["total"] <= cap
+
+    if not fits(1):
         return found
-    deeper = dataclasses.replace(cfg, n_layer=deepest)
-    return {"n_layer": deepest, "parameters": parameter_split(deeper).total,
+    lo, hi = 1, max(2, cfg.n_layer)
+    while fits(hi):  # fits at hi: double until one does not
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    if lo <= found["n_layer"]:
+        return found
+    deeper = dataclasses.replace(cfg, n_layer=lo)
+    return {"n_layer": lo, "parameters": parameter_split(deeper).total,
             "configuration": f"{name} p={p} dp={dp} zero_stage={stage} checkpointing=full micro_batch={micros[0]}"}
 
 
