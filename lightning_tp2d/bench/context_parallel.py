@@ -305,22 +305,29 @@ class SentBytes:
 
 
 def measure_step(step, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 group_size: int | DeviceMesh) -> dict[str, int]:
+                 group_size: int | DeviceMesh, repeats: int = 1) -> dict:
     """Peak bytes and bytes sent by this rank in one call of ``step()`` (a whole training step that zeroes the
     gradients first), after a warm-up call (optimizer state and FSDP's lazy init then exist): ``peak_bytes`` is the
     resident bytes (parameter shards, optimizer state) plus the peak of
     :class:`~lightning_tp2d.bench.measure.LiveTensorBytes` with ``count_resizes`` (FSDP's gathered parameters);
-    ``sent_bytes`` by :class:`SentBytes`, ``group_size`` the size of the functional collectives' group, or the mesh
-    whose axes they run on."""
+    ``sent_bytes`` by :class:`SentBytes` (the first measured step's), ``group_size`` the size of the functional
+    collectives' group, or the mesh whose axes they run on. ``repeats``: measured steps; ``peak_bytes`` is the highest
+    of their peaks (the worst case a cap must hold) and ``peaks`` lists them all. On gloo the peak moves by a few
+    buffers from step to step (when the asynchronous collectives' outputs are waited for and freed depends on the
+    other ranks' timing), so a comparison of one schedule with another reads their medians."""
     step()
-    optimizer.zero_grad(set_to_none=True)
-    before = resident_bytes(model, optimizer)
-    sizes = group_sizes(group_size) if isinstance(group_size, DeviceMesh) else group_size
-    sent, counter = SentBytes(sizes), FunctionalCollectiveCounter(strict=False)
-    tracker = LiveTensorBytes(record_shapes=False, count_resizes=True)
-    with recording(sent), counter, tracker:
-        step()
-    return {"peak_bytes": before + tracker.peak, "sent_bytes": sent.total(counter)}
+    peaks, sent_bytes = [], None
+    for _ in range(max(1, repeats)):
+        optimizer.zero_grad(set_to_none=True)
+        before = resident_bytes(model, optimizer)
+        sizes = group_sizes(group_size) if isinstance(group_size, DeviceMesh) else group_size
+        sent, counter = SentBytes(sizes), FunctionalCollectiveCounter(strict=False)
+        tracker = LiveTensorBytes(record_shapes=False, count_resizes=True)
+        with recording(sent), counter, tracker:
+            step()
+        peaks.append(before + tracker.peak)
+        sent_bytes = sent.total(counter) if sent_bytes is None else sent_bytes
+    return {"peak_bytes": max(peaks), "peaks": peaks, "sent_bytes": sent_bytes}
 
 
 # ---- what one step sends and holds, declared (the cost model's "cp" rows) -----------------------------------------
