@@ -260,7 +260,7 @@ def test_largest_model_is_the_deepest_whose_own_peak_fits(baseline):
     def peak(n):
         deeper = dataclasses.replace(cfg, n_layer=n)
         with planner.ranks_as_asked():
-            return planner._memory(deeper, name, p, dp, stage, "full", micro, SEQ)["total"]
+            return planner.row_memory(deeper, name, p, dp, stage, "full", micro, SEQ)["total"]
 
     assert found["n_layer"] > cfg.n_layer
     assert peak(found["n_layer"]) <= cap < peak(found["n_layer"] + 1)

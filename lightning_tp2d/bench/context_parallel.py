@@ -316,11 +316,11 @@ def measure_step(step, model: nn.Module, optimizer: torch.optim.Optimizer,
     buffers from step to step (when the asynchronous collectives' outputs are waited for and freed depends on the
     other ranks' timing), so a comparison of one schedule with another reads their medians."""
     step()
+    sizes = group_sizes(group_size) if isinstance(group_size, DeviceMesh) else group_size
     peaks, sent_bytes = [], None
     for _ in range(max(1, repeats)):
         optimizer.zero_grad(set_to_none=True)
         before = resident_bytes(model, optimizer)
-        sizes = group_sizes(group_size) if isinstance(group_size, DeviceMesh) else group_size
         sent, counter = SentBytes(sizes), FunctionalCollectiveCounter(strict=False)
         tracker = LiveTensorBytes(record_shapes=False, count_resizes=True)
         with recording(sent), counter, tracker:

@@ -184,6 +184,12 @@ def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     return total
 
 
+def adamw_kernel(fused: bool) -> dict[str, bool]:
+    """AdamW's keyword choosing its kernel in the measured and profiled steps: ``fused`` (``CausalLMModule``'s on a
+    GPU) or ``foreach`` (which holds a float32 copy of the parameters at once in its step)."""
+    return {"fused": True} if fused else {"foreach": True}
+
+
 def step_peak_bytes(model: torch.nn.Module, mesh, idx: torch.Tensor, *, zero_stage: int = 0,
                     max_norm: float = 1.0, fused: bool = False) -> dict[str, int]:
     """This rank's measured peak of one training step of ``model`` (parallelized on ``mesh``, with any activation
@@ -205,7 +211,7 @@ def step_peak_bytes(model: torch.nn.Module, mesh, idx: torch.Tensor, *, zero_sta
     decay = [q for q in model.parameters() if q.dim() >= 2]
     rest = [q for q in model.parameters() if q.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
+                                  lr=1e-4, **adamw_kernel(fused))
     if zero_stage == 1 or (zero_stage >= 2 and mesh["data_parallel"].size() > 1):  # (2/3: what FSDP keeps whole)
         shard_optimizer_state(optimizer, mesh)
 

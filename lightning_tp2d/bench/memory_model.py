@@ -50,7 +50,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_tp2d import fsdp, training
-from lightning_tp2d.bench.measure import LiveTensorBytes, tensors_in
+from lightning_tp2d.bench.measure import LiveTensorBytes, adamw_kernel, tensors_in
 from lightning_tp2d.bench.trace import config_key, fake_group, fake_mesh, in_worker, trace_step
 from lightning_tp2d.families import family_of, family_of_config
 from lightning_tp2d.layouts import get_layout
@@ -184,7 +184,7 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, c
                     module.reshard()
         sync = training.GradientSync(model, mesh) if stage < 2 else None
         clip = fsdp.clip_grad_norm_ if stage >= 2 else training.clip_grad_norm_
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **adamw_kernel(fused))
         if stage == 1 or sharded:  # (stages 2/3: the parameters FSDP keeps whole, as the strategies do)
             shard_optimizer_state(optimizer, mesh)
         for q in model.parameters():  # a step on zero gradients: AdamW's state exists before the profiled one

@@ -217,7 +217,7 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     :func:`~lightning_tp2d.bench.context_parallel.cp_peak_bytes`, FSDP's traffic and the optimizer as plain FSDP's
     over ``p * dp`` ranks, or ``"cp-tp"``: the same with CP over ``p / cp_tp_size`` ranks, each ``cp_tp_size`` ranks
     of 1-D TP + SP (``async_tp`` as for the baseline), FSDP2 over the ``p / cp_tp_size * dp`` ranks of each tensor
-    rank, as the 1-D baseline's. ``memory``: its :func:`peak_bytes` parts, if already computed."""
+    rank, as the 1-D baseline's. ``memory``: its :func:`row_memory` parts, if already computed."""
     baseline, cp = layout == BASELINE, layout in (CP, CP_TP)
     hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
     passes = ELEMENTWISE_PASSES["compiled" if compiled else "eager"]
@@ -237,9 +237,6 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
                                                  else (bool(async_tp),))), key=lambda r: r["total_s"])
         async_tp = micro["async_tp"]
         saved = baseline_activation_bytes(cfg, micro_batch, seq // ring, inner, elem=ELEMENT, ep=ELEMENT)["total"]
-        if memory is None:
-            memory = cp_peak_bytes(cfg, micro_batch, seq, ring, dp=dp, checkpointing=checkpointing, elem=ELEMENT,
-                                   tp=inner)
     elif baseline:
         tp = p
         if tp == 1:
@@ -253,18 +250,15 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
             async_tp = micro["async_tp"]
         sharded = dp > 1 and zero_stage >= 2  # FSDP's bf16 param_dtype: the residual stream is bf16 too
         saved = baseline_activation_bytes(cfg, micro_batch, seq, tp, elem=ELEMENT, ep=ELEMENT if sharded else 4)["total"]
-        if memory is None:
-            memory = baseline_peak_bytes(cfg, micro_batch, seq, tp, dp=dp, zero_stage=zero_stage,
-                                         checkpointing=checkpointing, elem=ELEMENT)
     else:
         if async_tp:
             raise ValueError(f"async_tp prices the {BASELINE!r} baseline, not layout {layout!r}")
         async_tp = False
         micro = step_time(layout, cfg, micro_batch, seq, p, hw, ELEMENT, checkpointing=checkpointing, ranks=[0])
         saved = trace_step(layout, cfg, micro_batch, seq, p, ELEMENT, 0).activation_bytes
-        if memory is None:
-            memory = peak_bytes(layout, cfg, micro_batch, seq, p, dp=dp, zero_stage=zero_stage,
-                                checkpointing=checkpointing, elem=ELEMENT, ranks=[0], fused=True)
+    if memory is None:
+        memory = row_memory(cfg, layout, p, dp, zero_stage, checkpointing, micro_batch, seq,
+                            cp_tp_size=cp_tp_size)
     fl = micro["flops"]
     forward_s = micro["compute_s"] * fl["forward"] / fl["total"]
     backward_s = micro["compute_s"] - forward_s
@@ -403,7 +397,7 @@ def _plan_candidate(cfg, candidate, *, seq: int, sequences: int, hw: Hardware, g
         fitted = False
         for mode in sorted(modes, key=_LEAST_MEMORY_FIRST.index):
             for i, m in enumerate(micros):  # ascending: memory grows with the micro-batch
-                memory = _memory(cfg, name, p, dp, stage, mode, m, seq)
+                memory = row_memory(cfg, name, p, dp, stage, mode, m, seq)
                 if smallest is None or memory["total"] < smallest[0]:
                     smallest = (memory["total"], f"{name} p={p} dp={dp} zero_stage={stage} checkpointing={mode} "
                                                  f"micro_batch={m}")
@@ -487,10 +481,19 @@ def _bracket(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micros: l
     slope = (second["total"] - first["total"]) / (micros[1] - micros[0])
     likely = [m for m in micros[3:] if second["total"] + slope * (m - micros[1]) <= cap]
     if likely:
-        _memory(cfg, layout, p, dp, stage, mode, likely[-1], seq)
+        row_memory(cfg, layout, p, dp, stage, mode, likely[-1], seq)
 
 
-def _memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_batch: int, seq: int) -> dict:
+def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_batch: int, seq: int, *,
+               cp_tp_size: int = 2) -> dict:
+    """Predicted peak bytes per GPU of one row, with their parts: a package layout's
+    :func:`~lightning_tp2d.bench.memory_model.peak_bytes` (tensor rank 0; AdamW's fused step), the 1-D baseline's
+    :func:`~lightning_tp2d.bench.memory_model.baseline_peak_bytes`, or ``"cp"`` / ``"cp-tp"``'s
+    :func:`~lightning_tp2d.bench.context_parallel.cp_peak_bytes` (CP over ``p`` / ``p / cp_tp_size`` ranks; its FSDP2
+    is stage 3 whatever ``stage`` says)."""
+    if layout in (CP, CP_TP):
+        inner = cp_tp_size if layout == CP_TP else 1
+        return cp_peak_bytes(cfg, micro_batch, seq, p // inner, dp=dp, checkpointing=mode, elem=ELEMENT, tp=inner)
     if layout == BASELINE:
         return baseline_peak_bytes(cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, checkpointing=mode,
                                    elem=ELEMENT)
@@ -522,19 +525,18 @@ def largest_model(gpus: int, gpu_memory_gib: float, seq: int, global_batch_token
 
 
 def _deepest(cfg, candidate, seq: int, cap: float, found: dict) -> dict:
-    """``found``, or this candidate's deepest model if it is deeper (:func:`largest_model`). The peak is the largest
-    of several phases, each affine in the depth, so a line through two depths can err beyond them (a later phase
-    overtakes); the line only brackets the search, and every answer is a depth whose own peak fits."""
+    """``found``, or this candidate's deepest model if it is deeper (:func:`largest_model`): the peak is the largest
+    of several phases, each affine in the depth, so no line through two depths predicts it; bisection on the peak
+    itself (every depth read from the same two builds) answers a depth that fits, one block more not."""
     name, p, dp, stages, _, micros = candidate
     stage = max(stages)
 
     def fits(n: int) -> bool:
-        return _memory(dataclasses.replace(cfg, n_layer=n), name, p, dp, stage, "full", micros[0], seq)["total"] <= cap
+        deeper = dataclasses.replace(cfg, n_layer=n)
+        return row_memory(deeper, name, p, dp, stage, "full", micros[0], seq)["total"] <= cap
 
-    if not fits(1):
-        return found
-    lo, hi = 1, max(2, cfg.n_layer)
-    while fits(hi):  # fits at hi: double until one does not
+    lo, hi = 0, cfg.n_layer  # lo fits (0 blocks: nothing to fit, never asked), hi is tried
+    while fits(hi):
         lo, hi = hi, 2 * hi
     while hi - lo > 1:
         mid = (lo + hi) // 2

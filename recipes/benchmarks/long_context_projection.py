@@ -26,8 +26,6 @@ from pathlib import Path
 import torch
 
 from lightning_tp2d.bench import planner
-from lightning_tp2d.bench.context_parallel import cp_peak_bytes
-from lightning_tp2d.bench.memory_model import baseline_peak_bytes, peak_bytes
 from lightning_tp2d.families import model_config
 
 HERE = Path(__file__).resolve().parent / "long_context"
@@ -88,22 +86,12 @@ added the loss's forward temporaries, it said 56-57 GiB.)
 TARGET = 0.9  # 128k: METP's (or 2d-METP's) tokens/s/GPU at least 0.9 of cp's
 
 
-def _memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, seq: int) -> dict:
-    if layout in (planner.CP, planner.CP_TP):
-        tp = CP_TP_SIZE if layout == planner.CP_TP else 1
-        return cp_peak_bytes(cfg, 1, seq, p // tp, dp=dp, checkpointing=mode, elem=planner.ELEMENT, tp=tp)
-    if layout == planner.BASELINE:
-        return baseline_peak_bytes(cfg, 1, seq, p, dp=dp, zero_stage=stage, checkpointing=mode, elem=planner.ELEMENT)
-    return peak_bytes(layout, cfg, 1, seq, p, dp=dp, zero_stage=stage, checkpointing=mode, elem=planner.ELEMENT,
-                      ranks=[0], fused=True)  # AdamW's fused step, as the planner prices it
-
-
 def row(cfg, layout: str, p: int, dp: int, stages, seq: int, hw, memory_gib: float = MEMORY_GIB) -> dict:
     """The first (checkpointing, stage) in ``none`` / ``full`` x ``stages`` whose predicted peak fits, priced; if
     none fits, the least-memory one priced anyway, marked ``fits: False``."""
     started, cap, tried = time.time(), FRACTION * memory_gib * planner.GIB, []
     for mode, stage in ((mode, stage) for mode in ("none", "full") for stage in stages):
-        memory = _memory(cfg, layout, p, dp, stage, mode, seq)
+        memory = planner.row_memory(cfg, layout, p, dp, stage, mode, 1, seq, cp_tp_size=CP_TP_SIZE)
         tried.append((memory["total"], mode, stage, memory))
         if memory["total"] <= cap:
             break
