@@ -46,8 +46,10 @@ from lightning_tp2d.errors import CheckpointError
 from lightning_tp2d.families import fused_qkv_suffixes
 from lightning_tp2d.fsdp import stage0_specs
 from lightning_tp2d.layouts import DATA_AXIS
+from lightning_tp2d import safe_files
 from lightning_tp2d.safe_files import (CHECKSUMS, clear, commit, describe_failure, file_digest,  # noqa: F401
                                        gather_objects, resolve, save_staged, staging_path, verify)
+from lightning_tp2d.trust import UntrustedCheckpointError, check_dcp_metadata, load_data, to_plain, warn_untrusted
 from lightning_tp2d.zero import full_param_groups, sharding_of
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -306,13 +308,36 @@ def own_files(directory: Path, rank: int) -> list[Path]:
     return sorted(directory.glob(f"__{rank}_*.distcp"))
 
 
+def _planned_bytes(checkpoint: dict[str, Any], sharded: bool, rank: int) -> int:
+    """About the bytes this rank writes: its local shards (sharded), or every full tensor (rank 0 of a full save)."""
+    if not sharded and rank != 0:
+        return 0
+    total, seen, todo = 0, set(), [checkpoint]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, dict):
+            todo += list(value.values())
+        elif isinstance(value, (list, tuple)):
+            todo += list(value)
+        elif isinstance(value, torch.Tensor) and id(value) not in seen:
+            seen.add(id(value))
+            local = value.to_local() if isinstance(value, DTensor) else value
+            total += local.numel() * local.element_size()
+    return total
+
+
 def save(checkpoint: dict[str, Any], path: Path, *, rank: int, sharded: bool,
          barrier: Callable[[str], None] = lambda name: None,
          all_gather: Callable[[Any], list] = gather_objects) -> None:
     """Write ``checkpoint`` to ``path`` the crash-safe way (:func:`~lightning_tp2d.safe_files.save_staged`): every
     rank its shards into a staging directory (``sharded``), or rank 0 one full file. Every rank calls it;
     ``barrier`` and ``all_gather`` are the job's collectives. A failure on any rank leaves the previous checkpoint
-    and raises :class:`CheckpointError` on every rank."""
+    and raises :class:`CheckpointError` on every rank. What is not a tensor is written as plain data
+    (:func:`~lightning_tp2d.trust.to_plain`), so the checkpoint loads with ``weights_only=True``; a value that would
+    not (a user's own class) is named in a warning."""
+    checkpoint = to_plain(checkpoint)  # new containers, the same tensors (tied ones stay tied)
+    if rank == 0:
+        warn_untrusted(checkpoint, path)  # tensors are passed over, the rest tried as data
 
     def write(staging: Path) -> dict[str, dict]:
         if sharded:
@@ -323,26 +348,52 @@ def save(checkpoint: dict[str, Any], path: Path, *, rank: int, sharded: bool,
         return {}
 
     save_staged(write, path, rank=rank, directory=sharded, checksummed=(".metadata", META), barrier=barrier,
-                all_gather=all_gather)
+                all_gather=all_gather, planned_bytes=_planned_bytes(checkpoint, sharded, rank))
 
 
 # ---- reading -------------------------------------------------------------------------------------------------
 
 
-def saved_step(path: str | os.PathLike) -> int:
-    """The optimizer step a checkpoint (sharded directory or file) was saved at, read without loading its tensors
-    (``meta.pt`` of a directory; a file memory-mapped). Raises :class:`CheckpointError` naming an unreadable one."""
-    path = resolve(path)
+def _cannot_read(path: Path, err: BaseException) -> CheckpointError:
+    where = path / META if is_sharded(path) else path
+    return CheckpointError(f"checkpoint {str(path)!r} cannot be read ({str(where)!r}: {describe_failure(err)}): it is "
+                           "damaged, truncated or not one of this package's checkpoints")
+
+
+def open_checkpoint(path: Path, *, trust_checkpoint: bool = False, verify: bool | str = True, rank: int = 0,
+                    world_size: int = 1, all_gather: Callable[[list], list] | None = None) -> dict[str, Any]:
+    """Check a checkpoint (resolved path) and read its non-tensor part as data: the checksums first
+    (:func:`~lightning_tp2d.safe_files.verify`; ``verify="quick"``: sizes and small files only, ``False``: none),
+    then for a sharded one DCP's ``.metadata`` through the restricted unpickler, and ``meta.pt`` (or the whole
+    single file, memory-mapped) with ``weights_only=True`` (:mod:`lightning_tp2d.trust`). ``trust_checkpoint``:
+    the pickles load the old way, with a warning. Raises :class:`CheckpointError` naming the damaged file, or
+    :class:`~lightning_tp2d.trust.UntrustedCheckpointError` naming the global a file asked for."""
+    if verify:
+        safe_files.verify(path, rank, world_size, all_gather, quick=verify == "quick")
+    sharded = is_sharded(path)
+    if sharded and not trust_checkpoint:
+        check_dcp_metadata(path)
     try:
-        if is_sharded(path):
-            meta = torch.load(path / META, map_location="cpu", weights_only=False)
-        else:
-            meta = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        return int(meta["global_step"])
+        meta = load_data(path / META if sharded else path, trust=trust_checkpoint, mmap=not sharded)
+    except UntrustedCheckpointError:
+        raise
     except Exception as err:  # noqa: BLE001 - unpickling fails in many ways on a damaged file
-        where = path / META if is_sharded(path) else path
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({str(where)!r}: {describe_failure(err)}): "
-                              "it is damaged, truncated or not one of this package's checkpoints") from None
+        raise _cannot_read(path, err) from None
+    if not isinstance(meta, dict) or (not sharded and "state_dict" not in meta):
+        raise CheckpointError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict')")
+    return meta
+
+
+def saved_step(path: str | os.PathLike, *, trust_checkpoint: bool = False, verify: bool | str = "quick") -> int:
+    """The optimizer step a checkpoint (sharded directory or file) was saved at, read without loading its tensors
+    (``meta.pt`` of a directory; a file memory-mapped), after a quick check (:func:`open_checkpoint`). Raises
+    :class:`CheckpointError` naming a damaged, unreadable or untrusted one."""
+    path = resolve(path)
+    meta = open_checkpoint(path, trust_checkpoint=trust_checkpoint, verify=verify)
+    try:
+        return int(meta["global_step"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise _cannot_read(path, err) from None
 
 
 def is_sharded(path: Path) -> bool:
@@ -367,15 +418,21 @@ def check_compatible(model: dict[str, tuple], stored: dict[str, tuple], strict: 
         raise ValueError(f"checkpoint {str(path)!r} does not fit this model:\n  " + "\n  ".join(problems))
 
 
-def load_into(module: nn.Module, optimizers: list, path, strict: bool = True) -> dict[str, Any]:
+def load_into(module: nn.Module, optimizers: list, path, strict: bool = True, *, trust_checkpoint: bool = False,
+              verify: bool = True) -> dict[str, Any]:
     """Load a checkpoint of either format into a live (parallelized or plain) module and its optimizers, in
-    place; return the rest of the checkpoint (loops, schedulers, ...) for Lightning. Every rank calls it."""
+    place; return the rest of the checkpoint (loops, schedulers, ...) for Lightning. Every rank calls it. The files
+    are checked first and their pickles read as data (:func:`open_checkpoint`)."""
     path = resolve(path)
+    if not (is_sharded(path) or path.is_file()):
+        raise ValueError(f"{str(path)!r} is neither a sharded checkpoint directory (no .metadata) nor a file")
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
+    meta = open_checkpoint(path, trust_checkpoint=trust_checkpoint, verify=verify, rank=rank, world_size=world,
+                           all_gather=gather_objects)
     if is_sharded(path):
-        return _load_sharded(module, optimizers, path, strict)
-    if path.is_file():
-        return _load_full(module, optimizers, path, strict)
-    raise ValueError(f"{str(path)!r} is neither a sharded checkpoint directory (no .metadata) nor a file")
+        return _load_sharded(module, optimizers, path, strict, meta)
+    return _load_full(module, optimizers, path, strict, meta)
 
 
 def _live_model(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -384,11 +441,7 @@ def _live_model(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k not in aliases and isinstance(v, torch.Tensor)}
 
 
-def _load_sharded(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
-    verify(path, rank, world, gather_objects)
-    meta = torch.load(path / META, weights_only=False)
+def _load_sharded(module, optimizers, path: Path, strict: bool, meta: dict[str, Any]) -> dict[str, Any]:
     stored = _stored_tensors(path)
     live = _live_model(module)
     shapes = {k[len(MODEL):]: _unview_shape(k, md.size) for k, md in stored.items() if k.startswith(MODEL)}
@@ -459,14 +512,7 @@ def _load_param_groups(optimizer, saved: list[dict], params: dict[str, torch.Ten
         group.update({k: v for k, v in old.items() if k not in ("params", "param_names")})
 
 
-def _load_full(module, optimizers, path: Path, strict: bool) -> dict[str, Any]:
-    try:
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
-    except Exception as err:  # noqa: BLE001 - torch's messages do not name the file
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({describe_failure(err)}): the file is "
-                              f"damaged, truncated or not a torch checkpoint") from err
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise ValueError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict')")
+def _load_full(module, optimizers, path: Path, strict: bool, checkpoint: dict[str, Any]) -> dict[str, Any]:
     state = checkpoint.pop("state_dict")
     live = _live_model(module)
     check_compatible(_model_shapes(module), {k: tuple(v.shape) for k, v in state.items()}, strict, path)
@@ -523,13 +569,13 @@ def _model_shapes(module: nn.Module) -> dict[str, tuple]:
 # ---- plain use: one process, no mesh ------------------------------------------------------------------------
 
 
-def read_state_dict(path) -> dict[str, torch.Tensor]:
+def read_state_dict(path, *, trust_checkpoint: bool = False, verify: bool = True) -> dict[str, torch.Tensor]:
     """The full model weights of a checkpoint of either format, as plain tensors under the LightningModule's
-    keys (tied keys included). Needs no process group."""
+    keys (tied keys included), after the checks of :func:`open_checkpoint`. Needs no process group."""
     path = resolve(path)
+    meta = open_checkpoint(path, trust_checkpoint=trust_checkpoint, verify=verify)
     if not is_sharded(path):
-        return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-    meta = torch.load(path / META, weights_only=False)
+        return meta["state_dict"]
     targets = {k: torch.zeros(tuple(md.size), dtype=md.properties.dtype)
                for k, md in _stored_tensors(path).items() if k.startswith(MODEL)}
     with _single_process_quiet():

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lightning_tp2d.checkpoint import (META, MODEL, _aliases, _assign, _stored_tensors, is_sharded, read_state_dict,
-                                       resolve)
+from lightning_tp2d.checkpoint import (MODEL, _aliases, _assign, _stored_tensors, is_sharded, open_checkpoint,
+                                       read_state_dict, resolve)
 from lightning_tp2d.families import ModelFamily, families, family_of, family_of_config, get_family
 from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
@@ -54,11 +54,13 @@ def _prefixes(keys, family: ModelFamily) -> list[str]:
                   for p in [k[: -len(fmt.embedding)]] if p + fmt.head in keys)
 
 
-def model_state_dict(path, family: str | ModelFamily, prefix: str | None = None) -> dict[str, torch.Tensor]:
+def model_state_dict(path, family: str | ModelFamily, prefix: str | None = None, *, trust_checkpoint: bool = False,
+                     verify: bool = True) -> dict[str, torch.Tensor]:
     """The weights of the ``family`` model inside a checkpoint under the plain model's keys; ``prefix`` (e.g.
-    ``"model."``) picks one when the LightningModule holds several."""
+    ``"model."``) picks one when the LightningModule holds several. The checkpoint is checked first (checksums,
+    pickles read as data: :func:`~lightning_tp2d.checkpoint.open_checkpoint`)."""
     family = _family(family)
-    state = read_state_dict(path)
+    state = read_state_dict(path, trust_checkpoint=trust_checkpoint, verify=verify)
     if prefix is None:
         found = _prefixes(state, family)
         if len(found) != 1:
@@ -68,25 +70,28 @@ def model_state_dict(path, family: str | ModelFamily, prefix: str | None = None)
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def gpt2_state_dict(path, prefix: str | None = None) -> dict[str, torch.Tensor]:
-    """The weights of the GPT2 inside a checkpoint under plain ``GPT2`` keys (:func:`model_state_dict`)."""
-    return model_state_dict(path, "gpt2", prefix)
+def gpt2_state_dict(path, prefix: str | None = None, **checks) -> dict[str, torch.Tensor]:
+    """The weights of the GPT2 inside a checkpoint under plain ``GPT2`` keys (:func:`model_state_dict`; ``checks``:
+    its ``trust_checkpoint`` and ``verify``)."""
+    return model_state_dict(path, "gpt2", prefix, **checks)
 
 
-def llama_state_dict(path, prefix: str | None = None) -> dict[str, torch.Tensor]:
+def llama_state_dict(path, prefix: str | None = None, **checks) -> dict[str, torch.Tensor]:
     """The weights of the Llama inside a checkpoint under plain ``Llama`` keys (transformers' too)."""
-    return model_state_dict(path, "llama", prefix)
+    return model_state_dict(path, "llama", prefix, **checks)
 
 
-def _meta(path: Path) -> dict[str, Any]:
-    return torch.load(path / META if is_sharded(path) else path, map_location="cpu", weights_only=False, mmap=True)
+def _meta(path: Path, meta: dict[str, Any] | None = None, **checks) -> dict[str, Any]:
+    return meta if meta is not None else open_checkpoint(path, **checks)
 
 
-def recorded_config(path, family: str | ModelFamily, prefix: str | None = None) -> Any:
+def recorded_config(path, family: str | ModelFamily, prefix: str | None = None, *, meta: dict[str, Any] | None = None,
+                    trust_checkpoint: bool = False, verify: bool = True) -> Any:
     """The ``family`` config a checkpoint records (under the family's ``config_key``) for the model at ``prefix``
-    (or its only one)."""
+    (or its only one); ``meta``: the checkpoint's non-tensor part when already read."""
     family = _family(family)
-    configs = _meta(resolve(path)).get("tp2d", {}).get(family.config_key, {})
+    configs = _meta(resolve(path), meta, trust_checkpoint=trust_checkpoint, verify=verify).get("tp2d", {}).get(
+        family.config_key, {})
     key = (prefix or "").rstrip(".")
     if key not in configs and len(configs) == 1:
         key = next(iter(configs))
@@ -96,11 +101,12 @@ def recorded_config(path, family: str | ModelFamily, prefix: str | None = None) 
     return family.config_class(**configs[key])
 
 
-def checkpoint_family(path) -> ModelFamily:
+def checkpoint_family(path, *, meta: dict[str, Any] | None = None, trust_checkpoint: bool = False,
+                      verify: bool = True) -> ModelFamily:
     """The family of the model inside a checkpoint: the one whose configs it records, else the one whose
     embedding and head keys it holds."""
     path = resolve(path)
-    meta = _meta(path)
+    meta = _meta(path, meta, trust_checkpoint=trust_checkpoint, verify=verify)
     recorded = meta.get("tp2d", {})
     found = [f for f in families() if recorded.get(f.config_key)]
     if not found:
@@ -116,27 +122,33 @@ def checkpoint_family(path) -> ModelFamily:
 
 
 def load_model(path, config: Any = None, prefix: str | None = None,
-               family: str | ModelFamily | None = None) -> nn.Module:
+               family: str | ModelFamily | None = None, *, trust_checkpoint: bool = False,
+               verify: bool = True) -> nn.Module:
     """A plain single-device model with a checkpoint's weights, of ``family`` (default: ``config``'s, else the
-    checkpoint's, :func:`checkpoint_family`); the config from the checkpoint if recorded."""
+    checkpoint's, :func:`checkpoint_family`); the config from the checkpoint if recorded. The checkpoint is checked
+    once, first: its checksums (``verify=False``: not), and its pickles are read as data (``trust_checkpoint=True``:
+    the old way, which runs them; :mod:`lightning_tp2d.trust`)."""
+    path = resolve(path)
+    meta = open_checkpoint(path, trust_checkpoint=trust_checkpoint, verify=verify)
     if family is None:
-        family = family_of_config(config) if config is not None else checkpoint_family(path)
+        family = family_of_config(config) if config is not None else checkpoint_family(path, meta=meta)
     family = _family(family)
-    state = model_state_dict(path, family, prefix)
+    state = model_state_dict(path, family, prefix, trust_checkpoint=trust_checkpoint, verify=False)  # checked above
     if config is None:
-        config = recorded_config(path, family, prefix)
+        config = recorded_config(path, family, prefix, meta=meta)
     return _plain_model(family.model_class, config, state)
 
 
-def load_gpt2(path, config: GPT2Config | None = None, prefix: str | None = None) -> GPT2:
-    """A plain single-device :class:`GPT2` with a checkpoint's weights (config from the checkpoint if recorded)."""
-    return load_model(path, config, prefix, family="gpt2")
+def load_gpt2(path, config: GPT2Config | None = None, prefix: str | None = None, **checks) -> GPT2:
+    """A plain single-device :class:`GPT2` with a checkpoint's weights (config from the checkpoint if recorded;
+    ``checks``: :func:`load_model`'s ``trust_checkpoint`` and ``verify``)."""
+    return load_model(path, config, prefix, family="gpt2", **checks)
 
 
-def load_llama(path, config: LlamaConfig | None = None, prefix: str | None = None) -> Llama:
+def load_llama(path, config: LlamaConfig | None = None, prefix: str | None = None, **checks) -> Llama:
     """A plain single-device :class:`~lightning_tp2d.models.Llama` with a checkpoint's weights (config from the
-    checkpoint if recorded)."""
-    return load_model(path, config, prefix, family="llama")
+    checkpoint if recorded; ``checks`` as :func:`load_gpt2`'s)."""
+    return load_model(path, config, prefix, family="llama", **checks)
 
 
 def _plain_model(cls, config, state: dict[str, torch.Tensor]):
@@ -155,13 +167,15 @@ def _empty_model(cls, config) -> nn.Module:
     return model
 
 
-def export_hf(source, directory, config: Any = None) -> Path:
+def export_hf(source, directory, config: Any = None, *, trust_checkpoint: bool = False, verify: bool = True) -> Path:
     """Write transformers' format (``config.json`` + ``model.safetensors``) from a plain model of a family with a
-    transformers format (GPT-2, Llama, ...), or a checkpoint path holding one (``config`` as in
-    :func:`load_model`); the format's architecture (``GPT2LMHeadModel`` / ``LlamaForCausalLM``)
-    ``.from_pretrained(directory)`` loads it. Tied weights are written once, under their first name."""
+    transformers format (GPT-2, Llama, ...), or a checkpoint path holding one (``config``, ``trust_checkpoint``
+    and ``verify`` as in :func:`load_model`: a damaged checkpoint is named, never exported); the format's
+    architecture (``GPT2LMHeadModel`` / ``LlamaForCausalLM``) ``.from_pretrained(directory)`` loads it. Tied weights
+    are written once, under their first name."""
     family = family_of(source)
-    model = source if family is not None else load_model(source, config)
+    model = source if family is not None else load_model(source, config, trust_checkpoint=trust_checkpoint,
+                                                         verify=verify)
     fmt = _format(family or family_of(model))
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

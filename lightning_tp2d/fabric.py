@@ -192,10 +192,11 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
             raise NotImplementedError("load a checkpoint into a model and its optimizers together: "
                                       "fabric.load(path, {'model': model, 'optimizer': optimizer})")
         if isinstance(state, nn.Module):
-            ckpt.load_into(state, [], path, strict=strict)
+            ckpt.load_into(state, [], path, strict=strict, trust_checkpoint=weights_only is False)
             return {}
         module_key, module, optimizers = _split_state(state)
-        rest = ckpt.load_into(module, list(optimizers.values()), path, strict=strict)
+        rest = ckpt.load_into(module, list(optimizers.values()), path, strict=strict,
+                              trust_checkpoint=weights_only is False)  # False: the file's pickles may run code
         saved = rest.pop("fabric", {})
         if strict and list(optimizers) != list(saved.get("optimizers", optimizers)):
             raise ValueError(f"checkpoint {str(path)!r} holds optimizers {saved.get('optimizers')}, the state to "

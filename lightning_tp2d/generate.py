@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_tp2d.checkpoint import META, is_sharded, resolve
+from lightning_tp2d.checkpoint import is_sharded, open_checkpoint, resolve
 from lightning_tp2d.data import get_tokenizer
 from lightning_tp2d.export import is_hf_directory, load_hf_model
 from lightning_tp2d.export import load_model as load_plain_model
@@ -55,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", choices=("byte", "gpt2"), default=None,
                         help="default: the checkpoint's run's, else gpt2 for a 50257-token vocabulary, else byte")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--trust-checkpoint", action="store_true", help="load a checkpoint whose pickles ask for "
+                        "code (an old or foreign file) the old way, which runs it: only for files you trust")
+    parser.add_argument("--no-verify", action="store_true", help="skip the checksums (a checkpoint without "
+                        "checksums.json loads without a warning)")
     args = parser.parse_args(argv)
     if (args.checkpoint is None) == (args.hf is None):
         parser.error("give one checkpoint: CHECKPOINT or --hf DIR")
@@ -65,17 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def checkpoint_meta(path: Path) -> dict[str, Any]:
+def checkpoint_meta(path: Path, *, trust_checkpoint: bool = False, verify: bool = True) -> dict[str, Any]:
     """The non-tensor part of one of our checkpoints: ``hyper_parameters``, ``datamodule_hyper_parameters``,
-    ``tp2d`` (what the strategy records) ..."""
-    if is_sharded(path):
-        return torch.load(path / META, map_location="cpu", weights_only=False)
-    if path.is_dir():
+    ``tp2d`` (what the strategy records) ..., after its checks (checksums, pickles read as data:
+    :func:`~lightning_tp2d.checkpoint.open_checkpoint`)."""
+    if path.is_dir() and not is_sharded(path):
         raise ValueError(f"{str(path)!r} is a directory but neither a sharded checkpoint (no .metadata) nor a "
                          "transformers GPT-2 directory (config.json + model.safetensors or pytorch_model.bin)")
-    meta = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    if not isinstance(meta, dict) or "state_dict" not in meta:
-        raise ValueError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict')")
+    meta = open_checkpoint(path, trust_checkpoint=trust_checkpoint, verify=verify)
     return {k: v for k, v in meta.items() if k not in ("state_dict", "optimizer_states")}
 
 
@@ -109,15 +110,16 @@ def recorded_tokenizer(meta: dict[str, Any]) -> str | None:
     return name
 
 
-def load_model(source: str, hf: bool):
+def load_model(source: str, hf: bool, *, trust_checkpoint: bool = False, verify: bool = True):
     """``(plain model on the CPU, recorded tokenizer name or None)`` for a checkpoint or transformers directory
-    (any registered family: the one its config names)."""
+    (any registered family: the one its config names); a checkpoint is checked first (:func:`checkpoint_meta`)."""
     if hf or (Path(source).is_dir() and not is_sharded(Path(source)) and is_hf_directory(source)):
         return load_hf_model(source), None
     path = resolve(source)
-    meta = checkpoint_meta(path)
+    meta = checkpoint_meta(path, trust_checkpoint=trust_checkpoint, verify=verify)
     config = checkpoint_config(meta, path)
-    return load_plain_model(path, config), recorded_tokenizer(meta)
+    model = load_plain_model(path, config, trust_checkpoint=trust_checkpoint, verify=False)  # checked above
+    return model, recorded_tokenizer(meta)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +138,8 @@ def generate(args: argparse.Namespace) -> str:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"--device {args.device}: CUDA is not available here (use --device cpu)")
-    model, recorded = load_model(args.hf or args.checkpoint, args.hf is not None)
+    model, recorded = load_model(args.hf or args.checkpoint, args.hf is not None,
+                                 trust_checkpoint=args.trust_checkpoint, verify=not args.no_verify)
     cfg = model.config
     tokenizer = get_tokenizer(args.tokenizer or recorded or ("gpt2" if cfg.vocab_size == 50257 else "byte"))
     ids = [int(i) for i in tokenizer.encode(args.prompt)] or [tokenizer.eot]

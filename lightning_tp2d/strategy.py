@@ -293,9 +293,13 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
                   barrier=self.barrier)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load into the live model and optimizers (:func:`~lightning_tp2d.checkpoint.load_into`: checksums checked,
+        pickles read as data); ``weights_only=False`` (``trainer.fit(..., weights_only=False)``) trusts the file's
+        pickles, which may run code: only for files you trust."""
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [_unwrap(o) for o in self.optimizers]
-        return ckpt.load_into(self.model, optimizers, path, strict=self.lightning_module.strict_loading)
+        return ckpt.load_into(self.model, optimizers, path, strict=self.lightning_module.strict_loading,
+                              trust_checkpoint=weights_only is False)
 
 
 # ---- helpers (no Lightning state) ---------------------------------------------------------------------------

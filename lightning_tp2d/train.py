@@ -153,7 +153,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.parallel), logger=loggers or False,
                           callbacks=callbacks, default_root_dir=str(run_dir), **extra)
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path,  # weights_only=False: trust its pickles
+                    weights_only=False if cfg.get("trust_checkpoint") else None)
     except SystemExit:  # Lightning's Ctrl-C handling (a second Ctrl-C: abort) ends with sys.exit(1)
         if rank_zero and trainer.interrupted:
             report_interrupt(trainer, checkpoint)
@@ -187,7 +188,7 @@ def finished_note(cfg: DictConfig) -> str | None:
     if cfg.ckpt_path is None or max_steps < 0:
         return None
     try:
-        step = saved_step(Path(str(cfg.ckpt_path)).expanduser())
+        step = saved_step(Path(str(cfg.ckpt_path)).expanduser(), trust_checkpoint=bool(cfg.get("trust_checkpoint")))
     except CheckpointError as err:
         raise ConfigError(f"ckpt_path: {err}") from None
     if step < max_steps:

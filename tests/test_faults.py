@@ -171,7 +171,8 @@ def test_damaged_truncated_or_missing_checkpoint_files_are_named_not_loaded(tmp_
     data = bytearray(shard.read_bytes())
     data[len(data) // 2: len(data) // 2 + 64] = bytes(64)  # 64 bytes overwritten: used to load NaNs silently
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=rf"{shard.name}: contents differ from what was written \(damaged\)"):
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: contents differ from what was written \(damaged: "
+                                                 r"blake2b [0-9a-f]{32}, recorded [0-9a-f]{32}\)"):
         _load(path)
     shard.write_bytes(bytes(data[: len(data) // 3]))
     with pytest.raises(CheckpointError, match=rf"{shard.name}: \d+ bytes, written with \d+ \(truncated"):
@@ -201,18 +202,27 @@ def test_a_full_disk_is_named_and_leaves_the_previous_checkpoint_and_no_staging_
     assert _load(path)["global_step"] == 1
 
 
-def test_a_garbage_or_truncated_single_file_checkpoint_is_named(tmp_path):
+def test_a_damaged_garbage_or_truncated_single_file_checkpoint_is_named(tmp_path):
+    """A single file carries no checksums.json: the CRC-32 of each entry of torch's zip format is checked instead
+    (64 bytes overwritten used to load silently)."""
     from lightning_tp2d import checkpoint as ckpt
 
     model, checkpoint = _model_and_checkpoint(1)
     full = tmp_path / "full.ckpt"
     ckpt.save(checkpoint, full, rank=0, sharded=False)
     assert _load(full)["global_step"] == 1
-    full.write_bytes(full.read_bytes()[:1000])
-    with pytest.raises(ckpt.CheckpointError, match=r"full.ckpt' cannot be read .*damaged, truncated or not a torch"):
+    good = full.read_bytes()
+    data = bytearray(good)
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
+    full.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=r"full.ckpt' is damaged and was not loaded: full.ckpt: entry "
+                                                    r"'.*' differs from what was written \(CRC-32 mismatch"):
+        _load(full)
+    full.write_bytes(good[:1000])
+    with pytest.raises(ckpt.CheckpointError, match=r"full.ckpt: not a complete zip archive .*truncated or damaged"):
         _load(full)
     full.write_bytes(b"\x7fELF" + bytes(4000))  # a binary that is not a checkpoint
-    with pytest.raises(ckpt.CheckpointError, match=r"full.ckpt' cannot be read"):
+    with pytest.raises(ckpt.CheckpointError, match=r"full.ckpt' is damaged and was not loaded"):
         _load(full)
 
 
