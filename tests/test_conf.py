@@ -406,7 +406,7 @@ def test_an_explicit_data_format_wins_over_the_suffix(tmp_path):
     """``data=text data.path=notes.bin`` reads the file as text (it used to be read as uint16 ids, silently, and
     answered with vocabulary advice); without ``data=text`` the suffix decides, and the message says so."""
     notes = tmp_path / "notes.bin"
-    notes.write_text("plain words, not token ids " * 400, encoding="utf-8")
+    notes.write_text("plain words, not token ids " * 800, encoding="utf-8")  # 21600 tokens: 20500 are needed
     assert checked("data=text", f"data.path={notes}").startswith("layout '2d'")
     dm = instantiate(composed("data=text", f"data.path={notes}", "data.max_tokens=null").data)
     dm.setup()
@@ -422,7 +422,7 @@ def test_a_folder_of_other_suffixes_lists_what_is_read_and_data_suffixes_adds_th
     code = tmp_path / "code"
     code.mkdir()
     for i in range(3):
-        (code / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 50)
+        (code / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 300)  # 25200 tokens in all
     with pytest.raises(ConfigError) as err:
         checked("data=text", f"data.path={code}")
     assert "holds no text files with the suffixes read (.txt, .md, .rst); it holds .py files: add suffixes" in \

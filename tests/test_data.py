@@ -383,7 +383,7 @@ def _check_config(*overrides: str) -> str:
 def test_check_config_reads_val_path_dtype_and_tokenizer_json(tmp_path):
     from lightning_tp2d.train import ConfigError
 
-    (np.arange(1000, dtype=np.uint16) % 250).tofile(tmp_path / "train.bin")
+    (np.arange(2000, dtype=np.uint16) % 250).tofile(tmp_path / "train.bin")  # gpt2-mini: one batch is 1025 tokens
     np.array([1, 2, 300, 4] * 100, dtype=np.uint32).tofile(tmp_path / "val.bin")
     tokens = ["data=tokens", f"data.path={tmp_path / 'train.bin'}"]
     assert _check_config(*tokens, f"data.val_path={tmp_path / 'train.bin'}").startswith("layout")

@@ -38,16 +38,16 @@ under TP2DStrategy, the ``data_parallel`` axis), so every rank of a tensor-paral
 Lightning checkpoints, and a resumed run continues with the next unseen batch.
 
 Modules: :mod:`~lightning_tp2d.data.tokenizers` (``get_tokenizer`` and the tokenizer classes),
-:mod:`~lightning_tp2d.data.token_files` (sources, formats and suffixes, token files, the cache, ``load_tokens``) and
-:mod:`~lightning_tp2d.data.datamodule` (``TextDataModule``, its windows, sampler and loader); every public name is
-importable from ``lightning_tp2d.data``.
+:mod:`~lightning_tp2d.data.token_files` (sources, formats and suffixes, token files, the cache, ``load_tokens``,
+``count_tokens``) and :mod:`~lightning_tp2d.data.datamodule` (``TextDataModule``, its windows, sampler and loader, and
+the tokens each split needs); every public name is importable from ``lightning_tp2d.data``.
 """
 
 from lightning_tp2d.data.datamodule import ResumableLoader, ResumableSampler, TextDataModule, TokenWindows
 from lightning_tp2d.data.token_files import (CACHE_DIRNAME, CACHE_FORMAT, CHUNK_CHARS, FORMATS, TEXT_SUFFIXES,
                                              TOKEN_DTYPES, TOKEN_SUFFIX, TOKEN_SUFFIXES, build_cache, check_format,
-                                             check_path, default_corpus, is_token_file, load_tokens, open_token_file,
-                                             raw_dtype, text_suffixes, user_cache_dir)
+                                             check_path, count_tokens, default_corpus, is_token_file, load_tokens,
+                                             open_token_file, raw_dtype, text_suffixes, user_cache_dir)
 from lightning_tp2d.data.tokenizers import (EOT_TOKENS, ByteTokenizer, GPT2Tokenizer, HFTokenizer, get_tokenizer,
                                             tokenizer_vocab_size)
 
@@ -55,6 +55,6 @@ __all__ = [
     "TextDataModule", "TokenWindows", "ResumableSampler", "ResumableLoader",
     "get_tokenizer", "tokenizer_vocab_size", "ByteTokenizer", "GPT2Tokenizer", "HFTokenizer", "EOT_TOKENS",
     "is_token_file", "check_format", "check_path", "text_suffixes", "default_corpus", "open_token_file", "raw_dtype",
-    "build_cache", "load_tokens", "user_cache_dir", "TEXT_SUFFIXES", "TOKEN_SUFFIX", "TOKEN_SUFFIXES", "FORMATS",
-    "TOKEN_DTYPES", "CACHE_DIRNAME", "CACHE_FORMAT", "CHUNK_CHARS",
+    "build_cache", "load_tokens", "count_tokens", "user_cache_dir", "TEXT_SUFFIXES", "TOKEN_SUFFIX", "TOKEN_SUFFIXES",
+    "FORMATS", "TOKEN_DTYPES", "CACHE_DIRNAME", "CACHE_FORMAT", "CHUNK_CHARS",
 ]

@@ -1,5 +1,7 @@
 """``TextDataModule`` (see :mod:`lightning_tp2d.data`) and what feeds it: the next-token windows of a token stream,
-a data-parallel sampler that can start part-way, and a loader whose position goes into Lightning checkpoints."""
+a data-parallel sampler that can start part-way, a loader whose position goes into Lightning checkpoints, and the
+tokens each split needs (one rule for :meth:`TextDataModule.setup`, its loaders and :meth:`TextDataModule.check_size`,
+which ``tp2d-train`` calls before any process starts)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_tp2d.data.token_files import (build_cache, check_format, is_token_file, load_tokens, raw_dtype,
-                                             text_suffixes)
+from lightning_tp2d.data.token_files import (build_cache, check_format, count_tokens, is_token_file, load_tokens,
+                                             raw_dtype, text_suffixes)
 from lightning_tp2d.data.tokenizers import ByteTokenizer, get_tokenizer
 from lightning_tp2d.models.documents import Documents
 
@@ -86,6 +88,59 @@ class ResumableLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._resume = (int(state["epoch"]), int(state["batches"]))
+
+
+# ---- the tokens a split needs ----------------------------------------------------------------------------------
+
+
+def split_tokens(n: int, val_fraction: float) -> tuple[int, int]:
+    """``(train, validation)`` tokens of an ``n``-token stream without ``val_path``: the last ``int(n * val_fraction)``
+    are held out."""
+    n_val = int(n * val_fraction)
+    return n - n_val, n_val
+
+
+def split_need(block_size: int, batch_size: int | None = None, replicas: int = 1, key: str = "") -> tuple[int, str]:
+    """``(tokens, why)``: a split needs ``w * block_size + 1`` tokens for ``w`` windows (targets are shifted by one):
+    one window for :meth:`TextDataModule.setup`, ``batch_size x replicas`` for its loader (every data-parallel
+    replica gets a full batch). ``key``: how ``why`` names the settings (``"data."``)."""
+    if batch_size is None:
+        return block_size + 1, f"one window of {key}block_size+1 = {block_size + 1} tokens"
+    w = batch_size * replicas
+    return w * block_size + 1, (f"{key}batch_size={batch_size} x {replicas} data-parallel replica(s) = {w} windows of "
+                                f"{key}block_size={block_size} tokens, +1 = {w * block_size + 1} tokens")
+
+
+def stream_need(train: int, val: int, val_fraction: float) -> int:
+    """The fewest tokens whose split (:func:`split_tokens`) leaves at least ``train`` and ``val`` tokens."""
+    n = max(train + val, int(val / val_fraction) - 2, int((train - 1) / (1 - val_fraction)) - 2)  # a lower bound
+    while True:  # both splits grow with n: the first n that fits is the fewest
+        n_train, n_val = split_tokens(n, val_fraction)
+        if n_train >= train and n_val >= val:
+            return n
+        n += 1
+
+
+def stream_problem(where: str, n: int, val_fraction: float, train: tuple[int, str], val: tuple[int, str],
+                   key: str = "", found: str | None = None) -> str | None:
+    """Why ``n`` tokens split by ``val_fraction`` leave too few for the train or validation split (``train`` / ``val``:
+    :func:`split_need` of each), or ``None``. ``found``: how to name the ``n`` tokens (default ``"<n> tokens"``)."""
+    n_train, n_val = split_tokens(n, val_fraction)
+    if n_train >= train[0] and n_val >= val[0]:
+        return None
+    t = f"its train split ({n_train} tokens)"
+    v = f"its validation split (the last {key}val_fraction={val_fraction}, {n_val} tokens)"
+    hold = f"{t} and {v} must each hold {train[1]}" if train[1] == val[1] else \
+        f"{t} must hold {train[1]} and {v} {val[1]}"
+    return (f"{where}: {found or f'{n} tokens'} are too few: {hold}; it needs at least "
+            f"{stream_need(train[0], val[0], val_fraction)} tokens (or a separate {key}val_path)")
+
+
+def source_problem(where: str, n: int, need: tuple[int, str], split: str, found: str | None = None) -> str | None:
+    """Why ``n`` tokens are too few for the ``split`` split (``need``: :func:`split_need`), or ``None``."""
+    if n >= need[0]:
+        return None
+    return f"{where}: {found or f'{n} tokens'} are too few for {need[1]} (the {split} split)"
 
 
 # ---- the data module -------------------------------------------------------------------------------------------
@@ -201,23 +256,49 @@ class TextDataModule(L.LightningDataModule):
         if self.tokens is not None:
             return
         tokens = self._load(self.path)
-        need = self.block_size + 1
+        need = split_need(self.block_size)
         if self.val_path is None:
-            n_val = int(len(tokens) * self.val_fraction)
-            if len(tokens) - n_val < need or n_val < need:
-                raise ValueError(f"{len(tokens)} tokens are too few: train {len(tokens) - n_val} and validation "
-                                 f"{n_val} tokens must each hold at least one window of block_size+1 = {need}")
-            train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
+            bad = stream_problem(self._where("path", self.path), len(tokens), self.val_fraction, need, need)
+            if bad:
+                raise ValueError(bad)
+            n_train = split_tokens(len(tokens), self.val_fraction)[0]
+            train, val = tokens[:n_train], tokens[n_train:]
         else:
             train, val = tokens, self._load(self.val_path)
-            for key, source, part in (("path", self.path, train), ("val_path", self.val_path, val)):
-                if len(part) < need:
-                    where = "the Python documentation" if source is None else repr(str(source))
-                    raise ValueError(f"{key} {where}: {len(part)} tokens are too few for one window of "
-                                     f"block_size+1 = {need}")
+            for key, part, split in (("path", train, "train"), ("val_path", val, "validation")):
+                bad = source_problem(self._where(key, getattr(self, key)), len(part), need, split)
+                if bad:
+                    raise ValueError(bad)
         self.tokens, self.val_tokens = tokens, val
         self.train_set = TokenWindows(train, self.block_size, self.eos_id)
         self.val_set = TokenWindows(val, self.block_size, self.eos_id)
+
+    @staticmethod
+    def _where(name: str, source, key: str = "") -> str:
+        return f"{key}{name} " + ("(the Python documentation)" if source is None else repr(str(source)))
+
+    def check_size(self, replicas: int = 1, validates: bool = True, key: str = "") -> None:
+        """``ValueError`` naming the source, the tokens found and the tokens needed when a source is too short for
+        what :meth:`setup` and the loaders cut from it: each split ``batch_size`` windows per data-parallel replica
+        (``replicas``; the validation split one window when nothing ``validates``). Cheap: sources are counted by
+        :func:`~lightning_tp2d.data.count_tokens`, never read further than the count needed. ``key``: how messages
+        name the settings (``"data."`` for ``tp2d-train``, which calls this before any process starts)."""
+        train = split_need(self.block_size, self.batch_size, replicas, key)
+        val = train if validates else split_need(self.block_size, key=key)
+        least = stream_need(train[0], val[0], self.val_fraction) if self.val_path is None else None
+        sources = [("path", self.path, "train", train)]
+        if self.val_path is not None:
+            sources.append(("val_path", self.val_path, "validation", val))
+        for name, source, split, need in sources:
+            counted = count_tokens(source, self.tokenizer or ByteTokenizer(), at_least=least or need[0],
+                                   dtype=self.dtype, format=self.format, suffixes=self.suffixes, cache=self.cache)
+            n = min(counted, self.max_tokens) if self.max_tokens else counted
+            found = f"{n} tokens ({key}max_tokens={self.max_tokens})" if n < counted else None
+            where = self._where(name, source, key)
+            bad = stream_problem(where, n, self.val_fraction, train, val, key, found) if least is not None else \
+                source_problem(where, n, need, split, found)
+            if bad:
+                raise ValueError(bad)
 
     def _replicas(self) -> dict[str, int]:
         strategy = self.trainer.strategy if self.trainer is not None else None
@@ -229,7 +310,9 @@ class TextDataModule(L.LightningDataModule):
         per_replica = len(dataset) // replicas["num_replicas"]
         if per_replica < self.batch_size:
             split = "train" if train else "validation"
-            raise ValueError(f"the {split} split has {len(dataset)} windows of {self.block_size} tokens: "
+            source = self._where("val_path", self.val_path) if not train and self.val_path else \
+                self._where("path", self.path)
+            raise ValueError(f"{source}: the {split} split has {len(dataset)} windows of {self.block_size} tokens: "
                              f"{per_replica} per data-parallel replica, fewer than batch_size={self.batch_size}")
         sampler = ResumableSampler(dataset, shuffle=self.shuffle and train, seed=self.seed, drop_last=True,
                                    **replicas)

@@ -1,7 +1,8 @@
 """Token files and the text sources they are made from: what is read as token ids (``is_token_file``), memory-maps
 of ``.bin`` / ``.npy`` files (``open_token_file``), the checks of paths, formats and suffixes run before any process
-starts (``check_path``), text tokenised piece by piece into cache token files (``build_cache``), and the whole token
-stream of one source (``load_tokens``). See :mod:`lightning_tp2d.data` for the formats and the cache."""
+starts (``check_path``), text tokenised piece by piece into cache token files (``build_cache``), the whole token
+stream of one source (``load_tokens``) and its length, counted without reading more than needed (``count_tokens``).
+See :mod:`lightning_tp2d.data` for the formats and the cache."""
 
 from __future__ import annotations
 
@@ -202,9 +203,9 @@ def _pieces(file: Path, chunk: int = CHUNK_CHARS) -> Iterator[str]:
 
 
 def _encode_source(source: Path, tokenizer, write: Callable[[np.ndarray], None],
-                   suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> int:
+                   suffixes: tuple[str, ...] = TEXT_SUFFIXES, until: int | None = None) -> int:
     """Tokenise the text file or folder ``source`` piece by piece into ``write`` (files joined by end-of-text);
-    returns the number of tokens."""
+    returns the number of tokens. ``until``: stop after the piece that brings the count to at least this."""
     eot = np.array([tokenizer.eot], dtype=tokenizer.dtype)
     chars = count = 0
     for k, file in enumerate(_text_files(source, suffixes)):
@@ -215,9 +216,32 @@ def _encode_source(source: Path, tokenizer, write: Callable[[np.ndarray], None],
             ids = np.asarray(tokenizer.encode(piece), dtype=tokenizer.dtype)
             chars, count = chars + len(piece), count + len(ids)
             write(ids)
+            if until is not None and count >= until:
+                return count
     if not chars:
         raise ValueError(f"{str(source)!r} is empty: no text to train on")
     return count
+
+
+def count_tokens(path: str | os.PathLike | None, tokenizer, *, at_least: int | None = None, dtype="uint16",
+                 format: str = "auto", suffixes: tuple[str, ...] = TEXT_SUFFIXES, cache=False) -> int:
+    """How many tokens :func:`load_tokens` makes of ``path`` (before ``max_tokens``), cheaply: a token file's from
+    its size (``.bin``) or header (``.npy``), text from its up-to-date cache token file when ``cache`` finds one, else
+    tokenised in the cache's pieces until ``at_least`` are counted (then the count is at least that, and the rest is
+    not read: at most one piece, ``CHUNK_CHARS`` characters, more). ``path=None``: the Python documentation."""
+    if path is None:
+        return len(tokenizer.encode(default_corpus()))
+    if is_token_file(path, format):
+        return len(open_token_file(path, dtype))
+    source = Path(path).expanduser().resolve()
+    if not source.exists():
+        raise FileNotFoundError(f"data path {str(source)!r} does not exist")
+    if cache:
+        name = _cache_name(source, tokenizer, suffixes)[1]
+        found = next((d / name for d in _cache_dirs(source, cache) if (d / name).is_file()), None)
+        if found is not None:
+            return found.stat().st_size // tokenizer.dtype.itemsize
+    return _encode_source(source, tokenizer, lambda ids: None, suffixes, until=at_least)
 
 
 # ---- the token cache -------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints, max_seq_len
 from lightning_tp2d.models.documents import Documents, as_documents
-from lightning_tp2d.models.hf import HFFormat
+from lightning_tp2d.models.hf import HEADS, LAYERS, MLP_WIDTH, VOCAB, WIDTH, HFFormat, check_hf_sizes
 
 # Weights that transformers stores as Conv1D, i.e. [in, out], while nn.Linear stores [out, in].
 # This is the transpose trap of every GPT-2 checkpoint: the shapes of c_attn and c_fc do not even
@@ -32,6 +32,9 @@ HF_CONFIG_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_laye
                           activation_function="gelu_new", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
                           layer_norm_epsilon=1e-5, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
                           reorder_and_upcast_attn=False, add_cross_attention=False)
+# config.json sizes a GPT-2 may have (models.hf); n_positions rows are a learned table, so fewer than RoPE's
+HF_SIZE_LIMITS = dict(n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, vocab_size=VOCAB, n_positions=(1 << 20, "positions"),
+                      n_inner=MLP_WIDTH)
 
 
 @dataclass
@@ -53,7 +56,9 @@ class GPT2Config(NamedSizes):
 
     @classmethod
     def from_hf(cls, hf_config) -> "GPT2Config":
-        """Our config for a transformers ``GPT2Config``; refuses variants this model does not implement."""
+        """Our config for a transformers ``GPT2Config``; refuses implausible sizes (:data:`HF_SIZE_LIMITS`) and
+        variants this model does not implement."""
+        check_hf_sizes(hf_config, HF_SIZE_LIMITS)
         problems = []
         n_inner = getattr(hf_config, "n_inner", None)
         if n_inner not in (None, 4 * hf_config.n_embd):

@@ -27,6 +27,32 @@ def _same_key(key: str) -> str:
     return key
 
 
+# Bounds on the sizes a transformers config.json may give: far above every real model (Llama 3.1 405B: 126 layers,
+# hidden 16384, MLP 53248, 128 heads, vocabulary 128256; the widest vocabularies ~1M; Llama 4: 10M positions), far
+# below what a typo or a hostile file asks for (n_layer=10**7 grows a meta model for minutes; n_embd=10**9 fails in
+# torch's allocator, naming nothing). (most, unit) per kind of size; each format maps its fields onto these.
+LAYERS = (1024, "layers")
+WIDTH = (1 << 17, "hidden features")
+MLP_WIDTH = (1 << 20, "MLP features")
+HEADS = (1 << 14, "heads")
+HEAD_WIDTH = (1 << 14, "features per head")
+VOCAB = (1 << 23, "token ids")
+POSITIONS = (1 << 27, "positions")
+
+
+def check_hf_sizes(hf_config: Any, limits: Mapping[str, tuple[int, str]]) -> None:
+    """``ValueError`` naming the first field of ``limits`` (``config.json`` names) that ``hf_config`` (a namespace or
+    transformers config) sets to anything but a positive int at most its bound; unset (``None``) fields pass."""
+    for field, (most, unit) in limits.items():
+        value = getattr(hf_config, field, None)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{field}={value!r} is not a positive integer")
+        if value > most:
+            raise ValueError(f"{field}={value} is not a plausible size (at most {most} {unit})")
+
+
 @dataclass(frozen=True)
 class HFFormat:
     """One family's transformers format. Keys named "ours" are our ``state_dict()`` keys, "theirs" transformers'.
@@ -184,4 +210,4 @@ def check_keys(fmt: HFFormat, ours: Mapping[str, tuple[int, ...]], stored: Mappi
     return {k: v for k, v in names.items() if k not in aliases}
 
 
-__all__ = ["HFFormat", "check_keys"]
+__all__ = ["HFFormat", "check_hf_sizes", "check_keys"]

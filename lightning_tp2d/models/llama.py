@@ -64,7 +64,8 @@ import torch.nn.functional as F
 from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints
 from lightning_tp2d.models.documents import Documents
 from lightning_tp2d.models.gpt2 import GPT2, LMHead, _fill_normal_, logits_position
-from lightning_tp2d.models.hf import HFFormat
+from lightning_tp2d.models.hf import (HEAD_WIDTH, HEADS, LAYERS, MLP_WIDTH, POSITIONS, VOCAB, WIDTH, HFFormat,
+                                      check_hf_sizes)
 from lightning_tp2d.models.rope import RoPE, apply_rope, rope_cache, rope_inv_freq, rotate_half
 
 INIT_STD = 0.02  # transformers' initializer_range for Llama
@@ -74,6 +75,9 @@ HF_CONFIG_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=
                           max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
                           rope_theta=10000.0, rope_scaling=None, attention_bias=False, attention_dropout=0.0,
                           mlp_bias=False, head_dim=None)
+HF_SIZE_LIMITS = dict(num_hidden_layers=LAYERS, hidden_size=WIDTH, intermediate_size=MLP_WIDTH,
+                      num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HEAD_WIDTH, vocab_size=VOCAB,
+                      max_position_embeddings=POSITIONS)  # config.json sizes a Llama may have (models.hf)
 
 
 @dataclass
@@ -130,7 +134,9 @@ class LlamaConfig(NamedSizes):
 
     @classmethod
     def from_hf(cls, hf_config) -> "LlamaConfig":
-        """Our config for a transformers ``LlamaConfig``; refuses variants this model does not implement."""
+        """Our config for a transformers ``LlamaConfig``; refuses implausible sizes (:data:`HF_SIZE_LIMITS`) and
+        variants this model does not implement."""
+        check_hf_sizes(hf_config, HF_SIZE_LIMITS)
         problems = []
         if hf_config.hidden_act != "silu":
             problems.append(f"hidden_act={hf_config.hidden_act!r} (need 'silu')")
