@@ -76,6 +76,14 @@ ModelCheckpoint: _should_skip_saving_checkpoint, _monitor_candidates, _save_topk
     public: none cheap. ``LightningModule.configure_gradient_clipping`` is the user's hook; a subclass would have
     to wrap each plugin class (``Precision``, ``MixedPrecision``, ``HalfPrecision``).
 
+``_SubprocessScriptLauncher.launch`` (wrapped on the instance), ``_SubprocessScriptLauncher.procs`` (emptied)
+    where: supervise.py:RankWatch.take_over, supervise.py:RankWatch.adopt (``tp2d-train`` only)
+    why: Lightning's child-process observer polls the ranks every 5 s and SIGKILLs every process, the launching one
+    included, when one has exited non-zero, so a dead rank ended the job with 137 or 1 depending on timing. The
+    launching process adopts the ranks right after they start and empties the launcher's list, which the observer
+    holds: it then sees no rank and stops. Relies on the observer holding that very list (Lightning 2.6).
+    public: none; the observer has no switch. Not found by the scan (public names); listed for the reader.
+
 Lightning Fabric (2.6): the same base-class internals as the Trainer strategy's, in Fabric's ``ModelParallelStrategy``
 
 ``lightning.fabric.strategies.ModelParallelStrategy._configure_launcher`` (overridden; calls ``super()``)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 
+from lightning_tp2d.comm import naming_failures
 from lightning_tp2d.errors import DivergenceError
 from lightning_tp2d.zero import full_param_groups
 
@@ -53,6 +54,7 @@ class StepCheckpoint(ModelCheckpoint):
         return self.last_model_path or self.best_model_path
 
 
+VOTE = "the per-step stop vote (all_reduce over every rank)"
 PREEMPTION_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 
 
@@ -146,7 +148,8 @@ class StepVote:
         window, self._sent, self._bad = (self._sent + 1, step), step, None
         done = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every rank votes
-            done = dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True)
+            with naming_failures(VOTE):
+                done = dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True)
         if values.is_cuda:
             if done is not None:
                 done.wait()  # NCCL: the current stream waits for the all-reduce; the host goes on
@@ -166,7 +169,8 @@ class StepVote:
         if isinstance(done, torch.cuda.Event):
             done.synchronize()  # recorded a step ago: complete unless the host is over a step ahead of the device
         elif done is not None:
-            done.wait()
+            with naming_failures(VOTE):  # a rank that died or stalled since: one line, as in the layers
+                done.wait()
         signal_seen, bad = values.tolist()  # host memory
         self.stop_signal = max(self.stop_signal, int(signal_seen))
         if bad and self.diverged is None:

@@ -24,6 +24,7 @@ surfaces on its neighbours as an error, not a hang.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 
 import torch
@@ -83,11 +84,42 @@ def _named(where: tuple | None) -> Iterator[None]:
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         except (RuntimeError, ValueError):
             ranks = ()
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         with_peers = f", exchanging with global rank(s) {', '.join(map(str, peers))}" if peers else ""
-        raise CommError(f"{kind} along mesh axis {axis!r} (global ranks {list(ranks)}{with_peers}) did not complete "
-                        f"on rank {dist.get_rank()}: {detail}. A rank of that axis stalled past the process "
-                        f"group's timeout or died; its own log says which.") from err
+        raise _failed(f"{kind} along mesh axis {axis!r} (global ranks {list(ranks)}{with_peers})", err,
+                      "A rank of that axis") from err
+
+
+@contextlib.contextmanager
+def naming_failures(call: str) -> Iterator[None]:
+    """Re-raise a backend error from the block as a :class:`CommError` naming ``call``, as the axis calls above do,
+    for the collectives of the default group that are not made here: Lightning's barriers and broadcasts, and the
+    gathers and barriers of a checkpoint save (torch.distributed.checkpoint's own included). Only the backend's
+    errors are translated (a plain ``RuntimeError``, as gloo raises, or torch's ``DistError``s); the package's own
+    errors and any other exception pass unchanged."""
+    try:
+        yield
+    except RuntimeError as err:
+        if type(err) is not RuntimeError and not isinstance(err, dist.DistError):
+            raise
+        raise _failed(call, err, "A rank") from err
+
+
+def _failed(call: str, err: BaseException, who: str) -> CommError:
+    """``call`` did not complete on this rank; ``who`` (which rank may be to blame) stalled or died."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return CommError(f"{call} did not complete on rank {rank}: {_backend_detail(err)} {who} stalled past the process "
+                     "group's timeout or died; its own log says which.", call=call)
+
+
+def _backend_detail(err: BaseException) -> str:
+    """The backend's error in one short sentence: its first line without gloo's source location and advice
+    (``"[.../pair.cc:537] Read error [127.0.0.1]:8332: Connection reset by peer. This is typically ..."`` ->
+    ``"Read error [127.0.0.1]:8332: Connection reset by peer."``)."""
+    text = str(err).strip()
+    line = text.splitlines()[0] if text else type(err).__name__
+    line = re.sub(r"^\[[^\]\s]+:\d+\]\s*", "", line)  # [/path/to/gloo/.../pair.cc:537]
+    line = line.split(" This is typically caused by", 1)[0].strip()
+    return line if line.endswith(".") else line + "."
 
 
 class Handle:

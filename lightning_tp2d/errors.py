@@ -5,7 +5,13 @@ from __future__ import annotations
 
 class CommError(RuntimeError):
     """A collective or point-to-point transfer that failed or timed out (a rank stalled past the process group's
-    timeout, or died), named by its kind, the mesh axis and the ranks involved; the backend's error is chained."""
+    timeout, or died), named by its kind, the mesh axis and the ranks involved; the backend's error is chained.
+    ``call`` is that name alone (``"all_reduce along mesh axis 'col' (global ranks [0, 1])"``), for a report that
+    knows more, such as which rank died (``tp2d-train``)."""
+
+    def __init__(self, message: str, call: str = "") -> None:
+        super().__init__(message)
+        self.call = call
 
 
 class DivergenceError(RuntimeError):

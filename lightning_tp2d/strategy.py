@@ -38,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_tp2d import checkpoint as ckpt
 from lightning_tp2d import families
+from lightning_tp2d.comm import naming_failures
 from lightning_tp2d.core import TensorParallelCore, find_model_config
 from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.models.gpt2 import GPT2Config
@@ -270,6 +271,20 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             if problem:
                 raise ValueError(problem)
 
+    # ---- Lightning's own collectives: a dead or stalled rank is one CommError line, as in the layers ---------
+
+    def barrier(self, name: str | None = None) -> None:
+        with naming_failures(f"barrier {name!r}" if name else "barrier"):
+            super().barrier(name)
+
+    def broadcast(self, obj, src: int = 0):
+        with naming_failures(f"broadcast of a {type(obj).__name__} from rank {src}"):
+            return super().broadcast(obj, src)
+
+    def reduce(self, tensor, group: Any | None = None, reduce_op: Any | None = "mean"):
+        with naming_failures(f"all_reduce ({reduce_op}) of a logged value"):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
     # ---- checkpoints (lightning_tp2d.checkpoint) ----------------------------------------------------------
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -287,10 +302,13 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("TP2DStrategy.save_checkpoint(..., storage_options=...) is not supported")
-        path = Path(self.broadcast(str(filepath)))
-        checkpoint["tp2d"] = self.checkpoint_info(self.model)
-        ckpt.save(checkpoint, path, rank=self.global_rank, sharded=self._sharded_checkpoints,
-                  barrier=self.barrier)
+        # a rank that dies mid-save fails the others in DCP's collectives or the save's own: one line, as mid-step,
+        # naming the save (its broadcast and barriers are Lightning's own, not the named ones below)
+        with naming_failures(f"the save of checkpoint {str(filepath)!r}"):
+            path = Path(super().broadcast(str(filepath)))
+            checkpoint["tp2d"] = self.checkpoint_info(self.model)
+            ckpt.save(checkpoint, path, rank=self.global_rank, sharded=self._sharded_checkpoints,
+                      barrier=super().barrier)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load into the live model and optimizers (:func:`~lightning_tp2d.checkpoint.load_into`: checksums checked,

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -51,12 +51,15 @@ from lightning_tp2d.core import AUTO_LAYOUT
 from lightning_tp2d.data import (check_format, check_path, get_tokenizer, is_token_file, text_suffixes,
                                  tokenizer_vocab_size)
 from lightning_tp2d.errors import CheckpointError, CommError, DivergenceError
+from lightning_tp2d.export import read_hf_config
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import STRATEGY_NAMES, get_layout
 from lightning_tp2d.models.config import max_seq_len
+from lightning_tp2d.param_memory import parameter_bytes, parameter_count, parameter_memory_problem, physical_memory
 from lightning_tp2d.quiet import silence_known_noise
 from lightning_tp2d.safe_files import clear, resolve, staging_path
 from lightning_tp2d.sizes import CONFIG_KEYS, resolve_sizes
+from lightning_tp2d.supervise import RankWatch, wait_to_be_ended
 
 log = logging.getLogger("tp2d-train")
 TOKENIZER_IDS = {"byte": 257, "gpt2": 50257}  # ids each tokenizer of TextDataModule produces
@@ -92,16 +95,20 @@ def run(cfg: DictConfig) -> float | None:
         raise SystemExit("tp2d-train: --multirun needs Hydra's basic launcher (jobs one after the other): each job "
                          "starts its own processes on all devices, so jobs cannot run side by side")
     run_dir = Path(hc.runtime.output_dir)
+    ranks = RankWatch()  # the ranks this process starts, if any (lightning_tp2d.supervise)
     with launch.job_environment(run_dir, list(hc.overrides.task), multirun):
         try:
-            return train(cfg, run_dir)
+            with ranks.ended_on_failure():  # a rank that fails: one line naming it, every rank ended, exit 1
+                return train(cfg, run_dir, ranks)
         except ConfigError as err:
             print(f"tp2d-train: error: {err}", file=sys.stderr)
             if launch.is_rank_zero():
                 launch.remove_unused_run_dir(run_dir)
             sys.exit(2)
         except (DivergenceError, CommError, CheckpointError) as err:  # one line, not a traceback per rank
-            if isinstance(err, CommError) or launch.is_rank_zero():  # every rank's CommError names its own call
+            if isinstance(err, CommError) and launch.started_by_this_job():
+                wait_to_be_ended()  # the process that started this rank names the failure once and ends the job
+            if isinstance(err, CommError) or launch.is_rank_zero():  # (otherwise every rank names its own call)
                 print(f"tp2d-train: error: {err}", file=sys.stderr, flush=True)
             sys.exit(1)
 
@@ -112,7 +119,8 @@ _hydra_main = hydra.main(version_base="1.3", config_path=str(launch.CONF_DIR), c
 # ---- the job -----------------------------------------------------------------------------------------------------
 
 
-def train(cfg: DictConfig, run_dir: Path) -> float | None:
+def train(cfg: DictConfig, run_dir: Path, ranks: RankWatch | None = None) -> float | None:
+    ranks = ranks or RankWatch()
     started = time.monotonic()
     rank_zero = launch.is_rank_zero()
     try:
@@ -152,6 +160,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     extra = {} if checkpoint is not None or "enable_checkpointing" in cfg.trainer else {"enable_checkpointing": False}
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.parallel), logger=loggers or False,
                           callbacks=callbacks, default_root_dir=str(run_dir), **extra)
+    ranks.take_over(trainer.strategy.launcher)  # the ranks Lightning starts: watched by this process, not Lightning
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path,  # weights_only=False: trust its pickles
                     weights_only=False if cfg.get("trust_checkpoint") else None)
@@ -166,9 +175,9 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         return None
     if interrupt.stopped:  # Ctrl-C or preemption, handled at a step boundary on every rank
         if not rank_zero:
-            return None  # exit 0: Lightning's launcher kills the whole job when a child rank exits non-zero
+            return None  # exit 0: a rank that exits non-zero ends the whole job (lightning_tp2d.supervise)
         report_interrupt(trainer, checkpoint)
-        wait_for_ranks(trainer)
+        ranks.wait()
         # 128 + the signal (130 for Ctrl-C, 143 for SIGTERM), what a process killed by it reports, so shells and
         # requeue scripts tell "stopped by a signal after saving its step" from a failure
         sys.exit(128 + interrupt.signum)
@@ -176,7 +185,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     sample = generate_sample(cfg, module, datamodule, trainer)  # collective: every rank of a grid takes part
     if rank_zero:
         report(cfg, trainer, checkpoint, run_dir, sample, time.monotonic() - started)
-    wait_for_ranks(trainer)
+    ranks.wait()  # so the command ends when the whole job has
     val_loss = trainer.callback_metrics.get("val_loss")
     return float(val_loss) if val_loss is not None else None
 
@@ -336,6 +345,7 @@ def device_count(devices, accelerator: str) -> int | None:
 def check_config(cfg: DictConfig, model) -> str:
     """Raise :class:`ConfigError` for data, devices or sizes that do not fit; return a one-line plan of the run."""
     tr, data = cfg.trainer, cfg.data
+    model = check_init_from(cfg, model)
     if cfg.ckpt_path is not None:
         try:
             resolve(Path(str(cfg.ckpt_path)).expanduser())  # also finds the survivor of an interrupted save
@@ -389,18 +399,91 @@ def check_config(cfg: DictConfig, model) -> str:
         raise ConfigError(f"NODE_RANK={node_rank} but trainer.num_nodes={nodes}: set trainer.num_nodes to the number "
                           f"of machines (at least {node_rank + 1}) on every machine")
     where = f"{tr.accelerator}, {tr.precision}; {batch} x {seq} tokens per step and replica"
+    p = dp = None  # the tensor- and data-parallel sizes, where known here
     if "layout" not in cfg.parallel:  # parallel=single
         if devices is not None and devices * nodes != 1:
             raise ConfigError(f"parallel=single runs one process, but trainer.devices={devices} x trainer.num_nodes="
                               f"{nodes} = {devices * nodes}: use trainer.devices=1, or a tensor-parallel layout "
                               "(parallel=tp2d)")
-        return f"plain {_model_name(model)} ({model.n_layer} layers, {model.n_embd} wide) on one device ({where})"
-    if str(cfg.parallel.layout) == AUTO_LAYOUT:
-        return check_auto(cfg.parallel, model, str(tr.accelerator)) + f" ({where})"
-    if devices is None:
-        return f"layout {cfg.parallel.layout!r} on trainer.devices={tr.devices} ({where})"
-    return check_layout(cfg.parallel, model, devices, nodes, batch, seq,
-                        packed=bool(data.get("pack_documents", False))) + f" ({where})"
+        plan, p, dp = f"plain {_model_name(model)} ({model.n_layer} layers, {model.n_embd} wide) on one device", 1, 1
+    elif str(cfg.parallel.layout) == AUTO_LAYOUT:
+        plan = check_auto(cfg.parallel, model, str(tr.accelerator))
+    elif devices is None:
+        plan = f"layout {cfg.parallel.layout!r} on trainer.devices={tr.devices}"
+    else:
+        plan, p, dp = check_layout(cfg.parallel, model, devices, nodes, batch, seq,
+                                   packed=bool(data.get("pack_documents", False)))
+    if launch._int(os.environ, "LOCAL_RANK") == 0:  # once per machine: the ranks it starts were checked by it
+        if p is not None and devices is not None:
+            check_memory(cfg, model, p, dp, devices)
+        check_data_size(cfg, dp or 1)
+    return f"{plan} ({where})"
+
+
+def check_init_from(cfg: DictConfig, model):
+    """``module.init_from``: its ``config.json`` is read here (nothing else of the directory), so implausible sizes
+    or sizes that do not fit the model are refused before any process starts. Returns the config the module builds:
+    the directory's under ``module.model=null``, else ``model``."""
+    source, own = cfg.module.get("init_from"), cfg.module.get("model", "") is None
+    if source is None:
+        if own:
+            raise ConfigError("module.model=null takes the sizes from module.init_from's config.json: set "
+                              "module.init_from=<a transformers directory>, or drop module.model=null")
+        return model
+    directory = Path(str(source)).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(f"module.init_from={str(source)!r} does not exist (looked for {directory.absolute()}): a "
+                          "local transformers directory (config.json and model.safetensors)")
+    try:
+        theirs = read_hf_config(directory, None if own else family_of_config(model))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"module.init_from: {str(directory / 'config.json')!r} is not JSON ({err})") from None
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"module.init_from: {err}") from None
+    fmt = getattr(family_of_config(model), "hf", None)  # (a model of no registered family: check_layout says so)
+    if own or fmt is None:
+        return theirs if own else model
+    problems = fmt.fit_problems(model, theirs)
+    if problems:
+        raise ConfigError(f"module.init_from: transformers checkpoint {str(source)!r} does not fit the model: "
+                          f"{'; '.join(problems)}; use a model of its sizes, or module.model=null (its "
+                          "config.json's)")
+    return model
+
+
+def check_memory(cfg: DictConfig, model, p: int, dp: int, devices: int) -> None:
+    """The model's parameters alone fit this machine's physical memory, as the layout shards them
+    (:mod:`lightning_tp2d.param_memory`). CPU processes only: a GPU's memory is not read here, which would start
+    CUDA on the launching process."""
+    accelerator = str(cfg.trainer.accelerator)
+    if accelerator != "cpu" and not (accelerator == "auto" and not launch._cuda_devices()):
+        return
+    count = parameter_count(model)
+    if count is None:
+        return
+    size, dtype = parameter_bytes(str(cfg.trainer.precision))
+    bad = parameter_memory_problem(count, p=p, dp=dp, zero_stage=int(cfg.parallel.get("zero_stage") or 0),
+                                   processes=devices, available=physical_memory(), bytes_per_parameter=size,
+                                   dtype=dtype)
+    if bad:
+        raise ConfigError(bad)
+
+
+def check_data_size(cfg: DictConfig, replicas: int) -> None:
+    """The corpus holds the windows and batches the data module will cut from it
+    (:meth:`~lightning_tp2d.data.TextDataModule.check_size`: counted from the sources' sizes, their token cache or a
+    bounded prefix); the validation split needs full batches only where validation runs."""
+    try:
+        datamodule = instantiate(cfg.data)
+    except Exception as err:  # noqa: BLE001 - a TextDataModule argument it refuses, wrapped by Hydra
+        raise ConfigError(f"data: {err.__cause__ or err}") from err
+    check = getattr(datamodule, "check_size", None)
+    if check is None:
+        return
+    try:
+        check(replicas=replicas, validates=cfg.trainer.get("limit_val_batches") not in (0, 0.0), key="data.")
+    except (ValueError, OSError) as err:
+        raise ConfigError(str(err)) from None
 
 
 def _model_name(model) -> str:
@@ -423,7 +506,8 @@ def check_auto(par: DictConfig, model, accelerator: str) -> str:
 
 
 def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, seq: int,
-                 packed: bool = False) -> str:
+                 packed: bool = False) -> tuple[str, int, int]:
+    """The plan of a fixed layout, its tensor-parallel size ``p`` and data-parallel size ``dp``."""
     try:
         layout = get_layout(str(par.layout))
     except ValueError as err:
@@ -440,7 +524,7 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
     world = devices * nodes
     here = CONFIG_KEYS.world(devices, nodes)
     try:
-        p, _ = resolve_sizes(layout, model, devices, nodes, par.tensor_parallel_size, par.data_parallel_size,
+        p, dp = resolve_sizes(layout, model, devices, nodes, par.tensor_parallel_size, par.data_parallel_size,
                              allow_fallback=bool(par.get("allow_fallback", False)), names=CONFIG_KEYS)
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -456,7 +540,7 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
     if p == 1 and world > 1:
         text += (f" -- note: no {layout.arrangement} larger than 1 fits {devices} devices per machine, so "
                  "each device holds a whole model (data parallel only, parallel.allow_fallback=true)")
-    return text
+    return text, p, dp
 
 
 # ---- after training ----------------------------------------------------------------------------------------------
@@ -586,15 +670,6 @@ def report_interrupt(trainer, checkpoint) -> None:
     where = (f"the last complete checkpoint is {newest} (resume: tp2d-train <same overrides> ckpt_path={newest})"
              if newest else "no checkpoint had been written yet")
     log.warning("tp2d-train: interrupted at step %d; %s", trainer.global_step, where)
-
-
-def wait_for_ranks(trainer, timeout: float = 120.0) -> None:
-    """Wait for the ranks Lightning started (so the command ends when the whole job has)."""
-    for proc in getattr(trainer.strategy.launcher, "procs", None) or []:
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 if __name__ == "__main__":
