@@ -24,7 +24,6 @@ surfaces on its neighbours as an error, not a hang.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Iterator
 
 import torch
@@ -34,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 # KINDS, CommStats, count_comm and recording are public names of lightning_tp2d.comm too (comm.count_comm())
 from lightning_tp2d.comm_record import (KINDS, CommCall, CommStats, announce_posted, announce_waited,  # noqa: F401
                                         count_comm, listening, recording)
-from lightning_tp2d.errors import CommError  # noqa: F401 (raised here; public name lightning_tp2d.comm.CommError)
+from lightning_tp2d.errors import CommError, backend_detail  # noqa: F401 (raised here; public name lightning_tp2d.comm.CommError)
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -107,19 +106,10 @@ def naming_failures(call: str) -> Iterator[None]:
 def _failed(call: str, err: BaseException, who: str) -> CommError:
     """``call`` did not complete on this rank; ``who`` (which rank may be to blame) stalled or died."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return CommError(f"{call} did not complete on rank {rank}: {_backend_detail(err)} {who} stalled past the process "
+    return CommError(f"{call} did not complete on rank {rank}: {backend_detail(err)} {who} stalled past the process "
                      "group's timeout or died; its own log says which.", call=call)
 
 
-def _backend_detail(err: BaseException) -> str:
-    """The backend's error in one short sentence: its first line without gloo's source location and advice
-    (``"[.../pair.cc:537] Read error [127.0.0.1]:8332: Connection reset by peer. This is typically ..."`` ->
-    ``"Read error [127.0.0.1]:8332: Connection reset by peer."``)."""
-    text = str(err).strip()
-    line = text.splitlines()[0] if text else type(err).__name__
-    line = re.sub(r"^\[[^\]\s]+:\d+\]\s*", "", line)  # [/path/to/gloo/.../pair.cc:537]
-    line = line.split(" This is typically caused by", 1)[0].strip()
-    return line if line.endswith(".") else line + "."
 
 
 class Handle:

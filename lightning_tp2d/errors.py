@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class CommError(RuntimeError):
     """A collective or point-to-point transfer that failed or timed out (a rank stalled past the process group's
@@ -21,3 +23,15 @@ class DivergenceError(RuntimeError):
 class CheckpointError(OSError):
     """A checkpoint that could not be saved (the staging copy is removed, the previous checkpoint stays) or loaded
     (damaged, truncated or missing files, named)."""
+
+
+def backend_detail(err: BaseException) -> str:
+    """A communication backend's error in one short sentence: its first line without gloo's source location and
+    advice (``"[.../pair.cc:537] Read error [127.0.0.1]:8332: Connection reset by peer. This is typically ..."`` ->
+    ``"Read error [127.0.0.1]:8332: Connection reset by peer."``)."""
+    text = str(err).strip()
+    line = text.splitlines()[0] if text else type(err).__name__
+    line = re.sub(r"^\[[^\]\s]+:\d+\]\s*", "", line)  # [/path/to/gloo/.../pair.cc:537]
+    line = line.split(" This is typically caused by", 1)[0].strip()
+    return line if line.endswith(".") else line + "."
+

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from lightning_tp2d.errors import CommError
+from lightning_tp2d.errors import CommError, backend_detail
 
 WAIT_TO_BE_ENDED_S = 10.0  # a rank whose collective failed waits this long for the first process to end it
 
@@ -195,8 +195,7 @@ class RankWatch:
 def _where(err: BaseException) -> str:
     if isinstance(err, CommError) and err.call:
         return f"in {err.call}"
-    text = str(err).strip()
-    first = text.splitlines()[0].split(" This is typically caused by", 1)[0][:200] if text else ""  # (gloo's advice)
+    first = backend_detail(err).rstrip(".")[:200] if str(err).strip() else ""
     return f"with {type(err).__name__}" + (f": {first}" if first else "")
 
 
