@@ -58,6 +58,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -69,17 +71,18 @@ from torch.distributed.tensor.experimental._context_parallel._sharding_rules imp
 from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
 from lightning_tp2d.bench.events import Comm, float32_bytes, wire_factor
 from lightning_tp2d.bench.measure import LiveTensorBytes, resident_bytes
-from lightning_tp2d.bench.memory_model import baseline_peak_bytes, parameter_split
-from lightning_tp2d.bench.tp1d import local_shapes_1d, parallelize_1d
+from lightning_tp2d.bench.memory_model import (baseline_activation_bytes, baseline_peak_bytes,
+                                               loss_forward_bytes, loss_input_bytes, parameter_split)
+from lightning_tp2d.bench.tp1d import _LossParallelInBackward, _loss_parallel_once, local_shapes_1d, parallelize_1d
 from lightning_tp2d.bench.tp1d_sp import recomputed_sp_events, tp1d_sp_comm_events
 from lightning_tp2d.comm_record import recording
 from lightning_tp2d.models.llama import Llama, LlamaAttention
 
-__all__ = ["cp_comm_events", "cp_mesh_of", "cp_peak_bytes", "cpu_ring_attention", "diagonal_share",
+__all__ = ["CHUNK_TOKENS", "LOSSES", "chunked_cross_entropy", "cp_comm_events", "cp_mesh_of", "cp_peak_bytes", "cpu_ring_attention", "diagonal_share",
            "fsdp_shard_elements", "group_sizes", "init_cp_mesh", "mean_loss", "measure_step", "parallelize_cp",
            "sequence_loss", "sharded_sequence", "train_step", "SentBytes"]
 
-CP_AXIS, TP_AXIS = "cp", "tp"
+CP_AXIS, TP_AXIS = "cp", "tp"  # TP_AXIS: tp1d_sp.AXIS, the group of its events
 SEQ_DIM = 2  # the sequence dim of SDPA's (B, H, T, hs) operands, the one torch's CP shards
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -229,24 +232,111 @@ def sharded_sequence(model: Llama, mesh: DeviceMesh, idx: torch.Tensor,
             hook.remove()
 
 
-def sequence_loss(model: Llama, mesh: DeviceMesh, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+LOSSES = ("chunked", "unfused")
+# tokens per chunk of the chunked loss: one chunk's float32 logits are 1024 x V x 4 bytes, 501 MiB for Llama 3's
+# 128256-row vocabulary (Liger's fused linear cross-entropy takes about T / ceil(V / h) tokens, 1/32 of the sequence
+# for Llama 3.1 8B; torchtune 8 chunks)
+CHUNK_TOKENS = 1024
+IGNORE_INDEX = -100
+
+
+def _chunk_loss_sum(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of one chunk ``x [n, h]``: its logits ``x Wᵀ`` (upcast to float32 when in a half
+    dtype, as torchtune does), their log-softmax and the target entries, ``-100`` ignored. Under ``loss_parallel``
+    (``cp-tp``: vocab-sharded DTensor logits) torch's vocab-parallel log-softmax and gather."""
+    logits = F.linear(x, weight)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _chunk_loss_sum_tp(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    with _loss_parallel_once():
+        return _chunk_loss_sum(x, weight, targets)
+
+
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+    """The *summed* next-token cross-entropy of the final norm's output ``x [..., h]`` under the head ``weight
+    [V, h]`` against ``targets [...]`` (``-100`` ignored), computed over chunks of ``chunk_tokens`` tokens (of the
+    flattened ``x``) as torchtune's chunked loss does: each chunk's logits and log-softmax inside
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, so the graph keeps only the chunk's input (a view
+    of ``x``) and the backward recomputes its logits (one more head matmul per chunk) just before their gradient.
+    No ``[tokens, V]`` tensor exists; at most one chunk's logits, log-softmax and their gradients at a time. Divide
+    by the counted targets for the mean (:func:`sequence_loss`).
+
+    ``weight`` a DTensor (``cp-tp``: vocab ``Shard(0)`` over the TP axis, ``x`` then a DTensor too): the chunks'
+    losses are torch's ``loss_parallel`` ones (its backward run in that context as
+    :class:`~lightning_tp2d.bench.tp1d.TP1DLMHead` runs it); ``x`` is all-gathered to ``Replicate`` once first."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive number of tokens, got {chunk_tokens}")
+    tensor_parallel = isinstance(weight, DTensor)
+    if tensor_parallel:
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
+        elif x.placements != (Replicate(),):
+            x = x.redistribute(x.device_mesh, [Replicate()])
+    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+    total = None
+    for start in range(0, x.size(0), chunk_tokens):
+        end = start + chunk_tokens
+        part = torch.utils.checkpoint.checkpoint(_chunk_loss_sum_tp if tensor_parallel else _chunk_loss_sum,
+                                                 x[start:end], weight, targets[start:end], use_reentrant=False)
+        if tensor_parallel:
+            _LossParallelInBackward(part)
+        total = part if total is None else total + part
+    return total.to_local() if tensor_parallel else total
+
+
+@contextlib.contextmanager
+def _head_computes(head: nn.Module, forward) -> Iterator[None]:
+    """Within the block ``head(x, targets)`` calls ``forward(head, x, targets)`` instead of its own forward (an
+    instance attribute, removed on exit): the model's forward, and so FSDP's hooks on it, run as they are."""
+    if "forward" in vars(head):
+        raise RuntimeError("the head's forward is already replaced (the chunked loss does not nest)")
+    head.forward = functools.partial(forward, head)
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def sequence_loss(model: Llama, mesh: DeviceMesh, idx: torch.Tensor, targets: torch.Tensor, *,
+                  loss: str = "chunked", chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
     """This rank's mean loss over its shard times ``p * n_r / n`` (module docstring): the mean of the returned
-    values over the ranks is the global mean loss, and FSDP's averaged gradients are its gradients. Every rank's
-    shard needs one target that is not ``-100``. One all-reduce of the 8-byte count."""
+    values over the ranks is the global mean loss, and FSDP's averaged gradients are its gradients. One all-reduce
+    of the 8-byte count.
+
+    ``loss="chunked"`` (default: what CP's users run, torchtune's chunked loss, Liger's fused linear
+    cross-entropy): the head and the loss over chunks of ``chunk_tokens`` tokens
+    (:func:`chunked_cross_entropy`), their sum divided by ``n / p``; no ``[T/p, V]`` logits. ``"unfused"``: the
+    model's own head and ``F.cross_entropy`` on the full-vocabulary ``[T/p, V]`` logits (every rank's shard then
+    needs one target that is not ``-100``), the earlier baseline's numbers."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r} is not one of {LOSSES}")
     mesh = cp_mesh_of(mesh)
-    counted = (targets != -100).sum()
+    counted = (targets != IGNORE_INDEX).sum()
     total = counted.clone()
     dist.all_reduce(total, group=mesh.get_group())
-    return model(idx, targets) * (counted * mesh.size() / total)
+    if loss == "unfused":
+        return model(idx, targets) * (counted * mesh.size() / total)
+
+    def chunked(head, x, targets):
+        return chunked_cross_entropy(x, head.weight, targets, chunk_tokens)
+
+    with _head_computes(model.lm_head, chunked):
+        summed = model(idx, targets)
+    return summed * (mesh.size() / total)
 
 
 def train_step(model: Llama, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, idx: torch.Tensor,
-               targets: torch.Tensor) -> torch.Tensor:
+               targets: torch.Tensor, *, loss: str = "chunked", chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
     """One step of CP x FSDP on the full ``(B, T)`` batch (the same on every rank): zero_grad, forward and backward
-    on this rank's sequence shard, the optimizer step. Returns the global mean loss (an all-reduce of 4 bytes)."""
+    on this rank's sequence shard (:func:`sequence_loss`, ``loss`` and ``chunk_tokens`` passed on), the optimizer
+    step. Returns the global mean loss (an all-reduce of 4 bytes)."""
     optimizer.zero_grad(set_to_none=True)
     with sharded_sequence(model, mesh, idx, targets) as (idx_here, targets_here):
-        loss = sequence_loss(model, mesh, idx_here, targets_here)
+        loss = sequence_loss(model, mesh, idx_here, targets_here, loss=loss, chunk_tokens=chunk_tokens)
         loss.backward()
     optimizer.step()
     return mean_loss(loss, mesh)
@@ -370,8 +460,20 @@ def diagonal_share(seq: int, p: int) -> tuple[float, float]:
     return c * (2 * c + 1) / total, 2 * c * c / total
 
 
+def _chunks(tokens: int, chunk_tokens: int) -> dict[int, int]:
+    """Chunk size -> how many chunks of it :func:`chunked_cross_entropy` cuts ``tokens`` tokens into."""
+    full, rest = divmod(tokens, chunk_tokens)
+    return {size: n for size, n in ((chunk_tokens, full), (rest, 1)) if n and size}
+
+
+def _check_loss(loss: str, chunk_tokens: int) -> None:
+    if loss not in LOSSES or chunk_tokens < 1:
+        raise ValueError(f"loss={loss!r} must be one of {LOSSES} and chunk_tokens={chunk_tokens} positive")
+
+
 def cp_comm_events(cfg, batch: int, seq: int, p: int, elem: int = 2, *, dp: int = 1,
-                   checkpointing: str = "none", tp: int = 1, async_tp: bool = False) -> list[Comm]:
+                   checkpointing: str = "none", tp: int = 1, async_tp: bool = False, loss: str = "chunked",
+                   chunk_tokens: int = CHUNK_TOKENS) -> list[Comm]:
     """The communication of one :func:`train_step` on one rank: CP over ``p`` ranks x FSDP2 over ``p * dp``
     (torchtitan shards the weights over ``dp_shard x cp``), and with ``tp`` > 1 (``cp-tp``) 1-D TP + SP over ``tp``
     ranks inside each CP rank. ``elem``: the activations' and gathered weights' bytes (4: float32, as the CPU runs;
@@ -392,11 +494,14 @@ def cp_comm_events(cfg, batch: int, seq: int, p: int, elem: int = 2, *, dp: int 
       :func:`~lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events` with its activations in ``elem`` as FSDP's
       ``param_dtype`` runs them, and :func:`~lightning_tp2d.bench.tp1d_sp.recomputed_sp_events` for
       ``checkpointing``); ``async_tp``: they carry the FLOPs of the matmul torch's async TP fuses them with.
+      With the chunked loss (``loss="chunked"``, :func:`chunked_cross_entropy`) the backward recomputes each
+      chunk's ``loss_parallel`` forward: its three all-reduces of the chunk's float32 ``[n, 1]`` rows again.
     * :func:`sequence_loss`'s 8-byte target count and :func:`mean_loss`'s 4-byte loss, all-reduced over ``"cp"``.
 
     FLOPs behind the ring are attention FLOPs (``4`` / ``10`` per visible score and channel, forward / backward)."""
     if seq % (2 * p):
         raise ValueError(f"sequence length {seq} is not divisible by 2p = {2 * p} (torch's head-tail balancer)")
+    _check_loss(loss, chunk_tokens)
     if tp < 1 or cfg.n_kv_head % tp or cfg.n_head % tp:
         raise ValueError(f"cp-tp: n_head={cfg.n_head} and n_kv_head={cfg.n_kv_head} must divide by tp={tp}")
     world, L, tokens = p * dp, cfg.n_layer, batch * seq // p
@@ -423,40 +528,124 @@ def cp_comm_events(cfg, batch: int, seq: int, p: int, elem: int = 2, *, dp: int 
         kw = dict(batch=batch, seq=seq // p, p=tp, elem=elem, async_tp=async_tp, lean_wire=True)
         inside = tp1d_sp_comm_events(cfg, **kw)
         events += inside + recomputed_sp_events(cfg, inside, checkpointing, **kw)
+        if loss == "chunked":  # each chunk's loss_parallel forward recomputed in the backward: 3 [n, 1] all-reduces
+            events += [Comm("all_reduce", TP_AXIS, tp, 4 * n, 3 * calls, phase="backward")
+                       for n, calls in _chunks(tokens, chunk_tokens).items()]
     return [ev for ev in events if ev.calls and ev.group_size > 1]
 
 
+def _plain_block_backward(cfg, batch: int, seq: int, tp: int, world: int, checkpointing: str, elem: int) -> float:
+    """What a block's backward adds to the saved tensors in plain FSDP (stage 3 over ``world`` ranks) on ``seq``
+    tokens: the ``in_block`` term of :func:`~lightning_tp2d.bench.memory_model.baseline_peak_bytes`, written out
+    here because that function returns it only folded into ``backward`` with its full-vocabulary loss gradient."""
+    split = parameter_split(cfg)
+    root, block = split.root_shard(tp), split.block_shard(tp)
+    L, h, N = split.n_layer, cfg.n_embd, batch * seq
+    inner = getattr(cfg, "intermediate_size", 4 * h)
+    sharded = world > 1
+    acts = baseline_activation_bytes(cfg, batch, seq, tp, checkpointing=checkpointing, elem=elem,
+                                     ep=elem if sharded else 4)
+    plain = baseline_activation_bytes(cfg, batch, seq, tp, elem=elem, ep=elem if sharded else 4)["blocks"] / L
+    g = elem if sharded else 4
+    reduce = (g + 4) * block + 4 * block / world if sharded else 0.0
+    mlp = g * h * inner / tp + elem * N * inner / tp
+    head = root - split.embedding / tp
+    if not sharded:
+        head_grads = 4 * head
+    elif split.embedding:
+        head_grads = 4 * head / world
+    else:
+        head_grads = g * root
+    done = 4 * block / (world if sharded else 1) - acts["blocks"] / L
+    return acts["recompute"] + max(mlp, reduce - plain) + head_grads + max(0.0, (L - 1) * done)
+
+
 def cp_peak_bytes(cfg, batch: int, seq: int, p: int, *, dp: int = 1, checkpointing: str = "none",
-                  elem: int = 2, tp: int = 1) -> dict:
+                  elem: int = 2, tp: int = 1, loss: str = "chunked", chunk_tokens: int = CHUNK_TOKENS) -> dict:
     """Predicted peak bytes per GPU of CP over ``p`` x FSDP2 (stage 3) over ``p * dp`` ranks, bf16 compute
     (FSDP ``param_dtype``), float32 parameters, gradients and AdamW moments: the parts of
     :func:`~lightning_tp2d.bench.memory_model.baseline_peak_bytes` for plain FSDP over ``p * dp`` ranks on this
     rank's ``T/p`` tokens (every layer sees ``T/p`` tokens; attention saves its local q, k, v, output and
-    log-sum-exp; the loss its ``T/p`` rows of full-vocabulary logits), plus the ring's transients ``ring``: in the
-    forward the gathered K/V (``2 B T n_kv hs e``), the local K/V it was gathered from and the merger's float32
-    output and log-sum-exp; in the backward the gathered K/V, the float32 dQ/dK/dV accumulators, one step's
-    ``e``-byte block gradients and two float32 dK/dV permute buffers; ``loss``: the float32 gradient of the
-    ``T/p x V`` logits beside their saved log-softmax when the backward starts (what a fused or compiled
-    cross-entropy holds; eager's separate ``nll_loss`` gradient would add as much again), before any parameter
-    gradient exists. ``total``: the largest of plain FSDP's peak on ``T/p`` tokens, the ring's forward or the loss
-    on top of the activations and gathered groups, and the last block's backward (those, the gradients, FSDP's
-    unsharded block gradients in ``e`` and float32, the ring's backward transients). ``tp`` > 1 (``cp-tp``): the
-    1-D TP + SP baseline's parts over ``tp`` ranks on the ``T/p`` tokens instead of plain FSDP's, and the ring's
-    heads, the loss's vocabulary and the unsharded block ``1 / tp`` of each. Analytic; not checked against a GPU."""
-    parts = baseline_peak_bytes(cfg, batch, seq // p, tp, dp=p * dp, zero_stage=3, checkpointing=checkpointing,
+    log-sum-exp), plus the ring's transients ``ring``: in the forward the gathered K/V (``2 B T n_kv hs e``), the
+    local K/V it was gathered from and the merger's float32 output and log-sum-exp; in the backward the gathered
+    K/V, the float32 dQ/dK/dV accumulators, one step's ``e``-byte block gradients and two float32 dK/dV permute
+    buffers; and the loss's, ``loss``, the largest it adds to what is held:
+
+    * ``loss="chunked"`` (:func:`chunked_cross_entropy`, the default; ``c = min(chunk_tokens, B T/p)`` tokens a
+      chunk, ``v = ceil(V/tp)`` local vocabulary rows): nothing of the loss is saved but the chunks' inputs (views of
+      the final norm's output, already counted), so the activations are plain FSDP's less its saved
+      ``4 (B T/p) v`` log-softmax. One chunk at a time: its forward (and its recomputation in the backward)
+      :func:`~lightning_tp2d.bench.memory_model.loss_forward_bytes` per element of ``[c, v]``; its backward the
+      recomputed float32 log-softmax, its gradient and its input's gradient (``12 c v``), then the logits' gradient
+      cast to ``e`` beside the float32 one and the chunk's ``[v, h]`` head gradient (``e v h``), with, from the
+      second chunk on, the head gradient accumulated so far (another ``e v h``).
+    * ``loss="unfused"`` (the model's head and ``F.cross_entropy`` on the ``[B T/p, v]`` logits; the earlier
+      numbers): the activations hold the ``T/p`` rows' float32 log-softmax, and the loss adds the float32 gradient of
+      the ``T/p x v`` logits when the backward starts (what a fused or compiled cross-entropy holds; eager's
+      separate ``nll_loss`` gradient would add as much again), before any parameter gradient exists; plain FSDP's
+      own peak on ``T/p`` tokens is ``baseline_peak_bytes``'s total.
+
+    ``total``: the largest of the phases in ``phases`` (name -> its parts, name -> bytes): plain FSDP's peak on
+    ``T/p`` tokens (unfused: ``baseline_peak_bytes``'s total; chunked: its block backward, the loss's forward and
+    backward and the end of the step, with the chunked loss), the ring's forward on top of the activations and
+    gathered groups, and the last block's backward (those, the gradients, FSDP's unsharded block gradients in ``e``
+    and float32, the ring's backward transients). ``peak_at``: the phase at the peak; ``largest``: the largest part
+    there. ``tp`` > 1 (``cp-tp``): the 1-D TP + SP baseline's parts over ``tp`` ranks on the ``T/p`` tokens instead
+    of plain FSDP's, and the ring's heads, the loss's vocabulary and the unsharded block ``1 / tp`` of each.
+    Analytic; not checked against a GPU."""
+    _check_loss(loss, chunk_tokens)
+    world = p * dp
+    parts = baseline_peak_bytes(cfg, batch, seq // p, tp, dp=world, zero_stage=3, checkpointing=checkpointing,
                                 elem=elem)
     tokens, kv, h, heads = batch * seq // p, _kv_width(cfg) // tp, cfg.n_embd // tp, cfg.n_head // tp
+    vocab = -(-cfg.vocab_size // tp)
     gathered_kv = 2 * batch * seq * kv * elem
     forward = gathered_kv + 2 * tokens * kv * elem + tokens * (h + heads) * 4
     backward = gathered_kv + tokens * (h + 2 * kv) * (4 + elem) + 2 * 2 * tokens * kv * 4
-    loss = 4 * tokens * -(-cfg.vocab_size // tp)
-    resident = parts["parameters"] + parts["optimizer"]
-    held = parts["activations"] + parts["gathered"]
-    # the last block's backward: every activation still held, the gradients, FSDP's unsharded block gradients
-    # before their reduce-scatter (bf16 and their float32 copy), the ring's backward transients
+    ring = {"ring": int(max(forward, backward))}
+    resident = {"parameters": parts["parameters"], "optimizer": parts["optimizer"]}
+    # the last block's backward: FSDP's unsharded block gradients before their reduce-scatter (bf16 and their float32
+    # copy)
     unsharded = (elem + 4) * parameter_split(cfg).block_shard(tp)
-    # plain FSDP's own peak on T/p tokens (its loss's forward, the end of its backward), or the ring's transients on
-    # top of what is held when attention runs
-    total = max(parts["total"], resident + held + max(forward, loss),
-                resident + held + parts["gradients"] + unsharded + backward)
-    return {**parts, "ring": int(max(forward, backward)), "loss": loss, "total": int(total)}
+    if loss == "unfused":
+        loss_bytes = 4 * tokens * vocab
+        activations = parts["activations"]
+        logsoftmax = loss_input_bytes(elem, False) * tokens * vocab  # saved: among plain FSDP's activations
+        rest = parts["total"] - parts["parameters"] - parts["optimizer"] - activations
+        plain = {"plain FSDP": {**resident, "activations": activations - logsoftmax, "log-softmax": logsoftmax,
+                                "loss, gathered and transients": rest}}
+    else:
+        split = parameter_split(cfg)
+        c = min(chunk_tokens, tokens)
+        logsoftmax = loss_input_bytes(elem, False) * tokens * vocab  # what plain FSDP's activations save
+        activations = parts["activations"] - logsoftmax
+        head_grad = elem * vocab * cfg.n_embd  # one chunk's [v, h] head gradient (and the accumulated one)
+        accumulated = head_grad if tokens > c else 0
+        chunk_forward = loss_forward_bytes(elem, elem, False) * c * vocab
+        chunk_backward = accumulated + max(chunk_forward, 12 * c * vocab,
+                                           (4 + (elem if elem < 4 else 0)) * c * vocab + head_grad)
+        loss_bytes = max(chunk_forward, chunk_backward)
+        # FSDP's flat all-gather output of the root group, kept until the next all-gather (baseline's last_gather)
+        last_gather = parts["loss_forward"] - (loss_forward_bytes(elem, elem, False)
+                                               - loss_input_bytes(elem, False)) * tokens * vocab
+        at_loss = elem * (split.root_shard(tp) - split.embedding / tp)  # the root's groups gathered, not the blocks
+        in_block = _plain_block_backward(cfg, batch, seq // p, tp, world, checkpointing, elem)
+        end = parts["gradients"] + parts["gathered"] + elem * cfg.vocab_size * cfg.n_embd
+        plain = {"loss forward": {**resident, "activations": activations, "gathered": at_loss,
+                                  "loss": chunk_forward, "last gather": last_gather},
+                 "loss backward": {**resident, "activations": activations, "gathered": parts["gathered"],
+                                   "loss": chunk_backward},
+                 "block backward (plain FSDP)": {**resident, "activations": activations,
+                                                 "gathered": parts["gathered"], "block backward": in_block},
+                 "end of backward": {**resident, "gradients": end}}
+    held = {"activations": activations, "gathered": parts["gathered"]}
+    phases = {**plain,
+              "ring forward": {**resident, **held, "ring": forward},
+              "last block backward": {**resident, **held, "gradients": parts["gradients"],
+                                      "unsharded block gradients": unsharded, "ring": backward}}
+    phases = {name: {k: int(v) for k, v in terms.items()} for name, terms in phases.items()}
+    peak_at = max(phases, key=lambda name: sum(phases[name].values()))
+    largest = max(phases[peak_at], key=phases[peak_at].get)
+    out = {**parts, "activations": int(activations), **ring, "loss": int(loss_bytes),
+           "total": sum(phases[peak_at].values()), "peak_at": peak_at, "largest": largest, "phases": phases}
+    return out

@@ -52,7 +52,7 @@ import math
 import dataclasses
 from dataclasses import dataclass
 
-from lightning_tp2d.bench.context_parallel import RING_AXIS, cp_comm_events
+from lightning_tp2d.bench.context_parallel import CHUNK_TOKENS, LOSSES, RING_AXIS, cp_comm_events
 from lightning_tp2d.bench.events import Comm, float32_bytes
 from lightning_tp2d.bench.gemm_rates import H200_BF16, GemmPoint
 from lightning_tp2d.bench.memory_model import baseline_activation_bytes, parameter_split
@@ -494,7 +494,7 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
 
 def cp_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2, *, dp: int = 1,
                  checkpointing: str = "none", tp: int = 1, async_tp: bool = False,
-                 async_overlap: float = 1.0) -> dict:
+                 async_overlap: float = 1.0, loss: str = "chunked", chunk_tokens: int | None = None) -> dict:
     """Projected seconds of one step of torch's context parallelism over ``p`` ranks (``"cp"``, CP x FSDP2 over
     ``p * dp``; :mod:`lightning_tp2d.bench.context_parallel`) on one rank, as :func:`step_time` returns them; with
     ``tp`` > 1 (``"cp-tp"``) each CP rank is ``tp`` ranks of 1-D TP + SP, ``p * tp`` ranks in all.
@@ -509,7 +509,15 @@ def cp_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
     nothing); TP + SP's calls (axis ``"tp"``, ``tp`` consecutive ranks) exposed as :func:`step_time` exposes
     ``"tp1d-sp"``'s, blocking or ``async_tp`` (hiding ``async_overlap`` of what it could); ``comm_bytes`` their
     payload. FSDP's all-gathers and reduce-scatters are the data-parallel part, priced by the planner as for plain
-    FSDP over ``p * dp`` ranks (:func:`lightning_tp2d.bench.planner.data_parallel_time`)."""
+    FSDP over ``p * dp`` ranks (:func:`lightning_tp2d.bench.planner.data_parallel_time`).
+
+    ``loss="chunked"`` (the default; :func:`~lightning_tp2d.bench.context_parallel.chunked_cross_entropy` over
+    chunks of ``chunk_tokens``, default its ``CHUNK_TOKENS``): the backward recomputes every chunk's logits, one
+    more head matmul (``2 (B T/p) h ceil(V/tp)`` FLOPs, in ``backward`` and ``matmul``), and the head runs 4 GEMM
+    kernels a chunk (forward, recomputation, input and weight gradients) instead of 3 in all; ``"unfused"``: the
+    plain model's head, the earlier numbers."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r} is not one of {LOSSES}")
     single = flops("single", cfg, batch, seq, 1, checkpointing, elem)
     if tp == 1:
         fl = {k: (v if k == "gemms" else v / p) for k, v in single.items()}
@@ -520,13 +528,21 @@ def cp_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
         bwd = local["backward"] - (local["attention"] - local["attention_forward"]) + (att - att_f)
         fl = {"forward": fwd, "backward": bwd, "total": fwd + bwd, "matmul": local["matmul"], "attention": att,
               "attention_forward": att_f, "gemms": local["gemms"]}
+    if loss == "chunked":  # each chunk's logits recomputed in the backward: the head's forward again
+        tokens = batch * seq // p
+        recomputed = 2.0 * tokens * cfg.n_embd * -(-cfg.vocab_size // tp)
+        fl = {**fl, "backward": fl["backward"] + recomputed, "total": fl["total"] + recomputed,
+              "matmul": fl["matmul"] + recomputed,
+              "gemms": fl["gemms"] - 3 + 4 * -(-tokens // (chunk_tokens or CHUNK_TOKENS))}
     rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
     compute = (fl["matmul"] / rates["matmul"] + fl["gemms"] * hw.gemm_overhead_s
                + fl["attention"] / rates["attention"])
     links = {RING_AXIS: _link(hw, range(0, p * tp, tp)), TP_AXIS: _link(hw, range(tp))}
     comm_s = exposed = 0.0
     nbytes = split_gemms = 0
-    for ev in cp_comm_events(cfg, batch, seq, p, elem, dp=dp, checkpointing=checkpointing, tp=tp, async_tp=async_tp):
+    chunking = {"loss": loss} if chunk_tokens is None else {"loss": loss, "chunk_tokens": chunk_tokens}
+    for ev in cp_comm_events(cfg, batch, seq, p, elem, dp=dp, checkpointing=checkpointing, tp=tp, async_tp=async_tp,
+                             **chunking):
         if ev.group not in links:  # FSDP's: the planner's data-parallel part
             continue
         t = collective_time(ev.kind, ev.group_size, ev.nbytes, links[ev.group])
