@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -97,12 +98,12 @@ class TensorParallelCore:
                  process_group_backend: str | None = None, timeout: timedelta | float | None = default_pg_timeout,
                  activation_checkpointing: str = "none", compile: bool | str | dict = False,
                  allow_fallback: bool = False, zero_stage: int = 0, memory_gib: float | None = None,
-                 plan_options: Mapping[str, Any] | None = None) -> None:
+                 plan_options: Mapping[str, Any] | None = None, activation_offload: bool = False) -> None:
         """The arguments of both strategies (documented on :class:`~lightning_tp2d.strategy.TP2DStrategy`): checked
         and kept, then the Lightning base class (``ModelParallelStrategy``, given :meth:`_base_arguments`), then the
         strategy's own state (:meth:`_init_state`)."""
         self._check_arguments(layout, tensor_parallel_size, data_parallel_size, timeout, activation_checkpointing,
-                              compile, allow_fallback, zero_stage, memory_gib, plan_options)
+                              compile, allow_fallback, zero_stage, memory_gib, plan_options, activation_offload)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=self.timeout, **self._base_arguments())
@@ -120,15 +121,16 @@ class TensorParallelCore:
                          data_parallel_size: Literal["auto"] | int, timeout: timedelta | float | None,
                          activation_checkpointing: str, compile: bool | str | dict, allow_fallback: bool,
                          zero_stage: int, memory_gib: float | None = None,
-                         plan_options: Mapping[str, Any] | None = None) -> None:
+                         plan_options: Mapping[str, Any] | None = None, activation_offload: bool = False) -> None:
         """Check and keep the strategy arguments (before the Lightning base class is initialised)."""
         auto = isinstance(layout, str) and layout == AUTO_LAYOUT
         spec = None if auto else get_layout(layout)
         if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of "
                              f"{', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
-        self.activation_checkpointing = activation_checkpointing
         self.compile_options = compile_options(compile)
+        activation_checkpointing = self._check_offload(activation_offload, activation_checkpointing, auto)
+        self.activation_checkpointing = activation_checkpointing
         if self.compile_options is not None and activation_checkpointing == "selective":
             raise ValueError("compile with activation_checkpointing='selective' is not supported: its saved-tensor "
                              "hooks and recipes run in eager mode only (use 'full', or no compile)")
@@ -147,12 +149,40 @@ class TensorParallelCore:
                              "over the replicas; 2: gradients too; 3: parameters too)")
         self.timeout = as_timeout(timeout)
         self._check_plan_arguments(auto, memory_gib, plan_options, zero_stage, activation_checkpointing)
+        planned = self.plan_options.get("checkpointing")
+        if auto and activation_offload and planned is not None and "full" not in planned:
+            raise ValueError(f"activation_offload=True offloads what activation_checkpointing='full' keeps, but "
+                             f"plan_options['checkpointing']={list(planned)} leaves 'full' out: add it, or drop "
+                             "activation_offload")
         self.layout_spec = spec
         self.layout = AUTO_LAYOUT if auto else spec.name
         self._requested = (tensor_parallel_size, data_parallel_size)
         self.allow_fallback = bool(allow_fallback)
         self.zero_stage = zero_stage
         self._dims = None
+
+    def _check_offload(self, activation_offload: bool, activation_checkpointing: str, auto: bool) -> str:
+        """Check and keep ``activation_offload``; return the checkpointing mode it runs with: ``"full"`` when it
+        is asked with ``"none"`` (a warning says so; with ``layout="auto"`` the plan is restricted to ``"full"``
+        instead, :meth:`_plan`), a ``ValueError`` with ``"selective"`` or with ``compile``."""
+        if not isinstance(activation_offload, bool):
+            raise ValueError(f"activation_offload must be True or False, got {activation_offload!r}")
+        self.activation_offload = activation_offload
+        if not activation_offload:
+            return activation_checkpointing
+        if activation_checkpointing == "selective":
+            raise ValueError("activation_offload=True with activation_checkpointing='selective' is not supported: "
+                             "offload moves the block inputs that 'full' checkpointing keeps to host memory; use "
+                             "activation_checkpointing='full' (or 'none', which then means 'full'), or no offload")
+        if self.compile_options is not None:
+            raise ValueError("compile with activation_offload=True is not supported: its saved-tensor hooks, side "
+                             "stream and host copies run in eager mode only (use one of them)")
+        if activation_checkpointing == "none" and not auto:
+            warnings.warn("activation_offload=True needs full activation checkpointing: using "
+                          "activation_checkpointing='full' (offload keeps each block's input on the host)",
+                          stacklevel=2)
+            return "full"
+        return activation_checkpointing
 
     def _check_plan_arguments(self, auto: bool, memory_gib: float | None, plan_options: Mapping[str, Any] | None,
                               zero_stage: int, activation_checkpointing: str) -> None:
@@ -265,6 +295,8 @@ class TensorParallelCore:
         if self.compile_options is not None:  # selective checkpointing runs eagerly only (see _check_arguments)
             options["checkpointing"] = tuple(m for m in options.get("checkpointing", ACTIVATION_CHECKPOINTING)
                                              if m != "selective")
+        if self.activation_offload:  # offload runs on full checkpointing only (the planner prices it without offload)
+            options["checkpointing"] = ("full",)
         rows = plan(config, gpus=world, gpu_memory_gib=memory_gib, gpus_per_node=per_node, seq=seq,
                     global_batch_tokens=tokens, include_baselines=False, layouts=layouts, **options)
         tensor, data = self._requested
@@ -379,7 +411,7 @@ class TensorParallelCore:
             else:
                 broadcast_module_(gpt, self._mesh)
                 parallelize(gpt, self._mesh, self.layout_spec)
-            checkpoint_activations(gpt, self.activation_checkpointing)
+            checkpoint_activations(gpt, self.activation_checkpointing, offload=self.activation_offload)
             if self.compile_options is not None:  # each block alone under FSDP: its hooks run between them
                 sharded = self.zero_stage >= 2 and self.parallel_dims.data_parallel_size > 1
                 for part in family_of(gpt).block_modules(gpt) if sharded else (gpt,):

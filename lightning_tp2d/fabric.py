@@ -18,7 +18,7 @@
 
 It shares the Trainer strategy's core (:class:`~lightning_tp2d.core.TensorParallelCore`: sizes, the mesh, finding
 and parallelizing the :class:`~lightning_tp2d.models.GPT2` modules, ZeRO 1 to 3 (FSDP's mixed precision from Fabric's
-``precision``), compile and activation checkpointing)
+``precision``), compile, activation checkpointing and offload)
 and its checkpoint code (:mod:`lightning_tp2d.checkpoint`): a ``fabric.save`` checkpoint is the same sharded
 directory (or full file) a Trainer writes, loads under any layout, grid or data-parallel size, on one device
 (:func:`~lightning_tp2d.export.load_gpt2`), and exports to transformers.

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from lightning_tp2d import recompute
 from lightning_tp2d.families import family_of, model_names
 from lightning_tp2d.layouts import Layout, ParallelHandle, get_layout
+from lightning_tp2d.offload import ActivationOffloader
 from lightning_tp2d.ops import register_mesh
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -147,19 +148,32 @@ def _blocks(model: nn.Module):
     return family.block_modules(model)
 
 
-def _recomputed(block: nn.Module):
-    forward = block.forward
+def _recomputed(block: nn.Module, offloader: ActivationOffloader | None = None):
+    forward = getattr(block.forward, "recomputes", block.forward)  # (re-wrapped to add an offloader)
 
     def checkpointed(x: torch.Tensor, *args) -> torch.Tensor:  # args: the block's packed documents, if any
         if not (torch.is_grad_enabled() and block.training):
             return forward(x, *args)
-        return torch.utils.checkpoint.checkpoint(forward, x, *args, use_reentrant=False)
+        if offloader is None:
+            return torch.utils.checkpoint.checkpoint(forward, x, *args, use_reentrant=False)
+        with offloader.saving():  # the checkpoint's saved inputs go to the host (lightning_tp2d.offload)
+            return torch.utils.checkpoint.checkpoint(forward, x, *args, use_reentrant=False)
 
     checkpointed.recomputes = forward  # what the wrapper recomputes; marks the block as wrapped
+    checkpointed.offloader = offloader
     return checkpointed
 
 
-def checkpoint_activations(model: nn.Module, mode: str = "full") -> nn.Module:
+def activation_offloader(model: nn.Module) -> ActivationOffloader | None:
+    """The :class:`~lightning_tp2d.offload.ActivationOffloader` of a model checkpointed with ``offload``, else
+    ``None``. Its ``stats`` count the bytes that left for the host and came back."""
+    if family_of(model) is None:
+        return None
+    return next((o for o in (getattr(b.forward, "offloader", None) for b in _blocks(model)) if o is not None), None)
+
+
+def checkpoint_activations(model: nn.Module, mode: str = "full",
+                           offload: bool | ActivationOffloader = False) -> nn.Module:
     """Activation checkpointing of a (parallel or plain) GPT2's (or other registered model's) transformer blocks, in place; returns ``model``.
 
     ``"full"``: each block keeps only its input for the backward and runs its forward again there (its collectives
@@ -171,18 +185,31 @@ def checkpoint_activations(model: nn.Module, mode: str = "full") -> nn.Module:
     bit-identical. ``"none"``: nothing changes. The module tree and parameter names stay as they are (checkpoints
     are unaffected); applying a mode twice wraps once, and a model keeps the first mode applied. Dropout draws the same mask
     in the recomputation (the RNG state is restored). Apply it after :func:`parallelize` or before: the wrapper
-    calls whatever the block's submodules are when it runs."""
+    calls whatever the block's submodules are when it runs.
+
+    ``offload`` (``"full"`` only; ``True`` or an :class:`~lightning_tp2d.offload.ActivationOffloader` of one's own,
+    e.g. with another ``min_bytes``): the inputs each block keeps move to host memory in the forward and come back,
+    one block ahead, in the backward (:mod:`lightning_tp2d.offload`); gradients are bit-identical. It may be added to
+    a model already checkpointed with ``"full"``; once added it stays (:func:`activation_offloader` finds it)."""
     if mode not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation_checkpointing={mode!r} is not one of "
                          f"{', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
+    if offload is not False and not isinstance(offload, ActivationOffloader) and offload is not True:
+        raise ValueError(f"offload must be a bool or an ActivationOffloader, got {offload!r}")
+    if offload is not False and mode != "full":
+        raise ValueError(f"activation offload needs activation_checkpointing='full' (it offloads the block inputs "
+                         f"that full checkpointing keeps), got activation_checkpointing={mode!r}")
     current = _mode_of(model)
+    if mode == "full" and current == "full" and offload is not False and activation_offloader(model) is None:
+        current = "none"  # re-wrap the checkpointed blocks with an offloader
     if mode == "none" or mode == current:
         return model
     if current != "none":
         raise ValueError(f"model already uses activation_checkpointing={current!r}; cannot also apply {mode!r}")
     if mode == "full":
+        offloader = offload if isinstance(offload, ActivationOffloader) else ActivationOffloader() if offload else None
         for block in _blocks(model):
-            block.forward = _recomputed(block)
+            block.forward = _recomputed(block, offloader)
     else:
         model.forward = _selective(model)
     return model

@@ -78,6 +78,12 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         activation_checkpointing: ``"none"``, ``"full"`` (each transformer block recomputes its forward in the
             backward and keeps only its input) or ``"selective"`` (LayerNorm and GELU outputs and the mirrored head
             block are rebuilt in the backward; matmul outputs kept): :func:`~lightning_tp2d.parallelize.checkpoint_activations`.
+        activation_offload: with full checkpointing, move the input each block keeps to host memory in the forward
+            and bring it back, one block ahead, in the backward (:mod:`lightning_tp2d.offload`: pinned memory and a
+            side stream on CUDA; plain host copies on CPU; tensors under 1 MiB stay on the device); gradients are
+            bit-identical. With ``activation_checkpointing="none"`` it means ``"full"`` (a warning says so); with
+            ``"selective"`` or ``compile`` it is a ``ValueError``. With ``layout="auto"`` the plan is restricted to
+            full checkpointing (priced without offload).
         compile: ``torch.compile`` every parallelized ``GPT2`` in place (``nn.Module.compile``: parameter names and
             checkpoints unchanged) after sharding: ``False`` (default), ``True`` (the inductor backend), a backend
             name (``"aot_eager"`` ...) or a dict of ``torch.compile`` keyword arguments. Graphs specialise on
