@@ -356,17 +356,21 @@ class Hardware:
     gemm_overhead_s: float = 0.0  # fixed seconds per GEMM kernel on top of FLOPs / rate (lightning_tp2d.bench.gemm_rates)
     hbm_bytes_per_s: float = 0.0  # memory bandwidth: prices elementwise work and the optimizer (bench.planner)
     peak_flops_per_s: float = 0.0  # dense bf16 peak, the denominator of MFU
+    host_bytes_per_s: float = 0.0  # one GPU's host link per direction (pinned copies): prices activation offload
+    host_memory_bytes: float = 0.0  # host memory of one node: what offloaded activations must fit in
 
 
 # H100 SXM (bf16 dense peak ~989e12). GEMMs: the fit of the committed H200 calibration table
 # (lightning_tp2d.bench.gemm_rates.H200_BF16: 730e12 at 8192x1024x4096, 525e12 at its 2x2 shard; an H200 is an H100's
 # compute with more HBM): ~773e12 for large products plus ~5.3 us per kernel. Assumptions, not measurements: flash
 # attention (FA2/FA3) ~500e12; NVLink 4: 900 GB/s total = ~450 GB/s per direction, ~3 us per message; NDR InfiniBand
-# 400 Gb/s = 50 GB/s per GPU (one NIC each), ~5 us.
+# 400 Gb/s = 50 GB/s per GPU (one NIC each), ~5 us. Host: PCIe Gen5 x16 per GPU, 64 GB/s per direction on paper,
+# ~50 GB/s for pinned copies (assumed, not measured here); 2 TB of host memory per node (a DGX H100's).
 _H100_GEMM_RATE, _H100_GEMM_OVERHEAD = fit_gemm_rates(H200_BF16)
 H100_NVLINK4_NDR = Hardware("H100 SXM, NVLink 4 (8/node), NDR 400G", _H100_GEMM_RATE, 500e12,
                             intra=Link(3e-6, 450e9), inter=Link(5e-6, 50e9), gpus_per_node=8,
-                            gemm_overhead_s=_H100_GEMM_OVERHEAD, hbm_bytes_per_s=3.35e12, peak_flops_per_s=989e12)
+                            gemm_overhead_s=_H100_GEMM_OVERHEAD, hbm_bytes_per_s=3.35e12, peak_flops_per_s=989e12,
+                            host_bytes_per_s=50e9, host_memory_bytes=2e12)
 # H200 SXM: an H100's compute (the GEMM table was measured on one) with 4.8 TB/s HBM3e.
 H200_NVLINK4_NDR = dataclasses.replace(H100_NVLINK4_NDR, name="H200 SXM, NVLink 4 (8/node), NDR 400G",
                                        hbm_bytes_per_s=4.8e12)
@@ -380,7 +384,8 @@ H100_GRAND_TETON = dataclasses.replace(
 # direction; HDR InfiniBand 200 Gb/s = 25 GB/s per GPU.
 A100_NVLINK3_HDR = Hardware("A100 SXM, NVLink 3 (8/node), HDR 200G", 230e12, 190e12,
                             intra=Link(3e-6, 300e9), inter=Link(5e-6, 25e9), gpus_per_node=8,
-                            hbm_bytes_per_s=2.0e12, peak_flops_per_s=312e12)
+                            hbm_bytes_per_s=2.0e12, peak_flops_per_s=312e12,
+                            host_bytes_per_s=25e9, host_memory_bytes=1e12)  # PCIe Gen4 x16; a DGX A100's 1 TB
 
 
 def with_measured_rates(hw: Hardware, rates: dict) -> Hardware:

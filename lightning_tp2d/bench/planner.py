@@ -74,7 +74,7 @@ from lightning_tp2d.families import family_of_config, fits, model_config
 from lightning_tp2d.layouts import get_layout, layout_names
 from lightning_tp2d.models.config import max_seq_len
 
-__all__ = ["PlanRow", "plan", "price", "HARDWARE", "CP", "CP_TP", "ELEMENTWISE_PASSES", "GPT2_H200", "ASYNC_TP_OVERLAP",
+__all__ = ["PlanRow", "plan", "price", "longest_sequence", "offload_memory", "offload_time", "HARDWARE", "CP", "CP_TP", "ELEMENTWISE_PASSES", "GPT2_H200", "ASYNC_TP_OVERLAP",
            "data_parallel_time", "NothingFits"]
 
 GIB = 2**30
@@ -120,6 +120,7 @@ class PlanRow:
     async_tp: bool = False
     parts: dict = dataclasses.field(default_factory=dict, compare=False)  # memory and time breakdowns
     context_parallel_size: int = 1  # "cp" / "cp-tp": CP ranks of the p (the rest, p / CP, 1-D TP + SP inside each)
+    activation_offload: bool = False  # checkpointed block inputs in host memory (:func:`offload_memory`)
 
     def describe(self) -> str:
         kind = "baseline " if self.baseline else ""
@@ -127,7 +128,8 @@ class PlanRow:
               if self.context_parallel_size not in (1, self.tensor_parallel_size) else "")
         return (f"{kind}{self.layout} p={self.tensor_parallel_size}{cp} dp={self.data_parallel_size} "
                 f"zero={self.zero_stage} ckpt={self.checkpointing} micro={self.micro_batch}x{self.grad_accum}"
-                f"{' async-TP' if self.async_tp else ''}: {self.memory_gib:.1f} GiB, "
+                f"{' async-TP' if self.async_tp else ''}{' offload' if self.activation_offload else ''}: "
+                f"{self.memory_gib:.1f} GiB, "
                 f"{self.tokens_per_s_per_gpu:,.0f} tok/s/GPU, MFU {self.mfu:.1%}")
 
     def to_dict(self) -> dict:
@@ -207,9 +209,51 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# ---- host offload of the checkpointed block inputs (activation_offload), one rule for every row ---------------------
+
+RESIDENT_BLOCK_INPUTS = 2  # with offload: the block being recomputed and the one fetched ahead of it
+
+
+def block_input_bytes(cfg, micro_batch: int, seq: int, ranks: int) -> float:
+    """Bytes one GPU keeps per block under full checkpointing: the block's input, ``micro_batch x seq x h`` bf16
+    values cut over the ``ranks`` of one replica. Every row cuts it that way: the package's layouts (the ring by
+    sequence, the grid by both), torch's CP (and CP x TP + SP, whose norms' inputs are sequence-parallel), 1-D TP
+    + SP and Ulysses (both sequence-sharded between blocks)."""
+    return micro_batch * seq * cfg.n_embd * ELEMENT / ranks
+
+
+def offload_memory(memory: dict, cfg, micro_batch: int, seq: int, ranks: int, gpus_per_node: int) -> dict:
+    """``memory`` (a row's parts, full checkpointing) with the checkpointed block inputs in host memory: all but
+    :data:`RESIDENT_BLOCK_INPUTS` of the ``n_layer`` leave the GPU, so the peak drops by that many inputs (the
+    peak of a fully checkpointed step holds every block's input: the backward of the last block, or the loss);
+    never below what the step holds without any activation (parameters, gradients, optimizer state). Adds
+    ``offloaded`` (bytes moved off one GPU), ``host`` (host bytes per GPU) and ``host_per_node``."""
+    one = block_input_bytes(cfg, micro_batch, seq, ranks)
+    moved = max(0, cfg.n_layer - RESIDENT_BLOCK_INPUTS) * one
+    floor = memory.get("parameters", 0) + memory.get("gradients", 0) + memory.get("optimizer", 0)
+    total = max(memory["total"] - moved, floor)
+    host = cfg.n_layer * one
+    return {**memory, "total": total, "offloaded": memory["total"] - total, "host": host,
+            "host_per_node": host * gpus_per_node}
+
+
+def offload_time(cfg, micro_batch: int, seq: int, ranks: int, hw: Hardware, forward_s: float,
+                 backward_s: float) -> dict:
+    """Seconds of one micro-batch's host copies: each block's input goes to the host behind the next block's forward
+    and comes back one block ahead, behind the recomputation and backward of the block after it; what a copy takes
+    beyond the compute it hides behind is exposed. ``{"copy_s", "exposed_s"}``."""
+    if not hw.host_bytes_per_s:
+        raise ValueError(f"activation offload: hardware {hw.name!r} has no host_bytes_per_s to price the copies")
+    copy = block_input_bytes(cfg, micro_batch, seq, ranks) / hw.host_bytes_per_s
+    n = cfg.n_layer
+    exposed = n * (max(0.0, copy - forward_s / n) + max(0.0, copy - backward_s / n))
+    return {"copy_s": 2 * n * copy, "exposed_s": exposed}
+
+
 def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: str, micro_batch: int,
           grad_accum: int, seq: int, hw: Hardware, gpus_per_node: int, compiled: bool = True,
-          memory: dict | None = None, async_tp: bool | None = None, cp_tp_size: int = 2) -> PlanRow:
+          memory: dict | None = None, async_tp: bool | None = None, cp_tp_size: int = 2,
+          offload: bool = False) -> PlanRow:
     """Predict one configuration (module docstring). ``layout`` is a package layout, ``"tp1d-sp"`` (a baseline;
     ``p`` 1: plain FSDP; ``async_tp``: force blocking (``False``) or async TP (``True``), default the faster),
     ``"cp"``: torch's context parallelism over ``p`` ranks x FSDP2 (``zero_stage`` 3) over ``p * dp``, the step
@@ -217,7 +261,12 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     :func:`~lightning_tp2d.bench.context_parallel.cp_peak_bytes`, FSDP's traffic and the optimizer as plain FSDP's
     over ``p * dp`` ranks, or ``"cp-tp"``: the same with CP over ``p / cp_tp_size`` ranks, each ``cp_tp_size`` ranks
     of 1-D TP + SP (``async_tp`` as for the baseline), FSDP2 over the ``p / cp_tp_size * dp`` ranks of each tensor
-    rank, as the 1-D baseline's. ``memory``: its :func:`row_memory` parts, if already computed."""
+    rank, as the 1-D baseline's. ``memory``: its :func:`row_memory` parts, if already computed (without offload).
+    ``offload``: the checkpointed block inputs live in host memory (``checkpointing`` must be ``"full"``): the
+    memory :func:`offload_memory`, the exposed copies :func:`offload_time`, the same rule for every row."""
+    if offload and checkpointing != "full":
+        raise ValueError(f"activation offload moves the inputs full checkpointing keeps; got checkpointing="
+                         f"{checkpointing!r}")
     baseline, cp = layout == BASELINE, layout in (CP, CP_TP)
     hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
     passes = ELEMENTWISE_PASSES["compiled" if compiled else "eager"]
@@ -264,6 +313,11 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     backward_s = micro["compute_s"] - forward_s
     elementwise_s = passes * saved / hw.hbm_bytes_per_s
     micro_s = micro["total_s"] + elementwise_s
+    host = {"copy_s": 0.0, "exposed_s": 0.0}
+    if offload:
+        memory = offload_memory(memory, cfg, micro_batch, seq, p, gpus_per_node)
+        host = offload_time(cfg, micro_batch, seq, p, hw, forward_s, backward_s)
+        micro_s += host["exposed_s"]
     tensor = inner if cp else p  # the ranks that cut each parameter before FSDP / ZeRO shards it
     shard = lambda n, vectors: (n - vectors) / tensor + vectors if baseline or cp else n / tensor  # noqa: E731
     root, block = shard(split.root, split.root_vectors), shard(split.block, split.block_vectors)
@@ -285,9 +339,10 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     parts = {"memory_bytes": memory,
              "time_s": {"micro_compute": micro["compute_s"], "micro_tp_exposed": micro["exposed_comm_s"],
                         "micro_elementwise": elementwise_s, "dp_comm": data["comm_s"], "dp_exposed": data["exposed_s"],
-                        "optimizer": optimizer_s}}
+                        "optimizer": optimizer_s, "micro_host_copy": host["copy_s"],
+                        "micro_host_exposed": host["exposed_s"]}}
     return PlanRow(layout, baseline, p, dp, zero_stage, checkpointing, micro_batch, grad_accum,
-                   memory["total"] / GIB, step_s, per_gpu, mfu, async_tp, parts, p // inner if cp else 1)
+                   memory["total"] / GIB, step_s, per_gpu, mfu, async_tp, parts, p // inner if cp else 1, offload)
 
 
 def _micro_batches(per_replica: int, multiple: int, largest: int | None) -> list[int]:
@@ -339,14 +394,16 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
          global_batch_tokens: int, hardware: str | Hardware = "h100", include_baselines: bool = True,
          layouts=None, zero_stages=(0, 1, 2, 3), checkpointing=("none", "selective", "full"),
          memory_fraction: float = 0.9, max_micro_batch: int | None = None, compiled: bool = True,
-         workers: int = 1) -> list[PlanRow]:
+         workers: int = 1, activation_offload=(False,)) -> list[PlanRow]:
     """The configurations of ``model`` (a named size of any registered family, a config, or a config's fields)
     that fit ``gpus`` GPUs of ``gpu_memory_gib`` GiB (predicted peak at most ``memory_fraction`` of it), best first
     by predicted step time (module docstring). ``global_batch_tokens`` is rounded down to whole sequences of
     ``seq`` per replica. ``layouts``: the package layouts to consider (default: all registered);
     ``include_baselines``: the 1-D TP + SP x FSDP rows too (``baseline=True``). ``compiled``: price elementwise work
     as ``torch.compile`` runs it (else eager). ``workers``: how many (layout, size) candidates to plan at once, each
-    in a forked process of its own (with its own memory-model worker; the rows are the same as with one). Raises
+    in a forked process of its own (with its own memory-model worker; the rows are the same as with one).
+    ``activation_offload``: the offload settings to consider (``(False, True)``: each fully checkpointed row also
+    with its block inputs in host memory, :func:`offload_memory`, where the node's host memory holds them). Raises
     :class:`NothingFits` (a ``ValueError``) naming the model, the least memory per GPU any configuration needs and
     that configuration."""
     cfg = model_config(model)
@@ -369,7 +426,8 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
                              checkpointing, max_micro_batch)
     with ranks_as_asked():
         planned = in_processes(functools.partial(_plan_candidate, cfg, seq=seq, sequences=sequences, hw=hw,
-                                                 gpus_per_node=gpus_per_node, cap=cap, compiled=compiled),
+                                                 gpus_per_node=gpus_per_node, cap=cap, compiled=compiled,
+                                                 offloads=tuple(activation_offload)),
                                candidates, workers)
     rows = [row for found, _ in planned for row in found]
     smallest = min((least for _, least in planned if least is not None), default=None)
@@ -384,7 +442,7 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
 
 
 def _plan_candidate(cfg, candidate, *, seq: int, sequences: int, hw: Hardware, gpus_per_node: int, cap: float,
-                    compiled: bool) -> tuple[list[PlanRow], tuple[int, str] | None]:
+                    compiled: bool, offloads=(False,)) -> tuple[list[PlanRow], tuple[int, str] | None]:
     """One (layout, size) candidate of :func:`plan`: its rows that fit, and its least memory with the configuration
     that needs it. From the least memory up (ZeRO stage 3 before 2, 1, 0; full checkpointing before selective and
     none; micro-batches ascending): what does not fit at its least micro-batch leaves out every configuration that
@@ -396,20 +454,31 @@ def _plan_candidate(cfg, candidate, *, seq: int, sequences: int, hw: Hardware, g
     for stage in sorted(stages, reverse=True):
         fitted = False
         for mode in sorted(modes, key=_LEAST_MEMORY_FIRST.index):
+            settings = [off for off in (True, False) if off in offloads and (mode == "full" or not off)]
+            if not settings:
+                continue
+            first_fits = False
             for i, m in enumerate(micros):  # ascending: memory grows with the micro-batch
                 memory = row_memory(cfg, name, p, dp, stage, mode, m, seq)
-                if smallest is None or memory["total"] < smallest[0]:
-                    smallest = (memory["total"], f"{name} p={p} dp={dp} zero_stage={stage} checkpointing={mode} "
-                                                 f"micro_batch={m}")
-                if memory["total"] > cap:
+                fits_here = False
+                for off in settings:
+                    held = offload_memory(memory, cfg, m, seq, p, gpus_per_node) if off else memory
+                    if smallest is None or held["total"] < smallest[0]:
+                        smallest = (held["total"], f"{name} p={p} dp={dp} zero_stage={stage} checkpointing={mode} "
+                                                   f"micro_batch={m}{' activation_offload' if off else ''}")
+                    if held["total"] > cap or (off and held["host_per_node"] > hw.host_memory_bytes):
+                        continue
+                    fits_here = True
+                    rows.append(price(cfg, layout=name, p=p, dp=dp, zero_stage=stage, checkpointing=mode,
+                                      micro_batch=m, grad_accum=per_replica // m, seq=seq, hw=hw,
+                                      gpus_per_node=gpus_per_node, compiled=compiled, memory=memory, offload=off))
+                if not fits_here:
                     break
+                first_fits = first_fits or i == 0
                 if i == 1 and name != BASELINE:
                     _bracket(cfg, name, p, dp, stage, mode, micros, seq, previous, memory, cap)
                 previous = memory
-                rows.append(price(cfg, layout=name, p=p, dp=dp, zero_stage=stage, checkpointing=mode,
-                                  micro_batch=m, grad_accum=per_replica // m, seq=seq, hw=hw,
-                                  gpus_per_node=gpus_per_node, compiled=compiled, memory=memory))
-            if memory["total"] > cap and m == micros[0]:
+            if not first_fits:
                 break  # the modes that keep more do not fit either
             fitted = True
         if not fitted:
@@ -501,6 +570,58 @@ def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_b
                       ranks=[0], fused=True)
 
 
+def longest_sequence(cfg, *, layout: str, p: int, dp: int = 1, zero_stage: int, gpu_memory_gib: float,
+                     hw: Hardware, gpus_per_node: int = 8, memory_fraction: float = 0.9, offload: bool = False,
+                     multiple: int | None = None, start: int = 131072, memory_fn=None, cp_tp_size: int = 2) -> dict:
+    """The longest sequence (one per replica, full checkpointing) whose predicted peak fits ``memory_fraction`` of
+    ``gpu_memory_gib`` on ``layout`` over ``p`` ranks x ``dp`` replicas, with (``offload``) or without the block
+    inputs in host memory (then the node's host memory must hold them too): ``{"seq", "memory", "evaluations",
+    "limit"}``, ``limit`` naming what stops it (``"gpu"`` or ``"host"``). Every scheme's peak grows about linearly
+    in the sequence under full checkpointing, so the memory model is read at two lengths, the line through them
+    solved for the cap, and the answer checked (and moved by secant steps) until it fits and ``multiple`` tokens more
+    do not: a handful of evaluations, not a bisection. ``memory_fn(seq)``: the row's memory parts (default
+    :func:`row_memory`), so the rivals' own estimates plug in."""
+    cap = memory_fraction * gpu_memory_gib * GIB
+    multiple = multiple or 1024 * 2 * p
+    read = memory_fn or (lambda seq: row_memory(cfg, layout, p, dp, zero_stage, "full", 1, seq, cp_tp_size=cp_tp_size))
+    seen: dict[int, dict] = {}
+
+    def memory(seq: int) -> dict:
+        if seq not in seen:
+            parts = read(seq)
+            seen[seq] = offload_memory(parts, cfg, 1, seq, p, gpus_per_node) if offload else parts
+        return seen[seq]
+
+    host_limit = None
+    if offload:
+        if not hw.host_memory_bytes:
+            raise ValueError(f"longest_sequence: hardware {hw.name!r} has no host_memory_bytes for offload")
+        per_token = cfg.n_layer * block_input_bytes(cfg, 1, 1, p) * gpus_per_node
+        host_limit = int(memory_fraction * hw.host_memory_bytes / per_token) // multiple * multiple
+    a = max(multiple, start // multiple * multiple)
+    b = 2 * a
+    for _ in range(8):
+        ma, mb = memory(a)["total"], memory(b)["total"]
+        slope = (mb - ma) / (b - a)
+        if slope <= 0:
+            raise ValueError(f"longest_sequence: {layout} p={p}: the peak does not grow with the sequence "
+                             f"({ma / GIB:.2f} GiB at {a}, {mb / GIB:.2f} at {b})")
+        guess = int((a + (cap - ma) / slope) // multiple * multiple)
+        if host_limit is not None:
+            guess = min(guess, host_limit)
+        guess = max(multiple, guess)
+        if memory(guess)["total"] <= cap and (guess == host_limit or memory(guess + multiple)["total"] > cap):
+            break
+        a, b = (guess, guess + multiple) if memory(guess)["total"] <= cap else (max(multiple, guess - multiple), guess)
+    else:
+        raise RuntimeError(f"longest_sequence: {layout} p={p} did not settle within 8 secant steps")
+    if memory(guess)["total"] > cap:
+        raise NothingFits(f"longest_sequence: {layout} p={p}: even {guess} tokens need "
+                          f"{memory(guess)['total'] / GIB:.1f} GiB of {cap / GIB:.1f}")
+    return {"seq": guess, "memory": memory(guess), "evaluations": len(seen),
+            "limit": "host" if guess == host_limit else "gpu"}
+
+
 def best(rows: list[PlanRow], baseline: bool) -> PlanRow | None:
     """The fastest package row (``baseline=False``) or baseline row."""
     return next((r for r in rows if r.baseline == baseline), None)
@@ -560,7 +681,7 @@ def table(rows: list[PlanRow], limit: int | None = 12) -> str:
         name = (f"1-D TP+SP{' (async)' if r.async_tp else ''} x FSDP" if r.baseline and r.tensor_parallel_size > 1
                 else "FSDP (no TP)" if r.baseline else r.layout)
         lines.append(f"| {i} | {name} | {r.tensor_parallel_size} | {r.data_parallel_size} | {r.zero_stage} | "
-                     f"{r.checkpointing} | {r.micro_batch} x {r.grad_accum} | {r.memory_gib:.1f} | {r.step_s:.2f} | "
+                     f"{r.checkpointing}{' + offload' if r.activation_offload else ''} | {r.micro_batch} x {r.grad_accum} | {r.memory_gib:.1f} | {r.step_s:.2f} | "
                      f"{r.tokens_per_s_per_gpu:,.0f} | {r.mfu:.1%} |")
     return "\n".join(lines)
 
@@ -590,6 +711,8 @@ def main(argv=None) -> int:
                         help="activation checkpointing modes to consider")
     parser.add_argument("--max-micro-batch", type=int, default=None, help="largest micro-batch (sequences) to try")
     parser.add_argument("--eager", action="store_true", help="price elementwise work as eager runs it")
+    parser.add_argument("--offload", action="store_true",
+                        help="also consider fully checkpointed rows with their block inputs in host memory")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                         help="candidates planned at once, each in a process of its own (default: up to 4 cores)")
     parser.add_argument("--top", type=int, default=12, help="rows to print (0: all)")
@@ -604,7 +727,8 @@ def main(argv=None) -> int:
                     seq=args.seq, global_batch_tokens=args.global_batch_tokens, hardware=hardware,
                     include_baselines=not args.no_baselines, layouts=args.layouts, compiled=not args.eager,
                     zero_stages=tuple(args.zero_stages), checkpointing=tuple(args.checkpointing),
-                    max_micro_batch=args.max_micro_batch, workers=args.workers)
+                    max_micro_batch=args.max_micro_batch, workers=args.workers,
+                    activation_offload=(False, True) if args.offload else (False,))
     except (ValueError, KeyError, OSError) as err:
         print(f"tp2d-plan: {err}", file=sys.stderr)
         return 2
