@@ -22,7 +22,7 @@ instance          travels (per exchange)                       rank i keeps
 attention         ``K_j|V_j`` ``[2, B, nkv, S, d]``            ``Q_i`` (``g`` query heads per k/v head),
                                                                output, log-sum-exp
 MLP               ``W1_j [f, h]`` (SwiGLU: and ``Wg_j``),      ``X_i [N, h]``; recomputes ``X_i W1_j``
-                  ``W2_j [h, f]``, ``f = F/p``
+                  ``W2_j [h, f]``, ``f = F/p``                 (``[tile, f]`` row tiles when ``f > h``)
 ================  ===========================================  ==========================================
 
 One attention kernel (:func:`ring_attention`) serves multi-head (``groups=1``) and grouped-query attention: the
@@ -541,6 +541,15 @@ def _pre_activations(x, w_in, b1, j):
     return pres
 
 
+def _mlp_tiles(x: torch.Tensor, w1: torch.Tensor, options: RingOptions) -> list[slice]:
+    """The row tiles of the ring MLP: ``options.tile_tokens`` rows each when the hidden block ``f`` (``w1``'s rows)
+    is wider than ``x``'s ``h`` columns, so the ``[tile, f]`` pre-activations and their gradients stay below a few
+    ``[tile, h]``; one tile of all ``N`` rows otherwise (the hidden block is no wider than the input)."""
+    if w1.shape[0] <= x.shape[1]:
+        return [slice(0, x.shape[0])]
+    return options.row_tiles(x.shape[0])
+
+
 @registered("ring_mlp")
 class _RingMLP(torch.autograd.Function):
     @staticmethod
@@ -550,10 +559,12 @@ class _RingMLP(torch.autograd.Function):
         act = MLP_ACTIVATIONS[activation]
         own = (w1, w2) if w_gate is None else (w_gate, w1, w2)
         out = x.new_zeros((x.shape[0], w2.shape[0]))
+        tiles = _mlp_tiles(x, w1, options)
 
         def step(j, blocks):
             *w_in, w2_j = blocks
-            out.addmm_(act(None, *_pre_activations(x, w_in, b1, j))[0], w2_j.t())
+            for r in tiles:  # [tile, f] hidden blocks at a time when f > h (options.tile_tokens)
+                out[r].addmm_(act(None, *_pre_activations(x[r], w_in, b1, j))[0], w2_j.t())
 
         ring_forward(own, mesh, axis, step, double_buffer=options.double_buffer)
         if b2 is not None:
@@ -573,16 +584,28 @@ class _RingMLP(torch.autograd.Function):
         dx = torch.zeros_like(x)
         db1 = None if b1 is None else torch.zeros(b1.shape, dtype=acc, device=b1.device)
         f = own[0].shape[0]
+        tiles = _mlp_tiles(x, own[0], ctx.options)
 
         def step(j, blocks):
             *w_in, w2_j = blocks
-            pres = _pre_activations(x, w_in, b1, j)  # recomputed, never stored
-            hidden, dpres = act(dout @ w2_j, *pres)  # (N, f) each
-            if db1 is not None:
-                db1[j * f:(j + 1) * f] += dpres[-1].sum(0)
-            for dpre, w_j in zip(dpres, w_in):
-                dx.addmm_(dpre, w_j)
-            return (*((dpre.t() @ x).to(acc) for dpre in dpres), (dout.t() @ hidden).to(acc))
+            grads = None
+            for r in tiles:  # [tile, f] at a time when f > h (options.tile_tokens)
+                x_r, dout_r = x[r], dout[r]
+                pres = _pre_activations(x_r, w_in, b1, j)  # recomputed, never stored
+                hidden, dpres = act(dout_r @ w2_j, *pres)  # (tile, f) each
+                del pres
+                if db1 is not None:
+                    db1[j * f:(j + 1) * f] += dpres[-1].sum(0)
+                for dpre, w_j in zip(dpres, w_in):
+                    dx[r].addmm_(dpre, w_j)
+                tile_grads = (*(dpre.t() @ x_r for dpre in dpres), dout_r.t() @ hidden)
+                del hidden, dpres
+                if grads is None:
+                    grads = tuple(g.to(acc) for g in tile_grads)
+                else:
+                    for g, t in zip(grads, tile_grads):
+                        g.add_(t)
+            return grads
 
         grads = ring_backward(own, ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
                               wire_dtype=ctx.options.wire_dtype(own[0].dtype))
@@ -601,7 +624,10 @@ def ring_mlp(x, w1, b1, w2, b2, mesh: DeviceMesh, axis: str, *, activation: str 
     ``"swiglu"`` (Llama: ``silu(X Wgᵀ) * (X W1ᵀ + b1)``, with the gate's output rows ``w_gate [f, h]``, travelling
     with the others). Forward ``p-1`` exchanges of the weight blocks; backward ``p-1`` of the blocks and ``p`` of
     their gradients; the ``[N, F]`` hidden activation is never formed (``[N, f]`` per step, recomputed in
-    backward)."""
+    backward). When the hidden block is wider than the input (``f > h``: few ranks, e.g. Llama 3.1 8B's ``I = 14336``
+    at ``p <= 3``), each step runs ``options.tile_tokens`` rows at a time, forward and the recomputing backward, so
+    the hidden blocks are ``[tile, f]`` (:func:`_mlp_tiles`); the weight gradients sum the tiles' contributions in
+    float32; the exchanges are the same."""
     if activation not in MLP_ACTIVATIONS or (w_gate is not None) != (activation == "swiglu"):
         raise ValueError(f"ring_mlp: activation={activation!r} with w_gate {'given' if w_gate is not None else 'None'};"
                          f" use 'gelu_tanh' without w_gate or 'swiglu' with it")

@@ -20,6 +20,11 @@ field              default     meaning
 ``ring_grad_dtype`` activation gradient sums travelling round a ring (weight blocks, K|V): ``"activation"`` (the
                                travelling operand's dtype: bf16 under autocast, each hop adding into a float32
                                contribution) or ``"float32"`` (float32 on the wire)
+``tile_tokens``    8192        rows (tokens) per tile of the ring kernels whose per-step block is wider than the
+                               hidden size: the LM head + cross-entropy (``[tile, V/p]`` logits per step instead of
+                               ``[N, V/p]``) and the MLP when its hidden block ``F/p`` is wider than ``h``
+                               (``[tile, F/p]``); forward and the recomputing backward. Same communication, results
+                               equal to rounding. ``0`` or ``None``: untiled (one tile of all ``N`` rows)
 =================  ==========  =======================================================================================
 """
 
@@ -49,6 +54,7 @@ class TPOptions:
     attention_kernel: str = "auto"
     math_tile: int = 128
     ring_grad_dtype: str = "activation"
+    tile_tokens: int | None = 8192
 
     def wire_dtype(self, operand: torch.dtype) -> torch.dtype | None:
         """The dtype ring gradient sums of an ``operand``-typed block travel in (``None``: float32 / float64, the
@@ -71,6 +77,16 @@ class TPOptions:
         if isinstance(self.math_tile, bool) or not isinstance(self.math_tile, int) or self.math_tile < 1:
             raise ValueError(f"math_tile={self.math_tile!r} must be a positive int (query rows per score tile), "
                              f"e.g. 128")
+        if self.tile_tokens is not None and (isinstance(self.tile_tokens, bool) or not isinstance(self.tile_tokens, int)
+                                             or self.tile_tokens < 0):
+            raise ValueError(f"tile_tokens={self.tile_tokens!r} must be a non-negative int (rows per tile of the "
+                             f"ring cross-entropy and MLP; 0 or None: untiled), e.g. 8192")
+
+    def row_tiles(self, rows: int) -> list[slice]:
+        """The row tiles of ``rows`` rows (:attr:`tile_tokens` each, the last shorter; one slice of all when
+        untiled). Static: decided by the shape alone."""
+        tile = self.tile_tokens or rows
+        return [slice(r, min(r + tile, rows)) for r in range(0, rows, max(tile, 1))] or [slice(0, rows)]
 
 
 def tp_options(options: TPOptions | None) -> TPOptions:

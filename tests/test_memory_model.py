@@ -15,6 +15,7 @@ direct builds and the checks of the parts are not.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -144,6 +145,13 @@ def test_parts_follow_the_zero_stage():
     assert s3["optimizer"] == 2 * s3["parameters"] and s0["optimizer"] == 2 * s0["parameters"]
     assert s0["activations"] == s1["activations"] == s3["activations"] > 0
     assert s0["gathered"] == 0 < s3["gathered"]
+    itemsize = {"float32": 4, "bfloat16": 2, "float64": 8, "int64": 8}
+    for s in (s0, s1, s3):  # the largest tensors alive at the step's peak, named (reporting only)
+        largest = s["largest"]
+        assert largest and [e["bytes"] for e in largest] == sorted((e["bytes"] for e in largest), reverse=True)
+        assert sum(e["bytes"] for e in largest) <= s["step"], largest
+        for e in largest:
+            assert e["op"] and e["bytes"] == itemsize[e["dtype"]] * math.prod(e["shape"]), e
 
 
 def test_checkpointing_modes_order_the_traced_activations_and_unknown_modes_are_refused():

@@ -51,12 +51,16 @@ def test_ring_options_refuse_bad_values_naming_them_and_the_valid_ones():
     for bad, words in [({"attention_kernel": "flash"}, ["'flash'", "'auto'", "'math'"]),
                        ({"math_tile": 0}, ["math_tile=0", "positive int"]),
                        ({"math_tile": 2.5}, ["math_tile=2.5"]),
-                       ({"double_buffer": "no"}, ["'no'", "True or False"])]:
+                       ({"double_buffer": "no"}, ["'no'", "True or False"]),
+                       ({"tile_tokens": -1}, ["tile_tokens=-1", "non-negative int"]),
+                       ({"tile_tokens": 8.0}, ["tile_tokens=8.0"]), ({"tile_tokens": True}, ["tile_tokens=True"])]:
         with pytest.raises(ValueError) as info:
             metp.RingOptions(**bad)
         assert all(w in str(info.value) for w in words), (bad, str(info.value))
     with pytest.raises(dataclasses.FrozenInstanceError):
         metp.RingOptions().double_buffer = False
+    assert metp.RingOptions().tile_tokens == 8192 and metp.RingOptions(tile_tokens=None).row_tiles(5) == [slice(0, 5)]
+    assert metp.RingOptions(tile_tokens=2).row_tiles(5) == [slice(0, 2), slice(2, 4), slice(4, 5)]
     with pytest.raises(TypeError, match=r"TPOptions \(alias RingOptions\) or None, got dict"):
         metp.ring_options({"double_buffer": False})
 
@@ -95,8 +99,9 @@ def _attention(mesh, p, i, kernel):
             "identical": torch.equal(y, y2) and torch.equal(grad, qkv.grad)}
 
 
-def _mlp(mesh, p, i):
-    h, f, n = 6, 4 * p, 7  # hidden, 4h/p rows of W1 per rank, tokens per rank
+def _mlp(mesh, p, i, tile_tokens=None):
+    """``tile_tokens``: also in row tiles (f = 4p > h = 3: the hidden block is wider than h, so the MLP tiles)."""
+    h, f, n = 3, 4 * p, 7  # hidden, rows of W1 per rank (wider than h), tokens per rank
     g = torch.Generator().manual_seed(8)
     x_all = torch.randn(p, n, h, dtype=DT, generator=g)
     w1, b1 = torch.randn(p * f, h, dtype=DT, generator=g), torch.randn(p * f, dtype=DT, generator=g)
@@ -108,12 +113,14 @@ def _mlp(mesh, p, i):
     ref.backward(dout)
     mine = [x_all[i], w1[i * f:(i + 1) * f], b1, w2[:, i * f:(i + 1) * f], b2]
     x, lw1, lb1, lw2, lb2 = [t.clone().requires_grad_() for t in mine]
+    options = metp.RingOptions(tile_tokens=tile_tokens)
     out, fwd = _counted(lambda: metp.ring_mlp(x, lw1, sum_grad_along(lb1, mesh, "ring"), lw2,
-                                              sum_grad_along(lb2, mesh, "ring"), mesh, "ring"))
+                                              sum_grad_along(lb2, mesh, "ring"), mesh, "ring", options=options))
     _, bwd = _counted(lambda: out.backward(dout[i]))
     errs = [_rel(out, ref[i]), _rel(x.grad, rx.grad[i]), _rel(lw1.grad, rw1.grad[i * f:(i + 1) * f]),
             _rel(lb1.grad, rb1.grad), _rel(lw2.grad, rw2.grad[:, i * f:(i + 1) * f]), _rel(lb2.grad, rb2.grad)]
-    return {"err": max(errs), "fwd": fwd, "bwd": bwd, "w_bytes": 2 * f * h * 8, "b_bytes": (p * f + h) * 8}
+    return {"err": max(errs), "fwd": fwd, "bwd": bwd, "w_bytes": 2 * f * h * 8, "b_bytes": (p * f + h) * 8,
+            "grads": [t.grad for t in (x, lw1, lb1, lw2, lb2)], "out": out.detach()}
 
 
 def _linears(mesh, p, i):
@@ -136,8 +143,9 @@ def _linears(mesh, p, i):
     return max(errs)
 
 
-def _vocab(mesh, p, i, V):
-    """Ring cross-entropy and embedding against F.cross_entropy / F.embedding; V need not divide by p."""
+def _vocab(mesh, p, i, V, tile_tokens=None):
+    """Ring cross-entropy and embedding against F.cross_entropy / F.embedding; V need not divide by p;
+    ``tile_tokens``: the cross-entropy in row tiles."""
     n, h = 6, 4
     rows = -(-V // p)
     g = torch.Generator().manual_seed(10 + V)
@@ -152,14 +160,15 @@ def _vocab(mesh, p, i, V):
     (loss_ref + (F.embedding(ids, rE) * dx_emb).sum()).backward()
     block = F.pad(E[i * rows:(i + 1) * rows], (0, 0, 0, rows - E[i * rows:(i + 1) * rows].shape[0]))
     x, lE = x_all[i].clone().requires_grad_(), block.clone().requires_grad_()
-    loss, fwd = _counted(lambda: ring_cross_entropy(x, lE, targets[i], mesh, "ring", V))
-    emb = ring_embedding(lE, ids[i], mesh, "ring")
+    options = metp.RingOptions(tile_tokens=tile_tokens)
+    loss, fwd = _counted(lambda: ring_cross_entropy(x, lE, targets[i], mesh, "ring", V, options=options))
+    emb = ring_embedding(lE, ids[i], mesh, "ring", options=options)
     _, bwd = _counted(lambda: (loss + (emb * dx_emb[i]).sum()).backward())
     valid = E[i * rows:(i + 1) * rows].shape[0]
     errs = [abs(loss.item() - loss_ref.item()) / loss_ref.item(), _rel(emb, F.embedding(ids[i], E)),
             _rel(x.grad, rx.grad[i]), _rel(lE.grad[:valid], rE.grad[i * rows:i * rows + valid])]
     return {"err": max(errs), "pad_grad": lE.grad[valid:].abs().max().item() if valid < rows else 0.0,
-            "fwd": fwd, "bwd": bwd, "e_bytes": rows * h * 8}
+            "fwd": fwd, "bwd": bwd, "e_bytes": rows * h * 8, "loss": loss.item(), "grads": [x.grad, lE.grad]}
 
 
 def _shift(mesh, p, i):
@@ -175,9 +184,20 @@ def _kernels(rank, world_size):
     for p in sorted({1, world_size}):
         mesh = tp.init_mesh("metp", p, world_size // p)
         i = mesh.get_local_rank("ring")
-        out[p] = {"shift": _shift(mesh, p, i), "linears": _linears(mesh, p, i), "mlp": _mlp(mesh, p, i),
+        out[p] = {"shift": _shift(mesh, p, i), "linears": _linears(mesh, p, i),
                   "attention": {k: _attention(mesh, p, i, k) for k in ("auto", "math")},
-                  "vocab": {V: _vocab(mesh, p, i, V) for V in (5, 37)}}
+                  # tile_tokens: the default (8192 > N: one tile), untiled (0), tiles of 2 and 4 rows (the last shorter)
+                  "mlp": {t: _mlp(mesh, p, i, t) for t in (None, 0, 2)},
+                  "vocab": {(V, t): _vocab(mesh, p, i, V, t) for V in (5, 37) for t in (0, 4)}}
+        for part in ("mlp", "vocab"):  # tensors do not travel back to the test process: their differences do
+            runs = out[p][part]
+            for key, r in runs.items():
+                base = runs[(key[0], 0)] if part == "vocab" else runs[0]
+                r["vs_untiled"] = max([_rel(a, b) for a, b in zip(r["grads"], base["grads"])]
+                                      + [abs(r.get("loss", 0.0) - base.get("loss", 0.0))]
+                                      + ([_rel(r["out"], base["out"])] if "out" in r else []))
+            for r in runs.values():
+                r.pop("out", None), r.pop("grads")
     return out
 
 
@@ -197,13 +217,13 @@ def test_ring_functions_equal_single_device_maths_with_the_ring_schedule(world_s
                 # forward: p-1 shifts of K|V; backward: p-1 of K|V and p of dK|dV; nothing else
                 assert a["fwd"] == _ring(p - 1, (p - 1) * a["kv_bytes"])
                 assert a["bwd"] == _ring((p - 1) + p * (p > 1), (2 * p - 1) * a["kv_bytes"] * (p > 1))
-            m = r["mlp"]
-            assert m["err"] <= 1e-13
-            assert m["fwd"] == _ring(p - 1, (p - 1) * m["w_bytes"])
-            assert m["bwd"] == {**_ring((p - 1) + p * (p > 1), (2 * p - 1) * m["w_bytes"] * (p > 1)),
-                                **({"all_reduce": {"calls": 2, "bytes": m["b_bytes"]}} if p > 1 else {})}
-            for V, v in r["vocab"].items():
-                assert v["err"] <= 1e-13, (p, V)
+            for tile, m in r["mlp"].items():  # tiled or not: the same maths and the same exchanges
+                assert m["err"] <= 1e-13 and m["vs_untiled"] <= 1e-13, (p, tile)
+                assert m["fwd"] == _ring(p - 1, (p - 1) * m["w_bytes"])
+                assert m["bwd"] == {**_ring((p - 1) + p * (p > 1), (2 * p - 1) * m["w_bytes"] * (p > 1)),
+                                    **({"all_reduce": {"calls": 2, "bytes": m["b_bytes"]}} if p > 1 else {})}
+            for (V, tile), v in r["vocab"].items():
+                assert v["err"] <= 1e-13 and v["vs_untiled"] <= 1e-13, (p, V, tile)
                 assert v["pad_grad"] == 0.0
                 # forward: p-1 shifts of the vocab block (+ one all-reduce of [loss sum, count], 2 numbers);
                 # backward: cross-entropy p-1 + p, embedding p-1 (its gradients travel alone)
@@ -235,9 +255,10 @@ def _gqa_attention(mesh, p, i, kernel, groups):
     return {"err": max(errs), "fwd": fwd, "bwd": bwd, "kv_bytes": 2 * B * nkv * 2 * C * D * 8}
 
 
-def _swiglu_mlp(mesh, p, i):
-    """The one ring MLP pass with ``activation="swiglu"`` (and biases on the up projection and the output)."""
-    h, f, n = 6, 3, 7  # hidden, I/p rows of the gate and up projections per rank, tokens per rank
+def _swiglu_mlp(mesh, p, i, tile_tokens=None):
+    """The one ring MLP pass with ``activation="swiglu"`` (and biases on the up projection and the output);
+    ``tile_tokens``: in row tiles (I/p = 7 > h = 6: the MLP tiles)."""
+    h, f, n = 6, 7, 7  # hidden, I/p rows of the gate and up projections per rank (wider than h), tokens per rank
     g = torch.Generator().manual_seed(12)
     x_all, dout = torch.randn(p, n, h, dtype=DT, generator=g), torch.randn(p, n, h, dtype=DT, generator=g)
     wg, wu = torch.randn(p * f, h, dtype=DT, generator=g), torch.randn(p * f, h, dtype=DT, generator=g)
@@ -251,12 +272,12 @@ def _swiglu_mlp(mesh, p, i):
     x, lwg, lwu, lbu, lwd, lbd = mine
     out, fwd = _counted(lambda: metp.ring_mlp(x, lwu, sum_grad_along(lbu, mesh, "ring"), lwd,
                                               sum_grad_along(lbd, mesh, "ring"), mesh, "ring", activation="swiglu",
-                                              w_gate=lwg))
+                                              w_gate=lwg, options=metp.RingOptions(tile_tokens=tile_tokens)))
     _, bwd = _counted(lambda: out.backward(dout[i]))
     want = [rx.grad[i], rwg.grad[rows], rwu.grad[rows], rbu.grad, rwd.grad[:, rows], rbd.grad]
     errs = [_rel(out, F.linear(F.silu(F.linear(x_all[i], wg)) * F.linear(x_all[i], wu, bu), wd, bd))]
     return {"err": max(errs + [_rel(t.grad, w) for t, w in zip(mine, want)]), "fwd": fwd, "bwd": bwd,
-            "w_bytes": 3 * f * h * 8, "b_bytes": (p * f + h) * 8}
+            "w_bytes": 3 * f * h * 8, "b_bytes": (p * f + h) * 8, "grads": [out.detach()] + [t.grad for t in mine]}
 
 
 def _grouped(rank, world_size):
@@ -264,8 +285,12 @@ def _grouped(rank, world_size):
     for p in sorted({1, world_size}):
         mesh = tp.init_mesh("metp", p, world_size // p)
         i = mesh.get_local_rank("ring")
-        out[p] = {"swiglu": _swiglu_mlp(mesh, p, i),
+        out[p] = {"swiglu": {t: _swiglu_mlp(mesh, p, i, t) for t in (0, 2, 3)},
                   "gqa": {(k, g): _gqa_attention(mesh, p, i, k, g) for k in ("auto", "math") for g in (1, 2, 3)}}
+        for r in out[p]["swiglu"].values():  # tiled against untiled, here (tensors do not travel back)
+            r["vs_untiled"] = max(_rel(a, b) for a, b in zip(r["grads"], out[p]["swiglu"][0]["grads"]))
+        for r in out[p]["swiglu"].values():
+            r.pop("grads")
     return out
 
 
@@ -278,12 +303,12 @@ def test_one_attention_kernel_with_groups_and_one_mlp_pass_with_swiglu_equal_sin
                 # only K|V of the nkv key/value heads travel, whatever the group count
                 assert a["fwd"] == _ring(p - 1, (p - 1) * a["kv_bytes"]), (p, kernel, groups)
                 assert a["bwd"] == _ring((p - 1) + p * (p > 1), (2 * p - 1) * a["kv_bytes"] * (p > 1))
-            m = r["swiglu"]
-            assert m["err"] <= 1e-13, p
-            # the gate, up and down blocks travel together: one pass, p-1 exchanges forward, p-1 + p backward
-            assert m["fwd"] == _ring(p - 1, (p - 1) * m["w_bytes"])
-            assert m["bwd"] == {**_ring((p - 1) + p * (p > 1), (2 * p - 1) * m["w_bytes"] * (p > 1)),
-                                **({"all_reduce": {"calls": 2, "bytes": m["b_bytes"]}} if p > 1 else {})}
+            for tile, m in r["swiglu"].items():  # untiled (0) and in row tiles of 2 and 3: same maths, same exchanges
+                assert m["err"] <= 1e-13 and m["vs_untiled"] <= 1e-13, (p, tile)
+                # the gate, up and down blocks travel together: one pass, p-1 exchanges forward, p-1 + p backward
+                assert m["fwd"] == _ring(p - 1, (p - 1) * m["w_bytes"])
+                assert m["bwd"] == {**_ring((p - 1) + p * (p > 1), (2 * p - 1) * m["w_bytes"] * (p > 1)),
+                                    **({"all_reduce": {"calls": 2, "bytes": m["b_bytes"]}} if p > 1 else {})}
 
 
 def test_ring_attention_and_mlp_refuse_mismatched_groups_and_activations_naming_them():

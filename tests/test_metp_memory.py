@@ -15,10 +15,12 @@ peaks at 1.04, 1.05-1.08 and 1.14-1.17 times plain/p for p = 1, 2, 4; the "math"
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
 import lightning_tp2d as tp
+from lightning_tp2d import metp
 from lightning_tp2d.bench.measure import LiveTensorBytes
 from lightning_tp2d.metp import RingOptions
 from lightning_tp2d.models import GPT2, GPT2Config
@@ -62,11 +64,35 @@ def _memory(rank, world_size):
         idx = torch.randint(0, small.vocab_size, (2, small.block_size))
         tracker = _measure(lambda: model(idx, idx).backward())
         out["model"][p] = {"shapes": set(tracker.shapes), "tokens": idx.numel() // p, "vocab": small.vocab_size}
+    out["tiled"] = _tiled(tp.init_mesh("metp", world_size, 1))
+    return out
+
+
+N, V, TILE = 1024, 32000, 64  # tokens per rank, vocabulary, rows per tile: the logits [N, V/p] dominate the loss step
+
+
+def _tiled(mesh):
+    """The loss step (ring cross-entropy forward + backward) and a ring MLP step whose hidden block is wider than h,
+    untiled and in tiles of ``TILE`` rows: peak and the largest tensors at it (:attr:`LiveTensorBytes.largest`)."""
+    from lightning_tp2d.nn.ring_stream import ring_cross_entropy
+
+    p, h, f = mesh["ring"].size(), 16, 512
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, h, generator=g, requires_grad=True)
+    weight = torch.randn(V // p, h, generator=g, requires_grad=True)
+    targets = torch.randint(0, V, (N,), generator=g)
+    w1, w2 = torch.randn(f, h, generator=g, requires_grad=True), torch.randn(h, f, generator=g, requires_grad=True)
+    out = {}
+    for tile in (0, TILE):
+        options = RingOptions(tile_tokens=tile)
+        loss = _measure(lambda: ring_cross_entropy(x, weight, targets, mesh, "ring", V, options=options).backward())
+        mlp = _measure(lambda: metp.ring_mlp(x, w1, None, w2, None, mesh, "ring", options=options).sum().backward())
+        out[tile] = {"loss": (loss.peak, loss.largest), "mlp": (mlp.peak, mlp.largest), "vocab_block": V // p, "f": f}
     return out
 
 
 def test_metp_block_memory_scales_as_one_over_p_and_no_seq_by_seq_or_logits_tensor_exists():
-    results = run_distributed(_memory, 4)
+    results = _results()
     plain = results[0]["plain"]
     for out in results:
         for (p, kernel), r in out["block"].items():
@@ -81,3 +107,32 @@ def test_metp_block_memory_scales_as_one_over_p_and_no_seq_by_seq_or_logits_tens
             for shape in m["shapes"]:
                 assert max(shape, default=0) < m["vocab"], shape  # no vocab-wide dimension at all
                 assert torch.Size(shape).numel() < m["tokens"] * m["vocab"], shape
+
+
+@functools.cache
+def _results():
+    return run_distributed(_memory, 4)  # one group of 4 ranks for both tests
+
+
+def test_tile_tokens_bound_the_loss_and_mlp_steps_and_the_peak_names_the_largest_tensor():
+    """``tile_tokens``: the loss step's peak is the float32 logits block [N, V/p] untiled and [TILE, V/p] tiled; the
+    MLP's the hidden block [N, f] / [TILE, f]; LiveTensorBytes names them at the peak."""
+    for out in _results():
+        _check_tiled(out["tiled"])
+
+
+def _check_tiled(out):
+    untiled, tiled = out[0], out[TILE]
+    vb, f = untiled["vocab_block"], untiled["f"]
+    peak, largest = untiled["loss"]
+    assert largest[0]["shape"] == (N, vb) and largest[0]["dtype"] == "float32", largest
+    assert largest[0]["bytes"] == 4 * N * vb and peak >= largest[0]["bytes"]
+    tiled_peak, tiled_largest = tiled["loss"]
+    assert tiled_peak < peak / 4, (tiled_peak, peak)
+    assert max(e["bytes"] for e in tiled_largest) <= 4 * TILE * vb, tiled_largest
+    assert any(e["shape"] == (TILE, vb) for e in tiled_largest), tiled_largest
+    peak, largest = untiled["mlp"]
+    assert largest[0]["shape"] == (N, f), largest
+    tiled_peak, tiled_largest = tiled["mlp"]
+    assert tiled_peak < peak / 2 and all(N not in e["shape"] or e["shape"][1] < f for e in tiled_largest), \
+        tiled_largest

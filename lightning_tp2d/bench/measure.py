@@ -30,6 +30,7 @@ storages made before the mode (FSDP's, made in a warm-up step's lazy init) when 
 
 from __future__ import annotations
 
+import heapq
 import weakref
 
 import torch
@@ -62,11 +63,24 @@ class MemoryCapExceeded(RuntimeError):
     """Raised by :class:`LiveTensorBytes` when the tracked bytes pass its cap (the CPU stand-in for a CUDA OOM)."""
 
 
+LARGEST = 3  # live tensors :attr:`LiveTensorBytes.largest` names at the peak
+
+
+def largest_entry(nbytes: int, shape, dtype, op: str) -> dict:
+    """One tensor of a ``largest`` record: ``{"shape", "dtype", "bytes", "op"}`` (``op``: the aten op that made it,
+    e.g. ``"mm.default"``)."""
+    return {"shape": tuple(shape), "dtype": str(dtype).removeprefix("torch."), "bytes": int(nbytes), "op": op}
+
+
 class LiveTensorBytes(TorchDispatchMode):
-    """Bytes of the tensor storages allocated inside the mode and still alive: ``live``, ``peak``, ``shapes``.
+    """Bytes of the tensor storages allocated inside the mode and still alive: ``live``, ``peak``, ``shapes``, and
+    ``largest``: the :data:`LARGEST` largest tensors alive when ``peak`` was reached (:func:`largest_entry` dicts,
+    largest first; storages grown by ``resize_`` are counted in the bytes but not named).
 
     ``base`` is added to ``live`` before comparing with ``cap`` (the resident bytes the mode cannot see);
-    ``count_resizes``: also count ``UntypedStorage.resize_`` (module docstring)."""
+    ``count_resizes``: also count ``UntypedStorage.resize_`` (module docstring). The record is cheap: the largest
+    live storages are kept as they come and go (rebuilt from the live set only after one of them is freed), and
+    named only when a new peak is reached."""
 
     def __init__(self, cap: int | None = None, base: int = 0, record_shapes: bool = True,
                  count_resizes: bool = False, fake: bool | FakeTensorMode = False) -> None:
@@ -76,7 +90,11 @@ class LiveTensorBytes(TorchDispatchMode):
         self._plain = _PLAIN if fake is not False else (torch.Tensor,)  # real runs: propagation's fakes are no memory
         self._fake_mode = fake if isinstance(fake, FakeTensorMode) else None
         self.shapes: list[tuple[int, ...]] = []
+        self.largest: list[dict] = []
         self._refs: dict[int, weakref.ref] = {}
+        self._info: dict[int, tuple] = {}  # storage key -> (bytes, shape, dtype, op) of each live tracked storage
+        self._top: list[tuple[int, int]] | None = []  # (bytes, key) of the largest live ones; None: to rebuild
+        self._op = "?"
         self._resize = None
 
     def __enter__(self):
@@ -103,6 +121,7 @@ class LiveTensorBytes(TorchDispatchMode):
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
+        self._op = func.__name__
         inputs = {_storage_key(t) for t in tensors_in((args, kwargs))}
         for t in tensors_in(out):
             if type(t) in self._plain and t.device.type != "meta" and _storage_key(t) not in inputs and (
@@ -116,6 +135,9 @@ class LiveTensorBytes(TorchDispatchMode):
         if nbytes == 0 or (key in self._refs and self._refs[key]() is not None):
             return  # empty, or a view of a storage already counted
         self.live += nbytes
+        self._info[key] = (nbytes, tuple(t.shape), t.dtype, self._op)
+        if self._top is not None and (len(self._top) < LARGEST or nbytes > self._top[-1][0]):
+            self._top = sorted([*self._top, (nbytes, key)], key=lambda e: -e[0])[:LARGEST]
         self._rose()
         if self.record_shapes:
             self.shapes.append(tuple(t.shape))
@@ -127,11 +149,23 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def _rose(self) -> None:
         """Called whenever ``live`` grows (a subclass may note more than the peak)."""
-        self.peak = max(self.peak, self.live)
+        if self.live > self.peak:
+            self.peak = self.live
+            self.largest = self.live_largest()
+
+    def live_largest(self) -> list[dict]:
+        """The :data:`LARGEST` largest tracked tensors alive now (:func:`largest_entry` dicts, largest first)."""
+        if self._top is None or any(key not in self._info for _, key in self._top):  # (a free during _track)
+            self._top = heapq.nlargest(LARGEST, ((info[0], key) for key, info in list(self._info.items())),
+                                       key=lambda e: e[0])
+        return [largest_entry(*self._info[key]) for _, key in self._top]
 
     def _free(self, key: int, nbytes: int) -> None:
         self.live -= nbytes
         self._refs.pop(key, None)
+        self._info.pop(key, None)
+        if self._top is not None and any(k == key for _, k in self._top):
+            self._top = None  # one of the largest is gone: rebuilt from the live set when next asked for
 
 
 _PLAIN = (torch.Tensor, FakeTensor)  # tensors with a storage of their own (not wrapper subclasses such as DTensor)
@@ -204,7 +238,8 @@ def step_peak_bytes(model: torch.nn.Module, mesh, idx: torch.Tensor, *, zero_sta
     A warm-up step first (the optimizer state and FSDP's lazy buffers exist after it), then ``zero_grad``, forward,
     backward, data-parallel averaging, global-norm clipping, ``step``: ``{"resident"`` (bytes before the measured
     step: :func:`resident_bytes`), ``"step"`` (the peak of the tensors the step allocates: :class:`LiveTensorBytes`
-    with ``count_resizes``), ``"peak"`` (their sum)``}``."""
+    with ``count_resizes``), ``"peak"`` (their sum), ``"largest"`` (the largest tensors alive at that peak:
+    :attr:`LiveTensorBytes.largest`)``}``."""
     if zero_stage >= 2 and mesh["data_parallel"].size() > 1:
         fsdp.shard_data_parallel(model, zero_stage)  # before the optimizer: it sees the dp shards
     sync = training.GradientSync(model, mesh) if zero_stage < 2 else None
@@ -230,14 +265,14 @@ def step_peak_bytes(model: torch.nn.Module, mesh, idx: torch.Tensor, *, zero_sta
 
 def _warm_then_measured(step, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """``step()`` once (the optimizer state and FSDP's lazy buffers exist after it), then again under
-    :class:`LiveTensorBytes`: ``{"resident", "step", "peak"}``."""
+    :class:`LiveTensorBytes`: ``{"resident", "step", "peak", "largest"}``."""
     step()
     optimizer.zero_grad(set_to_none=True)
     resident = resident_bytes(model, optimizer)
     tracker = LiveTensorBytes(record_shapes=False, count_resizes=True)
     with tracker:
         step()
-    return {"resident": resident, "step": tracker.peak, "peak": resident + tracker.peak}
+    return {"resident": resident, "step": tracker.peak, "peak": resident + tracker.peak, "largest": tracker.largest}
 
 
 def measured_peaks(rank: int, world_size: int, cases, batch: int, seq: int,
@@ -273,7 +308,7 @@ def baseline_step_peak_bytes(model: torch.nn.Module, mesh, idx: torch.Tensor, *,
     backward, float32 reduction, no autocast, as torchtitan trains). An AdamW with ``foreach`` (one group per
     mesh: the foreach kernels take one mesh's DTensors), global-norm clipping as torchtitan's (each mesh's norm
     reduced, the total applied to every gradient). The same warm-up step, then the measured one:
-    ``{"resident", "step", "peak"}``."""
+    ``{"resident", "step", "peak", "largest"}``."""
     shard_1d_data_parallel(model, mesh[DP_AXIS], zero_stage, fsdp.mixed_precision_policy(precision))
     groups: dict = {}
     for q in model.parameters():

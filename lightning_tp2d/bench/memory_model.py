@@ -71,6 +71,9 @@ class Shards:
     blocks: tuple[int, ...]  # tensor-shard bytes of each block
     block_input: int  # bytes of one block's input (what full checkpointing saves per block)
     step: int = 0  # peak live bytes the step allocates: forward, backward, data-parallel averaging, clipping
+    # the largest tensors alive at that peak (measure.largest_entry dicts, largest first; deeper than 5 blocks: those
+    # of the 5-block profile in the phase that peaks); reporting only
+    largest: tuple = dataclasses.field(default=(), compare=False)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -110,6 +113,7 @@ class _PhasePeaks(LiveTensorBytes):
         self.series = array.array("q")  # the live bytes at every rise, in order (:func:`_at_batch`)
         self.starts = [0] * _PHASES  # where each phase's rises begin in ``series``
         self.kinds: list[str] = []
+        self.phase_largest: list[list[dict]] = [[] for _ in range(_PHASES)]  # the largest tensors at each phase's peak
 
     def _track(self, t: torch.Tensor) -> None:
         self.kinds.append(f"{t.ndim}{t.dtype}")  # what the step allocates, batch aside (:func:`_at_batch`)
@@ -126,7 +130,9 @@ class _PhasePeaks(LiveTensorBytes):
 
     def _rose(self) -> None:
         super()._rose()
-        self.peaks[self.phase] = max(self.peaks[self.phase], self.live)
+        if self.live > self.peaks[self.phase]:
+            self.peaks[self.phase] = self.live
+            self.phase_largest[self.phase] = self.live_largest()
         self.series.append(self.live)
 
 
@@ -203,7 +209,7 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, c
             optimizer.step()
         return {"root_at_rest": at_rest - sum(rest), "rest": rest, "root": root, "tensor_shards": tensor_shards,
                 "block_input": seen[0], "phases": tracker.peaks, "series": tracker.series, "starts": tracker.starts,
-            "signature": tracker.signature()}
+                "signature": tracker.signature(), "largest": tracker.phase_largest}
 
 
 def _at_batch(a: dict, b: dict, batch_a: int, batch_b: int, batch: int) -> dict | None:
@@ -233,7 +239,26 @@ def _at_batch(a: dict, b: dict, batch_a: int, batch_b: int, batch: int) -> dict 
     starts = a["starts"]
     ends = starts[1:] + [len(series)]
     phases = [max(series[i:j], default=0) for i, j in zip(starts, ends)]  # (a phase never entered: 0)
-    return dict(a, block_input=block_input, phases=phases, series=series)
+    largest = [_largest_at(x, y, span, step) for x, y in zip(a["largest"], b["largest"])]
+    return dict(a, block_input=block_input, phases=phases, series=series, largest=largest)
+
+
+def _largest_at(a: list[dict], b: list[dict], span: int, step: int) -> list[dict]:
+    """A phase's largest tensors between two batches (:func:`_at_batch`): each entry's bytes and sizes read off the
+    line through ``a``'s and ``b``'s (the same ops, dtypes and ranks in the same order, each exact), else ``[]``
+    (not known there). Reporting only."""
+    out = []
+    if len(a) != len(b):
+        return []
+    for x, y in zip(a, b):
+        if (x["op"], x["dtype"], len(x["shape"])) != (y["op"], y["dtype"], len(y["shape"])):
+            return []
+        values = [divmod(u * span + (v - u) * step, span) for u, v in
+                  zip((x["bytes"], *x["shape"]), (y["bytes"], *y["shape"]))]
+        if any(rest for _, rest in values):
+            return []
+        out.append(dict(x, bytes=values[0][0], shape=tuple(v for v, _ in values[1:])))
+    return sorted(out, key=lambda e: -e["bytes"])
 
 
 def _depths(layers: int) -> tuple[int, ...]:
@@ -257,18 +282,31 @@ def _extrapolated_step(built: list[dict], layers: int) -> int:
     or through a phase that runs several of these situations, as the earlier three phases did -- misses the later
     slope (at 126 blocks it put a ring of 8 at ZeRO 3 at 216 GiB per GPU for Llama 3.1 405B; the step holds a third
     of that)."""
+    return _phase_peaks(built, layers)[_peak_phase(built, layers)]
+
+
+def _phase_peaks(built: list[dict], layers: int) -> dict[int, int]:
+    """Each phase's peak at ``layers`` blocks (:func:`_extrapolated_step`), by phase."""
     if len(built) == 1:
-        return max(built[0]["phases"])
+        return dict(enumerate(built[0]["phases"]))
     shallow, deep = (p["phases"] for p in built)
     extend = layers - EXTRAPOLATED_FROM[1]
-    return max(y + extend * (y - x) for phase, (x, y) in enumerate(zip(shallow, deep)) if phase != MIDDLE_BLOCKS)
+    return {phase: y + extend * (y - x) for phase, (x, y) in enumerate(zip(shallow, deep)) if phase != MIDDLE_BLOCKS}
+
+
+def _peak_phase(built: list[dict], layers: int) -> int:
+    """The phase whose peak is the step's (the first of equals)."""
+    peaks = _phase_peaks(built, layers)
+    return max(peaks, key=lambda phase: (peaks[phase], -phase))
 
 
 def _extrapolated(built: list[dict], layers: int) -> Shards:
     first = built[0]
     rest, shards = first["rest"], first["tensor_shards"]
+    largest = built[-1].get("largest") or [[]] * _PHASES
     return Shards(first["root_at_rest"] + rest[0] + (layers - 1) * rest[-1], first["root"],
-                  (shards[0], *(shards[-1],) * (layers - 1)), first["block_input"], _extrapolated_step(built, layers))
+                  (shards[0], *(shards[-1],) * (layers - 1)), first["block_input"], _extrapolated_step(built, layers),
+                  tuple(largest[_peak_phase(built, layers)]))
 
 
 _SHARDS: dict[tuple, dict[int, dict]] = {}  # per model shape and rank: the profiles built, by batch
@@ -324,7 +362,8 @@ def peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_s
                fused: bool = False) -> dict:
     """Predicted peak bytes of one step on tensor-parallel rank ``rank`` (``None``: the rank with the largest
     total; ``ranks``: the largest over these): ``{"parameters", "gradients", "optimizer", "activations", "gathered",
-    "backward", "step", "total"}`` (module docstring). ``batch`` is per replica. ``fused``: AdamW's fused step (a
+    "backward", "step", "total", "largest"}`` (module docstring; ``largest``: the largest tensors alive at the
+    step's peak, :attr:`Shards.largest`, reporting only). ``batch`` is per replica. ``fused``: AdamW's fused step (a
     GPU's), whose only temporaries are per kernel, instead of the foreach step, which holds a float32 copy of the
     parameters (``sqrt`` of the second moments) at once: at ZeRO 3 in a deep model the step's peak."""
     if checkpointing not in ACTIVATION_CHECKPOINTING:
@@ -363,7 +402,7 @@ def _parts(layout, cfg, batch, seq, p, dp, stage, checkpointing, elem, rank, s: 
     backward = recompute + transient
     total = params + optimizer + s.step
     return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
-            "gathered": gathered, "backward": backward, "step": s.step, "total": total}
+            "gathered": gathered, "backward": backward, "step": s.step, "total": total, "largest": list(s.largest)}
 
 
 # ---- the 1-D baseline: torch's tensor parallelism with sequence parallelism x FSDP (torchtitan's recipe) --------

@@ -121,7 +121,8 @@ class RingLlamaAttention(nn.Module):
 
 class RingSwiGLU(nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` as one ring pass (:func:`~lightning_tp2d.metp.ring_mlp` with
-    ``activation="swiglu"``)."""
+    ``activation="swiglu"``; rows in ``options.tile_tokens`` tiles when ``I/p > h``, so the hidden blocks are
+    ``[tile, I/p]``, not ``[N, I/p]``)."""
 
     def __init__(self, mlp: nn.Module, mesh: DeviceMesh, *, options: RingOptions | None = None) -> None:
         super().__init__()

@@ -10,13 +10,16 @@ operand is a weight block while the activations stay put. ``N`` local tokens, ``
   from the one block that holds it. Backward: the accumulators ``dE_j`` (scatter-adds of this rank's output
   gradient rows) travel alone, ``p-1`` exchanges, ending at their owners.
 * LM head + cross-entropy: ``loss = mean_t (logsumexp_v z_tv - z_t,target)``, ``z = X Eᵀ``. Per step the
-  ``[N, Vb]`` logits block is folded into a running log-sum-exp and the target logit, so no rank ever holds
-  ``[N, V]`` logits; one all-reduce of ``[loss sum, count]`` (two numbers). Backward recomputes each block:
-  ``dZ_j = softmax - onehot``; ``dX += dZ_j E_j`` locally, ``dE_j += dZ_jᵀ X_i`` travelling with ``E_j``.
+  logits block of ``E_j`` is folded into a running log-sum-exp and the target logit ``options.tile_tokens`` rows
+  at a time (``[tile, Vb]``, float32; untiled ``[N, Vb]``), so no rank ever holds ``[N, V]`` logits, nor at long
+  sequences ``[N, Vb]`` (at Llama 3.1's vocabulary on a ring of 8, 131072 tokens per rank: 8 GiB in float32, four
+  times ``X`` in float32); one all-reduce of ``[loss sum, count]`` (two numbers). Backward recomputes each block,
+  tile by tile: ``dZ_j = softmax - onehot``; ``dX += dZ_j E_j`` locally, ``dE_j += dZ_jᵀ X_i`` travelling with
+  ``E_j``. The tiles change no exchange: they loop inside one ring step.
 
 Forward: ``p-1`` exchanges of the weight block. Backward: ``p-1`` of the block and ``p`` of its gradient
 (embedding: ``p-1`` of the gradient only). Every function takes ``options`` (:class:`~lightning_tp2d.metp.RingOptions`;
-only ``double_buffer`` matters here). Vocab hits are masks, never ``nonzero()``: no host sync, no data-dependent
+``double_buffer`` matters here, and ``tile_tokens`` to the cross-entropy). Vocab hits are masks, never ``nonzero()``: no host sync, no data-dependent
 shape, so the functions also run on the ``meta`` device.
 """
 
@@ -269,14 +272,19 @@ class _RingCrossEntropy(torch.autograd.Function):
         target_logit = torch.zeros_like(lse)
         keep = targets != IGNORE_INDEX
 
+        tiles = options.row_tiles(x.shape[0])
+
         def step(j, blocks):
             valid = max(0, min(rows, vocab_size - j * rows))  # columns past V are padding
             if valid == 0:
                 return
-            z = (x @ blocks[0][:valid].t()).to(acc)  # (N, valid)
-            torch.logaddexp(lse, torch.logsumexp(z, -1), out=lse)
+            w_j = blocks[0][:valid]
             local, hit = _block_hits(targets, j, rows, valid)
-            torch.where(hit, z.gather(1, local.unsqueeze(1)).squeeze(1), target_logit, out=target_logit)
+            for r in tiles:  # [tile, valid] logits at a time (options.tile_tokens)
+                z = (x[r] @ w_j.t()).to(acc)  # (tile, valid)
+                torch.logaddexp(lse[r], torch.logsumexp(z, -1), out=lse[r])
+                torch.where(hit[r], z.gather(1, local[r].unsqueeze(1)).squeeze(1), target_logit[r],
+                            out=target_logit[r])
 
         ring_forward((weight,), mesh, axis, step, double_buffer=options.double_buffer)
         per_token = torch.where(keep, lse - target_logit, lse.new_zeros(()))
@@ -293,18 +301,25 @@ class _RingCrossEntropy(torch.autograd.Function):
         scale = ((targets != IGNORE_INDEX).to(acc) * (grad.to(acc) / ctx.count)).unsqueeze(-1)  # (N, 1)
         dx = torch.zeros_like(x)
 
+        tiles = ctx.options.row_tiles(x.shape[0])
+
         def step(j, blocks):
             dweight = torch.zeros(weight.shape, dtype=acc, device=x.device)
             valid = max(0, min(rows, ctx.vocab_size - j * rows))
             if valid == 0:
                 return (dweight,)
             w_j = blocks[0][:valid]
-            dz = (x @ w_j.t()).to(acc).sub_(lse.unsqueeze(-1)).exp_()  # softmax block (N, valid)
             local, hit = _block_hits(targets, j, rows, valid)
-            dz.scatter_add_(1, local.unsqueeze(1), hit.to(acc).neg_().unsqueeze(1))  # - onehot; misses add -0
-            dz = dz.mul_(scale).to(x.dtype)
-            dx.addmm_(dz, w_j)
-            dweight[:valid] = dz.t() @ x
+            miss = hit.to(acc).neg_().unsqueeze(1)  # - onehot where hit; misses add -0
+            for r in tiles:  # [tile, valid] at a time (options.tile_tokens)
+                dz = (x[r] @ w_j.t()).to(acc).sub_(lse[r].unsqueeze(-1)).exp_()  # softmax block (tile, valid)
+                dz.scatter_add_(1, local[r].unsqueeze(1), miss[r])
+                dz = dz.mul_(scale[r]).to(x.dtype)
+                dx[r].addmm_(dz, w_j)
+                if len(tiles) == 1:
+                    dweight[:valid] = dz.t() @ x
+                else:
+                    dweight[:valid] += dz.t() @ x[r]
             return (dweight,)
 
         (dweight,) = ring_backward((weight,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
