@@ -287,6 +287,16 @@ torch (2.13)
     why: under ``torch.compile`` a ``DeviceMesh`` (a reference-type opaque object since torch 2.10) reaches
     ``assume_constant_result`` functions as a ``FakeScriptObject``; the table of op constants keeps the real mesh.
     public: none. Not found by the scan (the attribute name has no underscore); listed for the reader.
+
+DeepSpeed (0.19.8, the optional ``bench`` extra; the Ulysses rival only)
+-----------------------------------------------------------------------
+
+``parallel_state_sp._release_sequence_parallel_groups``
+    where: bench/ulysses.py:ulysses_attention
+    why: ``UlyssesSPAttentionHF.register_with_transformers`` builds DeepSpeed's sequence-parallel groups in a
+    module-level registry; releasing them when a scenario ends lets the next one (another ``p``, the same ranks)
+    register again instead of failing on groups that already exist.
+    public: none; DeepSpeed has no unregister.
 """
 
 from __future__ import annotations
@@ -392,4 +402,7 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("torch.testing._internal.distributed.fake_pg.FakeStore", ("bench/trace.py:fake_group",
                                                                "bench/trace.py:_run_here"),
      "importing it registers the 'fake' process-group backend the schedule tracer runs on"),
+    # ---- DeepSpeed (bench only) ----
+    ("parallel_state_sp._release_sequence_parallel_groups", ("bench/ulysses.py:ulysses_attention",),
+     "free DeepSpeed's sequence-parallel groups when a Ulysses scenario ends, so the next can register"),
 )

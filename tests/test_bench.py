@@ -108,12 +108,12 @@ def test_scenario_rules_come_from_the_layouts():
     from lightning_tp2d.bench.cli import local_mlp_shape
     from lightning_tp2d.bench.runner import SCENARIOS, check_scenario, input_multiples
 
-    assert SCENARIOS == ("single", "hf", "tp1d", "tp1d-sp", "cp", "cp-tp", "2d", "metp", "2d-metp")
+    assert SCENARIOS == ("single", "hf", "tp1d", "tp1d-sp", "cp", "cp-tp", "ulysses", "2d", "metp", "2d-metp")
     # (batch, sequence) multiples on 4 ranks: grid rows split the batch; zigzag layouts cut 2 * side chunks;
     # sequence parallelism splits the sequence; CP cuts 2 * (CP ranks) chunks (cp-tp: CP over 2, SP over 2 of each
     # rank's T/2 tokens)
-    assert [input_multiples(s, 4) for s in SCENARIOS] == [(1, 1), (1, 1), (1, 1), (1, 4), (1, 8), (1, 4), (2, 1),
-                                                          (1, 8), (1, 4)]
+    assert [input_multiples(s, 4) for s in SCENARIOS] == [(1, 1), (1, 1), (1, 1), (1, 4), (1, 8), (1, 4), (1, 4),
+                                                          (2, 1), (1, 8), (1, 4)]
     assert input_multiples("cp-tp", 8) == (1, 8) and input_multiples("cp-tp", 8, cp_tp_size=4) == (1, 8)
     spec = BenchSpec(overrides={"n_head": 12})
     assert "sequence length 62 is not divisible by 2*q=4" in check_scenario("2d-metp", 4, spec, 1, 62)

@@ -148,9 +148,12 @@ def _drop_rank_detail(rows: list[dict]) -> list[dict]:
 def local_mlp_shape(layout: str, tokens: int, h: int, p: int) -> tuple[int, int, int]:
     """``(m, k, n)`` of one rank's first MLP product ``[m, k] @ [k, n]`` with ``tokens`` tokens on ``p`` ranks.
 
-    Baselines: ``single`` (``p = 1``) holds everything, 1-D TP all tokens and ``4h/p`` columns. A layout splits
+    Baselines: ``single`` (``p = 1``) holds everything, 1-D TP all tokens and ``4h/p`` columns, Ulysses ``tokens/p``
+    tokens and every column (sequence-sharded around the attention, whole weights gathered by FSDP). A layout splits
     the tokens and the ``4h`` columns over its side (``q`` of a grid, ``p`` of a ring); a grid also splits the
     ``h`` inputs over ``col``, a ring keeps them whole (the weight blocks travel instead)."""
+    if layout == "ulysses":
+        return tokens // p, h, 4 * h
     if layout in BASELINES:  # single runs on p = 1
         return tokens, h, 4 * h // p
     rules = layouts.get_layout(layout)

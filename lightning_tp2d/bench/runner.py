@@ -11,6 +11,7 @@ tp1d       p      PyTorch's 1-D tensor parallelism (:mod:`lightning_tp2d.bench.t
 tp1d-sp    p      the same with sequence parallelism (:mod:`lightning_tp2d.bench.tp1d_sp`; seq divisible by p)
 cp         p      torch's context parallelism x FSDP2, both over p (:mod:`lightning_tp2d.bench.context_parallel`)
 cp-tp      p      CP over p / t x 1-D TP + SP over t = ``BenchSpec.cp_tp_size`` (default 2), FSDP2 over the CP axis
+ulysses    p      DeepSpeed's Ulysses SP + ALST's TiledMLP and tiled loss, checkpointing, FSDP2 (:mod:`~.bench.ulysses`)
 2d         p      TP2D, SUMMA on a q x q grid
 metp       p      METP ring over p ranks
 2d-metp    p      grid rows split the sequence, attention rings along rows
@@ -55,6 +56,7 @@ import torch.distributed as dist
 from lightning_tp2d import layouts
 from lightning_tp2d.bench import context_parallel as cp
 from lightning_tp2d.bench import cost_model
+from lightning_tp2d.bench import ulysses
 from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
 from lightning_tp2d.bench.context_parallel import SentBytes
 from lightning_tp2d.bench.events import totals, wire_bytes
@@ -71,7 +73,7 @@ from lightning_tp2d.models import GPT2, GPT2Config, Llama
 from lightning_tp2d.models.config import max_seq_len
 from lightning_tp2d.parallelize import checkpoint_activations, parallelize
 
-BASELINES = ("single", "hf", "tp1d", "tp1d-sp", "cp", "cp-tp")  # bench scenarios that are not layouts
+BASELINES = ("single", "hf", "tp1d", "tp1d-sp", "cp", "cp-tp", "ulysses")  # bench scenarios that are not layouts
 TP1D = ("tp1d", "tp1d-sp")  # torch's 1-D tensor parallelism, without and with sequence parallelism
 CONTEXT_PARALLEL = ("cp", "cp-tp")  # torch's context parallelism x FSDP2 (bench.context_parallel), Llama only
 SINGLE_DEVICE = ("single", "hf")
@@ -123,6 +125,8 @@ def input_multiples(layout: str, p: int, cp_tp_size: int = 2) -> tuple[int, int]
     pair split again by sequence parallelism in ``cp-tp``)."""
     if layout == "tp1d-sp":
         return 1, p
+    if layout == "ulysses":
+        return 1, p
     if layout in CONTEXT_PARALLEL:
         chunks = 2 * p // (cp_tp_size if layout == "cp-tp" else 1)
         return 1, chunks * p // math.gcd(chunks, p)
@@ -143,6 +147,8 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
         return f"the {layout!r} baseline is GPT-2 only (model {spec.model!r} is a {family.model_class.__name__})"
     if layout in CONTEXT_PARALLEL:
         return context_parallel_problem(layout, p, spec, seq)
+    if layout == "ulysses":
+        return ulysses_problem(p, spec, seq)
     if layout not in BASELINES and layout not in family.layouts:
         return (f"model family {family.name!r} ({family.model_class.__name__}) has no plan for layout {layout!r} "
                 f"yet; layouts it has: {list(family.layouts)}")
@@ -200,6 +206,25 @@ def context_parallel_problem(layout: str, p: int, spec: BenchSpec, seq: int) -> 
     return None
 
 
+def ulysses_problem(p: int, spec: BenchSpec, seq: int) -> str | None:
+    """Why ``ulysses`` cannot run on ``p`` ranks at this sequence length, or ``None``."""
+    cfg = spec.config(seq)
+    family = family_of_config(cfg)
+    if not issubclass(family.model_class, Llama):
+        return (f"the 'ulysses' baseline runs transformers' LlamaForCausalLM with the package's Llama weights (model "
+                f"{spec.model!r} is a {family.model_class.__name__})")
+    if spec.dtype != "float32" or spec.compile or spec.device != "cpu":
+        return (f"the 'ulysses' baseline runs eager float32 on CPU gloo here (got dtype {spec.dtype}, compile "
+                f"{spec.compile or 'off'}, device {spec.device})")
+    if cfg.dropout:
+        return f"dropout={cfg.dropout}: compared without dropout; use 0.0"
+    try:
+        ulysses.check_ulysses(cfg, p, seq)
+    except ValueError as e:
+        return str(e)
+    return ulysses.deepspeed_problem()
+
+
 # ---- one rank ------------------------------------------------------------------------------------------
 
 
@@ -238,6 +263,20 @@ def _context_parallel(layout: str, spec: BenchSpec, model: Llama, world_size: in
                   lambda loss: cp.mean_loss(loss, mesh).item(), cp.group_sizes(mesh), fsdp=True)
 
 
+def _ulysses(spec: BenchSpec, model: Llama, world_size: int, idx: torch.Tensor, targets: torch.Tensor) -> _Built:
+    """``ulysses`` on this rank (:mod:`~lightning_tp2d.bench.ulysses`): DeepSpeed's attention registered for the
+    process (fresh processes per scenario), the forward this rank's :func:`~.ulysses.sequence_loss`."""
+    rank, seq = dist.get_rank(), idx.size(1)
+    lm = ulysses.build_ulysses(model, world_size, idx.size(0), seq)
+    registered = ulysses.ulysses_attention(lm, world_size, idx.size(0), seq)
+    sp_group = registered.__enter__()  # for the process's life: every step runs Ulysses
+    lm.ulysses_registration = registered  # a collected context would run its exit and unregister
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4)
+    return _Built(lm, optimizer, lambda: ulysses.sequence_loss(lm, idx, targets, rank, world_size),
+                  loss_value=lambda loss: ulysses.mean_loss(loss, world_size).item(),
+                  groups=ulysses.group_sizes(sp_group, lm.fsdp_mesh), fsdp=True)
+
+
 def _build(layout: str, spec: BenchSpec, seq: int, world_size: int) -> _Built:
     """The model of ``layout`` on this rank, its optimizer and the step function."""
     cfg = spec.config(seq)
@@ -258,7 +297,7 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int) -> _Built:
                                f"unexpected {result.unexpected_keys}")
     else:
         model = family_of_config(cfg).model_class(cfg)
-        if layout in ("single", *CONTEXT_PARALLEL):
+        if layout in ("single", "ulysses", *CONTEXT_PARALLEL):
             model = model.to(device)
         elif layout in TP1D:
             parallelize_1d(model.to(device), init_tp1d_mesh(world_size, device_type=device.type),
@@ -272,6 +311,8 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int) -> _Built:
     idx, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     if layout in CONTEXT_PARALLEL:  # sharded after the data is drawn (the same data as every other scenario)
         return _context_parallel(layout, spec, model, world_size, device, idx, targets)
+    if layout == "ulysses":
+        return _ulysses(spec, model, world_size, idx, targets)
     if spec.compile:  # the timed steps run compiled; the measured step's dispatch modes make Dynamo run it eagerly
         if layout != "hf":
             model.validate_inputs = False  # the ids are drawn in range; value checks would read the device
