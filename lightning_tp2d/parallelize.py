@@ -69,7 +69,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = "2d",
 
     ``on_block(block)`` is called with each transformer block (the family's ``blocks``) as soon as all its modules
     are parallel, before the next module is materialised: :func:`lightning_tp2d.fsdp.shard_block` there cuts each
-    block over ``data_parallel`` at once, so its tensor shards are freed before the next block is built."""
+    block over ``data_parallel`` at once, so its tensor shards are freed before the next block is built.
+
+    Under autocast (``bf16-mixed``) the parallel model runs its residual stream in the autocast dtype
+    (``model.residual_in_compute_dtype``): block inputs and every saved activation are bf16 at every ZeRO stage,
+    parameters, gradients and optimizer state float32."""
     family = family_of(model)
     if family is None:
         raise TypeError(f"parallelize expects a lightning_tp2d.models.GPT2 or another registered model family "
@@ -100,6 +104,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = "2d",
         setattr(parent, attr, new)
         for block in finished.get(i, ()) if on_block is not None else ():
             on_block(block)
+    model.residual_in_compute_dtype = True  # bf16 activations under bf16-mixed at every stage (gpt2.in_compute_dtype)
     model.tp = ParallelHandle(spec, mesh, p, dp)
     return model
 

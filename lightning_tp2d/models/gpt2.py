@@ -151,9 +151,9 @@ class Block(nn.Module):
 
     def __init__(self, config: GPT2Config):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
@@ -187,6 +187,45 @@ class LMHead(nn.Module):
         return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
 
 
+def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype when autocast is on for its device (``bf16-mixed``), else ``x``.
+
+    A model with ``residual_in_compute_dtype`` (every model :func:`~lightning_tp2d.parallelize` parallelizes) calls
+    it on the embedding output, so the residual stream, each block's input (the one tensor full activation
+    checkpointing saves) and every activation saved for the backward are bf16 under ``bf16-mixed``, as under FSDP's
+    bf16 ``param_dtype`` (and transformers' bf16 models); parameters, their gradients and the optimizer state stay
+    float32. The norms keep the stream's dtype (their weights are cast to it, their statistics computed in float32),
+    so nothing promotes it back. A plain model keeps autocast's float32 stream unless the attribute is set."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if x.dtype != dtype:
+            return x.to(dtype)
+    return x
+
+
+def layer_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, bias: torch.Tensor | None,
+               eps: float) -> torch.Tensor:
+    """``F.layer_norm`` in ``x``'s dtype. Under autocast a bf16 ``x`` stays bf16: autocast would run
+    ``layer_norm`` in float32, saving a float32 copy of the input for the backward and handing float32 on; here the
+    weight and bias are cast to ``x``'s dtype and the kernel accumulates its statistics in float32. Outside autocast,
+    or for a float32 ``x``, it is ``F.layer_norm`` exactly."""
+    if x.dtype in (torch.float32, torch.float64) or not torch.is_autocast_enabled(x.device.type):
+        return F.layer_norm(x, shape, weight, bias, eps)
+    weight = None if weight is None else weight.to(x.dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.layer_norm(x, shape, weight, bias, eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that keeps a bf16 input bf16 under autocast (:func:`layer_norm`); the same parameters and
+    state-dict keys, and outside autocast exactly ``nn.LayerNorm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
 def logits_position(idx: torch.Tensor, targets: torch.Tensor | None, logits_at: int | None) -> int | None:
     """``logits_at`` as a position ``0 <= t < T`` of ``idx [B, T]`` (``None`` stays ``None``); ``ValueError`` for a
     position outside ``[-T, T)`` or given with targets (a loss reads every position)."""
@@ -208,6 +247,9 @@ class GPT2(nn.Module):
     # device-to-host sync per step on a GPU. CausalLMModule turns it off and checks each batch on the host before
     # it moves to the device instead; turn it off too where the ids cannot be read (a fake-tensor schedule trace).
     validate_inputs: bool = True
+    # Under autocast, run the residual stream in the autocast dtype (in_compute_dtype): parallelize() sets it, so
+    # every layout saves bf16 activations under bf16-mixed at every ZeRO stage; a plain model keeps float32.
+    residual_in_compute_dtype: bool = False
 
     def __init__(self, config: GPT2Config):
         super().__init__()
@@ -221,7 +263,7 @@ class GPT2(nn.Module):
                 wpe=nn.Embedding(config.block_size, config.n_embd),  # position embedding [block_size, h]
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+                ln_f=LayerNorm(config.n_embd, bias=config.bias),
             ))
             self.lm_head = LMHead(self.transformer.wte.weight)  # tied: one Parameter, two names
         self.init_weights()
@@ -341,7 +383,8 @@ class GPT2(nn.Module):
         T = idx.size(1)
         pos = torch.arange(T, device=idx.device)  # (T,)
         tr = self.transformer
-        x = tr.drop(tr.wte(idx) + tr.wpe(pos))  # (B, T, h) + (T, h) -> (B, T, h)
+        x = tr.wte(idx) + tr.wpe(pos)  # (B, T, h) + (T, h) -> (B, T, h)
+        x = tr.drop(in_compute_dtype(x) if self.residual_in_compute_dtype else x)
         for block in tr.h:
             x = block(x) if documents is None else block(x, documents)
         x = tr.ln_f(x)

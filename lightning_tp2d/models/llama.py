@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints
 from lightning_tp2d.models.documents import Documents
-from lightning_tp2d.models.gpt2 import GPT2, LMHead, _fill_normal_, logits_position
+from lightning_tp2d.models.gpt2 import GPT2, LMHead, _fill_normal_, in_compute_dtype, logits_position
 from lightning_tp2d.models.hf import (HEAD_WIDTH, HEADS, LAYERS, MLP_WIDTH, POSITIONS, VOCAB, WIDTH, HFFormat,
                                       check_hf_sizes)
 from lightning_tp2d.models.rope import RoPE, apply_rope, rope_cache, rope_inv_freq, rotate_half
@@ -209,13 +209,66 @@ LlamaConfig.NAMED = _NAMED_CONFIGS
 
 # ---- functions the parallel layers reuse ---------------------------------------------------------------------------
 
+NORM_CHUNK_ELEMENTS = 1 << 24  # float32 temporaries of a bf16 RMSNorm: rows in chunks of at most 64 MiB of them
+
+
+def _row_chunks(rows: int, width: int) -> list[slice]:
+    step = max(1, NORM_CHUNK_ELEMENTS // width)
+    return [slice(i, min(rows, i + step)) for i in range(0, rows, step)]
+
+
+class _HalfRMSNorm(torch.autograd.Function):
+    """:func:`rms_norm` of a bf16 / float16 ``x`` that saves ``x`` itself and the float32 reciprocal RMS (one number
+    per row) for the backward, where autograd through the float32 upcast would save float32 copies of ``x``: twice
+    the bytes of the activation it normalises. Forward and backward run in float32 over chunks of rows
+    (:data:`NORM_CHUNK_ELEMENTS`), so their float32 temporaries stay bounded at any sequence length (unchunked,
+    five float32 ``[T/p, h]`` temporaries of the backward set a long-context block's peak). The forward's
+    arithmetic is :func:`rms_norm`'s, row by row."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        h = x.shape[-1]
+        rows = x.reshape(-1, h)
+        out = torch.empty_like(rows)
+        rstd = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)
+        w = weight.to(x.dtype)
+        for part in _row_chunks(rows.shape[0], h):
+            xf = rows[part].float()
+            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            rstd[part] = r
+            torch.mul(w, (xf * r).to(x.dtype), out=out[part])
+        ctx.save_for_backward(x, weight, rstd)
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        h = x.shape[-1]
+        rows, grads = x.reshape(-1, h), grad.reshape(-1, h)
+        dx = torch.empty_like(rows)
+        dweight = torch.zeros(h, dtype=torch.float32, device=x.device)
+        w = weight.to(x.dtype).float()
+        for part in _row_chunks(rows.shape[0], h):
+            r = rstd[part]
+            xhat = rows[part].float() * r
+            g = grads[part].float()
+            dweight += (g * xhat.to(x.dtype).float()).sum(0)
+            dxhat = g * w
+            dx[part] = (r * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return dx.view(x.shape), dweight.to(weight.dtype), None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x², last dim) + eps), normalised in at least float32 and cast back before the
-    weight multiplies, as transformers' ``LlamaRMSNorm`` (which also downcasts float64; this keeps float64)."""
+    weight multiplies, as transformers' ``LlamaRMSNorm`` (which also downcasts float64; this keeps float64). The
+    result has x's dtype: a float32 weight is cast to a bf16 x (``bf16-mixed``) rather than promoting the result,
+    and a bf16 x is saved for the backward as it is (:class:`_HalfRMSNorm`), never as a float32 copy."""
     dtype = x.dtype
+    if dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled():
+        return _HalfRMSNorm.apply(x, weight, eps)
     xf = x.to(torch.promote_types(dtype, torch.float32))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    return weight.to(dtype) * xf.to(dtype)  # in x's dtype: bf16 stays bf16 under autocast (float32 weights)
 
 
 # ---- modules -------------------------------------------------------------------------------------------------------
@@ -311,6 +364,7 @@ class Llama(nn.Module):
 
     # Check token-id values on every forward (see GPT2.validate_inputs: a host sync per step on a GPU).
     validate_inputs: bool = True
+    residual_in_compute_dtype: bool = False  # as GPT2's: set by parallelize()
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -377,6 +431,8 @@ class Llama(nn.Module):
         at = logits_position(idx, targets, logits_at)
         m = self.model
         x = m.embed_tokens(idx)  # (B, T, h)
+        if self.residual_in_compute_dtype:  # bf16 under bf16-mixed (gpt2.in_compute_dtype)
+            x = in_compute_dtype(x)
         for layer in m.layers:
             x = layer(x) if documents is None else layer(x, documents)
         x = m.norm(x)

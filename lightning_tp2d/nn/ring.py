@@ -37,6 +37,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_tp2d import recompute
 from lightning_tp2d.layouts import Ring
 from lightning_tp2d.metp import RingOptions, ring_attention, ring_mlp, ring_options
+from lightning_tp2d.models.gpt2 import layer_norm
 from lightning_tp2d.nn.functional import (autocast_operands, axis_index, pad_rows, shard_bias, shard_parameter,
                                           sum_grad_along)
 from lightning_tp2d.nn.ring_stream import (ColumnBlocks, HeadBlocks, ring_cross_entropy, ring_embedding,
@@ -96,8 +97,8 @@ class RingLayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = sum_grad_along(self.weight.to_local(), self.mesh, AXIS)
         b = None if self.bias is None else sum_grad_along(self.bias.to_local(), self.mesh, AXIS)
-        y = F.layer_norm(x, self.normalized_shape, w, b, self.eps)
-        return recompute.mark(y, lambda: F.layer_norm(x, self.normalized_shape, w, b, self.eps))
+        y = layer_norm(x, self.normalized_shape, w, b, self.eps)  # in x's dtype (bf16 stays bf16)
+        return recompute.mark(y, lambda: layer_norm(x, self.normalized_shape, w, b, self.eps))
 
 
 def refuse_attention_dropout(module: nn.Module) -> None:

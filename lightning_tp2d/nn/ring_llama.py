@@ -106,7 +106,8 @@ class RingLlamaAttention(nn.Module):
         q = self.q_proj(x2d, HeadBlocks(1, B, S, self.n_head, hs, p), self.options)[0]  # (B, nh, S, hs)
         # k and v in one ring pass: each rank's weight block is its k rows then its v rows (as GPT-2's c_attn)
         (wk, _), (wv, _) = self.k_proj.local(), self.v_proj.local()
-        k, v = ring_linear_out(x2d, torch.cat([wk, wv]), None, self.mesh, AXIS,
+        x2d, wkv = autocast_operands(x2d, torch.cat([wk, wv]))  # as RingLinear does for q
+        k, v = ring_linear_out(x2d, wkv, None, self.mesh, AXIS,
                                HeadBlocks(2, B, S, self.n_kv_head, hs, p), options=self.options)  # (B, nkv, S, hs)
         cos, sin = rope_cache(zigzag_positions(S * p, p, i, x.device), hs, self.rope)  # absolute positions
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
