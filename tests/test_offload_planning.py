@@ -87,3 +87,32 @@ def test_longest_sequence_is_the_last_multiple_that_fits_and_says_what_limits_it
         without = planner.longest_sequence(CFG, layout="metp", p=8, zero_stage=0, gpu_memory_gib=80,
                                            hw=H100_NVLINK4_NDR, memory_fn=fn, multiple=multiple)
         assert seq > 2 * without["seq"]
+
+
+def test_ulysses_rows_price_with_its_own_estimate_and_all_to_alls():
+    """The Ulysses rival (ALST's schedule) is priced by the planner like cp: its memory is ``ulysses_peak_bytes``,
+    its step the plain model's FLOPs over p plus TiledMLP's recomputation and 4 all-to-alls per block and pass,
+    none hidden; offload applies the same rule as to every row."""
+    from lightning_tp2d.bench import cost_model
+    from lightning_tp2d.bench.ulysses import ulysses_peak_bytes
+    hw = H100_NVLINK4_NDR
+    seq = 1 << 20
+    row = planner.price(CFG, layout=planner.ULYSSES, p=8, dp=1, zero_stage=3, checkpointing="full", micro_batch=1,
+                        grad_accum=1, seq=seq, hw=hw, gpus_per_node=8)
+    assert row.memory_gib * GIB == ulysses_peak_bytes(CFG, 1, seq, 8, elem=2)["peak"]
+    step = cost_model.ulysses_step_time(CFG, 1, seq, 8, hw)
+    hs = CFG.n_embd // CFG.n_head
+    rows = seq // 8
+    per_block = [rows * w * 2 for w in (CFG.n_embd, 8 * hs, 8 * hs, CFG.n_embd)]
+    assert step["comm_bytes"] == 3 * CFG.n_layer * sum(per_block)  # forward, recomputation, backward
+    assert step["exposed_comm_s"] == step["comm_s"] > 0
+    assert cost_model.collective_time("all_to_all", 8, 8e6, hw.intra) == pytest.approx(
+        7 * (hw.intra.latency_s + 1e6 / hw.intra.bandwidth_Bps))
+    plain = cost_model.cp_step_time(CFG, 1, seq, 8, hw, checkpointing="full")["flops"]
+    assert step["flops"]["attention"] == plain["attention"]  # the same causal scores per GPU
+    offloaded = planner.price(CFG, layout=planner.ULYSSES, p=8, dp=1, zero_stage=3, checkpointing="full",
+                              micro_batch=1, grad_accum=1, seq=seq, hw=hw, gpus_per_node=8, offload=True)
+    assert offloaded.activation_offload and offloaded.memory_gib < row.memory_gib
+    with pytest.raises(ValueError, match="ALST's schedule"):
+        planner.price(CFG, layout=planner.ULYSSES, p=8, dp=1, zero_stage=3, checkpointing="none", micro_batch=1,
+                      grad_accum=1, seq=seq, hw=hw, gpus_per_node=8)

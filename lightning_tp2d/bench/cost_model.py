@@ -411,7 +411,8 @@ def collective_time(kind: str, n: int, nbytes: float, link: Link) -> float:
     Broadcast / reduce (pipelined tree): ``latency * ceil(log2 n) + nbytes / bw``; ring all-reduce:
     ``2(n-1) latency + 2(n-1)/n * nbytes / bw``; all-gather (of the local input): ``(n-1)(latency + nbytes/bw)``;
     reduce-scatter (of the full input): ``(n-1)(latency + nbytes/(n bw))``; send and ring exchange:
-    ``latency + nbytes / bw``. A ``recv`` costs nothing: it is the other direction of the matching ``send``
+    ``latency + nbytes / bw``; all-to-all (of the local input): ``(n-1)(latency + nbytes/(n bw))``. A ``recv`` costs
+    nothing: it is the other direction of the matching ``send``
     (full-duplex links), so a swap is charged once.
     """
     lat, bw = link.latency_s, link.bandwidth_Bps
@@ -427,6 +428,8 @@ def collective_time(kind: str, n: int, nbytes: float, link: Link) -> float:
         return (n - 1) * (lat + nbytes / (n * bw))
     if kind in ("send", "ring_exchange"):
         return lat + nbytes / bw
+    if kind == "all_to_all":  # of the local input: (n-1)/n of it leaves, one message per peer
+        return (n - 1) * (lat + nbytes / (n * bw))
     raise ValueError(f"unknown communication kind {kind!r}")
 
 
@@ -560,6 +563,42 @@ def cp_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
     compute += split_gemms * hw.gemm_overhead_s
     return {"compute_s": compute, "comm_s": comm_s, "exposed_comm_s": exposed, "total_s": compute + exposed,
             "comm_bytes": nbytes, "rank": 0, "flops": fl}
+
+
+def ulysses_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2, *,
+                      checkpointing: str = "full", mlp_tiles: bool = True) -> dict:
+    """Projected seconds of one step of Ulysses sequence parallelism with ALST's tiling over ``p`` ranks
+    (:mod:`lightning_tp2d.bench.ulysses`: DeepSpeed's ``UlyssesSPAttentionHF``, ``TiledMLP``,
+    ``TiledFusedLogitsLoss``; FSDP2 over the ranks is the planner's data-parallel part), as :func:`cp_step_time`
+    returns them.
+
+    FLOPs: the plain model's (with ``checkpointing``) over ``p``: every linear runs on ``T/p`` tokens and each rank's
+    attention covers the whole causal sequence for ``n_head / p`` heads (balanced without a zigzag); ``mlp_tiles``:
+    ``TiledMLP`` recomputes each tile's forward once more in the backward (its forward keeps no graph), one MLP
+    forward more per block. The tiled loss runs each tile's backward inside the forward: no recomputation.
+    Communication: per block and pass (forward, its recomputation under full checkpointing, backward), four
+    all-to-alls over the ``p`` ranks: q (``h``), k and v (``n_kv_head * hs`` each, or ``p * hs`` when DeepSpeed
+    replicates the key/value heads up to ``p``) and the output (``h``), ``batch * T/p`` rows of ``elem`` bytes each;
+    DeepSpeed issues them between the projections and the attention kernel, so none is hidden."""
+    hs = cfg.n_embd // cfg.n_head
+    kv_heads = max(getattr(cfg, "n_kv_head", cfg.n_head), p)
+    single = flops("single", cfg, batch, seq, 1, checkpointing, elem)
+    fl = {k: (v if k == "gemms" else v / p) for k, v in single.items()}
+    if mlp_tiles:
+        inner = getattr(cfg, "intermediate_size", 4 * cfg.n_embd)
+        mats = 3 if hasattr(cfg, "intermediate_size") else 2
+        again = cfg.n_layer * 2.0 * batch * seq / p * cfg.n_embd * inner * mats
+        fl = {**fl, "backward": fl["backward"] + again, "total": fl["total"] + again, "matmul": fl["matmul"] + again}
+    compute = (fl["matmul"] / hw.matmul_flops_per_s + fl["gemms"] * hw.gemm_overhead_s
+               + fl["attention"] / hw.attention_flops_per_s)
+    rows = batch * seq // p
+    widths = (cfg.n_embd, kv_heads * hs, kv_heads * hs, cfg.n_embd)
+    passes = 3 if checkpointing == "full" else 2
+    link = _link(hw, range(p))
+    calls = [(rows * w * elem) for w in widths] * passes * cfg.n_layer
+    comm = sum(collective_time("all_to_all", p, nbytes, link) for nbytes in calls)
+    return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": comm, "total_s": compute + comm,
+            "comm_bytes": sum(calls), "rank": 0, "flops": fl}
 
 
 def _representative_ranks(layout: str, p: int) -> list[int]:

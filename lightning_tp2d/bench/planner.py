@@ -70,11 +70,12 @@ from lightning_tp2d.bench.cost_model import Hardware, collective_time, data_para
 from lightning_tp2d.bench.memory_model import (baseline_activation_bytes, baseline_peak_bytes, parameter_split,
                                                peak_bytes)
 from lightning_tp2d.bench.trace import ranks_as_asked, trace_step
+from lightning_tp2d.bench.ulysses import ulysses_peak_bytes
 from lightning_tp2d.families import family_of_config, fits, model_config
 from lightning_tp2d.layouts import get_layout, layout_names
 from lightning_tp2d.models.config import max_seq_len
 
-__all__ = ["PlanRow", "plan", "price", "longest_sequence", "offload_memory", "offload_time", "HARDWARE", "CP", "CP_TP", "ELEMENTWISE_PASSES", "GPT2_H200", "ASYNC_TP_OVERLAP",
+__all__ = ["ULYSSES", "PlanRow", "plan", "price", "longest_sequence", "offload_memory", "offload_time", "HARDWARE", "CP", "CP_TP", "ELEMENTWISE_PASSES", "GPT2_H200", "ASYNC_TP_OVERLAP",
            "data_parallel_time", "NothingFits"]
 
 GIB = 2**30
@@ -85,6 +86,7 @@ OPTIMIZER_BYTES_PER_ELEMENT = 28  # AdamW: read param, grad, exp_avg, exp_avg_sq
 BASELINE = "tp1d-sp"
 CP = "cp"  # torch's context parallelism x FSDP2 (lightning_tp2d.bench.context_parallel): priced by price(), not planned
 CP_TP = "cp-tp"  # the same x 1-D TP + SP inside each CP rank (torchtitan's composition): priced by price(), not planned
+ULYSSES = "ulysses"  # DeepSpeed's Ulysses SP + ALST's tiling x FSDP2 (lightning_tp2d.bench.ulysses): priced, not planned
 MAX_MICRO_BATCH = 16  # sequences per micro-batch tried at most by default (a layout needing more tries its least)
 log = logging.getLogger(__name__)
 
@@ -267,12 +269,19 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     if offload and checkpointing != "full":
         raise ValueError(f"activation offload moves the inputs full checkpointing keeps; got checkpointing="
                          f"{checkpointing!r}")
-    baseline, cp = layout == BASELINE, layout in (CP, CP_TP)
+    baseline, cp, ulysses = layout == BASELINE, layout in (CP, CP_TP), layout == ULYSSES
     hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
     passes = ELEMENTWISE_PASSES["compiled" if compiled else "eager"]
     split = parameter_split(cfg)
     inner = cp_tp_size if layout == CP_TP else 1  # TP ranks inside each CP rank
-    if cp:
+    if ulysses:
+        if zero_stage != 3 or async_tp or checkpointing != "full":
+            raise ValueError(f"'ulysses' runs ALST's schedule: FSDP2 at zero_stage 3, full checkpointing, no async "
+                             f"TP; got zero_stage={zero_stage}, checkpointing={checkpointing!r}, async_tp={async_tp}")
+        micro = cost_model.ulysses_step_time(cfg, micro_batch, seq, p, hw, ELEMENT, checkpointing=checkpointing)
+        async_tp = False
+        saved = baseline_activation_bytes(cfg, micro_batch, seq // p, 1, elem=ELEMENT, ep=ELEMENT)["total"]
+    elif cp:
         if zero_stage != 3 or (async_tp and inner == 1):
             raise ValueError(f"{layout!r} runs FSDP2 at zero_stage 3{' and no async TP' if inner == 1 else ''}, got "
                              f"zero_stage={zero_stage}, async_tp={async_tp}")
@@ -318,8 +327,9 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
         memory = offload_memory(memory, cfg, micro_batch, seq, p, gpus_per_node)
         host = offload_time(cfg, micro_batch, seq, p, hw, forward_s, backward_s)
         micro_s += host["exposed_s"]
-    tensor = inner if cp else p  # the ranks that cut each parameter before FSDP / ZeRO shards it
-    shard = lambda n, vectors: (n - vectors) / tensor + vectors if baseline or cp else n / tensor  # noqa: E731
+    tensor = inner if cp else 1 if ulysses else p  # the ranks that cut each parameter before FSDP / ZeRO shards it
+    shard = (lambda n, vectors: (n - vectors) / tensor + vectors if baseline or cp or ulysses  # noqa: E731
+             else n / tensor)
     root, block = shard(split.root, split.root_vectors), shard(split.block, split.block_vectors)
     sharding, ranks = dp, p  # FSDP / ZeRO over the replicas, each replica's tensor shard of ranks
     # gathered again in the backward at stage 3: the baseline's untied embedding (its own group), cp's whole root
@@ -327,6 +337,8 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     if cp:  # FSDP over the CP ranks of every replica, of each tensor rank's (cp: whole) parameters
         sharding, ranks = p // inner * dp, inner
         regathered = root
+    if ulysses:  # FSDP2 over every rank of every replica; the root kept gathered from forward to backward
+        sharding, ranks, regathered = p * dp, 1, 0.0
     data = data_parallel_time(root=root, block=block, n_layer=split.n_layer, dp=sharding, tp=ranks, stage=zero_stage,
                               gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s, backward_s=backward_s,
                               grad_accum=grad_accum, regathered=regathered)
@@ -560,6 +572,11 @@ def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_b
     :func:`~lightning_tp2d.bench.memory_model.baseline_peak_bytes`, or ``"cp"`` / ``"cp-tp"``'s
     :func:`~lightning_tp2d.bench.context_parallel.cp_peak_bytes` (CP over ``p`` / ``p / cp_tp_size`` ranks; its FSDP2
     is stage 3 whatever ``stage`` says)."""
+    if layout == ULYSSES:
+        found = ulysses_peak_bytes(cfg, micro_batch, seq, p, dp=dp, checkpointing=mode, elem=ELEMENT)
+        parts = found["parts"]
+        return {**parts, "parameters": parts["states"], "total": found["peak"], "largest": found["largest"],
+                "largest_bytes": found["largest_bytes"]}
     if layout in (CP, CP_TP):
         inner = cp_tp_size if layout == CP_TP else 1
         return cp_peak_bytes(cfg, micro_batch, seq, p // inner, dp=dp, checkpointing=mode, elem=ELEMENT, tp=inner)
