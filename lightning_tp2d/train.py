@@ -21,8 +21,11 @@ import csv
 import importlib.util
 import json
 import logging
+import math
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import time
 import warnings
@@ -158,8 +161,9 @@ def train(cfg: DictConfig, run_dir: Path, ranks: RankWatch | None = None) -> flo
     module = instantiate(cfg.module)
     # no ModelCheckpoint listed (callbacks=none, callbacks.model_checkpoint=null): none of Lightning's either
     extra = {} if checkpoint is not None or "enable_checkpointing" in cfg.trainer else {"enable_checkpointing": False}
-    trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.parallel), logger=loggers or False,
-                          callbacks=callbacks, default_root_dir=str(run_dir), **extra)
+    strategy = instantiate(cfg.parallel, **strategy_overrides(cfg.parallel))
+    trainer = instantiate(cfg.trainer, strategy=strategy, logger=loggers or False, callbacks=callbacks,
+                          default_root_dir=str(run_dir), **extra)
     ranks.take_over(trainer.strategy.launcher)  # the ranks Lightning starts: watched by this process, not Lightning
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path,  # weights_only=False: trust its pickles
@@ -417,6 +421,8 @@ def check_config(cfg: DictConfig, model) -> str:
         if p is not None and devices is not None:
             check_memory(cfg, model, p, dp, devices)
         check_data_size(cfg, dp or 1)
+        if p is not None and devices is not None:  # last: it takes a minute for a large model
+            check_fit(cfg, model, p, dp, devices)
     return f"{plan} ({where})"
 
 
@@ -484,6 +490,138 @@ def check_data_size(cfg: DictConfig, replicas: int) -> None:
         check(replicas=replicas, validates=cfg.trainer.get("limit_val_batches") not in (0, 0.0), key="data.")
     except (ValueError, OSError) as err:
         raise ConfigError(str(err)) from None
+
+
+FIT_FRACTION = 0.9  # the share of a device's memory a run may fill, as the planner's memory_fraction (the rest:
+# allocator fragmentation and kernel workspaces, which the memory model does not count)
+
+
+def strategy_overrides(par: DictConfig) -> dict:
+    """Arguments that replace ``parallel``'s when the strategy is built: a named layout's ``memory_gib`` is
+    :func:`check_fit`'s alone (the strategy takes it for ``layout="auto"`` only)."""
+    auto = "layout" not in par or str(par.layout) == AUTO_LAYOUT
+    return {} if auto or "memory_gib" not in par else {"memory_gib": None}
+
+
+def on_gpus(cfg: DictConfig) -> bool:
+    """Whether the run trains on CUDA GPUs (``trainer.accelerator`` gpu or cuda, or auto with CUDA devices), told
+    without initialising CUDA in the launching process (the ranks it starts need it uninitialised)."""
+    accelerator = str(cfg.trainer.accelerator)
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and launch._cuda_devices() > 0)
+
+
+def gpu_memory_gib() -> float | None:
+    """The total memory of the smallest GPU this machine shows the run (``CUDA_VISIBLE_DEVICES``), in GiB, as
+    ``nvidia-smi`` reports it: reading it through torch would initialise CUDA in the launching process. ``None``
+    when nvidia-smi is missing or does not answer."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    command = [exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        command.append(f"--id={visible}")
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=20, check=True).stdout
+        mib = [float(line) for line in out.split()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(mib) / 1024 if mib else None
+
+
+def _gib(nbytes: float) -> str:
+    """Bytes as GiB for a message: one decimal from 10 GiB, else three significant digits (tiny test models too)."""
+    gib = nbytes / 2**30
+    return f"{gib:.1f}" if gib >= 9.95 or gib <= 0 else f"{gib:.{2 - math.floor(math.log10(gib))}f}"
+
+
+def _model_label(model) -> str:
+    """The ``model=`` option of this run when Hydra knows it (``llama-3.1-8b``), else the family and sizes."""
+    try:
+        choice = HydraConfig.get().runtime.choices.get("model")
+    except ValueError:  # no Hydra job (compose API, tests)
+        choice = None
+    return str(choice) if choice else f"{_model_name(model)} {model.n_layer}x{model.n_embd}"
+
+
+def check_fit(cfg: DictConfig, model, p: int, dp: int, devices: int) -> None:
+    """The predicted peak memory per device of a package layout's run (``layout="auto"`` plans its own), from the
+    planner's memory model (:func:`lightning_tp2d.bench.planner.row_memory`: the step traced on fake tensors, bf16,
+    fused AdamW; with ``activation_offload`` :func:`~lightning_tp2d.bench.planner.offload_memory`, the host memory
+    per node too): checked when ``parallel.memory_gib`` is set or the run is on GPUs. Logs one line before (a large
+    model takes about a minute) and one with the result; a peak above :data:`FIT_FRACTION` of
+    ``parallel.memory_gib`` (else of the GPU's memory, when nvidia-smi tells it) is a :class:`ConfigError` naming
+    both and what to try."""
+    par = cfg.parallel
+    if "layout" not in par or str(par.layout) == AUTO_LAYOUT:
+        return
+    memory_gib, gpus = par.get("memory_gib"), on_gpus(cfg)
+    if memory_gib is None and not gpus:
+        return
+    if memory_gib is not None:
+        if isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float)) or memory_gib <= 0:
+            raise ConfigError(f"parallel.memory_gib must be a positive number of GiB per device (or null), got "
+                              f"{memory_gib!r}")
+        memory_gib = float(memory_gib)
+    if family_of_config(model) is None:
+        log.debug("check_fit: the memory model prices registered model families only, not %s", type(model).__name__)
+        return
+    layout = get_layout(str(par.layout))
+    offload = bool(par.get("activation_offload", False))
+    mode = str(par.get("activation_checkpointing") or "none")
+    if offload and mode == "none":
+        mode = "full"  # as the strategy runs it (offload keeps each block's input on the host)
+    if offload and mode != "full":
+        log.debug("check_fit: activation_offload with activation_checkpointing=%s: the strategy refuses it", mode)
+        return
+    stage, batch, seq = int(par.get("zero_stage") or 0), int(cfg.data.batch_size), int(cfg.data.block_size)
+    label, unit = _model_label(model), "GPU" if gpus else "device"
+    log.info("tp2d-train: checking the fit with the memory model (%s, %s p=%d%s, seq %d%s)...", label, layout.name, p,
+             f" x dp {dp}" if dp > 1 else "", seq, ", offload" if offload else "")
+    # deferred: bench is heavy (the cost model fits its GEMM rates on import) and sits above the runtime's floors;
+    # only a run that asks for the check loads it (core.py imports the planner the same way)
+    from lightning_tp2d.bench.planner import offload_memory, row_memory
+
+    try:
+        memory = row_memory(model, layout.name, p, dp, stage, mode, batch, seq)
+    except (ValueError, RuntimeError) as err:  # a trace the memory model cannot build: the run is not held up by it
+        log.warning("tp2d-train: the memory model could not price this run (%s); launching without the fit check",
+                    err)
+        return
+    if offload:
+        memory = offload_memory(memory, model, batch, seq, p, devices)
+    peak = memory["total"]
+    how, precision = f"bf16, micro-batch {batch}, {mode} checkpointing, ZeRO {stage}", str(cfg.trainer.precision)
+    note = "" if precision.startswith("bf16") else f"; the model prices bf16, trainer.precision={precision} keeps more"
+    line = f"tp2d-train: predicted peak {_gib(peak)} GiB per {unit} ({how}{note})"
+    if offload:
+        line += (f", and {_gib(memory['host_per_node'])} GiB of host memory per node ({devices} {unit}s x "
+                 f"{_gib(memory['host'])} GiB of offloaded block inputs)")
+    if memory_gib is not None:
+        cap, source = memory_gib, f"parallel.memory_gib={memory_gib:g}"
+    else:
+        cap = gpu_memory_gib()
+        source = None if cap is None else f"the GPU's {_gib(cap * 2**30)} GiB (nvidia-smi)"
+    if cap is None:
+        log.info("%s; the GPU's memory is not known here (no nvidia-smi): set parallel.memory_gib to check it", line)
+        return
+    limit = FIT_FRACTION * cap * 2**30
+    if peak <= limit:
+        log.info("%s: within %s GiB, %d%% of %s", line, _gib(limit), round(FIT_FRACTION * 100), source)
+        return
+    tries = [] if mode == "full" else ["parallel.activation_checkpointing=full"]
+    if not offload:
+        tries.append("parallel.activation_offload=true")
+    if dp > 1 and stage < 3:
+        tries.append(f"parallel.zero_stage=3 (parameters, gradients and optimizer state sharded over the {dp} "
+                     "replicas)")
+    tries.append(f"a larger {layout.arrangement} (parallel.tensor_parallel_size above {p}, more devices)")
+    if batch > 1:
+        tries.append(f"a smaller data.batch_size (now {batch})")
+    tries.append(f"a shorter data.block_size (now {seq})")
+    raise ConfigError(f"the memory model predicts a peak of {_gib(peak)} GiB per {unit} for {label} on {layout.name} "
+                      f"p={p} x dp {dp} ({how}{', offload' if offload else ''}{note}), more than {_gib(limit)} GiB, "
+                      f"{round(FIT_FRACTION * 100)}% of {source}: try {', '.join(tries)}")
 
 
 def _model_name(model) -> str:

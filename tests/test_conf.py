@@ -22,8 +22,8 @@ from lightning_tp2d.models import GPT2Config
 from lightning_tp2d.train import ConfigError, check_config, device_count
 
 CONF = launch.CONF_DIR
-GROUPS = {"model": ["gpt2", "gpt2-large", "gpt2-medium", "gpt2-mini", "gpt2-tiny", "gpt2-xl", "llama-3.2-1b",
-                    "llama-mini", "llama-tiny"],
+GROUPS = {"model": ["gpt2", "gpt2-large", "gpt2-medium", "gpt2-mini", "gpt2-tiny", "gpt2-xl", "llama-3.1-8b",
+                    "llama-3.2-1b", "llama-mini", "llama-tiny"],
           "parallel": ["auto", "metp", "single", "tp2d", "tp2d_metp"],
           "trainer": ["auto", "cpu", "gpu", "multinode"],
           "data": ["default", "text", "tokens"],
@@ -336,7 +336,7 @@ def test_the_console_script_is_declared():
 # ---- Llama: the family's size rules and plans ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("option", ["llama-tiny", "llama-mini", "llama-3.2-1b"])
+@pytest.mark.parametrize("option", ["llama-tiny", "llama-mini", "llama-3.2-1b", "llama-3.1-8b"])
 def test_llama_model_files_build_their_named_configs(option):
     from lightning_tp2d.models import LlamaConfig
 
