@@ -617,12 +617,19 @@ def longest_sequence(cfg, *, layout: str, p: int, dp: int = 1, zero_stage: int, 
         host_limit = int(memory_fraction * hw.host_memory_bytes / per_token) // multiple * multiple
     a = max(multiple, start // multiple * multiple)
     b = 2 * a
+    flat = 0
+    while memory(b)["total"] <= memory(a)["total"]:  # e.g. offload at short lengths: the step's floor holds
+        flat += 1
+        if flat > 12:
+            raise ValueError(f"longest_sequence: {layout} p={p}: the peak does not grow with the sequence "
+                             f"({memory(a)['total'] / GIB:.2f} GiB at {a}, {memory(b)['total'] / GIB:.2f} at {b})")
+        a, b = b, 2 * b
     for _ in range(8):
         ma, mb = memory(a)["total"], memory(b)["total"]
         slope = (mb - ma) / (b - a)
         if slope <= 0:
-            raise ValueError(f"longest_sequence: {layout} p={p}: the peak does not grow with the sequence "
-                             f"({ma / GIB:.2f} GiB at {a}, {mb / GIB:.2f} at {b})")
+            a, b = min(a, b), max(a, b) * 2
+            continue
         guess = int((a + (cap - ma) / slope) // multiple * multiple)
         if host_limit is not None:
             guess = min(guess, host_limit)
