@@ -116,3 +116,18 @@ def test_ulysses_rows_price_with_its_own_estimate_and_all_to_alls():
     with pytest.raises(ValueError, match="ALST's schedule"):
         planner.price(CFG, layout=planner.ULYSSES, p=8, dp=1, zero_stage=3, checkpointing="none", micro_batch=1,
                       grad_accum=1, seq=seq, hw=hw, gpus_per_node=8)
+
+
+def test_longest_sequence_searches_past_lengths_where_the_peak_is_flat():
+    """With offload a big model's peak sits on its parameter and optimizer floor at short lengths (70B on a ring of
+    32): the search doubles past the flat part instead of failing, and still finds the last multiple that fits."""
+    def parts(seq: int) -> dict:
+        inputs = CFG.n_layer * planner.block_input_bytes(CFG, 1, seq, 8)
+        return {"parameters": 20 * GIB, "gradients": 20 * GIB, "optimizer": 25 * GIB, "activations": inputs,
+                "total": 65 * GIB + 6_000 * seq + inputs}
+
+    multiple = 1024 * 16
+    found = planner.longest_sequence(CFG, layout="metp", p=8, zero_stage=0, gpu_memory_gib=80, hw=H100_NVLINK4_NDR,
+                                     offload=True, memory_fn=parts, multiple=multiple)
+    held = lambda s: planner.offload_memory(parts(s), CFG, 1, s, 8, 8)["total"]  # noqa: E731
+    assert held(found["seq"]) <= 72 * GIB < held(found["seq"] + multiple)
