@@ -131,3 +131,14 @@ def test_longest_sequence_searches_past_lengths_where_the_peak_is_flat():
                                      offload=True, memory_fn=parts, multiple=multiple)
     held = lambda s: planner.offload_memory(parts(s), CFG, 1, s, 8, 8)["total"]  # noqa: E731
     assert held(found["seq"]) <= 72 * GIB < held(found["seq"] + multiple)
+
+
+def test_cp_rows_price_the_chunked_loss_unless_asked_for_the_unfused_one():
+    """cp is priced as users run it, with a chunked loss; calibration against torchtitan's published rows asks for
+    the unfused loss those runs computed (its float32 log-softmax of [T/p, V] sets the peak)."""
+    hw = H100_NVLINK4_NDR
+    rows = {loss: planner.price(CFG, layout=planner.CP, p=8, dp=1, zero_stage=3, checkpointing="full", micro_batch=1,
+                                grad_accum=1, seq=262144, hw=hw, gpus_per_node=8, cp_loss=loss)
+            for loss in ("chunked", "unfused")}
+    assert rows["chunked"].memory_gib < 30 < 70 < rows["unfused"].memory_gib
+    assert rows["chunked"].step_s > rows["unfused"].step_s  # the chunks' logits are recomputed in the backward

@@ -255,7 +255,7 @@ def offload_time(cfg, micro_batch: int, seq: int, ranks: int, hw: Hardware, forw
 def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: str, micro_batch: int,
           grad_accum: int, seq: int, hw: Hardware, gpus_per_node: int, compiled: bool = True,
           memory: dict | None = None, async_tp: bool | None = None, cp_tp_size: int = 2,
-          offload: bool = False) -> PlanRow:
+          offload: bool = False, cp_loss: str = "chunked") -> PlanRow:
     """Predict one configuration (module docstring). ``layout`` is a package layout, ``"tp1d-sp"`` (a baseline;
     ``p`` 1: plain FSDP; ``async_tp``: force blocking (``False``) or async TP (``True``), default the faster),
     ``"cp"``: torch's context parallelism over ``p`` ranks x FSDP2 (``zero_stage`` 3) over ``p * dp``, the step
@@ -265,7 +265,9 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     of 1-D TP + SP (``async_tp`` as for the baseline), FSDP2 over the ``p / cp_tp_size * dp`` ranks of each tensor
     rank, as the 1-D baseline's. ``memory``: its :func:`row_memory` parts, if already computed (without offload).
     ``offload``: the checkpointed block inputs live in host memory (``checkpointing`` must be ``"full"``): the
-    memory :func:`offload_memory`, the exposed copies :func:`offload_time`, the same rule for every row."""
+    memory :func:`offload_memory`, the exposed copies :func:`offload_time`, the same rule for every row.
+    ``cp_loss``: ``"cp"`` / ``"cp-tp"``'s loss, ``"chunked"`` (the default: as users run it) or ``"unfused"`` (as
+    torchtitan's published runs did, for calibration)."""
     if offload and checkpointing != "full":
         raise ValueError(f"activation offload moves the inputs full checkpointing keeps; got checkpointing="
                          f"{checkpointing!r}")
@@ -290,7 +292,8 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
                              f"cp_tp_size={cp_tp_size}")
         ring = p // inner
         micro = min((cost_model.cp_step_time(cfg, micro_batch, seq, ring, hw, ELEMENT, dp=dp, tp=inner, async_tp=a,
-                                             checkpointing=checkpointing, async_overlap=ASYNC_TP_OVERLAP)
+                                             checkpointing=checkpointing, async_overlap=ASYNC_TP_OVERLAP,
+                                             loss=cp_loss)
                      | {"async_tp": a} for a in ((False, True) if async_tp is None and inner > 1
                                                  else (bool(async_tp),))), key=lambda r: r["total_s"])
         async_tp = micro["async_tp"]
@@ -316,7 +319,7 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
         saved = trace_step(layout, cfg, micro_batch, seq, p, ELEMENT, 0).activation_bytes
     if memory is None:
         memory = row_memory(cfg, layout, p, dp, zero_stage, checkpointing, micro_batch, seq,
-                            cp_tp_size=cp_tp_size)
+                            cp_tp_size=cp_tp_size, cp_loss=cp_loss)
     fl = micro["flops"]
     forward_s = micro["compute_s"] * fl["forward"] / fl["total"]
     backward_s = micro["compute_s"] - forward_s
@@ -566,7 +569,7 @@ def _bracket(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micros: l
 
 
 def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_batch: int, seq: int, *,
-               cp_tp_size: int = 2) -> dict:
+               cp_tp_size: int = 2, cp_loss: str = "chunked") -> dict:
     """Predicted peak bytes per GPU of one row, with their parts: a package layout's
     :func:`~lightning_tp2d.bench.memory_model.peak_bytes` (tensor rank 0; AdamW's fused step), the 1-D baseline's
     :func:`~lightning_tp2d.bench.memory_model.baseline_peak_bytes`, or ``"cp"`` / ``"cp-tp"``'s
@@ -579,7 +582,8 @@ def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_b
                 "largest_bytes": found["largest_bytes"]}
     if layout in (CP, CP_TP):
         inner = cp_tp_size if layout == CP_TP else 1
-        return cp_peak_bytes(cfg, micro_batch, seq, p // inner, dp=dp, checkpointing=mode, elem=ELEMENT, tp=inner)
+        return cp_peak_bytes(cfg, micro_batch, seq, p // inner, dp=dp, checkpointing=mode, elem=ELEMENT, tp=inner,
+                             loss=cp_loss)
     if layout == BASELINE:
         return baseline_peak_bytes(cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, checkpointing=mode,
                                    elem=ELEMENT)
