@@ -61,7 +61,7 @@ from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
 from lightning_tp2d.bench.context_parallel import SentBytes
 from lightning_tp2d.bench.events import totals, wire_bytes
 from lightning_tp2d.bench.measure import LiveTensorBytes, MemoryCapExceeded, resident_bytes
-from lightning_tp2d.bench.procs import RunResult, run_ranks
+from lightning_tp2d.bench.procs import RunResult, _oom_in, run_ranks
 from lightning_tp2d.bench.tp1d import check_tp1d, init_tp1d_mesh, param_groups_1d, parallelize_1d
 from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel
 from lightning_tp2d.bench.trace import trace_steps
@@ -299,9 +299,12 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int) -> _Built:
         model = family_of_config(cfg).model_class(cfg)
         if layout in ("single", "ulysses", *CONTEXT_PARALLEL):
             model = model.to(device)
+            if layout != "ulysses":  # (ulysses: ALST's own checkpointing of every layer, always)
+                checkpoint_activations(model, spec.activation_checkpointing)  # the plain blocks, before FSDP / CP
         elif layout in TP1D:
             parallelize_1d(model.to(device), init_tp1d_mesh(world_size, device_type=device.type),
                            sequence_parallel=layout == "tp1d-sp")
+            checkpoint_activations(model, spec.activation_checkpointing)
         else:
             parallelize(model, init_mesh(layout, world_size, 1, device_type=device.type), layout=layout)
             checkpoint_activations(model, spec.activation_checkpointing)
@@ -383,19 +386,27 @@ def measure_rank(rank: int, world_size: int, layout: str, spec: BenchSpec, seq: 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         resident = torch.cuda.memory_allocated()
-    with count_comm() as stats, recording(sent), counter, (contextlib.nullcontext() if on_gpu else tracker):
-        with run.region():
-            loss = run.forward()
-            activation = (torch.cuda.memory_allocated() - resident) if on_gpu else tracker.live
-            loss.backward()
-        optimizer.step()
+    try:
+        with count_comm() as stats, recording(sent), counter, (contextlib.nullcontext() if on_gpu else tracker):
+            with run.region():
+                loss = run.forward()
+                activation = (torch.cuda.memory_allocated() - resident) if on_gpu else tracker.live
+                loss.backward()
+            optimizer.step()
+    except Exception as exc:  # past the cap: name the largest tensors alive then (the probe's reason carries them)
+        oom = _oom_in(exc)
+        if oom is None or on_gpu or not tracker.largest:
+            raise
+        first = str(oom).splitlines()[0]
+        raise MemoryCapExceeded(f"{first}; largest live: {describe_largest(tracker.largest)}") from exc
     if on_gpu:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resident + tracker.peak
     if cap is not None and peak > cap:  # reached by a storage resize (FSDP's gathers), which does not check the cap
-        raise MemoryCapExceeded(f"tracked memory peaked at {peak} bytes (resident {resident}), over the cap of {cap}")
+        raise MemoryCapExceeded(f"tracked memory peaked at {peak} bytes (resident {resident}), over the cap of {cap}; "
+                                f"largest live: {describe_largest(tracker.largest)}")
     snapshot = stats.snapshot()
     for kind, value in counter.stats.snapshot().items():
         snapshot[kind] = {"calls": snapshot[kind]["calls"] + value["calls"],
@@ -403,6 +414,8 @@ def measure_rank(rank: int, world_size: int, layout: str, spec: BenchSpec, seq: 
     if counter.uncounted:  # torch's ring passes dK/dV on with all_to_all_single (a kind comm.KINDS does not have)
         snapshot["all_to_all_single"] = {"calls": len(counter.uncounted),
                                          "bytes": sum(nbytes for _, nbytes in counter.uncounted)}
+    if not on_gpu:
+        out["largest"] = tracker.largest  # the largest tensors alive at the step's peak
     out.update(resident_bytes=resident, activation_bytes=activation, peak_bytes=peak, comm=snapshot,
                sent_bytes=sent.total(counter), measured_loss=run.loss_value(loss))
     out.setdefault("loss", out["measured_loss"])
@@ -436,6 +449,13 @@ def run_scenario(layout: str, p: int, spec: BenchSpec, seq: int | None = None, c
     return {**row, "status": "ok", **summarise(layout, world, spec, seq, result.values)}
 
 
+def describe_largest(largest: list[dict] | None, n: int = 3) -> str:
+    """``largest`` (:attr:`~lightning_tp2d.bench.measure.LiveTensorBytes.largest` entries) in one line:
+    ``[4096, 32000] float32 500.0 MiB (mm), ...``."""
+    return ", ".join(f"{list(e['shape'])} {e['dtype']} {e['bytes'] / 2**20:.1f} MiB ({e['op']})"
+                     for e in (largest or [])[:n])
+
+
 def ring_attention_kernel(layout: str, spec: BenchSpec, seq: int) -> str | None:
     """The per-block kernel a ring layout's attention uses in this process (:func:`lightning_tp2d.metp.block_kernel`),
     ``None`` for layouts without ring attention."""
@@ -459,6 +479,9 @@ def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict])
         row["tokens_per_s"] = spec.batch * seq / row["step_time_s"]
     for key in ("resident_bytes", "activation_bytes", "peak_bytes"):
         row[key] = max(r[key] for r in ranks)
+    top = max(ranks, key=lambda r: r["peak_bytes"])
+    if top.get("largest"):
+        row["largest"] = top["largest"]  # on the rank with the highest peak, at that peak
     row["comm_calls"] = max(sum(v["calls"] for v in r["comm"].values()) for r in ranks)
     row["comm_bytes"] = max(sum(v["bytes"] for v in r["comm"].values()) for r in ranks)
     row["sent_bytes"] = max(r["sent_bytes"] for r in ranks)  # what the rank that sends most puts on the wire
@@ -515,7 +538,7 @@ def max_sequence(layout: str, p: int, spec: BenchSpec, cap_bytes: int, unit: int
         r = run_scenario(layout, p, probe_spec, seq=seq, cap_bytes=cap_bytes, full=False)
         probes.append({"seq": seq, "status": r["status"], "peak_bytes": r.get("peak_bytes"),
                        "sent_bytes": r.get("sent_bytes"), "sent_bytes_per_token": r.get("sent_bytes_per_token"),
-                       "reason": r.get("reason", "")})
+                       "largest": r.get("largest"), "reason": r.get("reason", "")})
         if r.get("attention_kernel"):
             row["attention_kernel"] = r["attention_kernel"]
         log(f"  probe {layout} p={world} seq={seq}: {r['status']} {r.get('peak_bytes', '')}")
@@ -540,6 +563,8 @@ def max_sequence(layout: str, p: int, spec: BenchSpec, cap_bytes: int, unit: int
     except RuntimeError as e:
         return {**row, "status": "error", "reason": str(e), "probes": probes}
     longest = next(x for x in probes if x["seq"] == lo and x["status"] == "ok")  # what the answer costs
+    over = min((x for x in probes if x["status"] == "oom"), key=lambda x: x["seq"], default=None)
     return {**row, "status": "ok", "max_seq": lo, "capped_by_limit": lo >= limit, "peak_bytes": longest["peak_bytes"],
-            "sent_bytes_per_token": longest["sent_bytes_per_token"], "probes": probes}
+            "sent_bytes_per_token": longest["sent_bytes_per_token"], "largest": longest.get("largest"),
+            "over_cap": None if over is None else {"seq": over["seq"], "reason": over["reason"]}, "probes": probes}
 
