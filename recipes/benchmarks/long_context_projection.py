@@ -1,16 +1,18 @@
 """Long-context projection: Llama 3.1 8B on one node of 8 H100-80GB (NVLink), bf16, at 32k, 128k and 256k tokens --
 "metp" (p 8), "2d-metp" (a 2 x 2 grid x dp 2), torch's context parallelism (``cp``: CP 8 x FSDP2 over the same 8;
-``cp-tp``: torchtitan's CP 4 x 1-D TP + SP 2, FSDP2 over the CP ranks) and 1-D TP + SP (p 8, the planner's
-baseline), as the planner prices them (:func:`lightning_tp2d.bench.planner.price`;
+``cp-tp``: torchtitan's CP 4 x 1-D TP + SP 2, FSDP2 over the CP ranks; both with a chunked loss), Ulysses with
+ALST's tiling (:mod:`lightning_tp2d.bench.ulysses`) and 1-D TP + SP (p 8, the planner's baseline), as the planner
+prices them (:func:`lightning_tp2d.bench.planner.price`;
 predictions, not measurements: no GPU has run them).
 
     python recipes/benchmarks/long_context_projection.py [--out recipes/benchmarks/long_context] [--tiny]
 
 Each row: one sequence per replica per step (torchtitan's CP rows run local batch 1), activation checkpointing
-``none`` if the predicted peak fits 90% of 80 GiB (the planner's margin), else ``full``; the ZeRO stage the layout
+``none`` if the predicted peak fits 90% of 80 GiB (the planner's margin), else ``selective``, else ``full`` (Ulysses:
+``full`` always, ALST's schedule); the ZeRO stage the layout
 runs at (dp 1: none; "2d-metp"'s dp 2: 1 if it fits, else 3; ``cp``, ``cp-tp``: FSDP2, stage 3). Then the calibration rows:
 torchtitan's published CP configurations (FSDP x CP = 8, 32k to 256k, the CP 8 row at 262,144 tokens the one issue
-25 names) priced on ``h100-grand-teton`` beside the published figures. Writes ``projection.json`` and
+25 names) priced on ``h100-grand-teton`` beside the published figures, with the unfused loss those runs computed. Writes ``projection.json`` and
 ``projection.md`` into ``--out``. ``--tiny``: llama-tiny at short lengths (a check that the recipe works, seconds).
 """
 
@@ -33,7 +35,10 @@ MODEL, GPUS, MEMORY_GIB, FRACTION = "llama-3.1-8b", 8, 80.0, 0.9
 SEQS = (32768, 131072, 262144)
 # (layout, p, dp, ZeRO stages to try in order)
 ROWS = [("metp", 8, 1, (0,)), ("2d-metp", 4, 2, (1, 3)), (planner.CP, 8, 1, (3,)), (planner.CP_TP, 8, 1, (3,)),
-        (planner.BASELINE, 8, 1, (0,))]
+        (planner.ULYSSES, 8, 1, (3,)), (planner.BASELINE, 8, 1, (0,))]
+# checkpointing tried from the fastest: none, selective (torchtitan's per-op policy for the rivals, recipes for the
+# package), full; Ulysses runs ALST's schedule, always full
+MODES = {planner.ULYSSES: ("full",)}
 CP_TP_SIZE = 2  # cp-tp: TP ranks inside each CP rank (torchtitan's CP x TP; tp2d-bench's --cp-tp-size default)
 # torchtitan docs/performance.md, Table 2 ("FSDP + CP + torch.compile + Float8. Llama 3.1 8B model. 8 GPUs. Local
 # batch size 1. Full activation checkpointing."), row "FSDP 1, CP 8": 262,144 tokens, 548 TPS/GPU, 84.5 GiB, on
@@ -45,17 +50,20 @@ PUBLISHED = [(8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072
              (1, 8, 262144, 548, 84.5)]
 NOTES = """## What the numbers say
 
-**Why the rows at 128k and 256k are within a few percent of each other.** Attention is most of the FLOPs there, and
-every row computes exactly the causal scores over its GPUs (METP's zigzag ring, cp's head-tail balancer: no GPU idles
-on masked blocks); every row needs full checkpointing to fit 90% of 80 GiB (cp without it: 116 GiB at 128k, METP 89
-GiB); the ring traffic of METP and of cp hides behind the attention it overlaps (exposed: tens of milliseconds in
-steps of seconds), and cp's FSDP gathers hide behind the blocks. METP computes a little more than cp -- its MLP
-recomputes `X W1` in the backward and its LM head the logits -- which is the 2-3% between them; 1-D TP + SP exposes
-its blocking all-gathers and reduce-scatters (0.5 s per step at 128k). METP's advantage is memory (22.8 GiB against
-cp's 44.8 at 128k, full checkpointing; at 256k 33.8 against 76.5, which is over the planner's 72 GiB margin on an
-80 GB card: cp's loss holds the float32 log-softmax and its temporaries for `T/p` rows of the whole 128k vocabulary,
-METP streams vocabulary blocks), which at 8 GPUs and 128k buys no speed: with `selective` checkpointing (torchtitan's
-per-op policy for cp) both would need more than the 72 GiB margin at 128k.
+**METP trains 128k and 256k without checkpointing; its rivals need selective or full.** Under bf16-mixed the ring
+now keeps every saved activation in bf16 (it kept the residual stream in float32 before), and its loss streams
+vocabulary blocks in row tiles, so its step holds 41.9 GiB at 128k and 68.8 at 256k with nothing recomputed. `cp`,
+even with its chunked loss, keeps its gathered K/V and its blocks' saved tensors for the whole sequence per rank:
+101.6 GiB at 128k without checkpointing, so it runs torchtitan's per-op `selective` policy there (58.6 GiB) and
+`full` at 256k (`selective`: 99.2 GiB). That recomputation is the whole difference: at 128k METP is 1.03x `cp`
+(selective recomputes little), at 256k 1.29x (full recomputes every block's forward). Attention is most of the
+FLOPs at these lengths and every row computes exactly the causal scores over its GPUs (METP's zigzag ring, cp's
+head-tail balancer); the ring traffic of METP and of `cp` hides behind the attention it overlaps (exposed: tens of
+milliseconds in steps of seconds), and cp's FSDP gathers hide behind the blocks. Ulysses with ALST's tiling runs
+ALST's schedule, full checkpointing always (its point is length, not speed): its all-to-alls are exposed and
+`TiledMLP` recomputes each MLP once more, 0.77x `cp` at 128k. 1-D TP + SP exposes its blocking all-gathers and
+reduce-scatters (0.5 s per step at 128k). "2d-metp" (a 2x2 grid x 2 replicas) holds its loss's whole `[T/2, V/2]`
+float32 logits block (not tiled yet), so it needs full checkpointing from 128k on and does not fit 256k.
 
 **`cp-tp` (torchtitan's CP 4 x 1-D TP 2 + SP) is within 2% of `cp` and not faster.** It computes the same FLOPs per
 GPU; its TP + SP all-gathers and reduce-scatters on each CP rank's `T/4` tokens expose 0.09 s per step at 128k even
@@ -76,7 +84,8 @@ and 256k, 32k x 16k, still large) and merges the partial outputs and log-sum-exp
 have exposed the K/V all-gather the model hides behind the diagonal block. So the `cp` rows above are optimistic for
 cp at degree 8 by up to ~1.75x beyond the usual 1.2x; METP's ring also runs p kernel calls per attention on half
 blocks, so its rows may carry a similar loss (no GPU has measured it). The METP / cp ratio does not depend on the
-attention rate to first order (both compute the same scores per GPU): at 181 TFLOP/s it is 0.99 at 128k. Memory:
+attention rate to first order (both compute the same scores per GPU). These calibration rows price `cp` with the
+unfused loss torchtitan's runs computed (the rows above chunk it, as users do). Memory:
 torchtitan reports the caching allocator's maximum reserved memory, and its CP rows fill the card (83.9-84.5 GiB at
 every CP degree, chosen to); the model counts live bytes: 76.5 GiB at every degree (0.91 of the published; each rank
 holds `T/p` = 32k tokens in every row, so the model's memory is flat as the published is), without Float8's weight
@@ -87,10 +96,11 @@ TARGET = 0.9  # 128k: METP's (or 2d-METP's) tokens/s/GPU at least 0.9 of cp's
 
 
 def row(cfg, layout: str, p: int, dp: int, stages, seq: int, hw, memory_gib: float = MEMORY_GIB) -> dict:
-    """The first (checkpointing, stage) in ``none`` / ``full`` x ``stages`` whose predicted peak fits, priced; if
+    """The first (checkpointing, stage) in ``none`` / ``selective`` / ``full`` x ``stages`` whose predicted peak fits, priced; if
     none fits, the least-memory one priced anyway, marked ``fits: False``."""
     started, cap, tried = time.time(), FRACTION * memory_gib * planner.GIB, []
-    for mode, stage in ((mode, stage) for mode in ("none", "full") for stage in stages):
+    for mode, stage in ((mode, stage) for mode in MODES.get(layout, ("none", "selective", "full"))
+                        for stage in stages):
         memory = planner.row_memory(cfg, layout, p, dp, stage, mode, 1, seq, cp_tp_size=CP_TP_SIZE)
         tried.append((memory["total"], mode, stage, memory))
         if memory["total"] <= cap:
@@ -109,8 +119,9 @@ def project(model: str, seqs, hardware: str = "h100") -> dict:
 
 
 def _cp_row(cfg, fsdp: int, cp: int, seq: int, hw) -> planner.PlanRow:
+    # torchtitan's published runs computed the loss unfused (full-vocabulary logits): price them so
     return planner.price(cfg, layout=planner.CP, p=cp, dp=fsdp, zero_stage=3, checkpointing="full", micro_batch=1,
-                         grad_accum=1, seq=seq, hw=hw, gpus_per_node=GPUS)
+                         grad_accum=1, seq=seq, hw=hw, gpus_per_node=GPUS, cp_loss="unfused")
 
 
 def calibration(model: str, tiny: bool = False) -> list[dict]:
@@ -141,7 +152,7 @@ def verdict(rows: list[dict], seq: int) -> dict:
     ``cp-tp``; the issue names ``cp``, the stronger one is the fair rival), and whether the best is >=
     :data:`TARGET`."""
     at = {r["layout"]: r for r in rows if r["seq"] == seq}
-    rivals = [at[name] for name in (planner.CP, planner.CP_TP) if name in at]
+    rivals = [at[name] for name in (planner.CP, planner.CP_TP, planner.ULYSSES) if name in at and at[name]["fits"]]
     cp = max(rivals, key=lambda r: r["row"]["tokens_per_s_per_gpu"], default=None)
     ratios = {name: at[name]["row"]["tokens_per_s_per_gpu"] / cp["row"]["tokens_per_s_per_gpu"]
               for name in ("metp", "2d-metp") if cp and name in at and at[name]["fits"]}
@@ -150,7 +161,8 @@ def verdict(rows: list[dict], seq: int) -> dict:
             "met": best is not None and ratios[best] >= TARGET}
 
 
-NAMES = {"metp": "metp p=8", "2d-metp": "2d-metp 2x2 x dp 2", planner.CP: "cp 8 x FSDP 8",
+NAMES = {"metp": "metp p=8", "2d-metp": "2d-metp 2x2 x dp 2", planner.CP: "cp 8 x FSDP 8 (chunked loss)",
+         planner.ULYSSES: "Ulysses 8 + ALST tiling x FSDP 8",
          planner.CP_TP: f"cp-tp: CP {8 // CP_TP_SIZE} x TP {CP_TP_SIZE} + SP, FSDP {8 // CP_TP_SIZE}",
          planner.BASELINE: "1-D TP 8 + SP"}
 
@@ -165,7 +177,8 @@ def markdown(results: dict) -> str:
              f"{results['machine']}).", "",
              f"Hardware preset: {results['hardware']}. One sequence per replica per step (torchtitan's CP rows run "
              "local batch 1; 2d-metp's 2 replicas take 2 sequences); checkpointing `none` where the predicted peak "
-             f"fits {FRACTION:.0%} of {MEMORY_GIB:g} GiB, else `full`; compiled elementwise passes.", "",
+             f"fits {FRACTION:.0%} of {MEMORY_GIB:g} GiB, else `selective`, else `full` (Ulysses: `full`, ALST's "
+             "schedule); compiled elementwise passes; `cp`, `cp-tp` with a chunked loss.", "",
              "| seq | configuration | ZeRO | AC | tok/s/GPU | MFU | GiB/GPU | fits 80 GB | exposed TP / ring comm s "
              "| step s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -177,8 +190,8 @@ def markdown(results: dict) -> str:
                      f"{x['memory_gib']:.1f} | {'yes' if r['fits'] else 'no'} | "
                      f"{x['parts']['time_s']['micro_tp_exposed']:.3f} | {x['step_s']:.2f} |")
     ratio = "n/a" if v["ratio"] is None else f"{v['ratio']:.3f}"
-    lines += ["", f"## Target: {v['seq']:,} tokens, METP (or 2d-METP) tokens/s/GPU >= {TARGET} x cp's", "",
-              f"Package rows over the faster context-parallel row ({v['rival']}): " + ", ".join(f"{k} {r:.3f}" for k, r in v["ratios"].items())
+    lines += ["", f"## Target: {v['seq']:,} tokens, METP (or 2d-METP) tokens/s/GPU >= {TARGET} x the fastest rival's", "",
+              f"Package rows over the fastest rival that fits (cp, cp-tp, Ulysses; here {v['rival']}): " + ", ".join(f"{k} {r:.3f}" for k, r in v["ratios"].items())
               + f"; best {v['layout']}, {ratio}: **{'met' if v['met'] else 'not met'}**.", "",
               "## Calibration: torchtitan's published CP rows (the CP 8 row is the one the issue names)", "",
               "| configuration | published tok/s/GPU | predicted | predicted / published | published GiB | "
@@ -198,7 +211,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE)
     parser.add_argument("--tiny", action="store_true", help="llama-tiny at 512 and 1024 tokens: a quick check")
+    parser.add_argument("--render", action="store_true", help="projection.md again from projection.json")
     args = parser.parse_args(argv)
+    if args.render:
+        results = json.loads((args.out / "projection.json").read_text())
+        (args.out / "projection.md").write_text(markdown(results))
+        return 0
     model, seqs = ("llama-tiny", (512, 1024)) if args.tiny else (MODEL, SEQS)
     started = time.time()
     results = project(model, seqs)
