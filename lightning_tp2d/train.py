@@ -536,12 +536,16 @@ def _gib(nbytes: float) -> str:
 
 
 def _model_label(model) -> str:
-    """The ``model=`` option of this run when Hydra knows it (``llama-3.1-8b``), else the family and sizes."""
+    """The ``model=`` option of this run when Hydra knows it and it names this model's size (``llama-3.1-8b``), else
+    the family and sizes (a Hydra state left from another job names another model)."""
     try:
         choice = HydraConfig.get().runtime.choices.get("model")
     except ValueError:  # no Hydra job (compose API, tests)
         choice = None
-    return str(choice) if choice else f"{_model_name(model)} {model.n_layer}x{model.n_embd}"
+    named = (getattr(type(model), "NAMED", None) or {}).get(str(choice)) if choice else None
+    if named and all(getattr(model, k) == named[k] for k in ("n_layer", "n_embd", "vocab_size") if k in named):
+        return str(choice)
+    return f"{_model_name(model)} {model.n_layer}x{model.n_embd}"
 
 
 def check_fit(cfg: DictConfig, model, p: int, dp: int, devices: int) -> None:

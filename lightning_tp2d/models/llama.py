@@ -264,7 +264,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     result has x's dtype: a float32 weight is cast to a bf16 x (``bf16-mixed``) rather than promoting the result,
     and a bf16 x is saved for the backward as it is (:class:`_HalfRMSNorm`), never as a float32 copy."""
     dtype = x.dtype
-    if dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled():
+    # a plain (or fake) tensor; a DTensor (torch's sequence-parallel norms in the 1-D baseline) takes the ops below
+    if dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled() and not hasattr(x, "placements"):
         return _HalfRMSNorm.apply(x, weight, eps)
     xf = x.to(torch.promote_types(dtype, torch.float32))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
