@@ -71,7 +71,7 @@ from torch.distributed.tensor.experimental._context_parallel._sharding_rules imp
 from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
 from lightning_tp2d.bench.events import Comm, float32_bytes, wire_factor
 from lightning_tp2d.bench.measure import LiveTensorBytes, resident_bytes
-from lightning_tp2d.bench.memory_model import (baseline_activation_bytes, baseline_peak_bytes,
+from lightning_tp2d.bench.memory_model import (baseline_block_backward_bytes, baseline_peak_bytes,
                                                loss_forward_bytes, loss_input_bytes, parameter_split)
 from lightning_tp2d.bench.tp1d import _LossParallelInBackward, _loss_parallel_once, local_shapes_1d, parallelize_1d
 from lightning_tp2d.bench.tp1d_sp import recomputed_sp_events, tp1d_sp_comm_events
@@ -534,32 +534,6 @@ def cp_comm_events(cfg, batch: int, seq: int, p: int, elem: int = 2, *, dp: int 
     return [ev for ev in events if ev.calls and ev.group_size > 1]
 
 
-def _plain_block_backward(cfg, batch: int, seq: int, tp: int, world: int, checkpointing: str, elem: int) -> float:
-    """What a block's backward adds to the saved tensors in plain FSDP (stage 3 over ``world`` ranks) on ``seq``
-    tokens: the ``in_block`` term of :func:`~lightning_tp2d.bench.memory_model.baseline_peak_bytes`, written out
-    here because that function returns it only folded into ``backward`` with its full-vocabulary loss gradient."""
-    split = parameter_split(cfg)
-    root, block = split.root_shard(tp), split.block_shard(tp)
-    L, h, N = split.n_layer, cfg.n_embd, batch * seq
-    inner = getattr(cfg, "intermediate_size", 4 * h)
-    sharded = world > 1
-    acts = baseline_activation_bytes(cfg, batch, seq, tp, checkpointing=checkpointing, elem=elem,
-                                     ep=elem if sharded else 4)
-    plain = baseline_activation_bytes(cfg, batch, seq, tp, elem=elem, ep=elem if sharded else 4)["blocks"] / L
-    g = elem if sharded else 4
-    reduce = (g + 4) * block + 4 * block / world if sharded else 0.0
-    mlp = g * h * inner / tp + elem * N * inner / tp
-    head = root - split.embedding / tp
-    if not sharded:
-        head_grads = 4 * head
-    elif split.embedding:
-        head_grads = 4 * head / world
-    else:
-        head_grads = g * root
-    done = 4 * block / (world if sharded else 1) - acts["blocks"] / L
-    return acts["recompute"] + max(mlp, reduce - plain) + head_grads + max(0.0, (L - 1) * done)
-
-
 def cp_peak_bytes(cfg, batch: int, seq: int, p: int, *, dp: int = 1, checkpointing: str = "none",
                   elem: int = 2, tp: int = 1, loss: str = "chunked", chunk_tokens: int = CHUNK_TOKENS) -> dict:
     """Predicted peak bytes per GPU of CP over ``p`` x FSDP2 (stage 3) over ``p * dp`` ranks, bf16 compute
@@ -629,7 +603,8 @@ def cp_peak_bytes(cfg, batch: int, seq: int, p: int, *, dp: int = 1, checkpointi
         last_gather = parts["loss_forward"] - (loss_forward_bytes(elem, elem, False)
                                                - loss_input_bytes(elem, False)) * tokens * vocab
         at_loss = elem * (split.root_shard(tp) - split.embedding / tp)  # the root's groups gathered, not the blocks
-        in_block = _plain_block_backward(cfg, batch, seq // p, tp, world, checkpointing, elem)
+        in_block = baseline_block_backward_bytes(cfg, batch, seq // p, tp, dp=world, zero_stage=3,
+                                                 checkpointing=checkpointing, elem=elem)
         end = parts["gradients"] + parts["gathered"] + elem * cfg.vocab_size * cfg.n_embd
         plain = {"loss forward": {**resident, "activations": activations, "gathered": at_loss,
                                   "loss": chunk_forward, "last gather": last_gather},

@@ -548,6 +548,40 @@ def loss_forward_bytes(elem: int, ep: int, composite: bool) -> int:
     return (elem if li != elem else 0) + li + (4 if li < 4 else 0) + 2 * max(li, 4) + (li if li < 4 else 0)
 
 
+def baseline_block_backward_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, zero_stage: int = 3,
+                                  checkpointing: str = "none", elem: int = 2, composite: bool = False) -> float:
+    """The most a block's backward adds to the saved tensors in the 1-D baseline x FSDP (``dp`` replicas at
+    ``zero_stage``; ``tp`` 1: plain FSDP), the ``in_block`` term of :func:`baseline_peak_bytes`: the block's
+    recomputed activations (checkpointing), the larger of the MLP's gradients in flight and the unsharded gradients
+    beside FSDP's float32 reduce-scatter buffers, the head's gradients already computed, and each finished block's
+    gradient shard held while its saved tensors (stage 2: its gathered parameters) are freed. Shared with
+    ``cp_peak_bytes``, whose blocks run as plain FSDP's on ``T/p`` tokens."""
+    split = parameter_split(cfg)
+    root, block = split.root_shard(tp), split.block_shard(tp)
+    L, h, N = split.n_layer, cfg.n_embd, batch * seq
+    inner = getattr(cfg, "intermediate_size", 4 * h)
+    sharded = dp > 1 and zero_stage >= 2
+    ep = elem if sharded else 4
+    acts = baseline_activation_bytes(cfg, batch, seq, tp, checkpointing=checkpointing, elem=elem, ep=ep,
+                                     composite=composite)
+    plain = baseline_activation_bytes(cfg, batch, seq, tp, elem=elem, ep=ep, composite=composite)["blocks"] / L
+    g = elem if sharded else 4  # gradients of FSDP's bf16 parameters are bf16; autocast's parameters stay float32
+    reduce = (g + 4) * block + 4 * block / dp if sharded else 0.0
+    mlp = g * h * inner / tp + elem * N * inner / tp
+    head = root - split.embedding / tp  # the final norm and the head (tied: the embedding too)
+    if not sharded:
+        head_grads = 4 * head  # float32 gradients, kept where the backward puts them
+    elif split.embedding:
+        head_grads = 4 * head / dp  # their own group, reduce-scattered when the backward has passed them
+    else:
+        head_grads = g * root  # the root group's, reduce-scattered at the very end
+    kept = acts["blocks"] / L  # what a block keeps for its backward, freed with it
+    # per block whose backward is over: its gradient (shard) held, its saved tensors and (stage 2) its gathered
+    # parameters freed: FSDP reshards a group after its backward
+    done = 4 * block / (dp if sharded else 1) - kept - (elem * block if sharded and zero_stage == 2 else 0)
+    return acts["recompute"] + max(mlp, reduce - plain) + head_grads + max(0.0, (L - 1) * done)
+
+
 def baseline_peak_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, zero_stage: int = 3,
                         checkpointing: str = "none", elem: int = 2, composite: bool = False) -> dict:
     """Predicted peak bytes per GPU of the 1-D baseline (``"tp1d-sp"`` over ``tp`` ranks) x FSDP2 over ``dp``
@@ -587,7 +621,6 @@ def baseline_peak_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, zero
     split = parameter_split(cfg)
     root, block = split.root_shard(tp), split.block_shard(tp)
     L, h, V, N = split.n_layer, cfg.n_embd, cfg.vocab_size, batch * seq
-    inner = getattr(cfg, "intermediate_size", 4 * h)
     sharded = dp > 1 and zero_stage >= 2
     local = (root + L * block) / (dp if sharded else 1)
     params = grads = 4 * local
@@ -595,15 +628,12 @@ def baseline_peak_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, zero
     ep = elem if sharded else 4
     acts = baseline_activation_bytes(cfg, batch, seq, tp, checkpointing=checkpointing, elem=elem, ep=ep,
                                      composite=composite)
-    plain = baseline_activation_bytes(cfg, batch, seq, tp, elem=elem, ep=ep, composite=composite)["blocks"] / L
     g = elem if sharded else 4  # gradients of FSDP's bf16 parameters are bf16; autocast's parameters stay float32
     if sharded:
         kept_root = root - (split.embedding / tp if zero_stage == 3 else 0)
         gathered = elem * (kept_root + (L if zero_stage == 2 else min(2, L)) * block)
-        reduce = (g + 4) * block + 4 * block / dp
     else:
         gathered = elem * (root + L * block) if elem < 4 else 0.0
-        reduce = 0.0
     vocab = N * -(-V // tp)
     loss = 4 * vocab
     # the loss's forward: its temporaries beside the saved log-softmax and, sharded, FSDP's flat all-gather output
@@ -611,18 +641,8 @@ def baseline_peak_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, zero
     head = root - split.embedding / tp  # the final norm and the head (tied: the embedding too)
     last_gather = (elem * (head if split.embedding else block)) if sharded else 0.0
     loss_forward = (loss_forward_bytes(elem, ep, composite) - loss_input_bytes(ep, composite)) * vocab + last_gather
-    mlp = g * h * inner / tp + elem * N * inner / tp
-    if not sharded:
-        head_grads = 4 * head  # float32 gradients, kept where the backward puts them
-    elif split.embedding:
-        head_grads = 4 * head / dp  # their own group, reduce-scattered when the backward has passed them
-    else:
-        head_grads = g * root  # the root group's, reduce-scattered at the very end
-    kept = acts["blocks"] / L  # what a block keeps for its backward, freed with it
-    # per block whose backward is over: its gradient (shard) held, its saved tensors and (stage 2) its gathered
-    # parameters freed: FSDP reshards a group after its backward
-    done = 4 * block / (dp if sharded else 1) - kept - (elem * block if sharded and zero_stage == 2 else 0)
-    in_block = acts["recompute"] + max(mlp, reduce - plain) + head_grads + max(0.0, (L - 1) * done)
+    in_block = baseline_block_backward_bytes(cfg, batch, seq, tp, dp=dp, zero_stage=zero_stage,
+                                             checkpointing=checkpointing, elem=elem, composite=composite)
     # at stage 3 the blocks were resharded after their forward: the loss's forward has the root's groups gathered
     at_loss = elem * kept_root if sharded and zero_stage == 3 else gathered
     backward = max(loss, in_block)
