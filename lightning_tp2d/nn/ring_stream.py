@@ -316,10 +316,7 @@ class _RingCrossEntropy(torch.autograd.Function):
                 dz.scatter_add_(1, local[r].unsqueeze(1), miss[r])
                 dz = dz.mul_(scale[r]).to(x.dtype)
                 dx[r].addmm_(dz, w_j)
-                if len(tiles) == 1:
-                    dweight[:valid] = dz.t() @ x
-                else:
-                    dweight[:valid] += dz.t() @ x[r]
+                dweight[:valid] += dz.t() @ x[r]  # float32 sum of the tiles (one tile: exactly the product)
             return (dweight,)
 
         (dweight,) = ring_backward((weight,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
