@@ -28,7 +28,8 @@ from lightning_tp2d.export import hf_loader
 from lightning_tp2d.families import families, family_of, family_of_config, model_names
 from lightning_tp2d.layouts import STRATEGY_NAMES, Layout, get_layout, handle_of
 from lightning_tp2d.mesh import ParallelDims, as_timeout, init_mesh
-from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
+from lightning_tp2d.parallelize import (ACTIVATION_CHECKPOINTING, checkpoint_activations, offloaded_checkpointing,
+                                         parallelize)
 from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes
 from lightning_tp2d.training import broadcast_module_, clip_grad_norm_
 from lightning_tp2d.zero import ZERO_STAGES
@@ -170,18 +171,15 @@ class TensorParallelCore:
         self.activation_offload = activation_offload
         if not activation_offload:
             return activation_checkpointing
-        if activation_checkpointing == "selective":
-            raise ValueError("activation_offload=True with activation_checkpointing='selective' is not supported: "
-                             "offload moves the block inputs that 'full' checkpointing keeps to host memory; use "
-                             "activation_checkpointing='full' (or 'none', which then means 'full'), or no offload")
+        mode = offloaded_checkpointing(activation_checkpointing, activation_offload)  # selective: refused
         if self.compile_options is not None:
             raise ValueError("compile with activation_offload=True is not supported: its saved-tensor hooks, side "
                              "stream and host copies run in eager mode only (use one of them)")
-        if activation_checkpointing == "none" and not auto:
+        if mode != activation_checkpointing and not auto:
             warnings.warn("activation_offload=True needs full activation checkpointing: using "
                           "activation_checkpointing='full' (offload keeps each block's input on the host)",
                           stacklevel=2)
-            return "full"
+            return mode
         return activation_checkpointing
 
     def _check_plan_arguments(self, auto: bool, memory_gib: float | None, plan_options: Mapping[str, Any] | None,

@@ -169,6 +169,19 @@ def _recomputed(block: nn.Module, offloader: ActivationOffloader | None = None):
     return checkpointed
 
 
+def offloaded_checkpointing(mode: str, offload: bool) -> str:
+    """The checkpointing mode a run with ``activation_offload=offload`` uses: offload moves the inputs ``"full"``
+    checkpointing keeps, so ``"none"`` becomes ``"full"`` and ``"selective"`` is a ``ValueError``; without offload,
+    ``mode``. One rule for the strategies and ``tp2d-train``'s fit check."""
+    if not offload or mode == "full":
+        return mode
+    if mode == "selective":
+        raise ValueError("activation_offload=True with activation_checkpointing='selective' is not supported: "
+                         "offload moves the block inputs that 'full' checkpointing keeps to host memory; use "
+                         "activation_checkpointing='full' (or 'none', which then means 'full'), or no offload")
+    return "full"
+
+
 def activation_offloader(model: nn.Module) -> ActivationOffloader | None:
     """The :class:`~lightning_tp2d.offload.ActivationOffloader` of a model checkpointed with ``offload``, else
     ``None``. Its ``stats`` count the bytes that left for the host and came back."""

@@ -58,6 +58,7 @@ from lightning_tp2d.export import read_hf_config
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import STRATEGY_NAMES, get_layout
 from lightning_tp2d.models.config import max_seq_len
+from lightning_tp2d.parallelize import offloaded_checkpointing
 from lightning_tp2d.param_memory import parameter_bytes, parameter_count, parameter_memory_problem, physical_memory
 from lightning_tp2d.quiet import silence_known_noise
 from lightning_tp2d.safe_files import clear, resolve, staging_path
@@ -572,12 +573,10 @@ def check_fit(cfg: DictConfig, model, p: int, dp: int, devices: int) -> None:
         return
     layout = get_layout(str(par.layout))
     offload = bool(par.get("activation_offload", False))
-    mode = str(par.get("activation_checkpointing") or "none")
-    if offload and mode == "none":
-        mode = "full"  # as the strategy runs it (offload keeps each block's input on the host)
-    if offload and mode != "full":
-        log.debug("check_fit: activation_offload with activation_checkpointing=%s: the strategy refuses it", mode)
-        return
+    try:  # as the strategy runs it (offload keeps each block's input on the host)
+        mode = offloaded_checkpointing(str(par.get("activation_checkpointing") or "none"), offload)
+    except ValueError as err:
+        raise ConfigError(f"parallel: {err}") from None
     stage, batch, seq = int(par.get("zero_stage") or 0), int(cfg.data.batch_size), int(cfg.data.block_size)
     label, unit = _model_label(model), "GPU" if gpus else "device"
     log.info("tp2d-train: checking the fit with the memory model (%s, %s p=%d%s, seq %d%s)...", label, layout.name, p,

@@ -134,3 +134,12 @@ def test_a_named_layouts_memory_gib_is_the_launchers_not_the_strategys():
     assert strategy.memory_gib is None and strategy.activation_offload
     auto = composed("trainer=cpu", "model=llama-tiny", "parallel=auto", "parallel.memory_gib=3")
     assert train.strategy_overrides(auto.parallel) == {}
+
+
+def test_offload_with_selective_checkpointing_is_refused_in_the_fit_check_by_the_strategies_rule():
+    """The fit check runs the checkpointing mode the strategy would (``parallelize.offloaded_checkpointing``), so
+    offload with selective checkpointing is the same one-line refusal there, before the memory model is asked."""
+    cfg = composed(*[o for o in RUN if not o.startswith("parallel.activation_checkpointing")],
+                   "parallel.activation_checkpointing=selective", "parallel.memory_gib=100")
+    with pytest.raises(ConfigError, match="activation_checkpointing='selective' is not supported"):
+        check_config(cfg, instantiate(cfg.model))
