@@ -48,7 +48,7 @@ _EXPORTS = {
     "register_layout": "layouts",
     "RingOptions": "options", "TPOptions": "options",
     "ModelFamily": "families", "register_family": "families", "family_of": "families",
-    "plan": "bench.planner", "PlanRow": "bench.planner",
+    "plan": "planning.planner", "PlanRow": "planning.planner",
 }
 # names that are also submodules: importing ``lightning_tp2d.parallelize`` must not rebind ``tp.parallelize``
 _SHADOWED = {name for name, module in _EXPORTS.items() if name == module}

@@ -119,14 +119,14 @@ torch (2.13)
     ``full_tensor()`` and checkpoints hold.
 
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``
-    where: metp.py:block_kernel, metp.py:_fused_forward, bench/context_parallel.py:(module)
+    where: metp.py:block_kernel, metp.py:_fused_forward, baselines/context_parallel.py:(module)
     why: the CPU flash-attention kernel also returns the log-sum-exp, which the ring's online-softmax merge needs;
-    bench/context_parallel.py gives torch's own context-parallel ring this op (and its backward) as the block op.
+    baselines/context_parallel.py gives torch's own context-parallel ring this op (and its backward) as the block op.
     public: none. ``F.scaled_dot_product_attention`` returns the output only (``flex_attention`` can return the
     log-sum-exp but is fast only under ``torch.compile``).
 
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward``
-    where: metp.py:_fused_backward, bench/context_parallel.py:(module)
+    where: metp.py:_fused_backward, baselines/context_parallel.py:(module)
     why: the block backward from the *global* output and log-sum-exp, as torch's own context-parallel ring
     attention calls its flash backward.
     public: none.
@@ -142,15 +142,15 @@ torch (2.13)
     public: none, as for the CPU kernel.
 
 ``DTensor._op_dispatcher._custom_op_handlers``, ``torch.ops.aten._log_softmax``
-    where: bench/tp1d.py:_loss_parallel_active
+    where: baselines/tp1d.py:_loss_parallel_active
     why: whether torch's ``loss_parallel()`` handlers are installed now (keyed by the ops it replaces): entering
     it again and leaving would remove the caller's handlers.
     public: none; ``loss_parallel`` exposes no state.
 
 ``torch.distributed.tensor.experimental._context_parallel._attention`` (``_templated_ring_attention``,
 ``_templated_ring_attention_backward``, its handler table ``custom_ops``)
-    where: bench/context_parallel.py:_ring_forward, bench/context_parallel.py:_ring_backward,
-    bench/context_parallel.py:cpu_ring_attention
+    where: baselines/context_parallel.py:_ring_forward, baselines/context_parallel.py:_ring_backward,
+    baselines/context_parallel.py:cpu_ring_attention
     why: the CPU baseline runs torch's own context-parallel ring attention (schedule, causal blocks, log-sum-exp
     merge, rotation) with the CPU flash kernel as its block op; torch 2.13 maps only the CUDA fused kernels to it.
     The handler for the CPU op goes into ``custom_ops``, which ``context_parallel`` merges into DTensor's dispatcher
@@ -159,29 +159,29 @@ torch (2.13)
 
 ``torch.distributed.tensor.experimental._context_parallel._sharding_rules._op_strategy_context``,
 ``torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy``
-    where: bench/context_parallel.py:cpu_ring_attention, bench/context_parallel.py:_forward_strategy,
-    bench/context_parallel.py:_backward_strategy
+    where: baselines/context_parallel.py:cpu_ring_attention, baselines/context_parallel.py:_forward_strategy,
+    baselines/context_parallel.py:_backward_strategy
     why: the sequence-sharded (``Shard(2)``) sharding strategy of the CPU flash op and its backward, registered for a
     block and restored after it with the helper torch's CP uses for the CUDA ops.
     public: none; DTensor has no public strategy registration.
 
 ``DTensor._op_dispatcher``
-    where: bench/context_parallel.py:_cpu_sdpa_handler
+    where: baselines/context_parallel.py:_cpu_sdpa_handler
     why: the CPU twin of torch's ``_sdpa_handler``: unwrap the DTensor arguments, propagate their sharding, wrap the
     ring's local results, as torch's CP handler does through the same dispatcher.
     public: none (custom op handlers are internal to DTensor).
 
 ``torch._subclasses.fake_tensor.FakeTensor``, ``torch._subclasses.fake_tensor.FakeTensorMode``
-    where: bench/collectives.py:_shape_only, bench/measure.py:_storage_key, bench/measure.py:LiveTensorBytes,
-    bench/memory_model.py:_shards_here, bench/trace.py:_run_here
+    where: bench/collectives.py:_shape_only, planning/live.py:_storage_key, planning/live.py:LiveTensorBytes,
+    planning/memory_model.py:_shards_here, planning/trace.py:_run_here
     why: DTensor's shape propagation runs ops on fake tensors, which are neither allocations nor communication;
     the schedule tracer runs the parallel model on fake tensors, without memory or compute; the memory model
     reads the local shard shapes from the model built on them.
     public: none; torch documents fake tensors but exports them only from ``torch._subclasses``.
 
 ``torch.utils._python_dispatch.TorchDispatchMode``
-    where: bench/collectives.py:FunctionalCollectiveCounter, bench/measure.py:LiveTensorBytes,
-    bench/measure.py:HostSyncCounter, bench/trace.py:_Recorder, comm_record.py:_direct_collectives
+    where: bench/collectives.py:FunctionalCollectiveCounter, planning/live.py:LiveTensorBytes,
+    bench/measure.py:HostSyncCounter, planning/trace.py:_Recorder, comm_record.py:_direct_collectives
     why: sees every aten op: counts functional collectives with their bytes, tracks live tensor bytes, counts the ops
     that make the host wait for the device, records the traced schedule; sees the ``c10d`` ops of the
     ``torch.distributed`` collectives FSDP2 issues without ``comm.py`` (so ``count_comm`` and the tracer see them).
@@ -200,7 +200,7 @@ torch (2.13)
 
 ``torch.distributed.tensor.debug._clear_python_sharding_prop_cache``,
 ``torch._C._clear_DTensor_sharding_propagator_cache``
-    where: bench/trace.py:forget_meshes
+    where: planning/trace.py:forget_meshes
     why: DTensor's sharding-propagation caches (Python and C++ fast path) key on meshes by value and hand out output
     specs that hold the equal mesh of an earlier trace, whose fake process group is gone; FSDP gathers over the mesh
     its parameters hold, so a sharded trace empties them first.
@@ -208,17 +208,17 @@ torch (2.13)
 
 ``torch._ops.HigherOrderOperator``
     where: bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__,
-    bench/measure.py:LiveTensorBytes.__torch_dispatch__
+    planning/live.py:LiveTensorBytes.__torch_dispatch__
     why: lets higher-order operators pass through a dispatch mode unexamined.
     public: none; the class is not exported publicly.
 
 ``OpOverload._schema``
-    where: bench/trace.py:_attention_flops
+    where: planning/trace.py:_attention_flops
     why: argument names of an attention op, to price its FLOPs.
     public: none; the schema is exposed only there.
 
 ``UntypedStorage._cdata``
-    where: bench/trace.py:_storage
+    where: planning/trace.py:_storage
     why: the address of a tensor's StorageImpl tells storages apart while they live, fake ones too.
     public: none. ``data_ptr()`` of a fake storage is 0 (and deprecated); ``id()`` of the Python storage object
     changes from call to call.
@@ -229,7 +229,7 @@ torch (2.13)
     public: none; the Python wrappers (``torch.distributed._functional_collectives``) are private too.
 
 ``torch.testing._internal.distributed.fake_pg.FakeStore``
-    where: bench/trace.py:fake_group, bench/trace.py:_run_here
+    where: planning/trace.py:fake_group, planning/trace.py:_run_here
     why: importing the module registers the ``"fake"`` process-group backend the schedule tracer runs on (no
     peers, no communication).
     public: partly: ``torch.distributed.HashStore`` can replace ``FakeStore``, but only this import registers the
@@ -292,7 +292,7 @@ DeepSpeed (0.19.8, the optional ``bench`` extra; the Ulysses rival only)
 -----------------------------------------------------------------------
 
 ``parallel_state_sp._release_sequence_parallel_groups``
-    where: bench/ulysses.py:ulysses_attention
+    where: baselines/ulysses.py:ulysses_attention
     why: ``UlyssesSPAttentionHF.register_with_transformers`` builds DeepSpeed's sequence-parallel groups in a
     module-level registry; releasing them when a scenario ends lets the next one (another ``p``, the same ranks)
     register again instead of failing on groups that already exist.
@@ -342,10 +342,10 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
       "checkpoint.py:_strided_over_dp_only", "fsdp.py:_dp_shard_dim", "fsdp.py:_stage0_only"),
      "the only DTensor placement for the fused c_attn rows [q_i; k_i; v_i] of one rank"),
     ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
-     ("metp.py:block_kernel", "metp.py:_fused_forward", "bench/context_parallel.py:(module)"),
+     ("metp.py:block_kernel", "metp.py:_fused_forward", "baselines/context_parallel.py:(module)"),
      "the CPU flash kernel returns the log-sum-exp the ring's online-softmax merge needs"),
     ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
-     ("metp.py:_fused_backward", "bench/context_parallel.py:(module)"),
+     ("metp.py:_fused_backward", "baselines/context_parallel.py:(module)"),
      "the block backward from the global output and log-sum-exp"),
     ("torch.ops.aten._scaled_dot_product_flash_attention, torch.ops.aten._scaled_dot_product_efficient_attention",
      ("metp.py:_fused_forward",), "CUDA fused attention returning the log-sum-exp the ring merge needs"),
@@ -353,39 +353,39 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "torch.ops.aten._scaled_dot_product_efficient_attention_backward",
      ("metp.py:_fused_backward",), "their block backward from the global output and log-sum-exp"),
     ("DTensor._op_dispatcher._custom_op_handlers, torch.ops.aten._log_softmax",
-     ("bench/tp1d.py:_loss_parallel_active",),
+     ("baselines/tp1d.py:_loss_parallel_active",),
      "whether torch's loss_parallel() handlers are installed right now"),
     ("torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention, "
      "_templated_ring_attention_backward",
-     ("bench/context_parallel.py:_ring_forward", "bench/context_parallel.py:_ring_backward",
-      "bench/context_parallel.py:cpu_ring_attention"),
+     ("baselines/context_parallel.py:_ring_forward", "baselines/context_parallel.py:_ring_backward",
+      "baselines/context_parallel.py:cpu_ring_attention"),
      "torch's own CP ring attention, run with the CPU flash kernel; its handler table takes the CPU op's handler"),
     ("torch.distributed.tensor.experimental._context_parallel._sharding_rules._op_strategy_context, "
      "torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy",
-     ("bench/context_parallel.py:cpu_ring_attention", "bench/context_parallel.py:_forward_strategy",
-      "bench/context_parallel.py:_backward_strategy"),
+     ("baselines/context_parallel.py:cpu_ring_attention", "baselines/context_parallel.py:_forward_strategy",
+      "baselines/context_parallel.py:_backward_strategy"),
      "register the CPU flash op's sequence-sharded strategy for a block, as torch's CP does for the CUDA ops"),
-    ("DTensor._op_dispatcher", ("bench/context_parallel.py:_cpu_sdpa_handler",),
+    ("DTensor._op_dispatcher", ("baselines/context_parallel.py:_cpu_sdpa_handler",),
      "unwrap, propagate and wrap around the ring, as torch's _sdpa_handler"),
     ("torch._subclasses.fake_tensor.FakeTensor, torch._subclasses.fake_tensor.FakeTensorMode",
-     ("bench/collectives.py:_shape_only", "bench/measure.py:_storage_key", "bench/measure.py:LiveTensorBytes",
-      "bench/memory_model.py:_shards_here", "bench/trace.py:_run_here"),
+     ("bench/collectives.py:_shape_only", "planning/live.py:_storage_key", "planning/live.py:LiveTensorBytes",
+      "planning/memory_model.py:_shards_here", "planning/trace.py:_run_here"),
      "recognise DTensor's shape-propagation tensors; trace the parallel model without memory or compute"),
     ("torch.utils._python_dispatch.TorchDispatchMode",
-     ("bench/collectives.py:FunctionalCollectiveCounter", "bench/measure.py:LiveTensorBytes",
-      "bench/measure.py:HostSyncCounter", "bench/trace.py:_Recorder", "comm_record.py:_direct_collectives"),
+     ("bench/collectives.py:FunctionalCollectiveCounter", "planning/live.py:LiveTensorBytes",
+      "bench/measure.py:HostSyncCounter", "planning/trace.py:_Recorder", "comm_record.py:_direct_collectives"),
      "see every aten op: collectives with their bytes, live tensor bytes, host syncs, the traced schedule, FSDP's c10d "
      "collectives"),
     ("torch.distributed.tensor.debug._clear_python_sharding_prop_cache, "
-     "torch._C._clear_DTensor_sharding_propagator_cache", ("bench/trace.py:forget_meshes",),
+     "torch._C._clear_DTensor_sharding_propagator_cache", ("planning/trace.py:forget_meshes",),
      "DTensor's caches hand stale (equal) meshes of earlier traces to new parameters, which FSDP gathers over"),
     ("torch._ops.HigherOrderOperator",
      ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",
-      "bench/measure.py:LiveTensorBytes.__torch_dispatch__"),
+      "planning/live.py:LiveTensorBytes.__torch_dispatch__"),
      "let higher-order operators pass through a dispatch mode unexamined"),
-    ("OpOverload._schema", ("bench/trace.py:_attention_flops",),
+    ("OpOverload._schema", ("planning/trace.py:_attention_flops",),
      "argument names of an attention op, to price its FLOPs"),
-    ("UntypedStorage._cdata", ("bench/trace.py:_storage",),
+    ("UntypedStorage._cdata", ("planning/trace.py:_storage",),
      "the StorageImpl's address: a key that tells storages apart while they live, fake ones too"),
     ("torch.ops._c10d_functional", ("bench/collectives.py:(module)",),
      "the native functional-collective ops DTensor redistributions issue"),
@@ -399,10 +399,10 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("ProcessGroup._get_backend, Backend.options._timeout", ("mesh.py:group_timeout",),
      "the timeout a process group was created with"),
     ("DeviceMesh._dim_group_names", ("ops.py:_mesh_names",), "a mesh's name, read at trace time, for op constants"),
-    ("torch.testing._internal.distributed.fake_pg.FakeStore", ("bench/trace.py:fake_group",
-                                                               "bench/trace.py:_run_here"),
+    ("torch.testing._internal.distributed.fake_pg.FakeStore", ("planning/trace.py:fake_group",
+                                                               "planning/trace.py:_run_here"),
      "importing it registers the 'fake' process-group backend the schedule tracer runs on"),
     # ---- DeepSpeed (bench only) ----
-    ("parallel_state_sp._release_sequence_parallel_groups", ("bench/ulysses.py:ulysses_attention",),
+    ("parallel_state_sp._release_sequence_parallel_groups", ("baselines/ulysses.py:ulysses_attention",),
      "free DeepSpeed's sequence-parallel groups when a Ulysses scenario ends, so the next can register"),
 )

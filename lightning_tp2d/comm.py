@@ -8,7 +8,7 @@ forward/backward duals. Each call
 * with ``async_op=True`` returns a :class:`Handle` whose ``wait()`` completes it;
 * is reported to the open recorders of :mod:`lightning_tp2d.comm_record`, if any: :func:`count_comm` (calls and
   payload bytes per kind, so tests can assert the communication a layer performs) or the cost model's schedule
-  tracer (:mod:`lightning_tp2d.bench.trace`). Nothing is recorded outside such a context. ``bytes`` is the payload
+  tracer (:mod:`lightning_tp2d.planning.trace`). Nothing is recorded outside such a context. ``bytes`` is the payload
   of the tensor handed to the call on this rank: the broadcast/reduced/all-reduced tensor, the local input of an
   all-gather, the full input of a reduce-scatter.
 

@@ -7,7 +7,7 @@ at once). Two recorders ship:
 
 * :func:`count_comm`: calls and payload bytes per kind in a :class:`CommStats`, so a test can assert the
   communication a layer performs (``stats.snapshot()``);
-* the cost model's schedule tracer (:mod:`lightning_tp2d.bench.trace`), any object with ``posted`` / ``waited``
+* the cost model's schedule tracer (:mod:`lightning_tp2d.planning.trace`), any object with ``posted`` / ``waited``
   given to :func:`recording`.
 
 Outside such a context nothing is recorded and nothing is computed for it (``comm`` asks :func:`listening` first).

@@ -1,7 +1,7 @@
 """What the Trainer strategy (:class:`~lightning_tp2d.strategy.TP2DStrategy`) and the Fabric strategy
 (:class:`~lightning_tp2d.fabric.TP2DFabricStrategy`) share: the arguments and their checks, resolving the
 tensor- and data-parallel sizes (or, with ``layout="auto"``, the planner's choice of layout, sizes, ZeRO stage and
-checkpointing: :mod:`lightning_tp2d.bench.planner`), the mesh, finding and parallelizing the
+checkpointing: :mod:`lightning_tp2d.planning.planner`), the mesh, finding and parallelizing the
 :class:`~lightning_tp2d.models.GPT2` (or other registered model family: :mod:`lightning_tp2d.families`) modules (meta-device models from one seed or
 a transformers directory, eager ones made identical on every rank, then activation checkpointing and
 ``torch.compile``), and what a checkpoint records about the run.
@@ -35,12 +35,12 @@ from lightning_tp2d.training import broadcast_module_, clip_grad_norm_
 from lightning_tp2d.zero import ZERO_STAGES
 
 if TYPE_CHECKING:
-    from lightning_tp2d.bench.planner import PlanRow
+    from lightning_tp2d.planning.planner import PlanRow
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 AUTO_LAYOUT = "auto"  # layout="auto": the planner picks layout, sizes, ZeRO stage and checkpointing at start-up
 LONGEST_DEFAULT_SEQ = 8192  # layout="auto" plans for config.block_size up to this; longer needs plan_options["seq"]
-# what plan_options may set: lightning_tp2d.bench.planner.plan's arguments that are not the job's (gpus, memory)
+# what plan_options may set: lightning_tp2d.planning.planner.plan's arguments that are not the job's (gpus, memory)
 PLAN_OPTIONS = ("seq", "global_batch_tokens", "hardware", "layouts", "zero_stages", "checkpointing", "memory_fraction",
                 "max_micro_batch", "compiled", "workers")
 
@@ -246,7 +246,7 @@ class TensorParallelCore:
         return ParallelDims(self.layout_spec, tp, dp)
 
     def _plan(self, config: Any, memory_gib: float, per_node: int, nodes: int) -> list[PlanRow]:
-        """``layout="auto"``: the configurations of :func:`lightning_tp2d.bench.planner.plan` (no 1-D baselines) for
+        """``layout="auto"``: the configurations of :func:`lightning_tp2d.planning.planner.plan` (no 1-D baselines) for
         ``config`` on ``per_node x nodes`` devices of ``memory_gib`` GiB, best first, that this strategy runs: the
         family's layouts (those without dropout when ``config.dropout``), the sizes asked for (numbers given as
         ``tensor_parallel_size`` / ``data_parallel_size``) and, under ``compile``, no checkpointing that does not
@@ -257,8 +257,8 @@ class TensorParallelCore:
         :data:`LONGEST_DEFAULT_SEQ` tokens (a longer one, such as the 131072 of the named Llama 3.x configs, is the
         model's limit, not the job's: then ``plan_options["seq"]`` is required); ``global_batch_tokens`` defaults to
         one sequence per device. Deterministic: every rank plans the same. Nothing that
-        fits: the planner's :class:`~lightning_tp2d.bench.planner.NothingFits` (a ``ValueError``)."""
-        from lightning_tp2d.bench.planner import plan  # deferred: heavy, the cost model fits its GEMM rates on import
+        fits: the planner's :class:`~lightning_tp2d.planning.planner.NothingFits` (a ``ValueError``)."""
+        from lightning_tp2d.planning.planner import plan  # deferred: heavy, the cost model fits its GEMM rates on import
 
         family = family_of_config(config)
         if family is None:

@@ -5,7 +5,7 @@ Builds on Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrateg
 process-group set-up, data-parallel sampler sharding and the DCP checkpoint plumbing. On top of it:
 
 * ``setup_environment`` builds the layout's mesh, axes ``(data_parallel, row, col)`` or ``(data_parallel, ring)``;
-  with ``layout="auto"`` it first asks the planner (:func:`lightning_tp2d.bench.planner.plan`) which layout, sizes,
+  with ``layout="auto"`` it first asks the planner (:func:`lightning_tp2d.planning.planner.plan`) which layout, sizes,
   ZeRO stage and checkpointing train the model fastest in this job's devices and memory (:meth:`plan_layout`);
 * ``setup`` finds the :class:`~lightning_tp2d.models.GPT2` modules inside the LightningModule and parallelizes
   them (no ``configure_model`` parallel code needed); models built on the meta device are materialised shard by
@@ -48,7 +48,7 @@ from lightning_tp2d.training import GradientSync, clip_grad_value_
 from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
 
 if TYPE_CHECKING:
-    from lightning_tp2d.bench.planner import PlanRow
+    from lightning_tp2d.planning.planner import PlanRow
 
 
 class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
@@ -104,7 +104,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         memory_gib: ``layout="auto"``: GiB of memory per device the plan may fill (90% of it: the planner's
             ``memory_fraction``). Default on CUDA: the device's total memory; required on CPU (a ``ValueError``
             without it).
-        plan_options: ``layout="auto"``: further arguments of :func:`~lightning_tp2d.bench.planner.plan`
+        plan_options: ``layout="auto"``: further arguments of :func:`~lightning_tp2d.planning.planner.plan`
             (:data:`~lightning_tp2d.core.PLAN_OPTIONS`): ``seq`` (default: the model's ``block_size``),
             ``global_batch_tokens`` (default: one sequence per device), ``hardware`` (priced as, default
             ``"h100"``), ``layouts``, ``zero_stages``, ``checkpointing``, ``max_micro_batch``, ``memory_fraction``,

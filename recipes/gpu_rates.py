@@ -7,13 +7,13 @@ on a GPU: no device time was lent to the session that wrote it; ``--smoke`` runs
     tp2d-plan llama-3.1-70b --gpus 64 --gpu-memory-gib 80 --seq 8192 --rates recipes/benchmarks/gpu_rates/h200.json
 
 Today every projection rests on two bf16 GEMMs measured in the project's first week and on assumed attention and
-memory rates (:data:`lightning_tp2d.bench.cost_model.H100_NVLINK4_NDR`). This measures, with CUDA events, median of
+memory rates (:data:`lightning_tp2d.planning.cost_model.H100_NVLINK4_NDR`). This measures, with CUDA events, median of
 ``--repeats``:
 
 1. **GEMMs** ``[m, k] @ [k, n]`` in bf16 at the shapes the planner prices: each linear of Llama 3.1 8B and 70B
    (q/k/v/o, gate/up/down) as 1-D TP cuts it over 1, 2, 4 and 8 ranks, at 8192 and 16384 tokens, and the MLP
    product of GPT-2 medium on the 1x1, 2x2 and 3x3 grids (the committed two points among them). The fit
-   ``t = FLOPs / rate + overhead`` (:func:`lightning_tp2d.bench.gemm_rates.fit`) is the one the cost model takes.
+   ``t = FLOPs / rate + overhead`` (:func:`lightning_tp2d.planning.gemm_rates.fit`) is the one the cost model takes.
 2. **Attention**, head size 128, 32 query heads on 8 key/value heads (Llama's GQA), one sequence: torch's SDPA over
    the whole causal sequence (what the plain model, 1-D TP and each CP ring step run), forward and forward +
    backward, at 2k-32k tokens; and the METP ring's blocks through :func:`lightning_tp2d.metp.attend_block` /
@@ -25,7 +25,7 @@ memory rates (:data:`lightning_tp2d.bench.cost_model.H100_NVLINK4_NDR`). This me
 
 Writes ``--out`` (JSON: every point, the GEMM fit, the attention rate the planner takes -- causal SDPA forward +
 backward at the longest length measured -- and the bandwidth) and a markdown summary beside it.
-:func:`lightning_tp2d.bench.cost_model.with_measured_rates` turns the JSON into a hardware preset; ``tp2d-plan
+:func:`lightning_tp2d.planning.cost_model.with_measured_rates` turns the JSON into a hardware preset; ``tp2d-plan
 --rates FILE`` plans with it.
 """
 
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_tp2d import metp
-from lightning_tp2d.bench import gemm_rates
+from lightning_tp2d.planning import gemm_rates
 from lightning_tp2d.families import model_config
 
 HEAD, Q_HEADS, KV_HEADS = 128, 32, 8
@@ -77,7 +77,7 @@ class Timer:
 def gemm_shapes(smoke: bool) -> list[tuple[str, int, int, int]]:
     """``(label, m, k, n)``: the linears of Llama 3.1 8B and 70B cut by 1-D TP over ``t`` ranks (column-parallel
     ``[in, out/t]``, row-parallel ``[in/t, out]``) at 8192 and 16384 tokens, and GPT-2 medium's MLP product on
-    ``q x q`` grids (:func:`lightning_tp2d.bench.gemm_rates.table_shapes`) at 8192 tokens."""
+    ``q x q`` grids (:func:`lightning_tp2d.planning.gemm_rates.table_shapes`) at 8192 tokens."""
     if smoke:
         return [("toy 64x32x96", 64, 32, 96), ("toy 128x64x128", 128, 64, 128), ("toy 32x32x32", 32, 32, 32)]
     shapes = []

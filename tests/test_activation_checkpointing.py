@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lightning_tp2d as tp
-from lightning_tp2d.bench.measure import LiveTensorBytes
+from lightning_tp2d.planning.live import LiveTensorBytes
 from lightning_tp2d.models import GPT2, GPT2Config
 from lightning_tp2d.parallelize import checkpoint_activations
 from tests.distributed import run_distributed

@@ -2,7 +2,7 @@
 
 One process, no process group: the Trainer is built (4 CPU devices), the module connected, and the resolving step
 (``plan_layout``, what ``setup_environment`` calls before the process group) run directly; its choice is compared
-with :func:`lightning_tp2d.bench.planner.plan` called by hand. The plans are restricted (ZeRO 0/1, no selective
+with :func:`lightning_tp2d.planning.planner.plan` called by hand. The plans are restricted (ZeRO 0/1, no selective
 checkpointing, one sequence per micro-batch) to keep them at seconds; the planner caches its traces, so the second
 plan of the same model is free.
 """
@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 import lightning_tp2d as tp
 from lightning_tp2d import strategy as strategy_module
 from lightning_tp2d import launch, train
-from lightning_tp2d.bench.planner import NothingFits, plan
+from lightning_tp2d.planning.planner import NothingFits, plan
 from lightning_tp2d.families import family_of_config, model_config
 from lightning_tp2d.fabric import TP2DFabricStrategy
 from lightning_tp2d.strategy import TP2DStrategy

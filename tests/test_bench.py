@@ -166,7 +166,7 @@ def test_llama_runs_the_layouts_its_family_has_and_reports_the_others():
     spec = BenchSpec(model="llama-tiny", steps=1, warmup=0)
     assert spec.config() == LlamaConfig.from_name("llama-tiny")
     assert "baseline is GPT-2 only (model 'llama-tiny' is a Llama)" in run_scenario("hf", 4, spec)["reason"]
-    for baseline in ("tp1d", "tp1d-sp"):  # torch's 1-D TP (+ SP) has torchtitan's Llama plan (bench/tp1d.py)
+    for baseline in ("tp1d", "tp1d-sp"):  # torch's 1-D TP (+ SP) has torchtitan's Llama plan (baselines/tp1d.py)
         assert check_scenario(baseline, 2, spec, 4, 64) is None
         assert "n_kv_head=6 is not divisible by p=4" in check_scenario(baseline, 4, spec, 4, 64)
     for layout in ("metp", "2d-metp"):
@@ -317,7 +317,7 @@ def test_max_sequence_section_reports_the_p8_long_context_targets_and_plots_ever
 def test_a_cap_passed_inside_dtensor_dispatch_ends_the_probe_as_out_of_memory():
     """DTensor re-raises what an op raised during its sharding propagation as a ``RuntimeError`` caused by it: the
     probe of a DTensor baseline (tp1d-sp, cp-tp) that passes the cap there is an OOM, not an error."""
-    from lightning_tp2d.bench.measure import MemoryCapExceeded
+    from lightning_tp2d.planning.live import MemoryCapExceeded
     from lightning_tp2d.bench.procs import _oom_in
 
     cap = MemoryCapExceeded("tracked memory 36170752 bytes exceeds the cap of 33554432 bytes")

@@ -1,4 +1,4 @@
-"""torch's own context parallelism on CPU (:mod:`lightning_tp2d.bench.context_parallel`): CP x FSDP over 4 gloo
+"""torch's own context parallelism on CPU (:mod:`lightning_tp2d.baselines.context_parallel`): CP x FSDP over 4 gloo
 ranks equals the plain Llama, torch's ring really runs (its collectives, counted), and what a step costs beside
 "metp" at p 4. One spawned group of 4 ranks serves every multi-rank test."""
 
@@ -17,12 +17,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
 import lightning_tp2d as tp
-from lightning_tp2d.bench import context_parallel as cp
+from lightning_tp2d.baselines import context_parallel as cp
+from lightning_tp2d.planning import rivals
 from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
-from lightning_tp2d.bench.cost_model import collective_time, cp_step_time, flops
-from lightning_tp2d.bench.events import wire_bytes
-from lightning_tp2d.bench.memory_model import parameter_split
-from lightning_tp2d.bench.planner import BASELINE, CP, CP_TP, HARDWARE, price
+from lightning_tp2d.planning.cost_model import collective_time, cp_step_time, flops
+from lightning_tp2d.planning.events import wire_bytes
+from lightning_tp2d.planning.memory_model import parameter_split
+from lightning_tp2d.planning.planner import BASELINE, CP, CP_TP, HARDWARE, price
 from lightning_tp2d.families import model_config
 from lightning_tp2d.models import Llama, LlamaConfig
 from tests.distributed import run_distributed
@@ -197,7 +198,7 @@ def test_chunked_loss_refuses_bad_arguments():
         cp.sequence_loss(Llama(CFG), None, torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long),
                          loss="fused")
     with pytest.raises(ValueError, match="loss='fused'"):
-        cp.cp_peak_bytes(CFG, 1, 64, 4, loss="fused")
+        rivals.cp_peak_bytes(CFG, 1, 64, 4, loss="fused")
 
 
 def test_cp_peak_bytes_prices_one_chunk_of_the_loss_and_names_the_peak():
@@ -208,8 +209,8 @@ def test_cp_peak_bytes_prices_one_chunk_of_the_loss_and_names_the_peak():
     kw = dict(checkpointing="full", elem=2)
     losses = []
     for seq in (131072, 262144, 524288):
-        unfused = cp.cp_peak_bytes(cfg, 1, seq, 8, loss="unfused", **kw)
-        chunked = cp.cp_peak_bytes(cfg, 1, seq, 8, **kw)
+        unfused = rivals.cp_peak_bytes(cfg, 1, seq, 8, loss="unfused", **kw)
+        chunked = rivals.cp_peak_bytes(cfg, 1, seq, 8, **kw)
         assert unfused["peak_at"] == "plain FSDP" and unfused["largest"] == "loss, gathered and transients"
         saved = 4 * (seq // 8) * cfg.vocab_size
         assert chunked["total"] <= unfused["total"] - saved
@@ -217,7 +218,7 @@ def test_cp_peak_bytes_prices_one_chunk_of_the_loss_and_names_the_peak():
         assert chunked["total"] == sum(chunked["phases"][chunked["peak_at"]].values())
         assert chunked["largest"] in chunked["phases"][chunked["peak_at"]]
         losses.append(chunked["loss"])
-    assert losses[0] == losses[1] == losses[2] < 4 * cp.CHUNK_TOKENS * cfg.vocab_size + 3 * 2 * cfg.vocab_size * cfg.n_embd
+    assert losses[0] == losses[1] == losses[2] < 4 * rivals.CHUNK_TOKENS * cfg.vocab_size + 3 * 2 * cfg.vocab_size * cfg.n_embd
     assert chunked["peak_at"] == "block backward (plain FSDP)" and chunked["largest"] == "activations"
 
 
@@ -270,26 +271,26 @@ def test_report_peak_and_sent_bytes_of_cp_and_metp(ranks):
 
 
 def test_declared_cp_events_send_the_bytes_a_real_step_counts(ranks):
-    """The cost model's "cp" schedule (:func:`cp.cp_comm_events`: FSDP2's gathers and reduce-scatters with their
+    """The cost model's "cp" schedule (:func:`rivals.cp_comm_events`: FSDP2's gathers and reduce-scatters with their
     dim-0 padding, torch's ring, the two small all-reduces), float32 as the CPU runs it, sends on every rank exactly
     what :func:`cp.measure_step` counted in a real 4-rank step, at each sequence length."""
     for seq in SEQS:
         for case, loss in (("cp", "chunked"), ("cp-unfused", "unfused")):
-            declared = wire_bytes(cp.cp_comm_events(CFG, B, seq, WORLD, elem=4, loss=loss, chunk_tokens=CHUNK))
+            declared = wire_bytes(rivals.cp_comm_events(CFG, B, seq, WORLD, elem=4, loss=loss, chunk_tokens=CHUNK))
             for r in ranks:
                 assert declared == r["costs"][case, seq]["sent_bytes"], (seq, declared, r["costs"][case, seq])
 
 
 def test_declared_cp_tp_events_send_the_bytes_a_real_step_counts(ranks):
-    """"cp-tp" (CP 2 x 1-D TP + SP 2, FSDP over the CP axis): :func:`cp.cp_comm_events` with ``tp=2`` -- FSDP's
+    """"cp-tp" (CP 2 x 1-D TP + SP 2, FSDP over the CP axis): :func:`rivals.cp_comm_events` with ``tp=2`` -- FSDP's
     traffic of the TP shards, torch's ring on this rank's key/value heads, TP + SP's calls on the CP rank's ``T/2``
     tokens -- sends exactly what a real 4-rank step counts on tensor rank 0 (ranks 0 and 2, which hold the larger
     half of the 257-row vocabulary); tensor rank 1 sends less, by FSDP's gathers and reduce-scatters of one
     vocabulary row fewer per FSDP shard. The chunked loss's backward recomputes each chunk's ``loss_parallel``
     forward: its three ``[n, 1]`` all-reduces again."""
     for seq in SEQS:
-        declared = wire_bytes(cp.cp_comm_events(CFG, B, seq, WORLD // 2, elem=4, tp=2, chunk_tokens=CHUNK))
-        unfused = wire_bytes(cp.cp_comm_events(CFG, B, seq, WORLD // 2, elem=4, tp=2, loss="unfused"))
+        declared = wire_bytes(rivals.cp_comm_events(CFG, B, seq, WORLD // 2, elem=4, tp=2, chunk_tokens=CHUNK))
+        unfused = wire_bytes(rivals.cp_comm_events(CFG, B, seq, WORLD // 2, elem=4, tp=2, loss="unfused"))
         assert declared - unfused == 3 * 4 * B * seq // 2  # float32 rows of the CP rank's tokens, over 2 TP ranks
         sent = [r["costs"]["cp-tp", seq]["sent_bytes"] for r in ranks]
         assert sent[0] == sent[2] == declared, (seq, declared, sent)
@@ -297,10 +298,10 @@ def test_declared_cp_tp_events_send_the_bytes_a_real_step_counts(ranks):
 
 
 def test_cp_tp_peak_bytes_grow_with_the_sequence_as_measured(ranks):
-    """:func:`cp.cp_peak_bytes` with ``tp=2`` (the 1-D TP + SP baseline's parts on the CP rank's ``T/2`` tokens, the
+    """:func:`rivals.cp_peak_bytes` with ``tp=2`` (the 1-D TP + SP baseline's parts on the CP rank's ``T/2`` tokens, the
     ring on half the heads) against the growth of the largest rank's measured "cp-tp" peak (the median of its
     ``REPEATS`` steps: one step's peak moves by a few gloo buffers) from T = 32 to 64, within 20% as for "cp"."""
-    predicted = [cp.cp_peak_bytes(CFG, B, seq, WORLD // 2, elem=4, tp=2, chunk_tokens=CHUNK)["total"] for seq in SEQS]
+    predicted = [rivals.cp_peak_bytes(CFG, B, seq, WORLD // 2, elem=4, tp=2, chunk_tokens=CHUNK)["total"] for seq in SEQS]
     measured = [max(statistics.median(r["costs"]["cp-tp", seq]["peaks"]) for r in ranks) for seq in SEQS]
     growth = (predicted[1] - predicted[0]) / (measured[1] - measured[0])
     print(f"cp-tp peak growth T={SEQS[0]} -> {SEQS[1]}: predicted {predicted[1] - predicted[0]} B, measured "
@@ -310,7 +311,7 @@ def test_cp_tp_peak_bytes_grow_with_the_sequence_as_measured(ranks):
 
 def test_head_tail_ring_gives_every_rank_a_pth_of_the_causal_scores():
     """Counted from torch's own causal rule per ring step (``_is_causal_behavior``): each rank computes
-    ``T (T+1) / (2p)`` visible scores, split as :func:`cp.diagonal_share` says (step 0 vs each later step)."""
+    ``T (T+1) / (2p)`` visible scores, split as :func:`rivals.diagonal_share` says (step 0 vs each later step)."""
     seq, p = 96, 4
     c = seq // (2 * p)
     for rank in range(p):
@@ -320,7 +321,7 @@ def test_head_tail_ring_gives_every_rank_a_pth_of_the_causal_scores():
             assert behavior != torch_cp._CausalBehavior.SKIP  # load balanced: no idle step
             steps.append(c * (2 * c + 1) if i == 0 else 2 * c * c)  # step 0 causal 2c x 2c; later 2c x c / c x 2c
         assert sum(steps) * p == seq * (seq + 1) // 2
-        diagonal, off = cp.diagonal_share(seq, p)
+        diagonal, off = rivals.diagonal_share(seq, p)
         assert steps[0] / sum(steps) == pytest.approx(diagonal) and steps[1] / sum(steps) == pytest.approx(off)
 
 
@@ -342,20 +343,20 @@ def test_cp_step_computes_a_pth_of_the_plain_model_and_hides_most_of_the_ring():
         assert chunked["flops"][key] == step["flops"][key]
     for key in ("backward", "matmul", "total"):
         assert chunked["flops"][key] == pytest.approx(step["flops"][key] + head, rel=1e-12)
-    assert chunked["flops"]["gemms"] == plain["gemms"] - 3 + 4 * (seq // p) // cp.CHUNK_TOKENS
+    assert chunked["flops"]["gemms"] == plain["gemms"] - 3 + 4 * (seq // p) // rivals.CHUNK_TOKENS
     assert chunked["exposed_comm_s"] == step["exposed_comm_s"] and chunked["total_s"] > step["total_s"]
 
 
 @pytest.mark.parametrize("loss", ["chunked", "unfused"])
 def test_cp_peak_bytes_grow_with_the_sequence_as_measured(ranks, loss):
-    """What :func:`cp.cp_peak_bytes` adds per token (activations of ``T/p`` tokens, the ring's gathered K/V and
+    """What :func:`rivals.cp_peak_bytes` adds per token (activations of ``T/p`` tokens, the ring's gathered K/V and
     accumulators; unfused the logits, chunked one chunk of ``CHUNK`` tokens whatever T; float32 as the CPU runs it,
     ``elem`` 4) against the growth of the largest rank's measured peak (the median of its ``REPEATS`` steps: one
     step's peak moves by a few gloo buffers) from T = 32 to 64 on 4 ranks, within 20%. (Its fixed part, FSDP's
     gathered and unsharded root and block, is the bf16 baseline's rule and over-counts this float32 toy, whose root
     is half its weights.)"""
     case = "cp" if loss == "chunked" else "cp-unfused"
-    predicted = [cp.cp_peak_bytes(CFG, B, seq, WORLD, elem=4, loss=loss, chunk_tokens=CHUNK)["total"] for seq in SEQS]
+    predicted = [rivals.cp_peak_bytes(CFG, B, seq, WORLD, elem=4, loss=loss, chunk_tokens=CHUNK)["total"] for seq in SEQS]
     measured = [max(statistics.median(r["costs"][case, seq]["peaks"]) for r in ranks) for seq in SEQS]
     growth = (predicted[1] - predicted[0]) / (measured[1] - measured[0])
     print(f"{case} peak growth T={SEQS[0]} -> {SEQS[1]}: predicted {predicted[1] - predicted[0]} B, measured "
@@ -385,11 +386,11 @@ def _loss_peaks(rank: int, world_size: int) -> dict:
 
 def test_chunked_loss_holds_less_than_the_unfused_loss_as_measured():
     """With an 8192-row vocabulary on 2 ranks (2 x 256 tokens each, chunks of ``CHUNK``) the loss sets the peak: the
-    measured peak of the step with the chunked loss is below the unfused one's, and :func:`cp.cp_peak_bytes`
+    measured peak of the step with the chunked loss is below the unfused one's, and :func:`rivals.cp_peak_bytes`
     predicts the saving (the ``[T/p, V]`` log-softmax, logits and gradient less one chunk's) within 20%."""
     ranks = run_distributed(_loss_peaks, 2, timeout=300)
     measured = {loss: max(statistics.median(r[loss]["peaks"]) for r in ranks) for loss in ("chunked", "unfused")}
-    predicted = {loss: cp.cp_peak_bytes(BIG_VOCAB, B, BIG_SEQ, 2, elem=4, loss=loss, chunk_tokens=CHUNK)
+    predicted = {loss: rivals.cp_peak_bytes(BIG_VOCAB, B, BIG_SEQ, 2, elem=4, loss=loss, chunk_tokens=CHUNK)
                  for loss in ("chunked", "unfused")}
     saving = measured["unfused"] - measured["chunked"]
     predicted_saving = predicted["unfused"]["total"] - predicted["chunked"]["total"]
@@ -405,7 +406,7 @@ def test_cp_tp_step_computes_the_plain_models_flops_over_its_ranks_and_prices_tp
     as 1-D TP + SP on ``T/4`` tokens, the attention ``1/8`` of the causal scores); its TP + SP calls expose what
     :func:`step_time` exposes for "tp1d-sp" over 2 on ``T/4`` tokens (blocking: all of them; async TP less), and its
     ring what "cp"'s ring exposes at degree 4 on half the heads, so the step is the sum of the parts."""
-    from lightning_tp2d.bench.cost_model import step_time
+    from lightning_tp2d.planning.cost_model import step_time
 
     cfg, seq, hw = model_config("llama-3.1-8b"), 131072, HARDWARE["h100"]
     plain = flops("single", cfg, 1, seq, 1, "full")
@@ -424,8 +425,8 @@ def test_cp_tp_step_computes_the_plain_models_flops_over_its_ranks_and_prices_tp
                              lean_wire=True, async_overlap=0.57)
         ring = sum(e.calls * max(0.0, collective_time(e.kind, e.group_size, e.nbytes, hw.intra)
                                  - e.overlap_flops / hw.attention_flops_per_s)
-                   for e in cp.cp_comm_events(cfg, 1, seq, 4, 2, checkpointing="full", tp=2, loss="unfused")
-                   if e.group == cp.RING_AXIS)
+                   for e in rivals.cp_comm_events(cfg, 1, seq, 4, 2, checkpointing="full", tp=2, loss="unfused")
+                   if e.group == rivals.RING_AXIS)
         assert step["exposed_comm_s"] == pytest.approx(tp_alone["exposed_comm_s"] + ring, rel=1e-9)
         assert step["compute_s"] - tp_alone["compute_s"] == pytest.approx(
             (step["flops"]["attention"] - tp_alone["flops"]["attention"]) / hw.attention_flops_per_s, rel=1e-9)
@@ -435,25 +436,25 @@ def test_cp_tp_step_computes_the_plain_models_flops_over_its_ranks_and_prices_tp
 
 def test_cp_tp_row_shards_the_tensor_shards_over_the_cp_ranks():
     """A "cp-tp" row of the planner (CP 4 x TP 2 on 8 GPUs): FSDP over the 4 CP ranks of each tensor rank moves
-    :func:`cp.cp_comm_events`' FSDP traffic; the optimizer updates 1/8 of the matrices and 1/4 of the vectors, as the
-    1-D baseline over TP 2 x FSDP 4 does; memory is :func:`cp.cp_peak_bytes` with ``tp=2``."""
+    :func:`rivals.cp_comm_events`' FSDP traffic; the optimizer updates 1/8 of the matrices and 1/4 of the vectors, as the
+    1-D baseline over TP 2 x FSDP 4 does; memory is :func:`rivals.cp_peak_bytes` with ``tp=2``."""
     cfg, seq = model_config("llama-3.1-8b"), 32768
     hw = HARDWARE["h100"]
     kw = dict(dp=1, zero_stage=3, checkpointing="full", micro_batch=1, grad_accum=1, seq=seq, hw=hw, gpus_per_node=8)
     row = price(cfg, layout=CP_TP, p=8, cp_tp_size=2, **kw)
     assert (row.context_parallel_size, row.tensor_parallel_size) == (4, 8) and "CP 4 x TP 2" in row.describe()
     counted = sum(e.calls * collective_time(e.kind, e.group_size, e.nbytes, hw.intra)
-                  for e in cp.cp_comm_events(cfg, 1, seq, 4, 2, checkpointing="full", tp=2) if e.group == cp.FSDP_AXIS)
+                  for e in rivals.cp_comm_events(cfg, 1, seq, 4, 2, checkpointing="full", tp=2) if e.group == rivals.FSDP_AXIS)
     assert row.parts["time_s"]["dp_comm"] == pytest.approx(counted, rel=2e-3)
     baseline = price(cfg, layout=BASELINE, p=2, **(kw | {"dp": 4}))
     assert row.parts["time_s"]["optimizer"] == pytest.approx(baseline.parts["time_s"]["optimizer"], rel=1e-12)
-    assert row.memory_gib * 2**30 == cp.cp_peak_bytes(cfg, 1, seq, 4, checkpointing="full", elem=2, tp=2)["total"]
+    assert row.memory_gib * 2**30 == rivals.cp_peak_bytes(cfg, 1, seq, 4, checkpointing="full", elem=2, tp=2)["total"]
     with pytest.raises(ValueError, match=r"'cp-tp' needs cp_tp_size >= 2 dividing p with at least 2 CP ranks"):
         price(cfg, layout=CP_TP, p=8, cp_tp_size=8, **kw)
 
 
 def test_cp_row_prices_fsdp_and_the_optimizer_as_plain_fsdp_over_its_ranks():
-    """A "cp" row of the planner: CP 8 x FSDP over the same 8 GPUs moves the FSDP traffic :func:`cp.cp_comm_events`
+    """A "cp" row of the planner: CP 8 x FSDP over the same 8 GPUs moves the FSDP traffic :func:`rivals.cp_comm_events`
     counts (the root, resharded after forward by :func:`cp.parallelize_cp`, gathered again in the backward), which is
     plain FSDP over 8's (the same data-parallel rule) with the whole root gathered again where plain FSDP gathers
     only its untied embedding again; it updates what plain FSDP does, its step is the cost model's, and its
@@ -464,7 +465,7 @@ def test_cp_row_prices_fsdp_and_the_optimizer_as_plain_fsdp_over_its_ranks():
     row = price(cfg, layout=CP, p=8, **kw)
     fsdp = price(cfg, layout=BASELINE, p=1, **(kw | {"dp": 8, "seq": seq // 8}))
     counted = sum(e.calls * collective_time(e.kind, e.group_size, e.nbytes, hw.intra)
-                  for e in cp.cp_comm_events(cfg, 1, seq, 8, 2, checkpointing="full") if e.group == cp.FSDP_AXIS)
+                  for e in rivals.cp_comm_events(cfg, 1, seq, 8, 2, checkpointing="full") if e.group == rivals.FSDP_AXIS)
     assert row.parts["time_s"]["dp_comm"] == pytest.approx(counted, rel=1e-3)
     split = parameter_split(cfg)
     gather = lambda elements: collective_time("all_gather", 8, 2 * elements / 8, hw.intra)  # noqa: E731

@@ -1,4 +1,4 @@
-"""The cost model (:mod:`lightning_tp2d.bench.cost_model`) against real runs, and its arithmetic on its own.
+"""The cost model (:mod:`lightning_tp2d.planning.cost_model`) against real runs, and its arithmetic on its own.
 
 Real runs (gloo, CPU, gpt2-tiny with 12 heads, vocabulary 257 which no grid or ring divides): every layout takes
 one training step ``loss = model(idx, targets); loss.backward()`` and on every rank
@@ -8,7 +8,7 @@ one training step ``loss = model(idx, targets); loss.backward()`` and on every r
   "metp" on rings of 4 and of 2 (two data-parallel replicas), "2d-metp" on 2x2 and 3x3; float32, and bf16
   autocast for the element-size rules (parameters, statistics and ring accumulators stay float32);
 * ``activation_bytes(...)`` matches the bytes the forward leaves alive (tracked as
-  :class:`~lightning_tp2d.bench.measure.LiveTensorBytes` does, ignoring the storages of tensors that existed
+  :class:`~lightning_tp2d.planning.live.LiveTensorBytes` does, ignoring the storages of tensors that existed
   before the forward: parameters, ``idx``, ``targets``) within 1%.
 
 With data parallelism (issue 23), dp 2 x a ring of 2 ("metp") and dp 2 x a 2x2 grid ("2d"), GPT-2 and Llama tiny, one
@@ -33,10 +33,10 @@ import torch
 
 import lightning_tp2d as tp
 from lightning_tp2d import comm, fsdp
-from lightning_tp2d.bench import cost_model as cm
-from lightning_tp2d.bench.events import Comm, totals
-from lightning_tp2d.bench.measure import LiveTensorBytes
-from lightning_tp2d.bench.memory_model import baseline_activation_bytes
+from lightning_tp2d.planning import cost_model as cm
+from lightning_tp2d.planning.events import Comm, totals
+from lightning_tp2d.planning.live import LiveTensorBytes
+from lightning_tp2d.planning.memory_model import baseline_activation_bytes
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
 from lightning_tp2d.training import GradientSync, clip_grad_norm_
@@ -109,7 +109,7 @@ def _one_step(layout: str, p: int, world_size: int, overrides: dict, batch: int,
     cfg = _config(overrides)
     model = family_of_config(cfg).model_class(cfg)
     if layout in TP1D:
-        from lightning_tp2d.bench.tp1d import init_tp1d_mesh, parallelize_1d
+        from lightning_tp2d.baselines.tp1d import init_tp1d_mesh, parallelize_1d
 
         parallelize_1d(model, init_tp1d_mesh(world_size), sequence_parallel=layout == "tp1d-sp")
         tp_rank = torch.distributed.get_rank()
@@ -304,16 +304,16 @@ def test_single_and_one_rank_send_nothing_and_bad_shapes_raise():
 
 
 def test_tp1d_is_delegated():
-    tp1d = pytest.importorskip("lightning_tp2d.bench.tp1d")
+    from lightning_tp2d.planning import rivals
+
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
-    assert cm.comm_events("tp1d", cfg, 2, 16, 4, 4) == tp1d.tp1d_comm_events(cfg, 2, 16, 4, 4)
+    assert cm.comm_events("tp1d", cfg, 2, 16, 4, 4) == rivals.tp1d_comm_events(cfg, 2, 16, 4, 4)
 
 
 def test_tp1d_baselines_price_llama_by_its_own_linears():
     """tp1d / tp1d-sp take a Llama config: the events are the baseline's (counted against the running code in
     tests/test_tp1d.py), FLOPs count its GQA and SwiGLU weights, and async TP hides behind exactly those."""
-    from lightning_tp2d.bench.tp1d import tp1d_comm_events
-    from lightning_tp2d.bench.tp1d_sp import tp1d_sp_comm_events
+    from lightning_tp2d.planning.rivals import tp1d_comm_events, tp1d_sp_comm_events
 
     cfg = LlamaConfig.from_name("llama-3.1-8b")
     B_, T_, p = 2, 1024, 4
@@ -333,7 +333,7 @@ def test_tp1d_baselines_price_llama_by_its_own_linears():
 
 
 def test_tp1d_sp_is_delegated_computes_like_tp1d_and_async_tp_hides_only_behind_its_matmuls():
-    from lightning_tp2d.bench.tp1d_sp import tp1d_sp_comm_events
+    from lightning_tp2d.planning.rivals import tp1d_sp_comm_events
 
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
     assert cm.comm_events("tp1d-sp", cfg, 2, 16, 4, 4) == tp1d_sp_comm_events(cfg, 2, 16, 4, 4)
@@ -479,7 +479,7 @@ def test_metp_overlap_threshold_is_about_1k_tokens_on_a100():
 
 
 def test_projected_speedup_reports_both_layouts_per_gpu_count():
-    pytest.importorskip("lightning_tp2d.bench.tp1d")
+    pytest.importorskip("lightning_tp2d.baselines.tp1d")
     rows = cm.projected_speedup(GPT2_SMALL, 8, 1024)
     assert [r["gpus"] for r in rows] == [4, 16, 64] and [r["q"] for r in rows] == [2, 4, 8]
     for r in rows:
@@ -566,7 +566,7 @@ def test_data_parallel_arguments_are_checked_before_anything_is_traced():
 
 def _three_blocks_two_ways(layout: str, p: int, batch: int, seq: int, stage: int, rank: int):
     """(extrapolated from 1 and 2 blocks, traced with 3) steps of a three-block gpt2-tiny; in a forked process."""
-    from lightning_tp2d.bench import trace
+    from lightning_tp2d.planning import trace
     from lightning_tp2d.layouts import get_layout
 
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY, n_layer=3)
@@ -604,7 +604,7 @@ def test_the_ranks_each_layout_traces_for_the_step_time_include_the_slowest(layo
 
 
 def test_gemm_table_fit_reproduces_the_committed_h200_points_and_prices_the_h100_preset():
-    from lightning_tp2d.bench import gemm_rates
+    from lightning_tp2d.planning import gemm_rates
 
     rate, overhead = gemm_rates.fit(gemm_rates.H200_BF16)
     for point in gemm_rates.H200_BF16:  # two points, two parameters: an exact fit
@@ -635,7 +635,7 @@ def test_gemm_counts_are_traced_and_each_kernel_pays_the_overhead():
 
 
 def test_lean_wire_counts_the_1d_activation_collectives_in_bf16_and_nothing_else_changes():
-    from lightning_tp2d.bench.tp1d_sp import tp1d_sp_comm_events
+    from lightning_tp2d.planning.rivals import tp1d_sp_comm_events
 
     as_run, lean = (tp1d_sp_comm_events(GPT2_SMALL, 8, 1024, 4, 2, lean_wire=w) for w in (False, True))
     assert [(e.kind, e.calls, e.phase) for e in as_run] == [(e.kind, e.calls, e.phase) for e in lean]
@@ -682,7 +682,7 @@ def test_fair_configurations_price_every_tensor_x_data_split_of_each_family():
 def _three_checkpointed_blocks_two_ways(layout: str, p: int, batch: int, seq: int, rank: int, checkpointing: str):
     """(extrapolated from 1 and 2 blocks, traced with 3) steps of a checkpointed three-block gpt2-tiny on one
     replica; in a forked process."""
-    from lightning_tp2d.bench import trace
+    from lightning_tp2d.planning import trace
     from lightning_tp2d.layouts import get_layout
 
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY, n_layer=3)
@@ -705,8 +705,8 @@ def test_checkpointed_steps_extrapolate_from_one_and_two_blocks_exactly():
 def test_full_checkpointing_keeps_the_roots_saved_bytes_and_each_blocks_input():
     """Traced activation bytes: full < selective < none; full is the root's share of the uncheckpointed trace (one
     block's trace less one block) plus every block's input, and the backward recomputes each block's forward."""
-    from lightning_tp2d.bench.memory_model import shard_bytes
-    from lightning_tp2d.bench.trace import trace_step
+    from lightning_tp2d.planning.memory_model import shard_bytes
+    from lightning_tp2d.planning.trace import trace_step
 
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY)  # two blocks
     one = trace_step("metp", dataclasses.replace(cfg, n_layer=1), 2, 24, 2, 4, 1)

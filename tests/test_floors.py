@@ -91,3 +91,26 @@ def test_no_import_cycle_among_the_package_modules():
     found = cycles()
     assert not found, "import cycles (each: modules that import one another, directly or not): " + "; ".join(
         " <-> ".join(c) for c in found)
+
+
+def _in(module: str, folder: str) -> bool:
+    return module == f"lightning_tp2d.{folder}" or module.startswith(f"lightning_tp2d.{folder}.")
+
+
+def _crossings(importers, forbidden) -> list[str]:
+    return sorted(f"{m} imports {dep}" for m in MODULES if importers(m)
+                  for dep in imports_of(m) if any(_in(dep, folder) for folder in forbidden))
+
+
+def test_the_runtime_never_imports_the_harness_or_the_rivals():
+    """The runtime (everything outside ``bench/``, ``baselines/`` and ``planning/``) imports neither the measuring
+    harness nor the runnable rivals: ``tp2d-train``, the strategies and ``layout="auto"`` stand on ``planning/``."""
+    outside = lambda m: not any(_in(m, f) for f in ("bench", "baselines", "planning"))  # noqa: E731
+    assert not _crossings(outside, ("bench", "baselines")), _crossings(outside, ("bench", "baselines"))
+
+
+def test_planning_never_imports_the_harness_or_the_rivals():
+    """``planning/`` prices the rivals as arithmetic on the config (``planning.rivals``), never by importing them."""
+    inside = lambda m: _in(m, "planning")  # noqa: E731
+    assert not _crossings(inside, ("bench", "baselines")), _crossings(inside, ("bench", "baselines"))
+    assert "lightning_tp2d.planning.planner" in MODULES and "lightning_tp2d.baselines.tp1d" in MODULES

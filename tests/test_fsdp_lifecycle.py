@@ -18,7 +18,7 @@ import torch
 
 import lightning_tp2d as tp
 from lightning_tp2d import fsdp
-from lightning_tp2d.bench.measure import LiveTensorBytes
+from lightning_tp2d.planning.live import LiveTensorBytes
 from lightning_tp2d.models import GPT2, GPT2Config
 from lightning_tp2d.parallelize import local_parameter_bytes
 from lightning_tp2d.training import average_gradients_

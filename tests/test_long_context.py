@@ -14,9 +14,9 @@ import torch
 
 import lightning_tp2d as tp
 from lightning_tp2d.bench import runner
-from lightning_tp2d.bench.measure import LiveTensorBytes
+from lightning_tp2d.planning.live import LiveTensorBytes
 from lightning_tp2d.bench.runner import BenchSpec, check_scenario
-from lightning_tp2d.bench.trace import drop_fake_group, fake_group, fake_mesh, in_worker
+from lightning_tp2d.planning.trace import drop_fake_group, fake_group, fake_mesh, in_worker
 from lightning_tp2d.comm_record import count_comm
 from lightning_tp2d.families import family_of, model_config
 from lightning_tp2d.layouts import GridRing, Ring, get_layout

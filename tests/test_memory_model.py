@@ -1,4 +1,4 @@
-"""The memory model (:mod:`lightning_tp2d.bench.memory_model`) against the measured peak of real steps on 8 gloo
+"""The memory model (:mod:`lightning_tp2d.planning.memory_model`) against the measured peak of real steps on 8 gloo
 ranks: every case's predicted peak (the largest over the tensor-parallel ranks) within 10% of the largest rank's
 measured one.
 
@@ -22,7 +22,7 @@ import pytest
 from lightning_tp2d.bench.measure import (BASELINE_BATCH, BASELINE_GRID, BASELINE_SEQ, BASELINE_TP, BASELINE_WORLDS,
                                           GRID, GRID_BATCH, GRID_SEQ, GRID_WORLD, baseline_grid_cases,
                                           baseline_grid_config, baseline_measured_peaks, grid_config, measured_peaks)
-from lightning_tp2d.bench.memory_model import (baseline_peak_bytes, loss_forward_bytes, loss_input_bytes,
+from lightning_tp2d.planning.memory_model import (baseline_peak_bytes, loss_forward_bytes, loss_input_bytes,
                                                parameter_split, peak_bytes)
 from tests.distributed import run_distributed
 
@@ -80,8 +80,8 @@ def test_a_deep_models_step_extrapolated_from_4_and_5_blocks_equals_its_direct_b
     and 3 blocks): at ZeRO stage 0 GradientSync's buckets make block 0's phase grow by a block's gradients from the
     fourth block on; at stage 3 with full checkpointing the phase of the blocks between first and last has its ends
     only from 3 blocks on (the 405B ring of 8 read 216 GiB per GPU)."""
-    from lightning_tp2d.bench import memory_model
-    from lightning_tp2d.bench.trace import in_worker
+    from lightning_tp2d.planning import memory_model
+    from lightning_tp2d.planning.trace import in_worker
     from lightning_tp2d.layouts import get_layout
 
     name, layout, stage, ck = case
@@ -103,8 +103,8 @@ def test_the_fused_adamw_step_changes_only_what_follows_the_backward():
     """``peak_bytes(fused=True)`` profiles the same step with AdamW's fused kernel: every phase up to the end of the
     backward is the foreach step's, byte for byte, and what follows it holds less (no float32 copy of the
     parameters at once). (The measured check of both is in the slow set.)"""
-    from lightning_tp2d.bench import memory_model
-    from lightning_tp2d.bench.trace import in_worker
+    from lightning_tp2d.planning import memory_model
+    from lightning_tp2d.planning.trace import in_worker
     from lightning_tp2d.layouts import get_layout
 
     cfg = baseline_grid_config("llama", 4)
@@ -231,8 +231,8 @@ def test_profiles_between_two_batches_equal_direct_ones_and_warm_workers_equal_f
     sequences on (batch 1 runs other ops): read; on the grid, whose op sequences at 2 and 16 sequences differ:
     built. And a build in the kept worker of a group, whose DTensor caches are warm from other builds, equals one in
     a fresh group."""
-    from lightning_tp2d.bench import memory_model as mm
-    from lightning_tp2d.bench import trace
+    from lightning_tp2d.planning import memory_model as mm
+    from lightning_tp2d.planning import trace
 
     llama, gpt2 = MODELS["llama"], dataclasses.replace(MODELS["gpt2"], n_embd=384, n_head=4)
     read = 0

@@ -1,6 +1,6 @@
 """Peak live tensor memory per rank of the "metp" layout, measured by a tensor allocation tracker on CPU.
 
-:class:`~lightning_tp2d.bench.measure.LiveTensorBytes` (the benchmarks' CPU memory tracker) sees every tensor an
+:class:`~lightning_tp2d.planning.live.LiveTensorBytes` (the benchmarks' CPU memory tracker) sees every tensor an
 aten op returns, counts the bytes of each new storage while it lives and keeps the peak and the shape of
 everything allocated. Kernels' internal scratch (inside one aten op, e.g. the CPU flash attention
 of both the plain model and a ring step) is invisible to it, for the plain model and METP alike.
@@ -21,7 +21,7 @@ import torch
 
 import lightning_tp2d as tp
 from lightning_tp2d import metp
-from lightning_tp2d.bench.measure import LiveTensorBytes
+from lightning_tp2d.planning.live import LiveTensorBytes
 from lightning_tp2d.metp import RingOptions
 from lightning_tp2d.models import GPT2, GPT2Config
 from tests.distributed import run_distributed

@@ -206,7 +206,7 @@ def test_auto_layout_keeps_activation_offload_and_plans_full_checkpointing_only(
         asked.update(kwargs)
         raise _Planned
 
-    monkeypatch.setitem(sys.modules, "lightning_tp2d.bench.planner", types.SimpleNamespace(plan=plan))
+    monkeypatch.setitem(sys.modules, "lightning_tp2d.planning.planner", types.SimpleNamespace(plan=plan))
     with pytest.raises(_Planned):
         strategy._plan(GPT2Config.from_name("gpt2-tiny"), 1.0, 4, 1)
     assert asked["checkpointing"] == ("full",)  # offload runs on full checkpointing only

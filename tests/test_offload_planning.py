@@ -12,8 +12,8 @@ import dataclasses
 
 import pytest
 
-from lightning_tp2d.bench import planner
-from lightning_tp2d.bench.cost_model import H100_NVLINK4_NDR
+from lightning_tp2d.planning import planner
+from lightning_tp2d.planning.cost_model import H100_NVLINK4_NDR
 from lightning_tp2d.families import model_config
 
 GIB = 2**30
@@ -93,8 +93,8 @@ def test_ulysses_rows_price_with_its_own_estimate_and_all_to_alls():
     """The Ulysses rival (ALST's schedule) is priced by the planner like cp: its memory is ``ulysses_peak_bytes``,
     its step the plain model's FLOPs over p plus TiledMLP's recomputation and 4 all-to-alls per block and pass,
     none hidden; offload applies the same rule as to every row."""
-    from lightning_tp2d.bench import cost_model
-    from lightning_tp2d.bench.ulysses import ulysses_peak_bytes
+    from lightning_tp2d.planning import cost_model
+    from lightning_tp2d.planning.rivals import ulysses_peak_bytes
     hw = H100_NVLINK4_NDR
     seq = 1 << 20
     row = planner.price(CFG, layout=planner.ULYSSES, p=8, dp=1, zero_stage=3, checkpointing="full", micro_batch=1,

@@ -38,7 +38,7 @@ def run_python(code: str, cwd: Path = ROOT, env: dict | None = None) -> dict:
     ("lightning_tp2d", True),
     ("lightning_tp2d.launch", True),
     ("lightning_tp2d.comm_record", True),  # recording needs no torch (comm builds the calls)
-    ("lightning_tp2d.bench.cost_model", False),
+    ("lightning_tp2d.planning.cost_model", False),
     ("lightning_tp2d.mesh", False),
     ("lightning_tp2d.models", False),
 ])

@@ -1,4 +1,4 @@
-"""The planner (:mod:`lightning_tp2d.bench.planner`, ``lightning_tp2d.plan``, ``tp2d-plan``): every row it returns
+"""The planner (:mod:`lightning_tp2d.planning.planner`, ``lightning_tp2d.plan``, ``tp2d-plan``): every row it returns
 fits the cap by the memory models, accounts for the whole global batch, is sorted by predicted step time; nothing
 fitting is one error naming the least memory; the elementwise constants reproduce the measurement they are fitted
 to; the data-parallel rule prices what the tracer counts. A tiny Llama on 4 "GPUs" keeps it quick."""
@@ -11,9 +11,9 @@ import json
 import pytest
 
 import lightning_tp2d as tp
-from lightning_tp2d.bench import cost_model as cm
-from lightning_tp2d.bench import planner
-from lightning_tp2d.bench.memory_model import baseline_peak_bytes, parameter_split, peak_bytes
+from lightning_tp2d.planning import cost_model as cm
+from lightning_tp2d.planning import planner
+from lightning_tp2d.planning.memory_model import baseline_peak_bytes, parameter_split, peak_bytes
 from lightning_tp2d.families import model_config
 
 MODEL = "llama-tiny"
@@ -51,7 +51,7 @@ def test_planning_candidates_in_parallel_processes_gives_the_same_rows(rows, mon
     """``workers=2`` plans the (layout, size) candidates two at a time, each in a forked process with its own
     memory-model worker: the same rows in the same order as planning them in turn; a candidate that fails there
     raises its own error here."""
-    from lightning_tp2d.bench import memory_model
+    from lightning_tp2d.planning import memory_model
 
     # the profiles forgotten, so that the forked processes build them (in workers of their own), not read this one's
     monkeypatch.setattr(memory_model, "_SHARDS", {})

@@ -241,7 +241,7 @@ def test_the_scan_finds_each_kind_of_private_use():
     found = _found()
     assert ("strategy.py", "TP2DStrategy._configure_launcher", "_configure_launcher") in found  # override
     assert ("nn/linear.py", "_out_shard", "_StridedShard") in found  # imported name, used
-    assert ("bench/tp1d.py", "_loss_parallel_active", "_op_dispatcher") in found  # getattr string
+    assert ("baselines/tp1d.py", "_loss_parallel_active", "_op_dispatcher") in found  # getattr string
     assert ("callbacks.py", "StepCheckpoint.save_now", "_monitor_candidates") in found  # base method on self
     assert ("strategy.py", "TP2DStrategy._install_gradient_clipping", "clip_grad_by_norm") in found  # patch
     names = {name for _, _, name in found}

@@ -191,10 +191,10 @@ def test_scale_recipe_writes_the_tables_and_the_calibration(tmp_path):
 def test_gpu_rates_recipe_measures_every_table_and_the_planner_prices_with_it(tmp_path, capsys):
     """``recipes/gpu_rates.py --smoke`` (CPU, toy sizes; on a GPU it measures bf16 at the planner's shapes): GEMMs,
     causal SDPA, the METP ring's two block kinds on the package's kernel and the copy bandwidth, each rate positive
-    and consistent with its time; :func:`~lightning_tp2d.bench.cost_model.with_measured_rates` takes the fit, the
+    and consistent with its time; :func:`~lightning_tp2d.planning.cost_model.with_measured_rates` takes the fit, the
     attention rate and the bandwidth from it, and ``tp2d-plan --rates`` plans with them (a table that is not one is
     refused in one line)."""
-    from lightning_tp2d.bench import cost_model, gemm_rates, planner
+    from lightning_tp2d.planning import cost_model, gemm_rates, planner
 
     spec = importlib.util.spec_from_file_location("gpu_rates", ROOT / "recipes" / "gpu_rates.py")
     recipe = importlib.util.module_from_spec(spec)

@@ -2,6 +2,7 @@
 against the plain model, and the counter of DTensor's functional collectives against the communication formulas
 of ``tp1d_comm_events`` and ``tp1d_sp_comm_events``."""
 
+import dataclasses
 import copy
 
 import pytest
@@ -13,11 +14,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter, count_functional_collectives
-from lightning_tp2d.bench.events import totals, wire_bytes
-from lightning_tp2d.bench.tp1d import (TP1DHandle, _loss_parallel_active, check_tp1d, full_state_dict_1d,
-                                       init_tp1d_mesh, param_groups_1d, parallelize_1d, qkv_permutation,
-                                       tp1d_comm_events)
-from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel, tp1d_sp_comm_events
+from lightning_tp2d.planning.events import totals, wire_bytes
+from lightning_tp2d.baselines.tp1d import (TP1DHandle, _loss_parallel_active, check_tp1d, full_state_dict_1d,
+                                       init_tp1d_mesh, param_groups_1d, parallelize_1d, qkv_permutation)
+from lightning_tp2d.planning.rivals import check_sequence_parallel, tp1d_comm_events, tp1d_sp_comm_events
 from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
 from tests.distributed import run_distributed
@@ -361,3 +361,20 @@ def test_sp_comm_events_formula():
         tp1d_sp_comm_events(cfg, B_, 1020, p, e)
     with pytest.raises(ValueError, match="T=6 is not divisible by p=4"):
         check_sequence_parallel(6, 4)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_planners_1d_shapes_are_the_plans(family):
+    """``planning.rivals.tp1d_local_shapes`` (arithmetic on the config, for the planner) equals what
+    :func:`local_shapes_1d` reads from the baseline's plan, for a vocabulary and widths that do not divide."""
+    from lightning_tp2d.baselines.tp1d import local_shapes_1d
+    from lightning_tp2d.families import model_config
+    from lightning_tp2d.planning.rivals import tp1d_local_shapes
+
+    cfg = dataclasses.replace(model_config(f"{family}-tiny"), vocab_size=1001, n_layer=2)
+    from lightning_tp2d.models import GPT2, Llama
+
+    with torch.device("meta"):
+        model = (GPT2 if family == "gpt2" else Llama)(cfg)
+    for p in (2, 3, 4):
+        assert tp1d_local_shapes(model, p) == local_shapes_1d(model, p)

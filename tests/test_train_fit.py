@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 
 import lightning.pytorch as L
 from lightning_tp2d import launch, train
-from lightning_tp2d.bench import planner
+from lightning_tp2d.planning import planner
 from lightning_tp2d.train import ConfigError, check_config
 
 launch.register_resolvers()

@@ -1,4 +1,4 @@
-"""Ulysses + ALST with DeepSpeed's own code (:mod:`lightning_tp2d.bench.ulysses`): equal to the plain Llama on 4 gloo
+"""Ulysses + ALST with DeepSpeed's own code (:mod:`lightning_tp2d.baselines.ulysses`): equal to the plain Llama on 4 gloo
 ranks, the head-count rules, the analytic peak against the measured one, and the bench scenario. One spawned group
 of 4 ranks serves the parity and memory tests; tests that run DeepSpeed are skipped when it is not installed."""
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_tp2d.bench import ulysses
-from lightning_tp2d.bench.measure import LiveTensorBytes, resident_bytes
+from lightning_tp2d.baselines import ulysses
+from lightning_tp2d.planning import rivals
+from lightning_tp2d.planning.live import LiveTensorBytes, resident_bytes
 from lightning_tp2d.bench.runner import BenchSpec, check_scenario, input_multiples, run_scenario
 from lightning_tp2d.models import Llama, LlamaConfig
 from tests.distributed import run_distributed
@@ -78,13 +79,13 @@ def ranks():
 
 def test_head_and_sequence_rules_name_the_numbers():
     with pytest.raises(ValueError, match=r"p=3 must divide the query head count n_head=8"):
-        ulysses.check_ulysses(CFG, 3, 1020)
+        rivals.check_ulysses(CFG, 3, 1020)
     with pytest.raises(ValueError, match=r"n_kv_head=6 and p=4"):
-        ulysses.check_ulysses(LlamaConfig(**{**CFG.__dict__, "n_head": 12, "n_kv_head": 6, "n_embd": 384}), 4, 64)
+        rivals.check_ulysses(LlamaConfig(**{**CFG.__dict__, "n_head": 12, "n_kv_head": 6, "n_embd": 384}), 4, 64)
     with pytest.raises(ValueError, match=r"sequence length 1022 is not divisible by .* p=4"):
-        ulysses.check_ulysses(CFG, 4, 1022)
-    ulysses.check_ulysses(CFG, 8, 64)  # p = 8 > 4 K/V heads: DeepSpeed replicates each K/V head twice
-    assert ulysses.local_kv_heads(CFG, 8) == 1 and ulysses.local_kv_heads(CFG, 2) == 2
+        rivals.check_ulysses(CFG, 4, 1022)
+    rivals.check_ulysses(CFG, 8, 64)  # p = 8 > 4 K/V heads: DeepSpeed replicates each K/V head twice
+    assert rivals.local_kv_heads(CFG, 8) == 1 and rivals.local_kv_heads(CFG, 2) == 2
     # llama-tiny: 12 query heads, 6 key/value heads: 4 ranks fit neither rule
     assert "n_kv_head=6 and p=4" in check_scenario("ulysses", 4, BenchSpec(model="llama-tiny"), 1, 64)
     assert "runs transformers' LlamaForCausalLM" in check_scenario("ulysses", 2, BenchSpec(), 1, 64)
@@ -92,16 +93,16 @@ def test_head_and_sequence_rules_name_the_numbers():
 
 
 def test_estimate_names_its_parts():
-    est = ulysses.ulysses_peak_bytes(CFG, 1, 131072, 8, elem=2)
+    est = rivals.ulysses_peak_bytes(CFG, 1, 131072, 8, elem=2)
     assert set(est["parts"]) == {"states", "gathered_root", "root_grads", "gathered_blocks", "checkpoints", "block",
                                  "mlp_tile", "loss_tile"}
     # offload keeps two checkpointed block inputs of four
-    off = ulysses.ulysses_peak_bytes(CFG, 1, 131072, 8, elem=2, offload=True)
+    off = rivals.ulysses_peak_bytes(CFG, 1, 131072, 8, elem=2, offload=True)
     assert off["parts"]["checkpoints"] * 2 == est["parts"]["checkpoints"]
     assert est["largest_bytes"] == max(2 * 131072 // 8 * 256 * 4, 4 * 32000 * 256,
                                        4 * -(-(131072 // 8) // est["loss_tiles"]) * 32000, 2 * 131072 * 256)
     with pytest.raises(ValueError, match="checkpointing='full'"):
-        ulysses.ulysses_peak_bytes(CFG, 1, 1024, 4, checkpointing="none")
+        rivals.ulysses_peak_bytes(CFG, 1, 1024, 4, checkpointing="none")
 
 
 @needs_deepspeed
@@ -114,7 +115,7 @@ def test_matches_the_plain_model(ranks):
 
 @needs_deepspeed
 def test_estimate_within_15_percent_of_measured_peak(ranks):
-    est = ulysses.ulysses_peak_bytes(MEM_CFG, B, MEM_SEQ, WORLD, elem=4, loss_tile_bytes=TILE)
+    est = rivals.ulysses_peak_bytes(MEM_CFG, B, MEM_SEQ, WORLD, elem=4, loss_tile_bytes=TILE)
     peak = max(r["peak"] for r in ranks)
     assert abs(est["peak"] - peak) / peak < 0.15, (est, peak)
 

@@ -2,6 +2,8 @@
 
 * :func:`matmul_rate`: FLOP/s of a local matrix product of the given shape, one thread per rank as the
   benchmark ranks run (or on the GPU).
+* :func:`measure_table`: a table of such rates (:class:`~lightning_tp2d.planning.gemm_rates.GemmPoint`) for
+  :func:`lightning_tp2d.planning.gemm_rates.fit`.
 * :func:`link`: latency and bandwidth of a point-to-point transfer between two ranks of the benchmark's own
   backend, fitted (least squares, ``t = latency + bytes / bandwidth``) from ping-pongs of several sizes.
 """
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_tp2d.bench.procs import run_ranks
+from lightning_tp2d.planning.gemm_rates import GemmPoint
 
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)  # bytes per ping-pong message
 
@@ -75,3 +78,9 @@ def link(device: str = "cpu", sizes=SIZES, repeats: int = 10) -> tuple[float, fl
     slope = sum((b - mean_b) * (t - mean_t) for b, t in pts) / sum((b - mean_b) ** 2 for b, _ in pts)
     latency = max(mean_t - slope * mean_b, 1e-7)
     return latency, (1.0 / slope if slope > 0 else float("inf"))
+
+
+def measure_table(shapes, device: str = "cpu", dtype: str = "float32", repeats: int = 5) -> list[GemmPoint]:
+    """Measure each ``(m, k, n)`` on this machine (:func:`matmul_rate`)."""
+    return [GemmPoint(m, k, n, matmul_rate(m, k, n, device, dtype, repeats=repeats), f"this machine, {device} {dtype}")
+            for m, k, n in shapes]

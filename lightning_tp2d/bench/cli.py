@@ -31,8 +31,9 @@ from dataclasses import asdict, replace
 import torch
 
 from lightning_tp2d import layouts
-from lightning_tp2d.bench import calibrate, cost_model, gemm_rates, report
-from lightning_tp2d.bench.events import wire_bytes
+from lightning_tp2d.bench import calibrate, report
+from lightning_tp2d.planning import cost_model, gemm_rates
+from lightning_tp2d.planning.events import wire_bytes
 from lightning_tp2d.bench.runner import BASELINES, SCENARIOS, BenchSpec, max_sequence, run_scenario
 from lightning_tp2d.options import TPOptions
 
@@ -197,7 +198,7 @@ def model_check(scenarios: list[dict], spec: BenchSpec, p: int) -> dict:
 
 
 def _summary(row: dict) -> dict:
-    """A configuration of :func:`~lightning_tp2d.bench.cost_model.fair_configurations` without its step detail."""
+    """A configuration of :func:`~lightning_tp2d.planning.cost_model.fair_configurations` without its step detail."""
     step = row["step"]
     return {"layout": row["layout"], "tp": row["tp"], "dp": row["dp"], "batch": row["batch"], "step_s": step["total_s"],
             "compute_s": step["compute_s"], "exposed_comm_s": step["exposed_comm_s"], "comm_s": step["comm_s"],
@@ -210,9 +211,9 @@ def gemm_calibration(args: argparse.Namespace, cfg, batch: int, seq: int) -> dic
     if args.measured_rates:
         dtype = "bfloat16" if args.device == "cuda" else "float32"
         shapes = gemm_rates.table_shapes(batch * seq, cfg.n_embd, max_m=None if args.device == "cuda" else 4096)
-        table, source = gemm_rates.measure_table(shapes, args.device, dtype), f"measured here ({args.device}, {dtype})"
+        table, source = calibrate.measure_table(shapes, args.device, dtype), f"measured here ({args.device}, {dtype})"
     else:
-        table, source = gemm_rates.H200_BF16, "committed H200 bf16 table (lightning_tp2d.bench.gemm_rates)"
+        table, source = gemm_rates.H200_BF16, "committed H200 bf16 table (lightning_tp2d.planning.gemm_rates)"
     rate, overhead = gemm_rates.fit(table)
     return {"source": source, "table": [{"m": p.m, "k": p.k, "n": p.n, "flops_per_s": p.flops_per_s,
                                          "source": p.source} for p in table],
@@ -224,7 +225,7 @@ def projection(args: argparse.Namespace) -> dict:
     with sequence parallelism, the latter blocking and with async TP modelled, bf16 on the wire), with "2d"'s
     broadcast SUMMA and kept panels beside its default; step time, exposed and hidden communication, bytes sent
     and saved activations per rank (bf16); the fair rows at every GPU count (the best tensor x data parallel
-    configuration of each family, :func:`~lightning_tp2d.bench.cost_model.fair_configurations`: what
+    configuration of each family, :func:`~lightning_tp2d.planning.cost_model.fair_configurations`: what
     ``speedup_vs_gpus.png`` plots); METP's
     full-overlap threshold. GEMMs are priced by :func:`gemm_calibration` (``--measured-rates``: this machine's
     table, the preset's links and attention-to-GEMM rate ratio)."""

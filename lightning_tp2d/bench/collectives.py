@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_tp2d.bench.measure import tensors_in
+from lightning_tp2d.planning.live import tensors_in
 from lightning_tp2d.comm_record import CommStats
 
 __all__ = ["FunctionalCollectiveCounter", "count_functional_collectives"]

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from lightning_tp2d.bench.measure import MemoryCapExceeded
+from lightning_tp2d.planning.live import MemoryCapExceeded
 
 OOM = "oom"
 

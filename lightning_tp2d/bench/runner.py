@@ -7,11 +7,11 @@ scenario   ranks  what runs
 =========  =====  ===========================================================================================
 single     1      the plain model (:class:`~lightning_tp2d.models.GPT2`, :class:`~lightning_tp2d.models.Llama`) on one device
 hf         1      transformers' ``GPT2LMHeadModel`` (SDPA attention), same shapes (reference for ``single``; GPT-2)
-tp1d       p      PyTorch's 1-D tensor parallelism (:mod:`lightning_tp2d.bench.tp1d`)
-tp1d-sp    p      the same with sequence parallelism (:mod:`lightning_tp2d.bench.tp1d_sp`; seq divisible by p)
-cp         p      torch's context parallelism x FSDP2, both over p (:mod:`lightning_tp2d.bench.context_parallel`)
+tp1d       p      PyTorch's 1-D tensor parallelism (:mod:`lightning_tp2d.baselines.tp1d`)
+tp1d-sp    p      the same with sequence parallelism (:mod:`lightning_tp2d.baselines.tp1d_sp`; seq divisible by p)
+cp         p      torch's context parallelism x FSDP2, both over p (:mod:`lightning_tp2d.baselines.context_parallel`)
 cp-tp      p      CP over p / t x 1-D TP + SP over t = ``BenchSpec.cp_tp_size`` (default 2), FSDP2 over the CP axis
-ulysses    p      DeepSpeed's Ulysses SP + ALST's TiledMLP and tiled loss, checkpointing, FSDP2 (:mod:`~.bench.ulysses`)
+ulysses    p      DeepSpeed's Ulysses SP + ALST's TiledMLP and tiled loss, checkpointing, FSDP2 (:mod:`~.baselines.ulysses`)
 2d         p      TP2D, SUMMA on a q x q grid
 metp       p      METP ring over p ranks
 2d-metp    p      grid rows split the sequence, attention rings along rows
@@ -31,8 +31,8 @@ state), the activation bytes (allocated by the forward and still alive at its en
 of one step (our collectives from :func:`lightning_tp2d.comm.count_comm`; DTensor's from
 :mod:`lightning_tp2d.bench.collectives`; torch's ring's dK/dV permutes as ``all_to_all_single``), and the bytes it
 sends (``sent_bytes``: every call priced by its group's size,
-:class:`~lightning_tp2d.bench.context_parallel.SentBytes`). On CPU memory is the live tensor bytes of
-:class:`~lightning_tp2d.bench.measure.LiveTensorBytes` (storage resizes counted for FSDP's gathered parameters); on
+:class:`~lightning_tp2d.baselines.context_parallel.SentBytes`). On CPU memory is the live tensor bytes of
+:class:`~lightning_tp2d.planning.live.LiveTensorBytes` (storage resizes counted for FSDP's gathered parameters); on
 GPU the CUDA allocator's statistics.
 
 :func:`max_sequence` searches the largest trainable sequence length under a per-rank memory cap, each probe on
@@ -54,17 +54,17 @@ import torch
 import torch.distributed as dist
 
 from lightning_tp2d import layouts
-from lightning_tp2d.bench import context_parallel as cp
-from lightning_tp2d.bench import cost_model
-from lightning_tp2d.bench import ulysses
+from lightning_tp2d.baselines import context_parallel as cp
+from lightning_tp2d.planning import cost_model
+from lightning_tp2d.baselines import ulysses
 from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
-from lightning_tp2d.bench.context_parallel import SentBytes
-from lightning_tp2d.bench.events import totals, wire_bytes
-from lightning_tp2d.bench.measure import LiveTensorBytes, MemoryCapExceeded, resident_bytes
+from lightning_tp2d.baselines.context_parallel import SentBytes
+from lightning_tp2d.planning.events import totals, wire_bytes
+from lightning_tp2d.planning.live import LiveTensorBytes, MemoryCapExceeded, resident_bytes
 from lightning_tp2d.bench.procs import RunResult, _oom_in, run_ranks
-from lightning_tp2d.bench.tp1d import check_tp1d, init_tp1d_mesh, param_groups_1d, parallelize_1d
-from lightning_tp2d.bench.tp1d_sp import check_sequence_parallel
-from lightning_tp2d.bench.trace import trace_steps
+from lightning_tp2d.baselines.tp1d import check_tp1d, init_tp1d_mesh, param_groups_1d, parallelize_1d
+from lightning_tp2d.planning.rivals import check_sequence_parallel, check_ulysses
+from lightning_tp2d.planning.trace import trace_steps
 from lightning_tp2d.comm_record import count_comm, recording
 from lightning_tp2d.families import family_of_config, model_config
 from lightning_tp2d.mesh import init_mesh
@@ -75,7 +75,7 @@ from lightning_tp2d.parallelize import checkpoint_activations, parallelize
 
 BASELINES = ("single", "hf", "tp1d", "tp1d-sp", "cp", "cp-tp", "ulysses")  # bench scenarios that are not layouts
 TP1D = ("tp1d", "tp1d-sp")  # torch's 1-D tensor parallelism, without and with sequence parallelism
-CONTEXT_PARALLEL = ("cp", "cp-tp")  # torch's context parallelism x FSDP2 (bench.context_parallel), Llama only
+CONTEXT_PARALLEL = ("cp", "cp-tp")  # torch's context parallelism x FSDP2 (baselines.context_parallel), Llama only
 SINGLE_DEVICE = ("single", "hf")
 SCENARIOS = BASELINES + layouts.layout_names()
 
@@ -219,7 +219,7 @@ def ulysses_problem(p: int, spec: BenchSpec, seq: int) -> str | None:
     if cfg.dropout:
         return f"dropout={cfg.dropout}: compared without dropout; use 0.0"
     try:
-        ulysses.check_ulysses(cfg, p, seq)
+        check_ulysses(cfg, p, seq)
     except ValueError as e:
         return str(e)
     return ulysses.deepspeed_problem()
@@ -246,7 +246,7 @@ class _Built:
 
 def _context_parallel(layout: str, spec: BenchSpec, model: Llama, world_size: int, device: torch.device,
                       idx: torch.Tensor, targets: torch.Tensor) -> _Built:
-    """``cp`` / ``cp-tp`` on this rank (:mod:`~lightning_tp2d.bench.context_parallel`): the region shards the
+    """``cp`` / ``cp-tp`` on this rank (:mod:`~lightning_tp2d.baselines.context_parallel`): the region shards the
     sequence (torch's ``context_parallel``), the forward is this rank's :func:`~.context_parallel.sequence_loss`."""
     n_cp, tp = cp_sizes(layout, world_size, spec)
     mesh = cp.init_cp_mesh(n_cp, tp, device_type=device.type)
@@ -264,7 +264,7 @@ def _context_parallel(layout: str, spec: BenchSpec, model: Llama, world_size: in
 
 
 def _ulysses(spec: BenchSpec, model: Llama, world_size: int, idx: torch.Tensor, targets: torch.Tensor) -> _Built:
-    """``ulysses`` on this rank (:mod:`~lightning_tp2d.bench.ulysses`): DeepSpeed's attention registered for the
+    """``ulysses`` on this rank (:mod:`~lightning_tp2d.baselines.ulysses`): DeepSpeed's attention registered for the
     process (fresh processes per scenario), the forward this rank's :func:`~.ulysses.sequence_loss`."""
     rank, seq = dist.get_rank(), idx.size(1)
     lm = ulysses.build_ulysses(model, world_size, idx.size(0), seq)
@@ -344,7 +344,7 @@ def measure_rank(rank: int, world_size: int, layout: str, spec: BenchSpec, seq: 
                  cap_bytes: int | None = None) -> dict:
     """One rank of a scenario. ``full``: time ``spec.steps`` steps after warm-up, then measure memory and
     communication on one more step; otherwise (a max-sequence probe) one warm-up step, then that measured step;
-    either raises :class:`~lightning_tp2d.bench.measure.MemoryCapExceeded` (CPU) or an OOM (GPU) past the cap."""
+    either raises :class:`~lightning_tp2d.planning.live.MemoryCapExceeded` (CPU) or an OOM (GPU) past the cap."""
     run = _build(layout, spec, seq, world_size)
     model, optimizer, on_gpu = run.model, run.optimizer, spec.device == "cuda"
     cap = None if on_gpu else cap_bytes
@@ -450,7 +450,7 @@ def run_scenario(layout: str, p: int, spec: BenchSpec, seq: int | None = None, c
 
 
 def describe_largest(largest: list[dict] | None, n: int = 3) -> str:
-    """``largest`` (:attr:`~lightning_tp2d.bench.measure.LiveTensorBytes.largest` entries) in one line:
+    """``largest`` (:attr:`~lightning_tp2d.planning.live.LiveTensorBytes.largest` entries) in one line:
     ``[4096, 32000] float32 500.0 MiB (mm), ...``."""
     return ", ".join(f"{list(e['shape'])} {e['dtype']} {e['bytes'] / 2**20:.1f} MiB ({e['op']})"
                      for e in (largest or [])[:n])

@@ -17,7 +17,7 @@ cross-entropy), ``ulysses`` (DeepSpeed's ``UlyssesSPAttentionHF`` + ``TiledMLP``
 ``tp1d-sp`` (torch's 1-D TP + SP, ``loss_parallel``) and ``cp-tp`` (CP over p/2 x TP + SP over 2).
 
 Each row keeps the largest tensors alive at its longest fitting probe's peak, and those alive when the first probe
-over the cap passed it (:class:`~lightning_tp2d.bench.measure.LiveTensorBytes`' ``largest``).
+over the cap passed it (:class:`~lightning_tp2d.planning.live.LiveTensorBytes`' ``largest``).
 
 Results go to ``--out`` as they come (``results.json`` after every search; a search that would start after
 ``--budget-min`` is recorded as skipped), then ``results.md`` (the targets, the table, a linear fit of peak against

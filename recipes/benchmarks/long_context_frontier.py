@@ -1,17 +1,17 @@
 """Long context at the frontier (projected): the longest sequence each scheme trains, with and without host offload
 of the checkpointed block inputs, for Llama 3.1 8B on 1, 8 and 32 H100-80GB and 70B on 32 and 64, and its
 tokens/s/GPU -- "metp" and "2d-metp" against torch's context parallelism with a chunked loss (``cp``), Ulysses with
-ALST's tiling (DeepSpeed's own code, :mod:`lightning_tp2d.bench.ulysses`) and 1-D TP + SP; calibrated against ALST's
+ALST's tiling (DeepSpeed's own code, :mod:`lightning_tp2d.baselines.ulysses`) and 1-D TP + SP; calibrated against ALST's
 published lengths.
 
     python recipes/benchmarks/long_context_frontier.py [--out recipes/benchmarks/long_context] [--only 8b-8]
 
 Every scheme: one sequence per replica, bf16 compute with float32 master weights and AdamW state, full activation
 checkpointing (ALST's recipe; the others need it at these lengths), the planner's 90% margin of 80 GiB
-(:func:`lightning_tp2d.bench.planner.longest_sequence`); "with offload": the same rule for every scheme
-(:func:`~lightning_tp2d.bench.planner.offload_memory`: all but two block inputs in pinned host memory, the node's
-2 TB holding them; the copies priced by :func:`~lightning_tp2d.bench.planner.offload_time`). Memory: the package's
-layouts from the traced memory model (:func:`~lightning_tp2d.bench.memory_model.peak_bytes`, the step run on fake
+(:func:`lightning_tp2d.planning.planner.longest_sequence`); "with offload": the same rule for every scheme
+(:func:`~lightning_tp2d.planning.planner.offload_memory`: all but two block inputs in pinned host memory, the node's
+2 TB holding them; the copies priced by :func:`~lightning_tp2d.planning.planner.offload_time`). Memory: the package's
+layouts from the traced memory model (:func:`~lightning_tp2d.planning.memory_model.peak_bytes`, the step run on fake
 tensors), the rivals from their analytic estimates (``cp_peak_bytes``, ``ulysses_peak_bytes``,
 ``baseline_peak_bytes``), each checked against measured CPU steps in the tests. The traced model costs a minute or
 more per evaluation on 2 cores, so each package configuration is traced at two lengths and its peak, linear in the
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from lightning_tp2d.bench import planner
-from lightning_tp2d.bench.memory_model import parameter_split
-from lightning_tp2d.bench.ulysses import check_ulysses
+from lightning_tp2d.planning import planner
+from lightning_tp2d.planning.memory_model import parameter_split
+from lightning_tp2d.planning.rivals import check_ulysses
 from lightning_tp2d.families import model_config
 
 HERE = Path(__file__).resolve().parent / "long_context"

@@ -1,8 +1,8 @@
 """Long-context projection: Llama 3.1 8B on one node of 8 H100-80GB (NVLink), bf16, at 32k, 128k and 256k tokens --
 "metp" (p 8), "2d-metp" (a 2 x 2 grid x dp 2), torch's context parallelism (``cp``: CP 8 x FSDP2 over the same 8;
 ``cp-tp``: torchtitan's CP 4 x 1-D TP + SP 2, FSDP2 over the CP ranks; both with a chunked loss), Ulysses with
-ALST's tiling (:mod:`lightning_tp2d.bench.ulysses`) and 1-D TP + SP (p 8, the planner's baseline), as the planner
-prices them (:func:`lightning_tp2d.bench.planner.price`;
+ALST's tiling (:mod:`lightning_tp2d.baselines.ulysses`) and 1-D TP + SP (p 8, the planner's baseline), as the planner
+prices them (:func:`lightning_tp2d.planning.planner.price`;
 predictions, not measurements: no GPU has run them).
 
     python recipes/benchmarks/long_context_projection.py [--out recipes/benchmarks/long_context] [--tiny]
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_tp2d.bench import planner
+from lightning_tp2d.planning import planner
 from lightning_tp2d.families import model_config
 
 HERE = Path(__file__).resolve().parent / "long_context"
@@ -171,8 +171,8 @@ def markdown(results: dict) -> str:
     v = results["verdict"]
     lines = [f"# Long-context projection (predicted): {results['model']} on {GPUS} H100-80GB (one node, NVLink), "
              "bf16", "",
-             "Predictions of `lightning_tp2d.bench.planner.price` (`planner.py` says how each term is priced; `cp`, "
-             "`cp-tp`: `cost_model.cp_step_time` and `context_parallel.cp_peak_bytes`), not measurements. Regenerate: `python "
+             "Predictions of `lightning_tp2d.planning.planner.price` (`planner.py` says how each term is priced; `cp`, "
+             "`cp-tp`: `cost_model.cp_step_time` and `rivals.cp_peak_bytes`), not measurements. Regenerate: `python "
              f"recipes/benchmarks/long_context_projection.py` ({results['seconds'] / 60:.1f} min on "
              f"{results['machine']}).", "",
              f"Hardware preset: {results['hardware']}. One sequence per replica per step (torchtitan's CP rows run "

@@ -6,7 +6,7 @@ and Llama, on 8 CPU processes (gloo).
 Per case, the largest rank's measured peak of one training step
 (:func:`lightning_tp2d.bench.measure.measured_peaks`: a warm-up step, then zero_grad, forward, backward,
 data-parallel averaging, clipping, AdamW's step; resident bytes plus the live peak) beside
-:func:`lightning_tp2d.bench.memory_model.peak_bytes`'s prediction and its parts. The grid is
+:func:`lightning_tp2d.planning.memory_model.peak_bytes`'s prediction and its parts. The grid is
 :data:`lightning_tp2d.bench.measure.GRID` (the one ``tests/test_memory_model.py`` checks): "metp" (ring 4), "2d" (2x2 grid) and "2d-metp" (2x2 grid of
 rings), each x dp 2, stages 0, 1 and 3, checkpointing none and full; selective on "metp" and "2d" at stage 0; an
 8-block model on the ring at stages 0 and 3 and on the grid of rings at stage 3 (deeper than the 4 and 5 blocks the
@@ -31,7 +31,7 @@ from lightning_tp2d.bench.measure import GRID_SEQ as SEQ
 from lightning_tp2d.bench.measure import GRID_WORLD as WORLD
 from lightning_tp2d.bench.measure import grid_config as config_of
 from lightning_tp2d.bench.measure import measured_peaks
-from lightning_tp2d.bench.memory_model import peak_bytes
+from lightning_tp2d.planning.memory_model import peak_bytes
 from lightning_tp2d.bench.procs import run_ranks
 
 MIB = 2 ** 20

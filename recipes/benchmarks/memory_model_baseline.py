@@ -6,9 +6,9 @@ and Llama, ZeRO stages 3 and 2 x checkpointing none and full x float32 and bf16 
 
 Per case, the largest rank's measured peak of one training step
 (:func:`lightning_tp2d.bench.measure.baseline_measured_peaks`: the model parallelized with 1-D TP + SP, sharded by
-:func:`~lightning_tp2d.bench.tp1d_sp.shard_1d_data_parallel`; a warm-up step, then zero_grad, forward, backward,
+:func:`~lightning_tp2d.baselines.tp1d_sp.shard_1d_data_parallel`; a warm-up step, then zero_grad, forward, backward,
 clipping, AdamW's step; resident bytes plus the live peak) beside
-:func:`lightning_tp2d.bench.memory_model.baseline_peak_bytes`'s analytic prediction (``composite``: the package's
+:func:`lightning_tp2d.planning.memory_model.baseline_peak_bytes`'s analytic prediction (``composite``: the package's
 eager models, as measured) and its parts. The grid is :data:`lightning_tp2d.bench.measure.BASELINE_GRID` (the one
 ``tests/test_memory_model.py`` checks) at tp 2 x dp 2 and tp 2 x dp 4. Writes ``results.json`` and ``results.md``
 into ``--out``.
@@ -26,7 +26,7 @@ import torch
 
 from lightning_tp2d.bench.measure import (BASELINE_BATCH, BASELINE_GRID, BASELINE_SEQ, BASELINE_TP, BASELINE_WORLDS,
                                           baseline_grid_cases, baseline_grid_config, baseline_measured_peaks)
-from lightning_tp2d.bench.memory_model import baseline_peak_bytes
+from lightning_tp2d.planning.memory_model import baseline_peak_bytes
 from lightning_tp2d.bench.procs import run_ranks
 
 MIB = 2 ** 20

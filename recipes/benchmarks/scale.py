@@ -1,6 +1,6 @@
 """Scale tables: Llama 3.1 8B / 70B / 405B on H100-80GB nodes of 8, seq 8192, ~4M tokens per step -- the
 package's best configuration against the best 1-D TP + SP x FSDP one (async TP where it is faster), as the planner
-predicts them (:mod:`lightning_tp2d.bench.planner`; predictions, not measurements: no GPU has run them).
+predicts them (:mod:`lightning_tp2d.planning.planner`; predictions, not measurements: no GPU has run them).
 
     python recipes/benchmarks/scale.py [--out recipes/benchmarks/scale] [--tiny] [--cache DIR] [--only 8b:8,70b:64]
                                        [--workers N]
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_tp2d.bench import planner
+from lightning_tp2d.planning import planner
 from lightning_tp2d.families import model_config
 
 HERE = Path(__file__).resolve().parent
@@ -114,7 +114,7 @@ def _cells(r: dict | None) -> str:
 def markdown(results: dict) -> str:
     lines = [f"# Scale tables (predicted): Llama 3.1 on H100-80GB, {PER_NODE} per node, seq {results['seq']}, "
              f"{results['tokens']:,} tokens per step", "",
-             "Predictions of `lightning_tp2d.plan` (`lightning_tp2d/bench/planner.py`, which says how each term is "
+             "Predictions of `lightning_tp2d.plan` (`lightning_tp2d/planning/planner.py`, which says how each term is "
              "priced), not measurements: no GPU has run these. Regenerate: `python recipes/benchmarks/scale.py`.",
              "", "## Best package configuration against the best 1-D TP + SP x FSDP configuration", "",
              "| model | GPUs | package: configuration | tok/s/GPU | MFU | GiB/GPU | baseline: configuration | "

@@ -11,7 +11,7 @@ no-decay groups), runs a warm-up step (the optimizer state exists after it) and 
 
 * parameter, gradient (before the step) and optimizer bytes: local shards;
 * peak bytes: what existed before the step (parameters, optimizer state) plus the peak of the tensor storages
-  allocated during it (:class:`~lightning_tp2d.bench.measure.LiveTensorBytes` with ``count_resizes``: FSDP's
+  allocated during it (:class:`~lightning_tp2d.planning.live.LiveTensorBytes` with ``count_resizes``: FSDP's
   storage resizes too);
 * bytes sent in the step, payload convention of :mod:`lightning_tp2d.comm` (the tensor handed to each call;
   receives left out), twice: ``sent_bytes_package`` as :func:`~lightning_tp2d.comm_record.count_comm` records them
@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_tp2d as tp
 from lightning_tp2d import fsdp, training
-from lightning_tp2d.bench.measure import LiveTensorBytes, resident_bytes, tensors_in
+from lightning_tp2d.planning.live import LiveTensorBytes, resident_bytes, tensors_in
 from lightning_tp2d.bench.procs import run_ranks
 from lightning_tp2d.comm_record import count_comm
 from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig

@@ -5,7 +5,7 @@ The step is ``loss = model(idx, targets); loss.backward()`` with ``idx [batch, s
 replica, the model in train mode. :func:`comm_events` and :func:`step_time` also trace ``dp`` replicas at ZeRO
 ``zero_stage`` 0 to 3, with ``clip`` (keyword arguments): GradientSync's all-reduces (and at stage 1 the
 all-gather of the optimizer's slices) or FSDP's all-gathers and reduce-scatters over ``data_parallel``, and the clipping norm's all-reduces, each rank's calls equal to
-``count_comm``'s (:mod:`lightning_tp2d.bench.trace` says what is assumed about FSDP's streams). Notation:
+``count_comm``'s (:mod:`lightning_tp2d.planning.trace` says what is assumed about FSDP's streams). Notation:
 ``N = batch * seq`` tokens, ``h`` hidden, ``V`` vocabulary, ``L`` blocks, ``p`` tensor-parallel ranks, ``q = sqrt(p)``
 the grid side of the 2-D layouts.
 
@@ -15,17 +15,17 @@ in float32 whatever ``elem`` (float64 when ``elem`` is 8), written ``ep`` below:
 the token/position embeddings and the residual stream they start, LayerNorm and cross-entropy statistics, and the
 ring kernels' gradient accumulators (``metp.acc_dtype``).
 
-Communication (:func:`comm_events`) is read from the code: :mod:`lightning_tp2d.bench.trace` runs one step of the
+Communication (:func:`comm_events`) is read from the code: :mod:`lightning_tp2d.planning.trace` runs one step of the
 real layers of the layout on torch's fake process group with fake tensors and records every call of
 :mod:`lightning_tp2d.comm` in order (kind, axis, the group's ranks, payload bytes, phase) together with the FLOPs
 computed while it is in flight, so ``totals(comm_events(...))`` is what :func:`lightning_tp2d.comm.count_comm`
 counts on that rank by construction (``tests/test_cost_model.py`` still checks it against real gloo runs, float32 and
 bf16 autocast). There is no hand-written event list: a schedule change in a layer (a prefetch, double buffering, a
 new collective) changes the model with no edit here. ``"single"`` sends nothing; ``"tp1d"`` (torch's own tensor
-parallelism, the baseline) is :func:`lightning_tp2d.bench.tp1d.tp1d_comm_events`, and ``"tp1d-sp"`` (the same with
-sequence parallelism) :func:`lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`; torch's context parallelism
+parallelism, the baseline) is :func:`lightning_tp2d.planning.rivals.tp1d_comm_events`, and ``"tp1d-sp"`` (the same with
+sequence parallelism) :func:`lightning_tp2d.planning.rivals.tp1d_sp_comm_events`; torch's context parallelism
 (``"cp"``, not a layout: :func:`cp_step_time`) its declared schedule,
-:func:`lightning_tp2d.bench.context_parallel.cp_comm_events`.
+:func:`lightning_tp2d.planning.rivals.cp_comm_events`.
 
 ``overlap_flops`` is the compute a transfer runs behind: every FLOP computed between posting a call and waiting for it
 is shared among the calls in flight in proportion to their bytes (SUMMA: the broadcast of panel ``l+1`` is posted
@@ -52,16 +52,15 @@ import math
 import dataclasses
 from dataclasses import dataclass
 
-from lightning_tp2d.bench.context_parallel import CHUNK_TOKENS, LOSSES, RING_AXIS, cp_comm_events
-from lightning_tp2d.bench.events import Comm, float32_bytes
-from lightning_tp2d.bench.gemm_rates import H200_BF16, GemmPoint
-from lightning_tp2d.bench.memory_model import baseline_activation_bytes, parameter_split
-from lightning_tp2d.bench.gemm_rates import fit as fit_gemm_rates
-from lightning_tp2d.bench.tp1d import tp1d_comm_events
-from lightning_tp2d.bench.tp1d_sp import AXIS as TP_AXIS
-from lightning_tp2d.bench.tp1d_sp import (block_linears, check_sequence_parallel, recomputed_sp_events,
-                                          tp1d_sp_comm_events)
-from lightning_tp2d.bench.trace import trace_step, trace_steps
+from lightning_tp2d.planning.events import Comm, float32_bytes
+from lightning_tp2d.planning.gemm_rates import H200_BF16, GemmPoint
+from lightning_tp2d.planning.gemm_rates import fit as fit_gemm_rates
+from lightning_tp2d.planning.memory_model import baseline_activation_bytes, parameter_split
+from lightning_tp2d.planning.rivals import AXIS as TP_AXIS
+from lightning_tp2d.planning.rivals import (CHUNK_TOKENS, LOSSES, RING_AXIS, block_linears, check_sequence_parallel,
+                                            cp_comm_events, recomputed_sp_events, tp1d_comm_events,
+                                            tp1d_sp_comm_events)
+from lightning_tp2d.planning.trace import trace_step, trace_steps
 from lightning_tp2d.layouts import Grid2D, Layout, get_layout, layout_names
 from lightning_tp2d.models.config import max_seq_len
 from lightning_tp2d.models.gpt2 import GPT2Config
@@ -128,7 +127,7 @@ def _check_checkpointing(checkpointing: str) -> None:
 
 
 def recomputed_linears(cfg, checkpointing: str) -> tuple[int, ...]:
-    """Indices into a block's linears (:func:`~lightning_tp2d.bench.tp1d_sp.block_linears`, flattened, in forward
+    """Indices into a block's linears (:func:`~lightning_tp2d.planning.rivals.block_linears`, flattened, in forward
     order) whose forward product a baseline block runs again in its backward: ``"full"`` all of them; ``"selective"``
     every second one (torchtitan's per-op selective checkpointing saves the outputs of matmuls 1, 3, 5, ... of each
     block, of its attention kernel and of its reduce-scatters, and recomputes the rest); ``"none"`` none."""
@@ -183,11 +182,11 @@ def comm_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem
     """The communication of one training step on tensor-parallel rank ``rank``, traced from the layers (module
     docstring); ``totals()`` of it is what :func:`lightning_tp2d.comm.count_comm` counts on that rank (on every
     replica's rank ``rank``, when ``dp > 1``: ``dp`` replicas at ZeRO ``zero_stage`` 0 to 3; ``clip``: the
-    step clips the gradients by their global norm; :mod:`lightning_tp2d.bench.trace`). ``cfg``: a GPT-2 or Llama
+    step clips the gradients by their global norm; :mod:`lightning_tp2d.planning.trace`). ``cfg``: a GPT-2 or Llama
     config (any registered family's).
 
     ``"single"`` and ``p == 1`` on one replica send nothing (``[]``), except ``"tp1d"`` and ``"tp1d-sp"``, which are
-    :func:`lightning_tp2d.bench.tp1d.tp1d_comm_events` and :func:`lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`
+    :func:`lightning_tp2d.planning.rivals.tp1d_comm_events` and :func:`lightning_tp2d.planning.rivals.tp1d_sp_comm_events`
     (as the code runs them: blocking, no overlap). Events are merged where identical (same kind, group,
     bytes, overlap and phase). Only the shapes that decide byte counts are validated (hidden size, batch or
     sequence divisibility); head-count divisibility is not checked.
@@ -217,7 +216,7 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, checkpoint
     logits in the LM-head backward) and the 2-D LM head's padded vocabulary are whatever the code does.
     ``tests/test_cost_model.py`` checks them against closed forms. The baselines: linears ``24 N h²`` forward and
     ``48 N h²`` backward per GPT-2 block (a Llama block: ``2 N`` times its weights' entries forward,
-    :func:`~lightning_tp2d.bench.tp1d_sp.block_linears`, twice that backward; ``/p`` for tp1d and tp1d-sp, which
+    :func:`~lightning_tp2d.planning.rivals.block_linears`, twice that backward; ``/p`` for tp1d and tp1d-sp, which
     compute the same), attention over ``T(T+1)/2`` scores per sequence and head, LM head ``2 N h V`` / ``4 N h V``
     (tp1d, tp1d-sp: ``ceil(V/p)``).
 
@@ -269,13 +268,13 @@ def activation_bytes(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int,
                      rank: int | None = None) -> int:
     """Bytes the forward leaves alive for the backward on one rank (``rank=None``: the largest over the ranks).
 
-    The package's layouts: traced (:mod:`lightning_tp2d.bench.trace`), the bytes of every storage the forward
+    The package's layouts: traced (:mod:`lightning_tp2d.planning.trace`), the bytes of every storage the forward
     creates that autograd saves for the backward -- saved activations, LayerNorm statistics, attention
     log-sum-exps, saved index tensors and, under bf16 autocast (``elem`` 2), the bf16 copies of the weight blocks
     the matmuls saved. Not counted: parameters and views of them, ``idx`` and ``targets``, whatever is freed before
     the forward returns (ring receive buffers, SUMMA panels, score tiles) and small tensors a layer keeps outside
     autograd's saved tensors (a few index vectors, tens of bytes). Checked against
-    :class:`~lightning_tp2d.bench.measure.LiveTensorBytes` on real gloo runs (``tests/test_cost_model.py``).
+    :class:`~lightning_tp2d.planning.live.LiveTensorBytes` on real gloo runs (``tests/test_cost_model.py``).
 
     The baselines, from their (torch-owned) code's saved tensors, per block and rank (``e = elem``; ``ep`` = 4, or 8
     for float64, for what stays float32 under autocast: the residual stream, LayerNorm inputs and statistics, lse,
@@ -297,7 +296,7 @@ def activation_bytes(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int,
         LayerNorm-output term stays full; ``B H T ep / p``. Outside the blocks as tp1d, with the final LayerNorm's
         input and statistics sharded.
 
-    A Llama config (``"tp1d"``, ``"tp1d-sp"``): :func:`lightning_tp2d.bench.memory_model.baseline_activation_bytes`
+    A Llama config (``"tp1d"``, ``"tp1d-sp"``): :func:`lightning_tp2d.planning.memory_model.baseline_activation_bytes`
     (the planner's rule; ``composite``: the package's eager RMSNorm and RoPE tables), plus under autocast the bf16
     copies of the block matrices and the head's ``ceil(V/p)`` rows.
     """
@@ -353,15 +352,15 @@ class Hardware:
     intra: Link
     inter: Link
     gpus_per_node: int
-    gemm_overhead_s: float = 0.0  # fixed seconds per GEMM kernel on top of FLOPs / rate (lightning_tp2d.bench.gemm_rates)
-    hbm_bytes_per_s: float = 0.0  # memory bandwidth: prices elementwise work and the optimizer (bench.planner)
+    gemm_overhead_s: float = 0.0  # fixed seconds per GEMM kernel on top of FLOPs / rate (lightning_tp2d.planning.gemm_rates)
+    hbm_bytes_per_s: float = 0.0  # memory bandwidth: prices elementwise work and the optimizer (planning.planner)
     peak_flops_per_s: float = 0.0  # dense bf16 peak, the denominator of MFU
     host_bytes_per_s: float = 0.0  # one GPU's host link per direction (pinned copies): prices activation offload
     host_memory_bytes: float = 0.0  # host memory of one node: what offloaded activations must fit in
 
 
 # H100 SXM (bf16 dense peak ~989e12). GEMMs: the fit of the committed H200 calibration table
-# (lightning_tp2d.bench.gemm_rates.H200_BF16: 730e12 at 8192x1024x4096, 525e12 at its 2x2 shard; an H200 is an H100's
+# (lightning_tp2d.planning.gemm_rates.H200_BF16: 730e12 at 8192x1024x4096, 525e12 at its 2x2 shard; an H200 is an H100's
 # compute with more HBM): ~773e12 for large products plus ~5.3 us per kernel. Assumptions, not measurements: flash
 # attention (FA2/FA3) ~500e12; NVLink 4: 900 GB/s total = ~450 GB/s per direction, ~3 us per message; NDR InfiniBand
 # 400 Gb/s = 50 GB/s per GPU (one NIC each), ~5 us. Host: PCIe Gen5 x16 per GPU, 64 GB/s per direction on paper,
@@ -390,7 +389,7 @@ A100_NVLINK3_HDR = Hardware("A100 SXM, NVLink 3 (8/node), HDR 200G", 230e12, 190
 
 def with_measured_rates(hw: Hardware, rates: dict) -> Hardware:
     """``hw`` with its compute and memory rates replaced by those measured on a GPU (the JSON ``recipes/gpu_rates.py``
-    writes): GEMMs by the fit of its products (:func:`lightning_tp2d.bench.gemm_rates.fit`: rate and overhead per
+    writes): GEMMs by the fit of its products (:func:`lightning_tp2d.planning.gemm_rates.fit`: rate and overhead per
     kernel), attention by its ``summary``'s rate (causal SDPA forward + backward at the longest length measured),
     memory by its copy bandwidth; the links, node size and MFU peak stay ``hw``'s. ``ValueError`` naming what is
     missing if ``rates`` is not such a table."""
@@ -452,7 +451,7 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
               async_tp: bool = False, lean_wire: bool = False, *, dp: int = 1, zero_stage: int = 0,
               clip: bool = False, checkpointing: str = "none", ranks=None, async_overlap: float = 1.0) -> dict:
     """Projected seconds of one training step: ``compute_s = matmul FLOPs / matmul rate + GEMM kernels * GEMM
-    overhead + attention FLOPs / attention rate`` (shape-dependent GEMM rates: :mod:`lightning_tp2d.bench.gemm_rates`); per call ``t`` from :func:`collective_time` on its group's link, exposed
+    overhead + attention FLOPs / attention rate`` (shape-dependent GEMM rates: :mod:`lightning_tp2d.planning.gemm_rates`); per call ``t`` from :func:`collective_time` on its group's link, exposed
     ``max(0, t - overlapped matmul FLOPs / matmul rate - overlapped attention FLOPs / attention rate)``;
     ``total_s = compute_s + exposed_comm_s``. Ranks wait for each other, so the step is its slowest rank's
     (returned, with ``rank``); ``comm_bytes`` is that rank's payload as :func:`lightning_tp2d.comm.count_comm` counts
@@ -465,12 +464,12 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
     matmul covers the rest, never more than the blocking ``t``; the ``p - 1`` extra chunk products each pay the GEMM
     overhead. ``async_overlap`` (0 to 1, default 1) is the fraction of that hideable time async TP really hides:
     exposed ``t - async_overlap * min(t (p-1)/p, matmul FLOPs / matmul rate)`` (the planner uses a fitted value,
-    :data:`lightning_tp2d.bench.planner.ASYNC_TP_OVERLAP`). The other calls stay blocking. ``lean_wire`` (``"tp1d-sp"`` only): its activation collectives in the
-    compute dtype, as Megatron-LM with bf16 parameters sends them (:func:`~lightning_tp2d.bench.tp1d_sp.tp1d_sp_comm_events`).
+    :data:`lightning_tp2d.planning.planner.ASYNC_TP_OVERLAP`). The other calls stay blocking. ``lean_wire`` (``"tp1d-sp"`` only): its activation collectives in the
+    compute dtype, as Megatron-LM with bf16 parameters sends them (:func:`~lightning_tp2d.planning.rivals.tp1d_sp_comm_events`).
     ``dp``, ``zero_stage``, ``clip``: the data-parallel part of the traced step, as for :func:`comm_events` (a
     group's ranks tell its link: ``data_parallel`` groups of replicas on other nodes pay the inter-node one).
     ``checkpointing``: the blocks' activations checkpointed in that mode (:func:`flops`; the recomputed collectives
-    traced, for ``"tp1d-sp"`` :func:`~lightning_tp2d.bench.tp1d_sp.recomputed_sp_events`). ``ranks``: the tensor-parallel ranks to price
+    traced, for ``"tp1d-sp"`` :func:`~lightning_tp2d.planning.rivals.recomputed_sp_events`). ``ranks``: the tensor-parallel ranks to price
     (default: one of each kind the layout names, :meth:`~lightning_tp2d.layouts.Layout.distinct_ranks`)."""
     if (async_tp or lean_wire) and layout != "tp1d-sp":
         raise ValueError(f"async_tp and lean_wire model the 'tp1d-sp' baseline, not layout {layout!r}")
@@ -504,22 +503,22 @@ def cp_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
                  checkpointing: str = "none", tp: int = 1, async_tp: bool = False,
                  async_overlap: float = 1.0, loss: str = "chunked", chunk_tokens: int | None = None) -> dict:
     """Projected seconds of one step of torch's context parallelism over ``p`` ranks (``"cp"``, CP x FSDP2 over
-    ``p * dp``; :mod:`lightning_tp2d.bench.context_parallel`) on one rank, as :func:`step_time` returns them; with
+    ``p * dp``; :mod:`lightning_tp2d.baselines.context_parallel`) on one rank, as :func:`step_time` returns them; with
     ``tp`` > 1 (``"cp-tp"``) each CP rank is ``tp`` ranks of 1-D TP + SP, ``p * tp`` ranks in all.
 
     FLOPs: the plain model's (:func:`flops` of ``"single"``, with ``checkpointing``) over ``p``, as every layer runs
     on ``T/p`` tokens and the head-tail balancer gives each rank exactly ``1/p`` of the causal scores; the same number
     of GEMM kernels as the plain model, each ``1/p`` the size. ``tp`` > 1: the linears and the LM head of ``"tp1d-sp"``
     on the ``T/p`` tokens over ``tp`` ranks, the attention ``1 / (p tp)`` of the plain model's. Communication: torch's
-    ring (:func:`~lightning_tp2d.bench.context_parallel.cp_comm_events`, axis ``"cp"``) on the link of the CP ranks
+    ring (:func:`~lightning_tp2d.planning.rivals.cp_comm_events`, axis ``"cp"``) on the link of the CP ranks
     (``tp`` apart), each call exposing ``max(0, t - its overlapped attention FLOPs / attention rate)`` (the
     all-gathers behind the diagonal block's kernel, the dK/dV permutes behind the next step's, the last behind
     nothing); TP + SP's calls (axis ``"tp"``, ``tp`` consecutive ranks) exposed as :func:`step_time` exposes
     ``"tp1d-sp"``'s, blocking or ``async_tp`` (hiding ``async_overlap`` of what it could); ``comm_bytes`` their
     payload. FSDP's all-gathers and reduce-scatters are the data-parallel part, priced by the planner as for plain
-    FSDP over ``p * dp`` ranks (:func:`lightning_tp2d.bench.planner.data_parallel_time`).
+    FSDP over ``p * dp`` ranks (:func:`lightning_tp2d.planning.planner.data_parallel_time`).
 
-    ``loss="chunked"`` (the default; :func:`~lightning_tp2d.bench.context_parallel.chunked_cross_entropy` over
+    ``loss="chunked"`` (the default; :func:`~lightning_tp2d.baselines.context_parallel.chunked_cross_entropy` over
     chunks of ``chunk_tokens``, default its ``CHUNK_TOKENS``): the backward recomputes every chunk's logits, one
     more head matmul (``2 (B T/p) h ceil(V/tp)`` FLOPs, in ``backward`` and ``matmul``), and the head runs 4 GEMM
     kernels a chunk (forward, recomputation, input and weight gradients) instead of 3 in all; ``"unfused"``: the
@@ -568,7 +567,7 @@ def cp_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
 def ulysses_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2, *,
                       checkpointing: str = "full", mlp_tiles: bool = True) -> dict:
     """Projected seconds of one step of Ulysses sequence parallelism with ALST's tiling over ``p`` ranks
-    (:mod:`lightning_tp2d.bench.ulysses`: DeepSpeed's ``UlyssesSPAttentionHF``, ``TiledMLP``,
+    (:mod:`lightning_tp2d.baselines.ulysses`: DeepSpeed's ``UlyssesSPAttentionHF``, ``TiledMLP``,
     ``TiledFusedLogitsLoss``; FSDP2 over the ranks is the planner's data-parallel part), as :func:`cp_step_time`
     returns them.
 

@@ -13,7 +13,7 @@ FSDP).
   or torchtitan's per-op ``selective``;
 
 * priced by :func:`price` only, not enumerated by :func:`plan`: torch's context parallelism (``"cp"``, CP x FSDP2
-  over the same ranks, :mod:`lightning_tp2d.bench.context_parallel`; ``"cp-tp"``, torchtitan's CP x 1-D TP + SP,
+  over the same ranks, :mod:`lightning_tp2d.baselines.context_parallel`; ``"cp-tp"``, torchtitan's CP x 1-D TP + SP,
   FSDP2 over the CP ranks);
 
 each with a micro-batch of ``micro_batch`` sequences per replica and ``grad_accum`` micro-batches per step, so that
@@ -24,15 +24,15 @@ The search goes from the least memory up: for each layout and size, ZeRO stage 3
 ``full`` before ``selective`` and ``none``, micro-batches ascending; a configuration that does not fit at its least
 micro-batch leaves out those that keep more (a lower stage, a lighter checkpointing mode), as their memory is
 never less. The memory model builds each configuration's least micro-batches and the largest a line through them
-says fits, and reads those between from two profiles (exact: :func:`lightning_tp2d.bench.memory_model.shard_bytes`).
+says fits, and reads those between from two profiles (exact: :func:`lightning_tp2d.planning.memory_model.shard_bytes`).
 
 How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
 
-* memory: the package's layouts :func:`lightning_tp2d.bench.memory_model.peak_bytes` (the model built on the
+* memory: the package's layouts :func:`lightning_tp2d.planning.memory_model.peak_bytes` (the model built on the
   fake process group, the activations traced; AdamW's fused step, as ``CausalLMModule`` runs it on a GPU and
   torchtitan does), the baseline
-  :func:`~lightning_tp2d.bench.memory_model.baseline_peak_bytes` (analytic, from the tensors its ops save);
-* one micro-batch's compute and tensor-parallel communication: :func:`lightning_tp2d.bench.cost_model.step_time`
+  :func:`~lightning_tp2d.planning.memory_model.baseline_peak_bytes` (analytic, from the tensors its ops save);
+* one micro-batch's compute and tensor-parallel communication: :func:`lightning_tp2d.planning.cost_model.step_time`
   (the package's layouts traced, tensor-parallel rank 0 priced: the grid's ranks run the same shapes and the zigzag
   ring balances the causal work; async TP hiding :data:`ASYNC_TP_OVERLAP` of what it could);
 * elementwise work (norms, activations, residual adds, casts, the loss's softmax, the optimizer's reads of
@@ -64,13 +64,12 @@ import time
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
 
-from lightning_tp2d.bench import cost_model
-from lightning_tp2d.bench.context_parallel import cp_peak_bytes
-from lightning_tp2d.bench.cost_model import Hardware, collective_time, data_parallel_all_reduce_time, step_time
-from lightning_tp2d.bench.memory_model import (baseline_activation_bytes, baseline_peak_bytes, parameter_split,
+from lightning_tp2d.planning import cost_model
+from lightning_tp2d.planning.cost_model import Hardware, collective_time, data_parallel_all_reduce_time, step_time
+from lightning_tp2d.planning.memory_model import (baseline_activation_bytes, baseline_peak_bytes, parameter_split,
                                                peak_bytes)
-from lightning_tp2d.bench.trace import ranks_as_asked, trace_step
-from lightning_tp2d.bench.ulysses import ulysses_peak_bytes
+from lightning_tp2d.planning.rivals import cp_peak_bytes, ulysses_peak_bytes
+from lightning_tp2d.planning.trace import ranks_as_asked, trace_step
 from lightning_tp2d.families import family_of_config, fits, model_config
 from lightning_tp2d.layouts import get_layout, layout_names
 from lightning_tp2d.models.config import max_seq_len
@@ -84,9 +83,9 @@ HARDWARE = {"h100": cost_model.H100_NVLINK4_NDR, "h200": cost_model.H200_NVLINK4
 ELEMENT = 2  # bf16 compute
 OPTIMIZER_BYTES_PER_ELEMENT = 28  # AdamW: read param, grad, exp_avg, exp_avg_sq (16); write param and moments (12)
 BASELINE = "tp1d-sp"
-CP = "cp"  # torch's context parallelism x FSDP2 (lightning_tp2d.bench.context_parallel): priced by price(), not planned
+CP = "cp"  # torch's context parallelism x FSDP2 (lightning_tp2d.baselines.context_parallel): priced by price(), not planned
 CP_TP = "cp-tp"  # the same x 1-D TP + SP inside each CP rank (torchtitan's composition): priced by price(), not planned
-ULYSSES = "ulysses"  # DeepSpeed's Ulysses SP + ALST's tiling x FSDP2 (lightning_tp2d.bench.ulysses): priced, not planned
+ULYSSES = "ulysses"  # DeepSpeed's Ulysses SP + ALST's tiling x FSDP2 (lightning_tp2d.baselines.ulysses): priced, not planned
 MAX_MICRO_BATCH = 16  # sequences per micro-batch tried at most by default (a layout needing more tries its least)
 log = logging.getLogger(__name__)
 
@@ -169,7 +168,7 @@ def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: 
     ``regathered``: the root's elements (of ``root``) that stage 3 resharded after the forward and so all-gathers
     again at the end of the backward, prefetched behind the first block's backward: the 1-D baseline's untied
     input embedding (torchtitan's ``apply_fsdp`` wraps it alone, resharded after forward), the whole root of torch's
-    context parallelism (:func:`~lightning_tp2d.bench.context_parallel.parallelize_cp`); 0 for the package's
+    context parallelism (:func:`~lightning_tp2d.baselines.context_parallel.parallelize_cp`); 0 for the package's
     layouts, whose root group FSDP keeps gathered from the forward to the backward. Ignored below stage 3."""
     if dp <= 1:
         return {"comm_s": 0.0, "exposed_s": 0.0}
@@ -259,8 +258,8 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     """Predict one configuration (module docstring). ``layout`` is a package layout, ``"tp1d-sp"`` (a baseline;
     ``p`` 1: plain FSDP; ``async_tp``: force blocking (``False``) or async TP (``True``), default the faster),
     ``"cp"``: torch's context parallelism over ``p`` ranks x FSDP2 (``zero_stage`` 3) over ``p * dp``, the step
-    :func:`~lightning_tp2d.bench.cost_model.cp_step_time`, the memory
-    :func:`~lightning_tp2d.bench.context_parallel.cp_peak_bytes`, FSDP's traffic and the optimizer as plain FSDP's
+    :func:`~lightning_tp2d.planning.cost_model.cp_step_time`, the memory
+    :func:`~lightning_tp2d.planning.rivals.cp_peak_bytes`, FSDP's traffic and the optimizer as plain FSDP's
     over ``p * dp`` ranks, or ``"cp-tp"``: the same with CP over ``p / cp_tp_size`` ranks, each ``cp_tp_size`` ranks
     of 1-D TP + SP (``async_tp`` as for the baseline), FSDP2 over the ``p / cp_tp_size * dp`` ranks of each tensor
     rank, as the 1-D baseline's. ``memory``: its :func:`row_memory` parts, if already computed (without offload).
@@ -506,7 +505,7 @@ def in_processes(fn, items, workers: int) -> list:
     """``[fn(item) for item in items]``, in this process when ``workers`` is 1, else up to ``workers`` at a time,
     each in a forked process of its own that sends its result back (a failure there is raised here, the other
     processes ended). The processes are not daemonic: each may start the memory model's and the tracer's workers
-    (:func:`lightning_tp2d.bench.trace.in_worker`), which are its own."""
+    (:func:`lightning_tp2d.planning.trace.in_worker`), which are its own."""
     items = list(items)
     if workers <= 1 or len(items) <= 1:
         return [fn(item) for item in items]
@@ -561,7 +560,7 @@ def _bracket(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micros: l
              second: dict, cap: float) -> None:
     """Profile the largest micro-batch that the first two (``first``, ``second``: their parts) say will fit, read
     as a straight line through them, so that the memory model reads those between from it and the second
-    (:func:`lightning_tp2d.bench.memory_model.shard_bytes`; exact: the line only picks which one to build)."""
+    (:func:`lightning_tp2d.planning.memory_model.shard_bytes`; exact: the line only picks which one to build)."""
     slope = (second["total"] - first["total"]) / (micros[1] - micros[0])
     likely = [m for m in micros[3:] if second["total"] + slope * (m - micros[1]) <= cap]
     if likely:
@@ -571,9 +570,9 @@ def _bracket(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micros: l
 def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_batch: int, seq: int, *,
                cp_tp_size: int = 2, cp_loss: str = "chunked") -> dict:
     """Predicted peak bytes per GPU of one row, with their parts: a package layout's
-    :func:`~lightning_tp2d.bench.memory_model.peak_bytes` (tensor rank 0; AdamW's fused step), the 1-D baseline's
-    :func:`~lightning_tp2d.bench.memory_model.baseline_peak_bytes`, or ``"cp"`` / ``"cp-tp"``'s
-    :func:`~lightning_tp2d.bench.context_parallel.cp_peak_bytes` (CP over ``p`` / ``p / cp_tp_size`` ranks; its FSDP2
+    :func:`~lightning_tp2d.planning.memory_model.peak_bytes` (tensor rank 0; AdamW's fused step), the 1-D baseline's
+    :func:`~lightning_tp2d.planning.memory_model.baseline_peak_bytes`, or ``"cp"`` / ``"cp-tp"``'s
+    :func:`~lightning_tp2d.planning.rivals.cp_peak_bytes` (CP over ``p`` / ``p / cp_tp_size`` ranks; its FSDP2
     is stage 3 whatever ``stage`` says)."""
     if layout == ULYSSES:
         found = ulysses_peak_bytes(cfg, micro_batch, seq, p, dp=dp, checkpointing=mode, elem=ELEMENT)

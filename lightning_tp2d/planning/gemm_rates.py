@@ -4,20 +4,19 @@ A GEMM of ``F = 2 m k n`` FLOPs is modelled as taking ``F / rate + overhead`` se
 throughput of large products, ``overhead`` a fixed cost per kernel (launch, the last partial wave of tiles, the
 pipeline's fill and drain). Small panel products -- a SUMMA step on a ``q x q`` grid multiplies blocks ``q`` times
 narrower in two dimensions, ``q`` times as often -- lose to the overhead what large ones do not; the cost model
-charges every traced GEMM (:mod:`lightning_tp2d.bench.trace` counts them) its overhead.
+charges every traced GEMM (:mod:`lightning_tp2d.planning.trace` counts them) its overhead.
 
 :data:`H200_BF16` is the committed table: two bf16 products measured on this project's H200 (the local MLP product of
 GPT-2 medium's shapes at 8192 tokens, and its quarter-size 2x2-grid shard). Their fit,
 ``rate = 773e12`` FLOP/s and ``overhead = 5.25 us``, prices the H100 preset (an H200 is an H100's compute with
-more HBM). ``tp2d-bench --measured-rates`` measures a table on the machine it runs on (:func:`measure_table`) and
+more HBM). ``tp2d-bench --measured-rates`` measures a table on the machine it runs on
+(:func:`lightning_tp2d.bench.calibrate.measure_table`) and
 projects with that fit instead, keeping the preset's links; its table is written into ``results.json``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from lightning_tp2d.bench.calibrate import matmul_rate
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,3 @@ def table_shapes(tokens: int, hidden: int, sides=(1, 2, 3), max_m: int | None = 
     return shapes
 
 
-def measure_table(shapes, device: str = "cpu", dtype: str = "float32", repeats: int = 5) -> list[GemmPoint]:
-    """Measure each ``(m, k, n)`` on this machine (:func:`lightning_tp2d.bench.calibrate.matmul_rate`)."""
-    return [GemmPoint(m, k, n, matmul_rate(m, k, n, device, dtype, repeats=repeats), f"this machine, {device} {dtype}")
-            for m, k, n in shapes]

@@ -66,8 +66,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from lightning_tp2d import comm_record, fsdp, recompute, training, zero
-from lightning_tp2d.bench.events import Comm
-from lightning_tp2d.bench.measure import tensors_in
+from lightning_tp2d.planning.events import Comm
+from lightning_tp2d.planning.live import tensors_in
 from lightning_tp2d.families import family_of, family_of_config
 from lightning_tp2d.layouts import DATA_AXIS, Layout, get_layout
 from lightning_tp2d.mesh import ParallelDims, init_mesh

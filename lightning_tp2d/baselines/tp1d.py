@@ -4,7 +4,7 @@ This is what a Lightning ``ModelParallelStrategy`` user writes in ``configure_mo
 as in torchtitan), so that the benchmarks compare our layouts against stock PyTorch rather than against a
 second implementation of our own. Every rank passes the same full micro-batch. With
 ``parallelize_1d(..., sequence_parallel=True)`` the plan is the sequence-parallel one of
-:mod:`lightning_tp2d.bench.tp1d_sp` (the same attention, QKV regrouping and LM head; described there).
+:mod:`lightning_tp2d.baselines.tp1d_sp` (the same attention, QKV regrouping and LM head; described there).
 
 Plan (``parallelize_module`` styles on a 1-D mesh with axis ``"tp"`` of ``p`` ranks), per submodule:
 
@@ -20,7 +20,7 @@ projections share one backward all-reduce); ``q/k/v_proj``, ``gate_proj``, ``up_
 (separate matrices: plain Shard(0), no regrouping; the unchanged :class:`~lightning_tp2d.models.llama.LlamaAttention`
 runs ``n_head/p`` query heads on this rank's ``n_kv_head/p`` key/value heads, RoPE per head); ``o_proj``,
 ``down_proj`` ``RowwiseParallel()``; RMSNorms plain; ``lm_head`` :class:`TP1DLMHead` on the embedding Parameter if
-tied, else on its own weight sharded on vocab rows (Shard(0)). Communication: :func:`tp1d_comm_events` holds for it.
+tied, else on its own weight sharded on vocab rows (Shard(0)). Communication: :func:`~lightning_tp2d.planning.rivals.tp1d_comm_events` holds for it.
 
 * **Fused QKV.** GPT-2's ``c_attn`` stacks ``[q; k; v]`` (each ``h`` rows, heads in order). A plain Shard(0)
   would give rank 0 all of q and part of k. Its rows are therefore permuted before sharding so that shard ``i``
@@ -71,13 +71,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
 
-from lightning_tp2d.bench.events import Comm, float32_bytes
-from lightning_tp2d.bench.tp1d_sp import check_input_hook, reduce_norm_grads, sp_plan
+from lightning_tp2d.baselines.tp1d_sp import check_input_hook, reduce_norm_grads, sp_plan
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.models.llama import Llama, LlamaConfig
 
-__all__ = ["TP1DHandle", "init_tp1d_mesh", "check_tp1d", "parallelize_1d", "local_shapes_1d", "full_state_dict_1d", "param_groups_1d",
-           "tp1d_comm_events", "qkv_permutation", "TP1DAttention", "TP1DLMHead"]
+__all__ = ["TP1DHandle", "init_tp1d_mesh", "check_tp1d", "parallelize_1d", "local_shapes_1d", "full_state_dict_1d", "param_groups_1d", "qkv_permutation", "TP1DAttention", "TP1DLMHead"]
 
 AXIS = "tp"
 
@@ -91,7 +89,7 @@ class TP1DHandle:
 
     mesh: DeviceMesh
     tensor_parallel_size: int
-    sequence_parallel: bool = False  # the residual stream is sequence-sharded (:mod:`~lightning_tp2d.bench.tp1d_sp`)
+    sequence_parallel: bool = False  # the residual stream is sequence-sharded (:mod:`~lightning_tp2d.baselines.tp1d_sp`)
     name: ClassVar[str] = "1d"
 
 
@@ -325,7 +323,7 @@ def parallelize_1d(model: GPT2 | Llama, mesh: DeviceMesh, *, sequence_parallel: 
     """Apply Megatron-style 1-D tensor parallelism with torch's TP styles to ``model`` (our GPT-2 or Llama) in
     place; returns it.
 
-    ``sequence_parallel=True`` adds sequence parallelism (the plan of :mod:`lightning_tp2d.bench.tp1d_sp`):
+    ``sequence_parallel=True`` adds sequence parallelism (the plan of :mod:`lightning_tp2d.baselines.tp1d_sp`):
     norms and the residual stream on ``[B, T/p, h]`` sequence shards, all-gather / reduce-scatter around the
     column- / row-parallel linears instead of all-reduces; the sequence length must then divide by ``p``.
 
@@ -425,49 +423,3 @@ def param_groups_1d(model: nn.Module, **options) -> list[dict]:
     return [{"params": g, **options} for g in groups if g]
 
 
-def tp1d_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int) -> list[Comm]:
-    """The communication one rank performs for one training step ``loss = model(idx, targets); loss.backward()``
-    with ``idx`` of shape ``[batch, seq]`` (``elem`` bytes per element), counted as :func:`lightning_tp2d.comm.count_comm` counts.
-
-    With ``N = batch * seq`` tokens and activations ``[N, h]``, all over the whole ``tp`` group, nothing overlapped
-    with compute. Element sizes: ``e = elem`` for matmul outputs; ``ep`` (4, or 8 for float64) for what stays float32
-    under bf16 autocast: the embedding output, the loss statistics, and the input gradients of the linears (the
-    all-reduce runs after autocast's cast back to the float32 input):
-
-    forward
-        * token embedding (row-parallel, masked lookup): 1 all-reduce of ``[N, h]`` (``ep``);
-        * each block: 2 all-reduces of ``[N, h]`` (``e``: outputs of attention ``c_proj`` and ``mlp.c_proj``);
-        * vocab-parallel loss: 3 all-reduces of ``[N, 1]`` (``ep``): row max, row sum of exp (both in the
-          log-softmax) and the target's log-probability (masked gather: only the rank holding the target's row
-          contributes).
-    backward
-        * LM head: 1 all-reduce of ``[N, h]`` (``ep``: gradient of its replicated input);
-        * each block: 2 all-reduces of ``[N, h]`` (``ep``: gradients of the inputs of ``mlp.c_fc`` and ``c_attn``);
-        * the loss backward and the embedding's weight gradient are local; parameter gradients need nothing
-          (sharded ones are local, replicated ones are computed identically everywhere).
-
-    On one rank DTensor skips every redistribution but ``loss_parallel`` still issues its three ``[N, 1]``
-    all-reduces (over a group of one: counted, nothing sent).
-    """
-    if p < 1 or batch < 1 or seq < 1 or elem < 1:
-        raise ValueError(f"need positive sizes, got batch={batch} seq={seq} p={p} elem={elem}")
-    N = batch * seq
-    ep = float32_bytes(elem)
-    act, act_p = N * cfg.n_embd * elem, N * cfg.n_embd * ep
-    row = N * ep
-    L = cfg.n_layer
-
-    def ar(nbytes: int, calls: int, phase: str) -> Comm:
-        return Comm("all_reduce", AXIS, p, nbytes, calls=calls, overlap_flops=0.0, phase=phase)
-
-    loss = [ar(row, 2, "forward"),  # loss_parallel log-softmax: max and sum-exp over vocab shards, [N, 1]
-            ar(row, 1, "forward")]  # loss_parallel nll: target log-probability, [N, 1]
-    if p == 1:
-        return loss
-    return [
-        ar(act_p, 1, "forward"),  # wte: MaskPartial -> Replicate
-        ar(act, 2 * L, "forward"),  # attn.c_proj, mlp.c_proj: Partial -> Replicate
-        *loss,
-        ar(act_p, 1, "backward"),  # lm_head input gradient: Partial -> Replicate
-        ar(act_p, 2 * L, "backward"),  # mlp.c_fc and attn.c_attn input gradients
-    ]

@@ -22,10 +22,10 @@ long-context baseline, run with DeepSpeed's own code on CPU gloo ranks.
   gradients reach ``lm_head`` inside the forward, so the scale has to be inside the tile function.
 * Activation checkpointing of every decoder layer (transformers' ``gradient_checkpointing_enable``, non-reentrant),
   always: ALST's recipe. ALST also offloads the checkpointed block inputs to host memory; on a CPU host that is a
-  no-op, so it is not run here (:func:`ulysses_peak_bytes` prices it with ``offload=True``).
+  no-op, so it is not run here (:func:`~lightning_tp2d.planning.rivals.ulysses_peak_bytes` prices it with ``offload=True``).
 * Weights: torch's FSDP2 ``fully_shard`` (each decoder layer, then the root: embedding, final norm, head) over the
   same ``p`` ranks, resharding after forward -- ZeRO-3 as ALST runs DeepSpeed's, and the same FSDP the ``cp``
-  rival uses (:mod:`~lightning_tp2d.bench.context_parallel`). FSDP averages gradients, so each rank's loss is its
+  rival uses (:mod:`~lightning_tp2d.baselines.context_parallel`). FSDP averages gradients, so each rank's loss is its
   share times ``p`` (:func:`sequence_loss`); :func:`mean_loss` is the global mean.
 
 The weights are the package's :class:`~lightning_tp2d.models.Llama`'s (its state-dict keys *are* transformers'), so
@@ -36,7 +36,7 @@ CPU accelerator and JIT-builds its small ``deepspeed_shm_comm`` C++ op on first 
 cached in ``~/.cache/torch_extensions``); ``all_to_all_single`` runs on gloo. Everything else (FlashAttention,
 Liger kernels) is optional in ALST and not used.
 
-**Memory.** :func:`ulysses_peak_bytes` is the analytic per-rank peak for the planner (named parts and the largest
+**Memory.** :func:`~lightning_tp2d.planning.rivals.ulysses_peak_bytes` is the analytic per-rank peak for the planner (named parts and the largest
 tensor), checked against the measured CPU peak in the tests.
 """
 
@@ -54,11 +54,11 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from lightning_tp2d.planning.rivals import LOSS_TILE_BYTES, check_ulysses, loss_tiles
 from lightning_tp2d.models import Llama
 from lightning_tp2d.models.llama import HF_FORMAT
 
 IGNORE_INDEX = -100
-LOSS_TILE_BYTES = 1 << 30  # ALST: tiles of about 1 GiB of float32 logits
 DEEPSPEED_PIN = "deepspeed==0.19.8"
 
 
@@ -70,27 +70,6 @@ def deepspeed_problem() -> str | None:
     except ImportError as e:
         return f"the 'ulysses' baseline runs DeepSpeed's own code: pip install {DEEPSPEED_PIN} ({e})"
     return None
-
-
-def check_ulysses(cfg, p: int, seq: int) -> None:
-    """DeepSpeed's Ulysses rules for ``p`` ranks, raised as a ``ValueError`` naming the numbers (``UlyssesSPAttentionHF``
-    would raise them inside the ranks): the sequence splits in ``p`` equal shards, the query heads in ``p`` groups,
-    and the key/value heads split in ``p`` or are replicated ``p / nkv`` times (``p`` a multiple of ``nkv``)."""
-    if not isinstance(p, int) or p < 1:
-        raise ValueError(f"p must be a positive int, got {p!r}")
-    if seq % p:
-        raise ValueError(f"Ulysses: sequence length {seq} is not divisible by the sequence-parallel size p={p}")
-    if cfg.n_head % p:
-        raise ValueError(f"Ulysses: the sequence-parallel size p={p} must divide the query head count "
-                         f"n_head={cfg.n_head} (each rank attends with n_head/p whole heads over the full sequence)")
-    if cfg.n_kv_head % p and p % cfg.n_kv_head:
-        raise ValueError(f"Ulysses: key/value heads n_kv_head={cfg.n_kv_head} and p={p}: p must divide n_kv_head, "
-                         f"or be a multiple of it (DeepSpeed then replicates each K/V head p/n_kv_head times)")
-
-
-def local_kv_heads(cfg, p: int) -> int:
-    """Key/value heads per rank after the all-to-all (DeepSpeed's ``local_kv_head_count``: 1 when replicated)."""
-    return max(1, cfg.n_kv_head // p)
 
 
 def hf_llama(model: Llama):
@@ -119,12 +98,6 @@ def _tiled_mlp_forward(self, x):
     # every rank has T/p tokens, so the tile count agrees without DeepSpeed's example's all-reduce
     return TiledMLP.apply(_mlp_forward, self, x, _mlp_tiles(x),
                           [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight])
-
-
-def loss_tiles(tokens: int, vocab: int, tile_bytes: int = LOSS_TILE_BYTES) -> int:
-    """ALST's tile count for the fused head + loss: float32 logits of ``tokens x vocab`` in tiles of at most
-    ``tile_bytes``."""
-    return max(1, min(tokens, math.ceil(tokens * vocab * 4 / tile_bytes)))
 
 
 class UlyssesLM(nn.Module):
@@ -238,78 +211,3 @@ def group_sizes(sp_group: dist.ProcessGroup, mesh) -> dict[str, int]:
 # ---- analytic memory ---------------------------------------------------------------------------------------------
 
 
-def _param_counts(cfg) -> tuple[int, int]:
-    """(root, one block) parameter counts: embedding (+ untied head) and final norm; one decoder layer."""
-    h, hs, i = cfg.n_embd, cfg.head_size, cfg.intermediate_size
-    block = h * cfg.n_head * hs * 2 + 2 * h * cfg.n_kv_head * hs + 3 * h * i + 2 * h
-    root = cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2) + h
-    return root, block
-
-
-def ulysses_peak_bytes(cfg, batch: int, seq: int, p: int, *, dp: int = 1, checkpointing: str = "full",
-                       offload: bool = False, elem: int = 2, loss_tile_bytes: int = LOSS_TILE_BYTES) -> dict:
-    """Per-rank peak bytes of one training step of Ulysses + ALST (this module's schedule) on ``p`` SP ranks x
-    ``dp`` replicas, ZeRO-3 over all ``p * dp`` ranks; ``elem`` the compute dtype's bytes (4: float32 as measured
-    on CPU, 2: bf16 with float32 master weights and Adam state). Named parts:
-
-    * ``states``: 16 bytes per parameter / ranks (``elem=2``: bf16 gathers of fp32 master, fp32 grads, Adam m, v;
-      ``elem=4``: fp32 params, grads, m, v) -- FSDP's even shards;
-    * ``gathered_root``: the root's gathered embedding and head (FSDP2 keeps the root unsharded from forward to
-      backward) and ``root_grads``: their unsharded gradients (the head's computed inside the tiled loss's forward,
-      alive until the root's reduce-scatter at the end of backward);
-    * ``gathered_blocks``: two gathered decoder layers (the one computing and FSDP's prefetch of the next) plus one
-      layer's unsharded gradients;
-    * ``checkpoints``: the block inputs ``n_layer x B x T/p x h`` (with ``offload``: two blocks, the rest on host);
-    * ``block``: the working set of one layer's recompute + backward: what the recompute keeps (the norms' inputs
-      and outputs, SDPA's q ``[T, nh/p, hs]`` and k, v ``[T, nkv/p, hs]`` -- full sequence, head-sharded -- its
-      output, o_proj's input), plus the larger of the attention backward (dq, dk, dv, d_out and their all-to-alls)
-      and the MLP backward (``mlp_tile`` and TiledMLP's two ``[T/p, h]`` gradients);
-    * ``mlp_tile``: one TiledMLP tile (gate, up, their product and gradients over ``ceil(T/p / h)``-th of the
-      tokens; inside ``block``);
-    * ``loss_tile``: one tile of float32 logits with their softmax and gradient.
-
-    ``peak`` is the sum of the first five and the larger of ``block`` (backward) and ``loss_tile`` (end of forward); ``largest`` names the largest single tensor and its bytes."""
-    if checkpointing != "full":
-        raise ValueError(f"ulysses_peak_bytes models ALST's schedule, checkpointing='full' (got {checkpointing!r})")
-    check_ulysses(cfg, p, seq)
-    ranks = p * dp
-    root, block = _param_counts(cfg)
-    h, hs, L = cfg.n_embd, cfg.head_size, cfg.n_layer
-    nh_l, nkv_l = cfg.n_head // p, local_kv_heads(cfg, p)
-    t_l, T = batch * seq // p, batch * seq  # tokens per rank; full-sequence rows after the all-to-all
-    grad_elem = 4  # gradients and states in float32
-    head_rows = cfg.vocab_size * h
-    parts = {
-        "states": 16 * (root + L * block) // ranks,
-        "gathered_root": elem * root,
-        "root_grads": grad_elem * head_rows * (1 if cfg.tie_embeddings else 2),
-        "gathered_blocks": 2 * elem * block + grad_elem * block,
-        "checkpoints": elem * t_l * h * (min(2, L) if offload else L),
-    }
-    a = t_l * h  # one [T/p, h] tensor; q after the all-to-all, [T, nh/p, hs], has as many elements
-    kv = T * nkv_l * hs  # k or v after the all-to-all (full sequence, K/V heads split or replicated)
-    # the layer's recompute keeps: the two norms' inputs and outputs (4a), SDPA's q, k, v and output (2a + 2kv),
-    # o_proj's input (a); the attention backward adds dq, dk, dv, d_out and their all-to-all results (4a + 4kv)
-    saved, attn_backward = 7 * a + 2 * kv, 4 * a + 4 * kv
-    mlp_tile_tokens = math.ceil(t_l / max(1, math.ceil((seq // p) / h)))
-    # gate, up, silu, product and their gradients over one tile, plus TiledMLP's x_grad and incoming grad (2a)
-    mlp_backward = mlp_tile_tokens * cfg.intermediate_size * 6 + 2 * a
-    parts["block"] = elem * (saved + max(attn_backward, mlp_backward))
-    parts["mlp_tile"] = elem * mlp_tile_tokens * cfg.intermediate_size * 6
-    tiles = loss_tiles(t_l, cfg.vocab_size, loss_tile_bytes)
-    tile_tokens = math.ceil(t_l / tiles)
-    parts["loss_tile"] = 4 * tile_tokens * cfg.vocab_size * 3 + elem * t_l * h * 2  # logits, softmax, grad; x, dx
-    # the loss tile lives in forward, before the blocks' backward: the larger of the two phases
-    activation = parts["checkpoints"] + max(parts["block"], parts["loss_tile"])
-    peak = (parts["states"] + parts["gathered_root"] + parts["root_grads"] + parts["gathered_blocks"]
-            + activation)
-    tensors = {
-        "embedding or head (gathered)": elem * head_rows,
-        "head gradient (unsharded)": grad_elem * head_rows,
-        "q after all-to-all [T, nh/p, hs]": elem * T * nh_l * hs,
-        "logits tile [T/p/tiles, V] float32": 4 * tile_tokens * cfg.vocab_size,
-        "MLP tile [tile, I]": elem * mlp_tile_tokens * cfg.intermediate_size,
-        "checkpointed block input [T/p, h]": elem * t_l * h,
-    }
-    name = max(tensors, key=tensors.get)
-    return {"parts": parts, "peak": peak, "largest": name, "largest_bytes": tensors[name], "loss_tiles": tiles}

@@ -4,7 +4,7 @@ step allocates, profiled on fake tensors; with the sizes of its parts.
 
 The step is the one :func:`lightning_tp2d.bench.measure.step_peak_bytes` measures (an AdamW with ``foreach``, or
 ``fused`` as the package runs it on a GPU and the planner prices it, float32 parameters): ``zero_grad(set_to_none=True)``, forward, backward, data-parallel averaging, global-norm
-clipping, ``step``; its peak is the resident bytes plus :class:`~lightning_tp2d.bench.measure.LiveTensorBytes`'s
+clipping, ``step``; its peak is the resident bytes plus :class:`~lightning_tp2d.planning.live.LiveTensorBytes`'s
 (``count_resizes``). ``tests/test_memory_model.py`` and ``recipes/benchmarks/memory_model.py`` compare the two on 8
 gloo ranks for every layout x stage {0, 1, 3} x checkpointing.
 
@@ -12,9 +12,9 @@ Where the numbers come from, per rank (``e`` = ``elem``):
 
 * the model is built, parallelized, checkpointed and, at stages 2 and 3 with ``dp > 1``, sharded with
   :func:`lightning_tp2d.fsdp.shard_data_parallel` on torch's fake process group with fake tensors (in the tracer's
-  forked worker, :func:`lightning_tp2d.bench.trace.in_worker`, whose fake-tensor caches stay warm): ``parameters`` are the local at-rest bytes; the tensor-shard bytes of each FSDP group (one per block,
+  forked worker, :func:`lightning_tp2d.planning.trace.in_worker`, whose fake-tensor caches stay warm): ``parameters`` are the local at-rest bytes; the tensor-shard bytes of each FSDP group (one per block,
   one for the root) are what FSDP gathers; the bytes of a block's input are what full checkpointing keeps per block;
-* ``step``: the same :class:`~lightning_tp2d.bench.measure.LiveTensorBytes` over the fake step (forward, backward,
+* ``step``: the same :class:`~lightning_tp2d.planning.live.LiveTensorBytes` over the fake step (forward, backward,
   GradientSync's buckets at stages 0 and 1, FSDP's gathers and reduce-scatters, clipping, AdamW's step with its
   foreach temporaries and at stage 1 the all-gather of the updated slices), after FSDP's lazy initialisation and a
   step that creates AdamW's state: the live bytes over time, so activations freed as gradients appear are not counted beside them.
@@ -25,7 +25,7 @@ Where the numbers come from, per rank (``e`` = ``elem``):
 * ``gradients``: equal to the parameters (float32, like them); at stages 2 and 3 the dp shards;
 * ``optimizer``: AdamW's two float32 moments per element held: ``2 x parameters``; stage 1 keeps ``1 / dp`` of
   them (:func:`lightning_tp2d.zero.shard_optimizer_state`: an even split of the flat state);
-* ``activations``: traced with the same ``checkpointing`` (:func:`lightning_tp2d.bench.trace.trace_step`'s
+* ``activations``: traced with the same ``checkpointing`` (:func:`lightning_tp2d.planning.trace.trace_step`'s
   ``activation_bytes``, the storages the checkpointed forward keeps for the backward);
 * ``gathered`` (stages 2, 3, ``dp > 1``): stage 2 holds every block's and the root's tensor shard from the forward
   to the backward; stage 3 the root's and two blocks' (the one computing and the one prefetched);
@@ -50,8 +50,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_tp2d import fsdp, training
-from lightning_tp2d.bench.measure import LiveTensorBytes, adamw_kernel, tensors_in
-from lightning_tp2d.bench.trace import config_key, fake_group, fake_mesh, in_worker, trace_step
+from lightning_tp2d.planning.live import LiveTensorBytes, adamw_kernel, tensors_in
+from lightning_tp2d.planning.trace import config_key, fake_group, fake_mesh, in_worker, trace_step
 from lightning_tp2d.families import family_of, family_of_config
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
@@ -71,7 +71,7 @@ class Shards:
     blocks: tuple[int, ...]  # tensor-shard bytes of each block
     block_input: int  # bytes of one block's input (what full checkpointing saves per block)
     step: int = 0  # peak live bytes the step allocates: forward, backward, data-parallel averaging, clipping
-    # the largest tensors alive at that peak (measure.largest_entry dicts, largest first; deeper than 5 blocks: those
+    # the largest tensors alive at that peak (live.largest_entry dicts, largest first; deeper than 5 blocks: those
     # of the 5-block profile in the phase that peaks); reporting only
     largest: tuple = dataclasses.field(default=(), compare=False)
 
@@ -343,7 +343,7 @@ def shard_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_
                 checkpointing: str = "none", elem: int = 4, ranks=None, fused: bool = False) -> dict[int, Shards]:
     """:class:`Shards` of the tensor-parallel ranks ``ranks`` (default: all ``p``) of the first replica, by rank,
     read from the model built (1 to 5 blocks, :func:`_depths`; deeper models extrapolated) on the fake process group
-    in a worker process kept for the group (:func:`lightning_tp2d.bench.trace.in_worker`; this process must have no
+    in a worker process kept for the group (:func:`lightning_tp2d.planning.trace.in_worker`; this process must have no
     default process group). Cached per rank and model shape; a third batch of one shape is read from two profiles
     (:func:`_profile`). ``fused``: the step's AdamW is the fused kernel (as :class:`~lightning_tp2d.CausalLMModule`
     runs it on a GPU), else the foreach one (the measured CPU steps')."""
@@ -481,7 +481,7 @@ def baseline_activation_bytes(cfg, batch: int, seq: int, tp: int, *, checkpointi
     log-sum-exp, the two reduce-scatter outputs ``N h e / t`` and the block input; ``recompute`` the rest of one
     block. Root: the final norm's input and statistics, its gathered output ``N h e``, the float32 log-softmax of
     the local logits ``4 N ceil(V/t)`` (torchtitan upcasts the logits for the loss; the bf16 logits are not saved),
-    the ids. For GPT-2 in float32 this is :func:`lightning_tp2d.bench.cost_model.activation_bytes`'s ``"tp1d-sp"``
+    the ids. For GPT-2 in float32 this is :func:`lightning_tp2d.planning.cost_model.activation_bytes`'s ``"tp1d-sp"``
     count, which ``tests/test_cost_model.py`` checks against measured runs. ``composite``: the model as this
     package's eager code computes it (what the CPU check measures): Llama's RMSNorm, made of elementwise ops, saves
     its input upcast to float32 (``N h max(ep, 4) / t``) and its normalized output ``N h ep / t``, and each attention
@@ -586,7 +586,7 @@ def baseline_peak_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, zero
                         checkpointing: str = "none", elem: int = 2, composite: bool = False) -> dict:
     """Predicted peak bytes per GPU of the 1-D baseline (``"tp1d-sp"`` over ``tp`` ranks) x FSDP2 over ``dp``
     replicas at ZeRO ``zero_stage``, grouped as torchtitan's ``apply_fsdp`` groups it
-    (:func:`lightning_tp2d.bench.tp1d_sp.shard_1d_data_parallel`: the input embedding, each block, the final norm
+    (:func:`lightning_tp2d.baselines.tp1d_sp.shard_1d_data_parallel`: the input embedding, each block, the final norm
     with the head, the root; a tied head in the root), float32 parameters, gradients and AdamW moments, compute in
     ``elem`` bytes (FSDP's ``param_dtype``; its gradients reduced in float32): the parts of :func:`peak_bytes`.
     Stage 0 or ``dp`` 1 is plain tensor parallelism under autocast (``ep`` 4 for the residual stream, float32

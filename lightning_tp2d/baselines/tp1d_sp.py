@@ -16,10 +16,10 @@ column-parallel inputs are gathered to the full sequence, and the row-parallel o
   backward (:func:`reduce_norm_grads`).
 * ``attn.c_attn``, ``mlp.c_fc``: ``ColwiseParallel(input_layouts=Shard(1))``: all-gather of the LayerNorm output
   to ``[B, T, h]`` (backward: reduce-scatter of its gradient); c_attn rows regrouped as in tp1d and the attention
-  runs ``n_head/p`` local heads (:class:`~lightning_tp2d.bench.tp1d.TP1DAttention`).
+  runs ``n_head/p`` local heads (:class:`~lightning_tp2d.baselines.tp1d.TP1DAttention`).
 * ``attn.c_proj``, ``mlp.c_proj``: ``RowwiseParallel(output_layouts=Shard(1))``: the Partial ``[B, T, h]`` is
   reduce-scattered to ``[B, T/p, h]`` (backward: all-gather of the gradient).
-* ``lm_head``: :class:`~lightning_tp2d.bench.tp1d.TP1DLMHead` all-gathers the ``ln_f`` output (backward:
+* ``lm_head``: :class:`~lightning_tp2d.baselines.tp1d.TP1DLMHead` all-gathers the ``ln_f`` output (backward:
   reduce-scatter) and projects onto the vocab-sharded tied weight; the loss is ``loss_parallel``, as in tp1d.
 
 Llama (``model.*``), torchtitan's ``parallelize_llama`` plan: ``embed_tokens`` as ``wte``; ``input_layernorm``,
@@ -37,8 +37,6 @@ forward, before any communication).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -47,23 +45,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel)
 
-from lightning_tp2d.bench.events import Comm, float32_bytes
 from lightning_tp2d.families import family_of
+from lightning_tp2d.planning.rivals import AXIS, check_sequence_parallel
 from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.models.llama import LlamaConfig
 
-__all__ = ["check_sequence_parallel", "sp_plan", "block_linears", "reduce_norm_grads", "tp1d_sp_comm_events",
-           "recomputed_sp_events", "init_tp_dp_mesh", "shard_1d_data_parallel"]
-
-AXIS = "tp"
-
-
-def check_sequence_parallel(seq: int, p: int) -> None:
-    """Raise ``ValueError`` naming the numbers unless the sequence length ``seq`` splits evenly over ``p`` ranks."""
-    if seq % p:
-        fits = [k for k in range(1, p + 1) if seq % k == 0]
-        raise ValueError(f"1-D tensor parallelism with sequence parallelism: sequence length T={seq} is not divisible "
-                         f"by p={p}; use T a multiple of {p} (or p in {fits})")
+__all__ = ["sp_plan", "reduce_norm_grads", "init_tp_dp_mesh", "shard_1d_data_parallel"]
 
 
 def sp_plan(n_layer: int) -> dict:
@@ -82,19 +69,6 @@ def sp_plan(n_layer: int) -> dict:
         plan[f"{prefix}.mlp.c_fc"] = ColwiseParallel(input_layouts=Shard(1))
         plan[f"{prefix}.mlp.c_proj"] = RowwiseParallel(output_layouts=Shard(1))
     return plan
-
-
-def block_linears(cfg) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The ``(out, in)`` weight shapes of one block's linears, in four groups: those reading the attention input,
-    the attention output projection, those reading the MLP input, the MLP output projection. GPT-2: ``c_attn``
-    ``[3h, h]``, ``c_proj`` ``[h, h]``, ``c_fc`` ``[4h, h]``, ``mlp.c_proj`` ``[h, 4h]``. Llama (a config with
-    ``n_kv_head`` and ``intermediate_size``): ``q_proj`` ``[h, h]``, ``k_proj`` and ``v_proj`` ``[nkv*hs, h]`` (GQA),
-    ``o_proj`` ``[h, h]``, ``gate_proj`` and ``up_proj`` ``[I, h]``, ``down_proj`` ``[h, I]``."""
-    h = cfg.n_embd
-    if not hasattr(cfg, "intermediate_size"):
-        return ((3 * h, h),), ((h, h),), ((4 * h, h),), ((h, 4 * h),)
-    kv, width = cfg.n_kv_head * (h // cfg.n_head), cfg.intermediate_size
-    return ((h, h), (kv, h), (kv, h)), ((h, h),), ((width, h), (width, h)), ((h, width),)
 
 
 def check_input_hook(p: int):
@@ -150,105 +124,6 @@ def reduce_norm_grads(model: nn.Module, mesh: DeviceMesh, plan: dict) -> None:
         _NormGradReducer(params, mesh)
 
 
-def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
-                        async_tp: bool = False, lean_wire: bool = False) -> list[Comm]:
-    """The communication one rank performs for one training step ``loss = model(idx, targets); loss.backward()``
-    with ``idx [batch, seq]`` (``seq`` divisible by ``p``), in the byte convention of :func:`lightning_tp2d.comm.count_comm`: an all-gather
-    counts its local input, a reduce-scatter its full input.
-
-    ``N = batch * seq`` tokens, ``e = elem`` (matmul outputs and their gradients), ``ep`` (4, or 8 for float64:
-    what stays float32 under autocast: embeddings, LayerNorm outputs, the residual stream and their gradients):
-
-    forward
-        * token embedding: 1 reduce-scatter of ``[N, h]`` (``ep``) to sequence shards;
-        * each block: 2 all-gathers of ``[N/p, h]`` (``ep``: the ``ln_1`` / ``ln_2`` outputs for c_attn, c_fc) and
-          2 reduce-scatters of ``[N, h]`` (``e``: the attention and MLP ``c_proj`` outputs);
-        * LM head: 1 all-gather of ``[N/p, h]`` (``ep``: the ``ln_f`` output);
-        * vocab-parallel loss: 3 all-reduces of ``[N, 1]`` (``ep``; row max, sum of exp, target log-probability).
-    backward
-        * LM head: 1 reduce-scatter of ``[N, h]`` (``ep``: gradient of the gathered ``ln_f`` output);
-        * each block: 2 all-gathers of ``[N/p, h]`` (``e``: gradients of the ``c_proj`` outputs) and
-          2 reduce-scatters of ``[N, h]`` (``ep``: gradients of the gathered LayerNorm outputs);
-        * LayerNorm weights (and biases): 1 all-reduce of all their gradients in one flat buffer,
-          ``(2L + 1) h`` (``x2`` with biases, ``ep``), issued when the last of them is accumulated
-          (:class:`_NormGradReducer`: they are Partial over the sequence shards);
-        * token embedding: 1 all-gather of ``[N/p, h]`` (``ep``: the shard gradients back to the full lookup);
-        * position embedding: 1 all-gather of ``[T/p, h]`` (``ep``).
-
-    Llama (``cfg`` a :class:`~lightning_tp2d.models.llama.LlamaConfig`; torchtitan's plan, module docstring): the
-    same calls and bytes, ``q/k/v_proj`` sharing the all-gather of ``input_layernorm``'s output (``gate/up_proj``
-    that of ``post_attention_layernorm``), ``o_proj`` / ``down_proj`` in place of the ``c_proj``\ s, RMSNorm weights
-    without biases, and no position embedding (RoPE) and so no last all-gather.
-
-    Every call is blocking in this code (``overlap_flops`` 0). ``async_tp=True`` prices torch's async TP
-    (micro-pipelined collective matmuls) instead: each all-gather / reduce-scatter next to a column- / row-parallel
-    linear carries that linear's matmul FLOPs as ``overlap_flops`` (the forward product; in backward the
-    input-gradient product, the same count); the embedding, LayerNorm-gradient and loss collectives stay exposed.
-    Calls and bytes are the same either way.
-
-    ``lean_wire=True`` counts every activation collective in the compute dtype (``e`` for ``ep`` above), as Megatron-LM
-    with bf16 parameters runs them (its LayerNorm outputs, residual stream and their gradients are bf16): the strongest
-    form of this baseline, used by the projection. torch's code under autocast sends the ``ep`` bytes.
-
-    On one rank DTensor skips every redistribution; ``loss_parallel``'s three all-reduces remain (counted, nothing
-    sent), as in :func:`~lightning_tp2d.bench.tp1d.tp1d_comm_events`.
-    """
-    if p < 1 or batch < 1 or seq < 1 or elem < 1:
-        raise ValueError(f"need positive sizes, got batch={batch} seq={seq} p={p} elem={elem}")
-    check_sequence_parallel(seq, p)
-    h, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
-    e, ep = elem, float32_bytes(elem)
-    ea = e if lean_wire else ep  # the float32 activations' bytes on the wire
-    N = batch * seq
-    full_e, full_ep, shard_e, shard_ep = N * h * e, N * h * ea, N * h * e // p, N * h * ea // p
-    # matmul FLOPs per rank of each linear's forward (= its input-gradient product in backward)
-    qkv, proj, fc, fc_proj = (2 * N * sum(o * i for o, i in group) / p for group in block_linears(cfg))
-    head = 2 * N * h * -(-V // p)
-
-    def ev(kind: str, nbytes: int, calls: int, phase: str, matmul: float = 0.0) -> Comm:
-        return Comm(kind, AXIS, p, nbytes, calls=calls, overlap_flops=matmul if async_tp else 0.0, phase=phase)
-
-    loss = [ev("all_reduce", N * ep, 3, "forward")]
-    if p == 1:
-        return loss
-    norm_grads = (2 * L + 1) * (2 if getattr(cfg, "bias", False) else 1) * h * ep  # RMSNorm: weights only
-    # a learned position table (GPT-2's wpe); RoPE (Llama, a rope_theta) has none
-    positions = [ev("all_gather", seq * h * ea // p, 1, "backward")] if not hasattr(cfg, "rope_theta") else []
-    return [
-        ev("reduce_scatter", full_ep, 1, "forward"),  # wte: MaskPartial -> Shard(1)
-        ev("all_gather", shard_ep, L, "forward", qkv),  # ln_1 output -> c_attn
-        ev("reduce_scatter", full_e, L, "forward", proj),  # attn.c_proj output: Partial -> Shard(1)
-        ev("all_gather", shard_ep, L, "forward", fc),  # ln_2 output -> c_fc
-        ev("reduce_scatter", full_e, L, "forward", fc_proj),  # mlp.c_proj output: Partial -> Shard(1)
-        ev("all_gather", shard_ep, 1, "forward", head),  # ln_f output -> lm_head
-        *loss,
-        ev("reduce_scatter", full_ep, 1, "backward", head),  # lm_head input gradient
-        ev("all_gather", shard_e, L, "backward", fc_proj),  # mlp.c_proj output gradient
-        ev("reduce_scatter", full_ep, L, "backward", fc),  # c_fc input gradient
-        ev("all_gather", shard_e, L, "backward", proj),  # attn.c_proj output gradient
-        ev("reduce_scatter", full_ep, L, "backward", qkv),  # c_attn input gradient
-        ev("all_reduce", norm_grads, 1, "backward"),  # LayerNorm weight / bias gradients, one flat buffer
-        ev("all_gather", shard_ep, 1, "backward"),  # wte output gradient
-        *positions,  # wpe output gradient
-    ]
-
-
-def recomputed_sp_events(cfg, events: list[Comm], checkpointing: str, **kw) -> list[Comm]:
-    """The sequence-parallel baseline's collectives its checkpointed blocks run again in the backward: ``"full"``
-    every block's forward all-gathers and reduce-scatters; ``"selective"`` (torchtitan's per-op policy, which saves
-    reduce-scatter outputs) the two all-gathers of each block. Phase ``"backward"``. A block's calls are those one
-    more block adds."""
-    if checkpointing == "none":
-        return []
-    deeper = tp1d_sp_comm_events(dataclasses.replace(cfg, n_layer=cfg.n_layer + 1), **kw)
-    again = []
-    for ev, more in zip(events, deeper):
-        per_block = ev.phase == "forward" and more.calls > ev.calls and ev.kind in ("all_gather", "reduce_scatter")
-        if per_block and (checkpointing == "full" or ev.kind == "all_gather"):
-            again.append(dataclasses.replace(ev, phase="backward"))
-    return again
-
-
 # ---- x FSDP2: torchtitan's composition (``apply_fsdp`` after ``apply_tp``) ---------------------------------------
 
 DP_AXIS = "dp"
@@ -262,7 +137,7 @@ def init_tp_dp_mesh(tp: int, dp: int, device_type: str = "cpu") -> DeviceMesh:
 
 
 def shard_1d_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, mp_policy=None) -> nn.Module:
-    """FSDP2 over ``dp_mesh`` on a model parallelized by :func:`~lightning_tp2d.bench.tp1d.parallelize_1d`, as
+    """FSDP2 over ``dp_mesh`` on a model parallelized by :func:`~lightning_tp2d.baselines.tp1d.parallelize_1d`, as
     torchtitan's ``apply_fsdp`` groups it: the input embedding alone, each block, the final norm with the head, then
     the root (what is left: GPT-2's position table). ``zero_stage`` 3: the embedding and every block resharded after
     their forward (torchtitan's default policy), so each is all-gathered again in the backward; the norm and head
