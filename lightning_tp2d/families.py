@@ -42,7 +42,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from lightning_tp2d.layouts import Layout
+from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.models import gpt2, llama
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
 from lightning_tp2d.models.hf import HFFormat
@@ -119,10 +119,6 @@ class ModelFamily:
         sides that would split every size), or when ``dropout`` cannot train there."""
         layout.check_tensor_parallel_size(p)
         layout.check_sizes(p, self.sizes(config, layout), dropout)
-
-    def fits(self, layout: Layout, p: int, config: Any) -> bool:
-        """Whether ``p`` ranks of ``layout`` hold one replica of ``config``."""
-        return not self.problems(layout, p, config)
 
     # ---- the model ----------------------------------------------------------------------------------------------
 
@@ -213,16 +209,19 @@ def problems(layout: Layout, p: int, config: Any = None, prefix: str = "") -> li
     return layout.split_problems(p, default_sizes(config, layout), prefix)
 
 
-def fits(layout: Layout, p: int, config: Any = None) -> bool:
+def fits(layout: str | Layout, p: int, config: Any = None) -> bool:
     """Whether ``p`` ranks are a valid replica size of ``layout`` and, when ``config`` is given, split the sizes its
-    family names (:func:`problems`)."""
-    return not problems(layout, p, config)
+    family names (:func:`problems`). The one answer to "does this size fit": the strategies' size resolver
+    (:mod:`lightning_tp2d.sizes`), ``tp2d-train``'s checks, the planner and the trace all ask it."""
+    return not problems(get_layout(layout), p, config)
 
 
-def auto_tensor_parallel_size(layout: Layout, per_node: int, world: int, config: Any = None) -> int:
-    """Largest ``p`` dividing the devices of one node (and so the world) that is valid for ``layout`` and, if
-    ``config`` is known, splits its family's sizes."""
-    return layout.auto_tensor_parallel_size(per_node, world, fits=lambda p: fits(layout, p, config))
+def auto_tensor_parallel_size(layout: str | Layout, per_node: int, world: int, config: Any = None) -> int:
+    """Largest ``p`` dividing the devices of one node (and so the world) that :func:`fits` ``layout`` and, if
+    ``config`` is known, splits its family's sizes; 1 when no larger one does."""
+    spec = get_layout(layout)
+    return next((p for p in range(per_node, 1, -1) if per_node % p == 0 and world % p == 0 and fits(spec, p, config)),
+                1)
 
 
 # ---- GPT-2 ---------------------------------------------------------------------------------------------------

@@ -7,13 +7,17 @@ A layout owns every rule that depends on it (docs/layouts.md, docs/architecture.
 * what the model, the batch and the sequence must satisfy (the model's named sizes divisible by the grid side or
   the ring -- which sizes is the family's rule --, batch split over grid rows, sequences cut into zigzag chunks,
   dropout) -- each refusal a ``ValueError`` naming the numbers that do not fit and one that would;
-* the automatic tensor-parallel size (the largest valid one inside a node);
 * the options of the layers it is built with (:class:`~lightning_tp2d.metp.RingOptions` for the ring kernels);
 * the handle a parallelized model carries (:class:`ParallelHandle`, ``model.tp``).
 
 Which parallel module replaces which part of a model is the model family's plan, not the layout's
-(:mod:`lightning_tp2d.families`), and so are the rules that need a model's config
-(:func:`~lightning_tp2d.families.fits`, :func:`~lightning_tp2d.families.auto_tensor_parallel_size`).
+(:mod:`lightning_tp2d.families`), and so is the one answer to "does this size fit" and the automatic size
+(:func:`~lightning_tp2d.families.fits`, :func:`~lightning_tp2d.families.auto_tensor_parallel_size`: the layout's
+:meth:`Layout.size_problem`, then the family's sizes).
+
+Layout names (``"2d"``, ``"metp"``, ``"2d-metp"``) appear in code only here and in the families' registrations
+(``tests/test_layout_names.py`` walks the package for them); elsewhere a name is a user's input or an output, and
+the default layout is :data:`DEFAULT_LAYOUT`.
 
 Callers (``parallelize``, ``init_mesh``, the strategy, ``tp2d-train``'s checks, the LightningModule, the
 benchmarks and the cost model) ask the layout object instead of comparing names. A new layout is a subclass with
@@ -138,7 +142,7 @@ class Layout:
     def documents_problem(self, key: str = "pack_documents") -> str | None:
         """Why packed documents cannot train in this layout (``None``: they can)."""
         if not self.packs_documents:
-            packing = sorted(name for name, cls in _REGISTRY.items() if cls.packs_documents)
+            packing = document_layouts()
             return (f"{key}=true: layout {self.name!r} has no per-document attention; use one of {packing} (or one "
                     f"device), or set {key}=false")
         return None
@@ -191,20 +195,7 @@ class Layout:
             if problem:
                 raise ValueError(problem)
 
-    # ---- automatic size -----------------------------------------------------------------------------------------
-
-    def fits(self, p: int) -> bool:
-        """Whether ``p`` ranks are a valid replica size (a model's sizes too: :func:`~lightning_tp2d.families.fits`)."""
-        return not self.size_problem(p)
-
-    def auto_tensor_parallel_size(self, per_node: int, world: int, *, fits=None) -> int:
-        """Largest ``p`` dividing the devices of one node (and so the world) that is valid for this layout and for
-        which ``fits(p)`` holds (default: :meth:`fits`)."""
-        fits = fits or self.fits
-        for p in range(per_node, 0, -1):
-            if per_node % p == 0 and world % p == 0 and fits(p):
-                return p
-        return 1
+    # ---- tracing ------------------------------------------------------------------------------------------------
 
     def distinct_ranks(self, p: int) -> list[int]:
         """Tensor-parallel ranks (``0..p-1``) whose step schedules can differ, one of each kind: the cost model traces
@@ -282,12 +273,28 @@ for _cls in (Grid2D, Ring, GridRing):
     register_layout(_cls)
 
 
-# Lightning strategy names (registered by ``import lightning_tp2d``) -> the layout each one trains with.
+# Lightning strategy names (registered by ``import lightning_tp2d``) -> the layout each one trains with; the same
+# names are tp2d-train's parallel= options (conf/parallel/<strategy name>.yaml).
 STRATEGY_NAMES = {"tp2d": Grid2D.name, "metp": Ring.name, "tp2d_metp": GridRing.name}
+DEFAULT_LAYOUT = Grid2D.name  # what init_mesh, parallelize and the strategies use when no layout is named
 
 
 def layout_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
+
+
+def document_layouts() -> list[str]:
+    """The registered layouts whose attention keeps inside each packed document, sorted."""
+    return sorted(name for name, cls in _REGISTRY.items() if cls.packs_documents)
+
+
+def strategy_name(layout: str | Layout) -> str:
+    """The Lightning strategy name (and tp2d-train ``parallel=`` option) that trains with ``layout``."""
+    name = get_layout(layout).name
+    for strategy, trained in STRATEGY_NAMES.items():
+        if trained == name:
+            return strategy
+    raise ValueError(f"layout {name!r} has no strategy name; named ones: {STRATEGY_NAMES}")
 
 
 def get_layout(layout: str | Layout, options: RingOptions | None = None) -> Layout:

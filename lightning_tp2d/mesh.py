@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_tp2d.layouts import Layout, get_layout
+from lightning_tp2d.layouts import DEFAULT_LAYOUT, Layout, get_layout
 from lightning_tp2d.ops import register_mesh
 
 
@@ -116,7 +116,7 @@ def _timeout_override(names: tuple[str, ...], timeout: timedelta | None) -> dict
     return {name: options for name in names}
 
 
-def init_mesh(layout: str | Layout = "2d", tensor_parallel_size: int = 4, data_parallel_size: int = 1,
+def init_mesh(layout: str | Layout = DEFAULT_LAYOUT, tensor_parallel_size: int = 4, data_parallel_size: int = 1,
               device_type: str | None = None, timeout: timedelta | float | None = None) -> DeviceMesh:
     """Build the layout's :class:`DeviceMesh` over the already-initialised default process group.
 

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_tp2d import recompute
 from lightning_tp2d.families import family_of, model_names
-from lightning_tp2d.layouts import Layout, ParallelHandle, get_layout
+from lightning_tp2d.layouts import DEFAULT_LAYOUT, Layout, ParallelHandle, get_layout
 from lightning_tp2d.offload import ActivationOffloader
 from lightning_tp2d.ops import register_mesh
 
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from lightning_tp2d.metp import RingOptions
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = "2d", *,
+def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAULT_LAYOUT, *,
                 options: RingOptions | None = None,
                 on_block: Callable[[nn.Module], object] | None = None) -> nn.Module:
     """Parallelize ``model`` in place for ``layout`` on ``mesh`` (from :func:`~lightning_tp2d.init_mesh`) and

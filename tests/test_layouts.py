@@ -118,10 +118,10 @@ def test_layout_messages_name_the_numbers_and_a_size_that_fits():
 
 def test_auto_size_is_the_layouts_largest_valid_size_within_a_node():
     xl = GPT2Config.from_name("gpt2-xl")  # 25 heads, 1600 wide
-    assert Grid2D().auto_tensor_parallel_size(8, 16) == 4
+    assert auto_tensor_parallel_size(Grid2D(), 8, 16) == 4
     assert auto_tensor_parallel_size(Ring(), 8, 8, xl) == 8  # the ring splits the 1600 width, not the 25 heads
     assert auto_tensor_parallel_size(GridRing(), 8, 8, xl) == 1  # the grid splits heads: no q > 1 divides 25
-    assert Ring().auto_tensor_parallel_size(8, 8) == 8
+    assert auto_tensor_parallel_size(Ring(), 8, 8) == 8
     assert auto_tensor_parallel_size(GridRing(), 9, 18, GPT2Config.from_name("gpt2-tiny")) == 9
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import lightning_tp2d as tp
-from lightning_tp2d.families import ModelFamily, family_of, get_family, register_family, unregister_family
+from lightning_tp2d.families import ModelFamily, family_of, fits, get_family, register_family, unregister_family
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
 from lightning_tp2d.data import ByteTokenizer
@@ -186,8 +186,8 @@ def test_llama_metp_sizes_that_do_not_split_are_refused_naming_the_numbers():
                                          r"intermediate_size=264 is not divisible by p=16; use p in \[1, 2, 4, 8\]"):
         fam.check_model(ring, 16, LlamaConfig.from_name("llama-tiny", n_kv_head=1))
     fam.check_model(ring, 4, LlamaConfig.from_name("llama-tiny", n_head=6, n_kv_head=3, n_embd=48))  # heads: any
-    assert fam.fits(ring, 4, LlamaConfig.from_name("llama-tiny"))
-    assert not fam.fits(ring, 5, LlamaConfig.from_name("llama-tiny"))
+    assert fits(ring, 4, LlamaConfig.from_name("llama-tiny"))
+    assert not fits(ring, 5, LlamaConfig.from_name("llama-tiny"))
     assert fam.layouts == ("2d", "metp", "2d-metp")
     without = dataclasses.replace(fam, plans={"2d": fam.plans["2d"]})  # a family lacking a plan is refused by name
     with pytest.raises(ValueError, match=r"model family 'llama' has no plan for layout 'metp' yet; "
@@ -204,8 +204,8 @@ def test_llama_sizes_that_do_not_split_are_refused_naming_the_numbers():
     with pytest.raises(ValueError, match=r"intermediate_size=250 is not divisible by q=3; use q in \[1, 2\]"):
         fam.check_model(grid, 9, cfg)
     fam.check_model(grid, 4, LlamaConfig.from_name("llama-tiny"))  # fits
-    assert fam.fits(grid, 9, LlamaConfig.from_name("llama-tiny"))
-    assert not fam.fits(grid, 16, LlamaConfig.from_name("llama-tiny"))  # 6 kv heads on q = 4
+    assert fits(grid, 9, LlamaConfig.from_name("llama-tiny"))
+    assert not fits(grid, 16, LlamaConfig.from_name("llama-tiny"))  # 6 kv heads on q = 4
 
 
 def _refusals(rank, world_size):

@@ -15,8 +15,11 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d import recompute
+from lightning_tp2d.layouts import Grid2D, Layout, document_layouts
 from lightning_tp2d.nn.functional import axis_index
 from lightning_tp2d.nn.linear import Linear2D
+
+LAYOUT = Grid2D()  # the layout these layers serve (and llama2d's): named in their refusals
 
 
 class Attention2D(nn.Module):
@@ -33,7 +36,7 @@ class Attention2D(nn.Module):
         self.resid_dropout = nn.Dropout(attn.resid_dropout.p)
 
     def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
-        refuse_documents(documents, "2d")
+        refuse_documents(documents, LAYOUT)
         B, T, _ = x.shape  # (B/q, T, h/q)
         hs = self.n_embd // self.n_head
         qkv = self.c_attn(x).view(B, T, 3, self.local_heads, hs)  # [q_c | k_c | v_c]
@@ -44,12 +47,12 @@ class Attention2D(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-def refuse_documents(documents, layout: str) -> None:
+def refuse_documents(documents, layout: Layout) -> None:
     """``NotImplementedError`` when packed documents reach an attention layer of ``layout`` that has no document
-    mask (the plain models, "metp" and "2d-metp" have one)."""
+    mask (the plain models and :func:`~lightning_tp2d.layouts.document_layouts` have one)."""
     if documents is not None:
-        raise NotImplementedError(f"packed documents (doc_ids) are not implemented in layout {layout!r}; use the "
-                                  f"plain model, 'metp' or '2d-metp'")
+        raise NotImplementedError(f"packed documents (doc_ids) are not implemented in layout {layout.name!r}; use "
+                                  f"the plain model or one of {document_layouts()}")
 
 
 class MLP2D(nn.Module):

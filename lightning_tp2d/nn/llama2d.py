@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 from lightning_tp2d import recompute
 from lightning_tp2d.comm import all_reduce_along
 from lightning_tp2d.models.rope import apply_rope, rope_cache
-from lightning_tp2d.nn.attention import refuse_documents
+from lightning_tp2d.nn.attention import LAYOUT, refuse_documents
 from lightning_tp2d.nn.functional import autocast_operands, axis_index, pad_rows, shard_parameter, sum_grad_along
 from lightning_tp2d.nn.head import LMHead2D
 from lightning_tp2d.nn.layernorm import _stat_dtype
@@ -111,7 +111,7 @@ class LlamaAttention2D(nn.Module):
         self.o_proj = Linear2D(attn.o_proj, mesh, options=options)
 
     def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
-        refuse_documents(documents, "2d")
+        refuse_documents(documents, LAYOUT)
         B, T, _ = x.shape  # (B/q, T, h/q)
         hs = self.head_size
         q = self.q_proj(x).view(B, T, self.local_heads, hs).transpose(1, 2)  # (B/q, nh/q, T, hs)

@@ -1,0 +1,134 @@
+"""From a plan to a run: the command lines that train a :class:`~lightning_tp2d.planning.planner.PlanRow`.
+
+* a package row: ``tp2d-train`` overrides (``conf/``): ``model=<name>`` (the ``conf/model`` option of the same
+  name), ``parallel=<the layout's strategy name>`` and its sizes, ZeRO stage, checkpointing, offload and ``compile``,
+  the row's micro-batch (``data.batch_size``) and accumulation (``trainer.accumulate_grad_batches``), the sequence
+  length (``data.block_size``), the devices and nodes, and ``parallel.memory_gib`` so that ``tp2d-train`` checks the
+  predicted peak before it launches (:func:`train_overrides`, :func:`train_command`);
+* a 1-D baseline row (torch's 1-D TP + SP x FSDP2, or CP): torchtitan's settings (:func:`torchtitan_settings`),
+  and for the TP rows the Lightning ``ModelParallelStrategy`` that runs the same mesh with a user's
+  ``parallelize_fn`` (:func:`lightning_strategy`).
+
+:func:`command_for` picks by the row. The rows are read by their fields only (nothing here imports the planner).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import TYPE_CHECKING
+
+from lightning_tp2d.families import model_config
+from lightning_tp2d.layouts import get_layout, strategy_name
+from lightning_tp2d.planning.rivals import BASELINE, CP, CP_TP
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_tp2d.planning.planner import PlanRow
+
+__all__ = ["command_for", "lightning_strategy", "torchtitan_settings", "train_command", "train_overrides"]
+
+
+def _devices(row: PlanRow, gpus_per_node: int) -> tuple[int, int]:
+    """``(devices per node, nodes)`` of the row's ``p x dp`` GPUs, whole nodes of ``gpus_per_node`` when it spans
+    more than one."""
+    world = row.tensor_parallel_size * row.data_parallel_size
+    if world <= gpus_per_node:
+        return world, 1
+    if world % gpus_per_node:
+        raise ValueError(f"p={row.tensor_parallel_size} x dp={row.data_parallel_size} = {world} GPUs is not a whole "
+                         f"number of nodes of {gpus_per_node}")
+    return gpus_per_node, world // gpus_per_node
+
+
+def train_overrides(row: PlanRow, model: str, seq: int, *, gpus_per_node: int, gpu_memory_gib: float | None = None,
+                    compiled: bool = True) -> list[str]:
+    """The ``tp2d-train`` overrides that run the package row ``row`` for the named size ``model`` on sequences of
+    ``seq`` tokens. ``compiled``: the row was priced compiled; ``parallel.compile=true`` is added where the strategy
+    compiles that configuration (not with selective checkpointing or offload, not with checkpointing on a layout
+    whose checkpointed blocks do not compile). ``gpu_memory_gib``: the cap planned for, checked again by
+    ``tp2d-train`` before launch."""
+    if row.baseline:
+        raise ValueError(f"{row.layout} is a baseline row; tp2d-train runs the package's layouts "
+                         "(torchtitan_settings gives the baseline's settings)")
+    spec = get_layout(row.layout)
+    devices, nodes = _devices(row, gpus_per_node)
+    out = [f"model={model}", f"parallel={strategy_name(spec)}",
+           f"parallel.tensor_parallel_size={row.tensor_parallel_size}",
+           f"parallel.data_parallel_size={row.data_parallel_size}", f"parallel.zero_stage={row.zero_stage}",
+           f"parallel.activation_checkpointing={row.checkpointing}"]
+    if row.activation_offload:
+        out.append("parallel.activation_offload=true")
+    compiles = (row.checkpointing == "none" or (row.checkpointing == "full" and spec.compiles_checkpointed)) \
+        and not row.activation_offload
+    if compiled and compiles:
+        out.append("parallel.compile=true")
+    if gpu_memory_gib is not None:
+        out.append(f"parallel.memory_gib={gpu_memory_gib:g}")
+    out += ["trainer=gpu" if nodes == 1 else "trainer=multinode", f"trainer.devices={devices}",
+            f"trainer.num_nodes={nodes}", f"trainer.accumulate_grad_batches={row.grad_accum}",
+            f"data.batch_size={row.micro_batch}", f"data.block_size={seq}"]
+    if seq > model_config(model).block_size:  # the data's windows are at most the model's block_size
+        out.append(f"model.block_size={seq}")
+    return out
+
+
+def train_command(row: PlanRow, model: str, seq: int, **kwargs) -> str:
+    """``tp2d-train`` and :func:`train_overrides`, quoted for a shell (every node runs the same command)."""
+    return shlex.join(["tp2d-train", *train_overrides(row, model, seq, **kwargs)])
+
+
+def torchtitan_settings(row: PlanRow, seq: int, *, compiled: bool = True) -> list[str]:
+    """torchtitan's command-line settings for the baseline row ``row``: TP degree (inside each CP rank for CP rows),
+    CP degree, FSDP's shard degree and HSDP's replicate degree (``row.shard_group``), FSDP2's resharding (stage 2:
+    never after the forward), activation checkpointing (selective: per op, as the planner prices it), async TP (which
+    torchtitan runs compiled), compile, the micro-batch and the sequence length; a global batch when the row
+    accumulates. The model's own ``--model.*`` settings are the user's."""
+    if not row.baseline or row.layout not in (BASELINE, CP, CP_TP):
+        raise ValueError(f"{row.layout!r} is not a torchtitan configuration (its rows: {BASELINE}, {CP}, {CP_TP})")
+    cp = row.context_parallel_size if row.layout in (CP, CP_TP) else 1
+    dp, shards = row.data_parallel_size, row.shard_group or row.data_parallel_size
+    out = [f"--parallelism.tensor_parallel_degree={row.tensor_parallel_size // cp}"]
+    if cp > 1:
+        out.append(f"--parallelism.context_parallel_degree={cp}")
+    out.append(f"--parallelism.data_parallel_shard_degree={shards}")
+    if dp // shards > 1:
+        out.append(f"--parallelism.data_parallel_replicate_degree={dp // shards}")
+    if row.zero_stage == 2:
+        out.append("--parallelism.fsdp_reshard_after_forward=never")
+    out.append(f"--activation_checkpoint.mode={row.checkpointing}")
+    if row.checkpointing == "selective":
+        out.append("--activation_checkpoint.selective_ac_option=op")
+    if row.async_tp:
+        out.append("--parallelism.enable_async_tensor_parallel")
+    if compiled or row.async_tp:
+        out.append("--compile.enable")
+    out += [f"--training.local_batch_size={row.micro_batch}", f"--training.seq_len={seq}"]
+    if row.grad_accum > 1:
+        out.append(f"--training.global_batch_size={row.micro_batch * dp * row.grad_accum}")
+    return out
+
+
+def lightning_strategy(row: PlanRow) -> str:
+    """The Lightning ``ModelParallelStrategy`` whose ``(data_parallel, tensor_parallel)`` mesh runs the baseline row
+    with a user's ``parallelize_fn`` (torch's 1-D TP + SP plan, then FSDP2 over the data-parallel axis): TP rows only
+    (it has no context-parallel axis)."""
+    if not row.baseline or row.layout != BASELINE:
+        raise ValueError(f"{row.layout!r}: Lightning's ModelParallelStrategy runs the 1-D TP ({BASELINE}) rows only")
+    return (f"ModelParallelStrategy(tensor_parallel_size={row.tensor_parallel_size}, "
+            f"data_parallel_size={row.data_parallel_size})")
+
+
+def command_for(row: PlanRow, model: str, seq: int, *, gpus_per_node: int, gpu_memory_gib: float | None = None,
+                compiled: bool = True) -> str:
+    """What runs ``row``, as lines to print: the ``tp2d-train`` command of a package row; torchtitan's launch and
+    settings of a baseline row, and Lightning's strategy for a 1-D TP one."""
+    if not row.baseline:
+        return train_command(row, model, seq, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
+                             compiled=compiled)
+    devices, nodes = _devices(row, gpus_per_node)
+    lines = [f"torchrun --nnodes={nodes} --nproc_per_node={devices} -m torchtitan.train "
+             f"--job.config_file=<{model}'s torchtitan toml> " + " ".join(torchtitan_settings(row, seq,
+                                                                                               compiled=compiled))]
+    if row.layout == BASELINE:
+        lines.append(f"Lightning: Trainer(devices={devices}, num_nodes={nodes}, strategy={lightning_strategy(row)}) "
+                     "with torch's 1-D TP + SP plan and FSDP2 in its parallelize_fn")
+    return "\n".join(lines)
