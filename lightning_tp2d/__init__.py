@@ -29,6 +29,7 @@ __all__ = [
     "parallelize", "read_state_dict", "Layout", "Grid2D", "Ring", "GridRing", "get_layout", "register_layout",
     "RingOptions", "TPOptions", "checkpoint_activations", "Llama", "LlamaConfig", "ModelFamily", "register_family",
     "family_of", "load_llama", "llama_state_dict", "load_model", "load_hf_model", "HFFormat", "plan", "PlanRow",
+    "TrainPlan",
 ]
 
 # public name -> the module that defines it (imported on first access)
@@ -49,6 +50,7 @@ _EXPORTS = {
     "RingOptions": "options", "TPOptions": "options",
     "ModelFamily": "families", "register_family": "families", "family_of": "families",
     "plan": "planning.planner", "PlanRow": "planning.planner",
+    "TrainPlan": "train_plan",
 }
 # names that are also submodules: importing ``lightning_tp2d.parallelize`` must not rebind ``tp.parallelize``
 _SHADOWED = {name for name, module in _EXPORTS.items() if name == module}

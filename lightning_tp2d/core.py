@@ -12,10 +12,9 @@ A mixin: the Lightning base class (Trainer's or Fabric's ``ModelParallelStrategy
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -26,18 +25,20 @@ from torch.distributed.constants import default_pg_timeout
 from lightning_tp2d import fsdp
 from lightning_tp2d.export import hf_loader
 from lightning_tp2d.families import families, family_of, family_of_config, model_names
-from lightning_tp2d.layouts import STRATEGY_NAMES, Layout, get_layout, handle_of
+from lightning_tp2d.layouts import DEFAULT_LAYOUT, STRATEGY_NAMES, Layout, get_layout, handle_of
 from lightning_tp2d.mesh import ParallelDims, as_timeout, init_mesh
 from lightning_tp2d.parallelize import (ACTIVATION_CHECKPOINTING, checkpoint_activations, offloaded_checkpointing,
                                          parallelize)
 from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes
-from lightning_tp2d.training import broadcast_module_, clip_grad_norm_
+from lightning_tp2d.step import AssembledStep, assemble_step, block_sharder, clip_grad_norm_, shard_optimizer
+from lightning_tp2d.train_plan import PRECISIONS, TrainPlan
+from lightning_tp2d.training import broadcast_module_
 from lightning_tp2d.zero import ZERO_STAGES
 
 if TYPE_CHECKING:
     from lightning_tp2d.planning.planner import PlanRow
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+SUPPORTED_PRECISION = PRECISIONS  # lightning_tp2d.train_plan's
 AUTO_LAYOUT = "auto"  # layout="auto": the planner picks layout, sizes, ZeRO stage and checkpointing at start-up
 LONGEST_DEFAULT_SEQ = 8192  # layout="auto" plans for config.block_size up to this; longer needs plan_options["seq"]
 # what plan_options may set: lightning_tp2d.planning.planner.plan's arguments that are not the job's (gpus, memory)
@@ -93,16 +94,23 @@ class TensorParallelCore:
     _run_precision: str = "32-true"  # the Lightning precision name (kept by _check_precision_name)
     plans_layout: bool = False  # layout="auto" is supported (the strategy knows the model before the process group)
     chosen_plan: PlanRow | None = None  # layout="auto": the planner's row this run follows
+    given_plan: TrainPlan | None = None  # the plan= argument, or the TrainPlan of the planner's row (_take_plan)
 
-    def __init__(self, layout: str | Layout = "2d", tensor_parallel_size: Literal["auto"] | int = "auto",
+    def __init__(self, layout: str | Layout = DEFAULT_LAYOUT, tensor_parallel_size: Literal["auto"] | int = "auto",
                  data_parallel_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | float | None = default_pg_timeout,
                  activation_checkpointing: str = "none", compile: bool | str | dict = False,
                  allow_fallback: bool = False, zero_stage: int = 0, memory_gib: float | None = None,
-                 plan_options: Mapping[str, Any] | None = None, activation_offload: bool = False) -> None:
+                 plan_options: Mapping[str, Any] | None = None, activation_offload: bool = False,
+                 plan: TrainPlan | None = None) -> None:
         """The arguments of both strategies (documented on :class:`~lightning_tp2d.strategy.TP2DStrategy`): checked
         and kept, then the Lightning base class (``ModelParallelStrategy``, given :meth:`_base_arguments`), then the
-        strategy's own state (:meth:`_init_state`)."""
+        strategy's own state (:meth:`_init_state`). ``plan``: the layout, sizes, ZeRO stage, checkpointing and offload
+        as one :class:`~lightning_tp2d.train_plan.TrainPlan` (:meth:`_from_plan`)."""
+        if plan is not None:
+            (layout, tensor_parallel_size, data_parallel_size, zero_stage, activation_checkpointing,
+             activation_offload) = self._from_plan(plan, layout, tensor_parallel_size, data_parallel_size, zero_stage,
+                                                   activation_checkpointing, activation_offload)
         self._check_arguments(layout, tensor_parallel_size, data_parallel_size, timeout, activation_checkpointing,
                               compile, allow_fallback, zero_stage, memory_gib, plan_options, activation_offload)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
@@ -110,6 +118,32 @@ class TensorParallelCore:
                          process_group_backend=process_group_backend, timeout=self.timeout, **self._base_arguments())
         self._sharded_checkpoints = bool(save_distributed_checkpoint)
         self._init_state()
+
+    def _from_plan(self, plan: TrainPlan, layout: str | Layout, tensor_parallel_size: Literal["auto"] | int,
+                   data_parallel_size: Literal["auto"] | int, zero_stage: int, activation_checkpointing: str,
+                   activation_offload: bool) -> tuple:
+        """The arguments ``plan`` stands for, in ``__init__``'s order. An argument left at its default takes the
+        plan's value; one given must equal it (a ``ValueError`` names each that does not). A
+        :class:`~lightning_tp2d.layouts.Layout` object naming the plan's layout is kept (it carries the layers'
+        options)."""
+        if not isinstance(plan, TrainPlan):
+            raise ValueError(f"plan must be a lightning_tp2d.TrainPlan, got {type(plan).__name__}")
+        named = layout.name if isinstance(layout, Layout) else layout
+        given = (("layout", named, DEFAULT_LAYOUT, plan.layout),
+                 ("tensor_parallel_size", tensor_parallel_size, "auto", plan.tensor_parallel_size),
+                 ("data_parallel_size", data_parallel_size, "auto", plan.data_parallel_size),
+                 ("zero_stage", zero_stage, 0, plan.zero_stage),
+                 ("activation_checkpointing", activation_checkpointing, "none", plan.activation_checkpointing),
+                 ("activation_offload", activation_offload, False, plan.activation_offload))
+        clashes = [f"{name}={value!r} (the plan's: {planned!r})" for name, value, default, planned in given
+                   if value != default and value != planned]
+        if clashes:
+            raise ValueError(f"plan={plan.describe()!r} disagrees with the arguments {', '.join(clashes)}: give the "
+                             "plan alone, or arguments that match it")
+        self.given_plan = plan
+        return (layout if isinstance(layout, Layout) and layout.name == plan.layout else plan.layout,
+                plan.tensor_parallel_size, plan.data_parallel_size, plan.zero_stage, plan.activation_checkpointing,
+                plan.activation_offload)
 
     def _base_arguments(self) -> dict:
         """Further keyword arguments of the Lightning base class (Fabric's needs a ``parallelize_fn``)."""
@@ -233,10 +267,24 @@ class TensorParallelCore:
         return self._dims
 
     def _check_precision_name(self, name: str) -> None:
-        """Check the Lightning precision and keep it (:meth:`shard_models` picks FSDP's mixed precision by it)."""
+        """Check the Lightning precision and keep it (:meth:`assemble` picks FSDP's mixed precision by it)."""
         if name not in SUPPORTED_PRECISION:
             raise ValueError(f"{type(self).__name__} supports precision {list(SUPPORTED_PRECISION)}, got {name!r}")
+        planned = self.given_plan.precision if self.given_plan is not None else None
+        if planned is not None and planned != name:
+            raise ValueError(f"{type(self).__name__}: the plan's precision={planned!r} disagrees with the run's "
+                             f"precision {name!r}")
         self._run_precision = name
+
+    @property
+    def train_plan(self) -> TrainPlan:
+        """This run's :class:`~lightning_tp2d.train_plan.TrainPlan` (once the sizes are resolved): layout, sizes,
+        ZeRO stage, checkpointing, offload, the run's precision and the plan's micro-batch advice, if any; its
+        properties decide what :func:`~lightning_tp2d.step.assemble_step` wires."""
+        dims = self.parallel_dims
+        micro = self.given_plan.micro_batch if self.given_plan is not None else None
+        return TrainPlan(dims.layout, dims.tensor_parallel_size, dims.data_parallel_size, self.zero_stage,
+                         self.activation_checkpointing, self.activation_offload, micro, self._run_precision)
 
     def _resolve_dims(self, config: Any) -> ParallelDims:
         """The sizes for this job's devices and the model's config (``None`` before the module is known): the one
@@ -256,7 +304,7 @@ class TensorParallelCore:
         can see (the Trainer's datamodule's ``block_size``, :meth:`_data_window`), else to ``config.block_size`` up to
         :data:`LONGEST_DEFAULT_SEQ` tokens (a longer one, such as the 131072 of the named Llama 3.x configs, is the
         model's limit, not the job's: then ``plan_options["seq"]`` is required); ``global_batch_tokens`` defaults to
-        one sequence per device. Deterministic: every rank plans the same. Nothing that
+        one sequence per device. Run on rank 0 only (:meth:`_plan_once`, :meth:`_share_plan`). Nothing that
         fits: the planner's :class:`~lightning_tp2d.planning.planner.NothingFits` (a ``ValueError``)."""
         from lightning_tp2d.planning.planner import plan  # deferred: heavy, the cost model fits its GEMM rates on import
 
@@ -329,14 +377,53 @@ class TensorParallelCore:
         can see it (:meth:`_data_window`'s datamodule); ``False`` otherwise."""
         return getattr(self._attached_datamodule(), "pack_documents", False) is True
 
+    def _plan_once(self, plan_rows: Callable[[], list[PlanRow]]) -> tuple[list[PlanRow] | None, Exception | None]:
+        """``layout="auto"``, before the process group exists: rank 0 runs ``plan_rows`` (:meth:`_plan` for the
+        job), the other ranks nothing. The planner cannot run once the process group exists (it traces on a fake
+        process group of its own, in forked workers, which refuse a process with a real default group), so the plan
+        is made here and shared by :meth:`_share_plan` once the group exists. ``(rows, None)`` or ``(None, error)`` on
+        rank 0 (the error is kept to be raised on every rank, not only here, where the other ranks would wait for
+        rank 0 until the timeout), ``(None, None)`` elsewhere."""
+        self.set_world_ranks()  # the global rank, before the process group sets it again
+        if self.global_rank != 0:
+            return None, None
+        try:
+            return plan_rows(), None
+        except Exception as err:  # noqa: BLE001 - raised on every rank by _share_plan
+            return None, err
+
+    def _share_plan(self, planned: tuple[list[PlanRow] | None, Exception | None]) -> list[PlanRow]:
+        """Rank 0's plan (:meth:`_plan_once`) on every rank, sent with the strategy's ``broadcast`` once the process
+        group exists (without one: this process's own). Rank 0's error is raised on every rank: rank 0 raises its
+        own, the others one of its type (a ``ValueError`` subclass such as the planner's ``NothingFits``; else a
+        ``RuntimeError``) with its message."""
+        rows, error = planned
+        failure = None if error is None else (type(error) if isinstance(error, ValueError) else RuntimeError,
+                                              f"{error} (rank 0 planned for layout='auto')")
+        rows, failure = self.broadcast((rows, failure) if self.global_rank == 0 else (None, None), src=0)
+        if error is not None:
+            raise error
+        if failure is not None:
+            kind, message = failure
+            try:
+                raised = kind(message)
+            except Exception:  # noqa: BLE001 - a class that takes other arguments: its message all the same
+                raised = RuntimeError(message)
+            raise raised
+        return rows
+
     def _take_plan(self, row: PlanRow) -> None:
-        """Run the planner's ``row``: its layout, sizes, ZeRO stage and activation checkpointing (its micro-batch and
-        accumulation are advice: the data and the Trainer keep theirs)."""
-        self.layout_spec = get_layout(row.layout)
+        """Run the planner's ``row`` as a :class:`~lightning_tp2d.train_plan.TrainPlan` (:attr:`given_plan`): its
+        layout, sizes, ZeRO stage and activation checkpointing, with this strategy's ``activation_offload`` (its
+        micro-batch and accumulation are advice: the data and the Trainer keep theirs)."""
+        plan = TrainPlan(row.layout, row.tensor_parallel_size, row.data_parallel_size, row.zero_stage,
+                         row.checkpointing, self.activation_offload, row.micro_batch)
+        self.layout_spec = get_layout(plan.layout)
         self.layout = self.layout_spec.name
-        self._requested = (row.tensor_parallel_size, row.data_parallel_size)
-        self.zero_stage = row.zero_stage
-        self.activation_checkpointing = row.checkpointing
+        self._requested = (plan.tensor_parallel_size, plan.data_parallel_size)
+        self.zero_stage = plan.zero_stage
+        self.activation_checkpointing = plan.activation_checkpointing
+        self.given_plan = plan
         self.chosen_plan = row
 
     # ---- environment --------------------------------------------------------------------------------------
@@ -377,7 +464,7 @@ class TensorParallelCore:
         has one, else rank 0's initial seed (the i-th model from ``seed + i``: the same full weights on every rank,
         whatever the layout); an eager model is first made equal to rank 0's. At ZeRO stages 2 and 3 a meta-device
         model's blocks are cut over ``data_parallel`` as they are built (:meth:`_block_sharder`; ``init_from`` then
-        fills the dp shards) and :meth:`shard_models` cuts the rest."""
+        fills the dp shards) and :meth:`assemble` cuts the rest."""
         found = _models(module)
         if not found:
             raise TypeError(
@@ -411,8 +498,7 @@ class TensorParallelCore:
                 parallelize(gpt, self._mesh, self.layout_spec)
             checkpoint_activations(gpt, self.activation_checkpointing, offload=self.activation_offload)
             if self.compile_options is not None:  # each block alone under FSDP: its hooks run between them
-                sharded = self.zero_stage >= 2 and self.parallel_dims.data_parallel_size > 1
-                for part in family_of(gpt).block_modules(gpt) if sharded else (gpt,):
+                for part in family_of(gpt).block_modules(gpt) if self.train_plan.fsdp else (gpt,):
                     part.compile(**self.compile_options)
         left = [n for n, p in module.named_parameters() if p.is_meta]
         if left:
@@ -420,32 +506,30 @@ class TensorParallelCore:
                              f"still on the meta device: {left[:5]}")
 
     def _block_sharder(self):
-        """At ZeRO stages 2 and 3 with ``dp > 1``: what cuts each block over ``data_parallel`` as soon as it is
-        materialised (:func:`~lightning_tp2d.fsdp.shard_block`, the stage and FSDP policy of :meth:`shard_models`,
-        which then cuts the root), so a rank holds the dp shards of the blocks built, never its tensor shard of
-        the whole model; else ``None``."""
-        if self.zero_stage < 2 or self.parallel_dims.data_parallel_size == 1:
-            return None
-        return functools.partial(fsdp.shard_block, stage=self.zero_stage,
-                                 mp_policy=fsdp.mixed_precision_policy(self._run_precision))
+        """Under FSDP (:attr:`TrainPlan.fsdp <lightning_tp2d.train_plan.TrainPlan.fsdp>`): what cuts each block over
+        ``data_parallel`` as soon as it is materialised (:func:`~lightning_tp2d.step.block_sharder`; :meth:`assemble`
+        then cuts the root), so a rank holds the dp shards of the blocks built, never its tensor shard of the whole
+        model; else ``None``."""
+        return block_sharder(self.train_plan, self._run_precision)
 
-    def shard_models(self, module: nn.Module) -> None:
-        """ZeRO stages 2 and 3: shard every parallelized model inside ``module`` over ``data_parallel`` with FSDP2
-        (:func:`~lightning_tp2d.fsdp.shard_data_parallel`: one group per block and one at the root) with FSDP's
-        mixed precision for the run's precision (:func:`~lightning_tp2d.fsdp.mixed_precision_policy`: ``bf16-mixed``
-        gathers bf16 parameters and reduces float32 gradients); after the precision plugin converted it, before any
-        optimizer holds its parameters. Stages 0 and 1: nothing."""
-        if self.zero_stage < 2:
-            return
-        for _, m in _models(module):
-            if not fsdp.is_sharded(m):
-                fsdp.shard_data_parallel(m, self.zero_stage, mp_policy=fsdp.mixed_precision_policy(self._run_precision))
+    def assemble(self, module: nn.Module, sync: bool = True) -> AssembledStep:
+        """The data-parallel side of this run's step on ``module`` (:func:`~lightning_tp2d.step.assemble_step` with
+        :attr:`train_plan` and the run's precision): FSDP2 over ``data_parallel`` at ZeRO stages 2 and 3, with
+        ``sync`` the :class:`~lightning_tp2d.training.GradientSync` of stages 0 and 1; after the precision plugin
+        converted the module, before any optimizer holds its parameters."""
+        return assemble_step(module, self.device_mesh, self.train_plan, precision=self._run_precision, sync=sync)
 
     @property
     def shards_optimizer_state(self) -> bool:
-        """Whether the optimizers get ZeRO-1's slices (:func:`~lightning_tp2d.zero.shard_optimizer_state`): at stage
-        1, and at stages 2/3 with ``dp > 1`` for the parameters FSDP keeps whole (its own shards pass through)."""
-        return self.zero_stage == 1 or (self.zero_stage >= 2 and self.parallel_dims.data_parallel_size > 1)
+        """Whether the optimizers get ZeRO-1's slices (:attr:`TrainPlan.optimizer_sharded
+        <lightning_tp2d.train_plan.TrainPlan.optimizer_sharded>`)."""
+        return self.train_plan.optimizer_sharded
+
+    def shard_optimizer(self, optimizer) -> None:
+        """ZeRO-1's slices of ``optimizer``'s state when the plan shards it
+        (:func:`~lightning_tp2d.step.shard_optimizer`; at stages 2/3 of the parameters FSDP keeps whole, its own
+        shards passing through)."""
+        shard_optimizer(self.train_plan, optimizer, self.device_mesh)
 
     def sharded_models(self, module: nn.Module | None) -> list[nn.Module]:
         """The models inside ``module`` that FSDP shards (stage 2/3 with ``dp > 1``)."""
@@ -453,9 +537,8 @@ class TensorParallelCore:
 
     def clip_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm of the whole gradient: over the tensor shards, and over the ``data_parallel`` shards
-        too at stages 2 and 3 (:func:`lightning_tp2d.fsdp.clip_grad_norm_`)."""
-        clip = fsdp.clip_grad_norm_ if self.zero_stage >= 2 else clip_grad_norm_
-        return clip(parameters, max_norm, self.device_mesh, norm_type)
+        too at stages 2 and 3 (:func:`lightning_tp2d.step.clip_grad_norm_`)."""
+        return clip_grad_norm_(self.train_plan, parameters, max_norm, self.device_mesh, norm_type)
 
     def checkpoint_info(self, module: nn.Module) -> dict[str, Any]:
         """What a checkpoint records about the run that wrote it (informative; loading needs none of it)."""

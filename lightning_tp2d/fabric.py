@@ -43,14 +43,15 @@ from torch.optim import Optimizer
 from lightning_tp2d import checkpoint as ckpt
 from lightning_tp2d.core import TensorParallelCore
 from lightning_tp2d.training import GradientSync, clip_grad_value_
-from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
+from lightning_tp2d.zero import clipped_parameters
 
 __all__ = ["TP2DFabricStrategy"]
 
 
 class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
     """Tensor-parallel GPT-2 under Fabric on a ``dp x p`` mesh; the arguments are
-    :class:`~lightning_tp2d.strategy.TP2DStrategy`'s."""
+    :class:`~lightning_tp2d.strategy.TP2DStrategy`'s, ``plan`` (a
+    :class:`~lightning_tp2d.train_plan.TrainPlan`) included."""
 
     strategy_name = "tp2d"
 
@@ -89,9 +90,11 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
         self._check_model(module)
         self.parallelize_models(module)
         module.to(self.root_device)  # whatever lies outside the GPT2 modules (already on their device)
-        self.shard_models(module)  # zero_stage 2/3: FSDP2 over data_parallel (its reduce-scatter averages)
-        if id(module) not in self._grad_syncs and self.zero_stage < 2:  # all-reduces in buckets, overlapping the
-            self._grad_syncs[id(module)] = GradientSync(module, self.device_mesh)  # backward
+        # the plan's step (lightning_tp2d.step): zero_stage 2/3 FSDP2 over data_parallel (its reduce-scatter
+        # averages); stages 0/1 (dp > 1) GradientSync, all-reduces in buckets overlapping the backward, once a module
+        step = self.assemble(module, sync=id(module) not in self._grad_syncs)
+        if step.gradient_sync is not None:
+            self._grad_syncs[id(module)] = step.gradient_sync
         return module
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler=None):
@@ -110,8 +113,7 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self.shards_optimizer_state:  # (stage 2/3: slices of the parameters FSDP keeps whole; its shards pass)
-            shard_optimizer_state(optimizer, self.device_mesh)
+        self.shard_optimizer(optimizer)  # (stage 2/3: slices of the parameters FSDP keeps whole; its shards pass)
         return optimizer
 
     # ---- gradients ----------------------------------------------------------------------------------------

@@ -40,12 +40,10 @@ from lightning_tp2d import checkpoint as ckpt
 from lightning_tp2d import families
 from lightning_tp2d.comm import naming_failures
 from lightning_tp2d.core import TensorParallelCore, find_model_config
-from lightning_tp2d.layouts import Layout, get_layout
-from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.precision import allow_clipping_without_scaler, precision_name
 from lightning_tp2d.quiet import silence_known_noise
 from lightning_tp2d.training import GradientSync, clip_grad_value_
-from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
+from lightning_tp2d.zero import clipped_parameters
 
 if TYPE_CHECKING:
     from lightning_tp2d.planning.planner import PlanRow
@@ -104,6 +102,12 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         memory_gib: ``layout="auto"``: GiB of memory per device the plan may fill (90% of it: the planner's
             ``memory_fraction``). Default on CUDA: the device's total memory; required on CPU (a ``ValueError``
             without it).
+        plan: a :class:`~lightning_tp2d.train_plan.TrainPlan` (``lightning_tp2d.TrainPlan``): layout, sizes,
+            ``zero_stage``, ``activation_checkpointing`` and ``activation_offload`` in one object, e.g. a planner's
+            choice, instead of those arguments (any of them given must equal the plan's: a ``ValueError`` names the
+            ones that do not; a :class:`~lightning_tp2d.layouts.Layout` object of the plan's layout keeps its
+            options). Its ``precision``, if set, must be the Trainer's; its ``micro_batch`` is advice. Its
+            properties decide the step (:func:`~lightning_tp2d.step.assemble_step`).
         plan_options: ``layout="auto"``: further arguments of :func:`~lightning_tp2d.planning.planner.plan`
             (:data:`~lightning_tp2d.core.PLAN_OPTIONS`): ``seq`` (default: the model's ``block_size``),
             ``global_batch_tokens`` (default: one sequence per device), ``hardware`` (priced as, default
@@ -171,27 +175,36 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         self._limit_cpu_threads()
-        if self.layout_spec is None:
-            self.plan_layout()  # before the process group: the planner traces on a fake one of its own
+        # layout="auto": rank 0 plans before the process group (the planner traces on a fake one of its own), and
+        # every rank takes its row once the group exists
+        planned = self._plan_once(self._plan_job) if self.layout_spec is None else None
         self._setup_distributed()
+        if planned is not None:
+            self.plan_layout(planned)
         dims = self._resolve_dims(find_model_config(self.lightning_module))
         self._dims = dims
         # validate/test after fit, or a second Trainer, reuse the mesh the module is parallelized on
         self._mesh = self._build_mesh(dims, self.lightning_module)
         self.lightning_module._device_mesh = self._mesh
 
-    def plan_layout(self) -> PlanRow:
-        """``layout="auto"``: plan for the LightningModule's model on this job's ``devices x num_nodes`` devices of
-        :meth:`_device_memory_gib` GiB (:meth:`~lightning_tp2d.core.TensorParallelCore._plan`), take the fastest
-        configuration (layout, sizes, ZeRO stage, checkpointing) and log it and the runner-up on rank 0; return it
-        (also :attr:`chosen_plan`). Every rank plans the same, without communication; before any process group."""
+    def _plan_job(self) -> list[PlanRow]:
+        """The planner's rows for the LightningModule's model on this job's ``devices x num_nodes`` devices of
+        :meth:`_device_memory_gib` GiB (:meth:`~lightning_tp2d.core.TensorParallelCore._plan`)."""
         config = find_model_config(self.lightning_module)
         if config is None:
             raise ValueError("layout='auto' plans for the model inside the LightningModule, but it holds no model of "
                              f"a registered family ({families.model_names()}) nor a `config` of one")
-        rows = self._plan(config, self._device_memory_gib(), self.num_processes, self.num_nodes)
+        return self._plan(config, self._device_memory_gib(), self.num_processes, self.num_nodes)
+
+    def plan_layout(self, planned: tuple | None = None) -> PlanRow:
+        """``layout="auto"``: take the fastest configuration (layout, sizes, ZeRO stage, checkpointing) of the plan
+        for this job (:meth:`_plan_job`) and log it and the runner-up on rank 0; return it (also
+        :attr:`chosen_plan`). The plan is made once, on rank 0, before the process group
+        (:meth:`~lightning_tp2d.core.TensorParallelCore._plan_once`: ``planned``, as ``setup_environment`` passes
+        it; ``None``: made here), and every rank takes rank 0's rows (sent once the group exists,
+        :meth:`~lightning_tp2d.core.TensorParallelCore._share_plan`), so all ranks run one plan."""
+        rows = self._share_plan(self._plan_once(self._plan_job) if planned is None else planned)
         self._take_plan(rows[0])
-        self.set_world_ranks()  # rank_zero_info knows the rank before _setup_distributed sets it again
         runner_up = f"; runner-up: {rows[1].describe()}" if len(rows) > 1 else ""
         rank_zero_info(f"layout='auto' chose {rows[0].describe()} (predicted, of {len(rows)} that fit; "
                        f"micro-batch x accumulation is advice: the data and Trainer keep theirs){runner_up}")
@@ -213,7 +226,10 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         self.parallelize_models(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self.shard_models(self.model)  # zero_stage 2/3: FSDP2 over data_parallel, before the optimizers
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        # the plan's step (lightning_tp2d.step): zero_stage 2/3 FSDP2 over data_parallel, before the optimizers;
+        # stages 0/1 when fitting (dp > 1): GradientSync's buckets overlapping the backward, once per module
+        step = self.assemble(self.model, sync=fitting and self._grad_sync is None)
         self._install_gradient_clipping()
         # evaluate under no_grad, never inference_mode (DTensor and gloo collectives; docs/layouts.md, the strategy)
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop):
@@ -228,12 +244,10 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
                     for key, value in fields.items() if isinstance(fields, dict) else ():
                         if key != "step":
                             fields[key] = move_data_to_device(value, self.root_device)
-            if self.shards_optimizer_state:  # before a checkpoint is restored: each replica loads only its slices
-                # (stage 2/3: of the parameters FSDP keeps whole; its own shards pass through)
-                for optimizer in self.optimizers:
-                    shard_optimizer_state(_unwrap(optimizer), self.device_mesh)
-            if self._grad_sync is None and self.zero_stage < 2:  # (stage 2/3: FSDP's reduce-scatter averages)
-                self._grad_sync = GradientSync(self.model, self.device_mesh)  # buckets overlapping the backward
+            for optimizer in self.optimizers:  # before a checkpoint is restored: each replica loads only its slices
+                step.shard_optimizer(_unwrap(optimizer))  # (stage 2/3: of what FSDP keeps whole; its shards pass)
+            if self._grad_sync is None:  # (stage 2/3: FSDP's reduce-scatter averages)
+                self._grad_sync = step.gradient_sync
 
     # ---- gradients ----------------------------------------------------------------------------------------
 
@@ -332,12 +346,6 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
 def _unwrap(optimizer):
     """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or the optimizer itself)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def auto_tensor_parallel_size(layout: str | Layout, per_node: int, world: int, config: GPT2Config | None) -> int:
-    """Largest ``p`` dividing the devices of one node (and so the world) that is valid for ``layout`` and, if
-    known, splits the model's heads and width (the layout's rule)."""
-    return families.auto_tensor_parallel_size(get_layout(layout), per_node, world, config)
 
 
 def train_batch_sizes(trainer) -> list[int]:

@@ -21,7 +21,8 @@ import lightning_tp2d as tp
 from lightning_tp2d import fsdp
 from lightning_tp2d.data import ByteTokenizer, TokenWindows, load_tokens
 from lightning_tp2d.models import GPT2, GPT2Config
-from lightning_tp2d.strategy import TP2DStrategy, auto_tensor_parallel_size
+from lightning_tp2d.families import auto_tensor_parallel_size
+from lightning_tp2d.strategy import TP2DStrategy
 from lightning_tp2d.training import clip_grad_norm_, grad_norm
 from lightning_tp2d.zero import sharding_of
 from tests.distributed import run_distributed

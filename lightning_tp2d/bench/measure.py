@@ -8,55 +8,61 @@ the same mode the memory model profiles fake steps with) and (on GPU) the alloca
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_tp2d import fsdp, training
+from lightning_tp2d import fsdp
 from lightning_tp2d.baselines.tp1d import parallelize_1d
 from lightning_tp2d.baselines.tp1d_sp import AXIS, DP_AXIS, init_tp_dp_mesh, shard_1d_data_parallel
 from lightning_tp2d.families import family_of_config
+from lightning_tp2d.layouts import Grid2D, GridRing, Ring, handle_of
 from lightning_tp2d.mesh import init_mesh
 from lightning_tp2d.models import GPT2Config, LlamaConfig
 from lightning_tp2d.planning.live import LiveTensorBytes, adamw_kernel, resident_bytes
 from lightning_tp2d.parallelize import checkpoint_activations, parallelize
-from lightning_tp2d.zero import full_param_groups, shard_optimizer_state
+from lightning_tp2d.step import assemble_step
+from lightning_tp2d.train_plan import TrainPlan
+from lightning_tp2d.zero import full_param_groups
 
 
 def step_peak_bytes(model: torch.nn.Module, mesh, idx: torch.Tensor, *, zero_stage: int = 0,
                     max_norm: float = 1.0, fused: bool = False) -> dict[str, int]:
     """This rank's measured peak of one training step of ``model`` (parallelized on ``mesh``, with any activation
     checkpointing already applied) on the batch ``idx`` (inputs and targets, ``[batch, seq]`` per replica), at ZeRO
-    ``zero_stage`` as the strategies run it: 2 and 3 shard the model with
-    :func:`~lightning_tp2d.fsdp.shard_data_parallel` (when ``data_parallel`` has more than one rank), 0 and 1
-    average gradients with :class:`~lightning_tp2d.training.GradientSync` and clip over every parameter, 1 shards the
-    optimizer state (:func:`~lightning_tp2d.zero.shard_optimizer_state`). The optimizer is an AdamW with
-    ``foreach`` (``fused``: the fused kernel, as ``CausalLMModule`` runs it on a GPU), weight decay on the matrices
-    (``CausalLMModule``'s groups).
+    ``zero_stage`` as the strategies run it, assembled by the same call (:func:`lightning_tp2d.step.assemble_step`):
+    2 and 3 shard the model with :func:`~lightning_tp2d.fsdp.shard_data_parallel` (when ``data_parallel`` has more
+    than one rank), 0 and 1 average gradients with :class:`~lightning_tp2d.training.GradientSync` and clip over every
+    parameter, 1 shards the optimizer state (:func:`~lightning_tp2d.zero.shard_optimizer_state`). The optimizer is
+    an AdamW with ``foreach`` (``fused``: the fused kernel, as ``CausalLMModule`` runs it on a GPU), weight decay on
+    the matrices (``CausalLMModule``'s groups).
 
     A warm-up step first (the optimizer state and FSDP's lazy buffers exist after it), then ``zero_grad``, forward,
     backward, data-parallel averaging, global-norm clipping, ``step``: ``{"resident"`` (bytes before the measured
     step: :func:`resident_bytes`), ``"step"`` (the peak of the tensors the step allocates: :class:`LiveTensorBytes`
     with ``count_resizes``), ``"peak"`` (their sum), ``"largest"`` (the largest tensors alive at that peak:
     :attr:`LiveTensorBytes.largest`)``}``."""
-    if zero_stage >= 2 and mesh["data_parallel"].size() > 1:
-        fsdp.shard_data_parallel(model, zero_stage)  # before the optimizer: it sees the dp shards
-    sync = training.GradientSync(model, mesh) if zero_stage < 2 else None
+    handle = handle_of(model)
+    plan = TrainPlan(handle.layout.name, handle.tensor_parallel_size, handle.data_parallel_size, zero_stage)
+    with warnings.catch_warnings():  # stage 2/3 on one replica: nothing to shard (assemble_step warns)
+        warnings.simplefilter("ignore", UserWarning)
+        assembled = assemble_step(model, mesh, plan)  # before the optimizer: it sees the dp shards
     decay = [q for q in model.parameters() if q.dim() >= 2]
     rest = [q for q in model.parameters() if q.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                                   lr=1e-4, **adamw_kernel(fused))
-    if zero_stage == 1 or (zero_stage >= 2 and mesh["data_parallel"].size() > 1):  # (2/3: what FSDP keeps whole)
-        shard_optimizer_state(optimizer, mesh)
+    assembled.shard_optimizer(optimizer)  # (2/3: what FSDP keeps whole)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         model(idx, idx).backward()
-        if sync is not None:
-            sync.finish()
-            training.clip_grad_norm_([q for group in full_param_groups(optimizer) for q in group], max_norm, mesh)
-        else:
-            fsdp.clip_grad_norm_(model.parameters(), max_norm, mesh)  # the dp shards of the gradients included
+        if assembled.gradient_sync is not None:
+            assembled.gradient_sync.finish()
+        # at stages 2/3 the dp shards of the gradients included
+        assembled.clip_grad_norm_(model.parameters() if plan.clip_with_fsdp
+                                  else [q for group in full_param_groups(optimizer) for q in group], max_norm)
         optimizer.step()
 
     return _warm_then_measured(step, model, optimizer)
@@ -181,11 +187,12 @@ GRID_BATCH, GRID_SEQ, GRID_WORLD = 4, 64, 8  # dp = GRID_WORLD // p
 # with dp 2 x ZeRO stages 0, 1, 3 x checkpointing none and full; selective on the ring and the grid at stage 0; 8
 # blocks (deeper than the 4 and 5 the memory model extrapolates from) on the ring at stages 0 and 3 and on the grid
 # of rings at stage 3 with full checkpointing
-GRID = [(name, layout, 4, stage, ck, 2) for name in ("gpt2", "llama") for layout in ("metp", "2d", "2d-metp")
-        for stage in (0, 1, 3) for ck in ("none", "full")]
-GRID += [(name, layout, 4, 0, "selective", 2) for name in ("gpt2", "llama") for layout in ("metp", "2d")]
-GRID += [(name, "metp", 4, stage, ck, 8) for name in ("gpt2", "llama") for stage in (0, 3) for ck in ("none", "full")]
-GRID += [(name, "2d-metp", 4, 3, "full", 8) for name in ("gpt2", "llama")]
+GRID = [(name, layout, 4, stage, ck, 2) for name in ("gpt2", "llama")
+        for layout in (Ring.name, Grid2D.name, GridRing.name) for stage in (0, 1, 3) for ck in ("none", "full")]
+GRID += [(name, layout, 4, 0, "selective", 2) for name in ("gpt2", "llama") for layout in (Ring.name, Grid2D.name)]
+GRID += [(name, Ring.name, 4, stage, ck, 8) for name in ("gpt2", "llama") for stage in (0, 3)
+         for ck in ("none", "full")]
+GRID += [(name, GridRing.name, 4, 3, "full", 8) for name in ("gpt2", "llama")]
 
 
 def grid_config(case):

@@ -1,0 +1,134 @@
+"""One training configuration as data: :class:`TrainPlan`, what the planner chooses, what the strategies take
+(``TP2DStrategy(plan=...)``) and what :func:`lightning_tp2d.step.assemble_step` wires into a step.
+
+============================  =======  =================================================================================
+field                         default  meaning
+============================  =======  =================================================================================
+``layout``                    --       a registered layout's name (``"2d"``, ``"metp"``, ``"2d-metp"``)
+``tensor_parallel_size``      --       ``p``: ranks per model replica (square for the grid layouts)
+``data_parallel_size``        1        ``dp``: model replicas
+``zero_stage``                0        0: every replica keeps the optimizer state of its tensor shard; 1: the state is
+                                       sharded over the replicas; 2: gradients too; 3: parameters too
+``activation_checkpointing``  none     ``"none"``, ``"selective"`` or ``"full"``
+``activation_offload``        False    the inputs full checkpointing keeps go to host memory (needs ``"full"``)
+``micro_batch``               None     sequences per replica per micro-batch (advice: the data keeps its own)
+``precision``                 None     a Lightning precision name (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``);
+                                       ``None``: the run's
+============================  =======  =================================================================================
+
+The ZeRO rules live here once, as properties; every place that runs or prices a step reads them:
+
+* :attr:`~TrainPlan.fsdp` (stage >= 2 and dp > 1): FSDP2 wraps each block and the root over ``data_parallel``;
+* :attr:`~TrainPlan.reshard_after_forward` (stage 3 under FSDP): a block's gathered parameters are freed after its
+  forward and gathered again for its backward;
+* :attr:`~TrainPlan.optimizer_sharded` (stage 1, or under FSDP): ZeRO-1's slices of the optimizer state (at stages
+  2/3 of the parameters FSDP keeps whole);
+* :attr:`~TrainPlan.gradient_sync` (stage 0 or 1 and dp > 1): :class:`~lightning_tp2d.training.GradientSync`
+  averages the gradients during the backward;
+* :attr:`~TrainPlan.clip_with_fsdp` (stage >= 2): clipping by :func:`lightning_tp2d.fsdp.clip_grad_norm_`, whose
+  norm sums over the data-parallel shards.
+
+A low floor: nothing here imports torch, and of the package only :mod:`lightning_tp2d.layouts`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_tp2d.layouts import get_layout
+
+ZERO_STAGES = (0, 1, 2, 3)  # the same as lightning_tp2d.zero.ZERO_STAGES (a test keeps them equal)
+CHECKPOINTING = ("none", "full", "selective")  # parallelize.ACTIVATION_CHECKPOINTING's (likewise)
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # what the strategies and FSDP's mixed precision support
+
+__all__ = ["CHECKPOINTING", "PRECISIONS", "TrainPlan", "ZERO_STAGES"]
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """One training configuration (module docstring); checked when made, each refusal a ``ValueError`` naming the
+    value."""
+
+    layout: str
+    tensor_parallel_size: int
+    data_parallel_size: int = 1
+    zero_stage: int = 0
+    activation_checkpointing: str = "none"
+    activation_offload: bool = False
+    micro_batch: int | None = None  # advice: the data module and the Trainer keep theirs
+    precision: str | None = None  # None: the run's (the Trainer's or Fabric's precision)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, str):
+            raise ValueError(f"TrainPlan.layout must be a layout's name, got {self.layout!r}")
+        spec = get_layout(self.layout)  # unknown name: a ValueError listing the registered ones
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if not _positive_int(getattr(self, name)):
+                raise ValueError(f"TrainPlan.{name} must be a positive int, got {getattr(self, name)!r}")
+        problem = spec.size_problem(self.tensor_parallel_size)
+        if problem:
+            raise ValueError(f"TrainPlan: {problem}")
+        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
+            raise ValueError(f"TrainPlan.zero_stage={self.zero_stage!r} is not one of {list(ZERO_STAGES)}")
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(f"TrainPlan.activation_checkpointing={self.activation_checkpointing!r} is not one of "
+                             f"{list(CHECKPOINTING)}")
+        if not isinstance(self.activation_offload, bool):
+            raise ValueError(f"TrainPlan.activation_offload must be True or False, got {self.activation_offload!r}")
+        if self.activation_offload and self.activation_checkpointing != "full":
+            raise ValueError(f"TrainPlan: activation_offload=True moves the block inputs that full checkpointing "
+                             f"keeps, got activation_checkpointing={self.activation_checkpointing!r}; use 'full'")
+        if self.micro_batch is not None and not _positive_int(self.micro_batch):
+            raise ValueError(f"TrainPlan.micro_batch must be a positive int or None, got {self.micro_batch!r}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"TrainPlan.precision={self.precision!r} is not one of {list(PRECISIONS)} (or None: "
+                             "the run's)")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan runs on: ``p * dp``."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 wraps every block and the root over ``data_parallel`` (:mod:`lightning_tp2d.fsdp`): stages 2 and 3
+        with more than one replica (``dp = 1``: nothing to shard, the step runs as at stage 0)."""
+        return self.zero_stage >= 2 and self.data_parallel_size > 1
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP frees each block's gathered parameters after its forward and gathers them again for its backward
+        (stage 3); at stage 2 they stay gathered until the backward. ``False`` without FSDP."""
+        return self.fsdp and self.zero_stage == 3
+
+    @property
+    def optimizer_sharded(self) -> bool:
+        """The optimizers get ZeRO-1's slices (:func:`lightning_tp2d.zero.shard_optimizer_state`): at stage 1 (any
+        ``dp``; with one replica each slice is a whole parameter), and under FSDP for the parameters it keeps whole
+        (its own shards pass through)."""
+        return self.zero_stage == 1 or self.fsdp
+
+    @property
+    def gradient_sync(self) -> bool:
+        """:class:`~lightning_tp2d.training.GradientSync` averages the gradients over ``data_parallel`` during the
+        backward: stages 0 and 1 with more than one replica (under FSDP its reduce-scatter is the average; with
+        one replica there is nothing to average)."""
+        return self.zero_stage < 2 and self.data_parallel_size > 1
+
+    @property
+    def clip_with_fsdp(self) -> bool:
+        """Clipping sums the norm over the ``data_parallel`` shards too (:func:`lightning_tp2d.fsdp.clip_grad_norm_`):
+        stages 2 and 3; else :func:`lightning_tp2d.training.clip_grad_norm_`, whose replicas hold equal, whole
+        gradients."""
+        return self.zero_stage >= 2
+
+    def describe(self) -> str:
+        """One line: ``metp p=4 dp=2 zero=3 ckpt=full offload micro=2 bf16-mixed``."""
+        return (f"{self.layout} p={self.tensor_parallel_size} dp={self.data_parallel_size} zero={self.zero_stage} "
+                f"ckpt={self.activation_checkpointing}{' offload' if self.activation_offload else ''}"
+                f"{'' if self.micro_batch is None else f' micro={self.micro_batch}'}"
+                f"{'' if self.precision is None else ' ' + self.precision}")
