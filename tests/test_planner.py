@@ -13,7 +13,8 @@ import pytest
 import lightning_tp2d as tp
 from lightning_tp2d.planning import cost_model as cm
 from lightning_tp2d.planning import planner
-from lightning_tp2d.planning.memory_model import baseline_peak_bytes, parameter_split, peak_bytes
+from lightning_tp2d.planning.memory_model import parameter_split, peak_bytes
+from lightning_tp2d.planning.rivals import baseline_row_peak_bytes
 from lightning_tp2d.families import model_config
 
 MODEL = "llama-tiny"
@@ -56,7 +57,7 @@ def test_planning_candidates_in_parallel_processes_gives_the_same_rows(rows, mon
     # the profiles forgotten, so that the forked processes build them (in workers of their own), not read this one's
     monkeypatch.setattr(memory_model, "_SHARDS", {})
     monkeypatch.setattr(memory_model, "_DERIVED", {})
-    assert tp.plan(MODEL, **OPTIONS, workers=2) == rows
+    assert tp.plan(MODEL, **OPTIONS, workers=2, cache=False) == rows
     assert planner.in_processes(lambda x: x * x, range(5), 3) == [0, 1, 4, 9, 16]
 
     def broken(x):
@@ -74,8 +75,9 @@ def test_a_row_s_memory_is_the_memory_model_s(rows):
     cfg = model_config(MODEL)
     for r in (planner.best(rows, False), planner.best(rows, True)):
         if r.baseline:
-            want = baseline_peak_bytes(cfg, r.micro_batch, SEQ, r.tensor_parallel_size, dp=r.data_parallel_size,
-                                       zero_stage=r.zero_stage, checkpointing=r.checkpointing, elem=2)
+            want = baseline_row_peak_bytes(cfg, r.micro_batch, SEQ, r.tensor_parallel_size, dp=r.data_parallel_size,
+                                           zero_stage=r.zero_stage, shard_group=r.shard_group,
+                                           checkpointing=r.checkpointing, elem=2, loss=r.loss)
         else:
             want = peak_bytes(r.layout, cfg, r.micro_batch, SEQ, r.tensor_parallel_size, dp=r.data_parallel_size,
                               zero_stage=r.zero_stage, checkpointing=r.checkpointing, elem=2, ranks=[0], fused=True)
@@ -147,7 +149,7 @@ def test_async_overlap_scales_what_async_tp_hides_and_the_fit_reproduces_torchti
     hw = planner.HARDWARE["h100"]
     kw = dict(lean_wire=True, checkpointing="selective")
     blocking = cm.step_time("tp1d-sp", cfg, 2, 8192, 8, hw, **kw)["exposed_comm_s"]
-    exposed = {a: cm.step_time("tp1d-sp", cfg, 2, 8192, 8, hw, async_tp=True, async_overlap=a, **kw)["exposed_comm_s"]
+    exposed = {a: cm.step_time("tp1d-sp", cfg, 2, 8192, 8, hw, async_tp=True, overlap=a, **kw)["exposed_comm_s"]
                for a in (0.0, planner.ASYNC_TP_OVERLAP, 1.0)}
     assert exposed[0.0] == pytest.approx(blocking)  # hides nothing: the blocking exposure
     assert exposed[1.0] < exposed[planner.ASYNC_TP_OVERLAP] < exposed[0.0]

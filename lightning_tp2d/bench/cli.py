@@ -280,7 +280,7 @@ def projection(args: argparse.Namespace) -> dict:
         fair.append({"gpus": n, "best_tp1d": _summary(f["best_tp1d"]), "best_2d": _summary(f["best_2d"]),
                      "speedup": f["speedup"], "best_tp1d_tp_ge_2": _summary(tp_only),
                      "speedup_vs_tp_ge_2": tp_only["total_s"] / f["best_2d"]["total_s"],
-                     "configurations": [_summary(c) for c in f["tp1d"] + f["2d"]]})
+                     "configurations": [_summary(c) for c in f["tp1d"] + f[cost_model.GRID_2D]]})
     return {"model": args.projection_model, "batch": batch, "seq": seq, "hardware": hw.name, "rows": rows,
             "fair": fair, "gemm_calibration": calibration,
             "metp_overlap_threshold": cost_model.metp_overlap_threshold(cfg, hw)}

@@ -8,9 +8,10 @@ FSDP).
 * the package's: a layout (``"2d"``, ``"metp"``, ``"2d-metp"``) on ``p`` ranks x ``dp`` replicas, ZeRO stage 0-3
   (FSDP2 at 2 and 3), activation checkpointing ``none`` / ``selective`` / ``full``;
 * or a 1-D baseline (``baseline=True``): ``"tp1d-sp"`` over ``tp <= gpus_per_node`` ranks (torch's colwise/rowwise
-  styles, sequence-parallel norms, loss parallel; blocking or async TP, whichever is faster, bf16 on the wire) x FSDP
-  over ``dp`` (stage 3 as torchtitan's default, or 2), or plain FSDP (``tp`` 1); checkpointing ``none``, ``full``
-  or torchtitan's per-op ``selective``;
+  styles, sequence-parallel norms, loss parallel; blocking or async TP, whichever is faster, bf16 on the wire) x
+  ``dp`` replicas at the package's stages (DDP, ZeRO 1, FSDP at 2 and 3 -- stage 3 torchtitan's default -- and
+  HSDP: FSDP inside a node, replicated across nodes), or plain FSDP / HSDP (``tp`` 1); checkpointing ``none``,
+  ``full`` or torchtitan's per-op ``selective``; the loss unfused or chunked;
 
 * priced by :func:`price` only, not enumerated by :func:`plan`: torch's context parallelism (``"cp"``, CP x FSDP2
   over the same ranks, :mod:`lightning_tp2d.baselines.context_parallel`; ``"cp-tp"``, torchtitan's CP x 1-D TP + SP,
@@ -34,7 +35,8 @@ How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
   :func:`~lightning_tp2d.planning.memory_model.baseline_peak_bytes` (analytic, from the tensors its ops save);
 * one micro-batch's compute and tensor-parallel communication: :func:`lightning_tp2d.planning.cost_model.step_time`
   (the package's layouts traced, tensor-parallel rank 0 priced: the grid's ranks run the same shapes and the zigzag
-  ring balances the causal work; async TP hiding :data:`ASYNC_TP_OVERLAP` of what it could);
+  ring balances the causal work); every overlapped collective of either side hiding the same fraction,
+  :data:`ASYNC_TP_OVERLAP` (``overlap="fitted"``), of what its overlapped compute could hide;
 * elementwise work (norms, activations, residual adds, casts, the loss's softmax, the optimizer's reads of
   activations): ``ELEMENTWISE_PASSES`` passes over the bytes the micro-batch's forward saves, at the GPU's memory
   bandwidth -- one constant per execution mode, fitted to the one single-GPU measurement the project has
@@ -55,26 +57,32 @@ contention between the data-parallel and tensor-parallel links.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
 
-from lightning_tp2d.planning import cost_model
+from lightning_tp2d.planning import cache as plan_cache
+from lightning_tp2d.planning import cost_model, memory_model, trace
 from lightning_tp2d.planning.cost_model import Hardware, collective_time, data_parallel_all_reduce_time, step_time
-from lightning_tp2d.planning.memory_model import (baseline_activation_bytes, baseline_peak_bytes, parameter_split,
+from lightning_tp2d.planning.memory_model import (baseline_activation_bytes, parameter_split,
                                                peak_bytes)
-from lightning_tp2d.planning.rivals import cp_peak_bytes, ulysses_peak_bytes
+from lightning_tp2d.planning.events import Comm
+from lightning_tp2d.planning.rivals import CHUNK_TOKENS, baseline_row_peak_bytes, cp_peak_bytes, ulysses_peak_bytes
+from lightning_tp2d.planning.commands import command_for
+from lightning_tp2d.planning.rivals import BASELINE, CP, CP_TP, ULYSSES  # the rivals' row names
 from lightning_tp2d.planning.trace import ranks_as_asked, trace_step
 from lightning_tp2d.families import family_of_config, fits, model_config
 from lightning_tp2d.layouts import get_layout, layout_names
 from lightning_tp2d.models.config import max_seq_len
 
-__all__ = ["ULYSSES", "PlanRow", "plan", "price", "longest_sequence", "offload_memory", "offload_time", "HARDWARE", "CP", "CP_TP", "ELEMENTWISE_PASSES", "GPT2_H200", "ASYNC_TP_OVERLAP",
+__all__ = ["ULYSSES", "PlanRow", "plan", "price", "longest_sequence", "offload_memory", "offload_time", "HARDWARE", "CP", "CP_TP", "ELEMENTWISE_PASSES", "GPT2_H200", "ASYNC_TP_OVERLAP", "search_space", "count_configurations", "LOSS_VARIANTS",
            "data_parallel_time", "NothingFits"]
 
 GIB = 2**30
@@ -82,18 +90,16 @@ HARDWARE = {"h100": cost_model.H100_NVLINK4_NDR, "h200": cost_model.H200_NVLINK4
             "h100-grand-teton": cost_model.H100_GRAND_TETON, "a100": cost_model.A100_NVLINK3_HDR}
 ELEMENT = 2  # bf16 compute
 OPTIMIZER_BYTES_PER_ELEMENT = 28  # AdamW: read param, grad, exp_avg, exp_avg_sq (16); write param and moments (12)
-BASELINE = "tp1d-sp"
-CP = "cp"  # torch's context parallelism x FSDP2 (lightning_tp2d.baselines.context_parallel): priced by price(), not planned
-CP_TP = "cp-tp"  # the same x 1-D TP + SP inside each CP rank (torchtitan's composition): priced by price(), not planned
-ULYSSES = "ulysses"  # DeepSpeed's Ulysses SP + ALST's tiling x FSDP2 (lightning_tp2d.baselines.ulysses): priced, not planned
 MAX_MICRO_BATCH = 16  # sequences per micro-batch tried at most by default (a layout needing more tries its least)
 log = logging.getLogger(__name__)
 
-# The fraction of the collective time next to a matmul that torch's async TP hides (cost_model.step_time's
-# async_overlap): fitted to torchtitan's published async / blocking TP gains on H100s (bf16, compile: 8B on 64 GPUs,
-# FSDP 8 x TP 8: 1.098x; 70B on 256, FSDP 32 x TP 8: 1.092x), which one value, 0.57, reproduces for both (hiding
-# all but the first chunk, 1.0, predicted 1.17-1.18x).
-ASYNC_TP_OVERLAP = 0.57
+# The fraction of the hideable collective time that is really hidden: fitted to torchtitan's published async /
+# blocking TP gains on H100s (bf16, compile: 8B on 64 GPUs, FSDP 8 x TP 8: 1.098x; 70B on 256, FSDP 32 x TP 8:
+# 1.092x), which one value, 0.57, reproduces for both (hiding all but the first chunk, 1.0, predicted 1.17-1.18x).
+# The planner applies it to every overlapped collective of both sides (cost_model.OVERLAP["fitted"]); the overlap
+# rule is plan()'s and price()'s ``overlap`` ("fitted", "pessimistic", "ideal" or a mapping kind -> efficiency).
+ASYNC_TP_OVERLAP = cost_model.FITTED_OVERLAP
+LOSS_VARIANTS = ("unfused", "chunked")  # the baseline's loss: the model's head + one cross-entropy, or chunked
 # transformers' GPT-2 124M, bf16, batch 32 x 1024 on one H200 (issue 24, measured in the GPU week): tokens/s
 GPT2_H200 = {"model": "gpt2", "batch": 32, "seq": 1024, "eager": 213e3, "compiled": 412e3}
 
@@ -122,6 +128,12 @@ class PlanRow:
     parts: dict = dataclasses.field(default_factory=dict, compare=False)  # memory and time breakdowns
     context_parallel_size: int = 1  # "cp" / "cp-tp": CP ranks of the p (the rest, p / CP, 1-D TP + SP inside each)
     activation_offload: bool = False  # checkpointed block inputs in host memory (:func:`offload_memory`)
+    # the baseline's HSDP: FSDP over groups of this many replicas, replicated across groups (0: FSDP, or ZeRO, over
+    # all data_parallel_size replicas; the package's rows: always 0)
+    shard_group: int = 0
+    # the baseline's loss, "unfused" (the head's logits, one cross-entropy) or "chunked"; the package's rows run their
+    # layout's own head and loss ("own": the ring layouts' tiled ring cross-entropy, the grid's vocab-parallel one)
+    loss: str = "unfused"
 
     def describe(self) -> str:
         kind = "baseline " if self.baseline else ""
@@ -160,7 +172,7 @@ def model_flops_per_token(cfg, seq: int) -> float:
 
 def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: int, stage: int, gpus_per_node: int,
                        hw: Hardware, forward_s: float, backward_s: float, grad_accum: int, elem: int = ELEMENT,
-                       regathered: float = 0.0) -> dict:
+                       regathered: float = 0.0, shard_group: int = 0) -> dict:
     """Seconds of data-parallel communication per step for ``dp`` replicas of ``tp`` consecutive ranks, one rank
     holding ``root`` + ``n_layer * block`` tensor-shard elements (float32 at rest, gradients reduced in float32),
     ``forward_s`` / ``backward_s`` one micro-batch's compute: ``{"comm_s", "exposed_s"}`` (module docstring).
@@ -169,9 +181,30 @@ def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: 
     again at the end of the backward, prefetched behind the first block's backward: the 1-D baseline's untied
     input embedding (torchtitan's ``apply_fsdp`` wraps it alone, resharded after forward), the whole root of torch's
     context parallelism (:func:`~lightning_tp2d.baselines.context_parallel.parallelize_cp`); 0 for the package's
-    layouts, whose root group FSDP keeps gathered from the forward to the backward. Ignored below stage 3."""
+    layouts, whose root group FSDP keeps gathered from the forward to the backward. Ignored below stage 3.
+
+    ``shard_group`` (stages 2 and 3; 0 or ``dp``: FSDP over all ``dp`` replicas): HSDP, FSDP over groups of
+    ``s = shard_group`` consecutive replicas (``s * tp`` consecutive ranks: inside a node when they fit one), each
+    group replicated ``r = dp / s`` times (torchtitan's ``data_parallel_shard_degree`` x
+    ``data_parallel_replicate_degree``). The gathers and reduce-scatters run as FSDP's over the ``s`` replicas, on
+    their link, with shards ``1 / s``; the reduced gradient shards (float32, ``4 (root + n_layer block) / s`` bytes)
+    are then all-reduced over the ``r`` groups, once per step (FSDP2's ``set_requires_all_reduce`` off for all but
+    the last micro-batch: the strongest form), behind the last micro-batch's backward as stage 0's all-reduce
+    is (``comm_s`` and ``exposed_s`` include it; ``hsdp_all_reduce_s``: its seconds)."""
     if dp <= 1:
         return {"comm_s": 0.0, "exposed_s": 0.0}
+    if shard_group not in (0, dp):
+        if stage < 2 or shard_group < 2 or dp % shard_group:
+            raise ValueError(f"HSDP: shard_group={shard_group} must divide dp={dp}, be at least 2, and shard stage 2 "
+                             f"or 3 (got zero_stage {stage})")
+        inside = data_parallel_time(root=root, block=block, n_layer=n_layer, dp=shard_group, tp=tp, stage=stage,
+                                    gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s, backward_s=backward_s,
+                                    grad_accum=grad_accum, elem=elem, regathered=regathered)
+        replicas = dp // shard_group
+        link = hw.intra if dp * tp <= gpus_per_node else hw.inter  # groups s * tp ranks apart
+        across = collective_time("all_reduce", replicas, 4 * (root + n_layer * block) / shard_group, link)
+        return {"comm_s": inside["comm_s"] + across, "exposed_s": inside["exposed_s"] + max(0.0, across - backward_s),
+                "hsdp_all_reduce_s": across}
     total = root + n_layer * block
     if stage in (0, 1):
         reduce = data_parallel_all_reduce_time(4 * total, dp * tp, tp, hw)
@@ -251,10 +284,51 @@ def offload_time(cfg, micro_batch: int, seq: int, ranks: int, hw: Hardware, forw
     return {"copy_s": 2 * n * copy, "exposed_s": exposed}
 
 
+def _elementwise_bytes(cfg, batch: int, seq: int, tp: int, *, ep: int) -> float:
+    """Bytes the elementwise ops of the 1-D baseline's forward touch (``"tp1d-sp"`` over ``tp`` ranks on ``batch x
+    seq`` tokens, the residual stream and norm inputs in ``ep`` bytes): what it saves
+    (:func:`~lightning_tp2d.planning.memory_model.baseline_activation_bytes`) with each of the ``2 L + 1``
+    all-gathered norm outputs (``N h e`` saved for the column-parallel linears) counted as the ``N h e / tp``
+    shard the norm writes: the gather is a collective's output, not an elementwise op's, and the package's traced
+    bytes count each rank's own shards the same way. ``tp`` 1: the saved bytes."""
+    saved = baseline_activation_bytes(cfg, batch, seq, tp, elem=ELEMENT, ep=ep)["total"]
+    gathered = (2 * cfg.n_layer + 1) * batch * seq * cfg.n_embd * ELEMENT
+    return saved - gathered * (1 - 1 / tp)
+
+
+def _chunked_loss_step(cfg, batch: int, seq: int, tp: int, hw: Hardware, micro: dict, rule: dict) -> dict:
+    """``micro`` (the 1-D baseline's :func:`~lightning_tp2d.planning.cost_model.step_time` on ``batch x seq``
+    tokens over ``tp`` ranks) with the chunked loss, as :func:`~lightning_tp2d.planning.cost_model.cp_step_time`
+    prices CP's: each chunk of :data:`~lightning_tp2d.planning.rivals.CHUNK_TOKENS` tokens recomputes its logits in
+    the backward (``2 N h ceil(V/tp)`` more matmul FLOPs), the head runs 4 GEMM kernels a chunk instead of 3 in
+    all, and over ``tp`` > 1 ranks each chunk's ``loss_parallel`` forward runs its three all-reduces of the
+    chunk's float32 ``[n, 1]`` rows again (inside the node; no overlapped FLOPs, so the overlap rule hides none)."""
+    tokens = batch * seq
+    recomputed = 2.0 * tokens * cfg.n_embd * -(-cfg.vocab_size // tp)
+    full, rest = divmod(tokens, CHUNK_TOKENS)
+    gemms = 4 * (full + (1 if rest else 0)) - 3
+    fl = micro["flops"]
+    fl = {**fl, "backward": fl["backward"] + recomputed, "total": fl["total"] + recomputed,
+          "matmul": fl["matmul"] + recomputed, "gemms": fl["gemms"] + gemms}
+    compute = micro["compute_s"] + recomputed / hw.matmul_flops_per_s + gemms * hw.gemm_overhead_s
+    comm = exposed = 0.0
+    rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
+    for n, calls in ((CHUNK_TOKENS, full), (rest, 1 if rest else 0)):
+        if tp > 1 and calls:
+            t = collective_time("all_reduce", tp, 4 * n, hw.intra)
+            hidden = cost_model._hidden(Comm("all_reduce", "tp", tp, 4 * n), t, 0.0, 0.0, rates, False, rule)[0]
+            comm += 3 * calls * t
+            exposed += 3 * calls * (t - hidden)
+    return {**micro, "compute_s": compute, "comm_s": micro["comm_s"] + comm,
+            "exposed_comm_s": micro["exposed_comm_s"] + exposed, "total_s": compute + micro["exposed_comm_s"] + exposed,
+            "flops": fl}
+
+
 def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: str, micro_batch: int,
           grad_accum: int, seq: int, hw: Hardware, gpus_per_node: int, compiled: bool = True,
           memory: dict | None = None, async_tp: bool | None = None, cp_tp_size: int = 2,
-          offload: bool = False, cp_loss: str = "chunked") -> PlanRow:
+          offload: bool = False, cp_loss: str = "chunked", overlap="fitted", shard_group: int = 0,
+          loss: str = "unfused") -> PlanRow:
     """Predict one configuration (module docstring). ``layout`` is a package layout, ``"tp1d-sp"`` (a baseline;
     ``p`` 1: plain FSDP; ``async_tp``: force blocking (``False``) or async TP (``True``), default the faster),
     ``"cp"``: torch's context parallelism over ``p`` ranks x FSDP2 (``zero_stage`` 3) over ``p * dp``, the step
@@ -266,11 +340,34 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     ``offload``: the checkpointed block inputs live in host memory (``checkpointing`` must be ``"full"``): the
     memory :func:`offload_memory`, the exposed copies :func:`offload_time`, the same rule for every row.
     ``cp_loss``: ``"cp"`` / ``"cp-tp"``'s loss, ``"chunked"`` (the default: as users run it) or ``"unfused"`` (as
-    torchtitan's published runs did, for calibration)."""
+    torchtitan's published runs did, for calibration).
+
+    Both sides by one rule: ``overlap`` (:func:`~lightning_tp2d.planning.cost_model.overlap_rule`: ``"fitted"``,
+    the default, ``"pessimistic"``, ``"ideal"``, a number or a mapping kind -> efficiency) is the fraction of each
+    collective's hideable time really hidden, for the package's SUMMA and ring calls, async TP's and CP's ring
+    alike. The package assumes its traced schedule (each call behind the compute posted while it is in flight);
+    the baseline assumes torch's async TP (each all-gather / reduce-scatter micro-pipelined with its matmul, the
+    first chunk exposed) where that is faster than blocking, bf16 on the wire (``lean_wire``).
+
+    The baseline (``"tp1d-sp"``) also takes ``shard_group`` (HSDP at stages 2 and 3: FSDP over groups of that many
+    replicas, replicated across groups, :func:`data_parallel_time`; 0: FSDP over all ``dp``), ``zero_stage`` 1
+    (DDP with AdamW's moments sharded) and ``loss``: ``"unfused"`` (the default: torchtitan's published runs) or
+    ``"chunked"`` (the head and cross-entropy over chunks of
+    :data:`~lightning_tp2d.planning.rivals.CHUNK_TOKENS` tokens: each chunk's logits recomputed in the backward,
+    one more head matmul and 4 GEMM kernels a chunk instead of 3 in all, ``loss_parallel``'s three ``[n, 1]``
+    all-reduces again per chunk; memory :func:`~lightning_tp2d.planning.rivals.baseline_row_peak_bytes`). Its
+    elementwise work is priced on the bytes its elementwise ops touch: the norms' outputs sequence-sharded, as
+    they are written, not the all-gathered copies the column-parallel linears save."""
     if offload and checkpointing != "full":
         raise ValueError(f"activation offload moves the inputs full checkpointing keeps; got checkpointing="
                          f"{checkpointing!r}")
     baseline, cp, ulysses = layout == BASELINE, layout in (CP, CP_TP), layout == ULYSSES
+    if not baseline and (shard_group or loss != "unfused"):
+        raise ValueError(f"shard_group and loss price the {BASELINE!r} baseline, not layout {layout!r} (got "
+                         f"shard_group={shard_group}, loss={loss!r})")
+    if loss not in LOSS_VARIANTS:
+        raise ValueError(f"loss={loss!r} is not one of {LOSS_VARIANTS}")
+    rule = cost_model.overlap_rule(overlap)
     hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
     passes = ELEMENTWISE_PASSES["compiled" if compiled else "eager"]
     split = parameter_split(cfg)
@@ -279,7 +376,8 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
         if zero_stage != 3 or async_tp or checkpointing != "full":
             raise ValueError(f"'ulysses' runs ALST's schedule: FSDP2 at zero_stage 3, full checkpointing, no async "
                              f"TP; got zero_stage={zero_stage}, checkpointing={checkpointing!r}, async_tp={async_tp}")
-        micro = cost_model.ulysses_step_time(cfg, micro_batch, seq, p, hw, ELEMENT, checkpointing=checkpointing)
+        micro = cost_model.ulysses_step_time(cfg, micro_batch, seq, p, hw, ELEMENT, checkpointing=checkpointing,
+                                             overlap=rule)
         async_tp = False
         saved = baseline_activation_bytes(cfg, micro_batch, seq // p, 1, elem=ELEMENT, ep=ELEMENT)["total"]
     elif cp:
@@ -291,12 +389,11 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
                              f"cp_tp_size={cp_tp_size}")
         ring = p // inner
         micro = min((cost_model.cp_step_time(cfg, micro_batch, seq, ring, hw, ELEMENT, dp=dp, tp=inner, async_tp=a,
-                                             checkpointing=checkpointing, async_overlap=ASYNC_TP_OVERLAP,
-                                             loss=cp_loss)
+                                             checkpointing=checkpointing, overlap=rule, loss=cp_loss)
                      | {"async_tp": a} for a in ((False, True) if async_tp is None and inner > 1
                                                  else (bool(async_tp),))), key=lambda r: r["total_s"])
         async_tp = micro["async_tp"]
-        saved = baseline_activation_bytes(cfg, micro_batch, seq // ring, inner, elem=ELEMENT, ep=ELEMENT)["total"]
+        saved = _elementwise_bytes(cfg, micro_batch, seq // ring, inner, ep=ELEMENT)
     elif baseline:
         tp = p
         if tp == 1:
@@ -304,21 +401,25 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
             async_tp = False
         else:
             micro = min((step_time(BASELINE, cfg, micro_batch, seq, tp, hw, ELEMENT, async_tp=a, lean_wire=True,
-                                   checkpointing=checkpointing, async_overlap=ASYNC_TP_OVERLAP) | {"async_tp": a}
+                                   checkpointing=checkpointing, overlap=rule) | {"async_tp": a}
                          for a in ((False, True) if async_tp is None else (async_tp,))),
                         key=lambda r: r["total_s"])
             async_tp = micro["async_tp"]
+        if loss == "chunked":
+            micro = _chunked_loss_step(cfg, micro_batch, seq, tp, hw, micro, rule)
         sharded = dp > 1 and zero_stage >= 2  # FSDP's bf16 param_dtype: the residual stream is bf16 too
-        saved = baseline_activation_bytes(cfg, micro_batch, seq, tp, elem=ELEMENT, ep=ELEMENT if sharded else 4)["total"]
+        saved = _elementwise_bytes(cfg, micro_batch, seq, tp, ep=ELEMENT if sharded else 4)
     else:
         if async_tp:
             raise ValueError(f"async_tp prices the {BASELINE!r} baseline, not layout {layout!r}")
         async_tp = False
-        micro = step_time(layout, cfg, micro_batch, seq, p, hw, ELEMENT, checkpointing=checkpointing, ranks=[0])
+        micro = step_time(layout, cfg, micro_batch, seq, p, hw, ELEMENT, checkpointing=checkpointing, ranks=[0],
+                          overlap=rule)
         saved = trace_step(layout, cfg, micro_batch, seq, p, ELEMENT, 0).activation_bytes
     if memory is None:
         memory = row_memory(cfg, layout, p, dp, zero_stage, checkpointing, micro_batch, seq,
-                            cp_tp_size=cp_tp_size, cp_loss=cp_loss)
+                            cp_tp_size=cp_tp_size, cp_loss=cp_loss,
+                            **({"shard_group": shard_group, "loss": loss} if baseline else {}))
     fl = micro["flops"]
     forward_s = micro["compute_s"] * fl["forward"] / fl["total"]
     backward_s = micro["compute_s"] - forward_s
@@ -343,8 +444,10 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
         sharding, ranks, regathered = p * dp, 1, 0.0
     data = data_parallel_time(root=root, block=block, n_layer=split.n_layer, dp=sharding, tp=ranks, stage=zero_stage,
                               gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s, backward_s=backward_s,
-                              grad_accum=grad_accum, regathered=regathered)
-    updated = (root + split.n_layer * block) / (sharding if zero_stage >= 1 else 1)
+                              grad_accum=grad_accum, regathered=regathered,
+                              shard_group=shard_group if baseline else 0)
+    sharded_over = shard_group if baseline and shard_group else sharding  # HSDP: the optimizer's shard is 1 / group
+    updated = (root + split.n_layer * block) / (sharded_over if zero_stage >= 1 else 1)
     optimizer_s = OPTIMIZER_BYTES_PER_ELEMENT * updated / hw.hbm_bytes_per_s
     step_s = grad_accum * micro_s + data["exposed_s"] + optimizer_s
     tokens = dp * micro_batch * grad_accum * seq
@@ -356,7 +459,9 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
                         "optimizer": optimizer_s, "micro_host_copy": host["copy_s"],
                         "micro_host_exposed": host["exposed_s"]}}
     return PlanRow(layout, baseline, p, dp, zero_stage, checkpointing, micro_batch, grad_accum,
-                   memory["total"] / GIB, step_s, per_gpu, mfu, async_tp, parts, p // inner if cp else 1, offload)
+                   memory["total"] / GIB, step_s, per_gpu, mfu, async_tp, parts, p // inner if cp else 1, offload,
+                   shard_group=shard_group if baseline and shard_group != dp else 0,
+                   loss=loss if baseline else ("own" if not cp else cp_loss))
 
 
 def _micro_batches(per_replica: int, multiple: int, largest: int | None) -> list[int]:
@@ -398,17 +503,47 @@ def _candidates(cfg, gpus: int, gpus_per_node: int, seq: int, sequences: int, la
                 continue
             dp = gpus // tp
             micros = _micro_batches(sequences // dp, 1, max_micro_batch)
-            stages = [s for s in (2, 3) if s in zero_stages] if dp > 1 else [0]
-            if micros and stages:
-                out.append((BASELINE, tp, dp, stages, list(checkpointing), micros))
+            stages = list(zero_stages) if dp > 1 else [0]  # as the package's: DDP, ZeRO 1, FSDP 2 and 3
+            group = gpus_per_node // tp  # HSDP: FSDP over the replicas inside a node, replicated across nodes
+            hsdp = [s for s in stages if s >= 2] if 2 <= group < dp and dp % group == 0 else []
+            for loss in LOSS_VARIANTS:
+                for shard_group, shard_stages in ((0, stages), (group, hsdp)):
+                    if micros and shard_stages:
+                        out.append((BASELINE, tp, dp, shard_stages, list(checkpointing), micros,
+                                    {"shard_group": shard_group, "loss": loss}))
     return out
+
+
+def search_space(model, *, gpus: int, gpus_per_node: int = 8, seq: int, global_batch_tokens: int,
+                 include_baselines: bool = True, layouts=None, zero_stages=(0, 1, 2, 3),
+                 checkpointing=("none", "selective", "full"), max_micro_batch: int | None = None,
+                 activation_offload=(False,)) -> dict[str, int]:
+    """How many configurations :func:`plan` with these arguments considers on each side: ``{"package": n,
+    "baseline": m}`` (:func:`count_configurations` of its candidates), whether or not they fit."""
+    cfg = model_config(model)
+    names = layout_names() if layouts is None else tuple(layouts)
+    return count_configurations(_candidates(cfg, gpus, gpus_per_node, seq, global_batch_tokens // seq, names,
+                                            include_baselines, zero_stages, checkpointing, max_micro_batch),
+                                activation_offload)
+
+
+def count_configurations(candidates, activation_offload=(False,)) -> dict[str, int]:
+    """``{"package": n, "baseline": m}``: for every candidate of :func:`_candidates` its ZeRO stages x checkpointing
+    modes x micro-batches (x the offload settings of the fully checkpointed rows). The baseline's variants (HSDP,
+    the chunked loss) are candidates of their own."""
+    counts = {"package": 0, "baseline": 0}
+    for name, _, _, stages, modes, micros, *_ in candidates:
+        settings = sum(len([off for off in activation_offload if mode == "full" or not off]) for mode in modes)
+        counts["baseline" if name == BASELINE else "package"] += len(stages) * settings * len(micros)
+    return counts
 
 
 def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq: int,
          global_batch_tokens: int, hardware: str | Hardware = "h100", include_baselines: bool = True,
          layouts=None, zero_stages=(0, 1, 2, 3), checkpointing=("none", "selective", "full"),
          memory_fraction: float = 0.9, max_micro_batch: int | None = None, compiled: bool = True,
-         workers: int = 1, activation_offload=(False,)) -> list[PlanRow]:
+         workers: int = 1, activation_offload=(False,), overlap="fitted", method: str = "closed",
+         cache: bool | str | os.PathLike = True) -> list[PlanRow]:
     """The configurations of ``model`` (a named size of any registered family, a config, or a config's fields)
     that fit ``gpus`` GPUs of ``gpu_memory_gib`` GiB (predicted peak at most ``memory_fraction`` of it), best first
     by predicted step time (module docstring). ``global_batch_tokens`` is rounded down to whole sequences of
@@ -417,9 +552,17 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
     as ``torch.compile`` runs it (else eager). ``workers``: how many (layout, size) candidates to plan at once, each
     in a forked process of its own (with its own memory-model worker; the rows are the same as with one).
     ``activation_offload``: the offload settings to consider (``(False, True)``: each fully checkpointed row also
-    with its block inputs in host memory, :func:`offload_memory`, where the node's host memory holds them). Raises
-    :class:`NothingFits` (a ``ValueError``) naming the model, the least memory per GPU any configuration needs and
-    that configuration."""
+    with its block inputs in host memory, :func:`offload_memory`, where the node's host memory holds them).
+    ``overlap``: the overlap rule both sides are priced by (:func:`price`; ``"fitted"``, ``"pessimistic"``,
+    ``"ideal"`` or a mapping kind -> efficiency); :func:`search_space` with the same arguments counts the
+    configurations each side considers. ``method``: ``"closed"`` (the default) reads the package's rows from the
+    closed forms (:func:`lightning_tp2d.planning.trace.closed_forms`,
+    :func:`lightning_tp2d.planning.memory_model.closed_forms`: arithmetic on the config, held to the traced models
+    by the tests) wherever they model the row and traces the rest; ``"traced"`` traces every row (the reference).
+    ``cache``: keep the answer on disk and answer the same question from there (:mod:`lightning_tp2d.planning.cache`:
+    keyed by every argument, the hardware's rates and the package's source; ``True`` the environment's folder, a
+    path that folder, ``False`` none). Raises :class:`NothingFits` (a ``ValueError``; cached too) naming the model,
+    the least memory per GPU any configuration needs and that configuration."""
     cfg = model_config(model)
     if family_of_config(cfg) is None:
         raise ValueError(f"plan: {model!r} is not a named size or config of a registered model family")
@@ -428,6 +571,8 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
                          f"gpus_per_node={gpus_per_node}, gpu_memory_gib={gpu_memory_gib}")
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"plan: workers must be a positive int, got {workers!r}")
+    if method not in METHODS:
+        raise ValueError(f"plan: method={method!r} is not one of {METHODS}")
     if max_seq_len(cfg) is not None and seq > cfg.block_size:  # (None: RoPE, any length)
         raise ValueError(f"plan: seq={seq} exceeds the model's block_size={cfg.block_size}")
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
@@ -436,32 +581,65 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
         raise ValueError(f"plan: global_batch_tokens={global_batch_tokens} is less than one sequence of {seq}")
     cap = memory_fraction * gpu_memory_gib * GIB
     names = layout_names() if layouts is None else tuple(layouts)
+    folder = plan_cache.cache_dir(cache)
+    key = plan_cache.cache_key("plan", model=cfg, gpus=gpus, gpu_memory_gib=gpu_memory_gib,
+                               gpus_per_node=gpus_per_node, seq=seq, global_batch_tokens=global_batch_tokens,
+                               hardware=hw, include_baselines=include_baselines, layouts=names,
+                               zero_stages=tuple(zero_stages), checkpointing=tuple(checkpointing),
+                               memory_fraction=memory_fraction, max_micro_batch=max_micro_batch, compiled=compiled,
+                               activation_offload=tuple(activation_offload), overlap=overlap, method=method)
+    stored = plan_cache.load(folder, key)
+    if stored is not None:
+        if stored.get("error"):
+            raise NothingFits(stored["error"])
+        return [PlanRow(**row) for row in stored["rows"]]
     candidates = _candidates(cfg, gpus, gpus_per_node, seq, sequences, names, include_baselines, zero_stages,
                              checkpointing, max_micro_batch)
-    with ranks_as_asked():
+    with ranks_as_asked(), _method(method):
         planned = in_processes(functools.partial(_plan_candidate, cfg, seq=seq, sequences=sequences, hw=hw,
                                                  gpus_per_node=gpus_per_node, cap=cap, compiled=compiled,
-                                                 offloads=tuple(activation_offload)),
+                                                 offloads=tuple(activation_offload), overlap=overlap),
                                candidates, workers)
     rows = [row for found, _ in planned for row in found]
     smallest = min((least for _, least in planned if least is not None), default=None)
     if not rows:
         if smallest is None:
-            raise NothingFits(f"plan: no layout splits {model!r} over {gpus} GPUs ({gpus_per_node} per node) with "
-                              f"seq={seq} and {sequences} sequences per step")
-        raise NothingFits(f"plan: nothing fits {model!r} on {gpus} GPUs of {gpu_memory_gib} GiB "
-                          f"({memory_fraction:.0%} usable): the least memory per GPU any configuration needs is "
-                          f"{smallest[0] / GIB:.1f} GiB ({smallest[1]})")
-    return sorted(rows, key=lambda r: r.step_s)
+            error = (f"plan: no layout splits {model!r} over {gpus} GPUs ({gpus_per_node} per node) with seq={seq} "
+                     f"and {sequences} sequences per step")
+        else:
+            error = (f"plan: nothing fits {model!r} on {gpus} GPUs of {gpu_memory_gib} GiB "
+                     f"({memory_fraction:.0%} usable): the least memory per GPU any configuration needs is "
+                     f"{smallest[0] / GIB:.1f} GiB ({smallest[1]})")
+        plan_cache.store(folder, key, {"rows": [], "error": error})
+        raise NothingFits(error)
+    rows = sorted(rows, key=lambda r: r.step_s)
+    plan_cache.store(folder, key, {"rows": [r.to_dict() for r in rows]})
+    return rows
+
+
+METHODS = ("closed", "traced")
+
+
+@contextlib.contextmanager
+def _method(method: str) -> Iterator[None]:
+    """The package's rows read from the closed forms (``"closed"``) or traced (``"traced"``): :func:`plan`'s
+    ``method``. Forked planning processes inherit the choice."""
+    with contextlib.ExitStack() as stack:
+        if method == "closed":
+            stack.enter_context(trace.closed_forms())
+            stack.enter_context(memory_model.closed_forms())
+        yield
 
 
 def _plan_candidate(cfg, candidate, *, seq: int, sequences: int, hw: Hardware, gpus_per_node: int, cap: float,
-                    compiled: bool, offloads=(False,)) -> tuple[list[PlanRow], tuple[int, str] | None]:
+                    compiled: bool, offloads=(False,), overlap="fitted") -> tuple[list[PlanRow], tuple[int, str] | None]:
     """One (layout, size) candidate of :func:`plan`: its rows that fit, and its least memory with the configuration
     that needs it. From the least memory up (ZeRO stage 3 before 2, 1, 0; full checkpointing before selective and
     none; micro-batches ascending): what does not fit at its least micro-batch leaves out every configuration that
-    keeps more."""
-    name, p, dp, stages, modes, micros = candidate
+    keeps more. A baseline candidate's seventh item: its ``shard_group`` and ``loss`` (:func:`_candidates`)."""
+    name, p, dp, stages, modes, micros, *variant = candidate
+    extra = variant[0] if variant else {}
+    named = "".join(f" {k}={v}" for k, v in extra.items())
     per_replica = sequences // dp
     started = time.time()
     rows, smallest, previous = [], None, None
@@ -473,19 +651,20 @@ def _plan_candidate(cfg, candidate, *, seq: int, sequences: int, hw: Hardware, g
                 continue
             first_fits = False
             for i, m in enumerate(micros):  # ascending: memory grows with the micro-batch
-                memory = row_memory(cfg, name, p, dp, stage, mode, m, seq)
+                memory = row_memory(cfg, name, p, dp, stage, mode, m, seq, **extra)
                 fits_here = False
                 for off in settings:
                     held = offload_memory(memory, cfg, m, seq, p, gpus_per_node) if off else memory
                     if smallest is None or held["total"] < smallest[0]:
                         smallest = (held["total"], f"{name} p={p} dp={dp} zero_stage={stage} checkpointing={mode} "
-                                                   f"micro_batch={m}{' activation_offload' if off else ''}")
+                                                   f"micro_batch={m}{' activation_offload' if off else ''}{named}")
                     if held["total"] > cap or (off and held["host_per_node"] > hw.host_memory_bytes):
                         continue
                     fits_here = True
                     rows.append(price(cfg, layout=name, p=p, dp=dp, zero_stage=stage, checkpointing=mode,
                                       micro_batch=m, grad_accum=per_replica // m, seq=seq, hw=hw,
-                                      gpus_per_node=gpus_per_node, compiled=compiled, memory=memory, offload=off))
+                                      gpus_per_node=gpus_per_node, compiled=compiled, memory=memory, offload=off,
+                                      overlap=overlap, **extra))
                 if not fits_here:
                     break
                 first_fits = first_fits or i == 0
@@ -568,12 +747,15 @@ def _bracket(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micros: l
 
 
 def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_batch: int, seq: int, *,
-               cp_tp_size: int = 2, cp_loss: str = "chunked") -> dict:
+               cp_tp_size: int = 2, cp_loss: str = "chunked", shard_group: int = 0, loss: str = "unfused") -> dict:
     """Predicted peak bytes per GPU of one row, with their parts: a package layout's
     :func:`~lightning_tp2d.planning.memory_model.peak_bytes` (tensor rank 0; AdamW's fused step), the 1-D baseline's
     :func:`~lightning_tp2d.planning.memory_model.baseline_peak_bytes`, or ``"cp"`` / ``"cp-tp"``'s
     :func:`~lightning_tp2d.planning.rivals.cp_peak_bytes` (CP over ``p`` / ``p / cp_tp_size`` ranks; its FSDP2
-    is stage 3 whatever ``stage`` says)."""
+    is stage 3 whatever ``stage`` says). The baseline's ``shard_group`` (HSDP), stage 1 and ``loss``:
+    :func:`~lightning_tp2d.planning.rivals.baseline_row_peak_bytes`."""
+    if layout != BASELINE and (shard_group or loss != "unfused"):
+        raise ValueError(f"shard_group and loss are the {BASELINE!r} baseline's, not layout {layout!r}'s")
     if layout == ULYSSES:
         found = ulysses_peak_bytes(cfg, micro_batch, seq, p, dp=dp, checkpointing=mode, elem=ELEMENT)
         parts = found["parts"]
@@ -584,8 +766,8 @@ def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_b
         return cp_peak_bytes(cfg, micro_batch, seq, p // inner, dp=dp, checkpointing=mode, elem=ELEMENT, tp=inner,
                              loss=cp_loss)
     if layout == BASELINE:
-        return baseline_peak_bytes(cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, checkpointing=mode,
-                                   elem=ELEMENT)
+        return baseline_row_peak_bytes(cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, shard_group=shard_group,
+                                       checkpointing=mode, elem=ELEMENT, loss=loss)
     return peak_bytes(layout, cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, checkpointing=mode, elem=ELEMENT,
                       ranks=[0], fused=True)
 
@@ -676,12 +858,13 @@ def _deepest(cfg, candidate, seq: int, cap: float, found: dict) -> dict:
     """``found``, or this candidate's deepest model if it is deeper (:func:`largest_model`): the peak is the largest
     of several phases, each affine in the depth, so no line through two depths predicts it; bisection on the peak
     itself (every depth read from the same two builds) answers a depth that fits, one block more not."""
-    name, p, dp, stages, _, micros = candidate
+    name, p, dp, stages, _, micros, *variant = candidate
     stage = max(stages)
+    extra = variant[0] if variant else {}
 
     def fits(n: int) -> bool:
         deeper = dataclasses.replace(cfg, n_layer=n)
-        return row_memory(deeper, name, p, dp, stage, "full", micros[0], seq)["total"] <= cap
+        return row_memory(deeper, name, p, dp, stage, "full", micros[0], seq, **extra)["total"] <= cap
 
     lo, hi = 0, cfg.n_layer  # lo fits (0 blocks: nothing to fit, never asked), hi is tried
     while fits(hi):
@@ -693,7 +876,8 @@ def _deepest(cfg, candidate, seq: int, cap: float, found: dict) -> dict:
         return found
     deeper = dataclasses.replace(cfg, n_layer=lo)
     return {"n_layer": lo, "parameters": parameter_split(deeper).total,
-            "configuration": f"{name} p={p} dp={dp} zero_stage={stage} checkpointing=full micro_batch={micros[0]}"}
+            "configuration": f"{name} p={p} dp={dp} zero_stage={stage} checkpointing=full micro_batch={micros[0]}"
+                             + "".join(f" {k}={v}" for k, v in extra.items())}
 
 
 # ---- tp2d-plan ------------------------------------------------------------------------------------------------
@@ -713,9 +897,29 @@ def table(rows: list[PlanRow], limit: int | None = 12) -> str:
     return "\n".join(lines)
 
 
+def run_commands(rows: list[PlanRow], model: str, seq: int, *, gpus_per_node: int,
+                 gpu_memory_gib: float | None = None, compiled: bool = True) -> str:
+    """What runs the best package row (``tp2d-train`` overrides) and the best baseline row (torchtitan's settings and
+    Lightning's strategy), as ``tp2d-plan`` prints them after the table (:func:`~lightning_tp2d.planning.commands.
+    command_for`); ``""`` when ``rows`` holds neither."""
+    lines = []
+    for baseline, title in ((False, "run the best package configuration"), (True, "run the best 1-D baseline")):
+        row = best(rows, baseline)
+        if row is None:
+            continue
+        try:
+            command = command_for(row, model, seq, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
+                                  compiled=compiled)
+        except ValueError as err:  # e.g. GPUs that are not whole nodes: the table stands, the command cannot
+            command = f"(no command: {err})"
+        lines += [f"{title} ({row.describe()}):", command]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     """``tp2d-plan MODEL --gpus N --gpu-memory-gib G --seq T [--global-batch-tokens K] ...``: print the fitting
-    configurations, best first, and write them as JSON (``--json``)."""
+    configurations, best first, the commands that run the best package and baseline rows (:func:`run_commands`),
+    and write every row as JSON (``--json``)."""
     import argparse
     import json
     import sys
@@ -767,6 +971,8 @@ def main(argv=None) -> int:
     if package and baseline:
         print(f"best package: {package.describe()}\nbest 1-D baseline: {baseline.describe()}\n"
               f"package / baseline tokens/s/GPU: {package.tokens_per_s_per_gpu / baseline.tokens_per_s_per_gpu:.2f}x")
+    print(run_commands(rows, args.model, args.seq, gpus_per_node=args.gpus_per_node,
+                       gpu_memory_gib=args.gpu_memory_gib, compiled=not args.eager))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "gpus": args.gpus, "gpu_memory_gib": args.gpu_memory_gib,

@@ -17,6 +17,13 @@ from lightning_tp2d.planning.events import Comm, float32_bytes
 from lightning_tp2d.planning.memory_model import (baseline_block_backward_bytes, baseline_peak_bytes,
                                                   loss_forward_bytes, loss_input_bytes, parameter_split)
 
+# The rivals' names in the planner's rows (PlanRow.layout of a baseline row). Planned by plan(): BASELINE; priced by
+# price() only: the others.
+BASELINE = "tp1d-sp"  # torch's 1-D TP + SP x FSDP2 (torchtitan's plan; tp 1: plain FSDP)
+CP = "cp"  # torch's context parallelism x FSDP2 (lightning_tp2d.baselines.context_parallel)
+CP_TP = "cp-tp"  # the same x 1-D TP + SP inside each CP rank (torchtitan's composition)
+ULYSSES = "ulysses"  # DeepSpeed's Ulysses SP + ALST's tiling x FSDP2 (lightning_tp2d.baselines.ulysses)
+
 # ---- 1-D TP (torch's colwise / rowwise styles, loss parallel) ----------------------------------------------------------
 
 def tp1d_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int) -> list[Comm]:
@@ -347,6 +354,115 @@ def cp_comm_events(cfg, batch: int, seq: int, p: int, elem: int = 2, *, dp: int 
     return [ev for ev in events if ev.calls and ev.group_size > 1]
 
 
+def chunked_loss_phases(cfg, parts: dict, batch: int, seq: int, tp: int, *, dp: int, zero_stage: int,
+                        checkpointing: str, elem: int = 2,
+                        chunk_tokens: int = CHUNK_TOKENS) -> tuple[dict[str, dict], float, float]:
+    """The phases of the 1-D baseline's step (``"tp1d-sp"`` over ``tp`` ranks, or plain FSDP at ``tp`` 1) x FSDP2
+    over ``dp`` ranks at ``zero_stage`` on ``batch x seq`` tokens per rank when its loss is chunked
+    (:func:`~lightning_tp2d.baselines.context_parallel.chunked_cross_entropy` over chunks of ``chunk_tokens``),
+    from ``parts``, that configuration's :func:`~lightning_tp2d.planning.memory_model.baseline_peak_bytes`:
+    ``(phases, activations, loss)``, ``phases`` name -> its parts (:func:`cp_peak_bytes` adds the ring's). ``N =
+    batch * seq``, ``c = min(chunk_tokens, N)`` tokens a chunk, ``v = ceil(V/tp)`` local vocabulary rows, ``e =
+    elem``, ``ep`` the loss input's bytes (``e`` sharded at stage 2 or 3, else 4: autocast):
+
+    * nothing of the loss is saved but the chunks' inputs (views of the final norm's output, already counted), so
+      ``activations`` are the unfused step's less its saved ``N v`` log-softmax;
+    * ``"loss forward"``: one chunk's forward (and its recomputation in the backward),
+      :func:`~lightning_tp2d.planning.memory_model.loss_forward_bytes` per element of ``[c, v]``, beside what is
+      gathered then (stage 3: the root's groups but the resharded embedding) and FSDP's last flat all-gather
+      output;
+    * ``"loss backward"``: the chunk's recomputed float32 log-softmax, its gradient and its input's gradient (``12 c
+      v``), then the logits' gradient cast to ``e`` beside the float32 one and the chunk's ``[v, h]`` head gradient
+      (``e v h``), with, from the second chunk on, the head gradient accumulated so far (another ``e v h``);
+    * ``"block backward"``: :func:`~lightning_tp2d.planning.memory_model.baseline_block_backward_bytes`;
+    * ``"end of backward"``: the gradients, what is gathered and the embedding's replicated ``[V, h]`` gradient.
+
+    ``loss``: the largest the loss adds (its forward or backward chunk)."""
+    sharded = dp > 1 and zero_stage >= 2
+    ep = elem if sharded else 4
+    g = elem if sharded else 4  # FSDP's bf16 parameters' gradients; autocast's float32 ones
+    split = parameter_split(cfg)
+    tokens, vocab = batch * seq, -(-cfg.vocab_size // tp)
+    c = min(chunk_tokens, tokens)
+    logsoftmax = loss_input_bytes(ep, False) * tokens * vocab  # what the unfused step's activations save
+    activations = parts["activations"] - logsoftmax
+    head_grad = elem * vocab * cfg.n_embd  # one chunk's [v, h] head gradient (and the accumulated one)
+    accumulated = head_grad if tokens > c else 0
+    chunk_forward = loss_forward_bytes(elem, ep, False) * c * vocab
+    chunk_backward = accumulated + max(chunk_forward, 12 * c * vocab,
+                                       (4 + (elem if elem < 4 else 0)) * c * vocab + head_grad)
+    # FSDP's flat all-gather output of the last group gathered, kept until the next all-gather (baseline_peak_bytes'
+    # last_gather): what the unfused loss's forward adds beyond its own temporaries
+    last_gather = parts["loss_forward"] - (loss_forward_bytes(elem, ep, False)
+                                           - loss_input_bytes(ep, False)) * tokens * vocab
+    # at stage 3 the blocks were resharded after their forward: the root's groups gathered, not the blocks
+    at_loss = (elem * (split.root_shard(tp) - split.embedding / tp) if sharded and zero_stage == 3
+               else parts["gathered"])
+    in_block = baseline_block_backward_bytes(cfg, batch, seq, tp, dp=dp, zero_stage=zero_stage,
+                                             checkpointing=checkpointing, elem=elem)
+    end = parts["gradients"] + parts["gathered"] + g * cfg.vocab_size * cfg.n_embd
+    resident = {"parameters": parts["parameters"], "optimizer": parts["optimizer"]}
+    phases = {"loss forward": {**resident, "activations": activations, "gathered": at_loss,
+                               "loss": chunk_forward, "last gather": last_gather},
+              "loss backward": {**resident, "activations": activations, "gathered": parts["gathered"],
+                                "loss": chunk_backward},
+              "block backward (plain FSDP)": {**resident, "activations": activations,
+                                              "gathered": parts["gathered"], "block backward": in_block},
+              "end of backward": {**resident, "gradients": end}}
+    return phases, activations, max(chunk_forward, chunk_backward)
+
+
+def baseline_row_peak_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, zero_stage: int = 3,
+                            shard_group: int = 0, checkpointing: str = "none", elem: int = 2, loss: str = "unfused",
+                            chunk_tokens: int = CHUNK_TOKENS) -> dict:
+    """Predicted peak bytes per GPU of a planner row of the 1-D baseline (``"tp1d-sp"`` over ``tp`` ranks, or plain
+    FSDP at ``tp`` 1) x ``dp`` replicas, as its users run it:
+
+    * ``zero_stage`` 0, 2, 3: :func:`~lightning_tp2d.planning.memory_model.baseline_peak_bytes` (DDP; FSDP2 with
+      gradients / parameters sharded); 1: DDP's step with the AdamW moments sharded over the ``dp`` replicas
+      (ZeRO 1: ``ZeroRedundancyOptimizer`` beside DDP), stage 0's peak less ``(1 - 1/dp)`` of the moments;
+    * ``shard_group`` (stages 2 and 3; 0 or ``dp``: FSDP over all ``dp`` replicas): HSDP, FSDP over groups of
+      ``shard_group`` replicas, each group replicated ``dp / shard_group`` times (torchtitan's
+      ``data_parallel_shard_degree`` x ``data_parallel_replicate_degree``): every shard is ``1 / shard_group``, the
+      peak FSDP's over ``shard_group`` ranks;
+    * ``loss="chunked"``: the head and cross-entropy over chunks of ``chunk_tokens`` (:func:`chunked_loss_phases`),
+      ``"unfused"`` the model's head and one cross-entropy over the local ``[N, ceil(V/tp)]`` logits.
+
+    The parts of ``baseline_peak_bytes`` with ``total``, and for the chunked loss ``loss``, ``phases`` and
+    ``peak_at``."""
+    shard = _shard_group(dp, zero_stage, shard_group)
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r} is not one of {LOSSES}")
+    parts = baseline_peak_bytes(cfg, batch, seq, tp, dp=shard, zero_stage=0 if zero_stage == 1 else zero_stage,
+                                checkpointing=checkpointing, elem=elem)
+    if zero_stage == 1 and dp > 1:  # the moments sharded over the replicas; parameters and gradients whole
+        kept = parts["optimizer"] // dp
+        parts = {**parts, "optimizer": kept, "total": parts["total"] - (parts["optimizer"] - kept)}
+    if loss == "unfused":
+        return parts
+    phases, activations, loss_bytes = chunked_loss_phases(cfg, parts, batch, seq, tp, dp=shard,
+                                                          zero_stage=zero_stage, checkpointing=checkpointing,
+                                                          elem=elem, chunk_tokens=chunk_tokens)
+    phases = {name: {k: int(v) for k, v in terms.items()} for name, terms in phases.items()}
+    peak_at = max(phases, key=lambda name: sum(phases[name].values()))
+    return {**parts, "activations": int(activations), "loss": int(loss_bytes),
+            "total": sum(phases[peak_at].values()), "peak_at": peak_at, "phases": phases}
+
+
+def _shard_group(dp: int, zero_stage: int, shard_group: int) -> int:
+    """The replicas FSDP shards over: ``dp`` unless ``shard_group`` (HSDP, stages 2 and 3) names a divisor of it."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if shard_group in (0, dp):
+        return dp
+    if zero_stage < 2:
+        raise ValueError(f"shard_group={shard_group} (HSDP) shards FSDP's stages 2 and 3, not zero_stage {zero_stage}")
+    if shard_group < 2 or dp % shard_group:
+        raise ValueError(f"shard_group={shard_group} must divide dp={dp} and be at least 2 (1: plain replication, "
+                         f"zero_stage 0); use one of {[d for d in range(2, dp + 1) if dp % d == 0]}")
+    return shard_group
+
+
 def cp_peak_bytes(cfg, batch: int, seq: int, p: int, *, dp: int = 1, checkpointing: str = "none",
                   elem: int = 2, tp: int = 1, loss: str = "chunked", chunk_tokens: int = CHUNK_TOKENS) -> dict:
     """Predicted peak bytes per GPU of CP over ``p`` x FSDP2 (stage 3) over ``p * dp`` ranks, bf16 compute
@@ -402,30 +518,9 @@ def cp_peak_bytes(cfg, batch: int, seq: int, p: int, *, dp: int = 1, checkpointi
         plain = {"plain FSDP": {**resident, "activations": activations - logsoftmax, "log-softmax": logsoftmax,
                                 "loss, gathered and transients": rest}}
     else:
-        split = parameter_split(cfg)
-        c = min(chunk_tokens, tokens)
-        logsoftmax = loss_input_bytes(elem, False) * tokens * vocab  # what plain FSDP's activations save
-        activations = parts["activations"] - logsoftmax
-        head_grad = elem * vocab * cfg.n_embd  # one chunk's [v, h] head gradient (and the accumulated one)
-        accumulated = head_grad if tokens > c else 0
-        chunk_forward = loss_forward_bytes(elem, elem, False) * c * vocab
-        chunk_backward = accumulated + max(chunk_forward, 12 * c * vocab,
-                                           (4 + (elem if elem < 4 else 0)) * c * vocab + head_grad)
-        loss_bytes = max(chunk_forward, chunk_backward)
-        # FSDP's flat all-gather output of the root group, kept until the next all-gather (baseline's last_gather)
-        last_gather = parts["loss_forward"] - (loss_forward_bytes(elem, elem, False)
-                                               - loss_input_bytes(elem, False)) * tokens * vocab
-        at_loss = elem * (split.root_shard(tp) - split.embedding / tp)  # the root's groups gathered, not the blocks
-        in_block = baseline_block_backward_bytes(cfg, batch, seq // p, tp, dp=world, zero_stage=3,
-                                                 checkpointing=checkpointing, elem=elem)
-        end = parts["gradients"] + parts["gathered"] + elem * cfg.vocab_size * cfg.n_embd
-        plain = {"loss forward": {**resident, "activations": activations, "gathered": at_loss,
-                                  "loss": chunk_forward, "last gather": last_gather},
-                 "loss backward": {**resident, "activations": activations, "gathered": parts["gathered"],
-                                   "loss": chunk_backward},
-                 "block backward (plain FSDP)": {**resident, "activations": activations,
-                                                 "gathered": parts["gathered"], "block backward": in_block},
-                 "end of backward": {**resident, "gradients": end}}
+        plain, activations, loss_bytes = chunked_loss_phases(cfg, parts, batch, seq // p, tp, dp=world, zero_stage=3,
+                                                             checkpointing=checkpointing, elem=elem,
+                                                             chunk_tokens=chunk_tokens)
     held = {"activations": activations, "gathered": parts["gathered"]}
     phases = {**plain,
               "ring forward": {**resident, **held, "ring": forward},

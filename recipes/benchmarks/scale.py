@@ -88,10 +88,32 @@ def scenario(model: str, gpus: int, seq: int, tokens: int, memory_gib: float, pe
         return {"model": model, "gpus": gpus, "status": "nothing fits", "error": str(err)}
     package, baseline = planner.best(rows, False), planner.best(rows, True)
     ratio = package.tokens_per_s_per_gpu / baseline.tokens_per_s_per_gpu if package and baseline else None
+    space = planner.search_space(model, gpus=gpus, gpus_per_node=per_node, seq=seq, global_batch_tokens=tokens,
+                                 **{k: v for k, v in options.items() if k != "workers"})
+    pessimistic = _pessimistic(rows, model, seq, per_node)
     return {"model": model, "gpus": gpus, "status": "ok", "configurations": len(rows),
             "best_package": package.to_dict() if package else None,
             "best_baseline": baseline.to_dict() if baseline else None, "package_over_baseline": ratio,
+            "search_space": space, **pessimistic,
             "top": [r.to_dict() for r in rows[:8]], "seconds": time.time() - started}
+
+
+def _pessimistic(rows: list, model: str, seq: int, per_node: int) -> dict:
+    """Every fitting row priced again with nothing of any collective hidden, on both sides (``overlap=
+    "pessimistic"``; memory does not depend on it), and each side's best: ``{"pessimistic_package",
+    "pessimistic_baseline", "pessimistic_ratio"}``."""
+    cfg, hw = model_config(model), planner.HARDWARE["h100"]
+    again = [planner.price(cfg, layout=r.layout, p=r.tensor_parallel_size, dp=r.data_parallel_size,
+                           zero_stage=r.zero_stage, checkpointing=r.checkpointing, micro_batch=r.micro_batch,
+                           grad_accum=r.grad_accum, seq=seq, hw=hw, gpus_per_node=per_node,
+                           memory=r.parts["memory_bytes"], offload=r.activation_offload, overlap="pessimistic",
+                           **({"shard_group": r.shard_group, "loss": r.loss} if r.baseline else {}))
+             for r in rows]
+    package, baseline = (max((r for r in again if r.baseline == side), key=lambda r: r.tokens_per_s_per_gpu,
+                             default=None) for side in (False, True))
+    ratio = package.tokens_per_s_per_gpu / baseline.tokens_per_s_per_gpu if package and baseline else None
+    return {"pessimistic_package": package.to_dict() if package else None,
+            "pessimistic_baseline": baseline.to_dict() if baseline else None, "pessimistic_ratio": ratio}
 
 
 def _name(r: dict | None) -> str:
@@ -100,7 +122,9 @@ def _name(r: dict | None) -> str:
     if r["baseline"]:
         tp = r["tensor_parallel_size"]
         kind = f"1-D TP {tp}{' async' if r['async_tp'] else ''} + SP" if tp > 1 else "no TP"
-        return f"{kind} x FSDP {r['data_parallel_size']}"
+        dp, group = r["data_parallel_size"], r.get("shard_group", 0)  # (older caches: no shard_group, no loss)
+        data = f"HSDP {group} x {dp // group}" if group else f"FSDP {dp}" if r["zero_stage"] >= 2 else f"DDP {dp}"
+        return f"{kind} x {data}{', chunked loss' if r.get('loss') == 'chunked' else ''}"
     return f"{r['layout']} p={r['tensor_parallel_size']} x dp {r['data_parallel_size']}"
 
 
@@ -118,14 +142,18 @@ def markdown(results: dict) -> str:
              "priced), not measurements: no GPU has run these. Regenerate: `python recipes/benchmarks/scale.py`.",
              "", "## Best package configuration against the best 1-D TP + SP x FSDP configuration", "",
              "| model | GPUs | package: configuration | tok/s/GPU | MFU | GiB/GPU | baseline: configuration | "
-             "tok/s/GPU | MFU | GiB/GPU | package / baseline |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tok/s/GPU | MFU | GiB/GPU | package / baseline | pessimistic overlap: package / baseline | "
+             "configurations searched: package / baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in results["scenarios"]:
         if s["status"] != "ok":
-            lines.append(f"| {s['model']} | {s['gpus']} | {s['error']} | | | | | | | | |")
+            lines.append(f"| {s['model']} | {s['gpus']} | {s['error']} | | | | | | | | | | |")
             continue
         ratio = f"{s['package_over_baseline']:.2f}x" if s["package_over_baseline"] else "-"
+        worst = f"{s['pessimistic_ratio']:.2f}x" if s.get("pessimistic_ratio") else "-"  # (older caches: none)
+        space = f"{s['search_space']['package']} / {s['search_space']['baseline']}" if "search_space" in s else "-"
         lines.append(f"| {s['model']} | {s['gpus']} | {_cells(s['best_package'])} | {_cells(s['best_baseline'])} "
-                     f"| {ratio} |")
+                     f"| {ratio} | {worst} | {space} |")
     big = results["largest_model"]
     lines += ["", f"## Largest Llama-shaped model on {big['gpus']} GPUs ({big['base']}'s width, more layers)", "",
               "| family | blocks | parameters | configuration |", "|---|---|---|---|"]
