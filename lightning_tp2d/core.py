@@ -12,6 +12,7 @@ A mixin: the Lightning base class (Trainer's or Fabric's ``ModelParallelStrategy
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -416,8 +417,7 @@ class TensorParallelCore:
         """Run the planner's ``row`` as a :class:`~lightning_tp2d.train_plan.TrainPlan` (:attr:`given_plan`): its
         layout, sizes, ZeRO stage and activation checkpointing, with this strategy's ``activation_offload`` (its
         micro-batch and accumulation are advice: the data and the Trainer keep theirs)."""
-        plan = TrainPlan(row.layout, row.tensor_parallel_size, row.data_parallel_size, row.zero_stage,
-                         row.checkpointing, self.activation_offload, row.micro_batch)
+        plan = dataclasses.replace(row.train_plan, activation_offload=self.activation_offload)
         self.layout_spec = get_layout(plan.layout)
         self.layout = self.layout_spec.name
         self._requested = (plan.tensor_parallel_size, plan.data_parallel_size)

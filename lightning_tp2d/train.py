@@ -551,8 +551,8 @@ def _model_label(model) -> str:
 
 def check_fit(cfg: DictConfig, model, p: int, dp: int, devices: int) -> None:
     """The predicted peak memory per device of a package layout's run (``layout="auto"`` plans its own), from the
-    planner's memory model (:func:`lightning_tp2d.planning.planner.row_memory`: the step traced on fake tensors, bf16,
-    fused AdamW; with ``activation_offload`` :func:`~lightning_tp2d.planning.planner.offload_memory`, the host memory
+    planner's memory model (:func:`lightning_tp2d.planning.planner.row_memory`: its closed form where it models the
+    run, else the step traced on fake tensors; bf16, fused AdamW; with ``activation_offload`` :func:`~lightning_tp2d.planning.planner.offload_memory`, the host memory
     per node too): checked when ``parallel.memory_gib`` is set or the run is on GPUs. Logs one line before (a large
     model takes about a minute) and one with the result; a peak above :data:`FIT_FRACTION` of
     ``parallel.memory_gib`` (else of the GPU's memory, when nvidia-smi tells it) is a :class:`ConfigError` naming
@@ -581,12 +581,13 @@ def check_fit(cfg: DictConfig, model, p: int, dp: int, devices: int) -> None:
     label, unit = _model_label(model), "GPU" if gpus else "device"
     log.info("tp2d-train: checking the fit with the memory model (%s, %s p=%d%s, seq %d%s)...", label, layout.name, p,
              f" x dp {dp}" if dp > 1 else "", seq, ", offload" if offload else "")
-    # deferred: bench is heavy (the cost model fits its GEMM rates on import) and sits above the runtime's floors;
-    # only a run that asks for the check loads it (core.py imports the planner the same way)
-    from lightning_tp2d.planning.planner import offload_memory, row_memory
+    # deferred: the planner is heavy (the cost model fits its GEMM rates on import); only a run that asks for the
+    # check loads it (core.py imports the planner the same way)
+    from lightning_tp2d.planning.planner import offload_memory, pricing, row_memory
 
     try:
-        memory = row_memory(model, layout.name, p, dp, stage, mode, batch, seq)
+        with pricing("closed"):  # the closed forms where they model the run (milliseconds), else the traced model
+            memory = row_memory(model, layout.name, p, dp, stage, mode, batch, seq)
     except (ValueError, RuntimeError) as err:  # a trace the memory model cannot build: the run is not held up by it
         log.warning("tp2d-train: the memory model could not price this run (%s); launching without the fit check",
                     err)

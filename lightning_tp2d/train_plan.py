@@ -41,11 +41,18 @@ ZERO_STAGES = (0, 1, 2, 3)  # the same as lightning_tp2d.zero.ZERO_STAGES (a tes
 CHECKPOINTING = ("none", "full", "selective")  # parallelize.ACTIVATION_CHECKPOINTING's (likewise)
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # what the strategies and FSDP's mixed precision support
 
-__all__ = ["CHECKPOINTING", "PRECISIONS", "TrainPlan", "ZERO_STAGES"]
+__all__ = ["CHECKPOINTING", "PRECISIONS", "TrainPlan", "ZERO_STAGES", "fsdp_shards"]
 
 
 def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def fsdp_shards(zero_stage: int, data_parallel_size: int) -> bool:
+    """Whether FSDP2 shards the model at ``zero_stage`` over ``data_parallel_size`` replicas: stages 2 and 3 with more
+    than one replica. The one statement of the rule: :attr:`TrainPlan.fsdp`, and the planner's models of a step
+    given only its stage and replicas, ask it."""
+    return zero_stage >= 2 and data_parallel_size > 1
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ class TrainPlan:
     def fsdp(self) -> bool:
         """FSDP2 wraps every block and the root over ``data_parallel`` (:mod:`lightning_tp2d.fsdp`): stages 2 and 3
         with more than one replica (``dp = 1``: nothing to shard, the step runs as at stage 0)."""
-        return self.zero_stage >= 2 and self.data_parallel_size > 1
+        return fsdp_shards(self.zero_stage, self.data_parallel_size)
 
     @property
     def reshard_after_forward(self) -> bool:

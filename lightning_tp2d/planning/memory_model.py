@@ -41,7 +41,10 @@ kernel workspaces, communication buffers inside one op.
 from __future__ import annotations
 
 import array
+import contextlib
+import contextvars
 import dataclasses
+import warnings
 import zlib
 
 import torch
@@ -49,13 +52,14 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_tp2d import fsdp, training
+from lightning_tp2d.planning.closed_memory import closed_form_problem, closed_peak_bytes
 from lightning_tp2d.planning.live import LiveTensorBytes, adamw_kernel, tensors_in
 from lightning_tp2d.planning.trace import config_key, fake_group, fake_mesh, in_worker, trace_step
 from lightning_tp2d.families import family_of, family_of_config
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
-from lightning_tp2d.zero import shard_optimizer_state
+from lightning_tp2d.step import assemble_step
+from lightning_tp2d.train_plan import TrainPlan, fsdp_shards
 
 __all__ = ["Shards", "ParameterSplit", "peak_bytes", "shard_bytes", "parameter_split", "baseline_activation_bytes",
            "baseline_peak_bytes", "loss_input_bytes", "loss_forward_bytes"]
@@ -151,7 +155,7 @@ def _marks_backward(block, tracker: _PhasePeaks, phase: int) -> None:
 def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, checkpointing: str, elem: int,
                  rank: int, fused: bool = False) -> dict:
     """The model of ``cfg`` (built as given: :func:`shard_bytes` asks for 1 to 5 blocks) parallelized, checkpointed
-    and sharded as the strategies do on the fake process group, its shards read, then one step profiled with
+    and sharded as the strategies do (:func:`lightning_tp2d.step.assemble_step`) on the fake process group, its shards read, then one step profiled with
     :class:`_PhasePeaks`: forward and backward under the fake tensors, :class:`~lightning_tp2d.training.GradientSync`
     at stages 0 and 1 (``dp > 1``), global-norm clipping. FSDP's lazy initialisation runs first (a no-grad forward,
     then every group resharded), as the measured step's warm-up does."""
@@ -168,10 +172,10 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, c
         in_blocks = {id(q) for b in blocks for q in b.parameters()}
         root = _nbytes(q for q in model.parameters() if id(q) not in in_blocks)
         tensor_shards = [_nbytes(b.parameters()) for b in blocks]
-        sharded = dp > 1 and stage >= 2
-        if sharded:
-            fsdp.shard_data_parallel(model, stage, mp_policy=fsdp.mixed_precision_policy(
-                "bf16-mixed" if elem == 2 else "32-true"))
+        plan = TrainPlan(spec.name, p, dp, stage, checkpointing, precision="bf16-mixed" if elem == 2 else "32-true")
+        with warnings.catch_warnings():  # stage 2/3 on one replica: nothing to shard (assemble_step warns)
+            warnings.simplefilter("ignore", UserWarning)
+            step = assemble_step(model, mesh, plan)  # FSDP and GradientSync as the strategies assemble them
         rest = [_nbytes(b.parameters()) for b in blocks]
         at_rest = _nbytes(model.parameters())
         seen: list[int] = []
@@ -182,17 +186,14 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, c
             _marks_backward(block, tracker, _block_phase(i, len(blocks)))
         idx = torch.zeros(batch, seq, dtype=torch.long)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=elem == 2)
-        if sharded:  # FSDP's lazy init (its buffers exist before the measured step), then all resharded
+        if plan.fsdp:  # FSDP's lazy init (its buffers exist before the measured step), then all resharded
             with torch.no_grad(), autocast:
                 model(idx, idx)
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-        sync = training.GradientSync(model, mesh) if stage < 2 else None
-        clip = fsdp.clip_grad_norm_ if stage >= 2 else training.clip_grad_norm_
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **adamw_kernel(fused))
-        if stage == 1 or sharded:  # (stages 2/3: the parameters FSDP keeps whole, as the strategies do)
-            shard_optimizer_state(optimizer, mesh)
+        step.shard_optimizer(optimizer)  # (stages 2/3: the parameters FSDP keeps whole, as the strategies do)
         for q in model.parameters():  # a step on zero gradients: AdamW's state exists before the profiled one
             q.grad = torch.zeros_like(q)
         optimizer.step()
@@ -203,9 +204,9 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, c
             tracker.tracing = False
             loss.backward()
             tracker.enter(AFTER_BACKWARD)
-            if sync is not None:
-                sync.finish()
-            clip(model.parameters(), 1.0, mesh)
+            if step.gradient_sync is not None:
+                step.gradient_sync.finish()
+            step.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
         return {"root_at_rest": at_rest - sum(rest), "rest": rest, "root": root, "tensor_shards": tensor_shards,
                 "block_input": seen[0], "phases": tracker.peaks, "series": tracker.series, "starts": tracker.starts,
@@ -357,6 +358,21 @@ def shard_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_
     return out
 
 
+_CLOSED_FORMS: contextvars.ContextVar[bool] = contextvars.ContextVar("closed_forms", default=False)
+
+
+@contextlib.contextmanager
+def closed_forms(enabled: bool = True):
+    """Inside, :func:`peak_bytes` answers from :func:`~lightning_tp2d.planning.closed_memory.closed_peak_bytes`
+    (arithmetic on the config, milliseconds) for every step that closed form models, and profiles the rest as
+    outside (``closed_form_problem`` says which). Nests; ``enabled=False`` turns it off inside an enclosing one."""
+    token = _CLOSED_FORMS.set(enabled)
+    try:
+        yield
+    finally:
+        _CLOSED_FORMS.reset(token)
+
+
 def peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_stage: int = 0,
                checkpointing: str = "none", elem: int = 4, rank: int | None = None, ranks=None,
                fused: bool = False) -> dict:
@@ -365,12 +381,19 @@ def peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_s
     "backward", "step", "total", "largest"}`` (module docstring; ``largest``: the largest tensors alive at the
     step's peak, :attr:`Shards.largest`, reporting only). ``batch`` is per replica. ``fused``: AdamW's fused step (a
     GPU's), whose only temporaries are per kernel, instead of the foreach step, which holds a float32 copy of the
-    parameters (``sqrt`` of the second moments) at once: at ZeRO 3 in a deep model the step's peak."""
+    parameters (``sqrt`` of the second moments) at once: at ZeRO 3 in a deep model the step's peak. Inside
+    :func:`closed_forms`, a step :mod:`~lightning_tp2d.planning.closed_memory` models is answered by its arithmetic
+    (the same keys, ``largest`` naming parts, plus ``"phases"``), the rest profiled."""
     if checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3")
     ranks = [rank] if rank is not None else list(range(p) if ranks is None else ranks)
+    if _CLOSED_FORMS.get() and not closed_form_problem(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage,
+                                                       checkpointing=checkpointing, elem=elem, fused=fused):
+        return max((closed_peak_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage,
+                                      checkpointing=checkpointing, elem=elem, rank=r, fused=fused) for r in ranks),
+                   key=lambda d: d["total"])
     shards = shard_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, checkpointing=checkpointing,
                          elem=elem, ranks=ranks, fused=fused)
     parts = [_parts(layout, cfg, batch, seq, p, dp, zero_stage, checkpointing, elem, r, shards[r]) for r in ranks]
@@ -378,7 +401,7 @@ def peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_s
 
 
 def _parts(layout, cfg, batch, seq, p, dp, stage, checkpointing, elem, rank, s: Shards) -> dict:
-    sharded = dp > 1 and stage >= 2
+    sharded = fsdp_shards(stage, dp)
     params = s.at_rest
     grads = params  # float32 gradients of what this rank holds (dp shards at stages 2 and 3)
     optimizer = 2 * params // (dp if stage == 1 else 1)

@@ -78,12 +78,13 @@ from lightning_tp2d.planning.rivals import CHUNK_TOKENS, baseline_row_peak_bytes
 from lightning_tp2d.planning.commands import command_for
 from lightning_tp2d.planning.rivals import BASELINE, CP, CP_TP, ULYSSES  # the rivals' row names
 from lightning_tp2d.planning.trace import ranks_as_asked, trace_step
+from lightning_tp2d.train_plan import TrainPlan
 from lightning_tp2d.families import family_of_config, fits, model_config
 from lightning_tp2d.layouts import get_layout, layout_names
 from lightning_tp2d.models.config import max_seq_len
 
 __all__ = ["ULYSSES", "PlanRow", "plan", "price", "longest_sequence", "offload_memory", "offload_time", "HARDWARE", "CP", "CP_TP", "ELEMENTWISE_PASSES", "GPT2_H200", "ASYNC_TP_OVERLAP", "search_space", "count_configurations", "LOSS_VARIANTS",
-           "data_parallel_time", "NothingFits"]
+           "data_parallel_time", "NothingFits", "pricing", "METHODS"]
 
 GIB = 2**30
 HARDWARE = {"h100": cost_model.H100_NVLINK4_NDR, "h200": cost_model.H200_NVLINK4_NDR,
@@ -147,6 +148,17 @@ class PlanRow:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def train_plan(self) -> TrainPlan:
+        """The :class:`~lightning_tp2d.train_plan.TrainPlan` that runs this package row (what the strategies take
+        as ``plan=``; ``precision`` left to the run, bf16-mixed being what the row is priced for). A rival's row has
+        none: its settings are :func:`~lightning_tp2d.planning.commands.command_for`'s."""
+        if self.baseline or self.layout in (CP, CP_TP, ULYSSES):
+            raise ValueError(f"a {self.layout!r} row is a rival's configuration, not a TrainPlan of this package "
+                             f"(its settings: lightning_tp2d.planning.commands.command_for)")
+        return TrainPlan(self.layout, self.tensor_parallel_size, self.data_parallel_size, self.zero_stage,
+                         self.checkpointing, self.activation_offload, self.micro_batch)
 
 
 def _fit_elementwise_passes() -> dict[str, float]:
@@ -595,7 +607,7 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
         return [PlanRow(**row) for row in stored["rows"]]
     candidates = _candidates(cfg, gpus, gpus_per_node, seq, sequences, names, include_baselines, zero_stages,
                              checkpointing, max_micro_batch)
-    with ranks_as_asked(), _method(method):
+    with ranks_as_asked(), pricing(method):
         planned = in_processes(functools.partial(_plan_candidate, cfg, seq=seq, sequences=sequences, hw=hw,
                                                  gpus_per_node=gpus_per_node, cap=cap, compiled=compiled,
                                                  offloads=tuple(activation_offload), overlap=overlap),
@@ -621,9 +633,12 @@ METHODS = ("closed", "traced")
 
 
 @contextlib.contextmanager
-def _method(method: str) -> Iterator[None]:
-    """The package's rows read from the closed forms (``"closed"``) or traced (``"traced"``): :func:`plan`'s
-    ``method``. Forked planning processes inherit the choice."""
+def pricing(method: str = "closed") -> Iterator[None]:
+    """Inside, the package's rows are read from the closed forms (``"closed"``, where they model the row; traced
+    elsewhere) or traced (``"traced"``): :func:`plan`'s ``method``, for callers of :func:`row_memory` and
+    :func:`price` too (``tp2d-train``'s fit check). Forked planning processes inherit the choice."""
+    if method not in METHODS:
+        raise ValueError(f"pricing: method={method!r} is not one of {METHODS}")
     with contextlib.ExitStack() as stack:
         if method == "closed":
             stack.enter_context(trace.closed_forms())

@@ -12,7 +12,8 @@ double buffering off, panels kept) changes the traced overlap with no edit here.
 
 The step is ``loss = model(idx, targets); loss.backward()`` on one data-parallel replica by default. With ``dp > 1``
 (``dp`` replicas on a ``dp x p`` mesh; this replica's calls, which every replica repeats on its own ranks) the step
-also runs what the strategies run over ``data_parallel`` at ``zero_stage``: stage 0 averages the gradients with
+also runs what the strategies run over ``data_parallel`` at ``zero_stage``, assembled by the same call
+(:func:`lightning_tp2d.step.assemble_step`): stage 0 averages the gradients with
 :class:`~lightning_tp2d.training.GradientSync` (buckets all-reduced while the backward runs, waited for after it);
 stage 1 does too, and after the step all-gathers the optimizer's updated slices
 (:meth:`~lightning_tp2d.zero.ShardedOptimizer.after_step`: bucketed all-gathers, up to three in flight, behind no
@@ -53,9 +54,11 @@ the traces run in a forked worker process, so nothing of the fake group stays be
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import multiprocessing as mp
 import os
+import warnings
 from collections import defaultdict
 
 import torch
@@ -65,32 +68,23 @@ from torch.distributed.tensor.debug import _clear_python_sharding_prop_cache  # 
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from lightning_tp2d import comm_record, fsdp, recompute, training, zero
+from lightning_tp2d import comm_record, recompute
+from lightning_tp2d.planning import closed_step as closed
 from lightning_tp2d.planning.events import Comm
 from lightning_tp2d.planning.live import tensors_in
-from lightning_tp2d.families import family_of, family_of_config
+from lightning_tp2d.planning.steps import TracedStep
+from lightning_tp2d.families import family_of, family_of_config, fits
 from lightning_tp2d.layouts import DATA_AXIS, Layout, get_layout
 from lightning_tp2d.mesh import ParallelDims, init_mesh
 from lightning_tp2d.ops import register_mesh
+from lightning_tp2d.step import assemble_step
+from lightning_tp2d.train_plan import TrainPlan, fsdp_shards
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 
 _MATMUL_FLOPS = {packet.__name__: formula for packet, formula in flop_registry.items()
                  if packet.__name__ in ("mm", "addmm", "bmm", "baddbmm")}
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 TRACED_STAGES = (0, 1, 2, 3)  # ZeRO stages the tracer runs
-
-
-@dataclasses.dataclass(frozen=True)
-class TracedStep:
-    """One rank's step: the calls (merged where identical) each tagged with its overlapped FLOPs per rate, and the
-    FLOPs per phase and rate."""
-
-    # (event with overlap_flops = all overlapped FLOPs, of which matmul, of which attention, the group's global ranks)
-    events: tuple[tuple[Comm, float, float, tuple[int, ...]], ...]
-    flops: dict  # {"forward": {"matmul": f, "attention": f}, "backward": {...}}
-    activation_bytes: int  # storages the forward created that autograd saved for the backward
-    gemms: dict  # {"forward": n, "backward": n}: matmul kernels launched (each pays the GEMM overhead of the rates)
-    block_calls: int | None = None  # communication calls one transformer block adds (None: traced with one block)
 
 
 class _Recorder(TorchDispatchMode):
@@ -276,7 +270,7 @@ class _DataParallel:
     @property
     def sharded(self) -> bool:
         """Whether FSDP shards the model (stages 2 and 3 on more than one replica)."""
-        return self.dp > 1 and self.stage >= 2
+        return fsdp_shards(self.stage, self.dp)
 
     @property
     def repeats_per_block(self) -> bool:
@@ -299,6 +293,21 @@ def ranks_as_asked():
         yield
     finally:
         _AS_ASKED.pop()
+
+
+_CLOSED: contextvars.ContextVar[bool] = contextvars.ContextVar("closed_forms", default=False)
+
+
+@contextlib.contextmanager
+def closed_forms():
+    """Within this context :func:`trace_steps` answers with :func:`~lightning_tp2d.planning.closed_step.closed_step`
+    (arithmetic on the config, milliseconds) for the cases it models (:func:`~lightning_tp2d.planning.closed_step.models`)
+    and traces the rest as outside it. Nests; per thread and task (a context variable)."""
+    token = _CLOSED.set(True)
+    try:
+        yield
+    finally:
+        _CLOSED.reset(token)
 
 
 def trace_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: int = 4, rank: int = 0, *,
@@ -332,6 +341,9 @@ def trace_steps(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: i
     for rank in ranks:
         if not 0 <= rank < p:
             raise ValueError(f"rank {rank} is not in [0, {p})")
+    if _CLOSED.get() and closed.models(spec, cfg, p, elem, dp=dp, zero_stage=zero_stage, clip=clip) is None:
+        return {rank: closed.closed_step(spec, cfg, batch, seq, p, elem, rank, checkpointing=checkpointing)
+                for rank in ranks}
     base = (type(spec), spec.options, config_key(cfg), batch, seq, p, elem, data, checkpointing)
     small = p <= _ALL_RANKS_UP_TO and cfg.n_embd * seq * batch <= _ALL_RANKS_BELOW_ELEMENTS and not _AS_ASKED
     wanted = set(ranks) | (set(range(p)) if small else set())
@@ -345,7 +357,7 @@ def trace_steps(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: i
 
 def _traceable(spec: Layout, cfg, p: int):
     side = spec.side(p)
-    if not family_of_config(cfg).fits(spec, p, cfg) and cfg.n_embd % side == 0:
+    if not fits(spec, p, cfg) and cfg.n_embd % side == 0:
         # Bytes and FLOPs depend on the width, not on how it is cut into heads: trace with heads the layout takes.
         heads = {name: side for name in ("n_head", "n_kv_head") if hasattr(cfg, name)}
         cfg = dataclasses.replace(cfg, **heads)
@@ -544,8 +556,12 @@ def _serve(conn) -> None:
 
 def _build(spec: Layout, cfg, mesh, elem: int, data: _DataParallel, recorder: _Recorder, checkpointing: str):
     """The model of ``cfg`` parallelized on ``mesh`` (``data.dp x p``), its activations checkpointed in mode
-    ``checkpointing``, sharded over ``data_parallel`` as ``data`` says, with the recorder's hooks on its blocks;
-    and what runs after the backward."""
+    ``checkpointing``, its step assembled as the strategies assemble it (:func:`lightning_tp2d.step.assemble_step`
+    for the :class:`~lightning_tp2d.train_plan.TrainPlan` of ``data``: FSDP, GradientSync, ZeRO-1's optimizer slices,
+    the clipping), with the recorder's hooks on its blocks; and what runs after the backward."""
+    p, dp = spec.sizes_of_mesh(mesh)
+    plan = TrainPlan(spec.name, p, dp, data.stage, checkpointing,
+                     precision="bf16-mixed" if elem == 2 else "32-true")  # (float64: no policy, as float32)
     model = family_of_config(cfg).model_class(cfg)
     if elem == 8:
         model = model.double()
@@ -555,24 +571,22 @@ def _build(spec: Layout, cfg, mesh, elem: int, data: _DataParallel, recorder: _R
     if checkpointing == "full":
         for block in family_of(model).block_modules(model):
             block.register_forward_pre_hook(lambda m, args: recorder.keep(args))
-    if data.sharded:
-        policy = fsdp.mixed_precision_policy("bf16-mixed" if elem == 2 else "32-true")
-        fsdp.shard_data_parallel(model, data.stage, mp_policy=policy)
+    with warnings.catch_warnings():  # stage 2/3 on one replica: nothing to shard (assemble_step warns)
+        warnings.simplefilter("ignore", UserWarning)
+        step = assemble_step(model, mesh, plan)
+    if plan.fsdp:
         for block in family_of(model).block_modules(model):  # before FSDP's own pre-backward hook (appended)
             block.register_forward_hook(lambda m, args, out: _hook_outputs(out, recorder.group_backward_starts),
                                         prepend=True)
-    sync = training.GradientSync(model, mesh) if data.dp > 1 and not data.sharded else None
-    clip = fsdp.clip_grad_norm_ if data.stage >= 2 else training.clip_grad_norm_  # as the strategies choose
-    # stage 1: the optimizer's own step computes and sends nothing traced; its slices' all-gather is the call (at
-    # stages 2/3 as the strategies do: only the parameters FSDP keeps whole are sliced, GPT-2's q/k/v bias on grids)
-    sharding = (zero.shard_optimizer_state(torch.optim.AdamW(model.parameters()), mesh)
-                if data.dp > 1 and data.stage >= 1 else None)
+    # the optimizer's own step computes and sends nothing traced; its slices' all-gather is the call (stage 1; at
+    # stages 2/3 only the parameters FSDP keeps whole are sliced, GPT-2's q/k/v bias on grids)
+    sharding = step.shard_optimizer(torch.optim.AdamW(model.parameters()))
 
     def after_backward() -> None:
-        if sync is not None:
-            sync.finish()
+        if step.gradient_sync is not None:
+            step.gradient_sync.finish()
         if data.clip:
-            clip(model.parameters(), 1.0, mesh)
+            step.clip_grad_norm_(model.parameters(), 1.0)
         if sharding is not None:
             sharding.after_step()
 

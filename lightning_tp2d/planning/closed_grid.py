@@ -1,0 +1,562 @@
+"""The traced step (:class:`~lightning_tp2d.planning.steps.TracedStep`) of the grid layouts (``"2d"``: SUMMA on a
+``q x q`` grid; ``"2d-metp"``: the same layers with a METP ring attention along ``row``) as arithmetic on the config,
+as :mod:`lightning_tp2d.planning.closed_step` does for the ring.
+
+How: each layer's schedule on one rank is written here as the stream of operations its code runs -- post a call
+(kind, mesh axis, group ranks, bytes), wait for it, compute ``F`` matmul or attention FLOPs -- by small replicas of
+the drivers in :mod:`lightning_tp2d.summa` and :mod:`lightning_tp2d.comm` (:class:`_Column` for ``_Column`` and
+``_ColumnStream``, :class:`_RingGather`, :class:`_RingReduce`, the broadcast and reduce pipelines), and priced by the
+tracer's rule: every FLOP computed while calls are in flight is shared among them in proportion to their bytes; a
+blocking call overlaps nothing. A model of ``L`` blocks is the root's stream plus ``L`` times one block's; ``"full"``
+checkpointing runs the block's forward again in the backward.
+
+Modelled: :func:`models` -- a square layout whose ranks form a ``"grid"`` (:attr:`~lightning_tp2d.layouts.Layout.
+square`, :attr:`~lightning_tp2d.layouts.Layout.arrangement`) with the default
+:class:`~lightning_tp2d.options.TPOptions` (collective SUMMA, no kept panels), its batch split over the grid rows
+(``"2d"``, :attr:`~lightning_tp2d.layouts.Layout.splits_batch`) or its sequence cut into zigzag chunks with the
+attention a ring along ``row`` (``"2d-metp"``, :attr:`~lightning_tp2d.layouts.Layout.zigzag`); GPT-2 (biases on or
+off) and Llama (GQA, tied or untied head) whose sizes the grid splits; any vocabulary (short last block);
+``checkpointing`` ``"none"`` / ``"selective"`` / ``"full"``; ``elem`` 2 (bf16 autocast) and 4; one replica; every
+rank. Saved activation bytes: see :func:`_activation_bytes` (what is and is not modelled).
+
+The layers' schedules, rank ``(r, c)``, ``N`` local tokens (``"2d"``: ``B/q`` sequences of ``T``; ``"2d-metp"``:
+``B`` sequences of ``S = T/q`` zigzag rows):
+
+* a linear ``[N, in] @ [in, out]`` (:class:`~lightning_tp2d.nn.linear.Linear2D`) runs the collective SUMMA in the
+  form :func:`~lightning_tp2d.summa.ab_form` picks (fused q|k|v: gather); its weight column travels as one
+  all-gather along ``row`` or, when it outweighs the activation block, as a stream of broadcasts two ahead;
+  the activation blocks (gather form) or partial sums (scatter form) go round ``col`` both ways;
+  the backward's weight-gradient partials are reduce-scattered along ``row``; a bias' gradient is all-reduced
+  along ``row`` (float32);
+* a norm all-reduces its statistics along ``col`` (float32, blocking) forward and backward, its weight (and bias)
+  gradient along ``row``;
+* the token embedding reduces ``q`` partial lookups along ``row`` (float32) and broadcasts ``q`` gradient blocks
+  back; GPT-2's position table's gradient is all-reduced along ``row``;
+* the head swaps its tied block with the mirror rank (none on the diagonal; again in the backward under
+  ``"selective"``), multiplies in the gather form and all-reduces the cross-entropy's max, sums and totals;
+* attention is local (``"2d"``: causal SDPA, ``T(T+1)/2`` scores per head) or the METP ring of ``q`` along ``row``
+  (``"2d-metp"``: :func:`~lightning_tp2d.metp.ring_attention`, K|V of the local key/value heads travelling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from lightning_tp2d.families import family_of_config, fits
+from lightning_tp2d.layouts import Layout, get_layout
+from lightning_tp2d.options import TPOptions
+from lightning_tp2d.planning.events import Comm
+from lightning_tp2d.planning.steps import TracedStep
+from lightning_tp2d.summa import ab_form, reduce_order, ring_order, ring_steps
+
+__all__ = ["closed_grid_step", "models"]
+
+CHECKPOINTING = ("none", "selective", "full")
+_MATMUL, _ATTENTION = 0, 1  # compute slots, as the tracer's
+_F32 = 4  # statistics, embeddings, parameter gradients: float32 at elem 2 and 4
+
+
+class _Stream:
+    """One rank's operations in order: calls posted and waited for (each with its axis and group), compute between
+    them, GEMM kernels counted; :meth:`events` prices it by the tracer's overlap rule (one stream: the tensor
+    axes')."""
+
+    def __init__(self) -> None:
+        self.phase = "forward"
+        self.chunks: list[tuple[int, float]] = []
+        self.calls: list[list] = []  # [kind, axis, ranks, nbytes, phase, start, end]
+        self.flops = {ph: {"matmul": 0.0, "attention": 0.0} for ph in ("forward", "backward")}
+        self.gemms = {"forward": 0, "backward": 0}
+
+    def post(self, kind: str, axis: str, ranks: tuple[int, ...], nbytes: int) -> list:
+        entry = [kind, axis, ranks, nbytes, self.phase, len(self.chunks), None]
+        self.calls.append(entry)
+        return entry
+
+    def wait(self, entry: list) -> None:
+        entry[6] = len(self.chunks)
+
+    def blocking(self, kind: str, axis: str, ranks: tuple[int, ...], nbytes: int) -> None:
+        self.wait(self.post(kind, axis, ranks, nbytes))
+
+    def mm(self, flops: float) -> None:
+        self.gemms[self.phase] += 1
+        self._compute(_MATMUL, flops)
+
+    def attention(self, flops: float) -> None:
+        self._compute(_ATTENTION, flops)
+
+    def _compute(self, slot: int, flops: float) -> None:
+        if flops:
+            self.flops[self.phase]["matmul" if slot == _MATMUL else "attention"] += flops
+            self.chunks.append((slot, flops))
+
+    def events(self) -> dict[tuple, int]:
+        """``{(Comm with calls=1, matmul FLOPs, attention FLOPs, ranks): calls}``."""
+        starts, ends = defaultdict(list), defaultdict(list)
+        for n, entry in enumerate(self.calls):
+            if entry[5] < entry[6]:
+                starts[entry[5]].append(n)
+                ends[entry[6]].append(n)
+        shares = [[0.0, 0.0] for _ in self.calls]
+        active: dict[int, list] = {}
+        for i, (slot, flops) in enumerate(self.chunks):
+            for n in ends.get(i, ()):
+                del active[n]
+            for n in starts.get(i, ()):
+                active[n] = self.calls[n]
+            total = sum(e[3] for e in active.values())
+            for n, e in active.items() if total else ():
+                shares[n][slot] += flops * e[3] / total
+        out: dict[tuple, int] = defaultdict(int)
+        for (kind, axis, ranks, nbytes, phase, _, _), (fm, fa) in zip(self.calls, shares):
+            out[(Comm(kind, axis, len(ranks), nbytes, 1, fm + fa, phase), fm, fa, ranks)] += 1
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """The numbers one rank's grid layers are made of."""
+
+    q: int
+    rank: int
+    N: int  # local tokens
+    B: int  # local sequences
+    T: int  # rows per local sequence (T in "2d", S = T/q in "2d-metp")
+    ring: bool  # attention is a ring along row ("2d-metp")
+    h: int
+    heads: int
+    kv_heads: int
+    d: int
+    hidden: int  # MLP width (GPT-2 4h, Llama I)
+    vocab: int
+    e: int
+    bias: bool
+    llama: bool
+    tied: bool
+    block_size: int
+
+    @property
+    def r(self) -> int:
+        return self.rank // self.q
+
+    @property
+    def c(self) -> int:
+        return self.rank % self.q
+
+    @property
+    def row(self) -> tuple[int, ...]:
+        """The ranks of this rank's ``row`` axis group (its grid column)."""
+        return tuple(self.c + self.q * k for k in range(self.q))
+
+    @property
+    def col(self) -> tuple[int, ...]:
+        """The ranks of this rank's ``col`` axis group (its grid row)."""
+        return tuple(self.r * self.q + k for k in range(self.q))
+
+    @property
+    def mirror(self) -> int:
+        return self.c * self.q + self.r
+
+    @property
+    def vb(self) -> int:
+        return -(-self.vocab // self.q)  # vocab rows per block, zero-padded
+
+
+# ---- the SUMMA drivers (lightning_tp2d.summa, lightning_tp2d.comm) -----------------------------------------------
+
+
+class _Column:
+    """A weight column along ``row``: one all-gather waited at the first ``get`` (``summa._Column``), or, when it
+    streams, one broadcast per block in ``order``, two ahead (``summa._ColumnStream`` on a ``BroadcastPipeline``)."""
+
+    def __init__(self, s: _Stream, g: _Grid, nbytes: int, streams: bool, order: list[int]) -> None:
+        self.s, self.g, self.nbytes = s, g, nbytes
+        self.order, self.pending = iter(order), {}
+        self.gather = None if streams else s.post("all_gather", "row", g.row, nbytes)
+        if streams:
+            for _ in range(2):
+                self._post_next()
+
+    def _post_next(self) -> None:
+        k = next(self.order, None)
+        if k is not None:
+            self.pending[k] = self.s.post("broadcast", "row", self.g.row, self.nbytes)
+
+    def get(self, k: int) -> None:
+        if self.gather is not None:
+            if self.gather[6] is None:  # waited for at the first block only
+                self.s.wait(self.gather)
+            return
+        entry = self.pending.pop(k)
+        self._post_next()
+        self.s.wait(entry)
+
+
+class _RingGather:
+    """``summa._RingGather``: blocks of ``nbytes`` both ways round ``col``; ``step(s)`` returns the coordinates held."""
+
+    def __init__(self, s: _Stream, g: _Grid, nbytes: int) -> None:
+        self.s, self.g, self.nbytes = s, g, nbytes
+        self.left_steps, self.right_steps = g.q // 2, (g.q - 1) // 2
+        self.handle = None
+        self.order = ring_order(g.q, g.c)
+
+    def step(self, s: int) -> list[int]:
+        if s > 0:
+            self.s.wait(self.handle)
+        if s < self.left_steps:
+            blocks = 1 + (s < self.right_steps)
+            self.handle = self.s.post("ring_exchange", "col", self.g.col, blocks * self.nbytes)
+        return self.order[s]
+
+
+class _RingReduce:
+    """``summa._RingReduce``: partial sums of ``nbytes`` both ways round ``col``; ``compute(k)`` runs a partial."""
+
+    def __init__(self, s: _Stream, g: _Grid, nbytes: int) -> None:
+        self.s, self.g, self.nbytes = s, g, nbytes
+        self.right_sends, self.left_sends = g.q // 2, (g.q - 1) // 2
+        self.handle = None
+
+    def step(self, s: int, compute) -> None:
+        n, i = self.g.q, self.g.c
+        if s == self.right_sends:
+            compute(i)
+            if self.handle is not None:
+                self.s.wait(self.handle)
+            return
+        compute((i + self.right_sends - s) % n)
+        leftward = s < self.left_sends
+        if leftward:
+            compute((i - self.left_sends + s) % n)
+        if self.handle is not None:
+            self.s.wait(self.handle)
+        self.handle = self.s.post("ring_exchange", "col", self.g.col, (1 + leftward) * self.nbytes)
+
+
+def _flat(order: list[list[int]]) -> list[int]:
+    return [k for step in order for k in step]
+
+
+def _summa(s: _Stream, g: _Grid, n_in: int, n_out: int, form: str, backward: bool) -> None:
+    """One ``[N, n_in/q] @ [n_in/q, n_out/q]`` collective SUMMA product (``n_in``, ``n_out``: the local block widths
+    times ``q``), forward (:func:`~lightning_tp2d.summa.collective_ab`, :func:`~lightning_tp2d.summa.scatter_ab`) or
+    backward (:func:`~lightning_tp2d.summa.collective_ab_backward`, :func:`~lightning_tp2d.summa.scatter_ab_backward`,
+    both gradients)."""
+    q, e, N = g.q, g.e, g.N
+    bi, bo = n_in // q, n_out // q
+    w_bytes, flops, steps = bi * bo * e, 2.0 * N * bi * bo, ring_steps(q)
+    forward_order, reduce_targets = _flat(ring_order(q, g.c)), reduce_order(q, g.c)
+    if not backward:
+        streams = q * bi * bo > N * bi  # summa._streams(a, b): the column outweighs A's block
+        if form == "gather":
+            column = _Column(s, g, w_bytes, streams, forward_order)
+            ring = _RingGather(s, g, N * bi * e)
+            for step in range(steps):
+                for k in ring.step(step):
+                    column.get(k)
+                    s.mm(flops)
+        else:
+            column = _Column(s, g, w_bytes, streams, reduce_targets)
+            reduce = _RingReduce(s, g, N * bo * e)
+            for step in range(steps):
+                reduce.step(step, lambda k: (column.get(k), s.mm(flops)))
+        return
+    streams = q * bi * bo > N * bo  # summa._streams(grad, b)
+    if form == "gather":
+        column = _Column(s, g, w_bytes, streams, reduce_targets)
+        gather, reduce = _RingGather(s, g, N * bi * e), _RingReduce(s, g, N * bi * e)
+        scatter = None
+        for step in range(steps):
+            for _ in gather.step(step):
+                s.mm(flops)
+            if step == steps - 1:
+                scatter = s.post("reduce_scatter", "row", g.row, q * w_bytes)
+            reduce.step(step, lambda k: (column.get(k), s.mm(flops)))
+    else:
+        column = _Column(s, g, w_bytes, streams, forward_order)
+        ring = _RingGather(s, g, N * bo * e)
+        scatter = None
+        for step in range(steps):
+            held = ring.step(step)
+            for _ in held:
+                s.mm(flops)
+            if step == steps - 1:
+                scatter = s.post("reduce_scatter", "row", g.row, q * w_bytes)
+            for k in held:
+                column.get(k)
+                s.mm(flops)
+    s.wait(scatter)
+
+
+def _linear(s: _Stream, g: _Grid, n_in: int, n_out: int, backward: bool, *, fused: bool = False,
+            bias: bool = False) -> None:
+    """:class:`~lightning_tp2d.nn.linear.Linear2D` (``fused``: GPT-2's ``c_attn``, always the gather form); the
+    bias' gradient all-reduced along ``row`` before the product's backward."""
+    form = "gather" if fused else ab_form(n_in, n_out)
+    if backward and bias:
+        s.blocking("all_reduce", "row", g.row, n_out // g.q * _F32)
+    _summa(s, g, n_in, n_out, form, backward)
+
+
+def _norm(s: _Stream, g: _Grid, backward: bool) -> None:
+    """:class:`~lightning_tp2d.nn.layernorm.LayerNorm2D` (``Σx``, ``Σx²``) or
+    :class:`~lightning_tp2d.nn.llama2d.RMSNorm2D` (``Σx²``): statistics along ``col``; the parameters' gradients in
+    one all-reduce along ``row``."""
+    stats = 1 if g.llama else 2
+    s.blocking("all_reduce", "col", g.col, stats * g.N * _F32)
+    if backward:
+        vectors = 1 if g.llama or not g.bias else 2
+        s.blocking("all_reduce", "row", g.row, vectors * (g.h // g.q) * _F32)
+
+
+# ---- attention ---------------------------------------------------------------------------------------------------
+
+
+def _ring_forward(s: _Stream, g: _Grid, nbytes: int, step) -> None:
+    """:func:`~lightning_tp2d.metp.ring_forward` along ``row`` (ring rank ``i = r``)."""
+    p, i = g.q, g.r
+    for t in range(p):
+        pending = s.post("ring_exchange", "row", g.row, nbytes) if t < p - 1 else None
+        step((i - t) % p)
+        if pending is not None:
+            s.wait(pending)
+
+
+def _ring_backward(s: _Stream, g: _Grid, nbytes: int, step) -> None:
+    """:func:`~lightning_tp2d.metp.ring_backward` along ``row``: the operands as forward, the gradient sums sent
+    after each step's compute and waited after the next one's."""
+    p, i = g.q, g.r
+    acc = None
+    for t in range(p):
+        pending = s.post("ring_exchange", "row", g.row, nbytes) if t < p - 1 else None
+        step((i - t) % p)
+        if acc is not None:
+            s.wait(acc)
+        acc = s.post("ring_exchange", "row", g.row, nbytes)
+        if pending is not None:
+            s.wait(pending)
+    s.wait(acc)
+
+
+def _attention_core(s: _Stream, g: _Grid, backward: bool) -> None:
+    """The attention between the projections: local causal SDPA of the ``heads/q`` local heads (``"2d"``), or the
+    METP ring along ``row`` (``"2d-metp"``): step ``j == r`` is the causal diagonal block, others ``S²/2`` scores
+    per query head; K|V of the ``kv_heads/q`` local key/value heads travel."""
+    per_score = (10.0 if backward else 4.0) * g.d * g.B
+    heads, kv = g.heads // g.q, g.kv_heads // g.q
+    if not g.ring:  # the tracer's arithmetic, to the last bit: square scores, then the visible fraction
+        scores = float(g.T * g.T) * g.B * heads
+        scores *= (g.T * (g.T + 1) // 2) / (g.T * g.T)
+        s.attention((10.0 if backward else 4.0) * g.d * scores)
+        return
+    S, c = g.T, g.T // 2
+
+    def step(j: int) -> None:
+        scores = S * (S + 1) / 2 if j == g.r else 2.0 * c * c
+        for _ in range(heads // kv):
+            s.attention(per_score * kv * scores)
+
+    nbytes = 2 * g.B * kv * S * g.d * g.e
+    (_ring_backward if backward else _ring_forward)(s, g, nbytes, step)
+
+
+def _attention(s: _Stream, g: _Grid, backward: bool) -> None:
+    h, hd, kvd = g.h, g.heads * g.d, g.kv_heads * g.d
+    if g.llama:
+        projections = [lambda b: _linear(s, g, h, hd, b), lambda b: _linear(s, g, h, kvd, b),
+                       lambda b: _linear(s, g, h, kvd, b)]
+    else:
+        projections = [lambda b: _linear(s, g, h, 3 * hd, b, fused=True, bias=g.bias)]
+    parts = projections + [lambda b: _attention_core(s, g, b), lambda b: _linear(s, g, hd, h, b, bias=g.bias)]
+    for run in (reversed(parts) if backward else parts):
+        run(backward)
+
+
+def _mlp(s: _Stream, g: _Grid, backward: bool) -> None:
+    """GPT-2's ``c_fc``, GELU, ``c_proj``; Llama's ``gate_proj``, ``up_proj``, SiLU-gate, ``down_proj``."""
+    h, f = g.h, g.hidden
+    ins = [lambda b: _linear(s, g, h, f, b, bias=g.bias)] * (2 if g.llama else 1)
+    parts = ins + [lambda b: _linear(s, g, f, h, b, bias=g.bias)]
+    for run in (reversed(parts) if backward else parts):
+        run(backward)
+
+
+def _block(s: _Stream, g: _Grid, backward: bool) -> None:
+    parts = [lambda b: _norm(s, g, b), lambda b: _attention(s, g, b), lambda b: _norm(s, g, b),
+             lambda b: _mlp(s, g, b)]
+    for run in (reversed(parts) if backward else parts):
+        run(backward)
+
+
+# ---- the root ----------------------------------------------------------------------------------------------------
+
+
+def _embedding(s: _Stream, g: _Grid, backward: bool) -> None:
+    """:class:`~lightning_tp2d.nn.embedding.TokenEmbedding2D`: ``q`` float32 partial lookups reduced along ``row``
+    (a ``ReducePipeline``: each waited after the next is posted; nothing computed between), the gradient's ``q``
+    blocks broadcast back (a ``BroadcastPipeline``)."""
+    nbytes = g.N * (g.h // g.q) * _F32
+    entries = [s.post("reduce" if not backward else "broadcast", "row", g.row, nbytes) for _ in range(g.q)]
+    for entry in entries:
+        s.wait(entry)
+
+
+def _mirror_swap(s: _Stream, g: _Grid) -> None:
+    """The tied head's swap of its padded block with the mirror rank (``exchange_with``: a send and a recv, blocking;
+    nothing on the diagonal)."""
+    if g.mirror != g.rank:
+        for kind in ("send", "recv"):
+            s.blocking(kind, "pair", (g.rank, g.mirror), g.vb * (g.h // g.q) * g.e)
+
+
+def _head(s: _Stream, g: _Grid, backward: bool, checkpointing: str) -> None:
+    """The LM head (:class:`~lightning_tp2d.nn.head.LMHead2D`) and the vocab-parallel cross-entropy: forward the
+    swap (tied), the product ``[N, h/q] @ [h/q, ceil(V/q)]``, the max, the sums and the totals; backward the swap
+    again under ``"selective"`` (the mirrored block is a recipe), the product's backward and the swap of its
+    gradient back."""
+    if not backward:
+        if g.tied:
+            _mirror_swap(s, g)
+        _summa(s, g, g.h, g.q * g.vb, "gather", False)
+        s.blocking("all_reduce", "col", g.col, g.N * _F32)
+        s.blocking("all_reduce", "col", g.col, 2 * g.N * _F32)
+        s.blocking("all_reduce", "row", g.row, 2 * _F32)
+        return
+    if g.tied and checkpointing == "selective":
+        _mirror_swap(s, g)
+    _summa(s, g, g.h, g.q * g.vb, "gather", True)
+    if g.tied:
+        _mirror_swap(s, g)
+
+
+def _root(s: _Stream, g: _Grid, backward: bool, checkpointing: str) -> None:
+    """Embeddings, final norm, head; the backward in reverse (its blocking calls overlap nothing, so their order
+    changes no number)."""
+    if not backward:
+        _embedding(s, g, False)
+        _norm(s, g, False)
+        _head(s, g, False, checkpointing)
+        return
+    _head(s, g, True, checkpointing)
+    _norm(s, g, True)
+    if not g.llama:
+        s.blocking("all_reduce", "row", g.row, g.block_size * (g.h // g.q) * _F32)  # the position table
+    _embedding(s, g, True)
+
+
+# ---- the model ---------------------------------------------------------------------------------------------------
+
+
+def models(layout: str | Layout, cfg, p: int, elem: int, *, dp: int = 1, zero_stage: int = 0,
+           clip: bool = False) -> str | None:
+    """Why :func:`closed_grid_step` does not model this case (a sentence naming the numbers), or ``None`` when it
+    does."""
+    spec = get_layout(layout)
+    family = family_of_config(cfg)
+    if not spec.square or spec.arrangement != "grid":
+        return f"layout {spec.name!r} ({spec.arrangement}) is not a square grid"
+    if spec.splits_batch == spec.zigzag:
+        return (f"layout {spec.name!r} splits_batch={spec.splits_batch}, zigzag={spec.zigzag}: closed forms cover a "
+                f"grid whose rows split the batch or cut the sequence")
+    if spec.options not in (None, TPOptions()):
+        return f"options {spec.options!r} are traced; closed forms cover the defaults"
+    if (dp, zero_stage, bool(clip)) != (1, 0, False):
+        return f"dp={dp}, zero_stage={zero_stage}, clip={clip}: closed forms cover one replica (dp=1, stage 0)"
+    if elem not in (2, 4):
+        return f"elem={elem}: closed forms cover 2 (bf16 autocast) and 4 (float32)"
+    if family is None or family.name not in ("gpt2", "llama"):
+        return f"a {type(cfg).__name__} is traced: closed forms cover GPT-2 and Llama"
+    if spec.size_problem(p) or p < 4:
+        return f"p={p}: the grid needs a square p >= 4"
+    if not fits(spec, p, cfg):
+        return f"p={p} does not split {type(cfg).__name__}'s sizes in {spec.name!r} (the trace regroups heads)"
+    if getattr(cfg, "dropout", 0.0):
+        return f"dropout={cfg.dropout}: closed forms cover training without dropout"
+    return _activation_problem(spec, cfg, elem)
+
+
+def closed_grid_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: int, rank: int = 0, *,
+                     checkpointing: str = "none") -> TracedStep:
+    """The :class:`~lightning_tp2d.planning.steps.TracedStep` of grid rank ``rank`` (module docstring), equal to
+    :func:`lightning_tp2d.planning.trace.trace_step`'s for one replica. ``ValueError`` naming the numbers for
+    anything it does not model (:func:`models`, :func:`_activation_bytes`) or an input the layout refuses."""
+    why = models(layout, cfg, p, elem)
+    if why:
+        raise ValueError(f"closed_grid_step: {why}")
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing={checkpointing!r} is not one of {CHECKPOINTING}")
+    if not 0 <= rank < p:
+        raise ValueError(f"rank {rank} is not in [0, {p})")
+    spec = get_layout(layout)
+    spec.check_input(p, batch, seq)
+    q = spec.side(p)
+    llama = family_of_config(cfg).name == "llama"
+    sequences, rows = (batch // q, seq) if spec.splits_batch else (batch, seq // q)
+    g = _Grid(q=q, rank=rank, N=sequences * rows, B=sequences, T=rows, ring=spec.zigzag, h=cfg.n_embd,
+              heads=cfg.n_head, kv_heads=cfg.n_kv_head if llama else cfg.n_head, d=cfg.n_embd // cfg.n_head,
+              hidden=cfg.intermediate_size if llama else 4 * cfg.n_embd, vocab=cfg.vocab_size, e=elem,
+              bias=bool(getattr(cfg, "bias", False)), llama=llama, tied=bool(getattr(cfg, "tie_embeddings", True)),
+              block_size=cfg.block_size)
+    activation = _activation_bytes(g, cfg.n_layer, checkpointing)
+    root, block = _Stream(), _Stream()
+    _root(root, g, False, checkpointing)
+    _block(block, g, False)
+    root.phase = block.phase = "backward"
+    _root(root, g, True, checkpointing)
+    if checkpointing == "full":
+        _block(block, g, False)  # the checkpoint runs the block's forward again, then its backward
+    _block(block, g, True)
+    L = cfg.n_layer
+    merged: dict[tuple, int] = defaultdict(int)
+    for key, n in root.events().items():
+        merged[key] += n
+    block_events = block.events()
+    for key, n in block_events.items():
+        merged[key] += L * n
+    events = tuple(sorted(((dataclasses.replace(ev, calls=n), fm, fa, r) for (ev, fm, fa, r), n in merged.items()),
+                          key=_order))
+    flops = {ph: {rate: root.flops[ph][rate] + L * block.flops[ph][rate] for rate in root.flops[ph]}
+             for ph in root.flops}
+    gemms = {ph: root.gemms[ph] + L * block.gemms[ph] for ph in root.gemms}
+    return TracedStep(events, flops, activation, gemms, sum(block_events.values()))
+
+
+def _order(item) -> tuple:
+    ev, fm, fa, ranks = item
+    return (ev.phase, ev.kind, ev.group, ev.nbytes, ev.overlap_flops, fm, fa, ranks, ev.calls)
+
+
+def _activation_problem(layout: Layout, cfg, elem: int) -> str | None:
+    """Why :func:`_activation_bytes` has no closed form here (``None``: it has)."""
+    if family_of_config(cfg).name != "gpt2" or elem != 4:
+        return (f"a {type(cfg).__name__} at elem={elem} in {get_layout(layout).name!r}: its saved activation bytes "
+                f"are traced; closed forms cover GPT-2 in float32 (elem=4)")
+    return None
+
+
+def _activation_bytes(g: _Grid, layers: int, checkpointing: str) -> int:
+    """Bytes of the storages one GPT-2 float32 forward creates and autograd keeps on this rank (``hq = h/q``,
+    ``N`` local tokens), ``layers`` blocks of: the block's input and the residual after attention (``2 hq``), each
+    LayerNorm's output (``2 hq``; recomputed under ``"selective"``) and mean and reciprocal deviation (``4``), q|k|v
+    (``3 hq``), the attention output and its re-laid copy (``2 hq``), the log-sum-exp (``heads/q``), the MLP's
+    pre-activation and GELU output (``8 hq``; the GELU output recomputed under ``"selective"``); the ring attention
+    of ``"2d-metp"`` keeps one more ``hq``-wide copy of its output. ``"full"`` keeps each block's input only. The
+    root: the final LayerNorm's input and output (the output recomputed under ``"selective"``), mean and reciprocal
+    deviation, the softmax block ``[N, ceil(V/q)]``, the int64 target offsets and two bool masks per token; the int64
+    position ids (``T`` rows; ``"2d-metp"``: its ``S`` rows and the ``q`` zigzag shards of the token ids); off the
+    diagonal the tied head's swapped block ``[ceil(V/q), hq]`` (a recipe under ``"selective"``)."""
+    hq, N, e = g.h // g.q, g.N, g.e
+    selective = checkpointing == "selective"
+    if checkpointing == "full":
+        block = N * hq * e
+    else:
+        block = N * e * ((10 if selective else 16) * hq + 4 + g.heads // g.q + (hq if g.ring else 0))
+    root = N * (e * ((1 if selective else 2) * hq + 2 + g.vb) + 8 + 2) + 8 * g.T
+    if g.ring:
+        root += g.q * N * 8
+    if g.tied and g.mirror != g.rank and not selective:
+        root += g.vb * hq * e
+    return root + layers * block
