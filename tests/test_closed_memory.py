@@ -1,9 +1,9 @@
 """The closed-form peak memory (:func:`lightning_tp2d.planning.closed_memory.closed_peak_bytes`) against the traced
 memory model (:func:`lightning_tp2d.planning.memory_model.peak_bytes`, fake steps profiled phase by phase) on small
-configurations of what it models: the ring, both families, ZeRO stages 0 to 3, checkpointing none and full, bf16
-autocast with AdamW's fused step. Each case is picked so that a different phase peaks (the loss's backward, the
-last block's MLP or attention backward, block 0's, the optimizer's all-gather after the step), on rings of 2 and 4
-with a vocabulary (257) that does not divide; the traced references are shared by the module's fixture."""
+configurations of what it models: the ring, both families, ZeRO stages 0 to 3, checkpointing none, selective and
+full, bf16 autocast with AdamW's fused step. Each case is picked so that a different phase peaks (the loss's
+backward, the last block's MLP or attention backward, block 0's, the optimizer's all-gather after the step), on rings
+of 2 and 4 with a vocabulary (257) that does not divide; the traced references are shared by the module's fixture."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ CASES = [
     ("llama-tiny", 3, 2, 64, 2, "none", 2, 3),  # FSDP stage 3: the block before last, beside a held reduce-scatter
     ("llama-tiny", 3, 2, 64, 2, "full", 2, 2),  # FSDP stage 2: every block gathered from the forward on
     ("gpt2-tiny", 2, 2, 128, 2, "none", 2, 3),  # FSDP stage 3, GPT-2: the attention's backward
+    # selective: the norms' outputs are recipes, the MLP's input rebuilt while its block's backward runs
+    ("llama-tiny", 3, 2, 64, 2, "selective", 1, 0),  # block 0's MLP backward beside its recomputed input
+    ("gpt2-tiny", 3, 2, 128, 2, "selective", 1, 0),  # the last block's, two blocks' recipes still saved
+    ("llama-tiny", 3, 2, 64, 2, "selective", 2, 3),  # FSDP stage 3: the block before last
+    ("gpt2-tiny", 2, 2, 128, 2, "selective", 2, 3),  # FSDP stage 3, GPT-2
 ]
 
 
@@ -64,12 +69,12 @@ def test_closed_forms_context_answers_modelled_steps_from_the_closed_form_and_pr
         inside = memory_model.peak_bytes("metp", cfg, *args, **_kwargs(case))
         with memory_model.closed_forms(False):
             off = memory_model.peak_bytes("metp", cfg, *args, **_kwargs(case))
-        # selective checkpointing is not modelled: profiled as outside the context
-        selective = memory_model.peak_bytes("metp", cfg, *args, **dict(_kwargs(case), checkpointing="selective"))
-    assert "phases" in inside and "phases" not in off and "phases" not in selective
+        # float32 (elem 4) is not modelled: profiled as outside the context
+        single = memory_model.peak_bytes("metp", cfg, *args, **dict(_kwargs(case), elem=4))
+    assert "phases" in inside and "phases" not in off and "phases" not in single
     assert inside["total"] == pytest.approx(traced[case]["total"], rel=0.02)
     assert off == traced[case]
-    assert selective["total"] > 0
+    assert single["total"] > 0
 
 
 def test_a_llama_8b_step_is_answered_in_milliseconds():
@@ -88,11 +93,16 @@ def test_a_llama_8b_step_is_answered_in_milliseconds():
     sharded = closed_peak_bytes("metp", cfg, 1, 8192, 8, dp=2, zero_stage=3, checkpointing="full")
     assert sharded["parameters"] == parts["parameters"] // 2
     assert sharded["optimizer"] == 2 * sharded["parameters"]
+    # selective: each block's two norm outputs and the final norm's are recipes, not saved ([N, h] bf16, N = 1024)
+    none, selective = (closed_peak_bytes("metp", cfg, 1, 8192, 8, dp=2, zero_stage=3, checkpointing=ck)
+                       for ck in ("none", "selective"))
+    assert none["activations"] - selective["activations"] == (2 * L + 1) * 1024 * h * 2
+    assert selective["step"] < none["step"] and selective["parameters"] == sharded["parameters"]
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(layout="2d"), "not a ring"), (dict(zero_stage=3, dp=1), "zero_stage=3"),
-    (dict(checkpointing="selective"), "'selective'"), (dict(elem=4), "elem=4"), (dict(fused=False), "fused=False"),
+    (dict(layout="2d"), "p=2: the grid needs a square"), (dict(zero_stage=3, dp=1), "zero_stage=3"),
+    (dict(checkpointing="offload"), "'offload'"), (dict(elem=4), "elem=4"), (dict(fused=False), "fused=False"),
     (dict(seq=66), "seq=66"),
 ])
 def test_steps_outside_the_closed_form_are_refused_naming_the_numbers(change, words):

@@ -17,7 +17,7 @@ square`, :attr:`~lightning_tp2d.layouts.Layout.arrangement`) with the default
 attention a ring along ``row`` (``"2d-metp"``, :attr:`~lightning_tp2d.layouts.Layout.zigzag`); GPT-2 (biases on or
 off) and Llama (GQA, tied or untied head) whose sizes the grid splits; any vocabulary (short last block);
 ``checkpointing`` ``"none"`` / ``"selective"`` / ``"full"``; ``elem`` 2 (bf16 autocast) and 4; one replica; every
-rank. Saved activation bytes: see :func:`_activation_bytes` (what is and is not modelled).
+rank. Saved activation bytes: :func:`_activation_bytes`, exact for all of these.
 
 The layers' schedules, rank ``(r, c)``, ``N`` local tokens (``"2d"``: ``B/q`` sequences of ``T``; ``"2d-metp"``:
 ``B`` sequences of ``S = T/q`` zigzag rows):
@@ -475,14 +475,14 @@ def models(layout: str | Layout, cfg, p: int, elem: int, *, dp: int = 1, zero_st
         return f"p={p} does not split {type(cfg).__name__}'s sizes in {spec.name!r} (the trace regroups heads)"
     if getattr(cfg, "dropout", 0.0):
         return f"dropout={cfg.dropout}: closed forms cover training without dropout"
-    return _activation_problem(spec, cfg, elem)
+    return None
 
 
 def closed_grid_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: int, rank: int = 0, *,
                      checkpointing: str = "none") -> TracedStep:
     """The :class:`~lightning_tp2d.planning.steps.TracedStep` of grid rank ``rank`` (module docstring), equal to
     :func:`lightning_tp2d.planning.trace.trace_step`'s for one replica. ``ValueError`` naming the numbers for
-    anything it does not model (:func:`models`, :func:`_activation_bytes`) or an input the layout refuses."""
+    anything it does not model (:func:`models`) or an input the layout refuses."""
     why = models(layout, cfg, p, elem)
     if why:
         raise ValueError(f"closed_grid_step: {why}")
@@ -529,34 +529,75 @@ def _order(item) -> tuple:
     return (ev.phase, ev.kind, ev.group, ev.nbytes, ev.overlap_flops, fm, fa, ranks, ev.calls)
 
 
-def _activation_problem(layout: Layout, cfg, elem: int) -> str | None:
-    """Why :func:`_activation_bytes` has no closed form here (``None``: it has)."""
-    if family_of_config(cfg).name != "gpt2" or elem != 4:
-        return (f"a {type(cfg).__name__} at elem={elem} in {get_layout(layout).name!r}: its saved activation bytes "
-                f"are traced; closed forms cover GPT-2 in float32 (elem=4)")
-    return None
-
-
 def _activation_bytes(g: _Grid, layers: int, checkpointing: str) -> int:
-    """Bytes of the storages one GPT-2 float32 forward creates and autograd keeps on this rank (``hq = h/q``,
-    ``N`` local tokens), ``layers`` blocks of: the block's input and the residual after attention (``2 hq``), each
-    LayerNorm's output (``2 hq``; recomputed under ``"selective"``) and mean and reciprocal deviation (``4``), q|k|v
-    (``3 hq``), the attention output and its re-laid copy (``2 hq``), the log-sum-exp (``heads/q``), the MLP's
-    pre-activation and GELU output (``8 hq``; the GELU output recomputed under ``"selective"``); the ring attention
-    of ``"2d-metp"`` keeps one more ``hq``-wide copy of its output. ``"full"`` keeps each block's input only. The
-    root: the final LayerNorm's input and output (the output recomputed under ``"selective"``), mean and reciprocal
-    deviation, the softmax block ``[N, ceil(V/q)]``, the int64 target offsets and two bool masks per token; the int64
-    position ids (``T`` rows; ``"2d-metp"``: its ``S`` rows and the ``q`` zigzag shards of the token ids); off the
-    diagonal the tied head's swapped block ``[ceil(V/q), hq]`` (a recipe under ``"selective"``)."""
-    hq, N, e = g.h // g.q, g.N, g.e
-    selective = checkpointing == "selective"
+    """Bytes of the storages one forward creates and autograd keeps on this rank (the tracer's count: a storage the
+    forward creates -- a parameter is not one -- that a saved-tensor hook sees): the root's
+    (:func:`_root_activation_bytes`) and ``layers`` times one block's (:func:`_block_activation_bytes`)."""
+    return _root_activation_bytes(g, checkpointing) + layers * _block_activation_bytes(g, checkpointing)
+
+
+def _block_activation_bytes(g: _Grid, checkpointing: str) -> int:
+    """One block's saved bytes. ``hq = h/q``; the local widths ``hd = n_head d / q``, ``kvd = n_kv_head d / q``,
+    ``f = hidden / q``; ``N`` local tokens of ``T`` rows per sequence (``"2d-metp"``: ``S``); ``e = elem``; the
+    residual stream and every saved activation in the compute dtype, the statistics float32. Per local token:
+
+    * the two residual sums (``2 hq``: the block's output is the next block's input, read by its first norm);
+    * GPT-2: q|k|v (``3 hq``), the attention output (``hq``; ``"2d-metp"``: one more ``hq``-wide copy of it), the
+      MLP's pre-activation and GELU output (``8 hq``, the GELU output recomputed under ``"selective"``), each
+      LayerNorm's output (``2 hq``, recomputed under ``"selective"``) and its float32 mean and reciprocal deviation
+      (``2 x 2 x 4`` bytes);
+    * Llama ``"2d"``: q and k after RoPE and v (``hd + 2 kvd``) and the attention output (``hd``); ``"2d-metp"``:
+      the ring's ``[g+2, B, kv, S, d]`` q|k|v (:func:`~lightning_tp2d.metp.group_queries`, ``hd + 2 kvd``), its
+      output (``hd``) and the output's re-laid copy the output projection reads (``hd``); the MLP's gate and up
+      (``2f``), SiLU(gate) (``f``) and the gated product (``f``, recomputed under ``"selective"``); each RMSNorm's
+      float32 reciprocal root mean square (4 bytes) and its output -- under float32 the output itself (``2 hq``),
+      under bf16 the bf16 copy each linear reading it makes (``autocast_operands``: q, k, v, gate, up, ``5 hq``),
+      recomputed under ``"selective"`` either way;
+    * the float32 log-sum-exp per local query head (``4 n_head / q`` bytes).
+
+    Not per token: Llama's RoPE tables per local position (``T d``): float32 cos and sin once under float32, four
+    bf16 copies (for q and for k) under bf16. Under bf16 every local weight block's bf16 copy (``autocast_operands``:
+    GPT-2 ``12 h^2 / q^2``, Llama ``(2 n_head d + 2 n_kv_head d + 3 I) h / q^2`` elements). ``"full"`` keeps the
+    block's input only (held by the checkpoint)."""
+    hq, N, e, q = g.h // g.q, g.N, g.e, g.q
     if checkpointing == "full":
-        block = N * hq * e
-    else:
-        block = N * e * ((10 if selective else 16) * hq + 4 + g.heads // g.q + (hq if g.ring else 0))
-    root = N * (e * ((1 if selective else 2) * hq + 2 + g.vb) + 8 + 2) + 8 * g.T
-    if g.ring:
-        root += g.q * N * 8
-    if g.tied and g.mirror != g.rank and not selective:
-        root += g.vb * hq * e
-    return root + layers * block
+        return N * hq * e
+    selective, half = checkpointing == "selective", e < 4
+    per_token = 2 * hq * e + 4 * (g.heads // q)  # residuals; log-sum-exp
+    if g.llama:
+        hd, kvd, f = g.heads // q * g.d, g.kv_heads // q * g.d, g.hidden // q
+        attention = 3 * hd + 2 * kvd if g.ring else 2 * hd + 2 * kvd
+        norms = 0 if selective else (5 if half else 2) * hq
+        per_token += e * (attention + (3 if selective else 4) * f + norms) + 2 * 4
+        rope = (4 * g.T * g.d * e) if half else 2 * g.T * g.d * 4
+        weights = (2 * g.heads * g.d + 2 * g.kv_heads * g.d + 3 * g.hidden) * g.h // (q * q) * e if half else 0
+        return N * per_token + rope + weights
+    per_token += e * ((8 if selective else 14) * hq + (hq if g.ring else 0)) + 2 * 2 * 4
+    weights = 12 * g.h * g.h // (q * q) * e if half else 0
+    return N * per_token + weights
+
+
+def _root_activation_bytes(g: _Grid, checkpointing: str) -> int:
+    """The root's saved bytes, per local token: the embedding's output in the compute dtype (``hq``, the first
+    block's input), the final norm's output as a block's norms keep it (``hq``: GPT-2's LayerNorm output, Llama's
+    RMSNorm output under float32 or the head's bf16 copy of it under bf16; recomputed under ``"selective"``) and its
+    float32 statistics (GPT-2 mean and reciprocal deviation, Llama the reciprocal root mean square), the float32
+    softmax block ``[N, ceil(V/q)]``, the int64 target offsets and two bool masks; GPT-2 per local row its int64
+    position id; ``"2d-metp"``: the ``q`` int64 zigzag shards of the token ids (``q N``). The head's weight block
+    ``[ceil(V/q), hq]`` where it is a new storage: tied (the embedding's block of vocab rows ``r``; none under
+    ``"selective"``, where the mirrored block is a recipe), off the diagonal the swapped block, on the diagonal the
+    bf16 copy under bf16 or, under float32, the zero-padded copy of a short block; untied (vocab rows ``c``), the
+    bf16 copy under bf16, the zero-padded copy of a short block under float32. ``"full"`` checkpoints the blocks
+    only, so it keeps what ``"none"`` does."""
+    hq, N, e, q = g.h // g.q, g.N, g.e, g.q
+    selective, half = checkpointing == "selective", e < 4
+    stats = 4 if g.llama else 8
+    per_token = e * hq + (0 if selective else e * hq) + stats + 4 * g.vb + 8 + 2
+    out = N * per_token + (0 if g.llama else 8 * g.T) + (q * N * 8 if g.ring else 0)
+    block, owner = g.vb * hq * e, (g.r if g.tied else g.c)
+    short = g.vocab - owner * g.vb < g.vb
+    if g.tied and selective:
+        return out  # the mirrored block is a recipe, swapped again in the backward
+    if (g.tied and g.mirror != g.rank) or half or short:
+        out += block
+    return out

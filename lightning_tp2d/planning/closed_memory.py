@@ -11,7 +11,7 @@ the step as before):
   are refused;
 * ZeRO stages 0 and 1 (any ``dp``), stages 2 and 3 (FSDP2) with ``dp > 1`` (below); stages 2 and 3 on one
   replica are refused;
-* checkpointing ``"none"`` and ``"full"``; ``"selective"`` is refused;
+* checkpointing ``"none"``, ``"selective"`` and ``"full"``;
 * ``elem`` 2 (bf16 autocast over float32 parameters), AdamW's fused step (``fused=True``): what the planner prices;
 * GPT-2 (tied head) and Llama with an untied head (``tie_embeddings=False``: every named Llama size but 3.2-1b
   and 3.2-3b).
@@ -27,7 +27,13 @@ to the parameters held (``P``).
   ``N (h + 2 kv) e`` and the attention's output ``N h e`` and log-sum-exp ``4 N nh``; Llama's four RoPE tables
   cast for q and for k ``4 S hs e``; the ring MLP keeps only its input (the second norm's output); the bf16
   copies autocast makes of the block's matrices ``e M`` (the weights travel round the ring as these copies).
-  ``"full"``: the block's input ``N h e``, one block's ``A`` while it is recomputed;
+  ``"full"``: the block's input ``N h e``, one block's ``A`` while it is recomputed. ``"selective"``
+  (:mod:`lightning_tp2d.recompute`: the ring norms mark their outputs, rebuilt from the saved input and statistics
+  when a consumer unpacks them): ``A - 2 N h e``; the root loses the final norm's output ``N h e``. The rebuilt
+  output lives while its consumer's backward runs: the second norm's in the block's MLP backward (the block holds
+  ``A - N h e`` there), the final norm's in the loss's backward (the root holds ``R``); the first norm's is rebuilt
+  after the attention's backward, for the q|k|v projection's, a smaller moment (the attention's backward holds
+  ``N h e`` less than under ``"none"``); the recomputation itself (a norm's forward) is smaller than either;
 * saved by the root (``R``): the zigzag ids ``8 N``, GPT-2's positions ``8 S``, the final norm's as a block's,
   the head's copy ``e Vb h``, the targets ``8 N`` and the loss's log-sum-exp ``4 N``;
 * the ring's backward passes hold ``r = min(p, 3)`` receive buffers of what travels at once (two on a ring of
@@ -67,12 +73,14 @@ reduce-scatter), and at its end its reduce-scatter: bf16 gradients, their float3
 and the shard. After the backward: the gradient shards and clipping's square of the largest. Llama's blocks hold
 ``9216`` bytes per block more in the trace than this counts on llama-tiny (under 1% of the total; not found).
 
-The sum for ``"full"`` is the same with each block's input in place of its saved tensors and one block's
-recomputed. ``parameters``, ``gradients`` and ``optimizer`` are exact; ``activations`` equals the traced forward's
-saved bytes (stage 0's, with autocast's copies, at every stage, as the trace reports it); ``gathered`` is 0 at
-stages 0 and 1, at 2 and 3 the tensor shards in bf16 (root's and every block's, or two blocks'); ``backward`` is one block's recomputed tensors
-(``"full"``) plus, with ``dp > 1``, the buckets (stages 2 and 3: the root's and one block's tensor-shard bytes); ``step`` the largest phase; ``total`` = parameters + optimizer +
-step. Not modelled: what the traced step also leaves out (allocator rounding, kernel workspaces).
+The sum for ``"full"`` is the same with each block's input in place of its saved tensors and one block's recomputed;
+for ``"selective"``, with the blocks' saved tensors less their norms' outputs. ``parameters``, ``gradients`` and
+``optimizer`` are exact; ``activations`` equals the traced forward's saved bytes (stage 0's, with autocast's copies,
+at every stage, as the trace reports it); ``gathered`` is 0 at stages 0 and 1, at 2 and 3 the tensor shards in bf16
+(root's and every block's, or two blocks'); ``backward`` is one block's recomputed tensors (``"full"``;
+``"selective"`` none) plus, with ``dp > 1``, the buckets (stages 2 and 3: the root's and one block's tensor-shard
+bytes); ``step`` the largest phase; ``total`` = parameters + optimizer + step. Not modelled: what the traced step also
+leaves out (allocator rounding, kernel workspaces).
 
 ``tests/test_closed_memory.py`` checks it against the traced ``peak_bytes`` on a grid of small configurations.
 """
@@ -86,6 +94,7 @@ import torch
 from lightning_tp2d.families import family_of, family_of_config
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.metp import ring_options
+from lightning_tp2d.planning.closed_memory_grid import grid_peak_bytes, grid_problem, is_grid
 
 __all__ = ["closed_peak_bytes", "closed_form_problem"]
 
@@ -191,6 +200,9 @@ def closed_form_problem(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 
                         checkpointing: str = "none", elem: int = 2, fused: bool = True) -> str | None:
     """Why :func:`closed_peak_bytes` does not model this step (``None``: it does)."""
     spec = get_layout(layout)
+    if is_grid(spec):  # the grid layouts' closed form (closed_memory_grid)
+        return grid_problem(spec, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, checkpointing=checkpointing,
+                            elem=elem, fused=fused)
     if spec.arrangement != "ring" or spec.square:
         return (f"layout {spec.name!r} (p={p} ranks as a {spec.arrangement}) is not a ring; the closed form models "
                 f"the ring layouts only")
@@ -201,8 +213,8 @@ def closed_form_problem(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 
     if zero_stage not in (0, 1, 2, 3) or (zero_stage >= 2 and dp < 2):
         return (f"zero_stage={zero_stage} (dp={dp}): the closed form models stages 0 and 1, and 2 and 3 (FSDP) "
                 f"with dp > 1")
-    if checkpointing not in ("none", "full"):
-        return f"checkpointing={checkpointing!r}: the closed form models 'none' and 'full'"
+    if checkpointing not in ("none", "selective", "full"):
+        return f"checkpointing={checkpointing!r}: the closed form models 'none', 'selective' and 'full'"
     if elem != 2:
         return f"elem={elem}: the closed form models bf16 autocast (elem 2)"
     if not fused:
@@ -220,6 +232,9 @@ def closed_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1,
     the step's live bytes, by name). ``largest`` is shorter than the traced one: the named parts of the phase that
     peaks, ``{"part", "bytes"}`` dicts, largest first (the traced model names tensors). ``ValueError`` naming the
     numbers for a step it does not model (:func:`closed_form_problem`)."""
+    if is_grid(layout):  # the grid layouts' closed form (closed_memory_grid)
+        return grid_peak_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, checkpointing=checkpointing,
+                               elem=elem, rank=rank, fused=fused)
     problem = closed_form_problem(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage,
                                   checkpointing=checkpointing, elem=elem, fused=fused)
     if problem:
@@ -264,11 +279,13 @@ def closed_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1,
     A = 2 * norm + attention + (0 if fsdp else e * M)
     R = 8 * N + (0 if llama else 8 * S) + final_norm + (0 if fsdp else e * Vb * h) + 8 * N + 4 * N
     block_input = N * h * e
-    kept = A if checkpointing == "none" else block_input
+    out = N * h * e if checkpointing == "selective" else 0  # each norm's output: a recipe under "selective"
+    kept = {"none": A, "selective": A - 2 * out, "full": block_input}[checkpointing]
+    current = A - out  # the block being done: its second norm's output recomputed for the MLP's backward
     # the reported activations are the autocast forward's (trace_step's, at every stage): its copies of the weights
     A0 = A + (e * M + (0 if llama else 4 * h * e) if fsdp else 0)
     R0 = R + (e * Vb * h + (0 if llama else 2 * h * e) if fsdp else 0)
-    activations = L * (A0 if checkpointing == "none" else block_input) + R0
+    activations = L * (block_input if checkpointing == "full" else A0 - 2 * out) + R0 - out
     recv = min(p, 3)  # ring_backward's receive buffers in use at once (two when the ring has two ranks)
     # the loss's backward (root's backward)
     widest = max(max(0, min(Vb, cfg.vocab_size - j * Vb)) for j in range(p) if j != rank)  # after the own one
@@ -278,7 +295,7 @@ def closed_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1,
     # each phase's candidate moments, as named parts (the phase peaks at the largest sum)
     forward = [{"saved activations": L * kept + R, "loss backward": loss_backward}]
     if llama:  # the final RMSNorm's backward: five float32 [N, h] temporaries (the norm is composite)
-        forward.append({"saved activations": L * kept + 8 * N + final_norm, "head gradients": 4 * Vb * h + 8 * h,
+        forward.append({"saved activations": L * kept + 8 * N + final_norm - out, "head gradients": 4 * Vb * h + 8 * h,
                         "norm backward": 20 * N * h + 2 * N * h * e + _LOSS_SCALARS})
     # a block's backward: its ring MLP's, early (the activation's backward, one gradient set) or late (two sets
     # and the tile's weight-gradient products), or its ring attention's
@@ -292,14 +309,14 @@ def closed_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1,
                           + (5 if nh > kv // hs else 5 / 2) * N * kv * e)
     # the block's saved tensors still alive in its attention's backward (its MLP and second norm are done), the
     # residual's gradient, and the gradients of its MLP, output projection and second norm
-    attention_kept = A - norm - (0 if fsdp else e * Wo + e * Mm) + N * h * e
+    attention_kept = A - norm - (0 if fsdp else e * Wo + e * Mm) + N * h * e - out
     attention_grads = 4 * (Mm + Wo + (h if llama else 4 * h + F))
     left = 8 * N + (0 if llama else 8 * S) + _LOSS_SCALARS  # what the root keeps through the blocks' backward
 
     def in_block(i: int) -> list[dict]:
         done = (L - 1 - i) * block_params + head_grads
         base = {"saved activations": i * kept + left, "gradients": done, "buckets": _flat_buckets(done, dp)}
-        return [dict(base, **{"saved activations": base["saved activations"] + A, "MLP backward":
+        return [dict(base, **{"saved activations": base["saved activations"] + current, "MLP backward":
                               max(mlp_late, mlp_early)}),
                 dict(base, **{"saved activations": base["saved activations"] + attention_kept,
                               "gradients": done + attention_grads, "attention backward": attention_backward})]
@@ -336,15 +353,15 @@ def closed_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1,
         gathered = (tensor_root + (L if zero_stage == 2 else min(2, L)) * tensor_block) * e // 4
         transient = tensor_root + tensor_block
     return {"parameters": P, "gradients": P, "optimizer": optimizer, "activations": int(activations),
-            "gathered": int(gathered), "backward": int(recompute + transient), "step": step, "total": int(P + optimizer + step),
-            "largest": largest, "phases": phases}
+            "gathered": int(gathered), "backward": int(recompute + transient), "step": step,
+            "total": int(P + optimizer + step), "largest": largest, "phases": phases}
 
 
 def _fsdp_moments(v: dict) -> dict:
     """The phases' candidate moments at stages 2 and 3 (FSDP2, ``dp > 1``)."""
     L, i_stage, P, e = v["L"], v["zero_stage"], v["P"], v["e"]
     d, gr, gb = v["d"], v["gr"], v["gb"]
-    kept, left, A = v["kept"], v["left"], v["A"]
+    kept, left, current = v["kept"], v["left"], v["current"]
     sb = 4 * d.block  # a block's float32 gradient shard
     forward = [dict(m, gathered=gr + (L if i_stage == 2 else 1) * gb) for m in v["forward"]]
 
@@ -355,7 +372,7 @@ def _fsdp_moments(v: dict) -> dict:
         done = (L - 1 - i) * sb + v["head_grads"] // 2
         base = {"saved activations": i * kept + left, "gradients": done, "gathered": gathered(i),
                 "held reduce-scatter input": 4 * d.block_padded if i < L - 1 else 0}
-        return [dict(base, **{"saved activations": base["saved activations"] + A, "MLP backward":
+        return [dict(base, **{"saved activations": base["saved activations"] + current, "MLP backward":
                               max(v["mlp_late"], v["mlp_early"])}),
                 dict(base, **{"saved activations": base["saved activations"] + v["attention_kept"],
                               "gradients": done + v["attention_grads"] // 2,
