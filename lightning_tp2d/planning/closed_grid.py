@@ -47,7 +47,7 @@ from lightning_tp2d.families import family_of_config, fits
 from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.options import TPOptions
 from lightning_tp2d.planning.events import Comm
-from lightning_tp2d.planning.steps import TracedStep
+from lightning_tp2d.planning.steps import TracedStep, root_and_blocks
 from lightning_tp2d.summa import ab_form, reduce_order, ring_order, ring_steps
 
 __all__ = ["closed_grid_step", "models"]
@@ -509,24 +509,8 @@ def closed_grid_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, el
     if checkpointing == "full":
         _block(block, g, False)  # the checkpoint runs the block's forward again, then its backward
     _block(block, g, True)
-    L = cfg.n_layer
-    merged: dict[tuple, int] = defaultdict(int)
-    for key, n in root.events().items():
-        merged[key] += n
-    block_events = block.events()
-    for key, n in block_events.items():
-        merged[key] += L * n
-    events = tuple(sorted(((dataclasses.replace(ev, calls=n), fm, fa, r) for (ev, fm, fa, r), n in merged.items()),
-                          key=_order))
-    flops = {ph: {rate: root.flops[ph][rate] + L * block.flops[ph][rate] for rate in root.flops[ph]}
-             for ph in root.flops}
-    gemms = {ph: root.gemms[ph] + L * block.gemms[ph] for ph in root.gemms}
-    return TracedStep(events, flops, activation, gemms, sum(block_events.values()))
+    return root_and_blocks(root, block, cfg.n_layer, activation)
 
-
-def _order(item) -> tuple:
-    ev, fm, fa, ranks = item
-    return (ev.phase, ev.kind, ev.group, ev.nbytes, ev.overlap_flops, fm, fa, ranks, ev.calls)
 
 
 def _activation_bytes(g: _Grid, layers: int, checkpointing: str) -> int:

@@ -35,7 +35,7 @@ from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.metp import RingOptions
 from lightning_tp2d.planning import closed_grid
 from lightning_tp2d.planning.events import Comm, float32_bytes
-from lightning_tp2d.planning.steps import TracedStep
+from lightning_tp2d.planning.steps import TracedStep, root_and_blocks
 
 __all__ = ["closed_step", "models"]
 
@@ -356,24 +356,9 @@ def closed_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: i
         _block(block, m, False)  # the checkpoint runs the block's forward again, then its backward
     _block(block, m, True)
     L = cfg.n_layer
-    merged: dict[tuple, int] = defaultdict(int)
-    for key, n in root.events().items():
-        merged[key] += n
-    block_events = block.events()
-    for key, n in block_events.items():
-        merged[key] += L * n
-    events = tuple(sorted(((dataclasses.replace(ev, calls=n), fm, fa, r) for (ev, fm, fa, r), n in merged.items()),
-                          key=_order))
-    flops = {ph: {rate: root.flops[ph][rate] + L * block.flops[ph][rate] for rate in root.flops[ph]}
-             for ph in root.flops}
-    gemms = {ph: root.gemms[ph] + L * block.gemms[ph] for ph in root.gemms}
     activation = _root_activation_bytes(m, checkpointing) + L * _block_activation_bytes(m, checkpointing)
-    return TracedStep(events, flops, activation, gemms, sum(block_events.values()))
+    return root_and_blocks(root, block, L, activation)
 
-
-def _order(item) -> tuple:
-    ev, fm, fa, ranks = item
-    return (ev.phase, ev.kind, ev.group, ev.nbytes, ev.overlap_flops, fm, fa, ranks, ev.calls)
 
 
 def _block_activation_bytes(m: _Shapes, checkpointing: str) -> int:
