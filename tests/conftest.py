@@ -8,6 +8,7 @@ the planner's on-disk answers in its own folder."""
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
@@ -17,3 +18,51 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)  # (forked ranks leav
 # the planner's on-disk answers (lightning_tp2d.planning.cache) live in the session's own folder, never the user's
 os.environ["TP2D_PLAN_CACHE"] = _PLANS = tempfile.mkdtemp(prefix="tp2d-plans-")
 atexit.register(shutil.rmtree, _PLANS, ignore_errors=True)
+
+
+# Counting the assertions the suite executes (issue 37: a faster suite must not check less). pytest calls
+# ``pytest_assertion_pass`` for every rewritten ``assert`` that passes, in this process and in the ranks it forks
+# (they share the rewritten test modules); each appends one byte to a file named in the environment, which forked
+# ranks inherit, so the file's size is the count. The summary line prints it beside the collected tests.
+_COUNT = os.environ.setdefault("TP2D_ASSERT_COUNT", os.path.join(_PLANS, "asserts-executed"))
+
+
+def pytest_assertion_pass(item, lineno, orig, expl):
+    with open(_COUNT, "ab") as f:
+        f.write(b".")
+
+
+_PER_TEST: dict[str, int] = {}
+
+
+def _executed() -> int:
+    return os.path.getsize(_COUNT) if os.path.exists(_COUNT) else 0
+
+
+def pytest_runtest_protocol(item, nextitem):
+    _PER_TEST[item.nodeid] = -_executed()  # tests run one at a time: the file's growth during one is its count
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _PER_TEST[nodeid] = _PER_TEST.get(nodeid, 0) + _executed()
+
+
+def pytest_sessionfinish(session):
+    report = os.environ.get("TP2D_ASSERT_REPORT")  # a JSON of the assertions each test executed, when asked
+    if report:
+        with open(report, "w") as f:
+            json.dump(_PER_TEST, f, indent=0)
+
+
+def pytest_terminal_summary(terminalreporter):
+    passed = len(terminalreporter.stats.get("passed", []))
+    executed = _executed()
+    terminalreporter.write_line(f"tests passed: {passed}; assertions executed (this process and its forked ranks): "
+                                f"{executed}")
+
+
+def pytest_runtest_setup(item):
+    # a test that monkeypatches this process needs ranks forked after the patch (tests/distributed.py)
+    import tests.distributed  # (imports torch and the package's process spawner: loaded once the first test runs)
+
+    tests.distributed.FRESH_FOR_THIS_TEST = "monkeypatch" in item.fixturenames

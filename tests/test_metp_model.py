@@ -245,10 +245,10 @@ def _broken_ring(rank, world_size, how):
 
 @pytest.mark.parametrize("how", ["dies", "stalls"])
 def test_a_rank_failing_mid_ring_makes_its_neighbours_raise_instead_of_hanging(how):
-    # run_distributed gives the process group half its timeout: 4 s here. A survivor must raise within it
+    # run_distributed gives fresh ranks a process group with half its timeout: 4 s here. A survivor must raise within it
     # (run_distributed would report a TimeoutError if every rank hung).
     with pytest.raises(RuntimeError, match=r"rank [02] failed") as info:
-        run_distributed(_broken_ring, 3, how, timeout=8)
+        run_distributed(_broken_ring, 3, how, timeout=8, fresh=True)  # a rank dies or stalls: not pooled
     message = str(info.value)
     assert "ring failed after" in message
     if how == "stalls":

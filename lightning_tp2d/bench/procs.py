@@ -14,10 +14,14 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
+import random
+import socket
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -57,7 +61,7 @@ def _short(exc: BaseException) -> str:
 
 
 def _worker(rank: int, world_size: int, init_file: str, device: str, cap_bytes: int | None, fn: Callable,
-            args: tuple, results, timeout: float) -> None:
+            args: tuple, results, timeout: float, lightning: str | None, tracebacks: bool) -> None:
     try:
         backend = "gloo"
         if device == "cuda":
@@ -70,43 +74,63 @@ def _worker(rank: int, world_size: int, init_file: str, device: str, cap_bytes: 
                 torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), gpu)
         else:
             torch.set_num_threads(max(1, int(os.environ.get("TP2D_BENCH_THREADS", "1"))))
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        if lightning is not None:  # launched "externally": Lightning makes the process group itself
+            os.environ.update(_launch_env(rank, world_size, lightning))
+            warnings.filterwarnings("ignore")
+        else:
+            dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout))
         try:
             out = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         results.put((rank, "ok", out))
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent, which decides
         oom = _oom_in(exc)
         status = OOM if oom is not None else "error"
-        detail = _short(oom) if oom is not None else _short(exc) if isinstance(exc, ValueError) else traceback.format_exc()
-        results.put((rank, status, detail))
+        short = oom if oom is not None else exc if isinstance(exc, ValueError) and not tracebacks else None
+        results.put((rank, status, _short(short) if short is not None else traceback.format_exc()))
+
+
+def _launch_env(rank: int, world_size: int, port: str) -> dict[str, str]:
+    """What torchrun sets for a rank of one machine: Lightning then neither spawns nor re-runs ``sys.argv``."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0",
+                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 
 
 def run_ranks(fn: Callable, world_size: int, *args, device: str = "cpu", cap_bytes: int | None = None,
-              timeout: float = 600.0) -> RunResult:
+              timeout: float = 600.0, lightning: bool = False, allow_exit: bool = False,
+              tracebacks: bool = False, group_timeout: float | None = None) -> RunResult:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` new processes joined by a process group.
 
     Returns the per-rank values, or the first failure (``oom`` / ``error`` with the rank's reason, ``timeout``,
-    or a rank that died without a word). The processes left are terminated either way."""
+    or a rank that died without a word). The processes left are terminated either way. ``lightning``: the ranks
+    look launched by torchrun (:func:`_launch_env`) and Lightning makes the process group; ``allow_exit``: a rank
+    may end without a result (its value is ``None``); ``tracebacks``: a ``ValueError`` is reported with its
+    traceback too, not as one line; ``group_timeout``: the process group's timeout (default ``timeout``)."""
     ctx = mp.get_context("spawn" if device == "cuda" else "fork")
     results = ctx.Queue()
+    port = str(free_port()) if lightning else None
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(r, world_size, init_file, device, cap_bytes, fn, args, results, timeout))
+        procs = [ctx.Process(target=_worker, daemon=True, args=(r, world_size, init_file, device, cap_bytes, fn, args,
+                                                                 results, group_timeout or timeout, port,
+                                                                 tracebacks))
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        return collect(procs, results, world_size, timeout)
+        return collect(procs, results, world_size, timeout, allow_exit)
 
 
-def collect(procs: list, results, world_size: int, timeout: float, allow_exit: bool = False) -> RunResult:
+def collect(procs: list, results, world_size: int, timeout: float, allow_exit: bool = False,
+            keep_alive: bool = False) -> RunResult:
     """Per-rank values from ``results`` (a queue of ``(rank, status, value)``) sent by ``procs``, or the first
     failure: a rank's non-``"ok"`` status, a rank that exited without a result (unless ``allow_exit``: its value
-    is then ``None``), or ``timeout`` seconds passing. The processes still alive are terminated on the way out."""
+    is then ``None``), or ``timeout`` seconds passing. The processes still alive are terminated on the way out,
+    unless ``keep_alive`` and every rank reported ``"ok"`` (:class:`RankPool`'s ranks wait for the next task)."""
     outs: dict[int, Any] = {}
+    finished = False
     deadline = time.monotonic() + timeout
     try:
         while len(outs) < world_size:
@@ -133,10 +157,143 @@ def collect(procs: list, results, world_size: int, timeout: float, allow_exit: b
             if status != "ok":
                 return RunResult(status, reason=f"rank {rank}: {value}", rank=rank)
             outs[rank] = value
+        finished = True
     finally:
+        if keep_alive and finished:
+            procs = []
         for p in procs:
             if p.is_alive():
                 p.terminate()
         for p in procs:
             p.join(timeout=10)
     return RunResult("ok", values=[outs.get(r) for r in range(world_size)])
+
+
+# ---- ranks kept for many tasks -------------------------------------------------------------------------------------
+
+
+class RankPool:
+    """``world_size`` forked CPU ranks joined once by a gloo process group, each running the tasks it is sent one
+    after another: ``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank, like
+    :func:`run_ranks`, without starting processes or a process group per call.
+
+    Tasks travel pickled, so ``fn`` must be importable by name (a module-level function) and ``args`` must pickle
+    (:func:`picklable`); the ranks were forked after the caller's modules were imported, so the module-level state
+    they read is the caller's. Before each task a rank restores the state a fresh fork would have: torch's and
+    Python's random generators, the default dtype and the warning filters; its environment is ``env`` when given
+    (the caller's ``os.environ``, as a fork would inherit it), else the one the pool started with; a task that destroyed the default group gets a new one before the next. The
+    sub-groups tasks make (each ``DeviceMesh`` makes its own) are left as they are: a mesh or FSDP state may still
+    name them, and nothing lists them publicly; so the pool ends itself after ``tasks`` tasks, before sockets and
+    gloo contexts pile up. A failure, a rank that dies or a timeout ends the pool too (its ranks may be blocked in a
+    collective with the failed one): :attr:`alive` turns false and the caller starts a new pool.
+
+    ``lightning=True``: the ranks look launched by torchrun to Lightning (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``/``MASTER_PORT``, ...), so a Trainer built in a task neither spawns nor re-runs ``sys.argv``,
+    and finds the process group already made (a one-rank pool makes none: Lightning's single-device run has none).
+    """
+
+    def __init__(self, world_size: int, *, lightning: bool = False, timeout: float = 600.0, tasks: int = 40):
+        self.world_size, self.lightning, self.tasks_left = world_size, lightning, tasks
+        ctx = mp.get_context("fork")
+        self._results = ctx.Queue()
+        self._dir = tempfile.TemporaryDirectory(prefix="tp2d-pool-")
+        port = free_port()
+        pipes = [ctx.Pipe() for _ in range(world_size)]
+        self._tasks = [parent for parent, _ in pipes]
+        self._procs = [ctx.Process(target=_pool_worker, daemon=True,
+                                   args=(r, world_size, lightning, port, self._dir.name, child, self._results,
+                                         timeout)) for r, (_, child) in enumerate(pipes)]
+        for p in self._procs:
+            p.start()
+        self.alive = True
+
+    def run(self, fn: Callable, *args, timeout: float = 600.0, allow_exit: bool = False,
+            env: dict[str, str] | None = None) -> RunResult:
+        if not self.alive:
+            raise RuntimeError("this RankPool has ended (a task failed, timed out or a rank died); start a new one")
+        task = (fn, args, None if env is None else dict(env))
+        for pipe in self._tasks:
+            pipe.send(task)
+        result = collect(self._procs, self._results, self.world_size, timeout, allow_exit, keep_alive=True)
+        self.tasks_left -= 1
+        if not result.ok or allow_exit or self.tasks_left <= 0:
+            self.close()
+        return result
+
+    def close(self) -> None:
+        """Ends the ranks (a rank blocked in a collective is terminated)."""
+        if not self.alive:
+            return
+        self.alive = False
+        for pipe in self._tasks:
+            try:
+                pipe.send(None)
+            except OSError:
+                pass
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+        self._dir.cleanup()
+
+
+def picklable(fn: Callable, args: tuple) -> bool:
+    """Whether ``(fn, args)`` can travel to a :class:`RankPool`'s ranks (a lambda, a nested function or an open
+    file cannot: such a call forks fresh ranks, which inherit them)."""
+    try:
+        pickle.dumps((fn, args))
+    except Exception:  # noqa: BLE001 - pickling raises whatever the object's __reduce__ raises
+        return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pool_worker(rank: int, world_size: int, lightning: bool, port: int, folder: str, tasks, results,
+                 timeout: float) -> None:
+    if lightning:
+        os.environ.update(_launch_env(rank, world_size, str(port)))
+    torch.set_num_threads(1)
+    generation = 0
+
+    def join() -> None:  # the default group, made anew under a new rendezvous file when a task destroyed it
+        nonlocal generation
+        generation += 1
+        dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous-{generation}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+
+    if world_size > 1 or not lightning:
+        join()
+    fresh = (torch.get_rng_state(), random.getstate(), torch.get_default_dtype(), list(warnings.filters),
+             dict(os.environ))
+    while True:
+        task = tasks.recv()
+        if task is None:
+            break
+        fn, args, env = task
+        torch.set_rng_state(fresh[0])
+        random.setstate(fresh[1])
+        torch.set_default_dtype(fresh[2])
+        warnings.filters[:] = fresh[3]
+        os.environ.clear()
+        os.environ.update(fresh[4] if env is None else env)
+        if lightning:
+            os.environ.update(_launch_env(rank, world_size, str(port)))
+        try:
+            if lightning:
+                warnings.filterwarnings("ignore")
+            out = fn(rank, world_size, *args)
+        except BaseException as exc:  # noqa: BLE001 - reported; the parent ends the pool
+            oom = _oom_in(exc)
+            results.put((rank, OOM if oom is not None else "error",
+                         _short(oom) if oom is not None else traceback.format_exc()))
+            continue
+        if not dist.is_initialized() and (world_size > 1 or not lightning):
+            join()
+        results.put((rank, "ok", out))
+
