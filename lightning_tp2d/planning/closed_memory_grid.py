@@ -12,8 +12,9 @@ numbers; ``memory_model.closed_forms()`` then profiles the step as before):
   :attr:`~lightning_tp2d.layouts.Layout.arrangement`) with the default options, its rows splitting the batch
   (:attr:`~lightning_tp2d.layouts.Layout.splits_batch`) or cutting the sequence into zigzag chunks
   (:attr:`~lightning_tp2d.layouts.Layout.zigzag`);
-* ZeRO stages 0 and 1 (any ``dp``); stages 2 and 3 (FSDP2) are refused;
-* checkpointing ``"none"`` and ``"full"``; ``"selective"`` is refused;
+* ZeRO stages 0 and 1 (any ``dp``), stages 2 and 3 (FSDP2) with ``dp > 1``
+  (:mod:`~lightning_tp2d.planning.closed_memory_grid_fsdp`, below); stages 2 and 3 on one replica are refused;
+* checkpointing ``"none"``, ``"selective"`` and ``"full"``;
 * ``elem`` 2 (bf16 autocast over float32 parameters), AdamW's fused step; GPT-2 (tied head) and Llama (GQA,
   untied head).
 
@@ -33,12 +34,18 @@ to them); ``M`` the local elements of one block's matrices (``1/p`` of each), ``
   bf16 copies of the block's matrices ``e M``; q, k, v ``N (hq + 2 kq) e``, the attention's output ``N hq e``
   (the ring's one more copy: ``2 N hq e``) and log-sum-exp ``4 N nq``; Llama's RoPE tables cast for q and k
   ``4 R_T hs e``; the MLP: SwiGLU's gate, up, ``silu(gate)`` and product ``4 N fq e``, GELU's pre-activation and
-  output ``2 N fq e``. ``"full"``: the block's input ``N hq e``;
+  output ``2 N fq e``. ``"full"``: the block's input ``N hq e``. ``"selective"`` (:mod:`lightning_tp2d.recompute`):
+  ``A`` less its recipes, the norms' outputs (Llama: the five casts of them) and the MLP's activation output (SwiGLU's
+  product, GELU's output) ``N fq e``, which its down projection's backward rebuilds (the block holds it then); the
+  root loses the final norm's output and GPT-2's mirrored head block, rebuilt in the head's backward;
 * saved by the root (``R``): the softmax block ``4 N Vb`` (float32, overwritten in place), the targets' offsets
   and two masks ``10 N``, the final norm's input ``N hq e``, statistics and bf16 output ``N hq e``, the head's
   bf16 weight block ``e Vb hq``; GPT-2's position ids ``8 R_T``; ``"2d-metp"``'s zigzag shards of the ids ``8 q N``;
 * the forward and the root's backward peak in the cross-entropy's backward: the float32 gradient of the logits and
-  its bf16 cast ``6 N Vb``, the target column ``8 N`` and the loss's scalars ``16``;
+  its bf16 cast ``6 N Vb``, the target column ``8 N`` and the loss's scalars ``16``; or, the softmax block and the
+  targets freed, in the head's backward (gather form): the bf16 gradient of the logits ``e N Vb``, the
+  weight-gradient partials ``q e Vb hq``, the weight's column (streamed when ``q hq > N``: ``min(q, 3)`` blocks;
+  gathered: ``q`` and the wire) and the input gradient's partial sums round ``col`` ``w e N hq``;
 * a block's backward peaks in its MLP's down projection (SUMMA's scatter form): the gradient of its input
   ``e N fq``, the weight-gradient partials ``q e hq fq`` and the weight's column along ``row`` (streamed block by
   block when ``q hq fq > N hq``: ``min(q, 3)`` blocks; gathered: ``q`` and the wire), the gradient arriving round the
@@ -55,16 +62,28 @@ to them); ``M`` the local elements of one block's matrices (``1/p`` of each), ``
 * after the backward: ``G``, clipping's square of the largest gradient and its scalars; with ``dp > 1``
   :class:`~lightning_tp2d.training.GradientSync`'s buckets; at stage 1 the all-gather of the updated slices.
 
-``parameters``, ``gradients``, ``optimizer`` and ``activations`` (the traced forward's saved bytes) are exact;
-``gathered`` is 0; ``backward`` is one block's saved tensors (``"full"``: recomputed) plus, with ``dp > 1``, the
-buckets; ``step`` the largest phase; ``total`` = parameters + optimizer + step. On the small configurations of
-``tests/test_closed_memory_grid.py`` (both layouts and families, ``q`` 2 and 3, stages 0 and 1, none and full)
-every phase equals the traced one to the byte, but one: with two blocks, GPT-2's block-0 phase in ``"2d"``, where
-the traced profile, in a worker whose DTensor propagation cache is cold, counts three global ``[V, h]`` float32
+At stages 2 and 3 (:func:`lightning_tp2d.fsdp.shard_data_parallel`, bf16 ``param_dtype``) ``P`` is the float32 dp
+shards (:func:`~lightning_tp2d.planning.closed_memory_grid_fsdp.grid_data_shards`: ``ceil(rows / dp)`` rows of each
+local tensor shard, GPT-2's ``c_attn`` weight cut by columns and its bias kept whole); the gathered groups are bf16,
+so autocast copies no weight (the blocks lose ``e M``, Llama's norms save one bf16 output instead of a cast per
+linear, the head's block is the weight itself where no padding or mirror rank copies it), and the blocks' and the
+head's gradients are bf16 until their reduce-scatter; the moments are
+:func:`~lightning_tp2d.planning.closed_memory_grid_fsdp.fsdp_moments`'s (its docstring states them).
+
+``parameters``, ``gradients``, ``optimizer`` and ``activations`` (the traced forward's saved bytes, stage 0's at every
+stage, as the trace reports them) are exact; ``gathered`` is 0 at stages 0 and 1, at 2 and 3 the tensor shards in
+bf16 (the root's and every block's, or two blocks'); ``backward`` is one block's saved tensors (``"full"``:
+recomputed) plus, with ``dp > 1``, the buckets (stages 2 and 3: the root's and one block's tensor-shard bytes);
+``step`` the largest phase; ``total`` = parameters + optimizer + step. On the small configurations of
+``tests/test_closed_memory_grid.py`` (both layouts and families, ``q`` 2 and 3, stages 0 to 3, every
+checkpointing) the step equals the traced one to the byte, and so does every phase, but: GPT-2's block-0 phase,
+where the traced profile, in a worker whose DTensor propagation cache is cold, counts three global ``[V, h]``
 tensors of the tied embedding's gradient accumulation (fake tensors of sharding propagation, which hold no memory
-in a real step). Not modelled: the tail of a block's backward after its input's gradient exists (the embedding's
-backward, the 2-D attention's local backward: below the MLP's at the sizes checked), allocator rounding, kernel
-workspaces.
+in a real step); and, short by under 1% where they do not peak, a block's backward at 16 tokens per rank and a
+moment of the forward at three blocks (at 16 tokens and a vocabulary of 257 the first peaks, 3% short: a moment of
+the MLP's gate and up projections' backward, where the weight gradients outweigh the activations). Not modelled:
+the tail of a block's backward after its input's gradient exists (the embedding's backward, the 2-D attention's
+local backward: below the MLP's at the sizes checked), allocator rounding, kernel workspaces.
 """
 
 from __future__ import annotations
@@ -76,6 +95,8 @@ import torch
 from lightning_tp2d.families import family_of, family_of_config
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.options import TPOptions
+from lightning_tp2d.planning.closed_memory_grid_fsdp import fsdp_moments, grid_data_shards
+from lightning_tp2d.train_plan import fsdp_shards
 
 __all__ = ["grid_peak_bytes", "grid_problem", "is_grid"]
 
@@ -177,10 +198,11 @@ def grid_problem(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero
     problems = family.problems(spec, p, cfg)
     if problems:
         return "; ".join(problems)
-    if zero_stage not in (0, 1):
-        return f"zero_stage={zero_stage} (dp={dp}): the closed form models stages 0 and 1"
-    if checkpointing not in ("none", "full"):
-        return f"checkpointing={checkpointing!r}: the closed form models 'none' and 'full'"
+    if zero_stage not in (0, 1, 2, 3) or (zero_stage >= 2 and not fsdp_shards(zero_stage, dp)):
+        return (f"zero_stage={zero_stage} (dp={dp}): the closed form models stages 0 and 1, and 2 and 3 (FSDP) "
+                f"with dp > 1")
+    if checkpointing not in ("none", "selective", "full"):
+        return f"checkpointing={checkpointing!r}: the closed form models 'none', 'selective' and 'full'"
     if elem != 2:
         return f"elem={elem}: the closed form models bf16 autocast (elem 2)"
     if not fused:
@@ -231,8 +253,14 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     positions = 0 if llama else 8 * rows
     R = 4 * N * Vb + 10 * N + 2 * N * hq * e + stats + e * Vb * hq + positions + (8 * q * N if ring else 0)
     block_input = N * hq * e
-    kept = A if checkpointing == "none" else block_input
-    activations = L * kept + R
+    # "selective": the norms' outputs (and the casts of them, Llama's five), the MLP's activation output (SwiGLU's
+    # product, GELU's output) and GPT-2's mirrored head block are recipes, rebuilt when a backward unpacks them
+    selective = checkpointing == "selective"
+    rebuilt_mlp = N * fq * e if selective else 0  # in the MLP's down projection's backward
+    recipes = (5 if llama else 2) * N * hq * e + rebuilt_mlp if selective else 0
+    root_recipes = N * hq * e + (0 if llama else e * Vb * hq) if selective else 0  # in the head's backward
+    kept = block_input if checkpointing == "full" else A - recipes
+    activations = L * kept + R - root_recipes
     # the forward and the root's backward: the cross-entropy's backward
     loss_backward = 6 * N * Vb + 8 * N + _LOSS_SCALARS
     # a block's backward: its MLP's down projection (scatter form)
@@ -241,6 +269,10 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     column = min(q, 3) if streams else q + 1
     mlp_backward = (e * N * fq + (q + column) * e * hq * fq + (1 + w) * e * N * hq
                     + (0 if llama else 4 * hq))  # GPT-2: the output projection's bias gradient
+    # the head's backward (gather form): the bf16 gradient of the logits, the weight-gradient partials and the
+    # weight's column (streamed when q hq > N), the partial sums of the input's gradient round col
+    head_column = min(q, 3) if q * hq > N else q + 1
+    head_backward = e * N * Vb + (q + head_column) * e * Vb * hq + w * e * N * hq
     # the ring attention's backward ("2d-metp", a ring of q along row): the float32 dq|dk|dv and two float32 K/V
     # gradient accumulators, the output's gradient and its re-laid copy, the K/V blocks travelling (r receive
     # buffers and the wire copy), the kernel's gradients of one block (dq of half the rows, dk, dv; twice with GQA)
@@ -251,7 +283,8 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     # the output projection and the MLP (the ring's re-laid output too), plus the residual's gradient; the
     # gradients of its MLP, output projection and second norm
     attention_kept = (A - (N * hq * e + stats + (2 if llama else 1) * N * hq * e) - e * z.late - mlp
-                      - (N * hq * e if ring else 0) + N * hq * e)
+                      - (N * hq * e if ring else 0) + N * hq * e
+                      - ((3 if llama else 1) * N * hq * e if selective else 0))  # (the first norm's, not rebuilt)
     attention_grads = 4 * (z.block - z.before_attention)
     # "full": a block's forward at its MLP's down projection (scatter form, the partial sums round col): the
     # residual after attention, Llama's two float32 [N, hq] norm outputs, the MLP's live activations (SwiGLU gate,
@@ -267,7 +300,8 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     forward_block = N * hq * e + (8 * N * hq if llama else 0) + mlp_live + e * hq * fq + down_column
     head_grads = 4 * (z.root - z.embedding)  # the head's, the final norm's (GPT-2: the tied token table's)
     left = _LOSS_SCALARS + positions + (8 * q * N if ring else 0)  # what the root keeps through the blocks' backward
-    recomputed = A - kept  # "full": the block's saved tensors, rebuilt for its backward
+    # rebuilt for the block's backward: "full" its saved tensors, "selective" its MLP's activation output
+    recomputed = A - kept - recipes + rebuilt_mlp
 
     def in_block(i: int) -> list[dict]:
         done = (L - 1 - i) * block_params + head_grads
@@ -291,11 +325,18 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     if zero_stage == 1 and dp > 1:  # the all-gathers of the updated slices
         gathered = min(P, _GATHERS_IN_FLIGHT * _GATHER_BUCKET)
         after.append({"gradients": P, "all-gather": gathered + gathered // dp + _CLIP_SCALARS - 8})
-    forward = [{"saved activations": activations, "loss backward": loss_backward}]
+    forward = [{"saved activations": activations, "loss backward": loss_backward},
+               {"saved activations": L * kept + R - 4 * N * Vb - 10 * N + _LOSS_SCALARS,  # (recipes rebuilt)
+                "head backward": head_backward}]
     if checkpointing == "full":  # the last block's forward, at its MLP's down projection
         forward.append({"saved activations": L * kept + left - _LOSS_SCALARS, "block forward": forward_block})
     moments = {"forward": forward, "last block": in_block(L - 1), "block 0": in_block(0) + [ending],
                "after backward": after}
+    fsdp = fsdp_shards(zero_stage, dp)
+    if fsdp:  # FSDP's dp shards at rest, gathered in bf16 (closed_memory_grid_fsdp)
+        d, clip_scalars, loss_scalars = grid_data_shards(cfg, q, dp, rank), _CLIP_SCALARS, _LOSS_SCALARS
+        P = 4 * (d.root + L * d.block)
+        moments = fsdp_moments(locals())
     peaks = {phase: max(candidates, key=lambda m: sum(m.values())) for phase, candidates in moments.items()}
     phases = {phase: int(sum(m.values())) for phase, m in peaks.items()}
     step = max(phases.values())
@@ -305,9 +346,13 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     optimizer = 2 * P // (dp if zero_stage == 1 else 1)
     transient = P if dp > 1 else 0  # GradientSync's flat buckets
     recompute = A if checkpointing == "full" else 0  # one block's saved tensors, rebuilt in its backward
+    gathered = 0
+    if fsdp:  # what the traced model reports (memory_model._parts): tensor shards in bf16, unsharded gradients
+        gathered = (z.root + (L if zero_stage == 2 else min(2, L)) * z.block) * e
+        transient = 4 * (z.root + z.block)
     return {"parameters": P, "gradients": P, "optimizer": optimizer, "activations": int(activations),
-            "gathered": 0, "backward": int(recompute + transient), "step": step, "total": int(P + optimizer + step),
-            "largest": largest, "phases": phases}
+            "gathered": int(gathered), "backward": int(recompute + transient), "step": step,
+            "total": int(P + optimizer + step), "largest": largest, "phases": phases}
 
 
 def _flat_buckets(done: int, dp: int) -> int:
