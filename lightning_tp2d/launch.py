@@ -212,10 +212,14 @@ def quote_path_override(arg: str) -> str:
     return f"{key}='{value}'"
 
 
+NULL_MODEL = "module.model=null"  # what `model=null` stands for: the model of module.init_from's config.json
+
+
 def prepare_argv(argv: list[str], env: Mapping[str, str] = os.environ) -> list[str]:
-    """The command line Hydra should parse in this process (see the module docstring). Refuses sweeps that every
-    process of an externally launched job would run on its own."""
-    argv = [argv[0], *map(quote_path_override, argv[1:])]
+    """The command line Hydra should parse in this process (see the module docstring): paths holding ``=`` quoted,
+    ``model=null`` read as :data:`NULL_MODEL` (Hydra cannot drop a group the config interpolates). Refuses sweeps
+    that every process of an externally launched job would run on its own."""
+    argv = [argv[0], *(NULL_MODEL if a == "model=null" else quote_path_override(a) for a in argv[1:])]
     args = argv[1:]
     why = external_launch(env)
     if _is_multirun(args) and why:
@@ -365,8 +369,20 @@ def torch_device(accelerator: str) -> str:
     return accelerator
 
 
+def init_tokenizer(init_from, default: str = "byte") -> str:
+    """``${tp2d.tokenizer:${module.init_from}[,default]}``, the data groups' ``tokenizer``: the ``tokenizer.json`` of
+    the transformers directory ``init_from`` when it holds one, else ``default`` (a ``data.tokenizer=`` given
+    replaces it)."""
+    if init_from is not None:
+        file = Path(str(init_from)).expanduser() / "tokenizer.json"
+        if file.is_file():
+            return str(file)
+    return default
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("tp2d.auto", auto_value, replace=True)
+    OmegaConf.register_new_resolver("tp2d.tokenizer", init_tokenizer, replace=True)
     OmegaConf.register_new_resolver("tp2d.device", torch_device, replace=True)
 
 
@@ -434,9 +450,28 @@ def unknown_key_message(cfg: dict, key: str, line: str) -> str | None:
     return None
 
 
+def group_options(conf_dir: Path, group: str) -> list[str]:
+    """The options of the config group ``group`` (its ``.yaml`` files), sorted."""
+    return sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+
+
+def choice_problem(conf_dir: Path, group: str, option, line: str) -> str | None:
+    """One line when ``option`` (a name, or a list of names) is not an option of ``group``, naming the valid ones
+    (``None``: it is, or null)."""
+    for name in option if isinstance(option, list) else [option]:
+        if name is None or not isinstance(name, str) or (conf_dir / group / f"{name}.yaml").is_file():
+            continue
+        options = group_options(conf_dir, group)
+        close = difflib.get_close_matches(name, options, n=1)
+        return (f"tp2d-train: error: {line}: {group}/ has no option {name!r}; its options: {', '.join(options)}"
+                + (f" (did you mean {group}={close[0]}?)" if close else ""))
+    return None
+
+
 def check_override_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
-    """Exit with a list of the valid keys when an override names a key the composed config lacks (Hydra's own
-    message only says the key is not in the struct). Group choices are left to Hydra, which lists the options."""
+    """Exit 2 with one line naming the options when a group choice is not one of them (``model=gpt2-nonsense``),
+    and with a list of the valid keys when an override names a key the composed config lacks (Hydra's own
+    message only says the key is not in the struct). Hydra's own messages are left for malformed overrides."""
     args = argv[1:]
     if any(a.split("=", 1)[0] in _NO_KEY_CHECK for a in args):
         return
@@ -456,12 +491,20 @@ def check_override_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
         if o.key_or_group in groups:
             if o.is_sweep_override():
                 try:
-                    first = next(iter(o.sweep_string_iterator()))
+                    options = list(o.sweep_string_iterator())
                 except Exception:  # noqa: BLE001 - glob sweeps etc.: check against the defaults
                     continue
-                choices.append(f"{o.get_key_element()}={first}")
+                if not options:
+                    continue
+                choices.append(f"{o.get_key_element()}={options[0]}")
             else:
+                options = [o.value()]
                 choices.append(o.input_line)
+            for option in options:
+                msg = choice_problem(conf_dir, o.key_or_group, option, o.input_line)
+                if msg:
+                    print(msg, file=sys.stderr)
+                    sys.exit(2)
         else:
             values.append(o)
     keys = [o for o in values if not (o.is_add() or o.is_force_add())]

@@ -98,6 +98,9 @@ class WarmupCosine:
         self.total = total
 
 
+DEFAULT_MODEL = "gpt2-tiny"  # CausalLMModule's model when neither model nor init_from is given
+
+
 class CausalLMModule(L.LightningModule):
     """Causal language model: GPT-2, Llama, or a model of any registered family (older name:
     ``GPT2LightningModule``).
@@ -106,7 +109,9 @@ class CausalLMModule(L.LightningModule):
         model: a named size of any registered family (``"gpt2"``, ``"gpt2-medium"`` ... ``"gpt2-tiny"``,
             ``"llama-tiny"``, ``"llama-mini"``, ``"llama-3.2-1b"`` ...), a config (:class:`GPT2Config`,
             :class:`~lightning_tp2d.models.LlamaConfig`) or its fields as a dict (what the checkpoint's
-            hyper-parameters record; the family is the one whose config has exactly those fields).
+            hyper-parameters record; the family is the one whose config has exactly those fields). ``None`` (the
+            default): ``init_from``'s ``config.json`` (family, sizes, RoPE scaling, tied embeddings, vocabulary),
+            or :data:`DEFAULT_MODEL` without ``init_from``.
         learning_rate: peak learning rate.
         weight_decay: AdamW decoupled weight decay for weights of dimension >= 2.
         betas, eps: AdamW's.
@@ -116,8 +121,8 @@ class CausalLMModule(L.LightningModule):
         init_seed: the weights are drawn from this seed, the same whatever the strategy, layout or grid.
         init_from: a local transformers directory of the model's family (GPT-2 or Llama: ``config.json`` +
             ``model.safetensors`` or
-            ``pytorch_model.bin``) to start from instead of the random init; ``model`` must have its sizes (a smaller
-            ``block_size`` is fine), or be ``None`` to take them from its ``config.json``. Recorded in the
+            ``pytorch_model.bin``) to start from instead of the random init; a ``model`` given must have its sizes (a
+            smaller ``block_size`` is fine); ``None`` takes them from its ``config.json``. Recorded in the
             hyper-parameters: ``load_from_checkpoint(path, init_from=None)`` skips re-reading it (the checkpoint's
             weights replace it anyway).
         meta_init: build on the meta device (materialised shard by shard by TP2DStrategy); ``None``: exactly when
@@ -132,7 +137,7 @@ class CausalLMModule(L.LightningModule):
             ``train_loss`` every step either way.
     """
 
-    def __init__(self, model: str | GPT2Config | LlamaConfig | dict | None = "gpt2-tiny", learning_rate: float = 6e-4,
+    def __init__(self, model: str | GPT2Config | LlamaConfig | dict | None = None, learning_rate: float = 6e-4,
                  weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  warmup_steps: int = 100, max_steps: int | None = None, min_lr_ratio: float = 0.1, init_seed: int = 0,
                  meta_init: bool | None = None, predict_max_new_tokens: int = 32, predict_temperature: float = 1.0,
@@ -140,10 +145,8 @@ class CausalLMModule(L.LightningModule):
                  loss_on_progress_bar: bool = True) -> None:
         super().__init__()
         silence_known_noise()  # e.g. Lightning's note that this module's on_before_batch_transfer is used
-        if model is None:
-            if init_from is None:
-                raise ValueError("model=None takes the sizes from init_from's config.json; pass init_from, or a model")
-            model = hf_model_config(init_from)
+        if model is None:  # the directory's model, else the default size
+            model = DEFAULT_MODEL if init_from is None else hf_model_config(init_from)
         self.config = model_config(model)
         self.family = family_of_config(self.config)
         self.save_hyperparameters(ignore=["model"])

@@ -11,8 +11,13 @@ with ``ckpt_path=<run dir>/checkpoints/last.ckpt`` continues in that run directo
 The configuration is ``conf/`` (groups model, parallel, trainer, data, callbacks, logger, experiment; every key
 commented; objects built from ``_target_``). Before any process starts, :func:`check_config` turns configurations
 that cannot run into one message naming the numbers and a choice that fits, and the callbacks and loggers are built
-(a missing package, a ``+callbacks.<name>`` entry without a class, are errors then). How the processes of a job
-share one run directory, and how sweeps run, is :mod:`lightning_tp2d.launch`.
+(a missing package, a ``+callbacks.<name>`` entry without a class, are errors then); each error is one line on
+stderr and exit code 2. How the processes of a job share one run directory, and how sweeps run, is
+:mod:`lightning_tp2d.launch`.
+
+``module.init_from=DIR`` alone fine-tunes a local transformers directory: without a ``model=`` choice the model is
+``DIR/config.json``'s (:func:`model_from_init`), the tokenizer ``DIR/tokenizer.json`` when it has one (the data
+groups' ``${tp2d.tokenizer:...}``), and ``export_hf=<dir>`` writes the result back to transformers after training.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 # Hydra's root handler, Lightning would print each of its messages twice, in its format and in Hydra's
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, ListConfig, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from lightning_tp2d import launch
@@ -54,7 +59,7 @@ from lightning_tp2d.core import AUTO_LAYOUT
 from lightning_tp2d.data import (check_format, check_path, get_tokenizer, is_token_file, text_suffixes,
                                  tokenizer_vocab_size)
 from lightning_tp2d.errors import CheckpointError, CommError, DivergenceError
-from lightning_tp2d.export import read_hf_config
+from lightning_tp2d.export import export_hf, read_hf_config
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import STRATEGY_NAMES, get_layout
 from lightning_tp2d.models.config import max_seq_len
@@ -64,6 +69,7 @@ from lightning_tp2d.quiet import silence_known_noise
 from lightning_tp2d.safe_files import clear, resolve, staging_path
 from lightning_tp2d.sizes import CONFIG_KEYS, resolve_sizes
 from lightning_tp2d.supervise import RankWatch, wait_to_be_ended
+from lightning_tp2d.zero import ZERO_STAGES
 
 log = logging.getLogger("tp2d-train")
 TOKENIZER_IDS = {"byte": 257, "gpt2": 50257}  # ids each tokenizer of TextDataModule produces
@@ -127,6 +133,7 @@ def train(cfg: DictConfig, run_dir: Path, ranks: RankWatch | None = None) -> flo
     ranks = ranks or RankWatch()
     started = time.monotonic()
     rank_zero = launch.is_rank_zero()
+    model_from_init(cfg)  # module.init_from without a model= choice: the model is its config.json's
     try:
         model_config = instantiate(cfg.model)
     except Exception as err:  # noqa: BLE001 - GPT2Config's ValueError, wrapped by Hydra
@@ -155,14 +162,20 @@ def train(cfg: DictConfig, run_dir: Path, ranks: RankWatch | None = None) -> flo
     if continues_run(cfg.ckpt_path, run_dir):  # of course the checkpoints/ it resumes from is not empty
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     L.seed_everything(cfg.seed, verbose=False)
-    try:
-        datamodule = instantiate(cfg.data)
+    try:  # plain values (data.suffixes a list, not Hydra's ListConfig): a checkpoint records them as data
+        datamodule = instantiate(cfg.data, _convert_="all")
     except Exception as err:  # noqa: BLE001 - a TextDataModule argument it refuses, wrapped by Hydra
         raise ConfigError(f"data: {err.__cause__ or err}") from err
-    module = instantiate(cfg.module)
+    try:
+        module = instantiate(cfg.module)
+    except Exception as err:  # noqa: BLE001 - a CausalLMModule argument it refuses, wrapped by Hydra
+        raise ConfigError(f"module: {err.__cause__ or err}") from err
     # no ModelCheckpoint listed (callbacks=none, callbacks.model_checkpoint=null): none of Lightning's either
     extra = {} if checkpoint is not None or "enable_checkpointing" in cfg.trainer else {"enable_checkpointing": False}
-    strategy = instantiate(cfg.parallel, **strategy_overrides(cfg.parallel))
+    try:  # (the strategy's own checks; the ranks start in trainer.fit)
+        strategy = instantiate(cfg.parallel, **strategy_overrides(cfg.parallel))
+    except Exception as err:  # noqa: BLE001 - a TP2DStrategy argument it refuses, wrapped by Hydra
+        raise ConfigError(f"parallel: {err.__cause__ or err}") from err
     trainer = instantiate(cfg.trainer, strategy=strategy, logger=loggers or False, callbacks=callbacks,
                           default_root_dir=str(run_dir), **extra)
     ranks.take_over(trainer.strategy.launcher)  # the ranks Lightning starts: watched by this process, not Lightning
@@ -191,6 +204,12 @@ def train(cfg: DictConfig, run_dir: Path, ranks: RankWatch | None = None) -> flo
     if rank_zero:
         report(cfg, trainer, checkpoint, run_dir, sample, time.monotonic() - started)
     ranks.wait()  # so the command ends when the whole job has
+    newest = newest_checkpoint(checkpoint) if rank_zero and cfg.get("export_hf") else ""
+    if newest:  # one process reads the whole checkpoint, outside the job's process group
+        launch.end_process_group()
+        exported = export_transformers(cfg, newest, module.config)
+        log.info("tp2d-train: exported %s to %s (transformers: AutoModelForCausalLM.from_pretrained(%r))", newest,
+                 exported, str(exported))
     val_loss = trainer.callback_metrics.get("val_loss")
     return float(val_loss) if val_loss is not None else None
 
@@ -350,6 +369,7 @@ def device_count(devices, accelerator: str) -> int | None:
 def check_config(cfg: DictConfig, model) -> str:
     """Raise :class:`ConfigError` for data, devices or sizes that do not fit; return a one-line plan of the run."""
     tr, data = cfg.trainer, cfg.data
+    check_parallel(cfg.parallel)
     model = check_init_from(cfg, model)
     if cfg.ckpt_path is not None:
         try:
@@ -419,6 +439,8 @@ def check_config(cfg: DictConfig, model) -> str:
         plan, p, dp = check_layout(cfg.parallel, model, devices, nodes, batch, seq,
                                    packed=bool(data.get("pack_documents", False)))
     if launch._int(os.environ, "LOCAL_RANK") == 0:  # once per machine: the ranks it starts were checked by it
+        if cfg.ckpt_path is not None:
+            check_checkpoint(cfg)
         if p is not None and devices is not None:
             check_memory(cfg, model, p, dp, devices)
         check_data_size(cfg, dp or 1)
@@ -427,34 +449,139 @@ def check_config(cfg: DictConfig, model) -> str:
     return f"{plan} ({where})"
 
 
+def check_parallel(par: DictConfig) -> None:
+    """The ``parallel`` values the strategy would refuse only when it is built: the ZeRO stage and the layout's
+    name (a group option that does not exist, ``parallel=<name>``, is refused on the command line:
+    :func:`lightning_tp2d.launch.check_override_keys`)."""
+    stage = par.get("zero_stage", 0)
+    if "zero_stage" in par and (isinstance(stage, bool) or stage not in ZERO_STAGES):
+        raise ConfigError(f"parallel.zero_stage={stage!r} is not a ZeRO stage: choose 0 (every data-parallel replica "
+                          "keeps the whole optimizer state of its shard), 1 (the optimizer state sharded over the "
+                          "replicas), 2 (gradients too) or 3 (parameters too)")
+    if "layout" in par and str(par.layout) != AUTO_LAYOUT:
+        try:
+            get_layout(str(par.layout))
+        except ValueError as err:
+            raise ConfigError(f"parallel.layout: {err}, or {AUTO_LAYOUT!r} (planned)") from None
+
+
+def check_checkpoint(cfg: DictConfig) -> None:
+    """``ckpt_path`` checked in the launching process before any rank starts: every file against its recorded size
+    and digest (a sharded directory's ``checksums.json``; a single file's CRC-32 of each entry), then its
+    non-tensor part read as data (:func:`~lightning_tp2d.checkpoint.saved_step`). A damaged or incomplete
+    checkpoint is a :class:`ConfigError` naming each bad file."""
+    try:
+        saved_step(Path(str(cfg.ckpt_path)).expanduser(), trust_checkpoint=bool(cfg.get("trust_checkpoint")),
+                   verify=True)
+    except CheckpointError as err:
+        raise ConfigError(f"ckpt_path: {err}") from None
+
+
+def model_choice(cfg: DictConfig) -> tuple[bool, list[str]]:
+    """Whether the ``model`` group was chosen (``model=<option>`` on the command line, or an experiment's choice
+    other than this machine's default) and the ``model.<key>`` overrides given, from Hydra's record of the job: the
+    composed config's ``hydra`` node when it has one (``compose(..., return_hydra_config=True)``), else the running
+    job's. Without a record (a config composed without it): chosen, no overrides."""
+    node = cfg.get("hydra") if "hydra" in cfg else None
+    if node is None:
+        try:
+            node = HydraConfig.get()
+        except ValueError:  # no Hydra job
+            return True, []
+    keys = [str(o).split("=", 1)[0].lstrip("+") for o in node.overrides.task if "=" in str(o)]
+    chosen = "model" in keys or str(node.runtime.choices.get("model")) != str(launch.auto_value("model"))
+    return chosen, [k.split(".", 1)[1] for k in keys if k.startswith("model.")]
+
+
+def read_init_from(source, model=None):
+    """Our config for the transformers directory ``source`` (``module.init_from``): its ``config.json`` read by
+    :func:`~lightning_tp2d.export.read_hf_config` (the one reader of transformers configs; refuses implausible
+    sizes and variants the model does not implement), the family the one its ``model_type`` names (a file without
+    one: ``model``'s family). Any problem is a :class:`ConfigError`."""
+    directory = Path(str(source)).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(f"module.init_from={str(source)!r} does not exist (looked for {directory.absolute()}): a "
+                          "local transformers directory (config.json and model.safetensors)")
+    file = directory / "config.json"
+    try:
+        raw = json.loads(file.read_text()) if file.is_file() else {}
+        typed = not isinstance(raw, dict) or "model_type" in raw or model is None
+        return read_hf_config(directory, None if typed else family_of_config(model))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"module.init_from: {str(file)!r} is not JSON ({err})") from None
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"module.init_from: {err}") from None
+
+
+def model_from_init(cfg: DictConfig) -> bool:
+    """``module.init_from=DIR`` with no model chosen (:func:`model_choice`), or with ``module.model=null``: the
+    ``model`` node becomes ``DIR/config.json``'s model (family, sizes, RoPE theta and scaling, tied embeddings,
+    vocabulary), with the ``model.<key>`` overrides given on top (``model.dropout=0``, a shorter
+    ``model.block_size``), so everything that reads ``model.*`` (``data.block_size``, the checks, the module) sees
+    it. Returns whether it did; a model chosen beside ``init_from`` stays, and :func:`check_init_from` holds it to
+    the directory's."""
+    source = cfg.module.get("init_from")
+    if source is None:
+        return False
+    own = cfg.module.get("model", "") is None
+    chosen, keys = model_choice(cfg)
+    if chosen and not own:
+        return False
+    theirs = read_init_from(source)
+    cls = type(theirs)
+    node = OmegaConf.create({"_target_": f"{cls.__module__}.{cls.__qualname__}", **vars(theirs)})
+    for key in dict.fromkeys(keys):
+        if key.startswith("_"):
+            continue
+        if key not in node:
+            raise ConfigError(f"model.{key}: the model of module.init_from={str(source)!r} is a {cls.__name__}, "
+                              f"which has no {key!r}; its fields: {', '.join(k for k in node if k != '_target_')}")
+        node[key] = cfg.model[key]
+    with open_dict(cfg):
+        cfg.model = node
+    return True
+
+
+def init_from_disagreements(model, theirs) -> list[str]:
+    """``"<field>: model <ours>, checkpoint <theirs>"`` once for each field in which the model config ``model``
+    cannot take the weights of a transformers directory of config ``theirs`` (same family): the format's sizes and
+    rules (:meth:`~lightning_tp2d.models.hf.HFFormat.fit_problems`) and its tied-head option."""
+    fmt = family_of_config(model).hf
+    problems = fmt.fit_problems(model, theirs)
+    tie = fmt.tie_option
+    if tie and getattr(model, tie) != getattr(theirs, tie):
+        problems.append(f"{tie}: model {getattr(model, tie)}, checkpoint {getattr(theirs, tie)}")
+    named: dict[str, str] = {}
+    for problem in problems:
+        named.setdefault(problem.split(":", 1)[0], problem)
+    return list(named.values())
+
+
 def check_init_from(cfg: DictConfig, model):
-    """``module.init_from``: its ``config.json`` is read here (nothing else of the directory), so implausible sizes
-    or sizes that do not fit the model are refused before any process starts. Returns the config the module builds:
-    the directory's under ``module.model=null``, else ``model``."""
+    """``module.init_from``: its ``config.json`` is read here (nothing else of the directory), so implausible sizes,
+    another family, or sizes that do not fit the chosen model are refused before any process starts, each
+    disagreeing field named once. Returns the config the module builds: the directory's under
+    ``module.model=null``, else ``model``."""
     source, own = cfg.module.get("init_from"), cfg.module.get("model", "") is None
     if source is None:
         if own:
             raise ConfigError("module.model=null takes the sizes from module.init_from's config.json: set "
                               "module.init_from=<a transformers directory>, or drop module.model=null")
         return model
-    directory = Path(str(source)).expanduser()
-    if not directory.is_dir():
-        raise ConfigError(f"module.init_from={str(source)!r} does not exist (looked for {directory.absolute()}): a "
-                          "local transformers directory (config.json and model.safetensors)")
-    try:
-        theirs = read_hf_config(directory, None if own else family_of_config(model))
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"module.init_from: {str(directory / 'config.json')!r} is not JSON ({err})") from None
-    except (ValueError, OSError) as err:
-        raise ConfigError(f"module.init_from: {err}") from None
     fmt = getattr(family_of_config(model), "hf", None)  # (a model of no registered family: check_layout says so)
+    theirs = read_init_from(source, None if own or fmt is None else model)
     if own or fmt is None:
         return theirs if own else model
-    problems = fmt.fit_problems(model, theirs)
+    label = _model_label(model)
+    if family_of_config(theirs) is not family_of_config(model):
+        raise ConfigError(f"module.init_from={str(source)!r} holds a {_model_name(theirs)} model (its config.json), "
+                          f"but the model chosen, {label}, is a {_model_name(model)}: leave model= out (the model is "
+                          "then the directory's), or choose a model of its family")
+    problems = init_from_disagreements(model, theirs)
     if problems:
-        raise ConfigError(f"module.init_from: transformers checkpoint {str(source)!r} does not fit the model: "
-                          f"{'; '.join(problems)}; use a model of its sizes, or module.model=null (its "
-                          "config.json's)")
+        raise ConfigError(f"module.init_from: transformers checkpoint {str(source)!r} does not fit the model "
+                          f"{label}: {'; '.join(problems)}; leave model= out (or module.model=null): the model is "
+                          "then its config.json's")
     return model
 
 
@@ -801,6 +928,22 @@ def report(cfg: DictConfig, trainer, checkpoint, run_dir: Path, sample: str | No
         lines.append(f"  sample      {run_dir / 'sample.txt'}")
         lines.append("----- sample " + "-" * 60 + "\n" + sample + "\n" + "-" * 73)
     log.info("\n".join(lines))
+
+
+def export_transformers(cfg: DictConfig, checkpoint: str, config) -> Path:
+    """``export_hf``, on rank 0 after the job (no process group: the checkpoint is read whole, by one process): the
+    newest checkpoint written as a transformers directory
+    (:func:`~lightning_tp2d.export.export_hf`: ``config.json`` and ``model.safetensors``; a relative path starts
+    from the directory tp2d-train runs in, as ``data.path`` does), with the data's ``tokenizer.json`` beside it when
+    it has one, so that the directory is whole. ``config``: the model's (a ``parallel=single`` checkpoint, Lightning's
+    own, does not record it). Returns the directory."""
+    out = Path(str(cfg.export_hf)).expanduser()
+    export_hf(checkpoint, out, config, trust_checkpoint=bool(cfg.get("trust_checkpoint")))
+    tokenizer = Path(str(cfg.data.get("tokenizer") or "")).expanduser()
+    tokenizer = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
+    if tokenizer.name == "tokenizer.json" and tokenizer.is_file():
+        shutil.copy2(tokenizer, out / "tokenizer.json")
+    return out
 
 
 def report_interrupt(trainer, checkpoint) -> None:

@@ -1,19 +1,26 @@
 """What ``tp2d-train`` refuses on the launching process, before any rank starts (issue 34, item 4): a corpus too
 short for the windows and batches the data module would cut, parameters that alone exceed the machine's memory, and
 absurd sizes in a transformers ``config.json`` (refused wherever it is read). No ranks are spawned: ``check_config``
-runs on configs composed with Hydra's API, and one ``tp2d-train`` subprocess shows the one-line exit."""
+runs on configs composed with Hydra's API, and the console script's ``main``, run in this process, shows the one-line
+exit.
+
+Issue 38: every config error is one line on stderr and exit 2 before any process starts (a ZeRO stage out of range,
+a model, group option or layout that does not exist, an ``init_from`` that disagrees with the model chosen, a damaged
+or incomplete ``ckpt_path``), run through the console script's own ``main`` in this process with the Trainer's
+``fit`` (where Lightning starts the ranks) made to fail the test; and the long-running tools say what they do
+(``tp2d-plan``'s progress lines, the fit check's line)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+import logging
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
@@ -29,7 +36,6 @@ from lightning_tp2d.param_memory import parameter_count, parameter_memory_proble
 from lightning_tp2d.safe_files import human_bytes
 from lightning_tp2d.train import ConfigError, check_config
 
-ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 
 launch.register_resolvers()
@@ -287,8 +293,8 @@ def test_tp2d_train_reads_init_from_before_launch(tmp_path, monkeypatch):
     other = _hf_dir(tmp_path / "other", model_type="gpt2", n_layer=3, n_head=6, n_embd=48, vocab_size=257,
                     n_positions=64)
     message = refusal("trainer=cpu", "model=gpt2-mini", f"module.init_from={other}")
-    assert message.startswith(f"module.init_from: transformers checkpoint '{other}' does not fit the model: "
-                              "n_layer: model 4, checkpoint 3; n_embd: model 96, checkpoint 48")
+    assert message.startswith(f"module.init_from: transformers checkpoint '{other}' does not fit the model GPT-2 "
+                              "4x96: n_layer: model 4, checkpoint 3; n_embd: model 96, checkpoint 48")
     assert "module.model=null" in message
     # module.model=null: the model is the checkpoint's, and the checks before launch are of its sizes
     assert checked("parallel=single", "trainer=cpu", f"module.init_from={other}", "module.model=null",
@@ -302,18 +308,215 @@ def test_tp2d_train_reads_init_from_before_launch(tmp_path, monkeypatch):
         f"module.init_from: '{other / 'config.json'}' is not JSON (")
 
 
-def test_tp2d_train_refuses_an_absurd_init_from_in_one_line_before_any_process_starts(tmp_path):
+def test_tp2d_train_refuses_an_absurd_init_from_in_one_line_before_any_process_starts(tmp_path, monkeypatch,
+                                                                                     capsys):
     absurd = _hf_dir(tmp_path / "hf" / "absurd", model_type="gpt2", n_layer=10 ** 7)
-    cwd = tmp_path / "run"
-    cwd.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TP2D_RUN_DIR")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     started = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "lightning_tp2d.train", "trainer=cpu", "model=gpt2-mini",
-                          f"module.init_from={absurd}"], cwd=cwd, env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 2, run.stderr[-2000:]
-    assert run.stderr.strip() == (f"tp2d-train: error: module.init_from: '{absurd / 'config.json'}': n_layer=10000000 "
-                                  "is not a plausible size (at most 1024 layers)")
-    assert list(cwd.iterdir()) == []  # the run directory Hydra had made is gone again
+    message = one_line_exit_2(["trainer=cpu", "model=gpt2-mini", f"module.init_from={absurd}"], tmp_path, monkeypatch,
+                              capsys)  # (the console script's main in this process; no run directory left)
+    assert message == (f"module.init_from: '{absurd / 'config.json'}': n_layer=10000000 is not a plausible size (at "
+                       "most 1024 layers)")
     assert time.monotonic() - started < 60
+
+
+# ---- 4. every config error: one line, exit 2, no process started (issue 38) -------------------------------------
+
+
+def tp2d_train_main(args: list[str], cwd: Path, monkeypatch, capsys, launches: bool = False) -> tuple[int, str, str]:
+    """``tp2d-train <args>`` through the console script's ``main`` in this process, in ``cwd``, with
+    ``Trainer.fit`` (where Lightning starts the ranks) raising unless ``launches``: ``(exit code, stdout,
+    stderr)``; 0 when it returned."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    def no_launch(*_args, **_kwargs):
+        raise AssertionError("Trainer.fit was called: the ranks would have started")
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", launch.RUN_DIR_ENV):
+        monkeypatch.delenv(name, raising=False)
+    if not launches:
+        monkeypatch.setattr(train.L.Trainer, "fit", no_launch)
+    monkeypatch.setattr(sys, "argv", ["tp2d-train", *args])
+    for name in ("stdout", "stderr"):  # (main wraps them: launch.survive_closed_output)
+        monkeypatch.setattr(sys, name, getattr(sys, name))
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level  # Hydra's job logging replaces them
+    GlobalHydra.instance().clear()
+    try:
+        train.main()
+        code = 0
+    except SystemExit as err:
+        code = err.code
+    finally:
+        GlobalHydra.instance().clear()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_exit_2(args: list[str], tmp_path: Path, monkeypatch, capsys) -> str:
+    """The one stderr line of a refused ``tp2d-train <args>`` (exit 2, nothing left in its working directory)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    code, out, err = tp2d_train_main(args, cwd, monkeypatch, capsys)
+    assert code == 2, out[-2000:] + err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tp2d-train: error: "), err[-3000:]
+    assert "Traceback" not in out + err and "HYDRA_FULL_ERROR" not in out + err
+    assert not list(cwd.iterdir())  # no run directory left behind
+    return lines[0][len("tp2d-train: error: "):]
+
+
+CPU_RUN = ["trainer=cpu", "model=gpt2-tiny", "data.max_tokens=20000", "data.block_size=32"]
+
+
+@pytest.mark.parametrize("stage", ["7", "-1", "true"])
+def test_a_zero_stage_out_of_range_is_one_line_naming_it_and_the_stages(tmp_path, monkeypatch, capsys, stage):
+    message = one_line_exit_2([*CPU_RUN, f"parallel.zero_stage={stage}"], tmp_path, monkeypatch, capsys)
+    shown = {"7": "7", "-1": "-1", "true": "True"}[stage]
+    assert message.startswith(f"parallel.zero_stage={shown} is not a ZeRO stage: choose 0 (")
+    assert "1 (the optimizer state sharded" in message and message.endswith("or 3 (parameters too)")
+
+
+def test_an_unknown_model_or_group_option_is_one_line_listing_the_options(tmp_path, monkeypatch, capsys):
+    models = ", ".join(sorted(p.stem for p in (launch.CONF_DIR / "model").glob("*.yaml")))
+    message = one_line_exit_2(["trainer=cpu", "model=gpt2-nonsense"], tmp_path, monkeypatch, capsys)
+    assert message == f"model=gpt2-nonsense: model/ has no option 'gpt2-nonsense'; its options: {models}"
+    assert "llama-tiny" in models and "gpt2-mini" in models
+    message = one_line_exit_2(["trainer=cpu", "parallel=ring"], tmp_path, monkeypatch, capsys)
+    assert message.startswith("parallel=ring: parallel/ has no option 'ring'; its options: auto, metp, single, tp2d, "
+                              "tp2d_metp")
+    # a sweep's every value, and a list of options, is checked too
+    message = one_line_exit_2(["-m", "trainer=cpu", "model=gpt2-tiny,llama-huge"], tmp_path, monkeypatch, capsys)
+    assert message.startswith("model=gpt2-tiny,llama-huge: model/ has no option 'llama-huge'")
+    message = one_line_exit_2(["trainer=cpu", "callbacks=[default,lr_monitr]"], tmp_path, monkeypatch, capsys)
+    assert message.startswith("callbacks=[default,lr_monitr]: callbacks/ has no option 'lr_monitr'") and \
+        message.endswith("(did you mean callbacks=lr_monitor?)")
+
+
+def test_an_unknown_layout_name_is_one_line_listing_the_layouts(tmp_path, monkeypatch, capsys):
+    message = one_line_exit_2([*CPU_RUN, "parallel.layout=3d"], tmp_path, monkeypatch, capsys)
+    assert message == "parallel.layout: unknown layout '3d'; choose one of ['2d', 'metp', '2d-metp'], or 'auto' (planned)"
+
+
+def test_hydras_own_message_stays_for_a_malformed_override(tmp_path, monkeypatch, capsys):
+    code, _, err = tp2d_train_main(["trainer=cpu", "model=[gpt2"], tmp_path, monkeypatch, capsys)
+    assert code == 1 and "no viable alternative at input '[gpt2'" in err  # Hydra's grammar error
+
+
+def test_init_from_of_another_family_or_other_sizes_is_one_line_naming_each_field_once(tmp_path, monkeypatch, capsys):
+    llama = _hf_dir(tmp_path / "llama", model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                    rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=16))
+    message = one_line_exit_2([*CPU_RUN, "model=gpt2-mini", f"module.init_from={llama}"], tmp_path, monkeypatch,
+                              capsys)
+    assert message == (f"module.init_from={str(llama)!r} holds a Llama model (its config.json), but the model chosen, "
+                       "gpt2-mini, is a GPT-2: leave model= out (the model is then the directory's), or choose a "
+                       "model of its family")
+    message = one_line_exit_2([*CPU_RUN, "model=llama-tiny", f"module.init_from={llama}"], tmp_path, monkeypatch,
+                              capsys)
+    scaling = "{'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, " \
+              "'original_max_position_embeddings': 16}"
+    assert message.startswith(f"module.init_from: transformers checkpoint {str(llama)!r} does not fit the model "
+                              "llama-tiny: n_layer: model 2, checkpoint 3; n_head: model 12, checkpoint 4; n_kv_head: "
+                              "model 6, checkpoint 2; n_embd: model 96, checkpoint 64; intermediate_size: model 264, "
+                              "checkpoint 128; vocab_size: model 257, checkpoint 300; rope_theta: model 10000.0, "
+                              f"checkpoint 500000.0; rope_scaling: model None, checkpoint {scaling}; "
+                              "tie_embeddings: model False, checkpoint True; leave model= out"), message
+    listed = message.split("llama-tiny: ", 1)[1].split("; leave model= out")[0]
+    fields = [part.split(":")[0] for part in listed.split("; ")]
+    assert len(fields) == len(set(fields)) == 9  # each disagreeing field once
+
+
+def _checkpoint_file(path: Path) -> Path:
+    """A single-file Lightning checkpoint: its state dict and the step it was saved at."""
+    torch.save({"state_dict": {"model.w": torch.full((4096,), 1.5)}, "global_step": 3, "epoch": 0}, path)
+    return path
+
+
+def test_a_damaged_or_incomplete_ckpt_path_is_named_before_any_process_starts(tmp_path, monkeypatch, capsys):
+    from lightning_tp2d.safe_files import file_digest, write_checksums
+
+    single = _checkpoint_file(tmp_path / "single.ckpt")
+    data = bytearray(single.read_bytes())
+    at = data.find(bytes.fromhex("0000c03f") * 64)  # float32 1.5, little-endian
+    assert at > 0
+    data[at:at + 8] = bytes(8)  # a tensor's bytes overwritten, the size unchanged: only the CRC-32 tells
+    single.write_bytes(bytes(data))
+    message = one_line_exit_2([*CPU_RUN, f"ckpt_path={single}"], tmp_path, monkeypatch, capsys)
+    assert message.startswith(f"ckpt_path: checkpoint {str(single)!r} is damaged and was not loaded: single.ckpt: "
+                              "entry ") and "CRC-32 mismatch: damaged" in message
+    sharded = tmp_path / "sharded.ckpt"
+    sharded.mkdir()
+    for name, size in (("__0_0.distcp", 3000), ("__1_0.distcp", 2000), (".metadata", 100), ("meta.pt", 100)):
+        (sharded / name).write_bytes(bytes(range(256)) * (size // 256))
+    write_checksums(sharded, {n: file_digest(sharded / n) for n in ("__0_0.distcp", "__1_0.distcp")},
+                    also=(".metadata", "meta.pt"))
+    (sharded / "__1_0.distcp").unlink()
+    (sharded / "__0_0.distcp").write_bytes(b"x" * 10)
+    message = one_line_exit_2([*CPU_RUN, f"ckpt_path={sharded}", "trainer.max_steps=-1"], tmp_path, monkeypatch,
+                              capsys)
+    assert message.startswith(f"ckpt_path: checkpoint {str(sharded)!r} is damaged and was not loaded: __0_0.distcp: "
+                              "10 bytes, written with 2816 (truncated or overwritten); __1_0.distcp: missing. ")
+
+
+# ---- 5. the long-running checks say what they do (issue 38) -------------------------------------------------------
+
+
+def test_tp2d_plan_prints_candidates_done_of_total_and_the_time_taken(tmp_path, monkeypatch, capsys):
+    from lightning_tp2d.planning import planner
+
+    monkeypatch.setenv("TP2D_PLAN_CACHE", str(tmp_path / "cache"))  # a fresh question: every candidate is priced
+    monkeypatch.setattr(planner, "PROGRESS_EVERY_S", 0.0)  # a line per candidate (the command: every 5 s)
+    args = ["llama-tiny", "--gpus", "4", "--gpu-memory-gib", "1", "--seq", "32", "--global-batch-tokens", "256",
+            "--workers", "1", "--json", "", "--layouts", "2d", "metp", "--no-baselines"]
+    assert planner.main(args) == 0
+    err = capsys.readouterr().err.splitlines()
+    first, progress = err[0], [line for line in err[1:] if line.startswith("tp2d-plan: ")]
+    total = int(first.split("pricing ")[1].split()[0])
+    assert first == (f"tp2d-plan: pricing {total} (layout, size) candidates of llama-tiny on 4 GPUs (1 at a time; a "
+                     "progress line every 0 s)...")
+    assert total == 3  # 2d p=4 (a 2x2 grid), metp p=2 and 4
+    assert [line.split()[1] for line in progress] == [f"{k}/{total}" for k in range(1, total + 1)]
+    assert all(line.endswith(" s") and " candidates priced, " in line for line in progress)
+
+
+def test_plan_progress_counts_across_forked_planning_processes(tmp_path):
+    import multiprocessing as mp
+
+    from lightning_tp2d.planning import planner
+
+    out, level = tmp_path / "progress.txt", planner.log.level
+    with open(out, "a") as stream, planner.PlanProgress(total=4, every=0.0, stream=stream):
+        def price_two() -> None:
+            for _ in range(2):
+                planner.log.info(planner.PRICED + " %.1f s (%d rows)", "2d", 4, 1, 0.0, 1)
+
+        children = [mp.get_context("fork").Process(target=price_two) for _ in range(2)]
+        for child in children:
+            child.start()
+        for child in children:
+            child.join()
+        planner.log.info("plan: something else")  # not a candidate's line
+    counts = sorted(line.split()[1] for line in out.read_text().splitlines())
+    assert counts == ["1/4", "2/4", "3/4", "4/4"]
+    assert not [h for h in planner.log.handlers if isinstance(h, planner.PlanProgress)]
+    assert planner.log.level == level
+
+
+def test_the_fit_check_says_it_is_checking_before_it_refuses(tmp_path, monkeypatch, capsys):
+    args = ["trainer=cpu", "trainer.devices=2", "model=llama-tiny", "parallel=metp", "data.max_tokens=20000",
+            "data.block_size=32", "data.batch_size=2", "parallel.memory_gib=0.0001"]
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    code, out, err = tp2d_train_main(args, cwd, monkeypatch, capsys)
+    assert code == 2, out[-2000:] + err[-2000:]
+    checking = "tp2d-train: checking the fit with the memory model (llama-tiny, metp p=2, seq 32)..."
+    assert checking in out
+    (line,) = err.strip().splitlines()
+    assert line.startswith("tp2d-train: error: the memory model predicts a peak of ")

@@ -63,6 +63,7 @@ import functools
 import logging
 import multiprocessing as mp
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -931,6 +932,48 @@ def run_commands(rows: list[PlanRow], model: str, seq: int, *, gpus_per_node: in
     return "\n".join(lines)
 
 
+PROGRESS_EVERY_S = 5.0  # tp2d-plan: at most one progress line per this many seconds (and the last)
+PRICED = "plan: %s p=%d dp=%d priced in"  # the start of the line _plan_candidate logs when a candidate is done
+
+
+class PlanProgress(logging.Handler):
+    """``tp2d-plan``'s progress lines on stderr: ``tp2d-plan: 7/40 candidates priced, 12 s``, read from the line
+    each (layout, size) candidate logs when it is priced (:data:`PRICED`), counted across the forked planning
+    processes (``workers``) in shared memory, at most one line per ``every`` seconds and always the last. Use as a
+    context manager around :func:`plan`: it attaches itself to the planner's logger (at INFO) and detaches."""
+
+    def __init__(self, total: int, every: float | None = None, stream=None) -> None:
+        super().__init__(logging.INFO)
+        ctx = mp.get_context("fork")  # the planning processes are forked: they share these
+        self.total, self.stream = total, stream
+        self.every = PROGRESS_EVERY_S if every is None else every
+        self.started = time.monotonic()
+        self.done, self.last = ctx.Value("i", 0), ctx.Value("d", self.started)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not str(record.msg).startswith(PRICED):
+            return
+        with self.done.get_lock():
+            self.done.value += 1
+            done, now = self.done.value, time.monotonic()
+            if done < self.total and now - self.last.value < self.every:
+                return
+            self.last.value = now
+        stream = self.stream or sys.stderr
+        print(f"tp2d-plan: {done}/{self.total} candidates priced, {now - self.started:.0f} s", file=stream,
+              flush=True)
+
+    def __enter__(self) -> "PlanProgress":
+        self._level = log.level
+        log.setLevel(min(log.getEffectiveLevel(), logging.INFO))
+        log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        log.removeHandler(self)
+        log.setLevel(self._level)
+
+
 def main(argv=None) -> int:
     """``tp2d-plan MODEL --gpus N --gpu-memory-gib G --seq T [--global-batch-tokens K] ...``: print the fitting
     configurations, best first, the commands that run the best package and baseline rows (:func:`run_commands`),
@@ -969,12 +1012,21 @@ def main(argv=None) -> int:
         if args.rates:
             with open(args.rates) as f:
                 hardware = cost_model.with_measured_rates(hardware, json.load(f))
-        rows = plan(args.model, gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib, gpus_per_node=args.gpus_per_node,
-                    seq=args.seq, global_batch_tokens=args.global_batch_tokens, hardware=hardware,
-                    include_baselines=not args.no_baselines, layouts=args.layouts, compiled=not args.eager,
-                    zero_stages=tuple(args.zero_stages), checkpointing=tuple(args.checkpointing),
-                    max_micro_batch=args.max_micro_batch, workers=args.workers,
-                    activation_offload=(False, True) if args.offload else (False,))
+        # the (layout, size) candidates plan() prices, counted as it does, for the progress lines
+        total = len(_candidates(model_config(args.model), args.gpus, args.gpus_per_node, args.seq,
+                                args.global_batch_tokens // max(args.seq, 1),
+                                layout_names() if args.layouts is None else tuple(args.layouts), not args.no_baselines,
+                                tuple(args.zero_stages), tuple(args.checkpointing), args.max_micro_batch))
+        print(f"tp2d-plan: pricing {total} (layout, size) candidates of {args.model} on {args.gpus} GPUs "
+              f"({args.workers} at a time; a progress line every {PROGRESS_EVERY_S:g} s)...", file=sys.stderr,
+              flush=True)
+        with PlanProgress(total):
+            rows = plan(args.model, gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib,
+                        gpus_per_node=args.gpus_per_node, seq=args.seq, global_batch_tokens=args.global_batch_tokens,
+                        hardware=hardware, include_baselines=not args.no_baselines, layouts=args.layouts,
+                        compiled=not args.eager, zero_stages=tuple(args.zero_stages),
+                        checkpointing=tuple(args.checkpointing), max_micro_batch=args.max_micro_batch,
+                        workers=args.workers, activation_offload=(False, True) if args.offload else (False,))
     except (ValueError, KeyError, OSError) as err:
         print(f"tp2d-plan: {err}", file=sys.stderr)
         return 2
