@@ -1,9 +1,13 @@
 """The documentation runs as written: every ```python block of README.md, CONTRIBUTING.md and docs/*.md is saved
-as a script and started the way its text says (``torchrun ...`` when the text before the block names that command
-for it, else ``python <file>``: Lightning's and Fabric's own launchers start the processes), in one folder per
-document, in document order. Only the CPU-sized arguments the text itself offers are swapped in (``CPU_SIZED``),
-and each swapped string must still be in the text. Each known block's output is checked for numbers; every
-block's output for Lightning's known-harmless warnings and tips (``lightning_tp2d.quiet``).
+as a script and run in one folder per document, in document order, on as many processes as the text starts
+(``torchrun ...`` when the text before the block names that command for it, else ``python <file>``, where
+Lightning's and Fabric's own launchers start ``devices=N`` processes). Two blocks start exactly so, in fresh
+interpreters: the cheapest torchrun block and the cheapest Lightning-launched one (``STARTS_FRESH``). Every other
+block runs with ``runpy`` in the session's pooled ranks (:mod:`tests.script_ranks`: torchrun's environment, the
+file as ``__main__`` in its folder, each rank's output captured as a fresh interpreter shows it), which saves an
+interpreter, torch and Lightning per process. Only the CPU-sized arguments the text itself offers are swapped in
+(``CPU_SIZED``), and each swapped string must still be in the text. Each known block's output is checked for
+numbers; every block's output for Lightning's known-harmless warnings and tips (``lightning_tp2d.quiet``).
 
 Also, over the same documents: the Quick start installs torch's CPU build before the package; every ``tp2d fit``
 command of a ```bash block parses its flags (with its config when this checkout has it, else with the recipe's);
@@ -26,6 +30,7 @@ import pytest
 from lightning_tp2d import generate
 from lightning_tp2d.bench import cli as bench_cli
 from lightning_tp2d.cli import main as tp2d_main
+from tests.script_ranks import LAUNCH_VARS, run_script
 from tests.test_cli import NOISE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +38,9 @@ DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").gl
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
 # the text before a block names the command that starts it: `torchrun --nproc-per-node 4 layouts.py`
 TORCHRUN = re.compile(r"`torchrun ((?:--[\w-]+[ =]\S+ )*)(\w+\.py)`")
-LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "TP2D_RUN_DIR", "PL_GLOBAL_SEED")
+# a Trainer or Fabric that a block builds, and the processes Lightning's launcher starts for it
+LAUNCHER = re.compile(r"\b(?:Trainer|Fabric)\(")
+DEVICES = re.compile(r"\bdevices=(\d+)\b")
 
 # The CPU-sized arguments the documents offer, swapped in before a block runs: (the block's string, the CPU
 # string, the sentence of the text that offers the swap). Each block's string must occur in exactly one block.
@@ -85,6 +91,31 @@ def python_blocks(doc: Path) -> list[Block]:
 BLOCKS = [block for doc in DOCS for block in python_blocks(doc)]
 
 
+def world_size(block: Block) -> int | None:
+    """How many processes the text starts the block as: torchrun's ``--nproc-per-node``; under ``python <file>``,
+    the one ``devices=N`` of the Trainer or Fabric it builds (Lightning's launcher starts N), else 1. ``None`` when
+    the text does not spell that as one number (more nodes, no ``devices=N``): the block then starts as written."""
+    if block.torchrun:
+        args = " ".join(block.torchrun)
+        nproc = re.search(r"--nproc[-_]per[-_]node[ =](\d+)\b", args)
+        return int(nproc.group(1)) if nproc and "--nnodes" not in args else None
+    if not LAUNCHER.search(block.code):
+        return 1
+    devices = set(DEVICES.findall(block.code))
+    return int(devices.pop()) if len(devices) == 1 and "num_nodes" not in block.code else None
+
+
+# The blocks that start in fresh interpreters, as their text says: the cheapest torchrun block and the cheapest
+# Lightning-launched one (a CPU run of 4 processes each, 2 cores: layouts.py 11 s; the predict block 21 s, against
+# 22 s for fabric_tiny.py and 23 s for train_tiny.py). Every launcher the documents use is so started once.
+STARTS_FRESH = ("layouts.py", "trainer.predict(")
+
+
+def starts_fresh(block: Block) -> bool:
+    """Whether ``block`` runs in a fresh interpreter (``STARTS_FRESH``, or a world size the text does not give)."""
+    return block.script == STARTS_FRESH[0] or STARTS_FRESH[1] in block.code or world_size(block) is None
+
+
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
@@ -122,6 +153,12 @@ def ran(tmp_path_factory):
                     copy = shutil.copytree if (there / name).is_dir() else shutil.copy2
                     copy(there / name, cwd / name)
         (cwd / block.script).write_text(cpu_sized(block))
+        if not starts_fresh(block):  # in the session's ranks, each rank's output in rank order
+            outputs = run_script(cwd / block.script, world_size(block), own_group=bool(block.torchrun))
+            assert len(outputs) == world_size(block), block.id  # every rank ran the file to its end
+            output = "".join(outputs)
+            done[block.id] = (cwd, output)
+            return done[block.id]
         if block.torchrun:  # --standalone: a free rendezvous port (other test runs may hold torchrun's default)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *block.torchrun, block.script]
         else:
@@ -151,6 +188,13 @@ def test_the_documents_hold_the_blocks_and_swaps_this_test_knows():
     layouts = next(b for b in BLOCKS if b.script == "layouts.py")
     assert layouts.torchrun == ("--nproc-per-node", "4") and "import copy" not in layouts.code
     assert '"nccl" if cuda else "gloo"' in layouts.code
+    fresh = [block for block in BLOCKS if starts_fresh(block)]  # one torchrun block, one Lightning-launched block
+    assert [block.script for block in fresh] == ["layouts.py", fresh[1].script] and not fresh[1].torchrun
+    assert LAUNCHER.search(fresh[1].code) and world_size(fresh[1]) == 4
+    named = {block.script: world_size(block) for block in BLOCKS}  # (block<n>.py repeats across documents)
+    assert named["train_tiny.py"] == named["fabric_tiny.py"] == named["layouts.py"] == 4
+    sizes = [world_size(block) for block in BLOCKS]
+    assert None not in sizes and sizes.count(1) >= 3
 
 
 def _numbers(pattern: str, output: str) -> list[float]:
@@ -161,6 +205,7 @@ def check_output(block: Block, cwd: Path, output: str) -> None:
     """The numbers each known block prints or leaves; any other block only has to run."""
     if block.script == "train_tiny.py":  # 20 steps of gpt2-tiny on a 2x2 grid, rank 0's progress bar
         shown = _numbers(r"train_loss[:=] ?(\d+(?:\.\d+)?)", output)
+        assert "GPU available: False" in output  # Lightning's own log lines are in the text the noise check reads
         assert shown and shown[-1] < 4.5  # from ln(257) = 5.55
         shards = sorted(p.name for p in (cwd / "tiny.ckpt").glob("*.distcp"))
         assert shards == [f"__{r}_0.distcp" for r in range(4)]
@@ -181,6 +226,39 @@ def test_python_block_runs_as_written_and_prints_no_known_noise(block, ran):
     cwd, output = ran(block)
     check_output(block, cwd, output)
     assert [line for line in output.splitlines() if NOISE.search(line)] == []
+
+
+SHOWS = """
+import logging, os, sys, warnings
+
+import torch
+
+assert __name__ == "__main__" and sys.argv == [__file__] and os.getcwd() == sys.path[0] == os.path.dirname(__file__)
+print(f"rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')}, seed {torch.initial_seed()}")
+for _ in range(2):
+    warnings.warn("shown once")  # Python's default filter: once per place
+logging.getLogger("lightning.pytorch.utilities.rank_zero").info("💡 Tip: For seamless cloud logging")
+logging.getLogger("lightning").info("from the lightning logger")
+logging.getLogger("elsewhere").warning("a warning through logging's last resort")
+logging.getLogger("elsewhere").info("an INFO record nobody handles")
+os.write(2, b"straight to fd 2\\n")
+sys.exit(EXIT)
+"""
+
+
+def test_a_pooled_script_shows_what_a_fresh_interpreter_shows_and_fails_as_it_would(tmp_path):
+    (tmp_path / "shows.py").write_text(SHOWS.replace("EXIT", "0"))
+    outputs = run_script(tmp_path / "shows.py", 4)
+    assert len(outputs) == 4
+    for rank, output in enumerate(outputs):
+        assert f"rank {rank} of 4, seed 67280421310721\n" in output  # torchrun's variables, torch's fresh seed
+        assert output.count("UserWarning: shown once") == 1 and output.count("💡 Tip: For seamless") == 1
+        assert "INFO: from the lightning logger\n" in output  # `import lightning`'s own handler and format
+        assert "a warning through logging's last resort\n" in output and "nobody handles" not in output
+        assert output.endswith("straight to fd 2\n")
+    (tmp_path / "fails.py").write_text(SHOWS.replace("EXIT", "3"))
+    with pytest.raises(RuntimeError, match=r"(?s)fails\.py exited 3 on rank 0 of 1:.*rank None of None, seed"):
+        run_script(tmp_path / "fails.py", 1)  # one rank: no launch variables, as under `python fails.py`
 
 
 def _quick_start() -> str:
