@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing as mp
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -37,6 +35,7 @@ from lightning_tp2d.planning import cost_model as cm
 from lightning_tp2d.planning.events import Comm, totals
 from lightning_tp2d.planning.live import LiveTensorBytes
 from lightning_tp2d.planning.memory_model import baseline_activation_bytes
+from lightning_tp2d.planning.trace import in_worker
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
 from lightning_tp2d.training import GradientSync, clip_grad_norm_
@@ -565,7 +564,8 @@ def test_data_parallel_arguments_are_checked_before_anything_is_traced():
 
 
 def _three_blocks_two_ways(layout: str, p: int, batch: int, seq: int, stage: int, rank: int):
-    """(extrapolated from 1 and 2 blocks, traced with 3) steps of a three-block gpt2-tiny; in a forked process."""
+    """(extrapolated from 1 and 2 blocks, traced with 3) steps of a three-block gpt2-tiny; in the tracer's worker
+    (:func:`~lightning_tp2d.planning.trace.in_worker`)."""
     from lightning_tp2d.planning import trace
     from lightning_tp2d.layouts import get_layout
 
@@ -579,11 +579,10 @@ def _three_blocks_two_ways(layout: str, p: int, batch: int, seq: int, stage: int
 def test_sharded_steps_extrapolate_from_one_and_two_blocks_exactly(layout, p, batch, rank):
     """Each block's FSDP group adds the same calls with the same overlaps: the two-trace rule gives the events (and
     their overlapped FLOPs) of a model traced with all of its blocks."""
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
-        for stage in (2, 3):
-            extrapolated, traced = pool.submit(_three_blocks_two_ways, layout, p, batch, 24, stage, rank).result()
-            assert Counter(extrapolated.events) == Counter(traced.events), stage
-            assert extrapolated.flops == traced.flops and extrapolated.gemms == traced.gemms
+    for stage in (2, 3):  # in the tracer's worker process, whose fake-tensor caches are warm
+        extrapolated, traced = in_worker(_three_blocks_two_ways, layout, p, batch, 24, stage, rank)
+        assert Counter(extrapolated.events) == Counter(traced.events), stage
+        assert extrapolated.flops == traced.flops and extrapolated.gemms == traced.gemms
 
 
 @pytest.mark.parametrize("layout, p, batch, seq", [("2d", 4, 4, 32), ("2d", 9, 3, 36), ("2d-metp", 9, 1, 36)])
@@ -681,7 +680,7 @@ def test_fair_configurations_price_every_tensor_x_data_split_of_each_family():
 
 def _three_checkpointed_blocks_two_ways(layout: str, p: int, batch: int, seq: int, rank: int, checkpointing: str):
     """(extrapolated from 1 and 2 blocks, traced with 3) steps of a checkpointed three-block gpt2-tiny on one
-    replica; in a forked process."""
+    replica; in the tracer's worker."""
     from lightning_tp2d.planning import trace
     from lightning_tp2d.layouts import get_layout
 
@@ -694,12 +693,11 @@ def _three_checkpointed_blocks_two_ways(layout: str, p: int, batch: int, seq: in
 def test_checkpointed_steps_extrapolate_from_one_and_two_blocks_exactly():
     """Under full and selective checkpointing every block adds the same calls, FLOPs and kept bytes (the
     recomputation included): the two-trace rule gives the step traced with all three blocks."""
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
-        for ck in ("full", "selective"):
-            extrapolated, traced = pool.submit(_three_checkpointed_blocks_two_ways, "metp", 2, 2, 24, 1, ck).result()
-            assert Counter(extrapolated.events) == Counter(traced.events), ck
-            assert extrapolated.flops == traced.flops and extrapolated.gemms == traced.gemms, ck
-            assert extrapolated.activation_bytes == traced.activation_bytes, ck
+    for ck in ("full", "selective"):  # in the tracer's worker process
+        extrapolated, traced = in_worker(_three_checkpointed_blocks_two_ways, "metp", 2, 2, 24, 1, ck)
+        assert Counter(extrapolated.events) == Counter(traced.events), ck
+        assert extrapolated.flops == traced.flops and extrapolated.gemms == traced.gemms, ck
+        assert extrapolated.activation_bytes == traced.activation_bytes, ck
 
 
 def test_full_checkpointing_keeps_the_roots_saved_bytes_and_each_blocks_input():

@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_tp2d.planning.closed_memory import closed_form_problem, closed_peak_bytes
 from lightning_tp2d.planning.live import LiveTensorBytes, adamw_kernel, tensors_in
-from lightning_tp2d.planning.trace import config_key, fake_group, fake_mesh, in_worker, trace_step
+from lightning_tp2d.planning.trace import config_key, fake_group, fake_mesh, in_worker, ranks_as_asked, trace_step
 from lightning_tp2d.families import family_of, family_of_config
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
@@ -396,7 +396,8 @@ def peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_s
                    key=lambda d: d["total"])
     shards = shard_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, checkpointing=checkpointing,
                          elem=elem, ranks=ranks, fused=fused)
-    parts = [_parts(layout, cfg, batch, seq, p, dp, zero_stage, checkpointing, elem, r, shards[r]) for r in ranks]
+    with ranks_as_asked():  # the activations of these ranks only (a small group's others are not asked for)
+        parts = [_parts(layout, cfg, batch, seq, p, dp, zero_stage, checkpointing, elem, r, shards[r]) for r in ranks]
     return max(parts, key=lambda d: d["total"])
 
 

@@ -369,7 +369,9 @@ _SHALLOW: dict[tuple, TracedStep] = {}  # in the worker: the one- and two-block 
 
 def _trace_rank(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: _DataParallel,
                 rank: int, checkpointing: str = "none") -> TracedStep:
-    if cfg.n_layer == 1 or not data.repeats_per_block:
+    if cfg.n_layer == 1:  # the one-block trace a deeper model of this shape may have made already
+        return _shallow(spec, cfg, batch, seq, p, elem, data, rank, checkpointing)
+    if not data.repeats_per_block:
         return _run_here(spec, cfg, batch, seq, p, elem, data, rank, checkpointing)
     one, two = (_shallow(spec, dataclasses.replace(cfg, n_layer=n), batch, seq, p, elem, data, rank, checkpointing)
                 for n in (1, 2))
