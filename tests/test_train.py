@@ -1,8 +1,12 @@
 """``tp2d-train`` end to end on CPU processes (gloo): the run directory a 4-process job leaves, a two-machine launch
 simulated on loopback that matches it loss for loss, sweeps that launch each job once, Ctrl-C that keeps the last
 checkpoint, a ZeRO stage-3 run resumed from a checkpoint with the uninterrupted run's losses, and bad input refused
-before any process starts. The command is ``python -m lightning_tp2d.train``
-(what the ``tp2d-train`` console script runs) with this checkout first on ``PYTHONPATH``."""
+before any process starts.
+
+The 4-process run directory test runs the real command, ``python -m lightning_tp2d.train`` (what the ``tp2d-train``
+console script runs) with this checkout first on ``PYTHONPATH``, Lightning starting the ranks; so do the slow tests
+of launches, sweeps and signals. The other runs call the console script's code in already-spawned ranks, or in this
+process when nothing starts (:mod:`tests.hydra_runs`)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -24,6 +29,7 @@ import torch
 from lightning_tp2d import load_gpt2
 from lightning_tp2d.models import GPT2, GPT2Config
 
+from .hydra_runs import tp2d_train_here, tp2d_train_ranks
 from .lightning_ranks import free_port
 from .test_cli import NOISE
 
@@ -141,12 +147,12 @@ def test_resume_continues_in_the_run_directory_and_command_line_callbacks_are_us
     args = [a for a in SMALL if not a.startswith(("trainer.max_steps=", "sample."))] + [
         "trainer.max_steps=8", "sample.max_new_tokens=0", f"ckpt_path={run_dir}/checkpoints/last.ckpt",
         "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor"]
-    done = tp2d_train([a.replace("max_steps=8", "max_steps=6") for a in args], tmp_path, timeout=120)
+    done = tp2d_train_here([a.replace("max_steps=8", "max_steps=6") for a in args], tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]  # at max_steps already: it says so, once
     assert "nothing to train:" in done.stdout + done.stderr and "Initializing distributed" not in done.stdout + done.stderr
     assert "was saved at step 6 and trainer.max_steps=6. To train on, resume with a larger trainer.max_steps" in \
         (run_dir / "train.log").read_text()
-    run = tp2d_train(args, tmp_path)
+    run = tp2d_train_ranks(args, tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert run_dirs(tmp_path) == ["outputs/2020-01-01/00-00-00"]  # no new run directory
     assert f"in its run directory {run_dir} (logs/metrics.csv continues" in (run_dir / "train.log").read_text()
@@ -247,27 +253,30 @@ def test_ctrl_c_under_a_pipe_saves_the_step_and_exits_130(tmp_path):
     assert load_gpt2(newest).config == GPT2Config.from_name("gpt2-tiny")
 
 
-def test_bad_input_is_refused_before_any_process_starts(tmp_path):
+def test_bad_input_is_refused_before_any_process_starts(tmp_path, monkeypatch):
     """(Unknown keys and device counts that do not fit are checked in-process in test_conf.py.)"""
-    unknown_option = tp2d_train(["model=gpt3"], tmp_path, timeout=120)
-    assert unknown_option.returncode == 1
-    assert "Could not find 'model/gpt3'" in unknown_option.stderr and "\tgpt2-medium\n" in unknown_option.stderr
+    unknown_option = tp2d_train_here(["model=gpt3"], tmp_path)
+    assert unknown_option.returncode == 2  # refused on the command line, before Hydra composes (issue 38)
+    assert "model/ has no option 'gpt3'; its options: " in unknown_option.stderr
+    assert ", gpt2-medium, " in unknown_option.stderr
 
-    missing = tp2d_train(["data=text", "data.path=corpus/missing.txt"], tmp_path, timeout=120)
+    missing = tp2d_train_here(["data=text", "data.path=corpus/missing.txt"], tmp_path)
     assert missing.returncode == 2
     assert f"data.path='corpus/missing.txt' does not exist (looked for {tmp_path}/corpus/missing.txt" in missing.stderr
     assert list(tmp_path.iterdir()) == []  # the run directory Hydra had made is gone again
 
-    fake = tmp_path.parent / f"{tmp_path.name}-offline"  # a tiktoken whose BPE files cannot be fetched
-    fake.mkdir()
-    (fake / "tiktoken.py").write_text("def get_encoding(name):\n    raise ConnectionError('HTTPSConnectionPool: Max "
-                                      "retries exceeded\\n' * 20)\n")
-    offline = tp2d_train(["model=gpt2", "data.tokenizer=gpt2"], tmp_path, timeout=120,
-                         PYTHONPATH=os.pathsep.join([str(ROOT), str(fake)]))
+    monkeypatch.setitem(sys.modules, "tiktoken", types.ModuleType("tiktoken"))  # whose BPE files cannot be fetched
+    sys.modules["tiktoken"].get_encoding = offline_encoding
+    offline = tp2d_train_here(["model=gpt2", "data.tokenizer=gpt2"], tmp_path)
     assert offline.returncode == 2, offline.stderr[-2000:]
     assert offline.stderr.strip().count("\n") == 0, offline.stderr  # one line
     assert "tp2d-train: error: data.tokenizer: tokenizer 'gpt2' needs" in offline.stderr
     assert "Error executing job" not in offline.stderr and list(tmp_path.iterdir()) == []
+
+
+def offline_encoding(name):
+    """tiktoken's ``get_encoding`` on a machine without network."""
+    raise ConnectionError("HTTPSConnectionPool: Max retries exceeded\n" * 20)
 
 
 @pytest.mark.parametrize("parallel, p, devices, log_every, precision, zero_stage",
@@ -284,7 +293,7 @@ def test_ring_layouts_train_and_sample_from_the_command_line(tmp_path, parallel,
             f"trainer.log_every_n_steps={log_every}", f"trainer.precision={precision}", "trainer.gradient_clip_val=0.5",
             f"parallel.zero_stage={zero_stage}", "callbacks.model_checkpoint.save_top_k=-1",
             f"data.max_tokens={20000 * devices // p}"]  # 2 validation batches per replica
-    run = tp2d_train(args, tmp_path)
+    run = tp2d_train_ranks(args, tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     (run_dir,) = run_dirs(tmp_path)
     first = losses(tmp_path / run_dir)
@@ -299,8 +308,8 @@ def test_ring_layouts_train_and_sample_from_the_command_line(tmp_path, parallel,
         assert f"{devices // p} replica(s) x ring of {p}" in (tmp_path / run_dir / "train.log").read_text()
         copy = tmp_path / "resumed" / "outputs" / "2020-01-01" / "00-00-00"
         shutil.copytree(tmp_path / run_dir, copy, symlinks=True)
-        resumed = tp2d_train([*args, "sample.max_new_tokens=0", f"ckpt_path={copy}/checkpoints/step=3.ckpt"],
-                             tmp_path / "resumed")
+        resumed = tp2d_train_ranks([*args, "sample.max_new_tokens=0", f"ckpt_path={copy}/checkpoints/step=3.ckpt"],
+                                   tmp_path / "resumed")
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
         assert f"resuming from {copy}/checkpoints/step=3.ckpt" in (copy / "train.log").read_text()
         for got, want in zip(losses(copy), first):  # train_loss at 6; val_loss, perplexity at 3 and 6
@@ -316,7 +325,7 @@ def test_llama_trains_on_a_2x2_grid_and_its_checkpoint_exports_to_transformers(t
             "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
             "trainer.log_every_n_steps=1", "data.max_tokens=20000", "sample.max_new_tokens=8",
             "trainer.enable_progress_bar=false"]
-    run = tp2d_train(args, tmp_path)
+    run = tp2d_train_ranks(args, tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     (run_dir,) = run_dirs(tmp_path)
     train, val, _ = losses(tmp_path / run_dir)
