@@ -8,7 +8,8 @@ covers, and what it refuses with a ``ValueError`` naming the numbers (``memory_m
 the step as before):
 
 * layouts whose ranks form a ring (``arrangement == "ring"``: ``"metp"``); the grids (``"2d"``, ``"2d-metp"``)
-  are refused;
+  have their own closed form, :mod:`~lightning_tp2d.planning.closed_memory_grid`, which ``closed_form_problem``
+  and ``closed_peak_bytes`` hand them to;
 * ZeRO stages 0 and 1 (any ``dp``), stages 2 and 3 (FSDP2) with ``dp > 1`` (below); stages 2 and 3 on one
   replica are refused;
 * checkpointing ``"none"``, ``"selective"`` and ``"full"``;

@@ -92,10 +92,10 @@ import dataclasses
 
 import torch
 
-from lightning_tp2d.families import family_of, family_of_config
+from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.options import TPOptions
-from lightning_tp2d.planning.closed_memory_grid_fsdp import fsdp_moments, grid_data_shards
+from lightning_tp2d.planning.closed_memory_grid_fsdp import fsdp_moments, grid_data_shards, one_block_model
 from lightning_tp2d.train_plan import fsdp_shards
 
 __all__ = ["grid_peak_bytes", "grid_problem", "is_grid"]
@@ -127,16 +127,9 @@ _SIZES: dict[tuple, _Sizes] = {}
 def _grid_sizes(cfg, q: int, rank: int) -> _Sizes:
     key = (repr(dataclasses.replace(cfg, n_layer=1)), q, rank)  # (a config may hold a dict: rope_scaling)
     if key not in _SIZES:
-        with torch.device("meta"):
-            model = family_of_config(cfg).model_class(dataclasses.replace(cfg, n_layer=1))
-        block = next(iter(family_of(model).block_modules(model)))
-        in_block = {id(t) for t in block.parameters()}
+        model, block, in_block, rows = one_block_model(cfg, q)
         V, hq = cfg.vocab_size, cfg.n_embd // q
         r, c = divmod(rank, q)
-        chunk = -(-V // q)
-
-        def rows(i: int) -> int:  # DTensor's Shard: ceil chunks, the last short or empty
-            return max(0, min(chunk, V - i * chunk))
 
         local = [t.numel() // (q * q) if t.ndim == 2 else t.numel() // q for t in block.parameters()]
         matrices = sum(t.numel() // (q * q) for t in block.parameters() if t.ndim == 2)

@@ -33,24 +33,33 @@ class GridDataShards:
 _DATA_SHARDS: dict[tuple, GridDataShards] = {}
 
 
+def one_block_model(cfg, q: int) -> tuple:
+    """The plain model of ``cfg`` with one block, built on the meta device; that block; the ids of its parameters;
+    and ``rows(i)``: the vocabulary rows grid row (or column) ``i`` holds of a ``[V, ...]`` table (DTensor's
+    ``Shard``: ceil chunks, the last short or empty)."""
+    with torch.device("meta"):
+        model = family_of_config(cfg).model_class(dataclasses.replace(cfg, n_layer=1))
+    block = next(iter(family_of(model).block_modules(model)))
+    V = cfg.vocab_size
+    chunk = -(-V // q)
+
+    def rows(i: int) -> int:
+        return max(0, min(chunk, V - i * chunk))
+
+    return model, block, {id(t) for t in block.parameters()}, rows
+
+
 def grid_data_shards(cfg, q: int, dp: int, rank: int) -> GridDataShards:
     """:class:`GridDataShards` of grid rank ``rank`` (``(r, c) = divmod(rank, q)``) on a grid of side ``q`` over
     ``dp`` replicas, read from the plain model built with one block on the meta device; cached."""
     key = (repr(dataclasses.replace(cfg, n_layer=1)), q, dp, rank)  # (a config may hold a dict: rope_scaling)
     if key in _DATA_SHARDS:
         return _DATA_SHARDS[key]
-    with torch.device("meta"):
-        model = family_of_config(cfg).model_class(dataclasses.replace(cfg, n_layer=1))
-    block = next(iter(family_of(model).block_modules(model)))
-    in_block = {id(t) for t in block.parameters()}
+    model, block, in_block, rows = one_block_model(cfg, q)
     V, hq = cfg.vocab_size, cfg.n_embd // q
     r, c = divmod(rank, q)
-    chunk = -(-V // q)
     head = model.lm_head.weight
     tied = any(m.weight is head for m in model.modules() if isinstance(m, torch.nn.Embedding))
-
-    def rows(i: int) -> int:  # DTensor's Shard: ceil chunks, the last short or empty
-        return max(0, min(chunk, V - i * chunk))
 
     counts = {True: [0, 0, 0], False: [0, 0, 0]}  # in a block: held, padded, whole
     largest = 0
