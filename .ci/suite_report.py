@@ -17,7 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / ".ci" / "suite_counts.json"
-SUMMARY = re.compile(r"tests passed: (\d+); assertions executed \(this process and its forked ranks\): (\d+)")
+SUMMARY = re.compile(r"tests passed: (\d+); assertions executed "
+                     r"\((?:this|every test) process and its forked ranks\): (\d+)")
 
 
 def static_counts(tests: Path = ROOT / "tests") -> dict[str, int]:

@@ -11,6 +11,7 @@ import atexit
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = _CACHE = tempfile.mkdtemp(prefix="tp2d-inductor-")
@@ -22,21 +23,34 @@ atexit.register(shutil.rmtree, _PLANS, ignore_errors=True)
 
 # Counting the assertions the suite executes (issue 37: a faster suite must not check less). pytest calls
 # ``pytest_assertion_pass`` for every rewritten ``assert`` that passes, in this process and in the ranks it forks
-# (they share the rewritten test modules); each appends one byte to a file named in the environment, which forked
-# ranks inherit, so the file's size is the count. The summary line prints it beside the collected tests.
-_COUNT = os.environ.setdefault("TP2D_ASSERT_COUNT", os.path.join(_PLANS, "asserts-executed"))
+# (they share the rewritten test modules); each one written in tests/ appends one byte to this process's file in a folder named in the
+# environment, which forked ranks and pytest-xdist's workers inherit, so the folder's size is the count. The summary
+# line prints it beside the tests passed.
+if "TP2D_ASSERT_COUNTS" not in os.environ:
+    os.environ["TP2D_ASSERT_COUNTS"] = tempfile.mkdtemp(prefix="tp2d-asserts-")
+    atexit.register(shutil.rmtree, os.environ["TP2D_ASSERT_COUNTS"], ignore_errors=True)
+_COUNTS = os.environ["TP2D_ASSERT_COUNTS"]
+_COUNT = os.path.join(_COUNTS, f"process-{os.getpid()}")  # (a forked rank keeps its parent's file)
+
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def pytest_assertion_pass(item, lineno, orig, expl):
-    with open(_COUNT, "ab") as f:
-        f.write(b".")
+    # only the asserts of tests/: plugins (hydra-core registers one) have pytest rewrite their packages' asserts too
+    frame = sys._getframe(1)
+    while frame is not None and ("_pytest" in frame.f_code.co_filename or "pluggy" in frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is not None and frame.f_code.co_filename.startswith(_TESTS):
+        with open(_COUNT, "ab") as f:
+            f.write(b".")
 
 
 _PER_TEST: dict[str, int] = {}
 
 
-def _executed() -> int:
-    return os.path.getsize(_COUNT) if os.path.exists(_COUNT) else 0
+def _executed(path: str = _COUNT) -> int:
+    return os.path.getsize(path) if os.path.exists(path) else 0
 
 
 def pytest_runtest_protocol(item, nextitem):
@@ -50,15 +64,16 @@ def pytest_runtest_logfinish(nodeid, location):
 def pytest_sessionfinish(session):
     report = os.environ.get("TP2D_ASSERT_REPORT")  # a JSON of the assertions each test executed, when asked
     if report:
-        with open(report, "w") as f:
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        with open(f"{report}.{worker}" if worker else report, "w") as f:
             json.dump(_PER_TEST, f, indent=0)
 
 
 def pytest_terminal_summary(terminalreporter):
     passed = len(terminalreporter.stats.get("passed", []))
-    executed = _executed()
-    terminalreporter.write_line(f"tests passed: {passed}; assertions executed (this process and its forked ranks): "
-                                f"{executed}")
+    executed = sum(_executed(os.path.join(_COUNTS, name)) for name in os.listdir(_COUNTS))
+    terminalreporter.write_line(f"tests passed: {passed}; "
+                                f"assertions executed (every test process and its forked ranks): {executed}")
 
 
 def pytest_runtest_setup(item):
