@@ -81,3 +81,4 @@ def pytest_runtest_setup(item):
     import tests.distributed  # (imports torch and the package's process spawner: loaded once the first test runs)
 
     tests.distributed.FRESH_FOR_THIS_TEST = "monkeypatch" in item.fixturenames
+    tests.distributed.new_module(item.module.__name__)  # pools are per test module: no state crosses modules
