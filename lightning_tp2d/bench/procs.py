@@ -207,16 +207,15 @@ class RankPool:
             p.start()
         self.alive = True
 
-    def run(self, fn: Callable, *args, timeout: float = 600.0, allow_exit: bool = False,
-            env: dict[str, str] | None = None) -> RunResult:
+    def run(self, fn: Callable, *args, timeout: float = 600.0, env: dict[str, str] | None = None) -> RunResult:
         if not self.alive:
             raise RuntimeError("this RankPool has ended (a task failed, timed out or a rank died); start a new one")
         task = (fn, args, None if env is None else dict(env))
         for pipe in self._tasks:
             pipe.send(task)
-        result = collect(self._procs, self._results, self.world_size, timeout, allow_exit, keep_alive=True)
+        result = collect(self._procs, self._results, self.world_size, timeout, keep_alive=True)
         self.tasks_left -= 1
-        if not result.ok or allow_exit or self.tasks_left <= 0:
+        if not result.ok or self.tasks_left <= 0:
             self.close()
         return result
 
