@@ -62,6 +62,15 @@ def pytest_runtest_logfinish(nodeid, location):
 
 
 def pytest_sessionfinish(session):
+    # no rank outlives the session: a survivor would hold the pipe pytest's output goes through (and
+    # multiprocessing's exit handler would join it for ever)
+    import multiprocessing
+
+    from lightning_tp2d.bench import procs
+
+    if "tests.distributed" in sys.modules:
+        sys.modules["tests.distributed"]._close_pools()
+    procs.stop(multiprocessing.active_children())
     report = os.environ.get("TP2D_ASSERT_REPORT")  # a JSON of the assertions each test executed, when asked
     if report:
         worker = os.environ.get("PYTEST_XDIST_WORKER")
@@ -82,3 +91,10 @@ def pytest_runtest_setup(item):
 
     tests.distributed.FRESH_FOR_THIS_TEST = "monkeypatch" in item.fixturenames
     tests.distributed.new_module(item.module.__name__)  # pools are per test module: no state crosses modules
+
+
+def pytest_runtest_teardown(item):
+    # a Hydra job run in this process (the console script's main) leaves its state behind: its choices would name
+    # the model in a later test's messages (train._model_label)
+    if "hydra.core.hydra_config" in sys.modules:
+        sys.modules["hydra.core.hydra_config"].HydraConfig.instance().cfg = None

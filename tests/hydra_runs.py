@@ -32,6 +32,7 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 
 from lightning_tp2d import train
 
@@ -80,6 +81,7 @@ def _exit_code(args: list[str], cwd: Path) -> tuple[int, str, str]:
                     print(done.code, file=sys.stderr)  # what the interpreter prints for sys.exit("message")
     finally:
         GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None  # the job's state (its choices name the model) must not reach later checks
         os.chdir(saved_cwd)
         sys.argv = saved_argv
         os.environ.clear()

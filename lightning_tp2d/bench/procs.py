@@ -12,11 +12,13 @@ A per-rank memory cap is ``torch.cuda.set_per_process_memory_fraction`` on GPU a
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import random
+import signal
 import socket
 import tempfile
 import time
@@ -62,6 +64,7 @@ def _short(exc: BaseException) -> str:
 
 def _worker(rank: int, world_size: int, init_file: str, device: str, cap_bytes: int | None, fn: Callable,
             args: tuple, results, timeout: float, lightning: str | None, tracebacks: bool) -> None:
+    _dump_stacks_on_request()
     try:
         backend = "gloo"
         if device == "cuda":
@@ -130,7 +133,7 @@ def collect(procs: list, results, world_size: int, timeout: float, allow_exit: b
     is then ``None``), or ``timeout`` seconds passing. The processes still alive are terminated on the way out,
     unless ``keep_alive`` and every rank reported ``"ok"`` (:class:`RankPool`'s ranks wait for the next task)."""
     outs: dict[int, Any] = {}
-    finished = False
+    finished = timed_out = False
     deadline = time.monotonic() + timeout
     try:
         while len(outs) < world_size:
@@ -151,6 +154,7 @@ def collect(procs: list, results, world_size: int, timeout: float, allow_exit: b
                 if message is None:
                     if time.monotonic() > deadline:
                         missing = sorted(set(range(world_size)) - set(outs))
+                        timed_out = True
                         return RunResult("timeout", reason=f"ranks {missing} did not finish within {timeout:.0f} s")
                     continue
                 rank, status, value = message
@@ -159,14 +163,39 @@ def collect(procs: list, results, world_size: int, timeout: float, allow_exit: b
             outs[rank] = value
         finished = True
     finally:
-        if keep_alive and finished:
-            procs = []
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=10)
+        if not (keep_alive and finished):
+            stop(procs, dump=[p for r, p in enumerate(procs) if r not in outs] if timed_out else [])
     return RunResult("ok", values=[outs.get(r) for r in range(world_size)])
+
+
+def _dump_stacks_on_request() -> None:
+    """A rank prints every thread's Python stack to its stderr on ``SIGUSR1`` (:func:`stop` asks one that has not
+    finished, so a hang says where it hung), even while blocked in C (a collective, a lock)."""
+    # (descriptor 2 itself: under pytest's capsys ``sys.stderr`` has no descriptor)
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
+
+
+def stop(procs: list, dump: list = ()) -> None:
+    """Ends ``procs`` for certain: ``SIGTERM``, then ``SIGKILL`` for those still alive 5 s later (a rank blocked in
+    C, or one whose SIGTERM handler only sets a flag, as Lightning's does, outlives ``SIGTERM``; a survivor would
+    keep the pipes it inherited open, and ``multiprocessing``'s exit handler would wait for it for ever). The ones
+    in ``dump`` first print their stacks (:func:`_dump_stacks_on_request`)."""
+    asked = [p for p in dump if p.is_alive() and p.pid is not None]
+    for p in asked:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    if asked:
+        time.sleep(1.0)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 # ---- ranks kept for many tasks -------------------------------------------------------------------------------------
@@ -231,9 +260,7 @@ class RankPool:
                 pass
         for p in self._procs:
             p.join(timeout=2)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
+        stop(self._procs)
         self._dir.cleanup()
 
 
@@ -255,6 +282,16 @@ def free_port() -> int:
 
 def _pool_worker(rank: int, world_size: int, lightning: bool, port: int, folder: str, tasks, results,
                  timeout: float) -> None:
+    try:
+        _pool_rank(rank, world_size, lightning, port, folder, tasks, results, timeout)
+    except BaseException:  # noqa: BLE001 - a rank that cannot go on (its group not made, a pipe gone) says why
+        results.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+def _pool_rank(rank: int, world_size: int, lightning: bool, port: int, folder: str, tasks, results,
+               timeout: float) -> None:
+    _dump_stacks_on_request()
     if lightning:
         os.environ.update(_launch_env(rank, world_size, str(port)))
     torch.set_num_threads(1)
