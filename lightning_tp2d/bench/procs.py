@@ -76,7 +76,7 @@ def _worker(rank: int, world_size: int, init_file: str, device: str, cap_bytes: 
                 total = torch.cuda.get_device_properties(gpu).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), gpu)
         else:
-            torch.set_num_threads(max(1, int(os.environ.get("TP2D_BENCH_THREADS", "1"))))
+            _one_thread_team(max(1, int(os.environ.get("TP2D_BENCH_THREADS", "1"))))
         if lightning is not None:  # launched "externally": Lightning makes the process group itself
             os.environ.update(_launch_env(rank, world_size, lightning))
             warnings.filterwarnings("ignore")
@@ -94,6 +94,15 @@ def _worker(rank: int, world_size: int, init_file: str, device: str, cap_bytes: 
         status = OOM if oom is not None else "error"
         short = oom if oom is not None else exc if isinstance(exc, ValueError) and not tracebacks else None
         results.put((rank, status, _short(short) if short is not None else traceback.format_exc()))
+
+
+def _one_thread_team(threads: int = 1) -> None:
+    """A forked CPU rank's intra-op threads, also in ``OMP_NUM_THREADS`` so that Lightning's strategies and
+    ``TP2DStrategy`` (which raise the count to cores / processes when it is unset) leave it. A rank forked from a
+    parent whose OpenMP team had more than one thread must keep to one: GNU OpenMP is not fork-safe, and a parallel
+    region in the child waits for ever on the parent's threads (seen: a one-rank fit hung in ``layer_norm``)."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def _launch_env(rank: int, world_size: int, port: str) -> dict[str, str]:
@@ -176,7 +185,7 @@ def _dump_stacks_on_request() -> None:
 
 
 def stop(procs: list, dump: list = ()) -> None:
-    """Ends ``procs`` for certain: ``SIGTERM``, then ``SIGKILL`` for those still alive 5 s later (a rank blocked in
+    """Ends ``procs`` for certain: ``SIGTERM``, then ``SIGKILL`` for those still alive 3 s later (a rank blocked in
     C, or one whose SIGTERM handler only sets a flag, as Lightning's does, outlives ``SIGTERM``; a survivor would
     keep the pipes it inherited open, and ``multiprocessing``'s exit handler would wait for it for ever). The ones
     in ``dump`` first print their stacks (:func:`_dump_stacks_on_request`)."""
@@ -192,7 +201,7 @@ def stop(procs: list, dump: list = ()) -> None:
         if p.is_alive():
             p.terminate()
     for p in procs:
-        p.join(timeout=5)
+        p.join(timeout=3)
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
@@ -294,7 +303,7 @@ def _pool_rank(rank: int, world_size: int, lightning: bool, port: int, folder: s
     _dump_stacks_on_request()
     if lightning:
         os.environ.update(_launch_env(rank, world_size, str(port)))
-    torch.set_num_threads(1)
+    _one_thread_team()
     generation = 0
 
     def join() -> None:  # the default group, made anew under a new rendezvous file when a task destroyed it
@@ -320,6 +329,7 @@ def _pool_rank(rank: int, world_size: int, lightning: bool, port: int, folder: s
         os.environ.update(fresh[4] if env is None else env)
         if lightning:
             os.environ.update(_launch_env(rank, world_size, str(port)))
+        _one_thread_team()  # (a task may have raised the count, or its environment lack the variable)
         try:
             if lightning:
                 warnings.filterwarnings("ignore")
