@@ -189,14 +189,13 @@ def stop(procs: list, dump: list = ()) -> None:
     C, or one whose SIGTERM handler only sets a flag, as Lightning's does, outlives ``SIGTERM``; a survivor would
     keep the pipes it inherited open, and ``multiprocessing``'s exit handler would wait for it for ever). The ones
     in ``dump`` first print their stacks (:func:`_dump_stacks_on_request`)."""
-    asked = [p for p in dump if p.is_alive() and p.pid is not None]
-    for p in asked:
-        try:
-            os.kill(p.pid, signal.SIGUSR1)
-        except OSError:
-            pass
-    if asked:
-        time.sleep(1.0)
+    for p in dump:  # one at a time: stacks written together into one descriptor interleave line by line
+        if p.is_alive() and p.pid is not None:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except OSError:
+                continue
+            time.sleep(0.3)
     for p in procs:
         if p.is_alive():
             p.terminate()
