@@ -302,7 +302,6 @@ def _pool_rank(rank: int, world_size: int, lightning: bool, port: int, folder: s
     _dump_stacks_on_request()
     if lightning:
         os.environ.update(_launch_env(rank, world_size, str(port)))
-    _one_thread_team()
     generation = 0
 
     def join() -> None:  # the default group, made anew under a new rendezvous file when a task destroyed it
@@ -328,7 +327,7 @@ def _pool_rank(rank: int, world_size: int, lightning: bool, port: int, folder: s
         os.environ.update(fresh[4] if env is None else env)
         if lightning:
             os.environ.update(_launch_env(rank, world_size, str(port)))
-        _one_thread_team()  # (a task may have raised the count, or its environment lack the variable)
+        _one_thread_team()  # before every task: the last may have raised the count, or ``env`` lack the variable
         try:
             if lightning:
                 warnings.filterwarnings("ignore")
