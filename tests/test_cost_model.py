@@ -286,6 +286,9 @@ def test_activation_bytes_of_the_plain_model(dtype):
 
 
 GPT2_SMALL = GPT2Config.from_name("gpt2")
+# Properties that hold for any size trace one narrow block with a small vocabulary (a trace costs per operation, and
+# each distinct shape, depth and rank is its own trace): the tests below share this config's traces.
+NARROW = dataclasses.replace(GPT2_SMALL, n_layer=1, n_embd=192, vocab_size=257)
 
 
 def test_single_and_one_rank_send_nothing_and_bad_shapes_raise():
@@ -405,7 +408,7 @@ def test_events_name_their_group_and_overlap_only_behind_compute(layout, p):
 
 
 def test_flops_split_the_plain_model_and_the_ring_computes_exactly_the_causal_scores():
-    cfg, B, T = GPT2_SMALL, 8, 1024
+    cfg, B, T = dataclasses.replace(GPT2_SMALL, n_layer=1), 8, 1024  # GPT-2's widths and vocabulary, one block
     single = cm.flops("single", cfg, B, T, 1)
     assert single["forward"] == pytest.approx(2 * (12 * cfg.n_layer * cfg.n_embd ** 2 + cfg.n_embd * cfg.vocab_size)
                                               * B * T + 2 * cfg.n_layer * cfg.n_embd * B * T * (T + 1), rel=1e-12)
@@ -444,8 +447,7 @@ def test_time_model_more_bandwidth_means_less_time_and_totals_add_up():
         assert cm.collective_time(kind, 4, 1 << 20, link) > cm.collective_time(kind, 4, 1 << 10, link) > 0
     assert cm.collective_time("recv", 4, 1 << 20, link) == 0  # charged on the matching send
     hw = cm.H100_NVLINK4_NDR
-    # the properties hold for any size: one narrow block with a small vocabulary traces in a third of the time
-    small = dataclasses.replace(GPT2_SMALL, n_layer=1, n_embd=192, vocab_size=257)
+    small = NARROW  # the properties hold for any size
     for layout, p, batch, seq in (("2d", 4, 8, 1024), ("2d", 16, 8, 1024), ("metp", 4, 1, 1024),
                                   ("2d-metp", 16, 1, 1024), ("tp1d", 16, 8, 1024)):
         slow, quick = (cm.step_time(layout, small, batch, seq, p, h) for h in (hw, _faster(hw, 4)))
@@ -479,7 +481,7 @@ def test_metp_overlap_threshold_is_about_1k_tokens_on_a100():
 
 def test_projected_speedup_reports_both_layouts_per_gpu_count():
     pytest.importorskip("lightning_tp2d.baselines.tp1d")
-    rows = cm.projected_speedup(GPT2_SMALL, 8, 1024)
+    rows = cm.projected_speedup(NARROW, 8, 1024)  # the structure of the report: any size (n_embd divides by 64)
     assert [r["gpus"] for r in rows] == [4, 16, 64] and [r["q"] for r in rows] == [2, 4, 8]
     for r in rows:
         assert {"tp1d", "2d", "tp1d_s", "2d_s", "speedup", "nodes", "tp1d_sp", "tp1d_sp_s", "tp1d_sp_async",
