@@ -89,3 +89,18 @@ def test_a_pool_whose_task_stalls_ends_its_ranks_and_refuses_more_tasks(tmp_path
         assert "this RankPool has ended" in str(err)
     else:
         raise AssertionError("an ended pool ran a task")
+
+
+def test_the_oversubscription_benchmark_times_both_placements(capsys):
+    """``recipes/benchmarks/gloo_oversubscribed.py`` (why each pytest worker keeps its ranks on its own core): a
+    row per world size and placement, each with its time per call and the ranks' CPU seconds."""
+    import runpy
+
+    bench = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "recipes", "benchmarks",
+                                        "gloo_oversubscribed.py"))
+    row = bench["measure"](2, 20, sorted(os.sched_getaffinity(0))[:1])
+    assert row["ms_per_call"] > 0 and row["cpu_s"] >= row["system_s"] >= 0, row
+    bench["main"](["--ranks", "2", "--calls", "20"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].endswith("20 all-reduces of 64 floats per row")
+    assert [line.split()[:2] for line in lines[2:]] == [["2", str(len(os.sched_getaffinity(0)))], ["2", "1"]]
