@@ -92,7 +92,7 @@ def test_a_pool_whose_task_stalls_ends_its_ranks_and_refuses_more_tasks(tmp_path
 
 
 def test_the_oversubscription_benchmark_times_both_placements(capsys):
-    """``recipes/benchmarks/gloo_oversubscribed.py`` (why each pytest worker keeps its ranks on its own core): a
+    """``recipes/benchmarks/gloo_oversubscribed.py`` (what a small collective costs with more ranks than cores): a
     row per world size and placement, each with its time per call and the ranks' CPU seconds."""
     import runpy
 

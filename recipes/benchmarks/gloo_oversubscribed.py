@@ -8,65 +8,59 @@ not just as wall time::
 
     python recipes/benchmarks/gloo_oversubscribed.py --ranks 2 4 8 --calls 500
 
-On the project's 2-core machine (2026-12-03, `--calls 500`), ms per call / CPU seconds of all ranks:
+On the project's 2-core machine (2026-12-03, `--calls 500`, the range of three runs), ms per call / CPU seconds of
+all ranks:
 
 | ranks | both cores | one core |
 |---|---|---|
-| 2 | 0.78 / 0.5 | 0.41 / 0.2 |
-| 4 | 5.2 / 3.6 | 5.4 / 2.7 |
-| 8 | 21 / 16.0 | 29 / 14.3 |
+| 2 | 0.6-2.8 / 0.4-1.4 | 0.3-0.4 / 0.1-0.2 |
+| 4 | 5.2-7.4 / 3.6-4.5 | 5.4-6.5 / 2.7-3.1 |
+| 8 | 21-35 / 16-21 | 25-29 / 13-14 |
 
 Most of it is kernel time: a rank switches context 35-80 times per call. So a test that issues many small
-collectives on 8 ranks pays ~20 ms for each, whatever the process layout around it. Ranks kept on one core cost the
-machine 10-60% less CPU; the test suite with each pytest worker's processes on its own core used 4-8% less CPU but
+collectives on 8 ranks pays 20-35 ms for each, whatever the process layout around it. Ranks kept on one core cost
+the machine less CPU; the test suite with each pytest worker's processes on its own core used 4-8% less CPU but
 took as long (1,122 and 1,181 s against 1,168 and 1,192 s; CONTRIBUTING.md), so it does not pin.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import resource
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from lightning_tp2d.bench.procs import free_port
+from lightning_tp2d.bench.procs import run_ranks
 
 
-def _rank(rank: int, world: int, port: int, calls: int, cores: list[int] | None, out) -> None:
-    if cores is not None:
-        os.sched_setaffinity(0, cores)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+def _rank(rank: int, world: int, calls: int) -> tuple[float, float, float]:
+    """``(seconds, user s, system s)`` of ``calls`` all-reduces on this rank (one thread, its group made by
+    :func:`~lightning_tp2d.bench.procs.run_ranks`)."""
     x = torch.ones(64)
     dist.barrier()
     start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     for _ in range(calls):
         dist.all_reduce(x)
     after = resource.getrusage(resource.RUSAGE_SELF)
-    out.put((time.perf_counter() - start, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime))
-    dist.destroy_process_group()
+    return time.perf_counter() - start, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
 
 
-def measure(world: int, calls: int, cores: list[int] | None) -> dict:
-    """``{"ms_per_call", "cpu_s", "system_s"}`` of ``calls`` all-reduces on ``world`` forked ranks."""
-    ctx = mp.get_context("fork")
-    out = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, calls, cores, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = [out.get() for _ in procs]
-    for p in procs:
-        p.join()
-    wall = max(r[0] for r in rows)
-    return {"ms_per_call": 1e3 * wall / calls, "cpu_s": sum(r[1] + r[2] for r in rows),
-            "system_s": sum(r[2] for r in rows)}
+def measure(world: int, calls: int, cores: list[int]) -> dict:
+    """``{"ms_per_call", "cpu_s", "system_s"}`` of ``calls`` all-reduces on ``world`` forked ranks on ``cores``."""
+    every = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)  # before the fork: the ranks and gloo's threads inherit it
+    try:
+        run = run_ranks(_rank, world, calls)
+    finally:
+        os.sched_setaffinity(0, every)
+    if not run.ok:
+        raise RuntimeError(f"rank {run.rank}: {run.status}: {run.reason}")
+    wall = max(r[0] for r in run.values)
+    return {"ms_per_call": 1e3 * wall / calls, "cpu_s": sum(r[1] + r[2] for r in run.values),
+            "system_s": sum(r[2] for r in run.values)}
 
 
 def main(argv=None) -> None:
