@@ -94,13 +94,14 @@ _RECORDERS: list = []
 
 
 @contextlib.contextmanager
-def recording(recorder) -> Iterator:
+def recording(recorder, *, direct: bool = True) -> Iterator:
     """Send every call made inside the block to ``recorder`` (``posted(call)`` when issued, ``waited(call)`` when
     its handle completes; a blocking call is both at once), the direct ``torch.distributed`` ones included (module
-    docstring)."""
+    docstring). ``direct=False``: ``recorder`` is itself a dispatch mode, active inside the block, that announces
+    the direct ones with :func:`direct_call` (one Python dispatch layer fewer on every op)."""
     _RECORDERS.append(recorder)
     try:
-        with _direct_collectives()(recorder):
+        with _direct_collectives()(recorder) if direct else contextlib.nullcontext():
             yield recorder
     finally:
         _RECORDERS.remove(recorder)
@@ -181,7 +182,6 @@ def _axis_of(group) -> str:
 def _direct_collectives() -> type:
     """The class of the dispatch mode that announces the direct collectives (module docstring)."""
     # torch is imported here, on first use: the module itself loads without torch (comm builds its own calls)
-    import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _DirectCollectives(TorchDispatchMode):
@@ -194,16 +194,26 @@ def _direct_collectives() -> type:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            what = _C10D_CALLS.get(func.overloadpacket.__name__) if func.namespace == "c10d" else None
-            if what is None or _from_comm():
+            call = direct_call(func, args)
+            if call is None:
                 return func(*args, **kwargs)
-            kind, payload, group_at = what
-            group = dist.ProcessGroup.unbox(args[group_at])
-            call = CommCall(kind, _axis_of(group), tuple(dist.get_process_group_ranks(group)),
-                            _payload(args[payload]), direct=True)
             self.recorder.posted(call)
             out = func(*args, **kwargs)
             self.recorder.waited(call)
             return out
 
     return _DirectCollectives
+
+
+def direct_call(func, args) -> CommCall | None:
+    """The :class:`CommCall` of a dispatched op that is a ``c10d`` collective issued by code other than
+    :mod:`lightning_tp2d.comm` (which announces its own), posted and waited at once; ``None`` for any other op."""
+    what = _C10D_CALLS.get(func.overloadpacket.__name__) if func.namespace == "c10d" else None
+    if what is None or _from_comm():
+        return None
+    import torch.distributed as dist  # on first use: the module loads without torch (as _direct_collectives)
+
+    kind, payload, group_at = what
+    group = dist.ProcessGroup.unbox(args[group_at])
+    return CommCall(kind, _axis_of(group), tuple(dist.get_process_group_ranks(group)), _payload(args[payload]),
+                    direct=True)

@@ -51,6 +51,7 @@ class MemoryCapExceeded(RuntimeError):
     """Raised by :class:`LiveTensorBytes` when the tracked bytes pass its cap (the CPU stand-in for a CUDA OOM)."""
 
 
+_DEVICE = torch.ops.prim.device.default
 LARGEST = 3  # live tensors :attr:`LiveTensorBytes.largest` names at the peak
 
 
@@ -106,7 +107,7 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor desugar into local ops, which come back through this mode
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if isinstance(func, torch._ops.HigherOrderOperator) or func is _DEVICE:  # (a fake tensor's device, from C++)
             return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         self._op = func.__name__

@@ -84,6 +84,7 @@ from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_acti
 _MATMUL_FLOPS = {packet.__name__: formula for packet, formula in flop_registry.items()
                  if packet.__name__ in ("mm", "addmm", "bmm", "baddbmm")}
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+_DEVICE = torch.ops.prim.device.default
 TRACED_STAGES = (0, 1, 2, 3)  # ZeRO stages the tracer runs
 
 
@@ -180,12 +181,20 @@ class _Recorder(TorchDispatchMode):
                     shares[id(e)][slot] += flops * e[0].nbytes / total
         return [(entry[0], entry[1], *shares[id(entry)]) for entry in self.calls]
 
-    # FLOPs
+    # FLOPs, and the direct collectives (comm_record.recording(direct=False): one Python dispatch layer, not two)
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor desugars into local ops, which come back through this mode
+        if func is _DEVICE:
+            return func(*args)  # a fake tensor's device asked from C++ (indexing...): over half the ops of a trace
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        call = comm_record.direct_call(func, args)
+        if call is None:
+            out = func(*args, **kwargs)
+        else:
+            self.posted(call)
+            out = func(*args, **kwargs)
+            self.waited(call)
         if self.phase == "forward":
             self._track(args, kwargs, out)
         name = func.overloadpacket.__name__
@@ -627,7 +636,7 @@ def _run_here(spec: Layout, cfg, batch: int, seq: int, p: int, elem: int, data: 
             idx = torch.zeros(batch, seq, dtype=torch.long)
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=elem == 2)
             recipes = recompute.observing_kept(recorder.save)  # selective checkpointing's hooks replace ours
-            with comm_record.recording(recorder), recorder:
+            with comm_record.recording(recorder, direct=False), recorder:
                 with autocast, recipes, torch.autograd.graph.saved_tensors_hooks(recorder.save, lambda t: t):
                     loss = model(idx, idx)
                 activation = recorder.saved_bytes()
