@@ -25,6 +25,7 @@ from lightning_tp2d.errors import CommError
 from lightning_tp2d.safe_files import staging_path
 from lightning_tp2d.supervise import RankWatch
 from tests.test_train import ROOT, command, environment
+from tests.waiting import wait_until
 
 VICTIM = 2  # a rank the first process started (rank 0's own death is the parent-watch test of test_faults.py)
 
@@ -71,13 +72,14 @@ def test_a_rank_killed_mid_save_ends_the_job_with_one_line_naming_it_exit_1_and_
     try:
         deadline = time.monotonic() + 240
         checkpoints = tmp_path / "outputs/*/*/checkpoints"
-        while not glob.glob(str(checkpoints / "step=2.ckpt/.metadata")):  # every rank is up and has saved once
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(err)[-3000:]
-            time.sleep(0.05)
+        first = str(checkpoints / "step=2.ckpt/.metadata")
+        staged = str(checkpoints / staging_path(Path("step=4.ckpt")).name)
+        running = dict(gone=lambda: proc.poll() is not None, detail=lambda: "".join(err)[-3000:])
+        wait_until(lambda: glob.glob(first), deadline, what="step 2's checkpoint", **running)
+        assert glob.glob(first)  # every rank is up and has saved once
         victim = _child_rank(proc.pid, VICTIM)
-        while not glob.glob(str(checkpoints / staging_path(Path("step=4.ckpt")).name)):  # the next save has begun
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(err)[-3000:]
-            time.sleep(0.002)
+        wait_until(lambda: glob.glob(staged), deadline, interval=0.002, what="step 4's save", **running)
+        assert glob.glob(staged) and proc.poll() is None  # the next save has begun ...
         os.kill(victim, signal.SIGKILL)  # ... and cannot finish without this rank
         code = proc.wait(timeout=120)
         ended = time.monotonic()

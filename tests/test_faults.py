@@ -7,6 +7,7 @@ stops, the last finite checkpoint survives); SIGTERM to every rank (one step bou
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +20,7 @@ from lightning_tp2d.comm import CommError
 from lightning_tp2d.mesh import as_timeout, group_timeout
 from lightning_tp2d.models import GPT2, GPT2Config
 from tests.distributed import run_distributed
+from tests.waiting import wait_until
 
 TIMEOUT_S = 2.0
 
@@ -305,24 +307,21 @@ time.sleep(120)
 '''])
 time.sleep(120)
 """], env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    deadline = time.monotonic() + 60
-    while not child_pid.exists() or not child_pid.read_text():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: child_pid.exists() and child_pid.read_text(), time.monotonic() + 60, what="the child's pid")
     pid = int(child_pid.read_text())
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
     killed = time.monotonic()
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        if _reaped_zombie(pid):
-            break
-        assert time.monotonic() - killed < 10, "the orphaned rank is still running"
-        time.sleep(0.1)
+    wait_until(lambda: _ended(pid), killed + 10, interval=0.1, what="the orphaned rank's exit")
     assert time.monotonic() - killed < 5
+
+
+def _ended(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return _reaped_zombie(pid)
 
 
 def _reaped_zombie(pid: int) -> bool:

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from lightning_tp2d import load_gpt2
+from tests.waiting import wait_until
 from lightning_tp2d.models import GPT2, GPT2Config
 
 from .hydra_runs import tp2d_train_here, tp2d_train_ranks
@@ -209,10 +210,10 @@ def long_run_until_checkpoint(cwd: Path, every: int, step: int, stdout=subproces
             "trainer.val_check_interval=1000", "data.max_tokens=20000"]
     proc = subprocess.Popen(command(args), cwd=cwd, env=environment(), stdout=stdout,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not glob.glob(str(cwd / f"outputs/*/*/checkpoints/step={step}.ckpt/.metadata")):
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
-        time.sleep(0.1)
+    written = str(cwd / f"outputs/*/*/checkpoints/step={step}.ckpt/.metadata")
+    wait_until(lambda: glob.glob(written), time.monotonic() + 240, gone=lambda: proc.poll() is not None,
+               interval=0.1, what=f"step {step}'s checkpoint")
+    assert glob.glob(written)
     return proc
 
 
