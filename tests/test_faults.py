@@ -308,12 +308,13 @@ time.sleep(120)
 time.sleep(120)
 """], env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     wait_until(lambda: child_pid.exists() and child_pid.read_text(), time.monotonic() + 60, what="the child's pid")
+    assert child_pid.read_text().isdigit()
     pid = int(child_pid.read_text())
     os.kill(parent.pid, signal.SIGKILL)
-    parent.wait()
+    assert parent.wait() == -signal.SIGKILL
     killed = time.monotonic()
     wait_until(lambda: _ended(pid), killed + 10, interval=0.1, what="the orphaned rank's exit")
-    assert time.monotonic() - killed < 5
+    assert _ended(pid) and time.monotonic() - killed < 5
 
 
 def _ended(pid: int) -> bool:
