@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from lightning_tp2d import load_gpt2
-from tests.waiting import wait_until
 from lightning_tp2d.models import GPT2, GPT2Config
+from tests.waiting import wait_until
 
 from .hydra_runs import tp2d_train_here, tp2d_train_ranks
 from .lightning_ranks import free_port

@@ -71,7 +71,7 @@ from torch.utils.flop_counter import flop_registry
 from lightning_tp2d import comm_record, recompute
 from lightning_tp2d.planning import closed_step as closed
 from lightning_tp2d.planning.events import Comm
-from lightning_tp2d.planning.live import tensors_in
+from lightning_tp2d.planning.live import _DEVICE, tensors_in
 from lightning_tp2d.planning.steps import TracedStep
 from lightning_tp2d.families import family_of, family_of_config, fits
 from lightning_tp2d.layouts import DATA_AXIS, Layout, get_layout
@@ -84,7 +84,6 @@ from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_acti
 _MATMUL_FLOPS = {packet.__name__: formula for packet, formula in flop_registry.items()
                  if packet.__name__ in ("mm", "addmm", "bmm", "baddbmm")}
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
-_DEVICE = torch.ops.prim.device.default
 TRACED_STAGES = (0, 1, 2, 3)  # ZeRO stages the tracer runs
 
 
