@@ -1,14 +1,13 @@
-"""The rate table the cost model and the planner are priced with, measured on one GPU in a few minutes. NOT YET RUN
-on a GPU: no device time was lent to the session that wrote it; ``--smoke`` runs every part at toy sizes on the CPU
-(as CI does, ``tests/test_recipes.py``).
+"""The rate table the cost model and the planner are priced with, measured on one GPU in seconds (an H200's,
+2026-12-04: ``recipes/benchmarks/gpu_rates/h200.json``, the table :data:`lightning_tp2d.planning.gemm_rates.H200_BF16`
+holds); ``--smoke`` runs every part at toy sizes on the CPU (as CI does, ``tests/test_recipes.py``).
 
-    python recipes/gpu_rates.py --out recipes/benchmarks/gpu_rates/h200.json   # one CUDA GPU, bf16, ~3 minutes
+    python recipes/gpu_rates.py --out recipes/benchmarks/gpu_rates/h200.json   # one CUDA GPU, bf16, ~15 s on an H200
     python recipes/gpu_rates.py --smoke --out /tmp/rates.json                  # CPU, tiny sizes: checks the script
     tp2d-plan llama-3.1-70b --gpus 64 --gpu-memory-gib 80 --seq 8192 --rates recipes/benchmarks/gpu_rates/h200.json
 
-Today every projection rests on two bf16 GEMMs measured in the project's first week and on assumed attention and
-memory rates (:data:`lightning_tp2d.planning.cost_model.H100_NVLINK4_NDR`). This measures, with CUDA events, median of
-``--repeats``:
+The H100 and H200 presets (:data:`lightning_tp2d.planning.cost_model.H100_NVLINK4_NDR`) take their GEMM and attention
+rates from that table. This measures, with CUDA events (:class:`Timer`), median of ``--repeats``:
 
 1. **GEMMs** ``[m, k] @ [k, n]`` in bf16 at the shapes the planner prices: each linear of Llama 3.1 8B and 70B
    (q/k/v/o, gate/up/down) as 1-D TP cuts it over 1, 2, 4 and 8 ranks, at 8192 and 16384 tokens, and the MLP
@@ -50,7 +49,13 @@ SCORE_FLOPS = {"forward": 4, "backward": 10}  # per visible score and head chann
 
 
 class Timer:
-    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup``: CUDA events on a GPU, wall clock on CPU."""
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup``. On a GPU: CUDA events around groups of
+    back-to-back runs (as many as take about a millisecond, at most 50), one synchronization at the end, the group's
+    time divided by its runs -- the GPU's own time, as in a training step whose host runs ahead of the GPU (one pair
+    of events per run let the host's launches, not the GPU, set the pace of products under ~30 us). :meth:`synced`
+    instead waits for each run before launching the next, so each time also holds the host's launch latency (the
+    first call on 2026-12-04 timed only that way: small products lost up to 70% of their rate to it). Wall clock on
+    the CPU."""
 
     def __init__(self, device: torch.device, repeats: int, warmup: int = 2) -> None:
         self.device, self.repeats, self.warmup = device, repeats, warmup
@@ -58,8 +63,27 @@ class Timer:
     def __call__(self, fn) -> float:
         for _ in range(self.warmup):
             fn()
+        if self.device.type != "cuda":
+            return self.synced(fn, warmup=False)
+        one = self.synced(fn, warmup=False, repeats=3)  # an upper bound on one run's GPU time
+        inner = max(1, min(50, round(1e-3 / one)))
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(self.repeats)]
+        for start, end in events:
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) / 1e3 / inner for start, end in events)
+
+    def synced(self, fn, warmup: bool = True, repeats: int | None = None) -> float:
+        """Median seconds of ``fn()`` with a synchronization after each run (launch latency included)."""
+        for _ in range(self.warmup if warmup else 0):
+            fn()
         times = []
-        for _ in range(self.repeats):
+        for _ in range(repeats or self.repeats):
             if self.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -98,9 +122,10 @@ def measure_gemms(device, dtype, timer: Timer, smoke: bool) -> list[dict]:
     rows = []
     for label, m, k, n in gemm_shapes(smoke):
         a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
-        seconds = timer(lambda: a @ b)
+        seconds, synced = timer(lambda: a @ b), timer.synced(lambda: a @ b)
         rows.append({"label": label, "m": m, "k": k, "n": n, "seconds": seconds,
-                     "flops_per_s": 2.0 * m * k * n / seconds})
+                     "flops_per_s": 2.0 * m * k * n / seconds, "synced_seconds": synced,
+                     "synced_flops_per_s": 2.0 * m * k * n / synced})
     return rows
 
 
@@ -165,7 +190,8 @@ def summarize(result: dict) -> dict:
     longest = max(result["sdpa"], key=lambda r: r["seq"])
     return {"gemm_rate_flops_per_s": rate, "gemm_overhead_s": overhead,
             "attention_flops_per_s": longest["step_flops_per_s"], "attention_from": f"causal SDPA forward + backward "
-            f"at {longest['seq']} tokens", "hbm_bytes_per_s": result["bandwidth"]["bytes_per_s"]}
+            f"at {longest['seq']} tokens", "hbm_bytes_per_s": result["bandwidth"]["bytes_per_s"],
+            "timing": "CUDA events around groups of runs launched back to back (GPU time); synced_*: a synchronization after each run"}
 
 
 def markdown(result: dict) -> str:
@@ -175,9 +201,11 @@ def markdown(result: dict) -> str:
              f"({result['seconds']:.0f} s). What the planner takes: GEMMs {s['gemm_rate_flops_per_s'] / 1e12:.3g} "
              f"TFLOP/s + {s['gemm_overhead_s'] * 1e6:.1f} us per kernel; attention "
              f"{s['attention_flops_per_s'] / 1e12:.3g} TFLOP/s ({s['attention_from']}); memory "
-             f"{s['hbm_bytes_per_s'] / 1e12:.3g} TB/s.", "", "## GEMMs", "", "| product | m | k | n | TFLOP/s |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['label']} | {r['m']} | {r['k']} | {r['n']} | {r['flops_per_s'] / 1e12:.3g} |" for r in result["gemm"]]
+             f"{s['hbm_bytes_per_s'] / 1e12:.3g} TB/s.", "", "## GEMMs", "", "TFLOP/s of the GPU's time (runs launched back to back), and with a synchronization after each "
+             "run (the host's launch latency included).", "",
+             "| product | m | k | n | TFLOP/s | synchronized each run |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['label']} | {r['m']} | {r['k']} | {r['n']} | {r['flops_per_s'] / 1e12:.3g} | "
+              f"{r['synced_flops_per_s'] / 1e12:.3g} |" for r in result["gemm"]]
     lines += ["", "## Causal SDPA, one sequence", "", "| tokens | forward TFLOP/s | forward + backward TFLOP/s |",
               "|---|---|---|"]
     lines += [f"| {r['seq']} | {r['forward_flops_per_s'] / 1e12:.3g} | {r['step_flops_per_s'] / 1e12:.3g} |"

@@ -360,26 +360,30 @@ class Hardware:
     host_memory_bytes: float = 0.0  # host memory of one node: what offloaded activations must fit in
 
 
-# H100 SXM (bf16 dense peak ~989e12). GEMMs: the fit of the committed H200 calibration table
-# (lightning_tp2d.planning.gemm_rates.H200_BF16: 730e12 at 8192x1024x4096, 525e12 at its 2x2 shard; an H200 is an H100's
-# compute with more HBM): ~773e12 for large products plus ~5.3 us per kernel. Assumptions, not measurements: flash
-# attention (FA2/FA3) ~500e12; NVLink 4: 900 GB/s total = ~450 GB/s per direction, ~3 us per message; NDR InfiniBand
-# 400 Gb/s = 50 GB/s per GPU (one NIC each), ~5 us. Host: PCIe Gen5 x16 per GPU, 64 GB/s per direction on paper,
-# ~50 GB/s for pinned copies (assumed, not measured here); 2 TB of host memory per node (a DGX H100's).
+# H100 SXM (bf16 dense peak ~989e12). Compute rates measured on an H200 (an H100's compute with more HBM) by
+# recipes/gpu_rates.py on 2026-12-04 (torch 2.11, CUDA 13; recipes/benchmarks/gpu_rates/h200.json): GEMMs, the fit of
+# lightning_tp2d.planning.gemm_rates.H200_BF16 (83 products at Llama 3.1 8B / 70B's 1-D TP shards and GPT-2
+# medium's grid shards): ~719e12 plus ~11.6 us per kernel; attention, torch's causal SDPA (flash) forward + backward
+# over 32k tokens, 32 heads of 128: 541e12. Assumptions, not measurements: NVLink 4: 900 GB/s total = ~450 GB/s per
+# direction, ~3 us per message; NDR InfiniBand 400 Gb/s = 50 GB/s per GPU (one NIC each), ~5 us; HBM3 3.35 TB/s (the
+# datasheet's; the H200's measured copy reached 88% of its datasheet's 4.8). Host: PCIe Gen5 x16 per GPU, 64 GB/s per
+# direction on paper, ~50 GB/s for pinned copies (assumed, not measured here); 2 TB of host memory per node (a DGX
+# H100's).
 _H100_GEMM_RATE, _H100_GEMM_OVERHEAD = fit_gemm_rates(H200_BF16)
-H100_NVLINK4_NDR = Hardware("H100 SXM, NVLink 4 (8/node), NDR 400G", _H100_GEMM_RATE, 500e12,
+_H100_ATTENTION_RATE = 541e12
+H100_NVLINK4_NDR = Hardware("H100 SXM, NVLink 4 (8/node), NDR 400G", _H100_GEMM_RATE, _H100_ATTENTION_RATE,
                             intra=Link(3e-6, 450e9), inter=Link(5e-6, 50e9), gpus_per_node=8,
                             gemm_overhead_s=_H100_GEMM_OVERHEAD, hbm_bytes_per_s=3.35e12, peak_flops_per_s=989e12,
                             host_bytes_per_s=50e9, host_memory_bytes=2e12)
-# H200 SXM: an H100's compute (the GEMM table was measured on one) with 4.8 TB/s HBM3e.
+# H200 SXM: an H100's compute with HBM3e, whose 1 GiB copy measured 4.23 TB/s (read + written) on 2026-12-04.
 H200_NVLINK4_NDR = dataclasses.replace(H100_NVLINK4_NDR, name="H200 SXM, NVLink 4 (8/node), NDR 400G",
-                                       hbm_bytes_per_s=4.8e12)
+                                       hbm_bytes_per_s=4.23e12)
 # The H100s torchtitan's published figures ran on (Meta's Grand Teton): 96 GB HBM2e at 2.4 TB/s, 500 W power limit;
 # torchtitan says their peak lies between the SXM's and the NVL's (835e12): the rates above scaled by 835/989. MFU
 # stays relative to the SXM peak, as torchtitan reports it.
 H100_GRAND_TETON = dataclasses.replace(
     H100_NVLINK4_NDR, name="H100 96GB HBM2e at 500 W, NVLink 4 (8/node), 400G RDMA (torchtitan's Grand Teton)",
-    matmul_flops_per_s=_H100_GEMM_RATE * 835 / 989, attention_flops_per_s=500e12 * 835 / 989, hbm_bytes_per_s=2.4e12)
+    matmul_flops_per_s=_H100_GEMM_RATE * 835 / 989, attention_flops_per_s=_H100_ATTENTION_RATE * 835 / 989, hbm_bytes_per_s=2.4e12)
 # A100 SXM: bf16 dense peak 312e12, GEMMs ~230e12 (not calibrated: no per-kernel overhead), FA2 ~190e12. NVLink 3: 600 GB/s total = ~300 GB/s per
 # direction; HDR InfiniBand 200 Gb/s = 25 GB/s per GPU.
 A100_NVLINK3_HDR = Hardware("A100 SXM, NVLink 3 (8/node), HDR 200G", 230e12, 190e12,
