@@ -14,6 +14,13 @@
 3. **No host syncs**: ``torch.cuda.set_sync_debug_mode("error")`` over one warmed-up training step of each layout on
    one rank (size-1 axes: no communication, so only the layers' own code is checked; several ranks on one GPU over
    gloo stage every transfer through the host, which syncs by design).
+4. **Layer overhead** (``layer_overhead``): tokens/s and peak memory of an eager bf16 training step of each layout on
+   one rank (size-1 axes: no communication; what the parallel layers' own code costs) against the plain ``GPT2``,
+   GPT-2 medium at B8 x 1024. The cost model prices a layout's step as the plain model's FLOPs plus communication,
+   so a layout slower than plain here is slower than priced. ``--profile``: two more steps of each under
+   torch.profiler (host time, GPU kernel time and ops per step; the operator tables beside ``--out``).
+
+``--parts`` runs a subset, e.g. ``--parts layer_overhead``.
 """
 
 from __future__ import annotations
@@ -168,15 +175,91 @@ def no_host_syncs(args, device) -> dict:
     return out
 
 
+def layer_overhead(args, device) -> dict:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29572"))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    name, batch, seq, steps = ("gpt2-tiny", 2, 64, 2) if args.smoke else ("gpt2-medium", 8, 1024, 10)
+    out = {"model": name, "batch": batch, "seq": seq}
+    try:
+        for layout in ("plain", "2d", "metp", "2d-metp"):
+            cfg = GPT2Config.from_name(name, dropout=0.0)
+            torch.manual_seed(0)
+            model = GPT2(cfg).to(device)
+            if layout != "plain":
+                model = tp.parallelize(model, tp.init_mesh(layout, 1, 1, device_type=device.type), layout)
+            model.validate_inputs = False
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+            idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+            x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+            def step():
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = model(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            for _ in range(3):
+                step()
+            _sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            _sync(device)
+            out[layout] = {"tokens_per_s": batch * seq * steps / (time.perf_counter() - t0),
+                           "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None}
+            if args.profile:
+                out[layout].update(_profiled(step, device, f"{args.out.removesuffix('.json')}_{layout}_profile.txt"))
+            del model, opt
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        for layout in ("2d", "metp", "2d-metp"):
+            out[layout]["vs_plain"] = out[layout]["tokens_per_s"] / out["plain"]["tokens_per_s"]
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def _profiled(step, device, path: str) -> dict:
+    """Two steps under torch.profiler: per step, the host's time in the ops it dispatches (self CPU), the GPU's
+    time in kernels (self device), and the ops dispatched; the operator tables (by GPU time, by host time) to
+    ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        _sync(device)
+    ops = prof.key_averages()
+    host = sum(e.self_cpu_time_total for e in ops) / 2e6
+    gpu = sum(getattr(e, "self_device_time_total", 0) for e in ops if e.device_type.name == "CUDA") / 2e6
+    by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with open(path, "w") as f:
+        f.write(ops.table(sort_by=by, row_limit=30, max_name_column_width=70) + "\n")
+        f.write(ops.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70) + "\n")
+    return {"host_s_per_step": host, "gpu_s_per_step": gpu, "ops_per_step": sum(e.count for e in ops) // 2,
+            "profile": path}
+
+
+PARTS = ("ring_attention", "throughput", "no_host_syncs", "layer_overhead")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="gpu_issue12.json")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (checks the script, measures nothing)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
+    ap.add_argument("--profile", action="store_true", help="layer_overhead: profile two steps of each layout too")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     report = {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(0), "torch": torch.__version__}
-    for name, fn in (("ring_attention", lambda: ring_attention(args)), ("throughput", lambda: throughput(args, device)),
-                     ("no_host_syncs", lambda: no_host_syncs(args, device))):
+    parts = {"ring_attention": lambda: ring_attention(args), "throughput": lambda: throughput(args, device),
+             "no_host_syncs": lambda: no_host_syncs(args, device), "layer_overhead": lambda: layer_overhead(args, device)}
+    for name in args.parts.split(","):
+        fn = parts[name]
         t0 = time.perf_counter()
         try:
             report[name] = fn()
