@@ -55,35 +55,39 @@ now keeps every saved activation in bf16 (it kept the residual stream in float32
 vocabulary blocks in row tiles, so its step holds 41.9 GiB at 128k and 68.8 at 256k with nothing recomputed. `cp`,
 even with its chunked loss, keeps its gathered K/V and its blocks' saved tensors for the whole sequence per rank:
 101.6 GiB at 128k without checkpointing, so it runs torchtitan's per-op `selective` policy there (58.6 GiB) and
-`full` at 256k (`selective`: 99.2 GiB). That recomputation is the whole difference: at 128k METP is 1.03x `cp`
-(selective recomputes little), at 256k 1.29x (full recomputes every block's forward). Attention is most of the
+`full` at 256k (`selective`: 99.2 GiB). That recomputation is the whole difference: at 128k METP is 1.01x `cp`
+(selective recomputes little), at 256k 1.28x (full recomputes every block's forward). Attention is most of the
 FLOPs at these lengths and every row computes exactly the causal scores over its GPUs (METP's zigzag ring, cp's
-head-tail balancer); the ring traffic of METP and of `cp` hides behind the attention it overlaps (exposed: tens of
-milliseconds in steps of seconds), and cp's FSDP gathers hide behind the blocks. Ulysses with ALST's tiling runs
+head-tail balancer); the ring traffic of METP and of `cp` hides behind the attention it overlaps (exposed: 0.07-0.11 s
+in steps of 5 s at 128k), and cp's FSDP gathers hide behind the blocks. Ulysses with ALST's tiling runs
 ALST's schedule, full checkpointing always (its point is length, not speed): its all-to-alls are exposed and
-`TiledMLP` recomputes each MLP once more, 0.77x `cp` at 128k. 1-D TP + SP exposes its blocking all-gathers and
+`TiledMLP` recomputes each MLP once more, 0.78x `cp` at 128k. 1-D TP + SP exposes its blocking all-gathers and
 reduce-scatters (0.5 s per step at 128k). "2d-metp" (a 2x2 grid x 2 replicas) holds its loss's whole `[T/2, V/2]`
 float32 logits block (not tiled yet), so it needs full checkpointing from 128k on and does not fit 256k.
 
-**`cp-tp` (torchtitan's CP 4 x 1-D TP 2 + SP) is within 2% of `cp` and not faster.** It computes the same FLOPs per
-GPU; its TP + SP all-gathers and reduce-scatters on each CP rank's `T/4` tokens expose 0.09 s per step at 128k even
-with async TP (`cp`'s ring alone exposes 0.01 s), and it saves under 1 GiB (TP halves the gathered weights and
+**`cp-tp` (torchtitan's CP 4 x 1-D TP 2 + SP) is within 1% of `cp` and not faster.** It computes the same FLOPs per
+GPU; its TP + SP all-gathers and reduce-scatters on each CP rank's `T/4` tokens expose 0.11 s per step at 128k even
+with async TP (`cp`'s ring alone exposes 0.07 s), and it saves under 1 GiB (TP halves the gathered weights and
 the loss's vocabulary, while sequence parallelism gathers each norm output to the CP rank's `T/4` tokens). So on one
 node `cp` is the stronger of torch's two, and the package's rows are compared with it; its declared communication
 equals a measured 4-rank CPU step byte for byte (`tests/test_context_parallel.py`), as `cp`'s does.
 
-**Calibration: 2.1x above torchtitan's 548 tokens/s/GPU at CP 8; the gap grows with the CP degree.** The CP 1 row
-(plain FSDP 8 at 32k) is 1.22x, the planner's usual optimism for torchtitan's rows (1.17-1.24 in
-`recipes/benchmarks/scale`); CP 2 at 64k 1.30x; CP 4 at 128k 1.92x; CP 8 at 256k 2.14x. Float8 (in every published
+**Calibration: 2.3x above torchtitan's 548 tokens/s/GPU at CP 8; the gap grows with the CP degree.** The CP 1 row
+(plain FSDP 8 at 32k) is 1.23x, the planner's usual optimism for torchtitan's rows (1.17-1.24 in
+`recipes/benchmarks/scale`); CP 2 at 64k 1.34x; CP 4 at 128k 2.01x; CP 8 at 256k 2.27x. Float8 (in every published
 row) makes them faster, not slower, so it explains none of it. At 256k about 80% of the FLOPs are attention, priced at
-the preset's FA3-class rate (500 TFLOP/s x 835/989 on the 500 W cards); the published rows imply 281-283 TFLOP/s at CP
-1-2 and 181-190 at CP 4-8 with every other rate kept. What the model leaves out and grows with the CP degree: torch's
+the preset's rate (541 TFLOP/s, torch's causal SDPA over a whole 32k sequence measured on an H200, x 835/989 on the
+500 W cards); the published rows imply 288-290 TFLOP/s at CP 1-2 and 182-191 at CP 4-8 with every other rate kept. What the model leaves out and grows with the CP degree: torch's
 ring calls SDPA's flash kernel (FA2 on H100) once per ring step on blocks of `2c x c` scores (`c = T / 2p`: at CP 8
 and 256k, 32k x 16k, still large) and merges the partial outputs and log-sum-exps in float32 after every step
 (elementwise passes over `T/p x h` per step, p per attention, not priced); and in December 2024 torchtitan's CP may
 have exposed the K/V all-gather the model hides behind the diagonal block. So the `cp` rows above are optimistic for
-cp at degree 8 by up to ~1.75x beyond the usual 1.2x; METP's ring also runs p kernel calls per attention on half
-blocks, so its rows may carry a similar loss (no GPU has measured it). The METP / cp ratio does not depend on the
+cp at degree 8 by up to ~1.8x beyond the usual 1.23x; METP's ring also runs p kernel calls per attention on half
+blocks, so its rows carry a similar loss. Measured on an H200 (`recipes/benchmarks/gpu_rates/h200.md`), the
+flash kernel on the ring's blocks runs well below the whole-sequence rate: forward + backward 189-316 TFLOP/s on
+diagonal blocks of 2k-16k queries and 246-308 on half blocks, against 503-541 for SDPA over 8k-32k tokens; the
+planner still prices every ring step at the whole-sequence rate (not yet changed), which flatters METP and `cp`
+alike against Ulysses. The METP / cp ratio does not depend on the
 attention rate to first order (both compute the same scores per GPU). These calibration rows price `cp` with the
 unfused loss torchtitan's runs computed (the rows above chunk it, as users do). Memory:
 torchtitan reports the caching allocator's maximum reserved memory, and its CP rows fill the card (83.9-84.5 GiB at
