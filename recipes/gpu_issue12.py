@@ -18,7 +18,8 @@
    one rank (size-1 axes: no communication; what the parallel layers' own code costs) against the plain ``GPT2``,
    GPT-2 medium at B8 x 1024. The cost model prices a layout's step as the plain model's FLOPs plus communication,
    so a layout slower than plain here is slower than priced. ``--profile``: two more steps of each under
-   torch.profiler (host time, GPU kernel time and ops per step; the operator tables beside ``--out``).
+   torch.profiler (host time, GPU kernel time and ops per step; the operator tables beside ``--out``); ``--compile``:
+   each model compiled with inductor (the first three steps' time, compilation included, as ``warmup_s``).
 
 ``--parts`` runs a subset, e.g. ``--parts layer_overhead``.
 """
@@ -179,7 +180,7 @@ def layer_overhead(args, device) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29572"))
     dist.init_process_group("gloo", rank=0, world_size=1)
     name, batch, seq, steps = ("gpt2-tiny", 2, 64, 2) if args.smoke else ("gpt2-medium", 8, 1024, 10)
-    out = {"model": name, "batch": batch, "seq": seq}
+    out = {"model": name, "batch": batch, "seq": seq, "compiled": args.compile}
     try:
         for layout in ("plain", "2d", "metp", "2d-metp"):
             cfg = GPT2Config.from_name(name, dropout=0.0)
@@ -188,6 +189,10 @@ def layer_overhead(args, device) -> dict:
             if layout != "plain":
                 model = tp.parallelize(model, tp.init_mesh(layout, 1, 1, device_type=device.type), layout)
             model.validate_inputs = False
+            if args.compile:
+                torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()
+                model.compile(backend="aot_eager" if args.smoke else "inductor", dynamic=False)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
             idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
             x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
@@ -199,9 +204,11 @@ def layer_overhead(args, device) -> dict:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
+            t_warm = time.perf_counter()
             for _ in range(3):
                 step()
             _sync(device)
+            warm_s = time.perf_counter() - t_warm
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
@@ -209,7 +216,14 @@ def layer_overhead(args, device) -> dict:
                 step()
             _sync(device)
             out[layout] = {"tokens_per_s": batch * seq * steps / (time.perf_counter() - t0),
-                           "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None}
+                           "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+                           "warmup_s": warm_s}
+            if args.compile:  # distinct reasons dynamo split the graph, with how often each was hit
+                breaks = torch._dynamo.utils.counters["graph_break"]
+                out[layout]["graph_breaks"] = {"hits": sum(breaks.values()), "reasons": len(breaks),
+                                               "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                                               "top": [r[:160] for r, _ in breaks.most_common(3)]}
+            print(f"layer_overhead {layout}: {out[layout]}", flush=True)
             if args.profile:
                 out[layout].update(_profiled(step, device, f"{args.out.removesuffix('.json')}_{layout}_profile.txt"))
             del model, opt
@@ -253,6 +267,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (checks the script, measures nothing)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     ap.add_argument("--profile", action="store_true", help="layer_overhead: profile two steps of each layout too")
+    ap.add_argument("--compile", action="store_true", help="layer_overhead: torch.compile each model (inductor)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     report = {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(0), "torch": torch.__version__}
