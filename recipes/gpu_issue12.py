@@ -19,7 +19,8 @@
    GPT-2 medium at B8 x 1024. The cost model prices a layout's step as the plain model's FLOPs plus communication,
    so a layout slower than plain here is slower than priced. ``--profile``: two more steps of each under
    torch.profiler (host time, GPU kernel time and ops per step; the operator tables beside ``--out``); ``--compile``:
-   each model compiled with inductor (the first three steps' time, compilation included, as ``warmup_s``).
+   each model compiled with inductor (the first three steps' time, compilation included, as ``warmup_s``; the
+   graph breaks' reasons and count; ``TORCH_LOGS=graph_breaks`` prints where in the code each one is).
 
 ``--parts`` runs a subset, e.g. ``--parts layer_overhead``.
 """
