@@ -160,7 +160,7 @@ def ring_backward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step
 # ---- attention blocks -------------------------------------------------------------------------------------
 
 
-KERNELS = ("flash_cpu", "flash_cuda", "efficient_cuda", "math")
+KERNELS = ("flash_cpu", "cudnn_cuda", "flash_cuda", "efficient_cuda", "math")
 _VERIFIED: dict[tuple, bool] = {}  # (kernel, device, dtype, head size) -> the fused kernel matched the math one
 _AUX: dict[tuple, tuple] = {}  # (kernel, device, dtype, shapes, causal) -> the forward's extra outputs (no dropout)
 
@@ -168,9 +168,12 @@ _AUX: dict[tuple, tuple] = {}  # (kernel, device, dtype, shapes, causal) -> the 
 def block_kernel(q: torch.Tensor, options: RingOptions | None = None) -> str:
     """The per-block attention kernel :func:`attend_block` uses for ``q``: ``"math"`` when
     ``options.attention_kernel == "math"``; otherwise the fused kernel that returns the log-sum-exp: torch's CPU flash
-    kernel on CPU; on CUDA the flash kernel (fp16/bf16, head size a multiple of 8 up to 256) or the memory-efficient
-    one. A CUDA kernel is first checked once per process (device, dtype, head size) against the math kernel on a
-    small block, forward and backward; if it fails or disagrees, a warning says so and the math kernel is used."""
+    kernel on CPU; on CUDA, for fp16/bf16 and a head size that is a multiple of 8, cuDNN's fused attention on Hopper
+    and newer (compute capability 9.0+, head size up to 128: what torch's own SDPA and its context parallelism run
+    there; on an H200 its whole-sequence rate was about twice the flash kernel's ring blocks), else the flash
+    kernel (head size up to 256), else the memory-efficient one. A CUDA kernel is first checked once per process
+    (device, dtype, head size) against the math kernel on a small block, forward and backward; if it fails or
+    disagrees, a warning says so and the next kernel is tried."""
     options = ring_options(options)
     if options.attention_kernel == "math":
         return "math"
@@ -178,11 +181,23 @@ def block_kernel(q: torch.Tensor, options: RingOptions | None = None) -> str:
         return "flash_cpu" if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") else "math"
     if q.device.type == "cuda":
         d = q.shape[-1]
-        if q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256 and _verified("flash_cuda", q):
+        half = q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0
+        if half and d <= 128 and _hopper_or_newer(q.device) and _verified("cudnn_cuda", q):
+            return "cudnn_cuda"
+        if half and d <= 256 and _verified("flash_cuda", q):
             return "flash_cuda"
         if _verified("efficient_cuda", q):
             return "efficient_cuda"
     return "math"
+
+
+_CAPABILITY: dict[torch.device, tuple[int, int]] = {}
+
+
+def _hopper_or_newer(device: torch.device) -> bool:
+    if device not in _CAPABILITY:
+        _CAPABILITY[device] = torch.cuda.get_device_capability(device)
+    return _CAPABILITY[device] >= (9, 0)
 
 
 def _verified(kernel: str, q: torch.Tensor) -> bool:
@@ -202,6 +217,8 @@ def _check_kernel(kernel: str, device, dtype, d: int) -> bool:
     try:
         for causal in (True, False):
             q, k, v, dout = (torch.randn(1, 2, 64, d, generator=g).to(device, dtype) for _ in range(4))
+            if not causal:  # rows of a longer block, as the ring's half blocks are: not contiguous as a whole
+                q = torch.randn(1, 2, 128, d, generator=g).to(device, dtype)[..., 64:, :]
             scale = d ** -0.5
             out, lse = _fused_forward(kernel, q, k, v, causal, scale)
             ref_out, ref_lse = attend_block(q, k, v, causal, scale, TPOptions(attention_kernel="math"))
@@ -223,7 +240,12 @@ def _fused_forward(kernel: str, q, k, v, causal: bool, scale: float):
     if kernel == "flash_cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.to(acc_dtype(q.dtype))
-    if kernel == "flash_cuda":
+    if kernel == "cudnn_cuda":  # cuDNN wants whole tensors; its log-sum-exp comes as [.., Lq, 1]
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse, *aux = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        if lse.dim() == q.dim():
+            lse = lse.squeeze(-1)
+    elif kernel == "flash_cuda":
         out, lse, *aux = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     else:  # efficient_cuda
         out, lse, *aux = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
@@ -242,6 +264,12 @@ def _fused_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: f
         _fused_forward(kernel, q, k, v, causal, scale)
     aux = _AUX[key]
     lse = lse.float().contiguous()
+    if kernel == "cudnn_cuda":
+        cum_q, cum_k, max_q, max_k, seed, offset = aux[:6]
+        q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal,
+            scale=scale)
     if kernel == "flash_cuda":
         cum_q, cum_k, max_q, max_k, seed, offset = aux[:6]
         return aten._scaled_dot_product_flash_attention_backward(

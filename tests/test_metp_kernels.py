@@ -398,3 +398,21 @@ def test_block_kernel_choice_and_the_first_use_check():
     # a kernel that fails (no CUDA here) is refused with a warning naming it, and the math kernel is used
     with pytest.warns(RuntimeWarning, match="fused flash_cuda kernel is not usable"):
         assert not metp._check_kernel("flash_cuda", torch.device("cpu"), torch.bfloat16, 16)
+
+
+def test_cudnn_block_kernel_plumbing_on_the_meta_device():
+    """cuDNN's fused attention (the ring's block kernel on Hopper and newer) cannot run here, but its meta kernels
+    check what the ring passes and gets back: the output in the queries' shape, the log-sum-exp squeezed from
+    cuDNN's ``[.., Lq, 1]`` to ``[.., Lq]`` float32, a half block's rows sliced out of a longer block, and the
+    backward taking the global output and log-sum-exp (unsqueezed again) with the forward's bookkeeping outputs."""
+    q_long = torch.empty(1, 2, 128, 64, device="meta", dtype=torch.bfloat16)
+    for causal, q in ((True, q_long[..., :64, :].clone()), (False, q_long[..., 64:, :])):
+        k, v = (torch.empty(1, 2, 64, 64, device="meta", dtype=torch.bfloat16) for _ in range(2))
+        out, lse = metp._fused_forward("cudnn_cuda", q, k, v, causal, 0.125)
+        assert out.shape == q.shape and out.dtype == torch.bfloat16
+        assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+        dq, dk, dv = metp._fused_backward("cudnn_cuda", torch.empty_like(out), q, k, v, out, lse, causal, 0.125)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    # and, like every CUDA kernel, it is refused with a warning where it does not run
+    with pytest.warns(RuntimeWarning, match="fused cudnn_cuda kernel is not usable"):
+        assert not metp._check_kernel("cudnn_cuda", torch.device("cpu"), torch.bfloat16, 16)
