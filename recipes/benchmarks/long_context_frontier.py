@@ -295,10 +295,13 @@ GPUs the 1.5x target over the best rival is met for 70B on 32 (1.73x over cp) an
 70B on 64 (1.32x): Ulysses needs no K/V-head ceiling (DeepSpeed replicates K/V heads up to `p`), so its tensors are
 `T/p`-sized too, and the gap is METP's smaller fixed cost, not a different scaling.
 
-**Speed is the same for every ring-like scheme at 1M tokens** (METP 389 tok/s/GPU, cp 389, Ulysses 386): attention
+**Speed is the same for every ring-like scheme at 1M tokens** (METP 418 tok/s/GPU, cp 418, Ulysses 416): attention
 is almost all of the FLOPs, every scheme computes exactly the causal scores over its GPUs, and the ring or
-all-to-all traffic hides behind them (exposed: 0.05-0.5 s in steps of hours); offload's copies hide behind each
-block's compute. "2d-metp" and 1-D TP + SP hold `[T/q, V/q]` or `[T, V/p]` float32 loss blocks and stay far behind.
+all-to-all traffic hides behind them (exposed: 0.5-0.7 s in steps of about 5 minutes); offload's copies hide behind
+each block's compute. All of them are priced at the attention rate torch's SDPA reached over whole 32k sequences on
+an H200 (541 TFLOP/s, cuDNN); there the ring's blocks through the flash kernel reached 189-316, so METP's and cp's
+rows are optimistic against Ulysses' (whose heads attend over whole sequences) unless their blocks run cuDNN's kernel
+(METP's now do on Hopper; not yet measured). "2d-metp" and 1-D TP + SP hold `[T/q, V/q]` or `[T, V/p]` float32 loss blocks and stay far behind.
 
 **Calibration.** The Ulysses rows reproduce ALST's published lengths within 3% on 8 GPUs and 11% on 32 (ALST measured
 them on H100s; our rival is priced, not run there). ALST's 500K on one GPU offloads the optimizer state, which no
