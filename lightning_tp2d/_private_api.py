@@ -132,13 +132,16 @@ torch (2.13)
     public: none.
 
 ``torch.ops.aten._scaled_dot_product_flash_attention``, ``torch.ops.aten._scaled_dot_product_efficient_attention``,
+``torch.ops.aten._scaled_dot_product_cudnn_attention``,
 ``torch.ops.aten._scaled_dot_product_flash_attention_backward``,
-``torch.ops.aten._scaled_dot_product_efficient_attention_backward``
+``torch.ops.aten._scaled_dot_product_efficient_attention_backward``,
+``torch.ops.aten._scaled_dot_product_cudnn_attention_backward``
     where: metp.py:_fused_forward, metp.py:_fused_backward
-    why: the CUDA fused kernels that return the log-sum-exp (flash for fp16/bf16, memory-efficient otherwise) and
-    take the global output and log-sum-exp in the backward, as torch's own context-parallel ring attention calls
-    them. Checked once per process against the math kernel before use (metp.py:_check_kernel); not yet run on a GPU
-    by this project's tests (no GPU in CI).
+    why: the CUDA fused kernels that return the log-sum-exp (cuDNN on Hopper and newer, flash for fp16/bf16,
+    memory-efficient otherwise) and take the global output and log-sum-exp in the backward, as torch's own
+    context-parallel ring attention calls them. Checked once per process against the math kernel before use
+    (metp.py:_check_kernel). flash ran on an H200 on 2026-12-04 (recipes/results/gpu_issue12_h200.json); cuDNN's
+    calls are checked on the meta device only (no GPU in CI).
     public: none, as for the CPU kernel.
 
 ``DTensor._op_dispatcher._custom_op_handlers``, ``torch.ops.aten._log_softmax``
@@ -347,10 +350,12 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
      ("metp.py:_fused_backward", "baselines/context_parallel.py:(module)"),
      "the block backward from the global output and log-sum-exp"),
-    ("torch.ops.aten._scaled_dot_product_flash_attention, torch.ops.aten._scaled_dot_product_efficient_attention",
+    ("torch.ops.aten._scaled_dot_product_flash_attention, torch.ops.aten._scaled_dot_product_efficient_attention, "
+     "torch.ops.aten._scaled_dot_product_cudnn_attention",
      ("metp.py:_fused_forward",), "CUDA fused attention returning the log-sum-exp the ring merge needs"),
     ("torch.ops.aten._scaled_dot_product_flash_attention_backward, "
-     "torch.ops.aten._scaled_dot_product_efficient_attention_backward",
+     "torch.ops.aten._scaled_dot_product_efficient_attention_backward, "
+     "torch.ops.aten._scaled_dot_product_cudnn_attention_backward",
      ("metp.py:_fused_backward",), "their block backward from the global output and log-sum-exp"),
     ("DTensor._op_dispatcher._custom_op_handlers, torch.ops.aten._log_softmax",
      ("baselines/tp1d.py:_loss_parallel_active",),
