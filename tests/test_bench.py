@@ -16,6 +16,7 @@ import pytest
 
 from lightning_tp2d.bench import cli, report
 from lightning_tp2d.bench.runner import BenchSpec, max_sequence, run_scenario
+from lightning_tp2d.planning import gemm_rates
 
 SCENARIO_FIELDS = {"layout", "p", "batch", "seq", "status", "loss", "step_time_s", "tokens_per_s", "resident_bytes",
                    "activation_bytes", "peak_bytes", "comm_calls", "comm_bytes", "model_comm_bytes", "wire_bytes",
@@ -57,7 +58,9 @@ def test_quick_run_reports_every_field_of_every_scenario(quick):
             "hidden_comm_2d_s", "exposed_comm_2d_s"} <= set(proj["rows"][0])
     fair = proj["fair"][-1]
     assert fair["best_2d"]["layout"] == "2d" and fair["speedup"] > 0 and len(fair["configurations"]) >= 4
-    assert len(proj["gemm_calibration"]["table"]) == 2 and proj["gemm_calibration"]["overhead_s"] > 0
+    # the committed H200 table (83 products measured on 2026-12-04) and its fit
+    assert len(proj["gemm_calibration"]["table"]) == len(gemm_rates.H200_BF16) == 83
+    assert proj["gemm_calibration"]["overhead_s"] > 0
 
 
 @pytest.mark.slow
