@@ -266,11 +266,18 @@ torch (2.13)
     public: none; torch does not expose a group's timeout.
 
 ``DeviceMesh._dim_group_names``
-    where: ops.py:_mesh_names
+    where: ops.py:_mesh_names, ops.py:register_mesh
     why: names a mesh by its process groups inside traced code: torch.compile reads it on the real mesh at trace
     time (a ``USE_REAL`` member of the opaque mesh type), so the registered ops' constants hold a name, not the
-    mesh object (which would become a graph input that activation checkpointing's recompute cannot save).
+    mesh object (which would become a graph input that activation checkpointing's recompute cannot save). Under
+    torch 2.11 (no opaque mesh type) it is read once, eagerly, in register_mesh and kept on the mesh.
     public: none; ``mesh.get_group(axis).group_name`` is the same name but is traced through the process group.
+
+``torch._library.opaque_object.is_opaque_type``
+    where: ops.py:_is_opaque
+    why: whether Dynamo treats ``DeviceMesh`` as an opaque reference type (torch 2.13 registers it when a mesh is
+    built; torch 2.11 does not), which decides how traced code may read a mesh's names (above).
+    public: none.
 
 ``torch._assert_async``
     where: models/gpt2.py:GPT2._assert_ids_on_device (Llama shares it)
@@ -403,7 +410,10 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "give init_device_mesh's axis groups the job's timeout (its backend_override takes options)"),
     ("ProcessGroup._get_backend, Backend.options._timeout", ("mesh.py:group_timeout",),
      "the timeout a process group was created with"),
-    ("DeviceMesh._dim_group_names", ("ops.py:_mesh_names",), "a mesh's name, read at trace time, for op constants"),
+    ("DeviceMesh._dim_group_names", ("ops.py:_mesh_names", "ops.py:register_mesh"),
+     "a mesh's name, read at trace time, for op constants"),
+    ("torch._library.opaque_object.is_opaque_type", ("ops.py:_is_opaque",),
+     "whether Dynamo treats DeviceMesh as an opaque type (torch 2.13) or not (2.11)"),
     ("torch.testing._internal.distributed.fake_pg.FakeStore", ("planning/trace.py:fake_group",
                                                                "planning/trace.py:_run_here"),
      "importing it registers the 'fake' process-group backend the schedule tracer runs on"),

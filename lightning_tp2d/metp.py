@@ -191,19 +191,22 @@ def block_kernel(q: torch.Tensor, options: RingOptions | None = None) -> str:
     return "math"
 
 
-_CAPABILITY: dict[torch.device, tuple[int, int]] = {}
-
-
+# Both run eagerly, also while torch.compile traces a ring (their answers are constants of the graph): the check
+# builds a generator and runs kernels, which Dynamo would not trace (a graph break in every ring attention).
+@torch.compiler.assume_constant_result
 def _hopper_or_newer(device: torch.device) -> bool:
-    if device not in _CAPABILITY:
-        _CAPABILITY[device] = torch.cuda.get_device_capability(device)
-    return _CAPABILITY[device] >= (9, 0)
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _verified(kernel: str, q: torch.Tensor) -> bool:
-    key = (kernel, q.device, q.dtype, q.shape[-1])
+    return _verified_for(kernel, q.device, q.dtype, q.shape[-1])
+
+
+@torch.compiler.assume_constant_result
+def _verified_for(kernel: str, device: torch.device, dtype: torch.dtype, d: int) -> bool:
+    key = (kernel, device, dtype, d)
     if key not in _VERIFIED:
-        _VERIFIED[key] = _check_kernel(kernel, q.device, q.dtype, q.shape[-1])
+        _VERIFIED[key] = _check_kernel(kernel, device, dtype, d)
     return _VERIFIED[key]
 
 

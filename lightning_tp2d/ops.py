@@ -79,12 +79,36 @@ _MESH = "__mesh__"
 _MESHES: dict[tuple, DeviceMesh] = {}  # meshes by the names of their process groups (register_mesh)
 
 
+_NAMES = "_tp2d_group_names"  # a registered mesh's names, a tuple of strings kept on the mesh (older torch)
+_OPAQUE_MESH = [False]  # whether Dynamo treats DeviceMesh as an opaque reference type (torch 2.13 does)
+
+
 def register_mesh(mesh: DeviceMesh) -> None:
-    """Make ``mesh`` known to the registered ops (:func:`lightning_tp2d.parallelize` does it for its mesh)."""
-    _MESHES[_mesh_names(mesh)] = mesh
+    """Make ``mesh`` known to the registered ops (:func:`lightning_tp2d.init_mesh` does it for its mesh). Its
+    process groups' names are read here, eagerly. Where Dynamo treats ``DeviceMesh`` as an opaque type (torch 2.13:
+    its own members are read at trace time, and no other attribute may be), traced code reads them from the mesh;
+    elsewhere they are kept on the mesh as a tuple, since torch 2.11's Dynamo cannot turn the mesh's own list into
+    a tuple inside traced code (a graph break in every layer, seen on an H200)."""
+    names = tuple(mesh._dim_group_names)
+    _OPAQUE_MESH[0] = _is_opaque(type(mesh))
+    if not _OPAQUE_MESH[0]:
+        setattr(mesh, _NAMES, names)
+    _MESHES[names] = mesh
+
+
+def _is_opaque(cls) -> bool:
+    try:
+        from torch._library.opaque_object import is_opaque_type  # private: see lightning_tp2d._private_api
+    except ImportError:  # older torch: no opaque types
+        return False
+    return is_opaque_type(cls)
 
 
 def _mesh_names(mesh: DeviceMesh) -> tuple:
+    if not _OPAQUE_MESH[0]:
+        names = getattr(mesh, _NAMES, None)
+        if names is not None:
+            return names
     return tuple(mesh._dim_group_names)
 
 
@@ -93,6 +117,8 @@ def _pack(value: Any) -> Any:
     at trace time; passing the mesh object itself would make it an input of the graph, which activation
     checkpointing's recompute cannot save); a dataclass instance a ``(marker, class, field values)`` tuple (one
     built inside traced code would reach :func:`constant_key` as a bare object, without its fields)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return value  # before is_dataclass: torch 2.11's Dynamo cannot trace hasattr on NoneType (a graph break)
     if isinstance(value, DeviceMesh):
         return (_MESH, _mesh_names(value))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

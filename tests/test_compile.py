@@ -162,3 +162,23 @@ def test_packed_documents_compile_to_one_graph_and_the_ring_reads_the_batchs_hos
         assert r["breaks"] == 0 and r["graphs"] == 1, (rank, r)
         assert r["loss"] < 1e-6 and r["grad"] < 1e-5, (rank, r)
         assert r["moved"] and r["on_host"] and all(r["on_host"]), (rank, r)
+
+
+def test_op_constants_of_plain_values_never_ask_whether_they_are_dataclasses(monkeypatch):
+    """torch 2.11's Dynamo cannot trace ``dataclasses.is_dataclass(None)`` (``hasattr`` on ``NoneType``): every layer
+    whose op takes a ``None`` argument broke the graph there (43-48 breaks per layout on an H200). Plain values are
+    op constants as they are, before any dataclass check; dataclasses are still packed with their fields."""
+    import dataclasses
+
+    from lightning_tp2d import ops
+
+    def refuse(value):
+        raise AssertionError(f"is_dataclass asked of {value!r}")
+
+    is_dataclass = dataclasses.is_dataclass
+    monkeypatch.setattr(ops.dataclasses, "is_dataclass", refuse)
+    for value in (None, 3, 2.5, "col", True, torch.bfloat16, torch.device("cpu")):
+        assert ops._pack(value) == value
+    monkeypatch.setattr(ops.dataclasses, "is_dataclass", is_dataclass)
+    packed = ops._pack(tp.TPOptions(attention_kernel="math"))
+    assert packed[0] == ops._DATACLASS and packed[1] is tp.TPOptions and "math" in packed[2]

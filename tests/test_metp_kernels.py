@@ -416,3 +416,17 @@ def test_cudnn_block_kernel_plumbing_on_the_meta_device():
     # and, like every CUDA kernel, it is refused with a warning where it does not run
     with pytest.warns(RuntimeWarning, match="fused cudnn_cuda kernel is not usable"):
         assert not metp._check_kernel("cudnn_cuda", torch.device("cpu"), torch.bfloat16, 16)
+
+
+def test_the_first_use_check_runs_eagerly_while_torch_compile_traces():
+    """The check of a fused kernel (a generator, kernels, a comparison) is a constant of the graph, run at trace
+    time, not traced: on the H200 it broke every compiled ring attention. Checked here on the CPU flash kernel,
+    whole-graph."""
+    metp._VERIFIED.pop(("flash_cpu", torch.device("cpu"), torch.float32, 16), None)
+
+    def scaled(q):
+        return q * 2 if metp._verified("flash_cpu", q) else q
+
+    q = torch.randn(1, 2, 8, 16)
+    assert torch.equal(torch.compile(scaled, backend="aot_eager", fullgraph=True)(q), q * 2)
+    assert metp._VERIFIED[("flash_cpu", torch.device("cpu"), torch.float32, 16)] is True
