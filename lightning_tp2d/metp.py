@@ -219,9 +219,11 @@ def _check_kernel(kernel: str, device, dtype, d: int) -> bool:
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
     try:
         for causal in (True, False):
-            q, k, v, dout = (torch.randn(1, 2, 64, d, generator=g).to(device, dtype) for _ in range(4))
-            if not causal:  # rows of a longer block, as the ring's half blocks are: not contiguous as a whole
-                q = torch.randn(1, 2, 128, d, generator=g).to(device, dtype)[..., 64:, :]
+            # causal: whole blocks; not: rows of longer blocks, not contiguous as a whole, as the ring's half blocks
+            # pass their queries, keys, values and output gradients
+            rows = slice(None) if causal else slice(64, None)
+            q, k, v, dout = (torch.randn(1, 2, 64 if causal else 128, d, generator=g).to(device, dtype)[..., rows, :]
+                             for _ in range(4))
             scale = d ** -0.5
             out, lse = _fused_forward(kernel, q, k, v, causal, scale)
             ref_out, ref_lse = attend_block(q, k, v, causal, scale, TPOptions(attention_kernel="math"))
@@ -243,8 +245,7 @@ def _fused_forward(kernel: str, q, k, v, causal: bool, scale: float):
     if kernel == "flash_cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.to(acc_dtype(q.dtype))
-    if kernel == "cudnn_cuda":  # cuDNN wants whole tensors; its log-sum-exp comes as [.., Lq, 1]
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if kernel == "cudnn_cuda":  # its log-sum-exp comes as [.., Lq, 1]
         out, lse, *aux = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
         if lse.dim() == q.dim():
             lse = lse.squeeze(-1)
@@ -269,7 +270,6 @@ def _fused_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: f
     lse = lse.float().contiguous()
     if kernel == "cudnn_cuda":
         cum_q, cum_k, max_q, max_k, seed, offset = aux[:6]
-        q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
         return aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal,
             scale=scale)
