@@ -50,6 +50,9 @@ def _real(value: Any) -> Any:
     return value
 
 
+_PLAIN = (int, float, str, bool, bytes, torch.dtype, torch.device, slice)  # op constants compared by value as they are
+
+
 def _same(a: Any, b: Any) -> bool:
     if a is b:
         return True
@@ -57,8 +60,7 @@ def _same(a: Any, b: Any) -> bool:
         return False
     if isinstance(a, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, (int, float, str, bool, bytes, torch.dtype, torch.device, slice)) or (
-            dataclasses.is_dataclass(a) and not isinstance(a, type)):
+    if isinstance(a, _PLAIN) or (dataclasses.is_dataclass(a) and not isinstance(a, type)):
         return a == b
     return False  # meshes, process groups, anything else: by identity
 
@@ -117,7 +119,7 @@ def _pack(value: Any) -> Any:
     at trace time; passing the mesh object itself would make it an input of the graph, which activation
     checkpointing's recompute cannot save); a dataclass instance a ``(marker, class, field values)`` tuple (one
     built inside traced code would reach :func:`constant_key` as a bare object, without its fields)."""
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+    if value is None or isinstance(value, _PLAIN):
         return value  # before is_dataclass: torch 2.11's Dynamo cannot trace hasattr on NoneType (a graph break)
     if isinstance(value, DeviceMesh):
         return (_MESH, _mesh_names(value))

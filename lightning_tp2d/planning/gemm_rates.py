@@ -141,7 +141,7 @@ def fit(points) -> tuple[float, float]:
         raise ValueError(f"fitting a GEMM rate needs products of at least two sizes, got {len(points)} point(s)")
     # minimise sum((x / rate + overhead - y) / y)^2: weighted least squares, weights 1 / y^2
     xs, ws = [p.flops / p.seconds for p in points], [1.0 / p.seconds for p in points]  # x / y, 1 / y
-    n, sx, sw = len(points), sum(xs), sum(ws)
+    sx, sw = sum(xs), sum(ws)
     sxx, sww, sxw = sum(x * x for x in xs), sum(w * w for w in ws), sum(x * w for x, w in zip(xs, ws))
     det = sxx * sww - sxw * sxw
     slope, overhead = (sx * sww - sw * sxw) / det, (sw * sxx - sx * sxw) / det
