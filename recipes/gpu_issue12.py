@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -47,6 +48,47 @@ from lightning_tp2d.nn.sequence import zigzag_positions
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def _training_step(model, loss_of, device, lr: float = 1e-4):
+    """One bf16-autocast step of ``loss_of(model)`` with fused AdamW on CUDA (a fresh optimizer)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = loss_of(model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _timed(step, device, steps: int, warmup: int = 3) -> tuple[float, float]:
+    """``(warm-up seconds, seconds of steps)``: ``warmup`` steps (compilation included), then ``steps`` timed."""
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    warm = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return warm, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _one_rank_group(port: str):
+    """A gloo group of this process alone (size-1 mesh axes: the layers run without communication)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def throughput(args, device) -> dict:
@@ -71,24 +113,9 @@ def throughput(args, device) -> dict:
             loss_of = lambda m: m(x, labels=x).loss  # noqa: E731
         if compiled:
             model.compile(backend="aot_eager" if args.smoke else "inductor", dynamic=False)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-
-        def step():
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = loss_of(model)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        for _ in range(3):  # compile and warm up
-            step()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        _sync(device)
-        out[label] = batch * seq * steps / (time.perf_counter() - t0)
-        del model, opt
+        _, seconds = _timed(_training_step(model, loss_of, device), device, steps)  # warm-up compiles
+        out[label] = batch * seq * steps / seconds
+        del model
     out["ours_compiled_vs_hf_compiled"] = out["ours_compiled"] / out["hf_compiled"]
     return out
 
@@ -142,25 +169,15 @@ def ring_attention(args) -> list[dict]:
 
 
 def no_host_syncs(args, device) -> dict:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29571"))
-    dist.init_process_group("gloo", rank=0, world_size=1)
     out = {}
-    try:
+    with _one_rank_group("29571"):
         for layout in ("2d", "metp", "2d-metp"):
             cfg = GPT2Config.from_name("gpt2-tiny", n_head=4, dropout=0.0)
             torch.manual_seed(0)
             model = tp.parallelize(GPT2(cfg), tp.init_mesh(layout, 1, 1, device_type=device.type), layout)
             model.validate_inputs = False
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
             idx = torch.randint(0, cfg.vocab_size, (2, 64), device=device)
-
-            def step():
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    loss = model(idx, idx)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-
+            step = _training_step(model, lambda m: m(idx, idx), device, lr=1e-3)
             step()  # warm-up
             try:
                 if device.type == "cuda":
@@ -172,17 +189,13 @@ def no_host_syncs(args, device) -> dict:
             finally:
                 if device.type == "cuda":
                     torch.cuda.set_sync_debug_mode(0)
-    finally:
-        dist.destroy_process_group()
     return out
 
 
 def layer_overhead(args, device) -> dict:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29572"))
-    dist.init_process_group("gloo", rank=0, world_size=1)
     name, batch, seq, steps = ("gpt2-tiny", 2, 64, 2) if args.smoke else ("gpt2-medium", 8, 1024, 10)
     out = {"model": name, "batch": batch, "seq": seq, "compiled": args.compile}
-    try:
+    with _one_rank_group("29572"):
         for layout in ("plain", "2d", "metp", "2d-metp"):
             cfg = GPT2Config.from_name(name, dropout=0.0)
             torch.manual_seed(0)
@@ -194,29 +207,11 @@ def layer_overhead(args, device) -> dict:
                 torch._dynamo.reset()
                 torch._dynamo.utils.counters.clear()
                 model.compile(backend="aot_eager" if args.smoke else "inductor", dynamic=False)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
             idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
             x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-
-            def step():
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    loss = model(x, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            t_warm = time.perf_counter()
-            for _ in range(3):
-                step()
-            _sync(device)
-            warm_s = time.perf_counter() - t_warm
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            _sync(device)
-            out[layout] = {"tokens_per_s": batch * seq * steps / (time.perf_counter() - t0),
+            step = _training_step(model, lambda m: m(x, y), device)
+            warm_s, seconds = _timed(step, device, steps)
+            out[layout] = {"tokens_per_s": batch * seq * steps / seconds,
                            "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
                            "warmup_s": warm_s}
             if args.compile:  # distinct reasons dynamo split the graph, with how often each was hit
@@ -227,13 +222,11 @@ def layer_overhead(args, device) -> dict:
             print(f"layer_overhead {layout}: {out[layout]}", flush=True)
             if args.profile:
                 out[layout].update(_profiled(step, device, f"{args.out.removesuffix('.json')}_{layout}_profile.txt"))
-            del model, opt
+            del model, step
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        for layout in ("2d", "metp", "2d-metp"):
-            out[layout]["vs_plain"] = out[layout]["tokens_per_s"] / out["plain"]["tokens_per_s"]
-    finally:
-        dist.destroy_process_group()
+    for layout in ("2d", "metp", "2d-metp"):
+        out[layout]["vs_plain"] = out[layout]["tokens_per_s"] / out["plain"]["tokens_per_s"]
     return out
 
 
