@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -103,6 +104,10 @@ def test_elementwise_passes_reproduce_the_measured_gpt2_step_on_the_h200():
                             gpus_per_node=8, compiled=mode == "compiled")
         assert row.tokens_per_s_per_gpu == pytest.approx(m[mode], rel=1e-6)
     assert 1 < planner.ELEMENTWISE_PASSES["compiled"] < planner.ELEMENTWISE_PASSES["eager"]
+    # the anchor is the committed measurement (recipes/gpu_issue12.py on an H200), to its 4 significant figures
+    run = json.loads((Path(__file__).parents[1] / "recipes/results/gpu_issue12_h200.json").read_text())["throughput"]
+    assert (run["model"], run["batch"], run["seq"]) == (m["model"], m["batch"], m["seq"])
+    assert (m["eager"], m["compiled"]) == (pytest.approx(run["hf"], rel=5e-4), pytest.approx(run["hf_compiled"], rel=5e-4))
 
 
 def test_data_parallel_rule_prices_the_bytes_the_tracer_counts():
