@@ -265,6 +265,15 @@ torch (2.13)
     axis groups').
     public: none; torch does not expose a group's timeout.
 
+``DeviceMesh._pg_registry``
+    where: mesh.py:release_process_groups
+    why: at exit, the meshes init_mesh built drop their references to their process groups (torch 2.13 keeps them
+    in this dict), so the groups' destructors join their gloo worker threads while the interpreter is whole. A
+    worker left to interpreter shutdown aborts the process (SIGABRT, "terminate called without an active
+    exception") when it frees a finished work's tensor; ``destroy_process_group`` alone does not free a group a mesh
+    still holds. Absent in older torch (meshes there hold names only), where nothing needs dropping.
+    public: none; ``destroy_process_group`` unregisters groups but cannot free what a DeviceMesh holds.
+
 ``DeviceMesh._dim_group_names``
     where: ops.py:_mesh_names, ops.py:register_mesh
     why: names a mesh by its process groups inside traced code: torch.compile reads it on the real mesh at trace
@@ -410,6 +419,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "give init_device_mesh's axis groups the job's timeout (its backend_override takes options)"),
     ("ProcessGroup._get_backend, Backend.options._timeout", ("mesh.py:group_timeout",),
      "the timeout a process group was created with"),
+    ("DeviceMesh._pg_registry", ("mesh.py:release_process_groups",),
+     "drop a mesh's process groups at exit, so their gloo threads are joined before interpreter shutdown"),
     ("DeviceMesh._dim_group_names", ("ops.py:_mesh_names", "ops.py:register_mesh"),
      "a mesh's name, read at trace time, for op constants"),
     ("torch._library.opaque_object.is_opaque_type", ("ops.py:_is_opaque",),

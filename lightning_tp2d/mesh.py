@@ -8,10 +8,18 @@ uses axes ``("data_parallel", "ring")``.
 
 Everything here validates *before* any process-group work, so a bad configuration raises a ``ValueError``
 naming the numbers instead of hanging in a collective.
+
+The process groups of the meshes :func:`init_mesh` builds end before the interpreter does
+(:func:`release_process_groups`, run at exit): a gloo group left to interpreter shutdown can abort a process whose
+work finished.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
+import threading
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -136,7 +144,62 @@ def init_mesh(layout: str | Layout = DEFAULT_LAYOUT, tensor_parallel_size: int =
     mesh = init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names,
                             **({"backend_override": override} if override else {}))
     register_mesh(mesh)
+    _end_with_process(mesh)
     return mesh
+
+
+# ---- the end of a process --------------------------------------------------------------------------------------
+
+RELEASE_TIMEOUT_S = 5.0  # how long the exit waits for the groups' worker threads (milliseconds when they are idle)
+_BUILT: weakref.WeakSet = weakref.WeakSet()  # the meshes init_mesh built, while anything holds them
+_AT_EXIT = threading.Lock()  # taken once, when release_process_groups is registered with atexit
+
+
+def _end_with_process(mesh: DeviceMesh) -> None:
+    _BUILT.add(mesh)
+    if _AT_EXIT.acquire(blocking=False):
+        atexit.register(release_process_groups)
+
+
+def release_process_groups(timeout: float = RELEASE_TIMEOUT_S) -> bool:
+    """End the process groups of the meshes :func:`init_mesh` built, now, while the interpreter is whole (run at
+    exit; callable earlier). Returns whether they ended within ``timeout`` seconds.
+
+    Why: a gloo worker thread frees each collective's work after completing it, and the work may hold the last
+    reference to a tensor that has a Python object (an intermediate of ``DTensor.full_tensor()``, a gathered
+    panel); freeing it takes the GIL. A thread that asks for the GIL after the interpreter began to finalise is
+    ended mid-destructor, and the process aborts ("terminate called without an active exception", SIGABRT) after its
+    script has finished: the README's own-loop example did so in about half of its runs with ``gpt2`` on 4 CPU
+    processes (gdb: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherCoalescedWork`` -> ``take_gil`` ->
+    ``pthread_exit`` during ``Py_FinalizeEx``). ``dist.destroy_process_group()`` does not prevent it: a
+    ``DeviceMesh`` keeps its groups (``_pg_registry``), and a model's DTensors keep the mesh, so the groups and their
+    worker threads lived on to interpreter shutdown.
+
+    What it does, in a thread of its own (so a worker stuck in a collective with a dead peer delays the exit by
+    ``timeout`` at most, never hangs it): destroys the default process group when its backend is gloo (local: no
+    collective) and torch's groups are not destroyed yet, then drops the meshes' references to their destroyed
+    groups. Each group's destructor then joins its worker threads with the GIL released, so a worker that still has
+    a tensor to free gets the GIL and finishes. NCCL groups are left to their owner (``destroy_process_group``
+    aborts NCCL communicators and is the user's call)."""
+    meshes = list(_BUILT)
+    if not meshes:
+        return True
+
+    def release() -> None:
+        if dist.is_available() and dist.is_initialized() and str(dist.get_backend()) == "gloo":
+            dist.destroy_process_group()
+        if dist.is_available() and dist.is_initialized():
+            return  # a backend this does not end (NCCL): the groups stay theirs
+        for mesh in meshes:
+            groups = getattr(mesh, "_pg_registry", None)  # torch 2.13; older meshes hold names only
+            if isinstance(groups, dict):
+                groups.clear()
+        gc.collect()
+
+    worker = threading.Thread(target=release, name="tp2d-release-process-groups", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return not worker.is_alive()
 
 
 def parallel_dims_of(mesh: DeviceMesh, layout: str | Layout) -> ParallelDims:
