@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_tp2d.planning.live import MemoryCapExceeded
+from lightning_tp2d.planning.processes import start_process
 
 OOM = "oom"
 
@@ -126,12 +127,9 @@ def run_ranks(fn: Callable, world_size: int, *args, device: str = "cpu", cap_byt
     port = str(free_port()) if lightning else None
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, daemon=True, args=(r, world_size, init_file, device, cap_bytes, fn, args,
-                                                                 results, group_timeout or timeout, port,
-                                                                 tracebacks))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
+        procs = [start_process(ctx, _worker, (r, world_size, init_file, device, cap_bytes, fn, args, results,
+                                              group_timeout or timeout, port, tracebacks), daemon=True)
+                 for r in range(world_size)]  # each ends with this process (planning.processes)
         return collect(procs, results, world_size, timeout, allow_exit)
 
 
@@ -237,11 +235,9 @@ class RankPool:
         port = free_port()
         pipes = [ctx.Pipe() for _ in range(world_size)]
         self._tasks = [parent for parent, _ in pipes]
-        self._procs = [ctx.Process(target=_pool_worker, daemon=True,
-                                   args=(r, world_size, lightning, port, self._dir.name, child, self._results,
-                                         timeout)) for r, (_, child) in enumerate(pipes)]
-        for p in self._procs:
-            p.start()
+        self._procs = [start_process(ctx, _pool_worker, (r, world_size, lightning, port, self._dir.name, child,
+                                                         self._results, timeout), daemon=True)
+                       for r, (_, child) in enumerate(pipes)]  # each ends with this process (planning.processes)
         self.alive = True
 
     def run(self, fn: Callable, *args, timeout: float = 600.0, env: dict[str, str] | None = None) -> RunResult:

@@ -16,6 +16,7 @@ from lightning_tp2d.data.token_files import (build_cache, check_format, count_to
                                              raw_dtype, text_suffixes)
 from lightning_tp2d.data.tokenizers import ByteTokenizer, get_tokenizer
 from lightning_tp2d.models.documents import Documents
+from lightning_tp2d.token_need import split_need, split_needs, split_tokens, stream_need  # the rule, stated once
 
 
 # ---- datasets, sampler, loader ---------------------------------------------------------------------------------
@@ -90,35 +91,7 @@ class ResumableLoader(DataLoader):
         self._resume = (int(state["epoch"]), int(state["batches"]))
 
 
-# ---- the tokens a split needs ----------------------------------------------------------------------------------
-
-
-def split_tokens(n: int, val_fraction: float) -> tuple[int, int]:
-    """``(train, validation)`` tokens of an ``n``-token stream without ``val_path``: the last ``int(n * val_fraction)``
-    are held out."""
-    n_val = int(n * val_fraction)
-    return n - n_val, n_val
-
-
-def split_need(block_size: int, batch_size: int | None = None, replicas: int = 1, key: str = "") -> tuple[int, str]:
-    """``(tokens, why)``: a split needs ``w * block_size + 1`` tokens for ``w`` windows (targets are shifted by one):
-    one window for :meth:`TextDataModule.setup`, ``batch_size x replicas`` for its loader (every data-parallel
-    replica gets a full batch). ``key``: how ``why`` names the settings (``"data."``)."""
-    if batch_size is None:
-        return block_size + 1, f"one window of {key}block_size+1 = {block_size + 1} tokens"
-    w = batch_size * replicas
-    return w * block_size + 1, (f"{key}batch_size={batch_size} x {replicas} data-parallel replica(s) = {w} windows of "
-                                f"{key}block_size={block_size} tokens, +1 = {w * block_size + 1} tokens")
-
-
-def stream_need(train: int, val: int, val_fraction: float) -> int:
-    """The fewest tokens whose split (:func:`split_tokens`) leaves at least ``train`` and ``val`` tokens."""
-    n = max(train + val, int(val / val_fraction) - 2, int((train - 1) / (1 - val_fraction)) - 2)  # a lower bound
-    while True:  # both splits grow with n: the first n that fits is the fewest
-        n_train, n_val = split_tokens(n, val_fraction)
-        if n_train >= train and n_val >= val:
-            return n
-        n += 1
+# ---- the tokens a split needs (the rule: lightning_tp2d.token_need; here, how a shortfall is told) -------------
 
 
 def stream_problem(where: str, n: int, val_fraction: float, train: tuple[int, str], val: tuple[int, str],
@@ -283,8 +256,7 @@ class TextDataModule(L.LightningDataModule):
         (``replicas``; the validation split one window when nothing ``validates``). Cheap: sources are counted by
         :func:`~lightning_tp2d.data.count_tokens`, never read further than the count needed. ``key``: how messages
         name the settings (``"data."`` for ``tp2d-train``, which calls this before any process starts)."""
-        train = split_need(self.block_size, self.batch_size, replicas, key)
-        val = train if validates else split_need(self.block_size, key=key)
+        train, val = split_needs(self.block_size, self.batch_size, replicas, validates=validates, key=key)
         least = stream_need(train[0], val[0], self.val_fraction) if self.val_path is None else None
         sources = [("path", self.path, "train", train)]
         if self.val_path is not None:

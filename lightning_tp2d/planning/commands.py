@@ -4,7 +4,11 @@
   name), ``parallel=<the layout's strategy name>`` and its sizes, ZeRO stage, checkpointing, offload and ``compile``,
   the row's micro-batch (``data.batch_size``) and accumulation (``trainer.accumulate_grad_batches``), the sequence
   length (``data.block_size``), the devices and nodes, and ``parallel.memory_gib`` so that ``tp2d-train`` checks the
-  predicted peak before it launches (:func:`train_overrides`, :func:`train_command`);
+  predicted peak before it launches (:func:`train_overrides`, :func:`train_command`); and the data: a token file,
+  ``data=tokens data.path=YOUR_TOKENS.bin`` (:data:`TOKEN_FILE`, a placeholder), with the lines that say how many
+  tokens it must hold (:func:`data_lines`: the least ``tp2d-train``'s pre-launch check accepts, by the data module's
+  own rule, :func:`lightning_tp2d.token_need.least_tokens`; what one whole step and ``trainer.max_steps`` read): the
+  default corpus (the Python documentation, ~466k byte tokens) holds too few for a planned run's batches;
 * a 1-D baseline row (torch's 1-D TP + SP x FSDP2, or CP): torchtitan's settings (:func:`torchtitan_settings`),
   and for the TP rows the Lightning ``ModelParallelStrategy`` that runs the same mesh with a user's
   ``parallelize_fn`` (:func:`lightning_strategy`).
@@ -20,11 +24,21 @@ from typing import TYPE_CHECKING
 from lightning_tp2d.families import model_config
 from lightning_tp2d.layouts import get_layout, strategy_name
 from lightning_tp2d.planning.rivals import BASELINE, CP, CP_TP
+from lightning_tp2d.token_need import least_tokens, split_need, stream_need
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_tp2d.planning.planner import PlanRow
 
-__all__ = ["command_for", "lightning_strategy", "torchtitan_settings", "train_command", "train_overrides"]
+__all__ = ["TOKEN_FILE", "command_for", "data_lines", "lightning_strategy", "torchtitan_settings", "train_command",
+           "train_overrides"]
+
+TOKEN_FILE = "YOUR_TOKENS.bin"  # the placeholder for the user's token file (Hydra's grammar refuses "<...>")
+# The conf/ defaults that decide the tokens tp2d-train demands (tests/test_plan_command.py composes conf/ and checks
+# that these are its values and that the number printed is the one tp2d-train's check demands):
+VAL_FRACTION = 0.05  # conf/data/tokens.yaml data.val_fraction: the file's tail is the validation split
+VALIDATES = True  # conf/config.yaml trainer.limit_val_batches=8: validation runs, in full batches per replica
+MAX_STEPS = 300  # conf/config.yaml trainer.max_steps
+UINT16_IDS = 1 << 16  # a raw .bin of uint16 ids (conf/data/tokens.yaml's data.dtype) holds ids below this
 
 
 def _devices(row: PlanRow, gpus_per_node: int) -> tuple[int, int]:
@@ -65,7 +79,10 @@ def train_overrides(row: PlanRow, model: str, seq: int, *, gpus_per_node: int, g
         out.append(f"parallel.memory_gib={gpu_memory_gib:g}")
     out += ["trainer=gpu" if nodes == 1 else "trainer=multinode", f"trainer.devices={devices}",
             f"trainer.num_nodes={nodes}", f"trainer.accumulate_grad_batches={row.grad_accum}",
-            f"data.batch_size={row.micro_batch}", f"data.block_size={seq}"]
+            "data=tokens", f"data.path={TOKEN_FILE}"]
+    if model_config(model).vocab_size > UINT16_IDS:
+        out.append("data.dtype=uint32")
+    out += [f"data.batch_size={row.micro_batch}", f"data.block_size={seq}"]
     if seq > model_config(model).block_size:  # the data's windows are at most the model's block_size
         out.append(f"model.block_size={seq}")
     return out
@@ -74,6 +91,28 @@ def train_overrides(row: PlanRow, model: str, seq: int, *, gpus_per_node: int, g
 def train_command(row: PlanRow, model: str, seq: int, **kwargs) -> str:
     """``tp2d-train`` and :func:`train_overrides`, quoted for a shell (every node runs the same command)."""
     return shlex.join(["tp2d-train", *train_overrides(row, model, seq, **kwargs)])
+
+
+def data_lines(row: PlanRow, model: str, seq: int) -> list[str]:
+    """What the token file of :func:`train_overrides` (:data:`TOKEN_FILE`) must hold, as lines to print under the
+    command: the least tokens ``tp2d-train`` accepts before it launches (its train split and its validation split, the
+    last :data:`VAL_FRACTION`, each ``micro_batch x dp`` windows of ``seq`` tokens:
+    :func:`~lightning_tp2d.token_need.least_tokens`, the data module's own rule), the tokens whose train split holds
+    one whole step of the row's ``micro_batch x grad_accum`` sequences per replica (with fewer, each epoch ends in a
+    shorter step), and what :data:`MAX_STEPS` steps read (a smaller file is read again, epoch after epoch)."""
+    dp, micro, accum = row.data_parallel_size, row.micro_batch, row.grad_accum
+    ids = "uint32 ids, data.dtype=uint32" if model_config(model).vocab_size > UINT16_IDS else "uint16 ids"
+    least = least_tokens(seq, micro, dp, validates=VALIDATES, val_fraction=VAL_FRACTION)
+    val = split_need(seq, micro, dp)[0] if VALIDATES else split_need(seq)[0]
+    whole = stream_need(split_need(seq, micro * accum, dp)[0], val, VAL_FRACTION)
+    step = dp * micro * accum * seq
+    return [f"data: replace {TOKEN_FILE} with your token file (raw {ids}, or a .npy) of at least {least:,} tokens: the "
+            f"least tp2d-train accepts (its train split and its validation split, the last data.val_fraction="
+            f"{VAL_FRACTION:g}, each data.batch_size={micro} x {dp} replica(s) = {micro * dp} windows of {seq} tokens)",
+            ("data: that holds one whole step" if whole <= least else f"data: one whole step needs {whole:,}")
+            + f" ({dp} replica(s) x {micro} x {accum} sequences = {step:,} tokens); trainer.max_steps={MAX_STEPS} "
+            f"reads {MAX_STEPS * step:,} tokens: a smaller file is read again, epoch after epoch "
+            "(trainer.max_steps=N stops sooner)"]
 
 
 def torchtitan_settings(row: PlanRow, seq: int, *, compiled: bool = True) -> list[str]:
@@ -119,11 +158,12 @@ def lightning_strategy(row: PlanRow) -> str:
 
 def command_for(row: PlanRow, model: str, seq: int, *, gpus_per_node: int, gpu_memory_gib: float | None = None,
                 compiled: bool = True) -> str:
-    """What runs ``row``, as lines to print: the ``tp2d-train`` command of a package row; torchtitan's launch and
-    settings of a baseline row, and Lightning's strategy for a 1-D TP one."""
+    """What runs ``row``, as lines to print: the ``tp2d-train`` command of a package row and what its token file must
+    hold (:func:`data_lines`); torchtitan's launch and settings of a baseline row, and Lightning's strategy for a
+    1-D TP one."""
     if not row.baseline:
-        return train_command(row, model, seq, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
-                             compiled=compiled)
+        return "\n".join([train_command(row, model, seq, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
+                                        compiled=compiled), *data_lines(row, model, seq)])
     devices, nodes = _devices(row, gpus_per_node)
     lines = [f"torchrun --nnodes={nodes} --nproc_per_node={devices} -m torchtitan.train "
              f"--job.config_file=<{model}'s torchtitan toml> " + " ".join(torchtitan_settings(row, seq,

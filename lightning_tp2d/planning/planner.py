@@ -67,13 +67,13 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from multiprocessing import connection as mp_connection
 
 from lightning_tp2d.planning import cache as plan_cache
 from lightning_tp2d.planning import cost_model, memory_model, trace
 from lightning_tp2d.planning.cost_model import Hardware, collective_time, data_parallel_all_reduce_time, step_time
 from lightning_tp2d.planning.memory_model import (baseline_activation_bytes, parameter_split,
                                                peak_bytes)
+from lightning_tp2d.planning.processes import in_processes
 from lightning_tp2d.planning.events import Comm
 from lightning_tp2d.planning.rivals import CHUNK_TOKENS, baseline_row_peak_bytes, cp_peak_bytes, ulysses_peak_bytes
 from lightning_tp2d.planning.commands import command_for
@@ -139,14 +139,29 @@ class PlanRow:
     # layout's own head and loss ("own": the ring layouts' tiled ring cross-entropy, the grid's vocab-parallel one)
     loss: str = "unfused"
 
+    @property
+    def label(self) -> str:
+        """What the row runs, named with every field that tells it apart beyond the sizes, ZeRO stage, checkpointing
+        (and offload) and micro-batches that :meth:`describe` and :func:`table` show beside it: the package's layout;
+        the baseline's 1-D TP + SP (``(async)``: async TP) or none, over DDP (stages 0 and 1), FSDP or ``HSDP s x r``
+        (FSDP over groups of ``s = shard_group`` replicas, ``r`` groups); CP's split; ``chunked loss``."""
+        p, dp, cp = self.tensor_parallel_size, self.data_parallel_size, self.context_parallel_size
+        loss = ", chunked loss" if self.loss == "chunked" else ""
+        if self.layout in (CP, CP_TP):
+            split = f"CP {cp}" + (f" x TP {p // cp}" if p != cp else "") + (", async" if self.async_tp else "")
+            return f"{self.layout} ({split}){loss}"
+        if self.layout != BASELINE:
+            return self.layout
+        data = ("" if dp == 1 else f"HSDP {self.shard_group}x{dp // self.shard_group}" if self.shard_group
+                else "FSDP" if self.zero_stage >= 2 else "DDP")
+        if p == 1:
+            return f"{data or 'one GPU'} (no TP){loss}"
+        return f"1-D TP+SP{' (async)' if self.async_tp else ''}{f' x {data}' if data else ''}{loss}"
+
     def describe(self) -> str:
-        kind = "baseline " if self.baseline else ""
-        cp = (f" (CP {self.context_parallel_size} x TP {self.tensor_parallel_size // self.context_parallel_size})"
-              if self.context_parallel_size not in (1, self.tensor_parallel_size) else "")
-        return (f"{kind}{self.layout} p={self.tensor_parallel_size}{cp} dp={self.data_parallel_size} "
+        return (f"{self.label} p={self.tensor_parallel_size} dp={self.data_parallel_size} "
                 f"zero={self.zero_stage} ckpt={self.checkpointing} micro={self.micro_batch}x{self.grad_accum}"
-                f"{' async-TP' if self.async_tp else ''}{' offload' if self.activation_offload else ''}: "
-                f"{self.memory_gib:.1f} GiB, "
+                f"{' offload' if self.activation_offload else ''}: {self.memory_gib:.1f} GiB, "
                 f"{self.tokens_per_s_per_gpu:,.0f} tok/s/GPU, MFU {self.mfu:.1%}")
 
     def to_dict(self) -> dict:
@@ -698,58 +713,6 @@ def _plan_candidate(cfg, candidate, *, seq: int, sequences: int, hw: Hardware, g
     return rows, smallest
 
 
-def in_processes(fn, items, workers: int) -> list:
-    """``[fn(item) for item in items]``, in this process when ``workers`` is 1, else up to ``workers`` at a time,
-    each in a forked process of its own that sends its result back (a failure there is raised here, the other
-    processes ended). The processes are not daemonic: each may start the memory model's and the tracer's workers
-    (:func:`lightning_tp2d.planning.trace.in_worker`), which are its own."""
-    items = list(items)
-    if workers <= 1 or len(items) <= 1:
-        return [fn(item) for item in items]
-    ctx = mp.get_context("fork")
-    results, waiting, running = [None] * len(items), list(enumerate(items)), {}
-    try:
-        while waiting or running:
-            while waiting and len(running) < workers:
-                i, item = waiting.pop(0)
-                ours, theirs = ctx.Pipe(duplex=False)
-                process = ctx.Process(target=_child, args=(theirs, fn, item), name=f"tp2d-plan-{i}")
-                process.start()
-                theirs.close()
-                running[ours] = (i, process)
-            for conn in mp_connection.wait(list(running)):
-                i, process = running.pop(conn)
-                try:
-                    status, value = conn.recv()
-                except EOFError:
-                    status, value = "died", f"the planning process of item {i} exited with code {process.exitcode}"
-                conn.close()
-                process.join()
-                if status == "error":
-                    raise value
-                if status == "died":
-                    raise RuntimeError(value)
-                results[i] = value
-    finally:
-        for conn, (_, process) in running.items():
-            process.kill()
-            process.join()
-            conn.close()
-    return results
-
-
-def _child(conn, fn, item) -> None:
-    try:
-        conn.send(("ok", fn(item)))
-    except BaseException as err:  # noqa: BLE001 - raised again in the parent
-        try:
-            conn.send(("error", err))
-        except Exception:  # noqa: BLE001 - an exception that does not pickle: its text then
-            conn.send(("error", RuntimeError(f"{type(err).__name__}: {err}")))
-    finally:
-        conn.close()
-
-
 _LEAST_MEMORY_FIRST = ("full", "selective", "none")
 
 
@@ -902,14 +865,13 @@ def _deepest(cfg, candidate, seq: int, cap: float, found: dict) -> dict:
 
 
 def table(rows: list[PlanRow], limit: int | None = 12) -> str:
-    """A markdown table of ``rows`` (the first ``limit``)."""
+    """A markdown table of ``rows`` (the first ``limit``), each named by :attr:`PlanRow.label`: two rows whose
+    configuration columns read the same are the same configuration."""
     head = ("| # | configuration | p | dp | ZeRO | checkpointing | micro x accum | GiB/GPU | step s | tok/s/GPU | MFU |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for i, r in enumerate(rows[:limit] if limit else rows, 1):
-        name = (f"1-D TP+SP{' (async)' if r.async_tp else ''} x FSDP" if r.baseline and r.tensor_parallel_size > 1
-                else "FSDP (no TP)" if r.baseline else r.layout)
-        lines.append(f"| {i} | {name} | {r.tensor_parallel_size} | {r.data_parallel_size} | {r.zero_stage} | "
+        lines.append(f"| {i} | {r.label} | {r.tensor_parallel_size} | {r.data_parallel_size} | {r.zero_stage} | "
                      f"{r.checkpointing}{' + offload' if r.activation_offload else ''} | {r.micro_batch} x {r.grad_accum} | {r.memory_gib:.1f} | {r.step_s:.2f} | "
                      f"{r.tokens_per_s_per_gpu:,.0f} | {r.mfu:.1%} |")
     return "\n".join(lines)
@@ -978,8 +940,8 @@ class PlanProgress(logging.Handler):
 
 def main(argv=None) -> int:
     """``tp2d-plan MODEL --gpus N --gpu-memory-gib G --seq T [--global-batch-tokens K] ...``: print the fitting
-    configurations, best first, the commands that run the best package and baseline rows (:func:`run_commands`),
-    and write every row as JSON (``--json``)."""
+    configurations, best first, and the commands that run the best package and baseline rows (:func:`run_commands`);
+    with ``--json PATH``, also write every row as JSON there (without it, nothing is written)."""
     import argparse
     import json
     import sys
@@ -1007,7 +969,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                         help="candidates planned at once, each in a process of its own (default: up to 4 cores)")
     parser.add_argument("--top", type=int, default=12, help="rows to print (0: all)")
-    parser.add_argument("--json", default="plan.json", help="where to write every row (default plan.json; '' none)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write every row as JSON to PATH (default: nothing is written)")
     args = parser.parse_args(argv)
     hardware = HARDWARE[args.hardware]
     try:

@@ -72,6 +72,7 @@ from lightning_tp2d import comm_record, recompute
 from lightning_tp2d.planning import closed_step as closed
 from lightning_tp2d.planning.events import Comm
 from lightning_tp2d.planning.live import _DEVICE, tensors_in
+from lightning_tp2d.planning.processes import start_process
 from lightning_tp2d.planning.steps import TracedStep
 from lightning_tp2d.families import family_of, family_of_config, fits
 from lightning_tp2d.layouts import DATA_AXIS, Layout, get_layout
@@ -442,8 +443,7 @@ class _Worker:
         ctx = mp.get_context("fork")
         self.owner = os.getpid()
         self.conn, theirs = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(theirs,), daemon=True, name="tp2d-trace")
-        self.process.start()
+        self.process = start_process(ctx, _serve, (theirs,), daemon=True, name="tp2d-trace")  # ends with us
         theirs.close()
 
     def usable(self) -> bool:
