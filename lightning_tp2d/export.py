@@ -16,8 +16,11 @@ family's ``hf``) knows the keys, transposes and config files. :func:`load_gpt2`,
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +32,10 @@ from lightning_tp2d.checkpoint import (MODEL, _aliases, _assign, _stored_tensors
 from lightning_tp2d.families import ModelFamily, families, family_of, family_of_config, get_family
 from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.models.gpt2 import GPT2, GPT2Config
+from lightning_tp2d.models.config import TOKEN_IDS
 from lightning_tp2d.models.hf import HFFormat, check_keys
 from lightning_tp2d.models.llama import Llama, LlamaConfig
+from lightning_tp2d.weight_files import HF_WEIGHT_FILES, hf_weight_files, write_staged
 
 
 def _family(family: str | ModelFamily) -> ModelFamily:
@@ -167,34 +172,80 @@ def _empty_model(cls, config) -> nn.Module:
     return model
 
 
-def export_hf(source, directory, config: Any = None, *, trust_checkpoint: bool = False, verify: bool = True) -> Path:
-    """Write transformers' format (``config.json`` + ``model.safetensors``) from a plain model of a family with a
-    transformers format (GPT-2, Llama, ...), or a checkpoint path holding one (``config``, ``trust_checkpoint``
-    and ``verify`` as in :func:`load_model`: a damaged checkpoint is named, never exported); the format's
-    architecture (``GPT2LMHeadModel`` / ``LlamaForCausalLM``) ``.from_pretrained(directory)`` loads it. Tied weights
-    are written once, under their first name."""
+def export_hf(source, directory, config: Any = None, *, overwrite: bool = False,
+              token_ids: Mapping[str, Any] | None = None, tokenizer=None, trust_checkpoint: bool = False,
+              verify: bool = True) -> Path:
+    """Write transformers' format from a plain model of a family with a transformers format (GPT-2, Llama, ...), or
+    a checkpoint path holding one (``config``, ``trust_checkpoint`` and ``verify`` as in :func:`load_model`: a
+    damaged checkpoint is named, never exported): ``model.safetensors`` (tied weights once, under their first name),
+    ``config.json`` and ``generation_config.json``, which ``AutoModelForCausalLM.from_pretrained(directory)`` (the
+    format's ``GPT2LMHeadModel`` / ``LlamaForCausalLM``) loads and ``generate`` reads. Returns the directory.
+
+    * Special tokens: ``config.json`` and ``generation_config.json`` carry the config's ``bos_token_id``,
+      ``eos_token_id`` (an int or a list) and ``pad_token_id``; ``token_ids`` (``{"eos_token_id": 50256, ...}``, e.g.
+      from the tokenizer) fills those the config lacks, and then the family's convention (GPT-2: ``vocab_size - 1``;
+      Llama: none, written as null so that transformers does not assume 1 and 2).
+    * ``tokenizer``: a ``tokenizer.json``, or a directory holding one, copied into the export.
+    * Safety: a ``directory`` that already holds transformers weight files is refused (``FileExistsError`` naming
+      them) unless ``overwrite=True``. Every file is written staged (:func:`~lightning_tp2d.weight_files.write_staged`:
+      beside the old ones as ``*.tmp-tp2d``, moved into place only when all are complete), so a crash mid-export
+      leaves the old weights whole; with ``overwrite`` the directory's other weight files (``pytorch_model.bin``, an
+      index and its shards) are removed after, and the files the export does not write (a tokenizer it was not given,
+      a README) are kept."""
+    directory = Path(directory).expanduser()
+    held = hf_weight_files(directory)
+    if held and not overwrite:
+        raise FileExistsError(f"export_hf: {str(directory)!r} already holds transformers weights ({', '.join(held)}); "
+                              "pass overwrite=True to replace them (the new files are written beside them and moved "
+                              "into place only when complete; its other files are kept), or export to another "
+                              "directory")
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"export_hf: {str(directory)!r} is a file, not a directory")
+    tokenizer_file = None
+    if tokenizer is not None:
+        tokenizer_file = Path(tokenizer).expanduser()
+        tokenizer_file = tokenizer_file / "tokenizer.json" if tokenizer_file.is_dir() else tokenizer_file
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"export_hf: tokenizer {str(tokenizer)!r} is neither a tokenizer.json nor a "
+                                    "directory holding one")
     family = family_of(source)
     model = source if family is not None else load_model(source, config, trust_checkpoint=trust_checkpoint,
                                                          verify=verify)
     fmt = _format(family or family_of(model))
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    hf_config = fmt.hf_config(_with_token_ids(model.config, token_ids))
+    carried = [k for k in TOKEN_IDS if k in hf_config]  # (a format may write none: then no generation_config.json)
+    generation = {k: hf_config[k] for k in carried if hf_config[k] is not None}
     state = model.state_dict(keep_vars=True)
     tied = _aliases(state)
     hf = {fmt.to_hf_key(k): fmt.hf_tensor(k, v) for k, v in state.items() if k not in tied}
     from safetensors.torch import save_file  # optional dependency (transformers brings it): only to write its files
 
-    save_file(hf, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(fmt.hf_config(model.config), indent=2) + "\n")
-    return directory
+    writers = {"model.safetensors": lambda path: save_file(hf, str(path), metadata={"format": "pt"}),
+               "config.json": lambda path: path.write_text(json.dumps(hf_config, indent=2) + "\n")}
+    if carried:
+        writers["generation_config.json"] = lambda path: path.write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer_file is not None:
+        writers["tokenizer.json"] = lambda path: shutil.copyfile(tokenizer_file, path)
+    return write_staged(directory, writers)
+
+
+def _with_token_ids(config: Any, token_ids: Mapping[str, Any] | None) -> Any:
+    """``config`` with the special-token ids of ``token_ids`` it lacks (fields it has and that are ``None``),
+    checked as the config checks its own (an id outside the vocabulary is a ``ValueError``)."""
+    if not dataclasses.is_dataclass(config):
+        return config
+    missing = {k: v for k, v in (token_ids or {}).items()
+               if k in TOKEN_IDS and v is not None and hasattr(config, k) and getattr(config, k) is None}
+    return dataclasses.replace(config, **missing) if missing else config
+
+
+def token_ids_of(config: Any) -> dict[str, Any]:
+    """The special-token ids ``config`` records (its :data:`~lightning_tp2d.models.config.TOKEN_IDS` fields that are
+    set)."""
+    return {k: getattr(config, k) for k in TOKEN_IDS if getattr(config, k, None) is not None}
 
 
 # ---- transformers directories -> a live model -----------------------------------------------------------------
-
-# Weight files of a transformers directory, in the order transformers prefers them.
-HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                   "pytorch_model.bin.index.json")
-
 
 def is_hf_directory(path) -> bool:
     """Whether ``path`` is a transformers checkpoint directory: ``config.json`` and one of :data:`HF_WEIGHT_FILES`."""
@@ -218,7 +269,9 @@ def hf_family(directory) -> ModelFamily:
 def read_hf_config(directory, family: str | ModelFamily | None = None) -> Any:
     """Our config for a transformers directory's ``config.json`` (read as JSON: transformers is not needed), by the
     format of ``family`` (default: the one its ``model_type`` names, :func:`hf_family`); refuses what the model
-    does not implement (the format's ``read_config``, e.g. :meth:`GPT2Config.from_hf`)."""
+    does not implement (the format's ``read_config``, e.g. :meth:`GPT2Config.from_hf`). The special-token ids of a
+    ``generation_config.json`` beside it win over ``config.json``'s (they are what ``generate`` stops at: Llama 3
+    instruct lists more end tokens there), so that one set of ids reaches our config and its exports."""
     family = hf_family(directory) if family is None else _family(family)
     fmt = _format(family)
     file = Path(directory) / "config.json"
@@ -227,6 +280,14 @@ def read_hf_config(directory, family: str | ModelFamily | None = None) -> Any:
     raw = json.loads(file.read_text())
     if raw.get("model_type", fmt.model_type) != fmt.model_type:
         raise ValueError(f"{str(file)!r} describes a {raw['model_type']!r} model, not {fmt.model_type!r}")
+    generation = Path(directory) / "generation_config.json"
+    if generation.is_file():
+        try:
+            ids = json.loads(generation.read_text())
+        except ValueError as err:
+            raise ValueError(f"{str(generation)!r} is not JSON ({err})") from None
+        if isinstance(ids, dict):  # (a null there leaves config.json's)
+            raw = {**raw, **{k: ids[k] for k in TOKEN_IDS if ids.get(k) is not None}}
     try:
         return fmt.read_config(raw)
     except ValueError as err:

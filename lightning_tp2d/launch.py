@@ -246,6 +246,13 @@ def resume_run_dir(ckpt_path: str) -> Path | None:
     return run if path.parent.name == "checkpoints" and (run / ".hydra").is_dir() else None
 
 
+def continues_run(ckpt_path, run_dir: Path) -> bool:
+    """Whether a run resuming from ``ckpt_path`` continues in ``run_dir`` itself: the checkpoint lies in its
+    ``checkpoints/`` (tp2d-train pins a resumed run's directory to the checkpoint's: :func:`pin_resume_run_dir`)."""
+    previous = None if ckpt_path is None else resume_run_dir(str(ckpt_path))
+    return previous is not None and previous.resolve() == Path(run_dir).resolve()
+
+
 def pin_resume_run_dir(args: list[str], env: MutableMapping[str, str] = os.environ) -> Path | None:
     """On rank 0 before Hydra starts: a run resumed from a checkpoint inside a run directory (``ckpt_path=<run>/
     checkpoints/last.ckpt``) continues in that directory, so its metrics, checkpoints and log stay together: set
@@ -259,6 +266,27 @@ def pin_resume_run_dir(args: list[str], env: MutableMapping[str, str] = os.envir
     if run is not None:
         env[RUN_DIR_ENV] = str(run)
     return run
+
+
+def given_run_dir(args: list[str], env: Mapping[str, str] = os.environ) -> tuple[str, Path] | None:
+    """The run directory a command line names before Hydra creates it, and where it is named: ``("hydra.run.dir",
+    path)`` for the last such override (``None`` when its value interpolates, ``${...}``: only Hydra knows it), else
+    ``("TP2D_RUN_DIR", path)`` when that is exported; ``None`` otherwise and in a sweep (a folder per job)."""
+    if _is_multirun(args):
+        return None
+    given = [a.split("=", 1)[1] for a in args if "=" in a and not a.startswith("-")
+             and a.split("=", 1)[0].lstrip("+~") == "hydra.run.dir"]
+    if given:
+        value = given[-1].strip().strip("'\"")
+        return None if "${" in value or not value else ("hydra.run.dir", Path(value).expanduser())
+    return (RUN_DIR_ENV, Path(env[RUN_DIR_ENV]).expanduser()) if env.get(RUN_DIR_ENV) else None
+
+
+def given_value(args: list[str], key: str) -> str | None:
+    """The value of the last ``key=value`` override in ``args``, quotes stripped (``None``: not given, or null)."""
+    given = [a.split("=", 1)[1] for a in args if "=" in a and a.split("=", 1)[0].lstrip("+~") == key]
+    value = given[-1].strip().strip("'\"") if given else ""
+    return None if value in ("", "null") else value
 
 
 @contextmanager

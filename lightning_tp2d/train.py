@@ -59,13 +59,14 @@ from lightning_tp2d.core import AUTO_LAYOUT
 from lightning_tp2d.data import (check_format, check_path, get_tokenizer, is_token_file, text_suffixes,
                                  tokenizer_vocab_size)
 from lightning_tp2d.errors import CheckpointError, CommError, DivergenceError
-from lightning_tp2d.export import export_hf, read_hf_config
+from lightning_tp2d.export import read_hf_config
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import STRATEGY_NAMES, get_layout
 from lightning_tp2d.models.config import max_seq_len
 from lightning_tp2d.parallelize import offloaded_checkpointing
 from lightning_tp2d.param_memory import parameter_bytes, parameter_count, parameter_memory_problem, physical_memory
 from lightning_tp2d.quiet import silence_known_noise
+from lightning_tp2d.run_outputs import export_transformers, given_run_dir_problem, outputs_problem
 from lightning_tp2d.safe_files import clear, resolve, staging_path
 from lightning_tp2d.sizes import CONFIG_KEYS, resolve_sizes
 from lightning_tp2d.supervise import RankWatch, wait_to_be_ended
@@ -93,6 +94,7 @@ def main() -> None:
     if launch.is_rank_zero():
         launch.check_master_port()
         launch.check_override_keys(sys.argv)
+        check_given_run_dir(sys.argv[1:])  # before Hydra writes .hydra/ and train.log into it
         launch.pin_resume_run_dir(sys.argv[1:])  # a resumed run continues in its checkpoint's run directory
     _hydra_main()
 
@@ -207,7 +209,12 @@ def train(cfg: DictConfig, run_dir: Path, ranks: RankWatch | None = None) -> flo
     newest = newest_checkpoint(checkpoint) if rank_zero and cfg.get("export_hf") else ""
     if newest:  # one process reads the whole checkpoint, outside the job's process group
         launch.end_process_group()
-        exported = export_transformers(cfg, newest, module.config)
+        try:
+            exported = export_transformers(cfg, newest, module.config, run_dir)
+        except (FileExistsError, NotADirectoryError) as err:  # weights that appeared there since the launch
+            print(f"tp2d-train: error: {err}. Training finished: the checkpoint {newest} is complete, for "
+                  "lightning_tp2d.export_hf(checkpoint, directory, ...)", file=sys.stderr)
+            sys.exit(1)
         log.info("tp2d-train: exported %s to %s (transformers: AutoModelForCausalLM.from_pretrained(%r))", newest,
                  exported, str(exported))
     val_loss = trainer.callback_metrics.get("val_loss")
@@ -371,6 +378,7 @@ def check_config(cfg: DictConfig, model) -> str:
     tr, data = cfg.trainer, cfg.data
     check_parallel(cfg.parallel)
     model = check_init_from(cfg, model)
+    check_outputs(cfg)
     if cfg.ckpt_path is not None:
         try:
             resolve(Path(str(cfg.ckpt_path)).expanduser())  # also finds the survivor of an interrupted save
@@ -475,6 +483,28 @@ def check_checkpoint(cfg: DictConfig) -> None:
                    verify=True)
     except CheckpointError as err:
         raise ConfigError(f"ckpt_path: {err}") from None
+
+
+def check_outputs(cfg: DictConfig) -> None:
+    """Global rank 0, before launch: nothing this run writes lands on weights it did not write, neither its run
+    directory (``TP2D_RUN_DIR``, which rank 0 sets to Hydra's for its job) nor ``export_hf``
+    (:func:`~lightning_tp2d.run_outputs.outputs_problem`): a :class:`ConfigError` naming the directory, what it holds
+    and the way out."""
+    if launch.is_rank_zero():
+        given = os.environ.get(launch.RUN_DIR_ENV)
+        problem = outputs_problem(cfg, Path(given) if given else None)
+        if problem:
+            raise ConfigError(problem)
+
+
+def check_given_run_dir(args: list[str]) -> None:
+    """Rank 0, before Hydra writes its ``.hydra/`` and ``train.log`` into it: a run directory given on the command line
+    or exported that holds weights this run did not write (:func:`~lightning_tp2d.run_outputs.given_run_dir_problem`)
+    is one line on stderr, exit 2."""
+    problem = given_run_dir_problem(args)
+    if problem:
+        print(f"tp2d-train: error: {problem}", file=sys.stderr)
+        sys.exit(2)
 
 
 def model_choice(cfg: DictConfig) -> tuple[bool, list[str]]:
@@ -868,11 +898,7 @@ def plot_losses(metrics_csv: Path, png: Path) -> Path | None:
     return png
 
 
-def continues_run(ckpt_path, run_dir: Path) -> bool:
-    """Whether this run resumes from a checkpoint of ``run_dir`` itself (tp2d-train pins a resumed run's directory
-    to the checkpoint's: :func:`lightning_tp2d.launch.pin_resume_run_dir`)."""
-    previous = None if ckpt_path is None else launch.resume_run_dir(str(ckpt_path))
-    return previous is not None and previous.resolve() == run_dir.resolve()
+continues_run = launch.continues_run  # whether a resumed run continues in run_dir (the rule lives in launch)
 
 
 def resume_note(ckpt_path, run_dir: Path) -> str | None:
@@ -928,22 +954,6 @@ def report(cfg: DictConfig, trainer, checkpoint, run_dir: Path, sample: str | No
         lines.append(f"  sample      {run_dir / 'sample.txt'}")
         lines.append("----- sample " + "-" * 60 + "\n" + sample + "\n" + "-" * 73)
     log.info("\n".join(lines))
-
-
-def export_transformers(cfg: DictConfig, checkpoint: str, config) -> Path:
-    """``export_hf``, on rank 0 after the job (no process group: the checkpoint is read whole, by one process): the
-    newest checkpoint written as a transformers directory
-    (:func:`~lightning_tp2d.export.export_hf`: ``config.json`` and ``model.safetensors``; a relative path starts
-    from the directory tp2d-train runs in, as ``data.path`` does), with the data's ``tokenizer.json`` beside it when
-    it has one, so that the directory is whole. ``config``: the model's (a ``parallel=single`` checkpoint, Lightning's
-    own, does not record it). Returns the directory."""
-    out = Path(str(cfg.export_hf)).expanduser()
-    export_hf(checkpoint, out, config, trust_checkpoint=bool(cfg.get("trust_checkpoint")))
-    tokenizer = Path(str(cfg.data.get("tokenizer") or "")).expanduser()
-    tokenizer = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
-    if tokenizer.name == "tokenizer.json" and tokenizer.is_file():
-        shutil.copy2(tokenizer, out / "tokenizer.json")
-    return out
 
 
 def report_interrupt(trainer, checkpoint) -> None:

@@ -76,11 +76,14 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
     return {kind: root / kind for kind in made}
 
 
+# (special-token ids as transformers writes them by default: GPT-2's 50256 is no id of a 300-token vocabulary and is
+# left out; Llama's 1 and 2 are carried)
 EXPECTED = {
     "gpt2": GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=300, block_size=64, dropout=0.0),
     "llama-3.2": LlamaConfig(vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=128,
-                             block_size=64, rope_theta=500000.0, tie_embeddings=True, rope_scaling=SCALING),
-    "gqa": LlamaConfig.from_name("llama-tiny"),
+                             block_size=64, rope_theta=500000.0, tie_embeddings=True, rope_scaling=SCALING,
+                             bos_token_id=1, eos_token_id=2),
+    "gqa": LlamaConfig.from_name("llama-tiny", bos_token_id=1, eos_token_id=2),
 }
 
 
@@ -211,10 +214,13 @@ def test_the_recipe_fine_tunes_and_exports_as_written(recipe, monkeypatch, capsy
     losses = _losses(run_dir)
     assert len(losses) == 4 and losses[-1] < losses[0]  # logged every 5 of 20 steps
     exported = recipe / "tiny_llama_ft"
-    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "generation_config.json",
+                                                          "model.safetensors", "tokenizer.json"]
     assert (exported / "tokenizer.json").read_bytes() == (recipe / "tiny_llama" / "tokenizer.json").read_bytes()
     hf_config = _json(exported / "config.json")
     assert hf_config["rope_scaling"] == scaling and hf_config["tie_word_embeddings"] is True
+    ids = {k: _json(recipe / "tiny_llama" / "generation_config.json")[k] for k in ("bos_token_id", "eos_token_id")}
+    assert {k: hf_config[k] for k in ids} == ids == _json(exported / "generation_config.json")  # the directory's
     ours = tp.load_llama(run_dir / "checkpoints" / "last.ckpt", read_hf_config(recipe / "tiny_llama")).eval()
     hf = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     idx = torch.randint(0, 512, (2, 80), generator=torch.Generator().manual_seed(0))  # past the 64 it was made for

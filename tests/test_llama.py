@@ -49,7 +49,8 @@ def shift_left(labels: torch.Tensor) -> torch.Tensor:
 def test_from_hf_config_and_state_dict_keys_equal_transformers():
     hf, ours = make_pair()
     cfg = ours.config
-    assert cfg == LlamaConfig.from_name("llama-tiny")
+    # the sizes of llama-tiny, and the special-token ids transformers' LlamaConfig says by default (carried)
+    assert cfg == LlamaConfig.from_name("llama-tiny", bos_token_id=1, eos_token_id=2)
     assert (cfg.head_size, cfg.kv_groups, cfg.rope_theta, cfg.norm_eps) == (8, 2, 10000.0, 1e-5)
     assert list(ours.state_dict()) == list(hf.state_dict())  # same keys, same order
     assert ours.state_dict()["model.layers.0.self_attn.k_proj.weight"].shape == (48, 96)  # 6 kv heads of 8

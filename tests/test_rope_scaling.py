@@ -4,6 +4,7 @@ bad inputs, and RoPE models running sequences longer than ``block_size`` (GPT-2'
 The parallel layers with scaled RoPE are checked against the plain model in tests/test_llama_parallel.py (the
 ``-llama3`` cases)."""
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -116,6 +117,9 @@ def test_scaling_changes_the_logits_past_the_high_frequency_band():
 def test_from_hf_reads_transformers_5_rope_parameters_and_4_rope_scaling():
     v5 = LlamaConfig.from_hf(_hf_config({**SMALL, "rope_theta": 500000.0}))
     assert (v5.rope_theta, v5.rope_scaling) == (500000.0, SMALL)
+    # the config.json files below name no special tokens (transformers' class says 1 and 2): none are read
+    assert (v5.bos_token_id, v5.eos_token_id) == (1, 2)
+    v5 = dataclasses.replace(v5, bos_token_id=None, eos_token_id=None)
     raw4 = {"hidden_size": 96, "num_attention_heads": 6, "rope_theta": 500000.0, "max_position_embeddings": 64,
             "intermediate_size": 264, "num_hidden_layers": 2, "vocab_size": 257, "num_key_value_heads": 3,
             "rms_norm_eps": 1e-5}

@@ -77,7 +77,9 @@ def hf_llama(model: Llama):
     from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM  # deferred: optional dependency
 
     cfg = model.config
-    raw = {k: v for k, v in HF_FORMAT.write_config(cfg).items() if k not in ("torch_dtype",)}
+    # (the special-token ids are set below: a rival's model never generates)
+    raw = {k: v for k, v in HF_FORMAT.write_config(cfg).items()
+           if k not in ("torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id")}
     hf = LlamaForCausalLM(HFLlamaConfig(**raw, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None,
                                         pad_token_id=None, use_cache=False))
     hf.load_state_dict(model.hf_state_dict(), strict=True)

@@ -48,12 +48,13 @@ from lightning_tp2d.data.token_files import (CACHE_DIRNAME, CACHE_FORMAT, CHUNK_
                                              TOKEN_DTYPES, TOKEN_SUFFIX, TOKEN_SUFFIXES, build_cache, check_format,
                                              check_path, count_tokens, default_corpus, is_token_file, load_tokens,
                                              open_token_file, raw_dtype, text_suffixes, user_cache_dir)
-from lightning_tp2d.data.tokenizers import (EOT_TOKENS, ByteTokenizer, GPT2Tokenizer, HFTokenizer, get_tokenizer,
-                                            tokenizer_vocab_size)
+from lightning_tp2d.data.tokenizers import (BOS_TOKENS, EOT_TOKENS, ByteTokenizer, GPT2Tokenizer, HFTokenizer,
+                                            get_tokenizer, special_token_ids, tokenizer_vocab_size)
 
 __all__ = [
     "TextDataModule", "TokenWindows", "ResumableSampler", "ResumableLoader",
-    "get_tokenizer", "tokenizer_vocab_size", "ByteTokenizer", "GPT2Tokenizer", "HFTokenizer", "EOT_TOKENS",
+    "get_tokenizer", "tokenizer_vocab_size", "special_token_ids", "ByteTokenizer", "GPT2Tokenizer", "HFTokenizer",
+    "EOT_TOKENS", "BOS_TOKENS",
     "is_token_file", "check_format", "check_path", "text_suffixes", "default_corpus", "open_token_file", "raw_dtype",
     "build_cache", "load_tokens", "count_tokens", "user_cache_dir", "TEXT_SUFFIXES", "TOKEN_SUFFIX", "TOKEN_SUFFIXES",
     "FORMATS", "TOKEN_DTYPES", "CACHE_DIRNAME", "CACHE_FORMAT", "CHUNK_CHARS",

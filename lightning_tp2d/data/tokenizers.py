@@ -1,6 +1,8 @@
 """Tokenizers of :class:`~lightning_tp2d.data.TextDataModule`: ``"byte"`` (offline), ``"gpt2"`` (tiktoken) and a
 Hugging Face ``tokenizer.json`` (the ``tokenizers`` package), each with ``encode`` / ``decode``, ``vocab_size``, its
-end-of-text id ``eot``, the ``dtype`` of its token files and an ``identity`` (part of a cache file's key)."""
+end-of-text id ``eot`` and start-of-text id ``bos`` (the byte and GPT-2 tokenizers have one token for both, as GPT-2
+does), the ``dtype`` of its token files and an ``identity`` (part of a cache file's key). :func:`special_token_ids`
+names them as an export's ``config.json`` does."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 EOT_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")  # end-of-text, looked up in a tokenizer.json
+BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>")  # start-of-text, looked up in a tokenizer.json (else: end-of-text)
 
 
 def _id_dtype(vocab_size: int) -> np.dtype:
@@ -21,7 +24,7 @@ def _id_dtype(vocab_size: int) -> np.dtype:
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, end-of-text 256: vocabulary 257 (``gpt2-tiny``'s), no files needed."""
 
-    name, vocab_size, eot = "byte", 257, 256
+    name, vocab_size, eot, bos = "byte", 257, 256, 256
     identity, dtype = "byte", np.dtype(np.uint16)
 
     def encode(self, text: str) -> np.ndarray:
@@ -34,7 +37,7 @@ class ByteTokenizer:
 class GPT2Tokenizer:
     """GPT-2's BPE through tiktoken (50257 ids, end-of-text 50256)."""
 
-    name, vocab_size, eot = "gpt2", 50257, 50256
+    name, vocab_size, eot, bos = "gpt2", 50257, 50256, 50256  # <|endoftext|> starts and ends a text
     identity, dtype = "gpt2", np.dtype(np.uint16)
 
     def __init__(self) -> None:
@@ -65,7 +68,8 @@ class HFTokenizer:
 
     ``path`` is the file or a folder holding ``tokenizer.json``. The vocabulary counts the added tokens; the
     end-of-text id is the first of :data:`EOT_TOKENS` the tokenizer knows (one is required: it separates the files
-    of a corpus). ``encode`` adds no special tokens; ``decode`` keeps them."""
+    of a corpus), its start-of-text id the first of :data:`BOS_TOKENS` (none: the end-of-text id). ``encode`` adds
+    no special tokens; ``decode`` keeps them."""
 
     name = "hf"
 
@@ -96,6 +100,7 @@ class HFTokenizer:
             raise ValueError(f"tokenizer {str(file)!r} has no end-of-text token (none of {', '.join(EOT_TOKENS)}), "
                              "which separates the documents of a corpus: add one to the tokenizer (a special token)")
         self.eot = vocab[eot]
+        self.bos = next((vocab[t] for t in BOS_TOKENS if t in vocab), self.eot)
         self.dtype = _id_dtype(self.vocab_size)
 
     def encode(self, text: str) -> np.ndarray:
@@ -120,6 +125,14 @@ def get_tokenizer(name: str):
         return HFTokenizer(name)
     raise ValueError(f"unknown tokenizer {name!r}; choose 'byte', 'gpt2' or the path of a Hugging Face tokenizer.json "
                      "(or of a folder holding one)")
+
+
+def special_token_ids(name: str) -> dict[str, int]:
+    """``{"bos_token_id": ..., "eos_token_id": ...}`` of tokenizer ``name`` (its ``bos`` and end-of-text ``eot``), as
+    a transformers ``config.json`` names them; without tiktoken for ``"gpt2"`` (errors as :func:`get_tokenizer`)."""
+    known = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}.get(name)
+    tokenizer = known if known is not None else get_tokenizer(name)
+    return {"bos_token_id": int(tokenizer.bos), "eos_token_id": int(tokenizer.eot)}
 
 
 def tokenizer_vocab_size(name: str) -> int:

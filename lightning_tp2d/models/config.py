@@ -4,7 +4,12 @@ its value) and named sizes (``from_name``). Each config class is a dataclass tha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
+
+# transformers' special-token fields, which our configs carry under the same names: where generation starts (bos),
+# stops (eos; Llama 3 instruct stops at any of several) and what pads a batch (pad)
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def check_positive_ints(config: Any, names: tuple[str, ...]) -> None:
@@ -26,6 +31,24 @@ def check_divides(config: Any, whole: str, part: str, why: str = "") -> None:
 def check_dropout(dropout: float) -> None:
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+
+
+def check_token_ids(config: Any) -> None:
+    """Each special-token field of ``config`` (:data:`TOKEN_IDS`) is ``None`` or a token id of its vocabulary (an int
+    in ``0 .. vocab_size - 1``); ``eos_token_id`` may also be a list of them, kept as a tuple (hashable, and plain
+    data in a checkpoint; a YAML list arrives as a ListConfig)."""
+    for name in TOKEN_IDS:
+        value = getattr(config, name)
+        if value is None:
+            continue
+        many = name == "eos_token_id" and isinstance(value, Sequence) and not isinstance(value, str)
+        ids = list(value) if many else [value]
+        if not ids or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < config.vocab_size
+                          for i in ids):
+            what = "an int" + (", or a list of ints," if name == "eos_token_id" else "")
+            raise ValueError(f"{type(config).__name__}.{name}={value!r} is not a token id of its vocabulary: {what} "
+                             f"in 0..{config.vocab_size - 1} (vocab_size={config.vocab_size}), or None")
+        setattr(config, name, tuple(ids) if many else value)
 
 
 def max_seq_len(config: Any) -> int | None:

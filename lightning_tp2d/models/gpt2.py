@@ -19,9 +19,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints, max_seq_len
+from lightning_tp2d.models.config import (NamedSizes, check_divides, check_dropout, check_positive_ints,
+                                          check_token_ids, max_seq_len)
 from lightning_tp2d.models.documents import Documents, as_documents
-from lightning_tp2d.models.hf import HEADS, LAYERS, MLP_WIDTH, VOCAB, WIDTH, HFFormat, check_hf_sizes
+from lightning_tp2d.models.hf import (HEADS, LAYERS, MLP_WIDTH, VOCAB, WIDTH, HFFormat, check_hf_sizes, read_token_ids,
+                                      write_token_ids)
 
 # Weights that transformers stores as Conv1D, i.e. [in, out], while nn.Linear stores [out, in].
 # This is the transpose trap of every GPT-2 checkpoint: the shapes of c_attn and c_fc do not even
@@ -46,6 +48,11 @@ class GPT2Config(NamedSizes):
     block_size: int  # longest sequence the position embedding covers (HF: n_positions)
     dropout: float = 0.0  # one dropout probability for embeddings, attention and residual branches
     bias: bool = True  # biases in Linear and LayerNorm, like GPT-2; False is a bit faster and leaner
+    # special tokens, for an export's config.json and generation_config.json (None: not known; the export then
+    # writes GPT-2's convention, vocab_size - 1 for both, <|endoftext|> = 50256 of GPT-2's tokenizer)
+    bos_token_id: int | None = None  # the token a sequence starts with
+    eos_token_id: int | tuple[int, ...] | None = None  # end of text: generation stops there (or at any of several)
+    pad_token_id: int | None = None  # the token that pads a batch
 
     KIND: ClassVar[str] = "GPT-2"
 
@@ -53,6 +60,7 @@ class GPT2Config(NamedSizes):
         check_positive_ints(self, ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"))
         check_divides(self, "n_embd", "n_head")
         check_dropout(self.dropout)
+        check_token_ids(self)
 
     @classmethod
     def from_hf(cls, hf_config) -> "GPT2Config":
@@ -81,7 +89,7 @@ class GPT2Config(NamedSizes):
             raise ValueError("unsupported transformers GPT2Config: " + "; ".join(problems))
         return cls(n_layer=hf_config.n_layer, n_head=hf_config.n_head, n_embd=hf_config.n_embd,
                    vocab_size=hf_config.vocab_size, block_size=hf_config.n_positions,
-                   dropout=float(drops.pop()))
+                   dropout=float(drops.pop()), **read_token_ids(hf_config, hf_config.vocab_size))
 
 
 _NAMED_CONFIGS = {
@@ -428,8 +436,9 @@ def _write_hf_config(cfg: GPT2Config) -> dict:
         "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
         "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "activation_function": "gelu_new",
         "layer_norm_epsilon": 1e-5, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-        "scale_attn_weights": True, "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1,
-        "tie_word_embeddings": True,
+        "scale_attn_weights": True, "tie_word_embeddings": True,
+        # GPT-2's convention where the config has none: <|endoftext|>, the last id, starts and ends a text
+        **write_token_ids(cfg, bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1),
     }
 
 

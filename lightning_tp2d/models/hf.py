@@ -10,7 +10,10 @@ hands it to :mod:`lightning_tp2d.export`, which reads and writes transformers di
 state dict (:meth:`HFFormat.load_state_dict`) and :func:`~lightning_tp2d.export.load_hf_weights`, which reads a
 directory tensor by tensor into sharded parameters, go through it.
 
-Floors: torch only; nothing of the package.
+:func:`read_token_ids` / :func:`write_token_ids` carry the special-token ids (bos, eos, pad) between a ``config.json``
+and our configs' fields of the same names, for every format.
+
+Floors: torch and :mod:`lightning_tp2d.models.config` only.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+from lightning_tp2d.models.config import TOKEN_IDS
 
 
 def _same_key(key: str) -> str:
@@ -38,6 +43,38 @@ HEADS = (1 << 14, "heads")
 HEAD_WIDTH = (1 << 14, "features per head")
 VOCAB = (1 << 23, "token ids")
 POSITIONS = (1 << 27, "positions")
+
+
+def _is_id(value: Any, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+def read_token_ids(hf_config: Any, vocab_size: int) -> dict[str, Any]:
+    """The special-token ids (:data:`TOKEN_IDS`) of a ``config.json`` (a namespace or transformers config) that are
+    ids of a ``vocab_size`` vocabulary, for our config's fields of the same names; an ``eos_token_id`` list as a
+    tuple. Others are left out, as transformers warns about and ignores them: absent or null, out of range (a
+    GPT-2 ``config.json`` of a smaller vocabulary keeps GPT-2's 50256), negative (old files' ``pad_token_id: -1``)."""
+    found: dict[str, Any] = {}
+    for name in TOKEN_IDS:
+        value = getattr(hf_config, name, None)
+        if name == "eos_token_id" and isinstance(value, (list, tuple)):
+            if value and all(_is_id(i, vocab_size) for i in value):
+                found[name] = tuple(value)
+        elif _is_id(value, vocab_size):
+            found[name] = value
+    return found
+
+
+def write_token_ids(config: Any, **defaults: Any) -> dict[str, Any]:
+    """``config.json``'s special-token ids for our ``config``: its own fields (:data:`TOKEN_IDS`), else ``defaults``
+    (the family's), else ``null``, written out so that transformers does not fill in its own class defaults (its
+    ``LlamaConfig`` says 1 and 2, which are not ids of ours); an ``eos_token_id`` tuple as a list."""
+    out = {}
+    for name in TOKEN_IDS:
+        value = getattr(config, name, None)
+        value = defaults.get(name) if value is None else value
+        out[name] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 def check_hf_sizes(hf_config: Any, limits: Mapping[str, tuple[int, str]]) -> None:
@@ -61,8 +98,11 @@ class HFFormat:
     model_type       ``config.json``'s ``"model_type"`` (``"gpt2"``): how a directory names its family
     architecture     the transformers class that loads an exported directory (``"GPT2LMHeadModel"``)
     read_config      ``config.json`` contents (a dict, defaults not filled in) -> our config; ``ValueError`` naming
-                     every setting this model does not implement
-    write_config     our config -> ``config.json`` contents (``model_type`` and ``architectures`` are added)
+                     every setting this model does not implement; the special-token ids it holds are kept
+                     (:func:`read_token_ids`)
+    write_config     our config -> ``config.json`` contents (``model_type`` and ``architectures`` are added), the
+                     special-token ids included (:func:`write_token_ids`: bos and eos never left to transformers'
+                     class defaults)
     embedding        our key of the token embedding weight, which a tied head shares
     head             our key of the LM head weight
     prefix           theirs: the base model's prefix (``"transformer."``); a bare base-model checkpoint lacks it
@@ -210,4 +250,4 @@ def check_keys(fmt: HFFormat, ours: Mapping[str, tuple[int, ...]], stored: Mappi
     return {k: v for k, v in names.items() if k not in aliases}
 
 
-__all__ = ["HFFormat", "check_hf_sizes", "check_keys"]
+__all__ = ["HFFormat", "TOKEN_IDS", "check_hf_sizes", "check_keys", "read_token_ids", "write_token_ids"]

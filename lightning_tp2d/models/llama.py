@@ -61,11 +61,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints
+from lightning_tp2d.models.config import NamedSizes, check_divides, check_dropout, check_positive_ints, check_token_ids
 from lightning_tp2d.models.documents import Documents
 from lightning_tp2d.models.gpt2 import GPT2, LMHead, _fill_normal_, in_compute_dtype, logits_position
 from lightning_tp2d.models.hf import (HEAD_WIDTH, HEADS, LAYERS, MLP_WIDTH, POSITIONS, VOCAB, WIDTH, HFFormat,
-                                      check_hf_sizes)
+                                      check_hf_sizes, read_token_ids, write_token_ids)
 from lightning_tp2d.models.rope import RoPE, apply_rope, rope_cache, rope_inv_freq, rotate_half
 
 INIT_STD = 0.02  # transformers' initializer_range for Llama
@@ -96,6 +96,11 @@ class LlamaConfig(NamedSizes):
     # RoPE frequency scaling (HF: rope_scaling / rope_parameters): None, or {"rope_type": "llama3", "factor": 8.0,
     # "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192} (Llama 3.1)
     rope_scaling: dict | None = None
+    # special tokens, for an export's config.json and generation_config.json (None: not known, written as null;
+    # Llama 3: bos 128000 <|begin_of_text|>, eos 128001 <|end_of_text|>, its instruct models a list with 128009)
+    bos_token_id: int | None = None  # the token a sequence starts with
+    eos_token_id: int | tuple[int, ...] | None = None  # end of text: generation stops there (or at any of several)
+    pad_token_id: int | None = None  # the token that pads a batch
 
     KIND: ClassVar[str] = "Llama"
 
@@ -114,6 +119,7 @@ class LlamaConfig(NamedSizes):
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"LlamaConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         check_dropout(self.dropout)
+        check_token_ids(self)
         self.rope_scaling = self.rope.scaling  # checked, as a plain dict (a YAML node arrives as a DictConfig)
 
     @property
@@ -160,7 +166,8 @@ class LlamaConfig(NamedSizes):
                    n_kv_head=n_kv_head, n_embd=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
                    block_size=hf_config.max_position_embeddings, rope_theta=float(theta), rope_scaling=scaling,
                    norm_eps=float(hf_config.rms_norm_eps), tie_embeddings=bool(hf_config.tie_word_embeddings),
-                   dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0))
+                   dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+                   **read_token_ids(hf_config, hf_config.vocab_size))
 
 
 def _hf_rope(hf_config) -> tuple[float, dict | None]:
@@ -475,6 +482,7 @@ def _write_hf_config(cfg: LlamaConfig) -> dict:
         "rope_parameters": {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "attention_dropout": cfg.dropout, "torch_dtype": "float32",
+        **write_token_ids(cfg),  # null where unknown: transformers' LlamaConfig would say 1 and 2
     }
 
 
