@@ -62,6 +62,12 @@ ModelCheckpoint: _should_skip_saving_checkpoint, _monitor_candidates, _save_topk
     public: partly: Lightning 2.6's ``ModelCheckpoint.on_train_end`` saves ``last.ckpt`` itself when
     ``save_last=True``; the final step's top-k entry has no public hook.
 
+``RichProgressBar._get_train_description`` (overridden)
+    where: callbacks.py:ResumableRichProgressBar._get_train_description
+    why: Lightning's writes ``Epoch {epoch}/{max_epochs - 1}`` whatever ``max_epochs`` is: ``Epoch 0/-2`` under
+    ``max_epochs=-1``, tp2d-train's setting (steps, not epochs, end its runs).
+    public: none; the description is not an argument of the bar.
+
 ``_TrainingEpochLoop._broadcast_sigterm_tensor = ...`` (replaced on the instance)
     where: callbacks.py:GracefulInterrupt.on_train_start
     why: Lightning 2.6 broadcasts ``trainer.received_sigterm`` from rank 0 before every training batch and reads it
@@ -340,6 +346,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "ModelCheckpoint._save_topk_checkpoint, ModelCheckpoint._save_last_checkpoint",
      ("callbacks.py:StepCheckpoint.save_now",),
      "save the final step with Lightning's own skip rule, candidates and top-k / last bookkeeping"),
+    ("RichProgressBar._get_train_description", ("callbacks.py:ResumableRichProgressBar._get_train_description",),
+     "Lightning's bar writes Epoch 0/-2 without an epoch limit"),
     ("_TrainingEpochLoop._broadcast_sigterm_tensor = ...", ("callbacks.py:GracefulInterrupt.on_train_start",),
      "Lightning's per-batch broadcast and .item() of a SIGTERM flag that GracefulInterrupt's handlers never set"),
     ("Precision.clip_grad_by_norm = ..., Precision.clip_grad_by_value = ...",

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMPr
 
 from lightning_tp2d.comm import naming_failures
 from lightning_tp2d.errors import DivergenceError
+from lightning_tp2d.values import check_number
 from lightning_tp2d.zero import full_param_groups
 
 log = logging.getLogger(__name__)
@@ -317,6 +318,32 @@ class SpeedMonitor(Callback):
         self._start = None  # the next window starts after validation
 
 
+class LastStepLog(Callback):
+    """Writes the last optimizer step's ``train_loss`` to the loggers when Lightning did not: it writes a step's
+    row only every ``log_every_n_steps`` steps, so a run of 8 steps logging every 5 ended with the row of step 5,
+    and ``tp2d-train``'s report read ``train_loss 6.804 -> 6.804`` (one point, like no learning) for a run that
+    learned. The row has Lightning's own step numbering (the step index, from 0) and epoch. Nothing is written when
+    Lightning wrote that step's row itself (a step count that is a multiple of the interval, or a stop it logged)."""
+
+    def __init__(self) -> None:
+        self._logged_step = -1  # the last step (count) whose row Lightning wrote
+        self._epoch = 0  # the epoch of the last batch (at on_train_end Lightning has counted the epoch as ended)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        every, self._epoch = trainer.log_every_n_steps, trainer.current_epoch
+        if trainer.should_stop or (every > 0 and trainer.global_step % every == 0):
+            self._logged_step = trainer.global_step  # Lightning writes this step's row after this hook
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        value = trainer.callback_metrics.get("train_loss")
+        if trainer.global_step in (0, self._logged_step) or value is None or not trainer.loggers:
+            return
+        row = {"train_loss": float(value), "epoch": self._epoch}
+        for logger in trainer.loggers:  # (rank zero only: Lightning's loggers write on rank 0)
+            logger.log_metrics(row, step=trainer.global_step - 1)
+            logger.save()
+
+
 class _ResumedEpochBar:
     """For Lightning's progress bars: a run resumed in the middle of an epoch shows the epoch and its total, and
     ``train_loss`` shows without a host sync per step (read on logging steps only, when the module does not put it
@@ -329,6 +356,10 @@ class _ResumedEpochBar:
     batches up to ``max_steps``: those trained before a resume (``batch_idx``) plus ``accumulate_grad_batches`` per
     step left, at most the epoch's length (Lightning's own counts one batch per step, so under gradient
     accumulation its tqdm bar loses the total half-way)."""
+
+    def __init__(self, refresh_rate: int = 1, **kwargs) -> None:
+        check_number("refresh_rate", refresh_rate, low=0, integer=True, meaning="redraw every N steps; 0: never")
+        super().__init__(refresh_rate=refresh_rate, **kwargs)
 
     _epoch_started = True  # on_train_epoch_start has run since on_train_start
     _epoch_total: int | float | None = None  # this epoch's total (None: Lightning's own)
@@ -407,6 +438,14 @@ class ResumableRichProgressBar(_ResumedEpochBar, RichProgressBar):
     def _start_at(self, batch_idx: int) -> None:
         if self.progress is not None and self.train_progress_bar_id is not None:
             self.progress.update(self.train_progress_bar_id, completed=batch_idx)
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        """``Epoch 3/9`` under a ``max_epochs`` limit, plain ``Epoch 3`` without one (Lightning's own writes
+        ``max_epochs - 1`` whatever it is: ``Epoch 0/-2`` under ``max_epochs=-1``, tp2d-train's setting)."""
+        last = self.trainer.max_epochs
+        text = f"Epoch {current_epoch}" + (f"/{last - 1}" if last is not None and last > 0 else "")
+        width = len(self.validation_description)  # as Lightning pads it: no flicker between the two bars
+        return f"{text:{width}}" if width > len(text) else text
 
 
 class DivergenceGuard(Callback):

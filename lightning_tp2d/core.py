@@ -34,6 +34,7 @@ from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes
 from lightning_tp2d.step import AssembledStep, assemble_step, block_sharder, clip_grad_norm_, shard_optimizer
 from lightning_tp2d.train_plan import PRECISIONS, TrainPlan
 from lightning_tp2d.training import broadcast_module_
+from lightning_tp2d.values import check_number
 from lightning_tp2d.zero import ZERO_STAGES
 
 if TYPE_CHECKING:
@@ -48,6 +49,19 @@ PLAN_OPTIONS = ("seq", "global_batch_tokens", "hardware", "layouts", "zero_stage
 
 __all__ = ["AUTO_LAYOUT", "LONGEST_DEFAULT_SEQ", "PLAN_OPTIONS", "SUPPORTED_PRECISION", "TensorParallelCore",
            "compile_options", "find_model_config"]
+
+
+def _check_plan_values(options: Mapping[str, Any]) -> None:
+    """``ValueError`` naming the first value of ``layout="auto"``'s ``plan_options`` the planner cannot take."""
+    for key, values, known in (("zero_stages", options.get("zero_stages"), ZERO_STAGES),
+                               ("checkpointing", options.get("checkpointing"), ACTIVATION_CHECKPOINTING)):
+        if values is not None and (isinstance(values, str) or not set(values) <= set(known) or not values):
+            raise ValueError(f"plan_options['{key}']={values!r} must be a non-empty list of {list(known)}")
+    for key, rule in (("seq", {"low": 1, "integer": True}), ("global_batch_tokens", {"low": 1, "integer": True}),
+                      ("memory_fraction", {"low": 0, "high": 1, "low_open": True}),
+                      ("max_micro_batch", {"low": 1, "integer": True}), ("workers", {"low": 1, "integer": True})):
+        if options.get(key) is not None:
+            check_number(f"plan_options['{key}']", options[key], **rule)
 
 
 def compile_options(compile: bool | str | dict | None) -> dict | None:
@@ -240,6 +254,7 @@ class TensorParallelCore:
         unknown = sorted(set(plan_options or {}) - set(PLAN_OPTIONS))
         if unknown:
             raise ValueError(f"plan_options: unknown keys {unknown}; known: {list(PLAN_OPTIONS)}")
+        _check_plan_values(plan_options or {})
         self.memory_gib = None if memory_gib is None else float(memory_gib)
         self.plan_options = dict(plan_options or {})
 

@@ -34,13 +34,21 @@ from lightning_tp2d.export import load_model as load_plain_model
 from lightning_tp2d.families import families
 from lightning_tp2d.families import model_config
 from lightning_tp2d.models.config import max_seq_len
-from lightning_tp2d.module import sample
+from lightning_tp2d.module import check_sampling, sample
 
 PROG = "tp2d-generate"
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (``tp2d-generate: error: ...``) and exit code 2, as
+    every other error of the command is; ``--help`` shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=PROG, description="Sample text from a lightning_tp2d checkpoint (any "
+    parser = _OneLineParser(prog=PROG, description="Sample text from a lightning_tp2d checkpoint (any "
                                      "layout, sharded or full) or a transformers GPT-2 or Llama directory, on one "
                                      "device.")
     parser.add_argument("checkpoint", nargs="?", help="checkpoint: a sharded directory, a full .ckpt file, or a "
@@ -49,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(instead of CHECKPOINT)")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default 100)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0: greedy (default 1)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature, >= 0; 0: greedy (default 1)")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     parser.add_argument("--tokenizer", choices=("byte", "gpt2"), default=None,
@@ -62,10 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.checkpoint is None) == (args.hf is None):
         parser.error("give one checkpoint: CHECKPOINT or --hf DIR")
-    if args.max_new_tokens < 0:
-        parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.top_k is not None and args.top_k < 1:
-        parser.error(f"--top-k must be >= 1, got {args.top_k}")
+    try:  # the rules sample() and the training module's own sampling settings use
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k,
+                       names=("--max-new-tokens", "--temperature", "--top-k"), none="left out")
+    except ValueError as err:
+        parser.error(str(err))
     return args
 
 

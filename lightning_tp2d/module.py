@@ -44,6 +44,7 @@ from lightning_tp2d.models.llama import Llama, LlamaConfig
 from lightning_tp2d.precision import allow_clipping_without_scaler
 from lightning_tp2d.quiet import silence_known_noise
 from lightning_tp2d.strategy import TP2DStrategy
+from lightning_tp2d.values import check_number
 
 
 class TokenPerplexity(Metric):
@@ -144,6 +145,11 @@ class CausalLMModule(L.LightningModule):
                  predict_top_k: int | None = None, init_from: str | None = None,
                  loss_on_progress_bar: bool = True) -> None:
         super().__init__()
+        check_optimizer_values(learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps,
+                               warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio)
+        check_number("init_seed", init_seed, integer=True, meaning="the seed the weights are drawn from")
+        check_sampling(predict_max_new_tokens, predict_temperature, predict_top_k,
+                       names=("predict_max_new_tokens", "predict_temperature", "predict_top_k"))
         silence_known_noise()  # e.g. Lightning's note that this module's on_before_batch_transfer is used
         if model is None:  # the directory's model, else the default size
             model = DEFAULT_MODEL if init_from is None else hf_model_config(init_from)
@@ -311,15 +317,45 @@ class CausalLMModule(L.LightningModule):
         return sample(self.model, idx, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
 
 
+def check_optimizer_values(*, learning_rate, weight_decay, betas, eps, warmup_steps, max_steps, min_lr_ratio) -> None:
+    """``ValueError`` naming the first of :class:`CausalLMModule`'s optimiser and schedule arguments that AdamW or
+    the schedule cannot run with (checked where they are given, before any process starts, instead of in every
+    rank's ``configure_optimizers``)."""
+    check_number("learning_rate", learning_rate, low=0, low_open=True, meaning="the peak AdamW learning rate")
+    check_number("weight_decay", weight_decay, low=0, meaning="AdamW's decoupled weight decay")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas={betas!r} must be two numbers in [0, 1) (AdamW's moment decay rates)")
+    for k, beta in enumerate(betas):
+        check_number(f"betas[{k}]", beta, low=0, high=1, high_open=True, meaning="AdamW's moment decay rates")
+    check_number("eps", eps, low=0, low_open=True, meaning="AdamW's epsilon")
+    check_number("warmup_steps", warmup_steps, low=0, integer=True, meaning="linear warmup, in optimizer steps")
+    check_number("max_steps", max_steps, low=1, integer=True, optional=True,
+                 meaning="the end of the cosine; null: the Trainer's step count")
+    check_number("min_lr_ratio", min_lr_ratio, low=0, high=1, meaning="the final learning rate's share of the peak")
+
+
+def check_sampling(max_new_tokens, temperature, top_k, names=("max_new_tokens", "temperature", "top_k"),
+                   none: str = "null") -> None:
+    """``ValueError`` naming the first sampling setting :func:`sample` cannot use: ``max_new_tokens`` an int >= 0,
+    ``temperature`` a finite number >= 0 (0: greedy), ``top_k`` an int >= 1 or ``None``. ``names``: how the caller
+    calls them (``sample.temperature``, ``--temperature`` ...); ``none``: how it calls ``None``."""
+    check_number(names[0], max_new_tokens, low=0, integer=True, meaning="tokens to generate")
+    check_number(names[1], temperature, low=0, meaning="softmax temperature; 0: greedy")
+    check_number(names[2], top_k, low=1, integer=True, optional=True, none=none,
+                 meaning=f"sample among the k most likely tokens; {none}: all")
+
+
 @torch.no_grad()
 def sample(model: GPT2 | Llama, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            seed: int = 0) -> torch.Tensor:
     """``idx [B, T]`` followed by ``max_new_tokens`` tokens sampled from ``model`` (plain or parallelized): from
     ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely (all if ``None``), or greedy for
-    ``temperature <= 0``, drawn from one generator seeded with ``seed``. A model with a position table (GPT-2) takes
-    ``T <= block_size`` and then sees the last ``block_size`` tokens; a RoPE model (Llama) sees them all. Each step
+    ``temperature == 0`` (a negative temperature is refused: :func:`check_sampling`), drawn from one generator
+    seeded with ``seed``. A model with a position table (GPT-2) takes ``T <= block_size`` and then sees the last
+    ``block_size`` tokens; a RoPE model (Llama) sees them all. Each step
     asks the model for one position's logits (``logits_at``), so a long prompt's prefill holds ``[B, V]`` logits,
     not ``[B, T, V]``. A parallelized model needs the same call on every rank of its mesh (same tokens out)."""
+    check_sampling(max_new_tokens, temperature, top_k)
     was_training = model.training
     model.check_input(idx, values=True)
     model.eval()
@@ -339,7 +375,7 @@ def sample(model: GPT2 | Llama, idx: torch.Tensor, max_new_tokens: int, temperat
         if T % seq_multiple:
             cond = torch.cat([cond, cond[:, -1:].expand(-1, seq_multiple - T % seq_multiple)], dim=1)
         logits = model(cond, logits_at=T - 1)[:B, 0, :].float()  # the last real token's only: no [T, V] logits
-        if temperature <= 0:
+        if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
             logits = logits / temperature

@@ -19,6 +19,7 @@ from typing import Any
 
 from lightning_tp2d.families import auto_tensor_parallel_size, default_sizes, family_of_config, fits, problems
 from lightning_tp2d.layouts import Layout
+from lightning_tp2d.values import check_number
 
 LARGEST = 64  # the device counts a "sizes that fit" list looks through
 
@@ -66,6 +67,8 @@ def resolve_sizes(layout: Layout, config: Any, per_node: int, nodes: int, tensor
     ``ValueError`` naming the numbers (module docstring). Both ``"auto"``: the largest ``p`` inside one machine
     that fits (:func:`~lightning_tp2d.families.auto_tensor_parallel_size`); ``p = 1`` on more than one device is
     refused unless ``allow_fallback`` (whole-model replicas are asked for, not fallen into)."""
+    for key, value in ((names.tensor, tensor), (names.data, data)):
+        check_number(key, value, low=1, integer=True, also=("auto",), meaning="processes; auto: chosen to fit")
     world = per_node * nodes
     here = names.world(per_node, nodes)
     fitting = fitting_sizes(layout, world, config)

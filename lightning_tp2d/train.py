@@ -67,6 +67,7 @@ from lightning_tp2d.parallelize import offloaded_checkpointing
 from lightning_tp2d.param_memory import parameter_bytes, parameter_count, parameter_memory_problem, physical_memory
 from lightning_tp2d.quiet import silence_known_noise
 from lightning_tp2d.run_outputs import export_transformers, given_run_dir_problem, outputs_problem
+from lightning_tp2d.run_values import check_run_values
 from lightning_tp2d.safe_files import clear, resolve, staging_path
 from lightning_tp2d.sizes import CONFIG_KEYS, resolve_sizes
 from lightning_tp2d.supervise import RankWatch, wait_to_be_ended
@@ -376,6 +377,7 @@ def device_count(devices, accelerator: str) -> int | None:
 def check_config(cfg: DictConfig, model) -> str:
     """Raise :class:`ConfigError` for data, devices or sizes that do not fit; return a one-line plan of the run."""
     tr, data = cfg.trainer, cfg.data
+    check_values(cfg)
     check_parallel(cfg.parallel)
     model = check_init_from(cfg, model)
     check_outputs(cfg)
@@ -422,6 +424,7 @@ def check_config(cfg: DictConfig, model) -> str:
             get_tokenizer(str(data.tokenizer))
         except (ValueError, OSError, RuntimeError) as err:
             raise ConfigError(f"data.tokenizer: {err}") from None
+        warn_tokenizer_fallback(cfg)
     seq, batch = int(data.block_size), int(data.batch_size)
     if max_seq_len(model) is not None and seq > model.block_size:  # None: RoPE, any length
         raise ConfigError(f"data.block_size={seq} exceeds model.block_size={model.block_size} (the positions the "
@@ -455,6 +458,32 @@ def check_config(cfg: DictConfig, model) -> str:
         if p is not None and devices is not None:  # last: it takes a minute for a large model
             check_fit(cfg, model, p, dp, devices)
     return f"{plan} ({where})"
+
+
+def warn_tokenizer_fallback(cfg: DictConfig) -> None:
+    """A WARNING (once, in the launching process) when ``module.init_from`` names a directory without
+    ``tokenizer.json`` and the data's tokenizer was left to follow it: the text is then tokenized with the data
+    group's default (bytes), not the model's own tokenizer, which a fine-tune almost never wants."""
+    source = cfg.module.get("init_from")
+    given = OmegaConf.to_container(cfg.data, resolve=False).get("tokenizer")
+    if source is None or not (isinstance(given, str) and given.startswith("${tp2d.tokenizer:")):
+        return  # no directory, or a data.tokenizer the user chose
+    directory = Path(str(source)).expanduser()
+    if not (directory / "tokenizer.json").is_file() and launch.is_rank_zero():
+        log.warning("module.init_from=%s has no tokenizer.json: the text is tokenized with data.tokenizer=%s "
+                    "instead of the model's own tokenizer; copy the model's tokenizer.json into %s, or set "
+                    "data.tokenizer=<its tokenizer.json>", source, cfg.data.tokenizer, directory)
+
+
+def check_values(cfg: DictConfig) -> None:
+    """The numbers no class of the package checks when it is built (Lightning's Trainer arguments, the sample's,
+    the seed, Lightning's loggers and early stopping: :mod:`lightning_tp2d.run_values`), before anything is read or
+    started. The module's, the data's, the strategy's and the model's own are checked by their classes, which are
+    built here before launch too."""
+    try:
+        check_run_values(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_parallel(par: DictConfig) -> None:
@@ -861,7 +890,13 @@ def generate_sample(cfg: DictConfig, module, datamodule, trainer) -> str | None:
     top_k = cfg.sample.top_k
     out = module.generate(idx, n, temperature=float(cfg.sample.temperature),
                           top_k=None if top_k is None else int(top_k), seed=int(cfg.seed))
-    return tokenizer.decode(out[0].tolist())
+    ids = out[0].tolist()
+    known = [i for i in ids if i < tokenizer.vocab_size]  # a model with more ids than the tokenizer (token files
+    if len(known) < len(ids) and launch.is_rank_zero():  # of another tokenizer, data.tokenizer left at gpt2)
+        log.warning("the sample holds %d ids that data.tokenizer=%s (%d ids) cannot decode, left out: the model has "
+                    "%d ids; set data.tokenizer to the tokenizer that made the data (its tokenizer.json)",
+                    len(ids) - len(known), cfg.data.tokenizer, tokenizer.vocab_size, module.config.vocab_size)
+    return tokenizer.decode(known)
 
 
 def plot_losses(metrics_csv: Path, png: Path) -> Path | None:

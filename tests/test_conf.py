@@ -27,8 +27,8 @@ GROUPS = {"model": ["gpt2", "gpt2-large", "gpt2-medium", "gpt2-mini", "gpt2-tiny
           "parallel": ["auto", "metp", "single", "tp2d", "tp2d_metp"],
           "trainer": ["auto", "cpu", "gpu", "multinode"],
           "data": ["default", "text", "tokens"],
-          "callbacks": ["default", "divergence_guard", "early_stopping", "lr_monitor", "model_checkpoint", "none",
-                        "progress_bar", "rich_progress_bar", "speed_monitor"],
+          "callbacks": ["default", "divergence_guard", "early_stopping", "last_step_log", "lr_monitor", "model_checkpoint",
+                        "none", "progress_bar", "rich_progress_bar", "speed_monitor"],
           "logger": ["csv", "default", "many_loggers", "none", "tensorboard", "wandb"]}
 
 launch.register_resolvers()
@@ -166,8 +166,8 @@ def test_known_keys_sweeps_and_additions_pass():
     (["+checkpoint.dirpath=x"], "has moved; now: callbacks.model_checkpoint.dirpath"),  # (would be added, unused)
     (["callbacks.early_stopping.patience=5"], "'early_stopping' is an option of callbacks/ that this run does not use: "
                                               "list it with the others, e.g. 'callbacks=[default,early_stopping]'"),
-    (["callbacks.lr._target_=x.Y"], "keys under 'callbacks': divergence_guard, model_checkpoint, progress_bar, "
-                                    "speed_monitor\n  (to add a key the config does not have, write +callbacks.lr"),
+    (["callbacks.lr._target_=x.Y"], "keys under 'callbacks': divergence_guard, last_step_log, model_checkpoint, "
+                                    "progress_bar, speed_monitor\n  (to add a key the config does not have, write +callbacks.lr"),
 ])
 def test_moved_keys_and_unlisted_group_options_say_what_to_write(capsys, args, message):
     with pytest.raises(SystemExit) as exit_:
@@ -206,17 +206,18 @@ def built(*overrides: str, run_dir="/runs/a"):
 
 def test_callbacks_default_is_what_every_run_had_and_entries_add_or_remove_callbacks():
     names, checkpoint, loggers = built()
-    assert names == ["GracefulInterrupt", "StepCheckpoint", "DivergenceGuard", "SpeedMonitor", "ResumableProgressBar"]
+    assert names == ["GracefulInterrupt", "StepCheckpoint", "DivergenceGuard", "SpeedMonitor", "LastStepLog",
+                     "ResumableProgressBar"]
     assert checkpoint.dirpath == "/runs/a/checkpoints" and checkpoint.save_last == "link"
     assert [type(lg).__name__ for lg in loggers][0] == "ContinuingCSVLogger" and loggers[0].log_dir == "/runs/a/logs/"
     names, _, _ = built("callbacks=[default,lr_monitor,early_stopping,rich_progress_bar]",
                         "callbacks.speed_monitor=null")
-    assert names == ["GracefulInterrupt", "StepCheckpoint", "DivergenceGuard", "LearningRateMonitor", "EarlyStopping",
-                     "ResumableRichProgressBar"]  # the last progress bar listed replaces the tqdm one
+    assert names == ["GracefulInterrupt", "StepCheckpoint", "DivergenceGuard", "LastStepLog", "LearningRateMonitor",
+                     "EarlyStopping", "ResumableRichProgressBar"]  # the last progress bar listed replaces the tqdm one
     names, checkpoint, _ = built("+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
                                  "+callbacks.lr.logging_interval=step", "trainer.enable_progress_bar=false",
                                  "callbacks.model_checkpoint=null")
-    assert names == ["GracefulInterrupt", "DivergenceGuard", "SpeedMonitor", "LearningRateMonitor"]
+    assert names == ["GracefulInterrupt", "DivergenceGuard", "SpeedMonitor", "LastStepLog", "LearningRateMonitor"]
     assert checkpoint is None
     names, checkpoint, loggers = built("callbacks=none", "logger=none")
     assert names == ["GracefulInterrupt"] and checkpoint is None and loggers == []

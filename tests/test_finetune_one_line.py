@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import shlex
 import subprocess
@@ -25,7 +26,7 @@ from hydra.utils import instantiate
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import lightning_tp2d as tp
-from lightning_tp2d import launch
+from lightning_tp2d import launch, train
 from lightning_tp2d.export import read_hf_config
 from lightning_tp2d.models import GPT2Config
 from lightning_tp2d.models.llama import LlamaConfig
@@ -163,6 +164,23 @@ def test_a_disagreeing_model_is_one_line_before_any_process_starts(dirs, tmp_pat
     assert message.startswith(f"module.init_from: transformers checkpoint {str(dirs['gpt2'])!r} does not fit the "
                               "model gpt2-tiny: n_head: model 6, checkpoint 4; n_embd: model 48, checkpoint 32; "
                               "vocab_size: model 257, checkpoint 300; leave model= out")
+
+
+def test_a_directory_without_tokenizer_json_is_a_warning_naming_the_fallback(dirs, caplog):
+    """init_from's directory has no tokenizer.json (the "gqa" one): the text is tokenized with bytes, said as a
+    WARNING (it was one INFO line about tokenising); not when the directory has one, nor when data.tokenizer is the
+    user's own choice."""
+    with caplog.at_level(logging.INFO, logger="tp2d-train"):
+        train.warn_tokenizer_fallback(composed(*RUN, f"module.init_from={dirs['gqa']}"))
+    (record,) = [r for r in caplog.records if r.name == "tp2d-train"]
+    assert record.levelno == logging.WARNING and record.getMessage().startswith(
+        f"module.init_from={dirs['gqa']} has no tokenizer.json: the text is tokenized with data.tokenizer=byte "
+        "instead of the model's own tokenizer")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tp2d-train"):
+        train.warn_tokenizer_fallback(composed(*RUN, f"module.init_from={dirs['gpt2']}"))
+        train.warn_tokenizer_fallback(composed(*RUN, f"module.init_from={dirs['gqa']}", "data.tokenizer=byte"))
+    assert [r for r in caplog.records if r.name == "tp2d-train"] == []
 
 
 def _losses(run_dir: Path) -> list[float]:

@@ -96,6 +96,28 @@ def test_speed_rows_are_only_whole_windows_when_training_reaches_max_steps(tmp_p
     assert [(int(r["step"]), float(r["step_time_s"])) for r in rows if r.get("step_time_s")] == [(5, 5.0)]
 
 
+@pytest.mark.parametrize("max_steps, logged", [(8, [2, 5, 7]), (9, [2, 5, 8])])
+def test_the_last_steps_loss_is_on_record_whatever_the_logging_interval(tmp_path, max_steps, logged):
+    """Rows every 3 steps: a run of 8 ended with the row of step 6 (index 5), so tp2d-train's report said
+    ``train_loss a -> b`` for step 6, not the last; LastStepLog adds the last step's row (index 7) with its loss
+    and epoch. A run of 9 steps has it already (no second row for step 9)."""
+    logger = CSVLogger(str(tmp_path), name="", version="")
+    run = trainer(tmp_path, [callbacks.LastStepLog()], max_steps=max_steps, log_every_n_steps=3, logger=logger)
+    run.fit(Tiny(), loader())
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train_loss")]
+    assert [int(r["step"]) for r in rows] == logged and {r["epoch"] for r in rows} == {"0"}
+    assert float(rows[-1]["train_loss"]) == pytest.approx(float(run.callback_metrics["train_loss"]))
+    assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])  # (SGD on a quadratic: it falls)
+
+
+def test_tp2d_train_logs_the_last_step_by_default():
+    default = OmegaConf.load(CONF / "callbacks" / "default.yaml")
+    assert "last_step_log" in default.defaults
+    node = OmegaConf.load(CONF / "callbacks" / "last_step_log.yaml").last_step_log
+    assert isinstance(instantiate(node), callbacks.LastStepLog)
+
+
 # metrics.csv of a run resumed in its run directory: the first run's rows up to its checkpoint, then the resumed
 # run's; Lightning's writer may put an older step's validation row after a newer one
 METRICS = """epoch,step,train_loss,val_loss,val_perplexity
@@ -160,3 +182,21 @@ def test_progress_bar_total_counts_accumulated_batches():
                     enable_checkpointing=False, enable_model_summary=False, callbacks=[bar])
     run.fit(Tiny(), loader())
     assert run.global_step == 5 and (bar.train_progress_bar.n, bar.train_progress_bar.total) == (10, 10)
+
+
+def test_the_end_of_run_sample_leaves_out_ids_its_tokenizer_cannot_decode(caplog):
+    """Token files of a Llama (128256 ids) with data.tokenizer left at its default: the sample's ids beyond the
+    tokenizer's are left out with a WARNING naming both sizes, instead of failing after training (ids 300 and 500
+    here, for the 257-id byte tokenizer)."""
+    from lightning_tp2d.data import ByteTokenizer
+
+    cfg = OmegaConf.create({"sample": {"max_new_tokens": 3, "prompt": "ab", "temperature": 0.0, "top_k": None},
+                            "seed": 0, "data": {"tokenizer": "byte"}})
+    module = types.SimpleNamespace(generate=lambda idx, n, **kw: torch.tensor([[97, 98, 300, 99, 500]]),
+                                   config=types.SimpleNamespace(vocab_size=600))
+    run = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cpu")))
+    with caplog.at_level(logging.INFO, logger="tp2d-train"):
+        text = train.generate_sample(cfg, module, types.SimpleNamespace(tokenizer=ByteTokenizer()), run)
+    assert text == "abc"
+    assert "the sample holds 2 ids that data.tokenizer=byte (257 ids) cannot decode" in caplog.text
+    assert "the model has 600 ids" in caplog.text

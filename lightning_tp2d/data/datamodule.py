@@ -17,6 +17,7 @@ from lightning_tp2d.data.token_files import (build_cache, check_format, count_to
 from lightning_tp2d.data.tokenizers import ByteTokenizer, get_tokenizer
 from lightning_tp2d.models.documents import Documents
 from lightning_tp2d.token_need import split_need, split_needs, split_tokens, stream_need  # the rule, stated once
+from lightning_tp2d.values import check_number
 
 
 # ---- datasets, sampler, loader ---------------------------------------------------------------------------------
@@ -167,6 +168,10 @@ class TextDataModule(L.LightningDataModule):
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_number("max_tokens", max_tokens, low=1, integer=True, optional=True,
+                     meaning="tokens to read from the start of the source; null: all")
+        check_number("num_workers", num_workers, low=0, integer=True, meaning="DataLoader worker processes")
+        check_number("seed", seed, integer=True, meaning="the shuffling seed")
         raw_dtype(dtype)
         check_format(format)
         if not isinstance(cache, (bool, str, os.PathLike)):
