@@ -44,9 +44,9 @@ DEVICES = re.compile(r"\bdevices=(\d+)\b")
 
 # The CPU-sized arguments the documents offer, swapped in before a block runs: (the block's string, the CPU
 # string, the sentence of the text that offers the swap). Each block's string must occur in exactly one block.
+# (The README's own-loop example, layouts.py, runs as printed, with gpt2: a rank that aborted at exit was seen only
+# at that size; tests/test_process_end.py runs it twice more.)
 CPU_SIZED = [
-    ('GPT2Config.from_name("gpt2")', 'GPT2Config.from_name("gpt2-tiny")',
-     'with `"gpt2-tiny"` in place of\n`"gpt2"` it runs in seconds'),
     ('tp.plan("llama-3.1-70b", gpus=64, gpu_memory_gib=80, seq=8192, global_batch_tokens=4 * 2**20)',
      'tp.plan("llama-tiny", gpus=4, gpu_memory_gib=0.05, seq=48, global_batch_tokens=768, layouts=("2d",), '
      'checkpointing=("none",))',
@@ -105,9 +105,9 @@ def world_size(block: Block) -> int | None:
     return int(devices.pop()) if len(devices) == 1 and "num_nodes" not in block.code else None
 
 
-# The blocks that start in fresh interpreters, as their text says: the cheapest torchrun block and the cheapest
-# Lightning-launched one (a CPU run of 4 processes each, 2 cores: layouts.py 11 s; the predict block 21 s, against
-# 22 s for fabric_tiny.py and 23 s for train_tiny.py). Every launcher the documents use is so started once.
+# The blocks that start in fresh interpreters, as their text says: the one torchrun block, layouts.py (gpt2 on 4
+# processes: 24 s on 2 cores), and the cheapest Lightning-launched one (the predict block, 21 s, against 22 s for
+# fabric_tiny.py and 23 s for train_tiny.py). Every launcher the documents use is so started once.
 STARTS_FRESH = ("layouts.py", "trainer.predict(")
 
 
@@ -212,10 +212,10 @@ def check_output(block: Block, cwd: Path, output: str) -> None:
         assert sorted(p.name for p in (cwd / "ckpt").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
     elif "trainer.predict(" in block.code:  # two prompts continued, printed once (rank 0)
         assert output.count("The meaning of") == 1 and output.count("def main(") == 1
-    elif block.script == "layouts.py":  # one forward and backward of gpt2-tiny at random init
+    elif block.script == "layouts.py":  # one forward and backward of gpt2 (124M) at random init, as printed
         (line,) = re.findall(r"(?m)^loss (\d+\.\d+), logits \((\d+), (\d+), (\d+)\), (\d+) tensors$", output)
-        assert float(line[0]) == pytest.approx(5.55, abs=0.1)  # ln(257): random init, random tokens
-        assert tuple(int(v) for v in line[1:4]) == (4, 64, 257) and int(line[4]) > 10
+        assert float(line[0]) == pytest.approx(10.82, abs=0.2)  # ln(50257): random init, random tokens
+        assert tuple(int(v) for v in line[1:]) == (4, 64, 50257, 149)  # gpt2's 149 tensors (the tied head once)
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.id for block in BLOCKS])
