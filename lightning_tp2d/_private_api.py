@@ -190,7 +190,8 @@ torch (2.13)
 
 ``torch.utils._python_dispatch.TorchDispatchMode``
     where: bench/collectives.py:FunctionalCollectiveCounter, planning/live.py:LiveTensorBytes,
-    bench/measure.py:HostSyncCounter, planning/trace.py:_Recorder, comm_record.py:_direct_collectives
+    bench/measure.py:HostSyncCounter, planning/trace.py:_Recorder, comm_record.py:_direct_collectives,
+    bench/layer_cost.py:OpCounter (the ops and memory-bound bytes of a training step)
     why: sees every aten op: counts functional collectives with their bytes, tracks live tensor bytes, counts the ops
     that make the host wait for the device, records the traced schedule; sees the ``c10d`` ops of the
     ``torch.distributed`` collectives FSDP2 issues without ``comm.py`` (so ``count_comm`` and the tracer see them).
@@ -222,8 +223,9 @@ torch (2.13)
     public: none; the class is not exported publicly.
 
 ``OpOverload._schema``
-    where: planning/trace.py:_attention_flops
-    why: argument names of an attention op, to price its FLOPs.
+    where: planning/trace.py:_attention_flops, bench/layer_cost.py:_is_view
+    why: argument names of an attention op, to price its FLOPs; whether an op's result aliases an input (a view:
+    no memory traffic).
     public: none; the schema is exposed only there.
 
 ``UntypedStorage._cdata``
@@ -270,6 +272,16 @@ torch (2.13)
     why: the timeout a group was created with (the default group's, for the axis groups to inherit; tests check the
     axis groups').
     public: none; torch does not expose a group's timeout.
+
+``DTensor._spec``, ``DTensor._local_tensor``, ``torch.distributed.tensor._utils.compute_global_tensor_info``
+    where: nn/functional.py:_LocalView
+    why: the layers' one crossing from a DTensor parameter to its local shard: a view of ``_local_tensor`` forward,
+    and backward the gradient wrapped as a DTensor with (a copy of) the parameter's own ``_spec`` when its global
+    stride (``compute_global_tensor_info``) matches. ``DTensor.to_local()`` does the same forward, but its backward
+    builds the gradient through ``DTensor.from_local`` (a second autograd function and a checked new spec): a
+    second view op and ~120 us per parameter and step on CPU, 5 of the 6 ms a 1x1 grid's gpt2-tiny step spent
+    beyond the plain model's.
+    public: ``DTensor.to_local()``, which ``local_view`` uses under ``torch.compile`` (traced into the graph).
 
 ``DeviceMesh._pg_registry``
     where: mesh.py:release_process_groups
@@ -402,7 +414,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "recognise DTensor's shape-propagation tensors; trace the parallel model without memory or compute"),
     ("torch.utils._python_dispatch.TorchDispatchMode",
      ("bench/collectives.py:FunctionalCollectiveCounter", "planning/live.py:LiveTensorBytes",
-      "bench/measure.py:HostSyncCounter", "planning/trace.py:_Recorder", "comm_record.py:_direct_collectives"),
+      "bench/measure.py:HostSyncCounter", "planning/trace.py:_Recorder", "comm_record.py:_direct_collectives",
+      "bench/layer_cost.py:OpCounter"),
      "see every aten op: collectives with their bytes, live tensor bytes, host syncs, the traced schedule, FSDP's c10d "
      "collectives"),
     ("torch.distributed.tensor.debug._clear_python_sharding_prop_cache, "
@@ -412,8 +425,11 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",
       "planning/live.py:LiveTensorBytes.__torch_dispatch__"),
      "let higher-order operators pass through a dispatch mode unexamined"),
-    ("OpOverload._schema", ("planning/trace.py:_attention_flops",),
-     "argument names of an attention op, to price its FLOPs"),
+    ("OpOverload._schema", ("planning/trace.py:_attention_flops", "bench/layer_cost.py:_is_view"),
+     "argument names of an attention op, to price its FLOPs; whether an op is a view"),
+    ("DTensor._spec, DTensor._local_tensor, torch.distributed.tensor._utils.compute_global_tensor_info",
+     ("nn/functional.py:_LocalView",),
+     "the layers' one crossing to a parameter's local shard, without to_local's from_local in the backward"),
     ("UntypedStorage._cdata", ("planning/trace.py:_storage",),
      "the StorageImpl's address: a key that tells storages apart while they live, fake ones too"),
     ("torch.ops._c10d_functional", ("bench/collectives.py:(module)",),

@@ -124,18 +124,25 @@ class CausalSelfAttention(nn.Module):
         """x (B, T, h) -> (B, T, h). ``documents`` (packed documents, :mod:`~lightning_tp2d.models.documents`): each
         query sees the keys of its own document at or before it, through SDPA with the ``[B, 1, T, T]`` bool mask
         (the one place it exists: the single-device reference; the ring layouts never build it)."""
-        B, T, h = x.shape
-        hs = h // self.n_head
-        q, k, v = self.c_attn(x).split(h, dim=2)  # 3 x (B, T, h)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        mask = None if documents is None else documents.mask()  # (B, 1, T, T) bool
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, h)  # (B, T, h), heads side by side again
+        y = causal_attention(self.c_attn(x), self.n_head, self.dropout if self.training else 0.0, documents)
         return self.resid_dropout(self.c_proj(y))
+
+
+def causal_attention(qkv: torch.Tensor, n_head: int, dropout_p: float = 0.0,
+                     documents: Documents | None = None) -> torch.Tensor:
+    """``qkv [B, T, 3w]`` (``[q | k | v]``, each ``n_head`` heads side by side) -> ``y [B, T, w]``: causal SDPA per
+    head (with ``documents``, the ``[B, 1, T, T]`` mask of each query's own document). GPT-2's attention between its
+    two projections, shared by the plain model and the parallel layers that hold whole heads of whole sequences."""
+    B, T, three_w = qkv.shape
+    w = three_w // 3
+    hs = w // n_head
+    q, k, v = qkv.split(w, dim=2)  # 3 x (B, T, w)
+    q = q.view(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+    k = k.view(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+    v = v.view(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+    mask = None if documents is None else documents.mask()  # (B, 1, T, T) bool
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p)
+    return y.transpose(1, 2).contiguous().view(B, T, w)  # (B, T, w), heads side by side again
 
 
 class MLP(nn.Module):

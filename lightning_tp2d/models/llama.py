@@ -317,20 +317,31 @@ class LlamaAttention(nn.Module):
         ``0 .. T-1``. The causal mask is by row order, so rows must be in increasing position order. ``documents``
         (packed documents): each query sees the keys of its own document at or before it, through SDPA with the
         ``[B, 1, T, T]`` bool mask (the single-device reference; the ring layouts never build it)."""
-        B, T, _ = x.shape
-        hs = self.head_size
-        q = self.q_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.v_proj(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        cos, sin = rope_cache(T if positions is None else positions, hs, self.rope, x.device)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = None if documents is None else documents.mask()  # (B, 1, T, T) bool
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.size(1) != k.size(1),
-        )  # (B, nh, T, hs); query head j reads key/value head j // g
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
+        y = rope_attention(self.q_proj(x), self.k_proj(x), self.v_proj(x), self.head_size, self.rope,
+                           self.dropout if self.training else 0.0, positions, documents)
         return self.o_proj(y)
+
+
+def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_size: int, rope, dropout_p: float = 0.0,
+                   positions: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
+    """Projected ``q [B, T, nh*hs]``, ``k``, ``v [B, T, nkv*hs]`` -> ``y [B, T, nh*hs]``: RoPE at ``positions``
+    (default ``0 .. T-1``), then causal GQA SDPA (with ``documents``, each query's own document). Llama's attention
+    between its projections, shared by the plain model and the parallel layers that hold whole sequences."""
+    B, T, _ = q.shape
+    q = q.view(B, T, -1, head_size).transpose(1, 2)  # (B, nh, T, hs)
+    k = k.view(B, T, -1, head_size).transpose(1, 2)  # (B, nkv, T, hs)
+    v = v.view(B, T, -1, head_size).transpose(1, 2)  # (B, nkv, T, hs)
+    cos, sin = rope_cache(T if positions is None else positions, head_size, rope, q.device)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    mask = None if documents is None else documents.mask()  # (B, 1, T, T) bool
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p,
+                                       enable_gqa=q.size(1) != k.size(1))  # query head j reads kv head j // g
+    return y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """``down(silu(x gateᵀ) * (x upᵀ))``: Llama's MLP from its three weights (the ring layers' one-rank path)."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 class LlamaMLP(nn.Module):

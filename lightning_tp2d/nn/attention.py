@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d import recompute
 from lightning_tp2d.layouts import Grid2D, Layout, document_layouts
-from lightning_tp2d.nn.functional import axis_index
+from lightning_tp2d.models.gpt2 import causal_attention
+from lightning_tp2d.nn.functional import axis_index, is_local_grid
 from lightning_tp2d.nn.linear import Linear2D
 
 LAYOUT = Grid2D()  # the layout these layers serve (and llama2d's): named in their refusals
@@ -34,16 +35,12 @@ class Attention2D(nn.Module):
         self.c_attn = Linear2D(attn.c_attn, mesh, out_groups=3, options=options)
         self.c_proj = Linear2D(attn.c_proj, mesh, options=options)
         self.resid_dropout = nn.Dropout(attn.resid_dropout.p)
+        self.local = is_local_grid(mesh)  # (read by "2d-metp"'s attention: a 1x1 grid needs no ring)
 
     def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
         refuse_documents(documents, LAYOUT)
-        B, T, _ = x.shape  # (B/q, T, h/q)
-        hs = self.n_embd // self.n_head
-        qkv = self.c_attn(x).view(B, T, 3, self.local_heads, hs)  # [q_c | k_c | v_c]
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B/q, nh/q, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, self.local_heads * hs)  # (B/q, T, h/q)
+        qkv = self.c_attn(x)  # (B/q, T, 3h/q): [q_c | k_c | v_c], head group c of batch shard r
+        y = causal_attention(qkv, self.local_heads, self.dropout if self.training else 0.0)  # (B/q, T, h/q)
         return self.resid_dropout(self.c_proj(y))
 
 

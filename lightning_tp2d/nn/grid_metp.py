@@ -20,7 +20,7 @@ from lightning_tp2d.layouts import GridRing
 from lightning_tp2d.metp import RingOptions, ring_attention, ring_options
 from lightning_tp2d.nn.attention import Attention2D
 from lightning_tp2d.nn.embedding import PositionEmbedding2D, TokenEmbedding2D, _EmbedToOwner
-from lightning_tp2d.nn.functional import axis_index
+from lightning_tp2d.nn.functional import axis_index, local_view
 from lightning_tp2d.nn.head import LMHead2D
 from lightning_tp2d.nn.ring import refuse_attention_dropout
 from lightning_tp2d.nn.sequence import check_sequence_length, zigzag_inverse, zigzag_positions
@@ -28,10 +28,12 @@ from lightning_tp2d.nn.sequence import check_sequence_length, zigzag_inverse, zi
 LAYOUT = GridRing()  # the layout these layers serve: its rules check their input
 
 
-def _row_positions(seq: int, mesh: DeviceMesh, device) -> torch.Tensor:
+def _row_positions(seq: int, mesh: DeviceMesh, device) -> torch.Tensor | None:
+    """The positions of this grid row's zigzag chunks (``T % 2q`` checked); ``None`` on a 1x1 grid, whose one row
+    holds the whole sequence in order."""
     r, q = axis_index(mesh, "row")
     check_sequence_length(seq, LAYOUT, q * q)
-    return zigzag_positions(seq, q, r, device)
+    return None if q == 1 else zigzag_positions(seq, q, r, device)
 
 
 class TokenEmbedding2DMetp(TokenEmbedding2D):
@@ -46,8 +48,10 @@ class TokenEmbedding2DMetp(TokenEmbedding2D):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         q = axis_index(self.mesh, "row")[1]
         _row_positions(idx.shape[1], self.mesh, idx.device)  # validates T % 2q before any communication
+        if self.local:  # a 1x1 grid: the whole sequence in order, the whole vocabulary
+            return super().forward(idx)
         shards = torch.cat([idx[:, zigzag_positions(idx.shape[1], q, t, idx.device)] for t in range(q)])
-        return _EmbedToOwner.apply(self.weight.to_local(), shards, self.mesh, self.vocab_start)
+        return _EmbedToOwner.apply(local_view(self.weight), shards, self.mesh, self.vocab_start)
 
 
 class PositionEmbedding2DMetp(PositionEmbedding2D):
@@ -58,7 +62,8 @@ class PositionEmbedding2DMetp(PositionEmbedding2D):
         self.options = ring_options(options)  # no ring pass here; kept for a uniform constructor
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
-        return super().forward(pos[_row_positions(pos.shape[0], self.mesh, pos.device)])
+        mine = _row_positions(pos.shape[0], self.mesh, pos.device)
+        return super().forward(pos if mine is None else pos[mine])
 
 
 class Attention2DMetp(Attention2D):
@@ -71,6 +76,8 @@ class Attention2DMetp(Attention2D):
     def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
         """``documents``: the full batch's packed documents; the ring along ``row`` masks and skips by them."""
         refuse_attention_dropout(self)
+        if self.local and documents is None and self.options.attention_kernel == "auto":  # 1x1: as in "2d"
+            return Attention2D.forward(self, x)
         B, S, _ = x.shape  # (B, S, h/q): zigzag chunks of row r, hidden block c
         hs = self.n_embd // self.n_head
         qkv = self.c_attn(x).view(B, S, 3, self.local_heads, hs).permute(2, 0, 3, 1, 4)  # (3, B, nh/q, S, hs)
@@ -86,7 +93,8 @@ class LMHead2DMetp(LMHead2D):
         super().__init__(weight, mesh, options=options)
 
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
-        return targets[:, _row_positions(targets.shape[1], self.mesh, targets.device)].reshape(-1)
+        mine = _row_positions(targets.shape[1], self.mesh, targets.device)
+        return (targets if mine is None else targets[:, mine]).reshape(-1)
 
     def position_rows(self, x: torch.Tensor, at: int) -> tuple[torch.Tensor, int]:
         """Position ``at`` lies in zigzag chunk ``k = at // c`` at offset ``m`` (``c = S/2``), held by one grid row:

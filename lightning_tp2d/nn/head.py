@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d import recompute
@@ -26,7 +27,8 @@ from lightning_tp2d.comm import exchange_with
 from lightning_tp2d.mesh import transpose_peer
 from lightning_tp2d.nn.cross_entropy import vocab_parallel_cross_entropy
 from lightning_tp2d.nn.embedding import shard_batch
-from lightning_tp2d.nn.functional import autocast_operands, axis_index, gather_grid, pad_rows, transpose_grid
+from lightning_tp2d.nn.functional import (autocast_operands, axis_index, gather_grid, is_local_grid, local_view,
+                                          pad_rows, transpose_grid)
 from lightning_tp2d.options import tp_options
 from lightning_tp2d.summa import summa_ab
 
@@ -43,9 +45,14 @@ class LMHead2D(nn.Module):
         q = axis_index(mesh, "row")[1]
         self.block_rows = -(-self.vocab_size // q)
 
+    @property
+    def local(self) -> bool:
+        """A 1x1 grid: the plain model's head (one ``F.linear``, ``F.cross_entropy``)."""
+        return is_local_grid(self.mesh)
+
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``[N/q, ceil(V/q)]`` logits block of this rank (padding columns hold zeros)."""
-        x2d, weight = autocast_operands(x.reshape(-1, x.shape[-1]), self.weight.to_local())  # E[V_r, h_c]
+        x2d, weight = autocast_operands(x.reshape(-1, x.shape[-1]), local_view(self.weight))  # E[V_r, h_c]
         mirrored = transpose_grid(pad_rows(weight, self.block_rows), self.mesh)  # E[V_c, h_r]: (ceil(V/q), h/q)
         recompute.mark(mirrored, lambda dtype=weight.dtype: self._mirror(dtype))  # selective: swapped again
         return summa_ab(x2d, mirrored.t(), self.mesh, self.options)  # B block Eᵀ[h_r, V_c], travels as stored
@@ -53,7 +60,7 @@ class LMHead2D(nn.Module):
     def _mirror(self, dtype: torch.dtype) -> torch.Tensor:
         """The mirror rank's embedding block, fetched again (selective recomputation, in the backward: every rank
         of the grid unpacks it at the same point of the head's backward, so the pairwise swaps meet)."""
-        block = pad_rows(self.weight.to_local().detach().to(dtype), self.block_rows).contiguous()
+        block = pad_rows(local_view(self.weight).detach().to(dtype), self.block_rows).contiguous()
         return exchange_with(block, transpose_peer(self.mesh)).view_as(block)
 
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
@@ -74,6 +81,8 @@ class LMHead2D(nn.Module):
                 logits_at: int | None = None) -> torch.Tensor:
         """``logits_at`` (a position ``0 <= t < T``, no targets): the logits ``[B, 1, V]`` of that position only,
         from the few rows :meth:`position_rows` picks (every rank computes and gathers those, not ``[N/q, V/q]``)."""
+        if self.local:
+            return plain_head(x, local_view(self.weight), targets, logits_at)
         if logits_at is not None:
             x, index = self.position_rows(x, logits_at)
         if targets is not None:
@@ -86,3 +95,15 @@ class LMHead2D(nn.Module):
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, tied to transformer.wte.weight"
+
+
+def plain_head(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None,
+                logits_at: int | None) -> torch.Tensor:
+    """What the plain models' head computes (:class:`lightning_tp2d.models.gpt2.LMHead`): on one rank the whole
+    vocabulary is local, so the loss is ``F.cross_entropy`` of the logits (no vocab-parallel merge)."""
+    if logits_at is not None:
+        x = x[:, logits_at:logits_at + 1]  # (B, 1, h)
+    logits = F.linear(x, weight)  # (B, T, V)
+    if targets is None:
+        return logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_tp2d.nn.functional import autocast_operands, shard_parameter, sum_grad_along
+from lightning_tp2d.nn.functional import autocast_operands, is_local_grid, local_view, shard_parameter, sum_grad_along
 from lightning_tp2d.options import tp_options
 from lightning_tp2d.summa import ab_form, summa_ab
 
@@ -51,13 +52,16 @@ class Linear2D(nn.Module):
             self.bias = shard_parameter(linear.bias, mesh, [Replicate(), Replicate(), out])
         else:
             self.register_parameter("bias", None)
+        self.local = is_local_grid(mesh)  # a 1x1 grid: one F.linear, as the plain model's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.local:  # (the scatter form's mirror block of a 1x1 grid is the weight itself)
+            return F.linear(x, local_view(self.weight), None if self.bias is None else local_view(self.bias))
         lead = x.shape[:-1]
-        x2d, w_t = autocast_operands(x.reshape(-1, x.shape[-1]), self.weight.to_local())  # w_t [out/q, in/q] = W_rcᵀ
+        x2d, w_t = autocast_operands(x.reshape(-1, x.shape[-1]), local_view(self.weight))  # w_t [out/q, in/q] = W_rcᵀ
         y = summa_ab(x2d, w_t.t(), self.mesh, self.options, self.form, self.form == "scatter")  # (N/q, out/q); W travels as stored
         if self.bias is not None:
-            y = y + sum_grad_along(self.bias.to_local(), self.mesh, "row").to(y.dtype)  # bf16 under autocast
+            y = y + sum_grad_along(local_view(self.bias), self.mesh, "row").to(y.dtype)  # bf16 under autocast
         return y.view(*lead, y.shape[-1])
 
     def extra_repr(self) -> str:

@@ -29,9 +29,10 @@ from torch.distributed.tensor import Replicate, Shard
 
 from lightning_tp2d import recompute
 from lightning_tp2d.comm import all_reduce_along
-from lightning_tp2d.models.rope import apply_rope, rope_cache
+from lightning_tp2d.models.llama import rms_norm, rope_attention
 from lightning_tp2d.nn.attention import LAYOUT, refuse_documents
-from lightning_tp2d.nn.functional import autocast_operands, axis_index, pad_rows, shard_parameter, sum_grad_along
+from lightning_tp2d.nn.functional import (autocast_operands, axis_index, is_local_grid, local_view, pad_rows,
+                                          shard_parameter, sum_grad_along)
 from lightning_tp2d.nn.head import LMHead2D
 from lightning_tp2d.nn.layernorm import _stat_dtype
 from lightning_tp2d.nn.linear import Linear2D
@@ -84,9 +85,14 @@ class RMSNorm2D(nn.Module):
         self.hidden = norm.weight.shape[0]
         self.eps = norm.eps
         self.weight = shard_parameter(norm.weight, mesh, [Replicate(), Replicate(), Shard(0)])
+        self.local = is_local_grid(mesh)  # a 1x1 grid: the plain model's norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = sum_grad_along(self.weight.to_local(), self.mesh, "row")
+        if self.local:
+            w = local_view(self.weight)
+            y = rms_norm(x, w, self.eps)
+            return recompute.mark(y, lambda: rms_norm(x, w, self.eps))
+        w = sum_grad_along(local_view(self.weight), self.mesh, "row")
         return _RMSNormAlongCol.apply(x, w, self.mesh, self.hidden, self.eps)
 
     def extra_repr(self) -> str:
@@ -109,20 +115,13 @@ class LlamaAttention2D(nn.Module):
         self.k_proj = Linear2D(attn.k_proj, mesh, options=options)
         self.v_proj = Linear2D(attn.v_proj, mesh, options=options)
         self.o_proj = Linear2D(attn.o_proj, mesh, options=options)
+        self.local = is_local_grid(mesh)  # (read by "2d-metp"'s attention: a 1x1 grid needs no ring)
 
     def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
         refuse_documents(documents, LAYOUT)
-        B, T, _ = x.shape  # (B/q, T, h/q)
-        hs = self.head_size
-        q = self.q_proj(x).view(B, T, self.local_heads, hs).transpose(1, 2)  # (B/q, nh/q, T, hs)
-        k = self.k_proj(x).view(B, T, self.local_kv_heads, hs).transpose(1, 2)  # (B/q, nkv/q, T, hs)
-        v = self.v_proj(x).view(B, T, self.local_kv_heads, hs).transpose(1, 2)
-        cos, sin = rope_cache(T, hs, self.rope, x.device)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=self.local_heads != self.local_kv_heads)
-        y = y.transpose(1, 2).reshape(B, T, self.local_heads * hs)  # (B/q, T, nh*hs/q)
+        # head group c of batch shard r: (B/q, T, nh*hs/q) queries, (B/q, T, nkv*hs/q) keys and values
+        y = rope_attention(self.q_proj(x), self.k_proj(x), self.v_proj(x), self.head_size, self.rope,
+                           self.dropout if self.training else 0.0)  # (B/q, T, nh*hs/q)
         return self.o_proj(y)
 
 
@@ -155,7 +154,7 @@ class UntiedLMHead2D(LMHead2D):
         self.block_rows = -(-self.vocab_size // q)
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
-        x2d, weight = autocast_operands(x.reshape(-1, x.shape[-1]), self.weight.to_local())  # W[V_c, h_r]
+        x2d, weight = autocast_operands(x.reshape(-1, x.shape[-1]), local_view(self.weight))  # W[V_c, h_r]
         return summa_ab(x2d, pad_rows(weight, self.block_rows).t(), self.mesh, self.options)
 
     def extra_repr(self) -> str:

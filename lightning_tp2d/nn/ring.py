@@ -37,9 +37,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_tp2d import recompute
 from lightning_tp2d.layouts import Ring
 from lightning_tp2d.metp import RingOptions, ring_attention, ring_mlp, ring_options
-from lightning_tp2d.models.gpt2 import layer_norm
-from lightning_tp2d.nn.functional import (autocast_operands, axis_index, pad_rows, shard_bias, shard_parameter,
-                                          sum_grad_along)
+from lightning_tp2d.models.gpt2 import causal_attention, layer_norm
+from lightning_tp2d.nn.functional import (autocast_operands, axis_index, local_view, pad_rows, shard_bias,
+                                          shard_parameter, sum_grad_along)
+from lightning_tp2d.nn.head import plain_head
 from lightning_tp2d.nn.ring_stream import (ColumnBlocks, HeadBlocks, ring_cross_entropy, ring_embedding,
                                            ring_linear_in, ring_linear_out)
 from lightning_tp2d.nn.sequence import check_sequence_length, gather_sequence, zigzag_positions
@@ -48,6 +49,18 @@ LAYOUT = Ring()  # the layout these layers serve: its rules check their input
 
 AXIS = "ring"
 REPLICATED = [Replicate(), Replicate()]
+
+
+def is_local_ring(mesh: DeviceMesh) -> bool:
+    """A ring of one rank: every block is local, and each ring layer runs the plain model's ops (its kernels, one
+    matmul per linear, ``F.cross_entropy``) instead of a ring pass."""
+    return axis_index(mesh, AXIS)[1] == 1
+
+
+def one_tile(rows: int, options: RingOptions) -> bool:
+    """Whether ``rows`` rows fit one of the ring kernels' row tiles (``options.tile_tokens``; ``0`` / ``None``:
+    untiled), so that the plain computation holds no larger a block than the tiled ring pass would."""
+    return not options.tile_tokens or rows <= options.tile_tokens
 
 
 class RingLinear(nn.Module):
@@ -69,8 +82,8 @@ class RingLinear(nn.Module):
 
     def local(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight block, full bias)`` of this rank, the bias wrapped so its gradient is summed over the ring."""
-        bias = None if self.bias is None else sum_grad_along(self.bias.to_local(), self.mesh, AXIS)
-        return self.weight.to_local(), bias
+        bias = None if self.bias is None else sum_grad_along(local_view(self.bias), self.mesh, AXIS)
+        return local_view(self.weight), bias
 
     def forward(self, x: torch.Tensor, layout, options: RingOptions) -> torch.Tensor:
         """``options``: the owning layer's (one owner, so the two linears of a layer never disagree)."""
@@ -95,8 +108,8 @@ class RingLayerNorm(nn.Module):
         shard_bias(self, norm.bias, mesh, REPLICATED)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = sum_grad_along(self.weight.to_local(), self.mesh, AXIS)
-        b = None if self.bias is None else sum_grad_along(self.bias.to_local(), self.mesh, AXIS)
+        w = sum_grad_along(local_view(self.weight), self.mesh, AXIS)
+        b = None if self.bias is None else sum_grad_along(local_view(self.bias), self.mesh, AXIS)
         y = layer_norm(x, self.normalized_shape, w, b, self.eps)  # in x's dtype (bf16 stays bf16)
         return recompute.mark(y, lambda: layer_norm(x, self.normalized_shape, w, b, self.eps))
 
@@ -118,10 +131,15 @@ class RingAttention(nn.Module):
         self.c_attn = RingLinear(attn.c_attn, mesh, "out", groups=3)
         self.c_proj = RingLinear(attn.c_proj, mesh, "in")
         self.resid_dropout = nn.Dropout(attn.resid_dropout.p)
+        self.local = is_local_ring(mesh)
 
     def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
         """``documents``: the full batch's packed documents (:func:`~lightning_tp2d.metp.ring_attention`)."""
         refuse_attention_dropout(self)
+        if self.local and documents is None and self.options.attention_kernel == "auto":  # plain attention, fused
+            (w_attn, b_attn), (w_proj, b_proj) = self.c_attn.local(), self.c_proj.local()
+            y = causal_attention(F.linear(x, w_attn, b_attn), self.n_head)
+            return self.resid_dropout(F.linear(y, w_proj, b_proj))
         B, S, h = x.shape
         p = axis_index(self.mesh, AXIS)[1]
         heads = (B, S, self.n_head, h // self.n_head, p)
@@ -141,11 +159,14 @@ class RingMLP(nn.Module):
         self.c_fc = RingLinear(mlp.c_fc, mesh, "out")
         self.c_proj = RingLinear(mlp.c_proj, mesh, "in")
         self.dropout = nn.Dropout(mlp.dropout.p)
+        self.local = is_local_ring(mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, h = x.shape
         w1, b1 = self.c_fc.local()
         w2, b2 = self.c_proj.local()
+        if self.local and one_tile(B * S, self.options):  # a ring of one: the plain model's MLP
+            return self.dropout(F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2))
         x2d, w1, w2 = autocast_operands(x.reshape(B * S, h), w1, w2)
         out = ring_mlp(x2d, w1, b1, w2, b2, self.mesh, AXIS, options=self.options)  # (B*S, h)
         return self.dropout(out.view(B, S, h))
@@ -167,8 +188,10 @@ class RingTokenEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         i, p = axis_index(self.mesh, AXIS)
         check_sequence_length(idx.shape[1], LAYOUT, p)
+        if p == 1:  # a ring of one: the whole vocabulary and sequence are local
+            return F.embedding(idx, local_view(self.weight))
         ids = idx[:, zigzag_positions(idx.shape[1], p, i, idx.device)]
-        return ring_embedding(pad_rows(self.weight.to_local(), self.block_rows), ids, self.mesh, AXIS,
+        return ring_embedding(pad_rows(local_view(self.weight), self.block_rows), ids, self.mesh, AXIS,
                               options=self.options)
 
     def extra_repr(self) -> str:
@@ -187,8 +210,8 @@ class RingPositionEmbedding(nn.Module):
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         i, p = axis_index(self.mesh, AXIS)
         check_sequence_length(pos.shape[0], LAYOUT, p)
-        mine = pos[zigzag_positions(pos.shape[0], p, i, pos.device)]
-        return F.embedding(mine, sum_grad_along(self.weight.to_local(), self.mesh, AXIS))
+        mine = pos if p == 1 else pos[zigzag_positions(pos.shape[0], p, i, pos.device)]
+        return F.embedding(mine, sum_grad_along(local_view(self.weight), self.mesh, AXIS))
 
 
 class RingLMHead(nn.Module):
@@ -208,6 +231,10 @@ class RingLMHead(nn.Module):
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
                 logits_at: int | None = None) -> torch.Tensor:
         i, p = axis_index(self.mesh, AXIS)
+        if p == 1 and one_tile(x.shape[0] * x.shape[1], self.options):  # a ring of one: the plain model's head
+            if targets is not None:
+                check_sequence_length(targets.shape[1], LAYOUT, p)
+            return plain_head(x, local_view(self.weight), targets, logits_at)
         if logits_at is not None:
             c = x.shape[1] // 2
             x, index = x[:, [logits_at % c, c + logits_at % c]], logits_at // c  # (B, 2, h): offset m of each chunk
@@ -215,7 +242,7 @@ class RingLMHead(nn.Module):
         if targets is not None:
             check_sequence_length(targets.shape[1], LAYOUT, p)
             targets = targets[:, zigzag_positions(targets.shape[1], p, i, targets.device)].reshape(-1)
-        weight = pad_rows(self.weight.to_local(), self.block_rows)
+        weight = pad_rows(local_view(self.weight), self.block_rows)
         x2d, weight = autocast_operands(x.reshape(B * S, h), weight)
         if targets is not None:
             return ring_cross_entropy(x2d, weight, targets, self.mesh, AXIS, self.vocab_size, options=self.options)

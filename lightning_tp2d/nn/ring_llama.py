@@ -45,16 +45,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from lightning_tp2d import recompute
 from lightning_tp2d.metp import RingOptions, group_queries, ring_attention, ring_mlp, ring_options
-from lightning_tp2d.models.llama import apply_rope, rms_norm, rope_cache
-from lightning_tp2d.nn.functional import autocast_operands, axis_index, shard_parameter, sum_grad_along
+from lightning_tp2d.models.llama import apply_rope, rms_norm, rope_attention, rope_cache, swiglu
+from lightning_tp2d.nn.functional import autocast_operands, axis_index, local_view, shard_parameter, sum_grad_along
 from lightning_tp2d.nn.grid_metp import LMHead2DMetp
 from lightning_tp2d.nn.llama2d import LlamaAttention2D, UntiedLMHead2D
-from lightning_tp2d.nn.ring import AXIS, REPLICATED, RingLinear, RingLMHead, refuse_attention_dropout
+from lightning_tp2d.nn.ring import (AXIS, REPLICATED, RingLinear, RingLMHead, is_local_ring, one_tile,
+                                    refuse_attention_dropout)
 from lightning_tp2d.nn.ring_stream import HeadBlocks, ring_linear_out
 from lightning_tp2d.nn.sequence import zigzag_positions
 
@@ -72,7 +74,7 @@ class RingRMSNorm(nn.Module):
         self.weight = shard_parameter(norm.weight, mesh, REPLICATED)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = sum_grad_along(self.weight.to_local(), self.mesh, AXIS)
+        w = sum_grad_along(local_view(self.weight), self.mesh, AXIS)
         y = rms_norm(x, w, self.eps)
         return recompute.mark(y, lambda: rms_norm(x, w, self.eps))
 
@@ -95,10 +97,15 @@ class RingLlamaAttention(nn.Module):
         self.k_proj = RingLinear(attn.k_proj, mesh, "out")
         self.v_proj = RingLinear(attn.v_proj, mesh, "out")
         self.o_proj = RingLinear(attn.o_proj, mesh, "in")
+        self.local = is_local_ring(mesh)
 
     def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
         """``documents``: the full batch's packed documents (:func:`~lightning_tp2d.metp.ring_attention`)."""
         refuse_attention_dropout(self)
+        if self.local and documents is None and self.options.attention_kernel == "auto":  # plain attention, fused
+            wq, wk, wv, wo = (proj.local()[0] for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj))
+            y = rope_attention(F.linear(x, wq), F.linear(x, wk), F.linear(x, wv), self.head_size, self.rope)
+            return F.linear(y, wo)
         B, S, h = x.shape
         i, p = axis_index(self.mesh, AXIS)
         hs = self.head_size
@@ -131,10 +138,13 @@ class RingSwiGLU(nn.Module):
         self.gate_proj = RingLinear(mlp.gate_proj, mesh, "out")
         self.up_proj = RingLinear(mlp.up_proj, mesh, "out")
         self.down_proj = RingLinear(mlp.down_proj, mesh, "in")
+        self.local = is_local_ring(mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, h = x.shape
         (wg, _), (wu, _), (wd, _) = self.gate_proj.local(), self.up_proj.local(), self.down_proj.local()
+        if self.local and one_tile(B * S, self.options):  # a ring of one: the plain model's MLP
+            return swiglu(x, wg, wu, wd)
         x2d, wg, wu, wd = autocast_operands(x.reshape(B * S, h), wg, wu, wd)
         out = ring_mlp(x2d, wu, None, wd, None, self.mesh, AXIS, activation="swiglu", w_gate=wg, options=self.options)
         return out.view(B, S, h)
@@ -168,6 +178,8 @@ class LlamaAttention2DMetp(LlamaAttention2D):
     def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
         """``documents``: the full batch's packed documents; the ring along ``row`` masks and skips by them."""
         refuse_attention_dropout(self)
+        if self.local and documents is None and self.options.attention_kernel == "auto":  # 1x1: as in "2d"
+            return LlamaAttention2D.forward(self, x)
         B, S, _ = x.shape  # (B, S, h/q)
         hs = self.head_size
         r, q = axis_index(self.mesh, "row")

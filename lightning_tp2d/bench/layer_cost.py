@@ -1,0 +1,166 @@
+"""What a layout's own layers cost per training step, against the plain model: aten ops dispatched, bytes moved by
+memory-bound ops, eager time. The measure of "one rank is the plain model" and "lean at every grid"
+(docs/benchmarks.md, "The layouts' own cost"; ``recipes/benchmarks/layer_overhead.py`` runs it).
+
+* :class:`OpCounter` (a ``TorchDispatchMode``): every aten op of a step by name, and the bytes read and written by
+  the memory-bound ones: not a view (an op whose result aliases an input without writing it), not a GEMM or an
+  attention kernel (:data:`COMPUTE_BOUND`), not a collective. A view costs host time, no memory traffic.
+* :func:`step_cost`: one training step (forward, backward, AdamW, zero_grad) of a model on a batch, counted, after
+  one warm-up step (AdamW's state exists); :func:`eager_seconds`: the mean wall time of further steps.
+* :func:`build`: the plain model of a family and size, or its parallel form for a layout on a mesh.
+
+Op counts are deterministic for a given torch build, model, batch and layout: tests assert them exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lightning_tp2d as tp
+from lightning_tp2d.bench import runner
+from lightning_tp2d.families import family_of_config, model_config
+
+# GEMMs and fused attention: compute-bound kernels, left out of the memory-bound bytes (their time is FLOPs)
+COMPUTE_BOUND = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "_scaled_mm",
+                           "_scaled_dot_product_flash_attention_for_cpu",
+                           "_scaled_dot_product_flash_attention_for_cpu_backward",
+                           "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+                           "_scaled_dot_product_efficient_attention",
+                           "_scaled_dot_product_efficient_attention_backward",
+                           "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+                           "_flash_attention_forward", "_flash_attention_backward"})
+
+
+def _is_view(func) -> bool:
+    """An op whose result aliases an input without writing it (``view``, ``t``, ``slice``, ``as_strided`` ...)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+def _bytes(value) -> int:
+    """Bytes of the tensors in ``value`` (an op's arguments or result: tensors in tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_bytes(v) for v in value.values())
+    return 0
+
+
+COLLECTIVES = frozenset({"c10d", "_c10d_functional", "_dtensor"})  # op namespaces of communication
+
+
+@dataclass
+class Cost:
+    """One step's aten ops by name, the memory-bound bytes, and the collectives (by name, not in ``ops``)."""
+
+    ops: collections.Counter = field(default_factory=collections.Counter)
+    bytes: int = 0
+    collectives: collections.Counter = field(default_factory=collections.Counter)
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every op dispatched inside it into :attr:`cost` (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cost = Cost()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if func.namespace in COLLECTIVES:
+            self.cost.collectives[name] += 1
+            return out
+        self.cost.ops[name] += 1
+        if name not in COMPUTE_BOUND and not _is_view(func):
+            self.cost.bytes += _bytes((args, kwargs)) + _bytes(out)
+        return out
+
+
+def build(family_size: str, layout: str | None, *, n_layer: int | None = None, seed: int = 0) -> nn.Module:
+    """The plain model of the named size ``family_size`` (``"gpt2-tiny"``, ``"llama-tiny"`` ...; dropout 0,
+    ``n_layer`` blocks when given) for ``layout=None``, or its ``layout`` form on ``tp.init_mesh`` over the current
+    default process group (``tensor_parallel_size`` its world size), drawn from ``seed``."""
+    cfg = model_config(family_size)
+    cfg = dataclasses.replace(cfg, dropout=0.0, **({} if n_layer is None else {"n_layer": n_layer}))
+    torch.manual_seed(seed)
+    model = family_of_config(cfg).model_class(cfg)
+    if layout is not None:
+        world = torch.distributed.get_world_size()
+        model = tp.parallelize(model, tp.init_mesh(layout, world, 1), layout)
+    model.validate_inputs = False
+    return model
+
+
+def _step(model: nn.Module, optimizer, idx: torch.Tensor, targets: torch.Tensor) -> None:
+    loss = model(idx, targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def step_cost(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> Cost:
+    """The ops and memory-bound bytes of one training step (forward, backward, AdamW for-loop, zero_grad), after one
+    warm-up step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    _step(model, optimizer, idx, targets)
+    counter = OpCounter()
+    with counter:
+        _step(model, optimizer, idx, targets)
+    return counter.cost
+
+
+def rank_cost(rank: int, world_size: int, layout: str, spec, timed_steps: int = 0) -> dict:
+    """On each of ``world_size`` ranks (:func:`lightning_tp2d.bench.procs.run_ranks`): one counted training step of
+    the benchmark harness's ``layout`` scenario (:class:`~lightning_tp2d.bench.runner.BenchSpec`; ``"single"`` the
+    plain model, the rivals with torch's code; ``spec.compile`` compiles it), after a warm-up step; its ops,
+    memory-bound bytes and collectives, and with ``timed_steps`` the mean seconds of that many more steps."""
+    built = runner._build(layout, spec, spec.seq, world_size)
+
+    def step() -> None:
+        with built.region():
+            loss = built.forward()
+            loss.backward()
+        built.optimizer.step()
+        built.optimizer.zero_grad(set_to_none=True)
+
+    step()
+    counter = OpCounter()
+    with counter:  # (compiled: the dispatch mode makes Dynamo run the step eagerly; the ops are eager's)
+        step()
+    cost = counter.cost
+    out = {"ops": dict(cost.ops), "total": cost.total, "bytes": cost.bytes, "collectives": dict(cost.collectives)}
+    if timed_steps:
+        step()  # (compiled: the graph exists after the warm-up step; this one runs it)
+        start = time.perf_counter()
+        for _ in range(timed_steps):
+            step()
+        out["seconds"] = (time.perf_counter() - start) / timed_steps
+    return out
+
+
+def eager_seconds(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, steps: int = 10) -> float:
+    """Mean wall seconds of an eager training step (after two warm-up steps)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    for _ in range(2):
+        _step(model, optimizer, idx, targets)
+    start = time.perf_counter()
+    for _ in range(steps):
+        _step(model, optimizer, idx, targets)
+    return (time.perf_counter() - start) / steps
+
+
+__all__ = ["COLLECTIVES", "COMPUTE_BOUND", "Cost", "OpCounter", "build", "eager_seconds", "rank_cost", "step_cost"]

@@ -1,0 +1,134 @@
+"""The layouts' own layers against the plain model, per training step, on CPU processes (gloo): aten ops dispatched,
+bytes moved by memory-bound ops, eager (and with ``--compile``, inductor-compiled) seconds. Issue 48's measure.
+
+    python recipes/benchmarks/layer_overhead.py [--out recipes/benchmarks/layer_overhead] [--steps 20] [--compile]
+
+* **One rank** (size-1 axes: a 1x1 grid, a ring of one; no communication): each layout's step against the plain
+  model's (``single``), for gpt2-tiny and llama-tiny in 2 blocks on B2 x 64 tokens (an overhead-bound shape: the
+  host's per-op cost dominates, as it does on a GPU for a layout that dispatches more ops than the plain model).
+* **Four ranks** (2x2 grids, a ring of 4; 4 heads for gpt2-tiny, 8 and 4 key/value heads for llama-tiny, which
+  torch's 1-D TP over 4 ranks needs): per rank, the largest rank's ops (collectives counted apart) and its
+  memory-bound bytes times 4, against the plain model on one process with the same global batch, beside torch's
+  own 1-D TP + SP (``tp1d-sp``) on the same ranks and, for Llama, torch's context parallelism (``cp``).
+
+Every step: forward, backward, AdamW (the for-loop kernel: the same on every side), zero_grad, counted with
+:class:`lightning_tp2d.bench.layer_cost.OpCounter` after a warm-up step. Writes ``results.json`` and
+``results.md`` into ``--out``. The counts are deterministic for a torch build; the seconds are this machine's
+(2 CPU cores, shared by the ranks at four ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from lightning_tp2d.bench.layer_cost import rank_cost
+from lightning_tp2d.bench.procs import run_ranks
+from lightning_tp2d.bench.runner import BenchSpec
+
+MODELS = ("gpt2-tiny", "llama-tiny")
+LAYOUTS = ("2d", "metp", "2d-metp")
+
+
+def _run(layout: str, world: int, spec: BenchSpec, steps: int) -> list[dict]:
+    result = run_ranks(rank_cost, world, layout, spec, steps, timeout=1800.0, tracebacks=True)
+    if not result.ok:
+        raise RuntimeError(f"{layout} on {world} rank(s): {result.reason}")
+    return result.values
+
+
+def one_rank(model: str, steps: int, compile_backend: str) -> dict:
+    spec = BenchSpec(model=model, overrides={"n_layer": 2, "dropout": 0.0}, batch=2, seq=64, compile=compile_backend)
+    rows = {}
+    for layout in ("single", *LAYOUTS):
+        (cost,) = _run(layout, 1, spec, steps)
+        rows[layout] = cost
+        print(f"one rank {model} {layout}{' compiled' if compile_backend else ''}: {cost['total']} ops, "
+              f"{cost['bytes'] / 1e6:.2f} MB, {cost.get('seconds', 0) * 1e3:.1f} ms", flush=True)
+    plain = rows["single"]
+    for cost in rows.values():
+        cost["ops_x"] = cost["total"] / plain["total"]
+        cost["bytes_x"] = cost["bytes"] / plain["bytes"]
+        if "seconds" in cost:
+            cost["seconds_x"] = cost["seconds"] / plain["seconds"]
+    return rows
+
+
+# heads that 4 ranks of torch's 1-D TP divide (gpt2-tiny has 6, llama-tiny 12 query and 6 key/value heads)
+FOUR_RANK_HEADS = {"gpt2-tiny": {"n_head": 4}, "llama-tiny": {"n_head": 8, "n_kv_head": 4}}
+
+
+def four_ranks(model: str) -> dict:
+    spec = BenchSpec(model=model, overrides={"n_layer": 2, "dropout": 0.0, **FOUR_RANK_HEADS[model]}, batch=2,
+                     seq=256)
+    rows = {"single": _run("single", 1, spec, 0)[0]}
+    rivals = ("tp1d-sp", "cp") if model.startswith("llama") else ("tp1d-sp",)
+    for layout in (*LAYOUTS, *rivals):
+        ranks = _run(layout, 4, spec, 0)
+        worst = max(ranks, key=lambda r: r["total"])
+        rows[layout] = {**worst, "bytes_x4": 4 * max(r["bytes"] for r in ranks)}
+        print(f"four ranks {model} {layout}: {worst['total']} ops per rank, collectives {worst['collectives']}",
+              flush=True)
+    plain = rows["single"]
+    for layout, cost in rows.items():
+        cost["ops_x"] = cost["total"] / plain["total"]
+        cost["bytes_x4_x"] = cost.get("bytes_x4", cost["bytes"]) / plain["bytes"]
+    return rows
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# The layouts' own cost per training step ({results['date']}, torch {results['torch']}, "
+             f"{results['machine']})", "",
+             "One rank (size-1 axes), B2 x 64 tokens, 2 blocks: against the plain model (`single`).", "",
+             "| model | layout | ops | x plain | memory-bound MB | x plain | eager ms | x plain |"
+             + (" compiled ms | x plain |" if results["compiled"] else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if results["compiled"] else "")]
+    for model, rows in results["one_rank"].items():
+        for layout, c in rows.items():
+            line = (f"| {model} | {layout} | {c['total']} | {c['ops_x']:.2f} | {c['bytes'] / 1e6:.2f} | "
+                    f"{c['bytes_x']:.2f} | {c['seconds'] * 1e3:.1f} | {c['seconds_x']:.2f} |")
+            if results["compiled"]:
+                k = results["compiled"][model][layout]
+                line += f" {k['seconds'] * 1e3:.1f} | {k['seconds_x']:.2f} |"
+            lines.append(line)
+    lines += ["", "Four ranks (2x2 grid, ring of 4), B2 x 256 tokens, 2 blocks: the largest rank's ops (collectives "
+              "apart) and memory-bound bytes x 4, against the plain model on one process; torch's 1-D TP + SP and "
+              "context parallelism on the same ranks.", "",
+              "| model | layout | ops per rank | x plain | collectives per rank | memory-bound MB x 4 | x plain |",
+              "|---|---|---|---|---|---|---|"]
+    for model, rows in results["four_ranks"].items():
+        for layout, c in rows.items():
+            coll = sum(c["collectives"].values())
+            lines.append(f"| {model} | {layout} | {c['total']} | {c['ops_x']:.2f} | {coll} | "
+                         f"{c.get('bytes_x4', c['bytes']) / 1e6:.2f} | {c['bytes_x4_x']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "layer_overhead"))
+    parser.add_argument("--steps", type=int, default=20, help="timed eager steps per one-rank row")
+    parser.add_argument("--compile", action="store_true", help="also time each one-rank step compiled (inductor)")
+    args = parser.parse_args()
+    started = time.time()
+    results = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "compiled": {},
+               "one_rank": {m: one_rank(m, args.steps, "") for m in MODELS}}
+    if args.compile:
+        results["compiled"] = {m: one_rank(m, args.steps, "inductor") for m in MODELS}
+    results["four_ranks"] = {m: four_ranks(m) for m in MODELS}
+    results["seconds"] = time.time() - started
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
