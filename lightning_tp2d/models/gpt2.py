@@ -193,13 +193,21 @@ class LMHead(nn.Module):
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
                 logits_at: int | None = None) -> torch.Tensor:
         """``logits_at`` (a position ``0 <= t < T``, no targets): the logits of that position only, ``[B, 1, V]``."""
-        if logits_at is not None:
-            x = x[:, logits_at:logits_at + 1]  # (B, 1, h)
-        logits = F.linear(x, self.weight)  # (B, T, V)
-        if targets is None:
-            return logits
-        V = logits.size(-1)
-        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
+        return lm_head(x, self.weight, targets, logits_at)
+
+
+def lm_head(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None = None,
+            logits_at: int | None = None) -> torch.Tensor:
+    """``logits = x weightᵀ`` ``[B, T, V]`` (``logits_at``: that one position's, ``[B, 1, V]``), or with ``targets``
+    the mean cross-entropy (``-100`` ignored). The plain head; the parallel heads of a one-rank mesh call it too,
+    where the whole vocabulary is local."""
+    if logits_at is not None:
+        x = x[:, logits_at:logits_at + 1]  # (B, 1, h)
+    logits = F.linear(x, weight)  # (B, T, V)
+    if targets is None:
+        return logits
+    V = logits.size(-1)
+    return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
 
 
 def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d import recompute
 from lightning_tp2d.comm import exchange_with
+from lightning_tp2d.models.gpt2 import lm_head
 from lightning_tp2d.mesh import transpose_peer
 from lightning_tp2d.nn.cross_entropy import vocab_parallel_cross_entropy
 from lightning_tp2d.nn.embedding import shard_batch
@@ -60,7 +60,7 @@ class LMHead2D(nn.Module):
     def _mirror(self, dtype: torch.dtype) -> torch.Tensor:
         """The mirror rank's embedding block, fetched again (selective recomputation, in the backward: every rank
         of the grid unpacks it at the same point of the head's backward, so the pairwise swaps meet)."""
-        block = pad_rows(local_view(self.weight).detach().to(dtype), self.block_rows).contiguous()
+        block = pad_rows(self.weight.to_local().detach().to(dtype), self.block_rows).contiguous()
         return exchange_with(block, transpose_peer(self.mesh)).view_as(block)
 
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ class LMHead2D(nn.Module):
         """``logits_at`` (a position ``0 <= t < T``, no targets): the logits ``[B, 1, V]`` of that position only,
         from the few rows :meth:`position_rows` picks (every rank computes and gathers those, not ``[N/q, V/q]``)."""
         if self.local:
-            return plain_head(x, local_view(self.weight), targets, logits_at)
+            return lm_head(x, local_view(self.weight), targets, logits_at)
         if logits_at is not None:
             x, index = self.position_rows(x, logits_at)
         if targets is not None:
@@ -96,14 +96,3 @@ class LMHead2D(nn.Module):
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, tied to transformer.wte.weight"
 
-
-def plain_head(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None,
-                logits_at: int | None) -> torch.Tensor:
-    """What the plain models' head computes (:class:`lightning_tp2d.models.gpt2.LMHead`): on one rank the whole
-    vocabulary is local, so the loss is ``F.cross_entropy`` of the logits (no vocab-parallel merge)."""
-    if logits_at is not None:
-        x = x[:, logits_at:logits_at + 1]  # (B, 1, h)
-    logits = F.linear(x, weight)  # (B, T, V)
-    if targets is None:
-        return logits
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)

@@ -37,10 +37,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_tp2d import recompute
 from lightning_tp2d.layouts import Ring
 from lightning_tp2d.metp import RingOptions, ring_attention, ring_mlp, ring_options
-from lightning_tp2d.models.gpt2 import causal_attention, layer_norm
+from lightning_tp2d.models.gpt2 import causal_attention, layer_norm, lm_head
 from lightning_tp2d.nn.functional import (autocast_operands, axis_index, local_view, pad_rows, shard_bias,
                                           shard_parameter, sum_grad_along)
-from lightning_tp2d.nn.head import plain_head
 from lightning_tp2d.nn.ring_stream import (ColumnBlocks, HeadBlocks, ring_cross_entropy, ring_embedding,
                                            ring_linear_in, ring_linear_out)
 from lightning_tp2d.nn.sequence import check_sequence_length, gather_sequence, zigzag_positions
@@ -234,7 +233,7 @@ class RingLMHead(nn.Module):
         if p == 1 and one_tile(x.shape[0] * x.shape[1], self.options):  # a ring of one: the plain model's head
             if targets is not None:
                 check_sequence_length(targets.shape[1], LAYOUT, p)
-            return plain_head(x, local_view(self.weight), targets, logits_at)
+            return lm_head(x, local_view(self.weight), targets, logits_at)
         if logits_at is not None:
             c = x.shape[1] // 2
             x, index = x[:, [logits_at % c, c + logits_at % c]], logits_at // c  # (B, 2, h): offset m of each chunk
