@@ -400,6 +400,19 @@ def _op_documents(documents: Documents | None, doc_ids: torch.Tensor | None) -> 
     return None if comm._SHAPES_ONLY else Documents(doc_ids)
 
 
+_ALL = slice(None)
+
+
+def _rows(t: torch.Tensor, batch: slice, rows: slice, last: bool = False) -> torch.Tensor:
+    """The view ``t[batch][..., rows, :]`` (``last``: ``t[batch][..., rows]``, for the log-sum-exp), with no op for a
+    whole axis (``slice(None)``): the ring's blocks index their operands dozens of times a step."""
+    if batch != _ALL:
+        t = t[batch]
+    if rows == _ALL:
+        return t
+    return t[..., rows] if last else t[..., rows, :]
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, l_b: torch.Tensor) -> None:
     """Fold one block's ``(o_b, l_b)`` into the running ``(out, lse)`` views in place (online log-sum-exp)."""
     new = torch.logaddexp(lse, l_b)
@@ -438,10 +451,10 @@ class _RingAttention(torch.autograd.Function):
                 attend(kv_j, batch, rows, cols, diagonal, first=diagonal)  # diagonals: the first to reach their rows
 
         def attend(kv_j, batch, rows, cols, causal, first):
-            k_j, v_j = kv_j[0][batch][..., cols, :], kv_j[1][batch][..., cols, :]
+            k_j, v_j = _rows(kv_j[0], batch, cols), _rows(kv_j[1], batch, cols)
             for r in range(groups):
-                o_b, l_b = attend_block(q[r][batch][..., rows, :], k_j, v_j, causal, scale, options)
-                o, l = out[r][batch][..., rows, :], lse[r][batch][..., rows]  # views
+                o_b, l_b = attend_block(_rows(q[r], batch, rows), k_j, v_j, causal, scale, options)
+                o, l = _rows(out[r], batch, rows), _rows(lse[r], batch, rows, last=True)  # views
                 if first:
                     o.copy_(o_b)
                     l.copy_(l_b)
@@ -479,14 +492,16 @@ class _RingAttention(torch.autograd.Function):
             return (dkv,)
 
         def add_block(dkv, kv_j, batch, rows, cols, causal):
-            k_j, v_j = kv_j[0][batch][..., cols, :], kv_j[1][batch][..., cols, :]
+            k_j, v_j = _rows(kv_j[0], batch, cols), _rows(kv_j[1], batch, cols)
+            dk_j, dv_j = _rows(dkv[0], batch, cols), _rows(dkv[1], batch, cols)
             for r in range(g):
-                dq_b, dk_b, dv_b = attend_block_backward(dy[r][batch][..., rows, :], q[r][batch][..., rows, :], k_j,
-                                                         v_j, y[r][batch][..., rows, :], lse[r][batch][..., rows],
+                dq_b, dk_b, dv_b = attend_block_backward(_rows(dy[r], batch, rows), _rows(q[r], batch, rows), k_j,
+                                                         v_j, _rows(y[r], batch, rows),
+                                                         _rows(lse[r], batch, rows, last=True),
                                                          causal, ctx.scale, ctx.options)
-                dq[r][batch][..., rows, :] += dq_b
-                dkv[0][batch][..., cols, :] += dk_b
-                dkv[1][batch][..., cols, :] += dv_b
+                _rows(dq[r], batch, rows).add_(dq_b)  # (add_ on the view: `view[...] += b` would copy it back too)
+                dk_j.add_(dk_b)
+                dv_j.add_(dv_b)
 
         ring_backward((kv,), ctx.mesh, ctx.axis, step, home=(dqkv[g:],), double_buffer=ctx.options.double_buffer,
                       wire_dtype=ctx.options.wire_dtype(kv.dtype))

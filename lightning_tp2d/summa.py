@@ -321,10 +321,11 @@ class _Partials:
     def __init__(self, n: int) -> None:
         self.n, self.buffer = n, None
 
-    def put(self, k: int, part: torch.Tensor) -> None:
+    def put(self, k: int, lhs: torch.Tensor, rhs: torch.Tensor) -> None:
+        """Partial ``k`` is ``lhs @ rhs``, multiplied straight into its slot (``out=``: no copy)."""
         if self.buffer is None:
-            self.buffer = part.new_empty((self.n, *part.shape))
-        self.buffer[k].copy_(part)
+            self.buffer = lhs.new_empty((self.n, lhs.shape[0], rhs.shape[1]))
+        torch.mm(lhs, rhs, out=self.buffer[k])
 
     def reduce(self, mesh: DeviceMesh):
         """Post the reduce-scatter (async): ``(out, handle)``."""
@@ -341,7 +342,7 @@ def collective_atb(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, out_trans
     for s, ks in enumerate(ring_order(n, i)):
         held = ring.step(s) if ring is not None else [(k, a_panels[k]) for k in ks]
         for k, a_k in held:
-            parts.put(k, b.t() @ a_k if out_transposed else a_k.t() @ b)
+            parts.put(k, *((b.t(), a_k) if out_transposed else (a_k.t(), b)))
     out, handle = parts.reduce(mesh)
     handle.wait()
     return out.t() if out_transposed else out
@@ -365,7 +366,7 @@ def collective_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor,
         if need_b:
             held = gather.step(s) if gather is not None else [(k, a_panels[k]) for k in order[s]]
             for k, a_k in held:
-                parts.put(k, grad.t() @ a_k if out_t else a_k.t() @ grad)
+                parts.put(k, *((grad.t(), a_k) if out_t else (a_k.t(), grad)))
             if s == len(order) - 1:
                 db, db_handle = parts.reduce(mesh)
         if need_a:
@@ -425,7 +426,7 @@ def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, me
         held = ring.step(s)
         if need_b:
             for c, g in held:
-                parts.put(c, g.t() @ a if out_t else a.t() @ g)
+                parts.put(c, *((g.t(), a) if out_t else (a.t(), g)))
             if s == steps - 1:
                 db, db_handle = parts.reduce(mesh)
         if need_a:

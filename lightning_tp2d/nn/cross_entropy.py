@@ -23,6 +23,10 @@ IGNORE_INDEX = -100
 
 @registered("vocab_parallel_cross_entropy", mutates=(0,))
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token values stay ``[N/q, 1]`` columns (no unsqueeze); the target logit is one ``gather`` at the target's
+    local column (0 where the target lies in another block, or is ignored: an ignored ``-100`` is below every
+    block's start), then zeroed by the one mask "not in this block"; ignored tokens are weighted 0."""
+
     @staticmethod
     def forward(ctx, logits, targets, mesh, vocab_size):
         # logits: (N/q, Vp/q) local block, consumed in place; targets: (N/q,) global ids or -100
@@ -36,36 +40,35 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if valid_cols < width:
             logits[:, valid_cols:] = float("-inf")
 
-        local_max = logits.max(dim=-1).values
+        local_max = logits.amax(-1, keepdim=True)
         all_reduce_along(local_max, mesh, "col", op="max")
-        logits.sub_(local_max.unsqueeze(-1))
+        logits.sub_(local_max)
 
-        local_t = targets - start
-        mine = (targets != IGNORE_INDEX) & (local_t >= 0) & (local_t < width)
-        rows = torch.arange(logits.shape[0], device=logits.device)
-        picked = torch.where(mine, logits[rows, local_t.clamp(0, width - 1)], logits.new_zeros(()))
+        local_t = (targets - start).unsqueeze(-1)  # (N/q, 1)
+        elsewhere = (local_t < 0) | (local_t >= width)  # another block's target, or ignored
+        col = local_t.masked_fill_(elsewhere, 0)
+        picked = logits.gather(-1, col).masked_fill_(elsewhere, 0)
         exp = logits.exp_()
-        sums = torch.stack([exp.sum(-1), picked])  # (2, N/q)
+        sums = torch.cat([exp.sum(-1, keepdim=True), picked], -1)  # (N/q, 2)
         all_reduce_along(sums, mesh, "col")
-        sum_exp, target_logit = sums[0], sums[1]
+        sum_exp, target_logit = sums.split(1, -1)
 
-        keep = targets != IGNORE_INDEX
-        per_token = torch.where(keep, torch.log(sum_exp) - target_logit, logits.new_zeros(()))
-        totals = torch.stack([per_token.sum(), keep.sum().to(per_token.dtype)])
+        keep = (targets != IGNORE_INDEX).unsqueeze(-1).to(sums.dtype)  # (N/q, 1): 1 for a counted token
+        per_token = torch.log(sum_exp).sub_(target_logit).mul_(keep)
+        totals = torch.cat([per_token, keep], -1).sum(0)  # (2,): loss sum, token count
         all_reduce_along(totals, mesh, "row")
 
-        exp.div_(sum_exp.unsqueeze(-1))  # softmax, in place
-        ctx.save_for_backward(exp, local_t, mine, keep)
-        ctx.count = totals[1]
-        return totals[0] / totals[1]
+        exp.div_(sum_exp)  # softmax, in place
+        ctx.save_for_backward(exp, col, elsewhere, keep, totals)
+        loss_sum, count = totals.unbind()
+        return loss_sum / count
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local_t, mine, keep = ctx.saved_tensors
-        dlogits = softmax * keep.unsqueeze(-1).to(softmax.dtype)
-        col = local_t.clamp(0, dlogits.shape[1] - 1).unsqueeze(1)
-        dlogits.scatter_add_(1, col, mine.to(dlogits.dtype).neg_().unsqueeze(1))  # - onehot; misses add -0
-        dlogits.mul_(grad / ctx.count)
+        softmax, col, elsewhere, keep, totals = ctx.saved_tensors
+        scale = keep * (grad / totals[1])  # (N/q, 1): d loss / d logit row
+        dlogits = softmax * scale
+        dlogits.scatter_add_(-1, col, scale.masked_fill(elsewhere, 0).neg_())  # - onehot; other blocks add -0
         return dlogits.to(ctx.dtype), None, None, None
 
 

@@ -1,7 +1,7 @@
 """``LayerNorm2D``: LayerNorm over a hidden dimension split across ``col``.
 
-Rank ``(r, c)`` holds ``x_rc [N/q, h/q]``. Statistics come from local sums ``Σx`` and ``Σx²`` all-reduced
-along ``col`` (one call of ``2 * N/q`` numbers); the backward needs ``Σ dx̂`` and ``Σ dx̂·x̂`` over the full
+Rank ``(r, c)`` holds ``x_rc [N/q, h/q]``. Statistics come from the local moments ``E[x]`` and ``E[x²]`` of
+one fused reduction, all-reduced along ``col`` (one call of ``2 * N/q`` numbers); the backward needs ``Σ dx̂`` and ``Σ dx̂·x̂`` over the full
 hidden size, again one all-reduce along ``col``. Weight and bias ``[h]`` are split over ``col`` and replicated
 over ``row``; their gradients are summed over ``row`` in one all-reduce.
 """
@@ -24,47 +24,61 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _affine(x, mean, rstd, weight, bias) -> torch.Tensor:
-    """``((x - μ) · rstd) · w + b`` in the statistics' dtype, returned in ``x``'s."""
-    xhat = (x.to(mean.dtype) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
-    y = xhat * weight
-    if bias is not None:
-        y = y + bias
-    return y.to(x.dtype)
+def _affine(xhat: torch.Tensor, weight, bias, dtype: torch.dtype) -> torch.Tensor:
+    """``x̂ · w + b`` (one ``addcmul``), in the statistics' dtype, returned in ``dtype``."""
+    y = xhat * weight if bias is None else torch.addcmul(bias, xhat, weight)
+    return y.to(dtype)
+
+
+def _normalized(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """``x̂ = (x - μ) · rstd`` in the statistics' dtype (``mean``, ``rstd``: ``[..., 1]``)."""
+    return (x.to(mean.dtype) - mean).mul_(rstd)
 
 
 @registered("layer_norm_2d")
 class _LayerNormAlongCol(torch.autograd.Function):
-    """``y = (x - μ) / sqrt(σ² + eps) * w + b`` with μ, σ² over the hidden dim split along ``col``."""
+    """``y = (x - μ) / sqrt(σ² + eps) * w + b`` with μ, σ² over the hidden dim split along ``col``.
+
+    Forward: one fused local reduction (``var_mean``) gives the shard's ``E[x]`` and ``E[x²]``, weighted by its share
+    of the hidden size and all-reduced together along ``col``; ``σ² = E[x²] - μ²``. Backward: the two sums of the
+    input gradient stacked into one all-reduce. Statistics stay ``[..., 1]`` (no unsqueeze), pairs are split by
+    ``unbind`` (``tests/test_lean_grid.py`` holds the layer's op counts)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mesh, hidden, eps):
         xf = x.to(_stat_dtype(x.dtype))
-        sums = torch.stack([xf.sum(-1), (xf * xf).sum(-1)])  # (2, N/q)
-        all_reduce_along(sums, mesh, "col")
-        mean = sums[0] / hidden
-        var = (sums[1] / hidden - mean * mean).clamp_min(0)
-        rstd = torch.rsqrt(var + eps)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.mesh, ctx.hidden, ctx.has_bias = mesh, hidden, bias is not None
-        y = _affine(x, mean, rstd, weight, bias)
-        # selective recomputation: rebuilt from what the backward keeps anyway, locally (no all-reduce)
-        return recompute.mark(y, lambda: _affine(x, mean, rstd, weight, bias))
+        var, mean = torch.var_mean(xf, -1, correction=0, keepdim=True)
+        moments = torch.stack([mean, torch.addcmul(var, mean, mean)])  # (2, ..., 1): the shard's E[x], E[x²]
+        if x.shape[-1] != hidden:
+            moments.mul_(x.shape[-1] / hidden)  # its share of the hidden size: the sum over col is the mean
+        all_reduce_along(moments, mesh, "col")
+        mean, mean_sq = moments.unbind(0)
+        rstd = torch.addcmul(mean_sq, mean, mean, value=-1).clamp_min_(0).add_(eps).rsqrt_()
+        xhat = _normalized(xf, mean, rstd)
+        # x̂ is kept in place of x where it costs no more (x already in the statistics' dtype); else x, rebuilt
+        keep = (xhat,) if xf is x else (x, mean)
+        ctx.save_for_backward(weight, rstd, *keep)
+        ctx.mesh, ctx.hidden, ctx.has_bias, ctx.dtype = mesh, hidden, bias is not None, x.dtype
+        y = _affine(xhat, weight, bias, x.dtype)
+        if xf is x:  # selective recomputation: rebuilt from what the backward keeps anyway, locally (no all-reduce)
+            return recompute.mark(y, lambda: _affine(xhat, weight, bias, x.dtype))
+        return recompute.mark(y, lambda: _affine(_normalized(x, mean, rstd), weight, bias, x.dtype))
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, mean, rstd = ctx.saved_tensors
-        g = grad.to(mean.dtype)
-        xhat = (x.to(mean.dtype) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+        weight, rstd, *keep = ctx.saved_tensors
+        x = keep[0]
+        xhat = x if len(keep) == 1 else _normalized(x, keep[1], rstd)
+        g = grad.to(rstd.dtype)
         dxhat = g * weight
-        sums = torch.stack([dxhat.sum(-1), (dxhat * xhat).sum(-1)])  # (2, N/q)
+        sums = torch.stack([dxhat.sum(-1, keepdim=True), (dxhat * xhat).sum(-1, keepdim=True)]).div_(ctx.hidden)
         all_reduce_along(sums, ctx.mesh, "col")
-        mean_d, mean_dx = sums[0] / ctx.hidden, sums[1] / ctx.hidden
-        dx = (dxhat - mean_d.unsqueeze(-1) - xhat * mean_dx.unsqueeze(-1)) * rstd.unsqueeze(-1)
-        flat = (-1, g.shape[-1])
-        dw = (g * xhat).reshape(flat).sum(0).to(weight.dtype)
-        db = g.reshape(flat).sum(0).to(weight.dtype) if ctx.has_bias else None
-        return dx.to(x.dtype), dw, db, None, None, None
+        mean_d, mean_dx = sums.unbind(0)
+        dx = (dxhat - torch.addcmul(mean_d, xhat, mean_dx)).mul_(rstd)
+        rows = tuple(range(g.dim() - 1))
+        dw = (g * xhat).sum(rows).to(weight.dtype)
+        db = g.sum(rows).to(weight.dtype) if ctx.has_bias else None
+        return dx.to(ctx.dtype), dw, db, None, None, None
 
 
 class LayerNorm2D(nn.Module):

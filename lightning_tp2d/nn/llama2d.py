@@ -43,20 +43,21 @@ from lightning_tp2d.summa import summa_ab
 
 def _scale(x, rstd, weight) -> torch.Tensor:
     """``w · (x · rstd)``, normalised in the statistics' dtype and cast back to ``x``'s before the weight multiplies
-    (as :func:`~lightning_tp2d.models.llama.rms_norm`)."""
-    return weight * (x.to(rstd.dtype) * rstd.unsqueeze(-1)).to(x.dtype)
+    (as :func:`~lightning_tp2d.models.llama.rms_norm`); ``rstd`` ``[..., 1]``."""
+    return weight * (x.to(rstd.dtype) * rstd).to(x.dtype)
 
 
 @registered("rms_norm_2d")
 class _RMSNormAlongCol(torch.autograd.Function):
-    """``y = w · x / sqrt(mean(x²) + eps)`` with the mean over the hidden dim split along ``col``."""
+    """``y = w · x / sqrt(mean(x²) + eps)`` with the mean over the hidden dim split along ``col``; the statistics
+    stay ``[..., 1]`` and are finished in place (``tests/test_lean_grid.py`` holds the layer's op counts)."""
 
     @staticmethod
     def forward(ctx, x, weight, mesh, hidden, eps):
         xf = x.to(_stat_dtype(x.dtype))
-        sumsq = (xf * xf).sum(-1)  # (N/q,)
-        all_reduce_along(sumsq, mesh, "col")
-        rstd = torch.rsqrt(sumsq / hidden + eps)
+        rstd = (xf * xf).sum(-1, keepdim=True).div_(hidden)  # (N/q, 1): this shard's part of mean(x²)
+        all_reduce_along(rstd, mesh, "col")
+        rstd.add_(eps).rsqrt_()
         ctx.save_for_backward(x, weight, rstd)
         ctx.mesh, ctx.hidden = mesh, hidden
         y = _scale(x, rstd, weight)
@@ -65,13 +66,14 @@ class _RMSNormAlongCol(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        xhat = x.to(rstd.dtype) * rstd.unsqueeze(-1)
+        xhat = x.to(rstd.dtype) * rstd
         g = grad.to(rstd.dtype)
         dxhat = g * weight.to(rstd.dtype)
-        dot = (dxhat * xhat).sum(-1)  # (N/q,)
+        dot = (dxhat * xhat).sum(-1, keepdim=True).div_(ctx.hidden)  # (N/q, 1)
         all_reduce_along(dot, ctx.mesh, "col")
-        dx = (dxhat - xhat * (dot / ctx.hidden).unsqueeze(-1)) * rstd.unsqueeze(-1)
-        dw = (g * xhat.to(x.dtype).to(rstd.dtype)).reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
+        dx = torch.addcmul(dxhat, xhat, dot, value=-1).mul_(rstd)
+        rows = tuple(range(g.dim() - 1))
+        dw = (g * xhat.to(x.dtype).to(rstd.dtype)).sum(rows).to(weight.dtype)
         return dx.to(x.dtype), dw, None, None, None
 
 
