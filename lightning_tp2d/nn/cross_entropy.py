@@ -53,20 +53,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         all_reduce_along(sums, mesh, "col")
         sum_exp, target_logit = sums.split(1, -1)
 
-        keep = (targets != IGNORE_INDEX).unsqueeze(-1).to(sums.dtype)  # (N/q, 1): 1 for a counted token
+        keep = (targets != IGNORE_INDEX).unsqueeze(-1)  # (N/q, 1): a counted token
         per_token = torch.log(sum_exp).sub_(target_logit).mul_(keep)
-        totals = torch.cat([per_token, keep], -1).sum(0)  # (2,): loss sum, token count
+        totals = torch.cat([per_token, keep.to(per_token.dtype)], -1).sum(0)  # (2,): loss sum, token count
         all_reduce_along(totals, mesh, "row")
 
         exp.div_(sum_exp)  # softmax, in place
-        ctx.save_for_backward(exp, col, elsewhere, keep, totals)
-        loss_sum, count = totals.unbind()
-        return loss_sum / count
+        ctx.save_for_backward(exp, col, elsewhere, keep)
+        loss_sum, ctx.count = totals.unbind()
+        return loss_sum / ctx.count
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, col, elsewhere, keep, totals = ctx.saved_tensors
-        scale = keep * (grad / totals[1])  # (N/q, 1): d loss / d logit row
+        softmax, col, elsewhere, keep = ctx.saved_tensors
+        scale = keep * (grad / ctx.count)  # (N/q, 1): d loss / d logit row
         dlogits = softmax * scale
         dlogits.scatter_add_(-1, col, scale.masked_fill(elsewhere, 0).neg_())  # - onehot; other blocks add -0
         return dlogits.to(ctx.dtype), None, None, None

@@ -52,8 +52,8 @@ class _LayerNormAlongCol(torch.autograd.Function):
         if x.shape[-1] != hidden:
             moments.mul_(x.shape[-1] / hidden)  # its share of the hidden size: the sum over col is the mean
         all_reduce_along(moments, mesh, "col")
-        mean, mean_sq = moments.unbind(0)
-        rstd = torch.addcmul(mean_sq, mean, mean, value=-1).clamp_min_(0).add_(eps).rsqrt_()
+        mean, rstd = moments.unbind(0)  # rstd: E[x²], turned into 1 / sqrt(σ² + eps) in place (μ and it: one storage)
+        rstd.addcmul_(mean, mean, value=-1).clamp_min_(0).add_(eps).rsqrt_()
         xhat = _normalized(xf, mean, rstd)
         # x̂ is kept in place of x where it costs no more (x already in the statistics' dtype); else x, rebuilt
         keep = (xhat,) if xf is x else (x, mean)
