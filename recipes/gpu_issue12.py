@@ -15,10 +15,12 @@
    one rank (size-1 axes: no communication, so only the layers' own code is checked; several ranks on one GPU over
    gloo stage every transfer through the host, which syncs by design).
 4. **Layer overhead** (``layer_overhead``): tokens/s and peak memory of an eager bf16 training step of each layout on
-   one rank (size-1 axes: no communication; what the parallel layers' own code costs) against the plain ``GPT2``,
-   GPT-2 medium at B8 x 1024. The cost model prices a layout's step as the plain model's FLOPs plus communication,
+   one rank (size-1 axes: no communication; what the parallel layers' own code costs) against the plain model,
+   GPT-2 medium at B8 x 1024 and Llama 3.2 1B at B2 x 2048 (``--models``), with the aten ops a step dispatches
+   (:class:`~lightning_tp2d.bench.layer_cost.OpCounter`, the planner's unit of host cost). The cost model prices a layout's step as the plain model's FLOPs plus communication,
    so a layout slower than plain here is slower than priced. ``--profile``: two more steps of each under
-   torch.profiler (host time, GPU kernel time and ops per step; the operator tables beside ``--out``); ``--compile``:
+   torch.profiler (host time, GPU kernel time and ops per step, and host seconds per aten op: what
+   :data:`lightning_tp2d.planning.host_cost.SECONDS_PER_OP` takes; the operator tables beside ``--out``); ``--compile``:
    each model compiled with inductor (the first three steps' time, compilation included, as ``warmup_s``; the
    graph breaks' reasons and count; ``TORCH_LOGS=graph_breaks`` prints where in the code each one is).
 
@@ -28,6 +30,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import datetime
 import json
@@ -193,13 +196,32 @@ def no_host_syncs(args, device) -> dict:
 
 
 def layer_overhead(args, device) -> dict:
-    name, batch, seq, steps = ("gpt2-tiny", 2, 64, 2) if args.smoke else ("gpt2-medium", 8, 1024, 10)
+    """Each ``--models`` entry (default GPT-2 medium at B8 x 1024 and Llama 3.2 1B at B2 x 2048): the layouts' one-rank
+    step against the plain model's (module docstring), with the aten ops of a step as
+    :class:`lightning_tp2d.bench.layer_cost.OpCounter` counts them (collectives apart: the unit of the planner's host
+    price, :mod:`lightning_tp2d.planning.host_cost`) and, profiled, the host seconds per such op."""
+    out = {}
+    for entry in args.models.split(","):
+        name, shape = entry.split(":") if ":" in entry else (entry, "")
+        batch, seq = (int(x) for x in shape.split("x")) if shape else (8, 1024) if name.startswith("gpt2") else (2, 2048)
+        if args.smoke:
+            name, batch, seq = ("gpt2-tiny" if name.startswith("gpt2") else "llama-tiny"), 2, 64
+        out[name] = _layer_overhead_of(args, device, name, batch, seq)
+    return out
+
+
+def _layer_overhead_of(args, device, name: str, batch: int, seq: int) -> dict:
+    from lightning_tp2d.bench.layer_cost import OpCounter
+    from lightning_tp2d.families import family_of_config, model_config
+
+    steps = 2 if args.smoke else 10
     out = {"model": name, "batch": batch, "seq": seq, "compiled": args.compile}
     with _one_rank_group("29572"):
         for layout in ("plain", "2d", "metp", "2d-metp"):
-            cfg = GPT2Config.from_name(name, dropout=0.0)
+            cfg = dataclasses.replace(model_config(name), dropout=0.0)
+            cfg = dataclasses.replace(cfg, block_size=max(cfg.block_size, seq))
             torch.manual_seed(0)
-            model = GPT2(cfg).to(device)
+            model = family_of_config(cfg).model_class(cfg).to(device)
             if layout != "plain":
                 model = tp.parallelize(model, tp.init_mesh(layout, 1, 1, device_type=device.type), layout)
             model.validate_inputs = False
@@ -211,17 +233,22 @@ def layer_overhead(args, device) -> dict:
             x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
             step = _training_step(model, lambda m: m(x, y), device)
             warm_s, seconds = _timed(step, device, steps)
-            out[layout] = {"tokens_per_s": batch * seq * steps / seconds,
+            counter = OpCounter()
+            with counter:  # (compiled: the dispatch mode runs the step eagerly; these are eager's ops)
+                step()
+            out[layout] = {"tokens_per_s": batch * seq * steps / seconds, "seconds_per_step": seconds / steps,
                            "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
-                           "warmup_s": warm_s}
+                           "warmup_s": warm_s, "aten_ops_per_step": counter.cost.total}
             if args.compile:  # distinct reasons dynamo split the graph, with how often each was hit
                 breaks = torch._dynamo.utils.counters["graph_break"]
                 out[layout]["graph_breaks"] = {"hits": sum(breaks.values()), "reasons": len(breaks),
                                                "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                                                "top": [r[:160] for r, _ in breaks.most_common(3)]}
-            print(f"layer_overhead {layout}: {out[layout]}", flush=True)
             if args.profile:
-                out[layout].update(_profiled(step, device, f"{args.out.removesuffix('.json')}_{layout}_profile.txt"))
+                out[layout].update(_profiled(step, device, f"{args.out.removesuffix('.json')}_{name}_{layout}"
+                                                           f"_profile.txt"))
+                out[layout]["host_s_per_aten_op"] = out[layout]["host_s_per_step"] / counter.cost.total
+            print(f"layer_overhead {name} {layout}: {out[layout]}", flush=True)
             del model, step
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -262,6 +289,8 @@ def main() -> None:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     ap.add_argument("--profile", action="store_true", help="layer_overhead: profile two steps of each layout too")
     ap.add_argument("--compile", action="store_true", help="layer_overhead: torch.compile each model (inductor)")
+    ap.add_argument("--models", default="gpt2-medium:8x1024,llama-3.2-1b:2x2048",
+                    help="layer_overhead: NAME[:BATCHxSEQ],... (a registered model size each)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     report = {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(0), "torch": torch.__version__}

@@ -19,7 +19,9 @@ rates from that table. This measures, with CUDA events (:class:`Timer`), median 
    ``attend_block_backward`` (the fused kernel that returns the log-sum-exp): the causal diagonal block ``2c x 2c``
    and an off-diagonal ``2c x c`` half block, ``c`` 1k-8k. Rates in the cost model's convention: 4 FLOPs per visible
    score and head channel forward, 10 backward (flash recomputes the scores).
-3. **Memory bandwidth**: a 1 GiB copy (bytes read + written per second), what elementwise work and the optimizer
+3. **Float8 GEMMs**: the same products through ``torch._scaled_mm`` in ``float8_e4m3fn`` (tensorwise scales, bf16
+   out), beside the bf16 rate of each shape (issue 50's lever).
+4. **Memory bandwidth**: a 1 GiB copy (bytes read + written per second), what elementwise work and the optimizer
    are priced at.
 
 Writes ``--out`` (JSON: every point, the GEMM fit, the attention rate the planner takes -- causal SDPA forward +
@@ -129,6 +131,32 @@ def measure_gemms(device, dtype, timer: Timer, smoke: bool) -> list[dict]:
     return rows
 
 
+def measure_float8_gemms(device, timer: Timer, smoke: bool) -> list[dict]:
+    """The same products in float8 (``torch._scaled_mm``: ``float8_e4m3fn`` operands, one float32 scale each,
+    tensorwise, bf16 out; the right operand column-major, as the kernel wants), beside the bf16 rate of the same
+    shape: what Float8 training (issue 50) would buy per GEMM. Shapes ``_scaled_mm`` refuses (a dimension not a
+    multiple of 16) are recorded with the error."""
+    rows = []
+    fp8 = torch.float8_e4m3fn
+    for label, m, k, n in gemm_shapes(smoke):
+        a = torch.randn(m, k, device=device).to(fp8)
+        b = torch.randn(n, k, device=device).to(fp8).t()  # [k, n], column-major
+        one = torch.ones((), device=device)
+
+        def run():
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+        try:
+            run()
+        except (RuntimeError, NotImplementedError) as err:
+            rows.append({"label": label, "m": m, "k": k, "n": n, "error": str(err).splitlines()[0][:200]})
+            continue
+        seconds = timer(run)
+        rows.append({"label": label, "m": m, "k": k, "n": n, "seconds": seconds,
+                     "flops_per_s": 2.0 * m * k * n / seconds})
+    return rows
+
+
 def _attention_flops(rows: int, cols: int, causal: bool, heads: int, d: int, backward: bool) -> float:
     scores = rows * (rows + 1) / 2 if causal else rows * cols
     per = SCORE_FLOPS["forward"] + (SCORE_FLOPS["backward"] if backward else 0)
@@ -206,6 +234,12 @@ def markdown(result: dict) -> str:
              "| product | m | k | n | TFLOP/s | synchronized each run |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['label']} | {r['m']} | {r['k']} | {r['n']} | {r['flops_per_s'] / 1e12:.3g} | "
               f"{r['synced_flops_per_s'] / 1e12:.3g} |" for r in result["gemm"]]
+    bf16 = {r["label"]: r for r in result["gemm"]}
+    lines += ["", "## Float8 GEMMs (`_scaled_mm`, tensorwise scales, bf16 out)", "",
+              "| product | m | k | n | TFLOP/s | x bf16 |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['label']} | {r['m']} | {r['k']} | {r['n']} | " + (
+        f"{r['flops_per_s'] / 1e12:.3g} | {r['flops_per_s'] / bf16[r['label']]['flops_per_s']:.2f} |"
+        if "error" not in r else f"refused: {r['error'][:60]} | |") for r in result.get("float8_gemm", [])]
     lines += ["", "## Causal SDPA, one sequence", "", "| tokens | forward TFLOP/s | forward + backward TFLOP/s |",
               "|---|---|---|"]
     lines += [f"| {r['seq']} | {r['forward_flops_per_s'] / 1e12:.3g} | {r['step_flops_per_s'] / 1e12:.3g} |"
@@ -235,6 +269,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         result["gemm"] = measure_gemms(device, dtype, timer, args.smoke)
         result["bandwidth"] = measure_bandwidth(device, timer, args.smoke)
+        result["float8_gemm"] = measure_float8_gemms(device, timer, args.smoke)
     result["sdpa"] = measure_sdpa(device, dtype, timer, args.smoke)
     with torch.no_grad():
         result["ring"] = measure_ring_blocks(device, dtype, timer, args.smoke)

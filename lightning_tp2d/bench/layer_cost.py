@@ -152,6 +152,24 @@ def rank_cost(rank: int, world_size: int, layout: str, spec, timed_steps: int = 
     return out
 
 
+def rank_phase_ops(rank: int, world_size: int, layout: str, spec) -> dict:
+    """On each of ``world_size`` ranks: the aten ops (collectives apart) of one micro-batch's forward (with the loss)
+    and backward of the benchmark harness's ``layout`` scenario, counted apart, after a warm-up step. What the
+    planner's host price is made of (:mod:`lightning_tp2d.planning.host_cost`): ``{"forward": n, "backward": n}``."""
+    built = runner._build(layout, spec, spec.seq, world_size)
+    with built.region():
+        built.forward().backward()
+    built.optimizer.zero_grad(set_to_none=True)
+    forward, backward = OpCounter(), OpCounter()
+    with built.region():
+        with forward:
+            loss = built.forward()
+        with backward:
+            loss.backward()
+    built.optimizer.zero_grad(set_to_none=True)
+    return {"forward": forward.cost.total, "backward": backward.cost.total}
+
+
 def eager_seconds(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, steps: int = 10) -> float:
     """Mean wall seconds of an eager training step (after two warm-up steps)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
@@ -163,4 +181,5 @@ def eager_seconds(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, st
     return (time.perf_counter() - start) / steps
 
 
-__all__ = ["COLLECTIVES", "COMPUTE_BOUND", "Cost", "OpCounter", "build", "eager_seconds", "rank_cost", "step_cost"]
+__all__ = ["COLLECTIVES", "COMPUTE_BOUND", "Cost", "OpCounter", "build", "eager_seconds", "rank_cost", "rank_phase_ops",
+           "step_cost"]

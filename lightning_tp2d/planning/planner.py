@@ -48,10 +48,14 @@ How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
   all-gathers the updated slices behind nothing; stages 2 and 3 all-gather each block's bf16 tensor shard (stage 3
   again in the backward, with the root groups resharded after the forward: the baseline's untied embedding, cp's
   root) and reduce-scatter its float32 gradients every micro-batch, each hidden behind the neighbouring block's
-  compute.
+  compute;
+* the host: a micro-batch takes the longer of its GPU time (the parts above) and the host's time to issue its ops
+  (:func:`lightning_tp2d.planning.host_cost.micro_batch_host_seconds`: the aten ops one rank dispatches, measured
+  per block on CPU, times the host seconds an op cost on the H200; torch's own code at the plain model's rate,
+  compiled at none; the layouts' registered ops at their own rate, compiled or not).
 
 Not modelled: pipeline parallelism (the package has none; 405B at 1024 GPUs is where that limits), float8, the
-host (assumed never the bottleneck), allocator fragmentation (memory is live bytes; the 10% margin is for it),
+host's kernel launches under compile, the optimizer's host time, allocator fragmentation (memory is live bytes; the 10% margin is for it),
 contention between the data-parallel and tensor-parallel links.
 """
 
@@ -69,7 +73,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from lightning_tp2d.planning import cache as plan_cache
-from lightning_tp2d.planning import cost_model, memory_model, trace
+from lightning_tp2d.planning import cost_model, host_cost, memory_model, trace
 from lightning_tp2d.planning.cost_model import Hardware, collective_time, data_parallel_all_reduce_time, step_time
 from lightning_tp2d.planning.memory_model import (baseline_activation_bytes, parameter_split,
                                                peak_bytes)
@@ -454,7 +458,10 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     forward_s = micro["compute_s"] * fl["forward"] / fl["total"]
     backward_s = micro["compute_s"] - forward_s
     elementwise_s = passes * saved / hw.hbm_bytes_per_s
-    micro_s = micro["total_s"] + elementwise_s
+    # the host issues the micro-batch's ops while the GPU runs them: the slower of the two (planning.host_cost)
+    issue_s = host_cost.micro_batch_host_seconds(("single" if p == 1 else BASELINE) if baseline else layout, cfg, p,
+                                                 checkpointing, compiled)
+    micro_s = max(micro["total_s"] + elementwise_s, issue_s)
     host = {"copy_s": 0.0, "exposed_s": 0.0}
     if offload:
         memory = offload_memory(memory, cfg, micro_batch, seq, p, gpus_per_node)
@@ -487,7 +494,7 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
              "time_s": {"micro_compute": micro["compute_s"], "micro_tp_exposed": micro["exposed_comm_s"],
                         "micro_elementwise": elementwise_s, "dp_comm": data["comm_s"], "dp_exposed": data["exposed_s"],
                         "optimizer": optimizer_s, "micro_host_copy": host["copy_s"],
-                        "micro_host_exposed": host["exposed_s"]}}
+                        "micro_host_exposed": host["exposed_s"], "micro_host_ops": issue_s}}
     return PlanRow(layout, baseline, p, dp, zero_stage, checkpointing, micro_batch, grad_accum,
                    memory["total"] / GIB, step_s, per_gpu, mfu, async_tp, parts, p // inner if cp else 1, offload,
                    shard_group=shard_group if baseline and shard_group != dp else 0,

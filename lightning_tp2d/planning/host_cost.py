@@ -1,0 +1,118 @@
+"""The host's price of a micro-batch: the aten ops one rank dispatches, times the host seconds an op costs.
+
+An eager GPU step runs ahead of the GPU only while the host issues kernels faster than the GPU runs them: the step
+takes ``max(host, GPU)``. On one H200 (2026-12-04, ``recipes/results/layer_overhead_h200.json``: GPT-2 medium, B8 x
+1024, one rank, no communication) the plain model's host spent 0.068 s a step on 13,630 ops (5.0 us an op) beside
+0.073 s of GPU kernels, while the layouts' own layers spent 6.7-9.2 us an op on 24-33k ops: 0.17-0.26 s, host-bound
+at 0.31-0.53x the plain model's speed. The planner priced neither before (issue 48, part 5); now each row's
+micro-batch is ``max(GPU seconds, host seconds)``:
+
+* **ops**, per rank and micro-batch, forward (with the loss) and backward apart, measured on CPU by
+  :func:`lightning_tp2d.bench.layer_cost.rank_phase_ops` (torch 2.13.0; ops are what the code dispatches, the same
+  on any device): one- and two-block models give the ops of a block and of the rest (embedding, head, loss), at
+  grids of side 2, 3 and 4 and rings of 2, 4 and 8 (:data:`MEASURED_OPS`); other sizes are interpolated (a grid's
+  ops grow linearly with its side: ``q`` SUMMA panels per product) and extrapolated from the last two. ``"full"``
+  checkpointing runs each block's forward again; ``"selective"``'s recomputed recipes (a few elementwise ops a block)
+  are not counted. Shapes move the counts a little (the SUMMA streams a weight column past a size, the ring MLP
+  tiles rows past ``tile_tokens``): two shapes of the ring of 4 differed by 13%;
+* **host seconds per op** (:data:`SECONDS_PER_OP`), from the H200 run: torch's own code (the plain model, and every
+  rival, whose DTensor dispatch was not measured: the rate most favourable to them) at the plain model's 23 us
+  (an op's whole host cost: autograd, Python, the kernel launch); each layout at its own measured rate, 24-35 us
+  (the layers' registered ops and autograd functions: more Python per op);
+* **compiled**: torch's code is captured whole (its host cost is left out, as the kernel launches of every side
+  are); the layouts' registered ops stay opaque and run their ops eagerly inside the graph, priced as eager (the
+  plain parts between them fuse; the only compiled measure, the H200's under torch 2.11 with the graph breaks since
+  fixed, ran the layouts at 0.14-0.16x the compiled plain model, slower than their eager step).
+
+The AdamW step (once per step, fused) is not counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lightning_tp2d.families import family_of_config
+
+# Host seconds per aten op (an op as OpCounter counts it: every dispatch but the collectives), from the H200 run
+# (torch 2.11, one rank, GPT-2 medium, bf16 autocast, fused AdamW): the profiler's host seconds a step over the ops
+# the same step dispatches, counted on CPU (torch 2.13, B1 x 32 tokens; ops do not depend on the tokens) with the
+# code the H200 ran (6c3ef27, whose one-rank layouts ran their general layers): plain 2,977 ops, "2d" 7,461,
+# "metp" 6,302, "2d-metp" 9,251. (The profiler's own overhead is in the seconds, ~14% on the layouts' host-bound
+# steps, whose unprofiled step took 0.23 / 0.18 / 0.21 s: an upper bound, alike for every side.)
+PLAIN_SECONDS_PER_OP = 0.06849 / 2977
+SECONDS_PER_OP = {"2d": 0.26145 / 7461, "metp": 0.17369 / 6302, "2d-metp": 0.22307 / 9251}
+
+# Per rank, (forward, backward) ops of a micro-batch with one block and with two, by axis size (a grid's side, a
+# ring's length; the rivals' do not depend on it): rank_phase_ops on CPU, torch 2.13.0, 2026-12-06, bf16 autocast,
+# B12 x 96 tokens, 12 heads (Llama: 12 key/value heads) so that every side divides them; the rivals with 4 heads
+# (Llama: 8 and 4) on 4 ranks, as torch's 1-D TP needs. The largest rank's count.
+MEASURED_OPS = {
+    "gpt2": {
+        "single": {1: ((69, 106), (111, 186))},
+        "2d": {2: ((235, 317), (367, 533)), 3: ((266, 375), (416, 627)), 4: ((297, 433), (465, 721))},
+        "metp": {2: ((253, 325), (387, 527)), 4: ((413, 566), (647, 916)), 8: ((785, 1126), (1271, 1848))},
+        "2d-metp": {2: ((286, 363), (451, 625)), 3: ((343, 443), (548, 763)), 4: ((399, 522), (643, 899))},
+        "tp1d-sp": {4: ((99, 146), (157, 250))},
+    },
+    "llama": {
+        "single": {1: ((134, 184), (237, 331))},
+        "2d": {2: ((285, 374), (478, 664)), 3: ((331, 456), (557, 806)), 4: ((377, 538), (636, 948))},
+        "metp": {2: ((322, 441), (523, 743)), 4: ((488, 724), (795, 1216)), 8: ((916, 1380), (1531, 2340))},
+        "2d-metp": {2: ((343, 432), (580, 780)), 3: ((415, 536), (707, 966)), 4: ((486, 639), (832, 1150))},
+        "tp1d-sp": {4: ((163, 217), (285, 385))},
+        "cp": {4: ((163, 254), (276, 433))},
+    },
+}
+# rivals with no count of their own: DeepSpeed-Ulysses runs the plain model's ops between its all-to-alls;
+# GPT-2 has no CP baseline of torch's (its CP rows are priced with the plain model's ops too); cp-tp as cp
+_AS = {"ulysses": "single", "cp-tp": "cp", "cp": "cp"}
+GRIDS = ("2d", "2d-metp")
+
+
+def _family(cfg) -> str:
+    return "llama" if family_of_config(cfg).name == "llama" else "gpt2"
+
+
+def _at(points: dict[int, tuple], k: int) -> tuple[float, float, float, float]:
+    """``(fixed forward, fixed backward, block forward, block backward)`` at axis size ``k``: the measured points
+    interpolated linearly, extrapolated from the nearest two."""
+    def split(pair):
+        (f1, b1), (f2, b2) = pair
+        return (2 * f1 - f2, 2 * b1 - b2, f2 - f1, b2 - b1)
+
+    ks = sorted(points)
+    if len(ks) == 1 or k in points:
+        return split(points[k if k in points else ks[0]])
+    lo, hi = (ks[0], ks[1]) if k < ks[0] else (ks[-2], ks[-1]) if k > ks[-1] else \
+        max((a, b) for a, b in zip(ks, ks[1:]) if a <= k)
+    a, b = split(points[lo]), split(points[hi])
+    t = (k - lo) / (hi - lo)
+    return tuple(x + t * (y - x) for x, y in zip(a, b))
+
+
+def micro_batch_ops(layout: str, cfg, p: int, checkpointing: str = "none") -> float:
+    """Aten ops one rank dispatches for one micro-batch (forward with the loss, backward, ``"full"``'s recomputed
+    forwards) of ``cfg`` (its ``n_layer`` blocks) under ``layout`` on ``p`` tensor-parallel ranks: a package layout,
+    ``"single"`` / ``"tp1d-sp"`` / ``"cp"`` / ``"cp-tp"`` / ``"ulysses"``."""
+    table = MEASURED_OPS[_family(cfg)]
+    name = _AS.get(layout, layout)
+    if name not in table:
+        name = "single"
+    k = math.isqrt(p) if layout in GRIDS else p
+    fixed_f, fixed_b, block_f, block_b = _at(table[name], k if name in GRIDS + ("metp",) else min(table[name]))
+    recompute = block_f if checkpointing == "full" else 0.0
+    return fixed_f + fixed_b + cfg.n_layer * (block_f + block_b + recompute)
+
+
+def micro_batch_host_seconds(layout: str, cfg, p: int, checkpointing: str = "none", compiled: bool = False) -> float:
+    """Host seconds of one micro-batch (module docstring): :func:`micro_batch_ops` times the layout's
+    :data:`SECONDS_PER_OP`, torch's own code at :data:`PLAIN_SECONDS_PER_OP`; compiled, torch's code costs none
+    and the layouts' opaque registered ops their eager price."""
+    ours = layout in SECONDS_PER_OP
+    if compiled and not ours:
+        return 0.0
+    return micro_batch_ops(layout, cfg, p, checkpointing) * (SECONDS_PER_OP[layout] if ours else PLAIN_SECONDS_PER_OP)
+
+
+__all__ = ["GRIDS", "MEASURED_OPS", "PLAIN_SECONDS_PER_OP", "SECONDS_PER_OP", "micro_batch_host_seconds",
+           "micro_batch_ops"]
