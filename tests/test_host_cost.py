@@ -20,7 +20,7 @@ def test_measured_sizes_give_the_measured_ops_and_other_sizes_lie_on_the_lines_b
         family = "llama" if name.startswith("llama") else "gpt2"
         for layout, points in host_cost.MEASURED_OPS[family].items():
             for k, ((f1, b1), (f2, b2)) in points.items():
-                p = k * k if layout in host_cost.GRIDS else k
+                p = k * k if layout in ("2d", "2d-metp") else k  # (a grid of side k)
                 for n_layer, total in ((1, f1 + b1), (2, f2 + b2)):
                     assert host_cost.micro_batch_ops(layout, dataclasses.replace(cfg, n_layer=n_layer), p) == total
     cfg = model_config("gpt2-tiny")

@@ -29,9 +29,8 @@ The AdamW step (once per step, fused) is not counted.
 
 from __future__ import annotations
 
-import math
-
 from lightning_tp2d.families import family_of_config
+from lightning_tp2d.layouts import get_layout, layout_names
 
 # Host seconds per aten op (an op as OpCounter counts it: every dispatch but the collectives), from the H200 run
 # (torch 2.11, one rank, GPT-2 medium, bf16 autocast, fused AdamW): the profiler's host seconds a step over the ops
@@ -66,7 +65,6 @@ MEASURED_OPS = {
 # rivals with no count of their own: DeepSpeed-Ulysses runs the plain model's ops between its all-to-alls;
 # GPT-2 has no CP baseline of torch's (its CP rows are priced with the plain model's ops too); cp-tp as cp
 _AS = {"ulysses": "single", "cp-tp": "cp", "cp": "cp"}
-GRIDS = ("2d", "2d-metp")
 
 
 def _family(cfg) -> str:
@@ -95,11 +93,12 @@ def micro_batch_ops(layout: str, cfg, p: int, checkpointing: str = "none") -> fl
     forwards) of ``cfg`` (its ``n_layer`` blocks) under ``layout`` on ``p`` tensor-parallel ranks: a package layout,
     ``"single"`` / ``"tp1d-sp"`` / ``"cp"`` / ``"cp-tp"`` / ``"ulysses"``."""
     table = MEASURED_OPS[_family(cfg)]
-    name = _AS.get(layout, layout)
-    if name not in table:
-        name = "single"
-    k = math.isqrt(p) if layout in GRIDS else p
-    fixed_f, fixed_b, block_f, block_b = _at(table[name], k if name in GRIDS + ("metp",) else min(table[name]))
+    if layout in layout_names():  # by the layout's axis size: a grid's side, a ring's length
+        points, k = table[layout], get_layout(layout).side(p)
+    else:  # a rival's count does not depend on its size
+        points = table.get(_AS.get(layout, layout), table["single"])
+        k = min(points)
+    fixed_f, fixed_b, block_f, block_b = _at(points, k)
     recompute = block_f if checkpointing == "full" else 0.0
     return fixed_f + fixed_b + cfg.n_layer * (block_f + block_b + recompute)
 
@@ -114,5 +113,5 @@ def micro_batch_host_seconds(layout: str, cfg, p: int, checkpointing: str = "non
     return micro_batch_ops(layout, cfg, p, checkpointing) * (SECONDS_PER_OP[layout] if ours else PLAIN_SECONDS_PER_OP)
 
 
-__all__ = ["GRIDS", "MEASURED_OPS", "PLAIN_SECONDS_PER_OP", "SECONDS_PER_OP", "micro_batch_host_seconds",
+__all__ = ["MEASURED_OPS", "PLAIN_SECONDS_PER_OP", "SECONDS_PER_OP", "micro_batch_host_seconds",
            "micro_batch_ops"]
