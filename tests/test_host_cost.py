@@ -88,3 +88,17 @@ def test_the_table_is_what_the_code_dispatches_now():
         worst = max(ranks, key=lambda c: c["forward"] + c["backward"])
         measured.append((worst["forward"], worst["backward"]))
     assert tuple(measured) == host_cost.MEASURED_OPS["gpt2"]["2d"][2]
+
+
+def test_a_host_bound_row_says_so_in_the_table():
+    cfg = model_config("llama-3.1-8b")
+    common = dict(dp=1, zero_stage=0, checkpointing="none", grad_accum=1, hw=H100_NVLINK4_NDR, gpus_per_node=8,
+                  compiled=True)
+    short = planner.price(cfg, layout="metp", p=8, micro_batch=1, seq=4096, **common)  # little GPU work a micro-batch
+    long = planner.price(cfg, layout="metp", p=8, micro_batch=1, seq=131072, **common)
+    assert short.host_bound and not long.host_bound
+    assert short.step_s == pytest.approx(short.parts["time_s"]["micro_host_ops"] + short.parts["time_s"]["optimizer"]
+                                         + short.parts["time_s"]["dp_exposed"])
+    text = planner.table([short, long])
+    assert text.splitlines()[2].count("(host)") == 1 and "(host)" not in text.splitlines()[3]
+    assert short.describe().endswith(", host-bound") and not long.describe().endswith("host-bound")

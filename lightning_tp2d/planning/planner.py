@@ -162,11 +162,20 @@ class PlanRow:
             return f"{data or 'one GPU'} (no TP){loss}"
         return f"1-D TP+SP{' (async)' if self.async_tp else ''}{f' x {data}' if data else ''}{loss}"
 
+    @property
+    def host_bound(self) -> bool:
+        """The host's time to issue a micro-batch's ops is longer than the GPU's work on it (``micro_host_ops``,
+        :mod:`lightning_tp2d.planning.host_cost`): the step waits on the host."""
+        t = self.parts.get("time_s", {})
+        gpu = t.get("micro_compute", 0.0) + t.get("micro_tp_exposed", 0.0) + t.get("micro_elementwise", 0.0)
+        return t.get("micro_host_ops", 0.0) > gpu
+
     def describe(self) -> str:
         return (f"{self.label} p={self.tensor_parallel_size} dp={self.data_parallel_size} "
                 f"zero={self.zero_stage} ckpt={self.checkpointing} micro={self.micro_batch}x{self.grad_accum}"
                 f"{' offload' if self.activation_offload else ''}: {self.memory_gib:.1f} GiB, "
-                f"{self.tokens_per_s_per_gpu:,.0f} tok/s/GPU, MFU {self.mfu:.1%}")
+                f"{self.tokens_per_s_per_gpu:,.0f} tok/s/GPU, MFU {self.mfu:.1%}"
+                f"{', host-bound' if self.host_bound else ''}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -873,13 +882,14 @@ def _deepest(cfg, candidate, seq: int, cap: float, found: dict) -> dict:
 
 def table(rows: list[PlanRow], limit: int | None = 12) -> str:
     """A markdown table of ``rows`` (the first ``limit``), each named by :attr:`PlanRow.label`: two rows whose
-    configuration columns read the same are the same configuration."""
+    configuration columns read the same are the same configuration; a step the host's time sets
+    (:attr:`PlanRow.host_bound`) reads ``(host)``."""
     head = ("| # | configuration | p | dp | ZeRO | checkpointing | micro x accum | GiB/GPU | step s | tok/s/GPU | MFU |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for i, r in enumerate(rows[:limit] if limit else rows, 1):
         lines.append(f"| {i} | {r.label} | {r.tensor_parallel_size} | {r.data_parallel_size} | {r.zero_stage} | "
-                     f"{r.checkpointing}{' + offload' if r.activation_offload else ''} | {r.micro_batch} x {r.grad_accum} | {r.memory_gib:.1f} | {r.step_s:.2f} | "
+                     f"{r.checkpointing}{' + offload' if r.activation_offload else ''} | {r.micro_batch} x {r.grad_accum} | {r.memory_gib:.1f} | {r.step_s:.2f}{' (host)' if r.host_bound else ''} | "
                      f"{r.tokens_per_s_per_gpu:,.0f} | {r.mfu:.1%} |")
     return "\n".join(lines)
 
