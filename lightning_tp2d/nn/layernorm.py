@@ -1,9 +1,9 @@
 """``LayerNorm2D``: LayerNorm over a hidden dimension split across ``col``.
 
 Rank ``(r, c)`` holds ``x_rc [N/q, h/q]``. Statistics come from the local moments ``E[x]`` and ``E[x²]`` of
-one fused reduction, all-reduced along ``col`` (one call of ``2 * N/q`` numbers); the backward needs ``Σ dx̂`` and ``Σ dx̂·x̂`` over the full
-hidden size, again one all-reduce along ``col``. Weight and bias ``[h]`` are split over ``col`` and replicated
-over ``row``; their gradients are summed over ``row`` in one all-reduce.
+one fused reduction, all-reduced along ``col`` (one call of ``2 * N/q`` numbers); the backward needs ``Σ dx̂`` and
+``Σ dx̂·x̂`` over the full hidden size, again one all-reduce along ``col``. Weight and bias ``[h]`` are split over
+``col`` and replicated over ``row``; their gradients are summed over ``row`` in one all-reduce.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class _LayerNormAlongCol(torch.autograd.Function):
         if x.shape[-1] != hidden:
             moments.mul_(x.shape[-1] / hidden)  # its share of the hidden size: the sum over col is the mean
         all_reduce_along(moments, mesh, "col")
-        mean, rstd = moments.unbind(0)  # rstd: E[x²], turned into 1 / sqrt(σ² + eps) in place (μ and it: one storage)
+        mean, rstd = moments.unbind(0)  # rstd: E[x²], made 1 / sqrt(σ² + eps) in place (μ and it: one storage)
         rstd.addcmul_(mean, mean, value=-1).clamp_min_(0).add_(eps).rsqrt_()
         xhat = _normalized(xf, mean, rstd)
         # x̂ is kept in place of x where it costs no more (x already in the statistics' dtype); else x, rebuilt

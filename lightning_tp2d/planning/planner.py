@@ -55,8 +55,8 @@ How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
   compiled at none; the layouts' registered ops at their own rate, compiled or not).
 
 Not modelled: pipeline parallelism (the package has none; 405B at 1024 GPUs is where that limits), float8, the
-host's kernel launches under compile, the optimizer's host time, allocator fragmentation (memory is live bytes; the 10% margin is for it),
-contention between the data-parallel and tensor-parallel links.
+host's kernel launches under compile, the optimizer's host time, allocator fragmentation (memory is live bytes; the
+10% margin is for it), contention between the data-parallel and tensor-parallel links.
 """
 
 from __future__ import annotations
@@ -888,9 +888,10 @@ def table(rows: list[PlanRow], limit: int | None = 12) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for i, r in enumerate(rows[:limit] if limit else rows, 1):
+        offload, host = " + offload" if r.activation_offload else "", " (host)" if r.host_bound else ""
         lines.append(f"| {i} | {r.label} | {r.tensor_parallel_size} | {r.data_parallel_size} | {r.zero_stage} | "
-                     f"{r.checkpointing}{' + offload' if r.activation_offload else ''} | {r.micro_batch} x {r.grad_accum} | {r.memory_gib:.1f} | {r.step_s:.2f}{' (host)' if r.host_bound else ''} | "
-                     f"{r.tokens_per_s_per_gpu:,.0f} | {r.mfu:.1%} |")
+                     f"{r.checkpointing}{offload} | {r.micro_batch} x {r.grad_accum} | {r.memory_gib:.1f} | "
+                     f"{r.step_s:.2f}{host} | {r.tokens_per_s_per_gpu:,.0f} | {r.mfu:.1%} |")
     return "\n".join(lines)
 
 
