@@ -29,42 +29,28 @@ The AdamW step (once per step, fused) is not counted.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import get_layout, layout_names
 
-# Host seconds per aten op (an op as OpCounter counts it: every dispatch but the collectives), from the H200 run
-# (torch 2.11, one rank, GPT-2 medium, bf16 autocast, fused AdamW): the profiler's host seconds a step over the ops
-# the same step dispatches, counted on CPU (torch 2.13, B1 x 32 tokens; ops do not depend on the tokens) with the
-# code the H200 ran (6c3ef27, whose one-rank layouts ran their general layers): plain 2,977 ops, "2d" 7,461,
-# "metp" 6,302, "2d-metp" 9,251. (The profiler's own overhead is in the seconds, ~14% on the layouts' host-bound
-# steps, whose unprofiled step took 0.23 / 0.18 / 0.21 s: an upper bound, alike for every side.)
-PLAIN_SECONDS_PER_OP = 0.06849 / 2977
-SECONDS_PER_OP = {"2d": 0.26145 / 7461, "metp": 0.17369 / 6302, "2d-metp": 0.22307 / 9251}
-
-# Per rank, (forward, backward) ops of a micro-batch with one block and with two, by axis size (a grid's side, a
-# ring's length; the rivals' do not depend on it): rank_phase_ops on CPU, torch 2.13.0, 2026-12-06, bf16 autocast,
-# B12 x 96 tokens, 12 heads (Llama: 12 key/value heads) so that every side divides them; the rivals with 4 heads
-# (Llama: 8 and 4) on 4 ranks, as torch's 1-D TP needs. The largest rank's count.
-MEASURED_OPS = {
-    "gpt2": {
-        "single": {1: ((69, 106), (111, 186))},
-        "2d": {2: ((235, 317), (367, 533)), 3: ((266, 375), (416, 627)), 4: ((297, 433), (465, 721))},
-        "metp": {2: ((253, 325), (387, 527)), 4: ((413, 566), (647, 916)), 8: ((785, 1126), (1271, 1848))},
-        "2d-metp": {2: ((286, 363), (451, 625)), 3: ((343, 443), (548, 763)), 4: ((399, 522), (643, 899))},
-        "tp1d-sp": {4: ((99, 146), (157, 250))},
-    },
-    "llama": {
-        "single": {1: ((134, 184), (237, 331))},
-        "2d": {2: ((285, 374), (478, 664)), 3: ((331, 456), (557, 806)), 4: ((377, 538), (636, 948))},
-        "metp": {2: ((322, 441), (523, 743)), 4: ((488, 724), (795, 1216)), 8: ((916, 1380), (1531, 2340))},
-        "2d-metp": {2: ((343, 432), (580, 780)), 3: ((415, 536), (707, 966)), 4: ((486, 639), (832, 1150))},
-        "tp1d-sp": {4: ((163, 217), (285, 385))},
-        "cp": {4: ((163, 254), (276, 433))},
-    },
-}
-# rivals with no count of their own: DeepSpeed-Ulysses runs the plain model's ops between its all-to-alls;
-# GPT-2 has no CP baseline of torch's (its CP rows are priced with the plain model's ops too); cp-tp as cp
-_AS = {"ulysses": "single", "cp-tp": "cp", "cp": "cp"}
+# The measurements (host_ops.json beside this module, with how each was taken): host seconds per aten op (an op as
+# OpCounter counts it: every dispatch but the collectives) from the H200 run, and per rank the (forward, backward)
+# ops of a micro-batch with one block and with two, by axis size (a grid's side, a ring's length; the rivals' do not
+# depend on it).
+_DATA = json.loads((Path(__file__).parent / "host_ops.json").read_text())
+_RATES = _DATA["seconds_per_op"]
+_PLAIN = "plain"
+PLAIN_SECONDS_PER_OP = _RATES["host_s_per_step"][_PLAIN] / _RATES["aten_ops_per_step"][_PLAIN]
+SECONDS_PER_OP = {name: _RATES["host_s_per_step"][name] / ops
+                  for name, ops in _RATES["aten_ops_per_step"].items() if name != _PLAIN}
+MEASURED_OPS = {family: {name: {int(k): (tuple(one), tuple(two)) for k, (one, two) in points.items()}
+                         for name, points in table.items()}
+                for family, table in _DATA["ops"]["counts"].items()}
+# rivals with no count of their own: DeepSpeed-Ulysses runs the plain model's ops between its all-to-alls; cp-tp as
+# cp; a rival a family has no count for (GPT-2 has no CP baseline of torch's), the plain model's
+_AS = {"ulysses": "single", "cp-tp": "cp"}
 
 
 def _family(cfg) -> str:
