@@ -2,9 +2,9 @@
 
 An eager GPU step runs ahead of the GPU only while the host issues kernels faster than the GPU runs them: the step
 takes ``max(host, GPU)``. On one H200 (2026-12-04, ``recipes/results/layer_overhead_h200.json``: GPT-2 medium, B8 x
-1024, one rank, no communication) the plain model's host spent 0.068 s a step on 13,630 ops (5.0 us an op) beside
-0.073 s of GPU kernels, while the layouts' own layers spent 6.7-9.2 us an op on 24-33k ops: 0.17-0.26 s, host-bound
-at 0.31-0.53x the plain model's speed. The planner priced neither before (issue 48, part 5); now each row's
+1024, one rank, no communication) the plain model's host spent 0.068 s a step beside 0.073 s of GPU kernels, while
+the layouts' own layers spent 0.17-0.26 s of host a step: host-bound at 0.31-0.53x the plain model's speed. (That
+run counted 13.6-33.3k profiler events a step; the same steps dispatch 3.0-9.3k aten ops, the unit here.) The planner priced neither before (issue 48, part 5); now each row's
 micro-batch is ``max(GPU seconds, host seconds)``:
 
 * **ops**, per rank and micro-batch, forward (with the loss) and backward apart, measured on CPU by
@@ -29,6 +29,7 @@ The AdamW step (once per step, fused) is not counted.
 
 from __future__ import annotations
 
+import bisect
 import json
 from pathlib import Path
 
@@ -53,10 +54,6 @@ MEASURED_OPS = {family: {name: {int(k): (tuple(one), tuple(two)) for k, (one, tw
 _AS = {"ulysses": "single", "cp-tp": "cp"}
 
 
-def _family(cfg) -> str:
-    return "llama" if family_of_config(cfg).name == "llama" else "gpt2"
-
-
 def _at(points: dict[int, tuple], k: int) -> tuple[float, float, float, float]:
     """``(fixed forward, fixed backward, block forward, block backward)`` at axis size ``k``: the measured points
     interpolated linearly, extrapolated from the nearest two."""
@@ -67,8 +64,8 @@ def _at(points: dict[int, tuple], k: int) -> tuple[float, float, float, float]:
     ks = sorted(points)
     if len(ks) == 1 or k in points:
         return split(points[k if k in points else ks[0]])
-    lo, hi = (ks[0], ks[1]) if k < ks[0] else (ks[-2], ks[-1]) if k > ks[-1] else \
-        max((a, b) for a, b in zip(ks, ks[1:]) if a <= k)
+    i = min(max(bisect.bisect(ks, k), 1), len(ks) - 1)  # the segment holding k, or the end one nearest it
+    lo, hi = ks[i - 1], ks[i]
     a, b = split(points[lo]), split(points[hi])
     t = (k - lo) / (hi - lo)
     return tuple(x + t * (y - x) for x, y in zip(a, b))
@@ -78,7 +75,7 @@ def micro_batch_ops(layout: str, cfg, p: int, checkpointing: str = "none") -> fl
     """Aten ops one rank dispatches for one micro-batch (forward with the loss, backward, ``"full"``'s recomputed
     forwards) of ``cfg`` (its ``n_layer`` blocks) under ``layout`` on ``p`` tensor-parallel ranks: a package layout,
     ``"single"`` / ``"tp1d-sp"`` / ``"cp"`` / ``"cp-tp"`` / ``"ulysses"``."""
-    table = MEASURED_OPS[_family(cfg)]
+    table = MEASURED_OPS[family_of_config(cfg).name]
     if layout in layout_names():  # by the layout's axis size: a grid's side, a ring's length
         points, k = table[layout], get_layout(layout).side(p)
     else:  # a rival's count does not depend on its size
