@@ -41,7 +41,7 @@ import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_tp2d import recompute
+from lightning_tp2d import fused_adam, recompute
 from lightning_tp2d.families import family_of, model_names
 from lightning_tp2d.layouts import DEFAULT_LAYOUT, Layout, ParallelHandle, get_layout
 from lightning_tp2d.offload import ActivationOffloader
@@ -86,6 +86,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAU
     spec.check_tensor_parallel_size(p)
     family.plan(spec)  # a family without a plan for this layout is refused before anything changes
     register_mesh(mesh)  # the registered ops find it again under torch.compile
+    fused_adam.install()  # the fused AdamW step on the DTensor parameters at the plain tensors' host cost
     family.check_model(spec, p, model.config)  # dropout is refused by ring layers in training
     # A model built on the meta device is materialised one module at a time, on CPU, initialised in
     # init_weights' order (so a seed gives the same weights as an eager build) and then sharded: no rank

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -152,6 +153,36 @@ def rank_cost(rank: int, world_size: int, layout: str, spec, timed_steps: int = 
     return out
 
 
+def interleaved_seconds(rank: int, world_size: int, layouts: tuple[str, ...], spec, rounds: int = 10,
+                        steps: int = 5) -> dict:
+    """On each of ``world_size`` ranks: every one of ``layouts`` built in this one process
+    (:func:`~lightning_tp2d.bench.runner._build` with ``spec``: its optimizer, ``spec.compile``), warmed up, then timed
+    in ``rounds`` alternating rounds of ``steps`` training steps each, so that a slow spell of a shared machine falls
+    on every layout alike. ``{layout: {"min": s, "median": s}}``: seconds per step, the fastest round's and the
+    median round's."""
+    steps_of = {}
+    for layout in layouts:
+        built = runner._build(layout, spec, spec.seq, world_size)
+
+        def step(built=built) -> None:
+            with built.region():
+                built.forward().backward()
+            built.optimizer.step()
+            built.optimizer.zero_grad(set_to_none=True)
+
+        for _ in range(3):  # (compiled: the graph is made in the first)
+            step()
+        steps_of[layout] = step
+    times: dict[str, list[float]] = {layout: [] for layout in layouts}
+    for _ in range(rounds):
+        for layout, step in steps_of.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times[layout].append((time.perf_counter() - start) / steps)
+    return {layout: {"min": min(t), "median": statistics.median(t)} for layout, t in times.items()}
+
+
 def rank_phase_ops(rank: int, world_size: int, layout: str, spec) -> dict:
     """On each of ``world_size`` ranks: the aten ops (collectives apart) of one micro-batch's forward (with the loss)
     and backward of the benchmark harness's ``layout`` scenario, counted apart, after a warm-up step. What the
@@ -181,5 +212,5 @@ def eager_seconds(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, st
     return (time.perf_counter() - start) / steps
 
 
-__all__ = ["COLLECTIVES", "COMPUTE_BOUND", "Cost", "OpCounter", "build", "eager_seconds", "rank_cost", "rank_phase_ops",
-           "step_cost"]
+__all__ = ["COLLECTIVES", "COMPUTE_BOUND", "Cost", "OpCounter", "build", "eager_seconds", "interleaved_seconds",
+           "rank_cost", "rank_phase_ops", "step_cost"]

@@ -97,6 +97,9 @@ class BenchSpec:
     compile: str = ""  # a torch.compile backend ("inductor", "aot_eager"): compile the model after sharding
     activation_checkpointing: str = "none"  # for the package's layouts: none | full | selective
     cp_tp_size: int = 2  # cp-tp: the 1-D TP + SP size t inside p (CP over p / t ranks, adjacent ranks in a TP group)
+    # every scenario's AdamW: "torch" its default implementation (the for-loop on CPU, foreach on CUDA), "fused" the
+    # fused kernel (what CausalLMModule configures)
+    optimizer: str = "torch"
 
     def config(self, seq: int | None = None):
         seq = self.seq if seq is None else seq
@@ -244,6 +247,16 @@ class _Built:
     fsdp: bool = False
 
 
+OPTIMIZERS = ("torch", "fused")
+
+
+def _adamw(params, spec: BenchSpec) -> torch.optim.Optimizer:
+    """The scenario's AdamW (``spec.optimizer``), the same on every side."""
+    if spec.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={spec.optimizer!r} is not one of {', '.join(map(repr, OPTIMIZERS))}")
+    return torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if spec.optimizer == "fused" else {}))
+
+
 def _context_parallel(layout: str, spec: BenchSpec, model: Llama, world_size: int, device: torch.device,
                       idx: torch.Tensor, targets: torch.Tensor) -> _Built:
     """``cp`` / ``cp-tp`` on this rank (:mod:`~lightning_tp2d.baselines.context_parallel`): the region shards the
@@ -251,7 +264,7 @@ def _context_parallel(layout: str, spec: BenchSpec, model: Llama, world_size: in
     n_cp, tp = cp_sizes(layout, world_size, spec)
     mesh = cp.init_cp_mesh(n_cp, tp, device_type=device.type)
     cp.parallelize_cp(model, mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = _adamw(model.parameters(), spec)
     shards: dict[str, torch.Tensor] = {}
 
     @contextlib.contextmanager
@@ -271,7 +284,7 @@ def _ulysses(spec: BenchSpec, model: Llama, world_size: int, idx: torch.Tensor, 
     registered = ulysses.ulysses_attention(lm, world_size, idx.size(0), seq)
     sp_group = registered.__enter__()  # for the process's life: every step runs Ulysses
     lm.ulysses_registration = registered  # a collected context would run its exit and unregister
-    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4)
+    optimizer = _adamw(lm.parameters(), spec)
     return _Built(lm, optimizer, lambda: ulysses.sequence_loss(lm, idx, targets, rank, world_size),
                   loss_value=lambda loss: ulysses.mean_loss(loss, world_size).item(),
                   groups=ulysses.group_sizes(sp_group, lm.fsdp_mesh), fsdp=True)
@@ -321,9 +334,9 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int) -> _Built:
             model.validate_inputs = False  # the ids are drawn in range; value checks would read the device
         model.compile(backend=spec.compile, dynamic=False)
     if layout in TP1D:  # DTensor and plain parameters in separate groups (CUDA foreach kernels refuse a mix)
-        optimizer = torch.optim.AdamW(param_groups_1d(model), lr=1e-4)
+        optimizer = _adamw(param_groups_1d(model), spec)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        optimizer = _adamw(model.parameters(), spec)
 
     def forward():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.dtype == "bfloat16"):

@@ -1,7 +1,7 @@
 """The layouts' own layers against the plain model, per training step, on CPU processes (gloo): aten ops dispatched,
 bytes moved by memory-bound ops, eager (and with ``--compile``, inductor-compiled) seconds. Issue 48's measure.
 
-    python recipes/benchmarks/layer_overhead.py [--out recipes/benchmarks/layer_overhead] [--steps 20] [--compile]
+    python recipes/benchmarks/layer_overhead.py [--out recipes/benchmarks/layer_overhead] [--rounds 15] [--compile]
 
 * **One rank** (size-1 axes: a 1x1 grid, a ring of one; no communication): each layout's step against the plain
   model's (``single``), for gpt2-tiny and llama-tiny in 2 blocks on B2 x 64 tokens (an overhead-bound shape: the
@@ -11,10 +11,13 @@ bytes moved by memory-bound ops, eager (and with ``--compile``, inductor-compile
   memory-bound bytes times 4, against the plain model on one process with the same global batch, beside torch's
   own 1-D TP + SP (``tp1d-sp``) on the same ranks and, for Llama, torch's context parallelism (``cp``).
 
-Every step: forward, backward, AdamW (the for-loop kernel: the same on every side), zero_grad, counted with
-:class:`lightning_tp2d.bench.layer_cost.OpCounter` after a warm-up step. Writes ``results.json`` and
-``results.md`` into ``--out``. The counts are deterministic for a torch build; the seconds are this machine's
-(2 CPU cores, shared by the ranks at four ranks).
+Every step: forward, backward, AdamW, zero_grad. Ops and bytes are counted with
+:class:`lightning_tp2d.bench.layer_cost.OpCounter` after a warm-up step, with AdamW's for-loop (the same on every
+side). One-rank seconds are timed with every layout built in one process, in alternating rounds (the fastest round
+is reported: this shared 2-core machine's step times drift by 2x from run to run), with AdamW's for-loop and with the
+fused AdamW that ``CausalLMModule`` configures (a fused step over DTensor parameters takes the local shards:
+:mod:`lightning_tp2d.fused_adam`). Writes ``results.json`` and ``results.md`` into ``--out``. The counts are
+deterministic for a torch build; the seconds are this machine's (2 CPU cores).
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import argparse
 import json
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from lightning_tp2d.bench.layer_cost import rank_cost
+from lightning_tp2d.bench.layer_cost import interleaved_seconds, rank_cost
 from lightning_tp2d.bench.procs import run_ranks
 from lightning_tp2d.bench.runner import BenchSpec
 
@@ -42,20 +46,32 @@ def _run(layout: str, world: int, spec: BenchSpec, steps: int) -> list[dict]:
     return result.values
 
 
-def one_rank(model: str, steps: int, compile_backend: str) -> dict:
-    spec = BenchSpec(model=model, overrides={"n_layer": 2, "dropout": 0.0}, batch=2, seq=64, compile=compile_backend)
-    rows = {}
-    for layout in ("single", *LAYOUTS):
-        (cost,) = _run(layout, 1, spec, steps)
-        rows[layout] = cost
-        print(f"one rank {model} {layout}{' compiled' if compile_backend else ''}: {cost['total']} ops, "
-              f"{cost['bytes'] / 1e6:.2f} MB, {cost.get('seconds', 0) * 1e3:.1f} ms", flush=True)
+def one_rank(model: str, rounds: int, compiled: bool) -> dict:
+    """Ops and bytes of each layout's step (counted apart, one process each, AdamW's for-loop), and its seconds timed
+    in one process for all layouts (:func:`~lightning_tp2d.bench.layer_cost.interleaved_seconds`): eager with the
+    for-loop AdamW and with the fused one (what CausalLMModule configures), and with ``compiled`` the inductor-compiled
+    step with the fused one."""
+    spec = BenchSpec(model=model, overrides={"n_layer": 2, "dropout": 0.0}, batch=2, seq=64)
+    layouts = ("single", *LAYOUTS)
+    rows = {layout: _run(layout, 1, spec, 0)[0] for layout in layouts}
+    timings = {"seconds": replace(spec, optimizer="torch"), "seconds_fused": replace(spec, optimizer="fused")}
+    if compiled:
+        timings["seconds_compiled"] = replace(spec, optimizer="fused", compile="inductor")
+    for key, timed in timings.items():
+        result = run_ranks(interleaved_seconds, 1, layouts, timed, rounds, timeout=1800.0, tracebacks=True)
+        if not result.ok:
+            raise RuntimeError(f"{model} timed ({key}): {result.reason}")
+        for layout, t in result.values[0].items():
+            rows[layout][key] = t["min"]
+            rows[layout][key + "_median"] = t["median"]
     plain = rows["single"]
-    for cost in rows.values():
+    for layout, cost in rows.items():
         cost["ops_x"] = cost["total"] / plain["total"]
         cost["bytes_x"] = cost["bytes"] / plain["bytes"]
-        if "seconds" in cost:
-            cost["seconds_x"] = cost["seconds"] / plain["seconds"]
+        for key in timings:
+            cost[key + "_x"] = cost[key] / plain[key]
+        print(f"one rank {model} {layout}: {cost['total']} ops, {cost['bytes'] / 1e6:.2f} MB, "
+              + ", ".join(f"{key} {cost[key] * 1e3:.2f} ms ({cost[key + '_x']:.2f}x)" for key in timings), flush=True)
     return rows
 
 
@@ -84,17 +100,21 @@ def four_ranks(model: str) -> dict:
 def markdown(results: dict) -> str:
     lines = [f"# The layouts' own cost per training step ({results['date']}, torch {results['torch']}, "
              f"{results['machine']})", "",
-             "One rank (size-1 axes), B2 x 64 tokens, 2 blocks: against the plain model (`single`).", "",
-             "| model | layout | ops | x plain | memory-bound MB | x plain | eager ms | x plain |"
-             + (" compiled ms | x plain |" if results["compiled"] else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|---|" if results["compiled"] else "")]
+             "One rank (size-1 axes), B2 x 64 tokens, 2 blocks: against the plain model (`single`). Ops and "
+             "memory-bound bytes per training step (forward, backward, AdamW's for-loop, zero_grad). Seconds: the "
+             "fastest of alternating rounds, every layout timed in one process; eager with AdamW's for-loop and with "
+             "the fused AdamW that CausalLMModule configures"
+             + ("; compiled (inductor) with the fused AdamW." if results["compiled"] else "."), "",
+             "| model | layout | ops | x plain | memory-bound MB | x plain | eager ms, for-loop AdamW | x plain |"
+             " eager ms, fused AdamW | x plain |" + (" compiled ms, fused AdamW | x plain |" if results["compiled"] else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if results["compiled"] else "")]
     for model, rows in results["one_rank"].items():
         for layout, c in rows.items():
             line = (f"| {model} | {layout} | {c['total']} | {c['ops_x']:.2f} | {c['bytes'] / 1e6:.2f} | "
-                    f"{c['bytes_x']:.2f} | {c['seconds'] * 1e3:.1f} | {c['seconds_x']:.2f} |")
+                    f"{c['bytes_x']:.2f} | {c['seconds'] * 1e3:.2f} | {c['seconds_x']:.2f} | "
+                    f"{c['seconds_fused'] * 1e3:.2f} | {c['seconds_fused_x']:.2f} |")
             if results["compiled"]:
-                k = results["compiled"][model][layout]
-                line += f" {k['seconds'] * 1e3:.1f} | {k['seconds_x']:.2f} |"
+                line += f" {c['seconds_compiled'] * 1e3:.2f} | {c['seconds_compiled_x']:.2f} |"
             lines.append(line)
     lines += ["", "Four ranks (2x2 grid, ring of 4), B2 x 256 tokens, 2 blocks: the largest rank's ops (collectives "
               "apart) and memory-bound bytes x 4, against the plain model on one process; torch's 1-D TP + SP and "
@@ -112,15 +132,13 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "layer_overhead"))
-    parser.add_argument("--steps", type=int, default=20, help="timed eager steps per one-rank row")
+    parser.add_argument("--rounds", type=int, default=15, help="alternating timed rounds (of 5 steps) per one-rank row")
     parser.add_argument("--compile", action="store_true", help="also time each one-rank step compiled (inductor)")
     args = parser.parse_args()
     started = time.time()
     results = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "compiled": {},
-               "one_rank": {m: one_rank(m, args.steps, "") for m in MODELS}}
-    if args.compile:
-        results["compiled"] = {m: one_rank(m, args.steps, "inductor") for m in MODELS}
+               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "compiled": args.compile,
+               "one_rank": {m: one_rank(m, args.rounds, args.compile) for m in MODELS}}
     results["four_ranks"] = {m: four_ranks(m) for m in MODELS}
     results["seconds"] = time.time() - started
     out = Path(args.out)
