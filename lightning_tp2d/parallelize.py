@@ -98,10 +98,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAU
     for i, (path, role) in enumerate(roles):
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path)
+        pad_multiple = getattr(getattr(parent, attr), "pad_multiple", None)  # an LM head's vocabulary padding
         if path in tied:  # built from the (already parallel) weight of the module it is tied to
             new = family.build(spec, role, model.get_submodule(tied[path]).weight, mesh)
         else:
             new = family.build(spec, role, materialise(path, getattr(parent, attr)), mesh)
+        if pad_multiple is not None:
+            new.pad_multiple = pad_multiple
         setattr(parent, attr, new)
         for block in finished.get(i, ()) if on_block is not None else ():
             on_block(block)

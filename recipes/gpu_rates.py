@@ -117,6 +117,13 @@ def gemm_shapes(smoke: bool) -> list[tuple[str, int, int, int]]:
                     shapes.append((f"{name} {label} tp{t}", m, k, n))
     for q, (m, k, n) in zip((1, 2, 3), gemm_rates.table_shapes(8192, model_config("gpt2-medium").n_embd)):
         shapes.append((f"gpt2-medium mlp {q}x{q} grid", m, k, n))
+    # GPT-2 medium's LM head, forward (n = vocabulary) and input gradient (k = vocabulary), as it is and padded to a
+    # multiple of 128 (pad_vocab_multiple: 50257 -> 50304; a 2x2 grid's block 25129 -> 25216)
+    h = model_config("gpt2-medium").n_embd
+    for label, vocab in (("head", 50257), ("head padded", 50304), ("head 2x2 block", 25129),
+                         ("head 2x2 block padded", 25216)):
+        shapes.append((f"gpt2-medium {label} V={vocab}", 8192, h, vocab))
+        shapes.append((f"gpt2-medium {label} V={vocab} dx", 8192, vocab, h))
     return shapes
 
 

@@ -53,11 +53,16 @@ class GPT2Config(NamedSizes):
     bos_token_id: int | None = None  # the token a sequence starts with
     eos_token_id: int | tuple[int, ...] | None = None  # end of text: generation stops there (or at any of several)
     pad_token_id: int | None = None  # the token that pads a batch
+    # the LM head computes its logits over the vocabulary padded to a multiple of this (per vocab block of a parallel
+    # head): a GPU runs GPT-2's 50257 on a slow kernel, 50304 (128) on the tensor cores, as nanoGPT pads. Only the
+    # head's operands are padded: the padded logits are masked out of the loss and never returned, and parameters,
+    # checkpoints and exports keep vocab_size rows. 1: no padding
+    pad_vocab_multiple: int = 1
 
     KIND: ClassVar[str] = "GPT-2"
 
     def __post_init__(self):
-        check_positive_ints(self, ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"))
+        check_positive_ints(self, ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "pad_vocab_multiple"))
         check_divides(self, "n_embd", "n_head")
         check_dropout(self.dropout)
         check_token_ids(self)
@@ -186,28 +191,53 @@ class LMHead(nn.Module):
     loss = mean over tokens with target != -100 of -log softmax(logits)[target].
     """
 
-    def __init__(self, weight: nn.Parameter):
+    def __init__(self, weight: nn.Parameter, pad_multiple: int = 1):
         super().__init__()
         self.weight = weight  # the same Parameter object as transformer.wte.weight
+        self.pad_multiple = pad_multiple  # the config's pad_vocab_multiple (lm_head); parallelize hands it on
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
                 logits_at: int | None = None) -> torch.Tensor:
         """``logits_at`` (a position ``0 <= t < T``, no targets): the logits of that position only, ``[B, 1, V]``."""
-        return lm_head(x, self.weight, targets, logits_at)
+        return lm_head(x, self.weight, targets, logits_at, self.pad_multiple)
+
+    def extra_repr(self) -> str:
+        return f"pad_multiple={self.pad_multiple}" if self.pad_multiple > 1 else ""
+
+
+def padded_rows(rows: int, multiple: int) -> int:
+    """``rows`` rounded up to a multiple of ``multiple``."""
+    return -(-rows // multiple) * multiple
+
+
+def padded_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight [V, h]`` as ``[rows, h]`` with zero rows below, in the autocast dtype when autocast is on: one copy,
+    the one autocast's cast makes anyway (differentiable; ``weight`` itself when ``rows == V``)."""
+    if rows == weight.shape[0]:
+        return weight
+    device = weight.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    out = weight.new_empty((rows, weight.shape[1]), dtype=dtype)
+    out[weight.shape[0]:].zero_()
+    out[:weight.shape[0]].copy_(weight)
+    return out
 
 
 def lm_head(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None = None,
-            logits_at: int | None = None) -> torch.Tensor:
+            logits_at: int | None = None, pad_multiple: int = 1) -> torch.Tensor:
     """``logits = x weightᵀ`` ``[B, T, V]`` (``logits_at``: that one position's, ``[B, 1, V]``), or with ``targets``
     the mean cross-entropy (``-100`` ignored). The plain head; the parallel heads of a one-rank mesh call it too,
-    where the whole vocabulary is local."""
+    where the whole vocabulary is local. ``pad_multiple``: the product runs over the vocabulary padded to that
+    multiple (zero rows); the padded logits are ``-inf`` in the loss and left out of the returned logits (a view)."""
     if logits_at is not None:
         x = x[:, logits_at:logits_at + 1]  # (B, 1, h)
-    logits = F.linear(x, weight)  # (B, T, V)
+    V = weight.shape[0]
+    logits = F.linear(x, padded_weight(weight, padded_rows(V, pad_multiple)))  # (B, T, Vp)
     if targets is None:
-        return logits
-    V = logits.size(-1)
-    return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
+        return logits if logits.size(-1) == V else logits[..., :V]
+    if logits.size(-1) > V:
+        logits[..., V:] = float("-inf")  # out of the softmax: no probability, no gradient
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
 
 
 def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -288,7 +318,7 @@ class GPT2(nn.Module):
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=LayerNorm(config.n_embd, bias=config.bias),
             ))
-            self.lm_head = LMHead(self.transformer.wte.weight)  # tied: one Parameter, two names
+            self.lm_head = LMHead(self.transformer.wte.weight, config.pad_vocab_multiple)  # tied: one Parameter
         self.init_weights()
 
     @torch.no_grad()

@@ -101,12 +101,15 @@ class LlamaConfig(NamedSizes):
     bos_token_id: int | None = None  # the token a sequence starts with
     eos_token_id: int | tuple[int, ...] | None = None  # end of text: generation stops there (or at any of several)
     pad_token_id: int | None = None  # the token that pads a batch
+    # the LM head's logits over the vocabulary padded to a multiple of this, as GPT2Config.pad_vocab_multiple (Llama
+    # 3's 128256 is a multiple of 128 already); parameters, checkpoints and exports keep vocab_size rows
+    pad_vocab_multiple: int = 1
 
     KIND: ClassVar[str] = "Llama"
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
-                                   "block_size"))
+                                   "block_size", "pad_vocab_multiple"))
         check_divides(self, "n_embd", "n_head")
         check_divides(self, "n_head", "n_kv_head", "each key/value head serves a whole group of query heads")
         if self.head_size % 2 != 0:
@@ -398,7 +401,7 @@ class Llama(nn.Module):
             ))
             head = (self.model.embed_tokens.weight if config.tie_embeddings
                     else nn.Parameter(torch.empty(config.vocab_size, config.n_embd)))
-            self.lm_head = LMHead(head)
+            self.lm_head = LMHead(head, config.pad_vocab_multiple)
         self.init_weights()
 
     @torch.no_grad()

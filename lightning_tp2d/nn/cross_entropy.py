@@ -1,7 +1,8 @@
 """Vocab-parallel cross-entropy: the loss of logits that exist only as ``[N/q, V/q]`` blocks.
 
-Rank ``(r, c)`` holds logits of tokens ``N_r`` for vocab block ``c`` (padded to ``Vp = q * ceil(V/q)``;
-columns ``>= V`` are padding and are masked out of the softmax). Per token:
+Rank ``(r, c)`` holds logits of tokens ``N_r`` for vocab block ``c``: ids ``[c, c + 1) * ceil(V/q)`` in its first
+columns, then padding (the last block's ids past ``V``, and the columns a GPU-shaped block adds), masked out of the
+softmax. Per token:
 ``loss = log Σ_v exp(z_v) - z_target``, computed as ``m = max_v z_v`` (all-reduce MAX along ``col``), then
 ``Σ exp(z - m)`` and the target logit (one all-reduce SUM along ``col`` of both), and the mean over the
 non-ignored tokens of all rows (one all-reduce SUM along ``row`` of ``[loss sum, count]``). The backward is
@@ -28,15 +29,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     block's start), then zeroed by the one mask "not in this block"; ignored tokens are weighted 0."""
 
     @staticmethod
-    def forward(ctx, logits, targets, mesh, vocab_size):
-        # logits: (N/q, Vp/q) local block, consumed in place; targets: (N/q,) global ids or -100
+    def forward(ctx, logits, targets, mesh, vocab_size, block_vocab):
+        # logits: (N/q, width) local block, consumed in place; targets: (N/q,) global ids or -100; block c holds ids
+        # [c, c + 1) * block_vocab in its first columns, padding after
         ctx.dtype = logits.dtype
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # the softmax and its sums in float32
         c, _ = axis_index(mesh, "col")
         width = logits.shape[-1]
-        start = c * width
-        valid_cols = max(0, min(width, vocab_size - start))
+        block_vocab = width if block_vocab is None else block_vocab
+        start = c * block_vocab
+        valid_cols = max(0, min(block_vocab, vocab_size - start))
         if valid_cols < width:
             logits[:, valid_cols:] = float("-inf")
 
@@ -45,7 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits.sub_(local_max)
 
         local_t = (targets - start).unsqueeze(-1)  # (N/q, 1)
-        elsewhere = (local_t < 0) | (local_t >= width)  # another block's target, or ignored
+        elsewhere = (local_t < 0) | (local_t >= block_vocab)  # another block's target, or ignored
         col = local_t.masked_fill_(elsewhere, 0)
         picked = logits.gather(-1, col).masked_fill_(elsewhere, 0)
         exp = logits.exp_()
@@ -69,11 +72,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         scale = keep * (grad / ctx.count)  # (N/q, 1): d loss / d logit row
         dlogits = softmax * scale
         dlogits.scatter_add_(-1, col, scale.masked_fill(elsewhere, 0).neg_())  # - onehot; other blocks add -0
-        return dlogits.to(ctx.dtype), None, None, None
+        return dlogits.to(ctx.dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mesh: DeviceMesh,
-                                 vocab_size: int) -> torch.Tensor:
+                                 vocab_size: int, block_vocab: int | None = None) -> torch.Tensor:
     """Mean cross-entropy (targets ``-100`` ignored) of vocab-split logits; the same scalar on every rank.
-    ``logits`` ``[N/q, Vp/q]`` is overwritten (it becomes the softmax kept for backward)."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, mesh, vocab_size)
+    ``logits`` ``[N/q, width]`` is overwritten (it becomes the softmax kept for backward). ``block_vocab``: the token
+    ids a block holds, in its first columns (``None``: ``width``); the columns past them, and past ``vocab_size``,
+    are padding."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, mesh, vocab_size, block_vocab)

@@ -9,8 +9,9 @@ back of the weight gradient. The alternative ``A Bᵀ`` SUMMA on the embedding's
 ``[N/q, V/q]`` logit partials ``q`` times forward and broadcast logit-gradient panels twice backward:
 ``3 N V / q`` numbers against ``N h / q + 3 V h / q + 2 V h / p`` here (7x less for GPT-2 at N = 8192, q = 2).
 
-Vocab blocks are zero-padded to ``ceil(V/q)`` rows so every block has one shape; the padded logit columns
-are masked in the loss and dropped when logits are gathered. With targets the vocab-parallel cross-entropy
+Vocab blocks are zero-padded to ``ceil(V/q)`` rows so every block has one shape (and further, to a multiple of the
+config's ``pad_vocab_multiple``, GPU-shaped); the padded logit columns are masked in the loss and dropped when logits
+are gathered. With targets the vocab-parallel cross-entropy
 returns the mean loss and no rank ever holds more than its ``[N/q, V/q]`` block; without targets the full
 ``[B, T, V]`` logits are gathered on every rank, or with ``logits_at`` only one position's ``[B, 1, V]``.
 """
@@ -23,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d import recompute
 from lightning_tp2d.comm import exchange_with
-from lightning_tp2d.models.gpt2 import lm_head
+from lightning_tp2d.models.gpt2 import lm_head, padded_rows
 from lightning_tp2d.mesh import transpose_peer
 from lightning_tp2d.nn.cross_entropy import vocab_parallel_cross_entropy
 from lightning_tp2d.nn.embedding import shard_batch
@@ -42,8 +43,26 @@ class LMHead2D(nn.Module):
         self.mesh, self.options = mesh, tp_options(options)
         self.weight = weight  # the token embedding's DTensor parameter (tied)
         self.vocab_size = weight.shape[0]
-        q = axis_index(mesh, "row")[1]
-        self.block_rows = -(-self.vocab_size // q)
+
+    pad_multiple = 1  # the plain head's (the config's pad_vocab_multiple), handed on by parallelize
+
+    @property
+    def vocab_rows(self) -> int:
+        """Vocabulary rows of a block, ``ceil(V/q)``: block ``c`` holds token ids ``[c, c + 1) * vocab_rows``."""
+        return -(-self.vocab_size // axis_index(self.mesh, "row")[1])
+
+    @property
+    def block_rows(self) -> int:
+        """Rows of a block as the product runs: :attr:`vocab_rows` padded to a multiple of ``pad_multiple`` (zero
+        rows at the block's end; their logit columns are masked in the loss and dropped from gathered logits)."""
+        return padded_rows(self.vocab_rows, self.pad_multiple)
+
+    def _vocab_columns(self, full: torch.Tensor) -> torch.Tensor:
+        """The gathered ``[rows, q * block_rows]`` logits without the padding: ``[rows, V]``."""
+        rows, q = full.shape[0], axis_index(self.mesh, "row")[1]
+        if self.block_rows != self.vocab_rows:
+            full = full.view(rows, q, self.block_rows)[..., : self.vocab_rows].reshape(rows, q * self.vocab_rows)
+        return full[:, : self.vocab_size]
 
     @property
     def local(self) -> bool:
@@ -82,16 +101,16 @@ class LMHead2D(nn.Module):
         """``logits_at`` (a position ``0 <= t < T``, no targets): the logits ``[B, 1, V]`` of that position only,
         from the few rows :meth:`position_rows` picks (every rank computes and gathers those, not ``[N/q, V/q]``)."""
         if self.local:
-            return lm_head(x, local_view(self.weight), targets, logits_at)
+            return lm_head(x, local_view(self.weight), targets, logits_at, self.pad_multiple)
         if logits_at is not None:
             x, index = self.position_rows(x, logits_at)
         if targets is not None:
             local_targets = self.local_targets(targets)
         logits = self.local_logits(x)
         if targets is None:
-            full = self.full_logits(gather_grid(logits, self.mesh)[:, : self.vocab_size], x)  # (B, rows, V)
+            full = self.full_logits(self._vocab_columns(gather_grid(logits, self.mesh)), x)  # (B, rows, V)
             return full if logits_at is None else full[:, index:index + 1]
-        return vocab_parallel_cross_entropy(logits, local_targets, self.mesh, self.vocab_size)
+        return vocab_parallel_cross_entropy(logits, local_targets, self.mesh, self.vocab_size, self.vocab_rows)
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, tied to transformer.wte.weight"

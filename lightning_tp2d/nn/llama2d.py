@@ -152,8 +152,6 @@ class UntiedLMHead2D(LMHead2D):
         self.mesh, self.options = mesh, tp_options(options)
         self.weight = shard_parameter(head.weight, mesh, [Replicate(), Shard(1), Shard(0)])  # W[V_c, h_r]
         self.vocab_size = head.weight.shape[0]
-        q = axis_index(mesh, "row")[1]
-        self.block_rows = -(-self.vocab_size // q)
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
         x2d, weight = autocast_operands(x.reshape(-1, x.shape[-1]), local_view(self.weight))  # W[V_c, h_r]

@@ -227,13 +227,17 @@ class RingLMHead(nn.Module):
         self.vocab_size = weight.shape[0]
         self.block_rows = -(-self.vocab_size // axis_index(mesh, AXIS)[1])
 
+    # the plain head's (the config's pad_vocab_multiple), handed on by parallelize: the ring of one pads its product;
+    # the ring's streamed vocab blocks stay ceil(V/p) rows (not padded further yet)
+    pad_multiple = 1
+
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
                 logits_at: int | None = None) -> torch.Tensor:
         i, p = axis_index(self.mesh, AXIS)
         if p == 1 and one_tile(x.shape[0] * x.shape[1], self.options):  # a ring of one: the plain model's head
             if targets is not None:
                 check_sequence_length(targets.shape[1], LAYOUT, p)
-            return lm_head(x, local_view(self.weight), targets, logits_at)
+            return lm_head(x, local_view(self.weight), targets, logits_at, self.pad_multiple)
         if logits_at is not None:
             c = x.shape[1] // 2
             x, index = x[:, [logits_at % c, c + logits_at % c]], logits_at // c  # (B, 2, h): offset m of each chunk
