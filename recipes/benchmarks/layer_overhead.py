@@ -106,7 +106,8 @@ def markdown(results: dict) -> str:
              "the fused AdamW that CausalLMModule configures"
              + ("; compiled (inductor) with the fused AdamW." if results["compiled"] else "."), "",
              "| model | layout | ops | x plain | memory-bound MB | x plain | eager ms, for-loop AdamW | x plain |"
-             " eager ms, fused AdamW | x plain |" + (" compiled ms, fused AdamW | x plain |" if results["compiled"] else ""),
+             " eager ms, fused AdamW | x plain |"
+             + (" compiled ms, fused AdamW | x plain |" if results["compiled"] else ""),
              "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if results["compiled"] else "")]
     for model, rows in results["one_rank"].items():
         for layout, c in rows.items():
