@@ -295,6 +295,15 @@ torch (2.13)
     dispatch; 6.2 ms.
     public: none. DTensor has no public hook for an op's dispatch; torch's own ``loss_parallel`` uses this table.
 
+``torch.distributed._functional_collectives`` (``all_reduce``, ``wait_tensor``)
+    where: nn/traced.py:(module), nn/traced.py:_AllReduceSum.forward, nn/traced.py:_AllReduceSum.backward,
+    nn/traced.py:_AllReduceToReplica.forward, nn/traced.py:_SumGradient.backward,
+    nn/traced.py:_SumGradients.backward, nn/traced.py:all_reduce_max
+    why: under ``torch.compile`` the norms' statistics, the vocab-parallel loss and the summed parameter gradients
+    are plain torch around functional all-reduces, which Dynamo traces (c10d's in-place calls it cannot), so the
+    compiler fuses the local math instead of treating each layer as an opaque op.
+    public: none for traceable collectives; torch's own DTensor and torchtitan use this module.
+
 ``DeviceMesh._pg_registry``
     where: mesh.py:release_process_groups
     why: at exit, the meshes init_mesh built drop their references to their process groups (torch 2.13 keeps them
@@ -447,6 +456,11 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "DTensor._spec, DTensor._local_tensor",
      ("fused_adam.py:_handlers", "fused_adam.py:_local_lists", "fused_adam.py:_like", "fused_adam.py:(module)"),
      "the fused AdamW step on the local shards when every tensor is laid out as its parameter"),
+    ("torch.distributed._functional_collectives",
+     ("nn/traced.py:(module)", "nn/traced.py:_AllReduceSum.forward", "nn/traced.py:_AllReduceSum.backward",
+      "nn/traced.py:_AllReduceToReplica.forward", "nn/traced.py:_SumGradient.backward",
+      "nn/traced.py:_SumGradients.backward", "nn/traced.py:all_reduce_max"),
+     "all-reduces Dynamo traces: the compiled layers' local math stays visible to the compiler"),
     ("UntypedStorage._cdata", ("planning/trace.py:_storage",),
      "the StorageImpl's address: a key that tells storages apart while they live, fake ones too"),
     ("torch.ops._c10d_functional", ("bench/collectives.py:(module)",),

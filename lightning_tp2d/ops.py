@@ -21,6 +21,10 @@ kept as it is.
   an input the forward overwrites (``mutates``: the vocab-parallel loss turns its logits into the softmax in
   place) is copied first. Any other in-place write to an input is a bug and raises.
 
+The layers whose communication is a plain all-reduce (the grid's norms, the vocab-parallel loss, the gradient sums
+of replicated parameters) do not go through here under ``torch.compile``: their plain-torch forms with functional
+all-reduces (:mod:`lightning_tp2d.nn.traced`) let the compiler fuse their local math as well.
+
 Compiled graphs specialise on shapes (the strategy compiles with ``dynamic=False``): the interned ``ctx`` state
 may hold sizes.
 """
@@ -112,6 +116,12 @@ def _mesh_names(mesh: DeviceMesh) -> tuple:
         if names is not None:
             return names
     return tuple(mesh._dim_group_names)
+
+
+def group_name(mesh: DeviceMesh, axis: str) -> str:
+    """The name of the process group of ``mesh``'s ``axis`` (what functional collectives take), read at trace time
+    under ``torch.compile`` as :func:`register_mesh` describes."""
+    return _mesh_names(mesh)[mesh.mesh_dim_names.index(axis)]
 
 
 def _pack(value: Any) -> Any:

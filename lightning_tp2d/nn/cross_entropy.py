@@ -17,9 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import all_reduce_along
 from lightning_tp2d.nn.functional import axis_index
+from lightning_tp2d.nn.traced import IGNORE_INDEX
 from lightning_tp2d.ops import registered
 
-IGNORE_INDEX = -100
 
 
 @registered("vocab_parallel_cross_entropy", mutates=(0,))

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_global_tensor_info  # private: see lightning_tp2d._private_api
 
 from lightning_tp2d import recompute
+from lightning_tp2d.nn import traced
 from lightning_tp2d.comm import all_gather_along, all_reduce_along, axis_rank, axis_size, exchange_with
 from lightning_tp2d.mesh import transpose_peer
 from lightning_tp2d.ops import registered
@@ -95,6 +96,8 @@ def sum_grad_along(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor
     has one rank (nothing to sum: no op at all)."""
     if axis_size(mesh, axis) == 1:
         return x
+    if torch.compiler.is_compiling():  # traced: a functional all-reduce in the backward (lightning_tp2d.nn.traced)
+        return traced.sum_gradient(x, mesh, axis)
     return _SumGradAlong.apply(x, mesh, axis)
 
 
@@ -125,6 +128,8 @@ def sum_grads_along(xs, mesh: DeviceMesh, axis: str) -> tuple[torch.Tensor, ...]
     xs = tuple(xs)
     if len(xs) == 1 or axis_size(mesh, axis) == 1:
         return tuple(sum_grad_along(x, mesh, axis) for x in xs)
+    if torch.compiler.is_compiling():
+        return traced.sum_gradients(xs, mesh, axis)
     return _SumGradsAlong.apply(mesh, axis, *xs)
 
 

@@ -26,6 +26,7 @@ from lightning_tp2d import recompute
 from lightning_tp2d.comm import exchange_with
 from lightning_tp2d.models.gpt2 import lm_head, padded_rows
 from lightning_tp2d.mesh import transpose_peer
+from lightning_tp2d.nn import traced
 from lightning_tp2d.nn.cross_entropy import vocab_parallel_cross_entropy
 from lightning_tp2d.nn.embedding import shard_batch
 from lightning_tp2d.nn.functional import (autocast_operands, axis_index, gather_grid, is_local_grid, local_view,
@@ -110,6 +111,9 @@ class LMHead2D(nn.Module):
         if targets is None:
             full = self.full_logits(self._vocab_columns(gather_grid(logits, self.mesh)), x)  # (B, rows, V)
             return full if logits_at is None else full[:, index:index + 1]
+        if torch.compiler.is_compiling():  # plain torch the compiler fuses, the logits not copied (nn.traced)
+            return traced.vocab_parallel_cross_entropy(logits, local_targets, self.mesh, self.vocab_size,
+                                                       self.vocab_rows)
         return vocab_parallel_cross_entropy(logits, local_targets, self.mesh, self.vocab_size, self.vocab_rows)
 
     def extra_repr(self) -> str:

@@ -31,6 +31,7 @@ from lightning_tp2d import recompute
 from lightning_tp2d.comm import all_reduce_along
 from lightning_tp2d.models.llama import rms_norm, rope_attention
 from lightning_tp2d.nn.attention import LAYOUT, refuse_documents
+from lightning_tp2d.nn import traced
 from lightning_tp2d.nn.functional import (autocast_operands, axis_index, is_local_grid, local_view, pad_rows,
                                           shard_parameter, sum_grad_along)
 from lightning_tp2d.nn.head import LMHead2D
@@ -95,6 +96,8 @@ class RMSNorm2D(nn.Module):
             y = rms_norm(x, w, self.eps)
             return recompute.mark(y, lambda: rms_norm(x, w, self.eps))
         w = sum_grad_along(local_view(self.weight), self.mesh, "row")
+        if torch.compiler.is_compiling():  # plain torch the compiler fuses (lightning_tp2d.nn.traced)
+            return traced.rms_norm(x, w, self.mesh, self.hidden, self.eps)
         return _RMSNormAlongCol.apply(x, w, self.mesh, self.hidden, self.eps)
 
     def extra_repr(self) -> str:
