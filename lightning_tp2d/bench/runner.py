@@ -332,7 +332,11 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int) -> _Built:
     if spec.compile:  # the timed steps run compiled; the measured step's dispatch modes make Dynamo run it eagerly
         if layout != "hf":
             model.validate_inputs = False  # the ids are drawn in range; value checks would read the device
-        model.compile(backend=spec.compile, dynamic=False)
+        if layout in TP1D:  # torchtitan's way: each block on its own (torch's loss_parallel does not trace)
+            for block in family_of_config(cfg).block_modules(model):
+                block.compile(backend=spec.compile, dynamic=False, fullgraph=True)
+        else:
+            model.compile(backend=spec.compile, dynamic=False)
     if layout in TP1D:  # DTensor and plain parameters in separate groups (CUDA foreach kernels refuse a mix)
         optimizer = _adamw(param_groups_1d(model), spec)
     else:

@@ -79,7 +79,28 @@ def one_rank(model: str, rounds: int, compiled: bool) -> dict:
 FOUR_RANK_HEADS = {"gpt2-tiny": {"n_head": 4}, "llama-tiny": {"n_head": 8, "n_kv_head": 4}}
 
 
-def four_ranks(model: str) -> dict:
+def _four_rank_seconds(spec: BenchSpec, layouts: tuple[str, ...], rounds: int) -> tuple[dict, dict]:
+    """Per layout, the slowest rank's fastest round (seconds a step, layouts built in one process per rank and timed
+    in turn); a layout whose build or step fails is timed no more, and its error is returned beside."""
+    failed: dict[str, str] = {}
+    while layouts:
+        result = run_ranks(interleaved_seconds, 4, layouts, spec, rounds, timeout=1800.0, tracebacks=True)
+        if result.ok:
+            return {layout: max(r[layout]["min"] for r in result.values) for layout in layouts}, failed
+        culprit = next((l for l in layouts if l in (result.reason or "")), None)  # noqa: E741
+        for layout in layouts:  # which one fails on its own
+            alone = run_ranks(interleaved_seconds, 4, (layout,), spec, 1, timeout=1800.0, tracebacks=True)
+            if not alone.ok:
+                culprit = layout
+                failed[layout] = (alone.reason or "").strip().splitlines()[-1][:300]
+                break
+        if culprit is None:
+            raise RuntimeError(f"four ranks, {spec.model}: {result.reason}")
+        layouts = tuple(l for l in layouts if l != culprit)  # noqa: E741
+    return {}, failed
+
+
+def four_ranks(model: str, rounds: int, compiled: bool) -> dict:
     spec = BenchSpec(model=model, overrides={"n_layer": 2, "dropout": 0.0, **FOUR_RANK_HEADS[model]}, batch=2,
                      seq=256)
     rows = {"single": _run("single", 1, spec, 0)[0]}
@@ -94,6 +115,24 @@ def four_ranks(model: str) -> dict:
     for layout, cost in rows.items():
         cost["ops_x"] = cost["total"] / plain["total"]
         cost["bytes_x4_x"] = cost.get("bytes_x4", cost["bytes"]) / plain["bytes"]
+    # seconds a step with the fused AdamW: eager, every layout and rival; compiled (inductor), the grids against
+    # torch's 1-D TP + SP compiled block by block (torchtitan's way; CP's harness does not compile)
+    timed = {"seconds": (replace(spec, optimizer="fused"), (*LAYOUTS, *rivals))}
+    if compiled:
+        timed["seconds_compiled"] = (replace(spec, optimizer="fused", compile="inductor"),
+                                     tuple(l for l in (*LAYOUTS, "tp1d-sp") if l != "metp"))  # noqa: E741
+    for key, (timed_spec, layouts) in timed.items():
+        seconds, failed = _four_rank_seconds(timed_spec, layouts, rounds)
+        for layout, value in seconds.items():
+            rows[layout][key] = value
+        for layout, error in failed.items():
+            rows[layout][key + "_error"] = error
+        base = seconds.get("tp1d-sp")
+        for layout, value in seconds.items():
+            if base:
+                rows[layout][key + "_x_tp"] = value / base
+        print(f"four ranks {model} {key}: " + ", ".join(f"{l} {v * 1e3:.1f} ms" for l, v in seconds.items())
+              + "".join(f"; {l} failed: {e}" for l, e in failed.items()), flush=True)
     return rows
 
 
@@ -120,13 +159,26 @@ def markdown(results: dict) -> str:
     lines += ["", "Four ranks (2x2 grid, ring of 4), B2 x 256 tokens, 2 blocks: the largest rank's ops (collectives "
               "apart) and memory-bound bytes x 4, against the plain model on one process; torch's 1-D TP + SP and "
               "context parallelism on the same ranks.", "",
-              "| model | layout | ops per rank | x plain | collectives per rank | memory-bound MB x 4 | x plain |",
-              "|---|---|---|---|---|---|---|"]
+              "| model | layout | ops per rank | x plain | collectives per rank | memory-bound MB x 4 | x plain |"
+              " eager ms | x tp1d-sp |" + (" compiled ms | x tp1d-sp |" if results["compiled"] else ""),
+              "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if results["compiled"] else "")]
+
+    def seconds(c: dict, key: str) -> str:
+        if key in c:
+            ratio = f"{c[key + '_x_tp']:.2f}" if key + "_x_tp" in c else ""
+            return f" {c[key] * 1e3:.1f} | {ratio} |"
+        return f" failed: {c[key + '_error']} | |" if key + "_error" in c else " | |"
+
     for model, rows in results["four_ranks"].items():
         for layout, c in rows.items():
             coll = sum(c["collectives"].values())
             lines.append(f"| {model} | {layout} | {c['total']} | {c['ops_x']:.2f} | {coll} | "
-                         f"{c.get('bytes_x4', c['bytes']) / 1e6:.2f} | {c['bytes_x4_x']:.2f} |")
+                         f"{c.get('bytes_x4', c['bytes']) / 1e6:.2f} | {c['bytes_x4_x']:.2f} |" + seconds(c, "seconds")
+                         + (seconds(c, "seconds_compiled") if results["compiled"] else ""))
+    lines += ["", "Four-rank seconds: the slowest rank's fastest of alternating rounds, fused AdamW, the four ranks "
+              "sharing this machine's cores (so gloo and the host dominate); compiled: each layout's whole model, "
+              "torch's 1-D TP + SP block by block as torchtitan compiles it (its loss_parallel does not trace), "
+              "context parallelism eager only (the harness does not compile it)."]
     return "\n".join(lines) + "\n"
 
 
@@ -140,7 +192,7 @@ def main() -> None:
     results = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "compiled": args.compile,
                "one_rank": {m: one_rank(m, args.rounds, args.compile) for m in MODELS}}
-    results["four_ranks"] = {m: four_ranks(m) for m in MODELS}
+    results["four_ranks"] = {m: four_ranks(m, max(3, args.rounds // 3), args.compile) for m in MODELS}
     results["seconds"] = time.time() - started
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
