@@ -261,13 +261,23 @@ class _RingEmbedding(torch.autograd.Function):
         return dweight.to(ctx.dtype), None, None, None, None
 
 
+def _vocab_block(block: torch.Tensor, valid: int, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows of a streamed vocab block the loss multiplies, and the mask of its padding columns: the ``valid``
+    ids alone for a block of ``rows`` ids (no mask), or the whole GPU-shaped block (more rows than ids: its
+    product keeps its padded width, and the columns past ``valid`` are masked)."""
+    if block.shape[0] == rows:
+        return block[:valid], None
+    return block, torch.arange(block.shape[0], device=block.device) >= valid
+
+
 @registered("ring_cross_entropy")
 class _RingCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, mesh, axis, vocab_size, options):
-        # x (N, h); weight (Vb, h) vocab block i, zero-padded; targets (N,) global ids or -100
+    def forward(ctx, x, weight, targets, mesh, axis, vocab_size, options, block_vocab=None):
+        # x (N, h); weight (Vb, h) vocab block i: its ids [i, i + 1) * block_vocab (None: Vb) in the first rows, zero
+        # rows after (the last block's past V; a GPU-shaped block's tail); targets (N,) global ids or -100
         acc = acc_dtype(x.dtype)
-        rows = weight.shape[0]
+        rows = weight.shape[0] if block_vocab is None else block_vocab
         lse = torch.full((x.shape[0],), float("-inf"), dtype=acc, device=x.device)
         target_logit = torch.zeros_like(lse)
         keep = targets != IGNORE_INDEX
@@ -278,10 +288,12 @@ class _RingCrossEntropy(torch.autograd.Function):
             valid = max(0, min(rows, vocab_size - j * rows))  # columns past V are padding
             if valid == 0:
                 return
-            w_j = blocks[0][:valid]
+            w_j, pad = _vocab_block(blocks[0], valid, rows)
             local, hit = _block_hits(targets, j, rows, valid)
             for r in tiles:  # [tile, valid] logits at a time (options.tile_tokens)
-                z = (x[r] @ w_j.t()).to(acc)  # (tile, valid)
+                z = (x[r] @ w_j.t()).to(acc)  # (tile, valid), or the GPU-shaped block with its padding masked
+                if pad is not None:
+                    z.masked_fill_(pad, float("-inf"))
                 torch.logaddexp(lse[r], torch.logsumexp(z, -1), out=lse[r])
                 torch.where(hit[r], z.gather(1, local[r].unsqueeze(1)).squeeze(1), target_logit[r],
                             out=target_logit[r])
@@ -292,12 +304,13 @@ class _RingCrossEntropy(torch.autograd.Function):
         all_reduce_along(totals, mesh, axis)
         ctx.save_for_backward(x, weight, targets, lse)
         ctx.mesh, ctx.axis, ctx.vocab_size, ctx.count, ctx.options = mesh, axis, vocab_size, totals[1], options
+        ctx.rows = rows
         return totals[0] / totals[1]  # float32 under bf16 autocast, like F.cross_entropy
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, targets, lse = ctx.saved_tensors
-        rows, acc = weight.shape[0], lse.dtype
+        rows, acc = ctx.rows, lse.dtype
         scale = ((targets != IGNORE_INDEX).to(acc) * (grad.to(acc) / ctx.count)).unsqueeze(-1)  # (N, 1)
         dx = torch.zeros_like(x)
 
@@ -308,20 +321,23 @@ class _RingCrossEntropy(torch.autograd.Function):
             valid = max(0, min(rows, ctx.vocab_size - j * rows))
             if valid == 0:
                 return (dweight,)
-            w_j = blocks[0][:valid]
+            w_j, pad = _vocab_block(blocks[0], valid, rows)
             local, hit = _block_hits(targets, j, rows, valid)
             miss = hit.to(acc).neg_().unsqueeze(1)  # - onehot where hit; misses add -0
             for r in tiles:  # [tile, valid] at a time (options.tile_tokens)
-                dz = (x[r] @ w_j.t()).to(acc).sub_(lse[r].unsqueeze(-1)).exp_()  # softmax block (tile, valid)
+                dz = (x[r] @ w_j.t()).to(acc)
+                if pad is not None:
+                    dz.masked_fill_(pad, float("-inf"))  # padding: softmax 0
+                dz = dz.sub_(lse[r].unsqueeze(-1)).exp_()  # softmax block (tile, valid)
                 dz.scatter_add_(1, local[r].unsqueeze(1), miss[r])
                 dz = dz.mul_(scale[r]).to(x.dtype)
                 dx[r].addmm_(dz, w_j)
-                dweight[:valid] += dz.t() @ x[r]  # float32 sum of the tiles (one tile: exactly the product)
+                dweight[:w_j.shape[0]] += dz.t() @ x[r]  # float32 sum of the tiles (one tile: exactly the product)
             return (dweight,)
 
         (dweight,) = ring_backward((weight,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
                                    wire_dtype=ctx.options.wire_dtype(weight.dtype))
-        return dx, dweight.to(weight.dtype), None, None, None, None, None
+        return dx, dweight.to(weight.dtype), None, None, None, None, None, None
 
 
 def ring_embedding(weight: torch.Tensor, ids: torch.Tensor, mesh: DeviceMesh, axis: str, *,
@@ -332,7 +348,10 @@ def ring_embedding(weight: torch.Tensor, ids: torch.Tensor, mesh: DeviceMesh, ax
 
 
 def ring_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mesh: DeviceMesh, axis: str,
-                       vocab_size: int, *, options: RingOptions | None = None) -> torch.Tensor:
+                       vocab_size: int, *, options: RingOptions | None = None,
+                       block_vocab: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of the logits ``X Eᵀ`` (targets ``-100`` ignored) with ``E``'s vocab rows split over the
-    ring (``weight [Vb, h]``, zero-padded; columns ``>= vocab_size`` are masked); the same scalar on every rank."""
-    return _RingCrossEntropy.apply(x, weight, targets, mesh, axis, vocab_size, ring_options(options))
+    ring (``weight [Vb, h]``, zero-padded; columns ``>= vocab_size`` are masked); the same scalar on every rank.
+    ``block_vocab``: the ids a block holds (``None``: ``Vb``); a block of more rows is GPU-shaped, its product runs
+    over all of them and the rest are masked."""
+    return _RingCrossEntropy.apply(x, weight, targets, mesh, axis, vocab_size, ring_options(options), block_vocab)
