@@ -88,7 +88,7 @@ def _parallel(rank: int, world: int, family: str, layout: str) -> dict:
     plain = _model(family, 1)
     par = tp.parallelize(_model(family, MULTIPLE), tp.init_mesh(layout, world, 1), layout=layout)
     head = par.lm_head
-    out = {"pad": head.pad_multiple, "block_rows": head.block_rows, "stream_rows": getattr(head, "stream_rows", None)}
+    out = {"pad": head.pad_multiple, "block_rows": head.block_rows, "vocab_rows": head.vocab_rows}
     loss0, grads0, logits0 = _loss_grads_logits(plain, idx, targets)
     loss1, grads1, logits1 = _loss_grads_logits(par, idx, targets)
     out["loss"] = (loss1 - loss0).abs().item() / loss0.abs().item()
@@ -103,7 +103,7 @@ def _parallel(rank: int, world: int, family: str, layout: str) -> dict:
 @pytest.mark.parametrize("family,layout", [("gpt2", "2d"), ("gpt2", "2d-metp"), ("llama", "2d")])
 def test_padded_vocab_blocks_on_a_grid_give_the_unpadded_loss_gradients_and_logits(family, layout):
     for out in run_distributed(_parallel, 4, family, layout):
-        assert out["pad"] == MULTIPLE and out["block_rows"] == 192  # ceil(257 / 2) = 129 ids, padded to 192
+        assert out["pad"] == MULTIPLE and (out["vocab_rows"], out["block_rows"]) == (129, 192)  # ceil(257 / 2) ids
         assert out["loss"] <= 1e-12
         assert out["logits_shape"] == (4, 16, 257)
         assert out["logits"] <= 1e-10
@@ -114,7 +114,7 @@ def test_padded_vocab_blocks_on_a_grid_give_the_unpadded_loss_gradients_and_logi
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_padded_vocab_blocks_on_a_ring_give_the_unpadded_loss_gradients_and_logits(family):
     for out in run_distributed(_parallel, 4, family, "metp"):
-        assert out["pad"] == MULTIPLE and out["stream_rows"] == 128  # ceil(257 / 4) = 65 ids, padded to 128
+        assert out["pad"] == MULTIPLE and (out["vocab_rows"], out["block_rows"]) == (65, 128)  # ceil(257 / 4) ids
         assert out["loss"] <= 1e-12
         assert out["logits_shape"] == (4, 16, 257)
         assert out["logits"] <= 1e-10

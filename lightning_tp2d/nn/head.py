@@ -11,9 +11,9 @@ back of the weight gradient. The alternative ``A Bᵀ`` SUMMA on the embedding's
 
 Vocab blocks are zero-padded to ``ceil(V/q)`` rows so every block has one shape (and further, to a multiple of the
 config's ``pad_vocab_multiple``, GPU-shaped); the padded logit columns are masked in the loss and dropped when logits
-are gathered. With targets the vocab-parallel cross-entropy
-returns the mean loss and no rank ever holds more than its ``[N/q, V/q]`` block; without targets the full
-``[B, T, V]`` logits are gathered on every rank, or with ``logits_at`` only one position's ``[B, 1, V]``.
+are gathered. With targets the vocab-parallel cross-entropy returns the mean loss and no rank ever holds more than
+its ``[N/q, V/q]`` block; without targets the full ``[B, T, V]`` logits are gathered on every rank, or with
+``logits_at`` only one position's ``[B, 1, V]``.
 """
 
 from __future__ import annotations

@@ -225,16 +225,16 @@ class RingLMHead(nn.Module):
         self.mesh, self.options = mesh, ring_options(options)
         self.weight = weight  # the token embedding's DTensor parameter (tied)
         self.vocab_size = weight.shape[0]
-        self.block_rows = -(-self.vocab_size // axis_index(mesh, AXIS)[1])  # the ids of a vocab block
+        self.vocab_rows = -(-self.vocab_size // axis_index(mesh, AXIS)[1])  # block i holds ids [i, i + 1) * this
 
     # the plain head's (the config's pad_vocab_multiple), handed on by parallelize: a ring of one pads its product,
     # a longer ring each streamed vocab block (zero rows after its ids, masked in the loss, dropped from logits)
     pad_multiple = 1
 
     @property
-    def stream_rows(self) -> int:
-        """Rows of a streamed vocab block: :attr:`block_rows` padded to a multiple of ``pad_multiple``."""
-        return padded_rows(self.block_rows, self.pad_multiple)
+    def block_rows(self) -> int:
+        """Rows of a streamed vocab block: :attr:`vocab_rows` padded to a multiple of ``pad_multiple``."""
+        return padded_rows(self.vocab_rows, self.pad_multiple)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
                 logits_at: int | None = None) -> torch.Tensor:
@@ -250,16 +250,16 @@ class RingLMHead(nn.Module):
         if targets is not None:
             check_sequence_length(targets.shape[1], LAYOUT, p)
             targets = targets[:, zigzag_positions(targets.shape[1], p, i, targets.device)].reshape(-1)
-        weight = pad_rows(local_view(self.weight), self.stream_rows)
+        weight = pad_rows(local_view(self.weight), self.block_rows)
         x2d, weight = autocast_operands(x.reshape(B * S, h), weight)
-        block_vocab = None if self.stream_rows == self.block_rows else self.block_rows
+        block_vocab = None if self.block_rows == self.vocab_rows else self.vocab_rows
         if targets is not None:
             return ring_cross_entropy(x2d, weight, targets, self.mesh, AXIS, self.vocab_size, options=self.options,
                                       block_vocab=block_vocab)
-        logits = ring_linear_out(x2d, weight, None, self.mesh, AXIS, ColumnBlocks(B * S, p, self.stream_rows),
+        logits = ring_linear_out(x2d, weight, None, self.mesh, AXIS, ColumnBlocks(B * S, p, self.block_rows),
                                  options=self.options)
         if block_vocab is not None:  # each block's padding columns out
-            logits = logits.view(B * S, p, self.stream_rows)[..., : self.block_rows].reshape(B * S, -1)
+            logits = logits.view(B * S, p, self.block_rows)[..., : self.vocab_rows].reshape(B * S, -1)
         full = gather_sequence(logits[:, : self.vocab_size].reshape(B, S, self.vocab_size), self.mesh, AXIS)
         return full if logits_at is None else full[:, index:index + 1]
 
