@@ -77,6 +77,7 @@ BAD = {
     "model.vocab_size": ("0", []),
     "model.block_size": ("0", []),
     "model.dropout": ("1.5", []),
+    "model.pad_vocab_multiple": ("0", []),
     "model.intermediate_size": ("0", LLAMA),
     "model.n_kv_head": ("0", LLAMA),
     "model.norm_eps": ("-1", LLAMA),
