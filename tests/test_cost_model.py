@@ -622,14 +622,15 @@ def test_gemm_table_is_the_measured_h200_table_its_fit_minimises_relative_error_
     for point, row in zip(gemm_rates.H200_BF16, measured):
         assert (point.m, point.k, point.n) == (row["m"], row["k"], row["n"]) and point.source.endswith(row["label"])
         assert point.flops_per_s == pytest.approx(row["flops_per_s"], rel=5e-4)
-    rate, overhead = gemm_rates.fit(gemm_rates.H200_BF16)
-    assert 7.0e14 < rate < 7.4e14 and 1.0e-5 < overhead < 1.3e-5
+    rate, overhead = gemm_rates.fit(gemm_rates.H200_BF16)  # the 82 aligned products
+    assert 7.0e14 < rate < 7.2e14 and 0.9e-5 < overhead < 1.0e-5
     assert (cm.H100_NVLINK4_NDR.matmul_flops_per_s, cm.H100_NVLINK4_NDR.gemm_overhead_s) == (rate, overhead)
     assert cm.H200_NVLINK4_NDR.matmul_flops_per_s == rate and cm.H100_NVLINK4_NDR.attention_flops_per_s == 541e12
+    aligned = [p for p in gemm_rates.H200_BF16 if p.aligned]
+    assert len(aligned) == 82 and gemm_rates.fit(aligned) == (rate, overhead)
 
     def relative_error(r, o):
-        return sum(((gemm_rates.gemm_seconds(p.flops, 1, r, o) - p.seconds) / p.seconds) ** 2
-                   for p in gemm_rates.H200_BF16)
+        return sum(((gemm_rates.gemm_seconds(p.flops, 1, r, o) - p.seconds) / p.seconds) ** 2 for p in aligned)
 
     # the fit is the least-squares optimum of the relative error: any nearby line does worse
     best = relative_error(rate, overhead)
@@ -641,6 +642,12 @@ def test_gemm_table_is_the_measured_h200_table_its_fit_minimises_relative_error_
     two, three = by_label["gpt2-medium mlp 2x2 grid"], by_label["gpt2-medium mlp 3x3 grid"]
     assert gemm_rates.gemm_seconds(two.flops, 1, rate, overhead) == pytest.approx(two.seconds, rel=0.15)
     assert gemm_rates.gemm_seconds(three.flops, 1, rate, overhead) < three.seconds / 2
+    # ... which is the unaligned slowdown the presets carry: its measured time over the aligned line's
+    slowdown = three.seconds / gemm_rates.gemm_seconds(three.flops, 1, rate, overhead)
+    assert gemm_rates.unaligned_slowdown(gemm_rates.H200_BF16, rate, overhead) == pytest.approx(slowdown, rel=1e-12)
+    assert 2.5 < slowdown < 2.6 and cm.H200_NVLINK4_NDR.unaligned_gemm_slowdown == pytest.approx(slowdown)
+    assert gemm_rates.unaligned_slowdown(aligned, rate, overhead) == 1.0
+    assert cm.A100_NVLINK3_HDR.unaligned_gemm_slowdown == 1.0  # not measured there
     # two points, two parameters: an exact fit (the brief's two points give its 773e12 + 5.25 us)
     brief = [gemm_rates.GemmPoint(8192, 1024, 4096, 730e12), gemm_rates.GemmPoint(4096, 512, 2048, 525e12)]
     r2, o2 = gemm_rates.fit(brief)
@@ -652,6 +659,8 @@ def test_gemm_table_is_the_measured_h200_table_its_fit_minimises_relative_error_
     assert gemm_rates.fit(flat) == (pytest.approx(1e9), pytest.approx(0.0, abs=1e-15))
     with pytest.raises(ValueError, match="at least two sizes"):
         gemm_rates.fit(flat[:1])
+    with pytest.raises(ValueError, match="aligned products .* got 1 aligned point"):
+        gemm_rates.fit([flat[0], gemm_rates.GemmPoint(64, 60, 64, 1e9)])
     assert gemm_rates.table_shapes(8192, 1024, max_m=4096) == [(4096, 1024, 4096), (4096, 512, 2048),
                                                                (2730, 341, 1365)]
 
@@ -754,3 +763,68 @@ def test_full_checkpointing_keeps_the_roots_saved_bytes_and_each_blocks_input():
     assert full.activation_bytes == pytest.approx(root + cfg.n_layer * block_input, rel=0.01)
     assert full.gemms["backward"] - none.gemms["backward"] == 2 * (two.gemms["forward"] - one.gemms["forward"])
     assert full.flops["backward"]["matmul"] > none.flops["backward"]["matmul"] == selective.flops["backward"]["matmul"]
+
+
+# ---- issue 48, part 4: products whose widths are not multiples of 8 are priced slower, on both sides ------------
+
+
+def test_unaligned_share_names_the_products_each_side_cuts_to_unaligned_widths():
+    from lightning_tp2d.planning.gemm_rates import aligned
+
+    assert aligned(8, 64, 1024) and not aligned(8, 341) and not aligned(50257)
+    medium = GPT2Config.from_name("gpt2-medium")  # V = 50257: every side's head is unaligned, nothing else
+    head = medium.vocab_size * medium.n_embd
+    total = head + medium.n_layer * 12 * medium.n_embd ** 2
+    for layout, p in (("single", 1), ("2d", 4), ("metp", 4), ("tp1d-sp", 4), ("tp1d", 8)):
+        assert cm.unaligned_share(layout, medium, p) == pytest.approx(head / total, rel=1e-12)
+    # padded to 128 (nanoGPT's 50304), a grid's block ceil(V/2) = 25129 pads to 25216 and the rival's shard too
+    padded = GPT2Config.from_name("gpt2-medium", pad_vocab_multiple=128)
+    for layout, p in (("single", 1), ("2d", 4), ("metp", 4), ("tp1d-sp", 4), ("tp1d-sp", 8)):
+        assert cm.unaligned_share(layout, padded, p) == 0.0
+    assert cm.unaligned_share("cp", padded, 4, tp=2) == 0.0 and cm.unaligned_share("ulysses", padded, 8) == 0.0
+    # a 3x3 grid cuts both widths of every linear by 3: h = 72 -> 24, 3h / 3 = 72, 4h / 3 = 96, V / 3 = 384
+    ok = GPT2Config(vocab_size=1152, n_embd=72, n_head=3, n_layer=2, block_size=64)
+    assert cm.unaligned_share("2d", ok, 9) == 0.0
+    # a 2x2 grid of h = 40: h / 2 = 20, every block product and the head (1152 / 2 x 20) unaligned; one GPU none
+    bad = GPT2Config(vocab_size=1152, n_embd=40, n_head=2, n_layer=2, block_size=64)
+    assert cm.unaligned_share("2d", bad, 4) == 1.0 and cm.unaligned_share("single", bad, 1) == 0.0
+    # a ring of 4 (and 1-D TP) cuts one width: c_attn's 3h / 4 = 30 out and c_proj's h / 4 = 10 in are unaligned,
+    # c_fc's 4h / 4 = 40 out, mlp.c_proj's 4h / 4 = 40 in and the head's 1152 / 4 = 288 rows are not
+    h = bad.n_embd
+    ring = cm.unaligned_share("metp", bad, 4)
+    assert ring == pytest.approx(bad.n_layer * 4 * h * h / (bad.n_layer * 12 * h * h + bad.vocab_size * h))
+    assert cm.unaligned_share("tp1d-sp", bad, 4) == ring
+
+
+def test_unaligned_products_cost_the_measured_slowdown_on_every_side_and_compiled_torch_pads_its_own():
+    hw = cm.H200_NVLINK4_NDR
+    medium, padded = (GPT2Config.from_name("gpt2-medium", **kw) for kw in ({}, {"pad_vocab_multiple": 128}))
+    for layout, p in (("single", 1), ("2d", 4), ("tp1d-sp", 4)):
+        slow, fast = (cm.step_time(layout, c, 4, 256, p, hw) for c in (medium, padded))
+        share = cm.unaligned_share(layout, medium, p)
+        matmul_s = slow["flops"]["matmul"] / hw.matmul_flops_per_s
+        assert slow["unaligned_s"] == pytest.approx(share * (hw.unaligned_gemm_slowdown - 1) * matmul_s, rel=1e-12)
+        assert fast["unaligned_s"] == 0.0 and slow["unaligned_s"] > 0.0
+        assert slow["compute_s"] - slow["unaligned_s"] == pytest.approx(
+            slow["flops"]["matmul"] / hw.matmul_flops_per_s + slow["flops"]["gemms"] * hw.gemm_overhead_s
+            + slow["flops"]["attention"] / hw.attention_flops_per_s, rel=1e-12)
+    # llama-tiny's 257 ids are unaligned, its widths (96, intermediate 264, key/value 48) aligned; CP's 1-D TP of 2
+    # cuts the intermediate to 132, unaligned whatever the vocabulary
+    llama, llama_padded = (LlamaConfig.from_name("llama-tiny", **kw) for kw in ({}, {"pad_vocab_multiple": 16}))
+    assert cm.cp_step_time(llama, 1, 64, 2, hw)["unaligned_s"] > 0.0
+    assert cm.cp_step_time(llama_padded, 1, 64, 2, hw)["unaligned_s"] == 0.0
+    assert cm.cp_step_time(llama_padded, 1, 64, 2, hw, tp=2)["unaligned_s"] > 0.0
+    assert cm.ulysses_step_time(llama, 1, 64, 2, hw)["unaligned_s"] > 0.0
+    assert cm.ulysses_step_time(llama_padded, 1, 64, 2, hw)["unaligned_s"] == 0.0
+
+    from lightning_tp2d.planning import planner
+
+    common = dict(p=4, dp=1, zero_stage=0, checkpointing="none", micro_batch=4, grad_accum=1, seq=256, hw=hw,
+                  gpus_per_node=8)
+    for layout in ("2d", "tp1d-sp"):
+        eager, compiled = (planner.price(medium, layout=layout, compiled=c, **common) for c in (False, True))
+        assert eager.unaligned and "unaligned shards" in eager.describe()
+        assert "(unaligned)" in planner.table([eager])
+        # inductor's shape_padding pads torch's own products; the package's registered products stay unaligned
+        assert compiled.unaligned == (layout == "2d")
+        assert not planner.price(padded, layout=layout, compiled=False, **common).unaligned

@@ -53,7 +53,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from lightning_tp2d.planning.events import Comm, float32_bytes
-from lightning_tp2d.planning.gemm_rates import H200_BF16, GemmPoint
+from lightning_tp2d.planning.gemm_rates import H200_BF16, GemmPoint, aligned, unaligned_slowdown
 from lightning_tp2d.planning.gemm_rates import fit as fit_gemm_rates
 from lightning_tp2d.planning.memory_model import baseline_activation_bytes, parameter_split
 from lightning_tp2d.planning.rivals import AXIS as TP_AXIS
@@ -358,12 +358,15 @@ class Hardware:
     peak_flops_per_s: float = 0.0  # dense bf16 peak, the denominator of MFU
     host_bytes_per_s: float = 0.0  # one GPU's host link per direction (pinned copies): prices activation offload
     host_memory_bytes: float = 0.0  # host memory of one node: what offloaded activations must fit in
+    # times the line's seconds an unaligned product takes (planning.gemm_rates.unaligned_slowdown; 1: not measured)
+    unaligned_gemm_slowdown: float = 1.0
 
 
 # H100 SXM (bf16 dense peak ~989e12). Compute rates measured on an H200 (an H100's compute with more HBM) by
 # recipes/gpu_rates.py on 2026-12-04 (torch 2.11, CUDA 13; recipes/benchmarks/gpu_rates/h200.json): GEMMs, the fit of
 # lightning_tp2d.planning.gemm_rates.H200_BF16 (83 products at Llama 3.1 8B / 70B's 1-D TP shards and GPT-2
-# medium's grid shards): ~719e12 plus ~11.6 us per kernel; attention, torch's causal SDPA (flash) forward + backward
+# medium's grid shards): the 82 aligned ones ~711e12 plus ~9.4 us per kernel, the 3x3 grid's unaligned shard 2.53x
+# that line (lightning_tp2d.planning.gemm_rates.unaligned_slowdown); attention, torch's causal SDPA (flash) forward + backward
 # over 32k tokens, 32 heads of 128: 541e12. Assumptions, not measurements: NVLink 4: 900 GB/s total = ~450 GB/s per
 # direction, ~3 us per message; NDR InfiniBand 400 Gb/s = 50 GB/s per GPU (one NIC each), ~5 us; HBM3 3.35 TB/s (the
 # datasheet's; the H200's measured copy reached 88% of its datasheet's 4.8). Host: PCIe Gen5 x16 per GPU, 64 GB/s per
@@ -374,7 +377,9 @@ _H100_ATTENTION_RATE = 541e12
 H100_NVLINK4_NDR = Hardware("H100 SXM, NVLink 4 (8/node), NDR 400G", _H100_GEMM_RATE, _H100_ATTENTION_RATE,
                             intra=Link(3e-6, 450e9), inter=Link(5e-6, 50e9), gpus_per_node=8,
                             gemm_overhead_s=_H100_GEMM_OVERHEAD, hbm_bytes_per_s=3.35e12, peak_flops_per_s=989e12,
-                            host_bytes_per_s=50e9, host_memory_bytes=2e12)
+                            host_bytes_per_s=50e9, host_memory_bytes=2e12,
+                            unaligned_gemm_slowdown=unaligned_slowdown(H200_BF16, _H100_GEMM_RATE,
+                                                                       _H100_GEMM_OVERHEAD))
 # H200 SXM: an H100's compute with HBM3e, whose 1 GiB copy measured 4.23 TB/s (read + written) on 2026-12-04.
 H200_NVLINK4_NDR = dataclasses.replace(H100_NVLINK4_NDR, name="H200 SXM, NVLink 4 (8/node), NDR 400G",
                                        hbm_bytes_per_s=4.23e12)
@@ -394,8 +399,8 @@ A100_NVLINK3_HDR = Hardware("A100 SXM, NVLink 3 (8/node), HDR 200G", 230e12, 190
 
 def with_measured_rates(hw: Hardware, rates: dict) -> Hardware:
     """``hw`` with its compute and memory rates replaced by those measured on a GPU (the JSON ``recipes/gpu_rates.py``
-    writes): GEMMs by the fit of its products (:func:`lightning_tp2d.planning.gemm_rates.fit`: rate and overhead per
-    kernel), attention by its ``summary``'s rate (causal SDPA forward + backward at the longest length measured),
+    writes): GEMMs by the fit of its aligned products (:func:`lightning_tp2d.planning.gemm_rates.fit`: rate and overhead
+    per kernel) and the slowdown of its unaligned ones, attention by its ``summary``'s rate (causal SDPA forward + backward at the longest length measured),
     memory by its copy bandwidth; the links, node size and MFU peak stay ``hw``'s. ``ValueError`` naming what is
     missing if ``rates`` is not such a table."""
     try:
@@ -406,7 +411,8 @@ def with_measured_rates(hw: Hardware, rates: dict) -> Hardware:
         raise ValueError(f"not a rate table of recipes/gpu_rates.py: no {err} in it") from None
     rate, overhead = fit_gemm_rates(points)
     return dataclasses.replace(hw, name=f"{hw.name}; rates measured on {device}", matmul_flops_per_s=rate,
-                               gemm_overhead_s=overhead, attention_flops_per_s=attention, hbm_bytes_per_s=hbm)
+                               gemm_overhead_s=overhead, attention_flops_per_s=attention, hbm_bytes_per_s=hbm,
+                               unaligned_gemm_slowdown=unaligned_slowdown(points, rate, overhead))
 
 
 def collective_time(kind: str, n: int, nbytes: float, link: Link) -> float:
@@ -497,11 +503,50 @@ def _hidden(ev: Comm, t: float, matmul_flops: float, attention_flops: float, rat
     return efficiency * min(t, matmul_flops / rates["matmul"] + attention_flops / rates["attention"]), 0
 
 
+def unaligned_share(layout: str, cfg, p: int, tp: int = 1) -> float:
+    """The share of one rank's linear and head FLOPs that run in unaligned products (a contiguous width, ``k`` or
+    ``n``, not a multiple of :data:`~lightning_tp2d.planning.gemm_rates.ALIGNMENT`), under ``layout`` on ``p``
+    ranks: each product weighted by its weight's entries (every product of a side runs on the same tokens).
+
+    The local widths of a linear ``[out, in]`` (:func:`~lightning_tp2d.planning.rivals.block_linears`): a grid of
+    side ``q`` cuts both by ``q``; a ring (the METP blocks of ``B`` and ``C``) and 1-D TP (``"tp1d"``,
+    ``"tp1d-sp"``) cut ``out`` of the linears that read a block's input and ``in`` of the output projections;
+    ``"single"`` / ``"cp"`` / ``"ulysses"`` cut neither (``tp`` > 1: CP's ranks each run 1-D TP over ``tp``). The
+    head's vocabulary: the config's ``pad_vocab_multiple`` padding each block as the layouts' heads pad it (a grid's
+    ``ceil(V/q)`` rows, a ring's ``ceil(V/p)``, at width ``h/q`` and ``h``), and the 1-D rivals' ``ceil(V/p)`` rows
+    padded the same way: a user who pads the package's vocabulary pads torch's too."""
+    multiple = getattr(cfg, "pad_vocab_multiple", 1) or 1
+    pad = lambda rows: -(-rows // multiple) * multiple  # noqa: E731
+    h, V = cfg.n_embd, cfg.vocab_size
+    if layout in layout_names():
+        lay = get_layout(layout)
+        k = lay.side(p)
+        both = lay.square
+    else:
+        k, both = (p if layout in ("tp1d", "tp1d-sp") else tp), False
+    groups = block_linears(cfg)
+    products = []  # (weight entries, local widths)
+    for g, group in enumerate(groups):
+        for out, inp in group:
+            widths = ((out // k, inp // k) if both else (out // k, inp) if g % 2 == 0 else (out, inp // k))
+            products.append((cfg.n_layer * out * inp, widths))
+    products.append((V * h, (pad(-(-V // k)), h // k if both else h)))
+    total = sum(w for w, _ in products)
+    return sum(w for w, widths in products if not aligned(*widths)) / total
+
+
+def _unaligned_seconds(share: float, matmul_s: float, hw: Hardware) -> float:
+    """What the unaligned ``share`` of ``matmul_s`` adds: ``(slowdown - 1)`` times its part."""
+    return share * (hw.unaligned_gemm_slowdown - 1.0) * matmul_s
+
+
 def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
               async_tp: bool = False, lean_wire: bool = False, *, dp: int = 1, zero_stage: int = 0,
               clip: bool = False, checkpointing: str = "none", ranks=None, overlap="ideal") -> dict:
     """Projected seconds of one training step: ``compute_s = matmul FLOPs / matmul rate + GEMM kernels * GEMM
-    overhead + attention FLOPs / attention rate`` (shape-dependent GEMM rates: :mod:`lightning_tp2d.planning.gemm_rates`); per call ``t`` from :func:`collective_time` on its group's link, exposed
+    overhead + attention FLOPs / attention rate`` (shape-dependent GEMM rates: :mod:`lightning_tp2d.planning.gemm_rates`),
+    plus ``unaligned_s``: the unaligned products' share of the matmul time (:func:`unaligned_share`) again
+    ``unaligned_gemm_slowdown - 1`` times; per call ``t`` from :func:`collective_time` on its group's link, exposed
     ``t - overlap[kind] * min(t, overlapped matmul FLOPs / matmul rate + overlapped attention FLOPs / attention
     rate)`` (:func:`_hidden`; ``overlap``: :func:`overlap_rule`'s preset, number or mapping, default ``"ideal"``:
     efficiency 1, ``max(0, t - ...)``; the planner passes ``"fitted"``);
@@ -528,7 +573,9 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
     rule = overlap_rule(overlap)
     fl = flops(layout, cfg, batch, seq, p, checkpointing, elem)
     rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
-    compute = fl["matmul"] / rates["matmul"] + fl["gemms"] * hw.gemm_overhead_s + fl["attention"] / rates["attention"]
+    unaligned = _unaligned_seconds(unaligned_share(layout, cfg, p), fl["matmul"] / rates["matmul"], hw)
+    compute = (fl["matmul"] / rates["matmul"] + unaligned + fl["gemms"] * hw.gemm_overhead_s
+               + fl["attention"] / rates["attention"])
     worst = None
     data = dict(dp=dp, zero_stage=zero_stage, clip=clip, checkpointing=checkpointing)
     if ranks is None:
@@ -546,7 +593,8 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
             nbytes += ev.calls * ev.nbytes
         rank_compute = compute + split_gemms * hw.gemm_overhead_s
         result = {"compute_s": rank_compute, "comm_s": comm_s, "exposed_comm_s": exposed,
-                  "total_s": rank_compute + exposed, "comm_bytes": nbytes, "rank": rank, "flops": fl}
+                  "total_s": rank_compute + exposed, "comm_bytes": nbytes, "rank": rank, "flops": fl,
+                  "unaligned_s": unaligned}
         if worst is None or result["total_s"] > worst["total_s"]:
             worst = result
     return worst
@@ -597,7 +645,8 @@ def cp_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
               "matmul": fl["matmul"] + recomputed,
               "gemms": fl["gemms"] - 3 + 4 * -(-tokens // (chunk_tokens or CHUNK_TOKENS))}
     rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
-    compute = (fl["matmul"] / rates["matmul"] + fl["gemms"] * hw.gemm_overhead_s
+    unaligned = _unaligned_seconds(unaligned_share("cp", cfg, p, tp), fl["matmul"] / rates["matmul"], hw)
+    compute = (fl["matmul"] / rates["matmul"] + unaligned + fl["gemms"] * hw.gemm_overhead_s
                + fl["attention"] / rates["attention"])
     links = {RING_AXIS: _link(hw, range(0, p * tp, tp)), TP_AXIS: _link(hw, range(tp))}
     comm_s = exposed = 0.0
@@ -616,7 +665,7 @@ def cp_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
         nbytes += ev.calls * ev.nbytes
     compute += split_gemms * hw.gemm_overhead_s
     return {"compute_s": compute, "comm_s": comm_s, "exposed_comm_s": exposed, "total_s": compute + exposed,
-            "comm_bytes": nbytes, "rank": 0, "flops": fl}
+            "comm_bytes": nbytes, "rank": 0, "flops": fl, "unaligned_s": unaligned}
 
 
 def ulysses_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2, *,
@@ -645,7 +694,8 @@ def ulysses_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int
         mats = 3 if hasattr(cfg, "intermediate_size") else 2
         again = cfg.n_layer * 2.0 * batch * seq / p * cfg.n_embd * inner * mats
         fl = {**fl, "backward": fl["backward"] + again, "total": fl["total"] + again, "matmul": fl["matmul"] + again}
-    compute = (fl["matmul"] / hw.matmul_flops_per_s + fl["gemms"] * hw.gemm_overhead_s
+    unaligned = _unaligned_seconds(unaligned_share("ulysses", cfg, p), fl["matmul"] / hw.matmul_flops_per_s, hw)
+    compute = (fl["matmul"] / hw.matmul_flops_per_s + unaligned + fl["gemms"] * hw.gemm_overhead_s
                + fl["attention"] / hw.attention_flops_per_s)
     rows = batch * seq // p
     widths = (cfg.n_embd, kv_heads * hs, kv_heads * hs, cfg.n_embd)
@@ -656,7 +706,7 @@ def ulysses_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int
     comm = sum(collective_time("all_to_all", p, nbytes, link) for nbytes in calls)
     exposed = comm - rule["all_to_all"] * 0.0  # the rule's efficiency times no hideable time: all exposed
     return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "total_s": compute + exposed,
-            "comm_bytes": sum(calls), "rank": 0, "flops": fl}
+            "comm_bytes": sum(calls), "rank": 0, "flops": fl, "unaligned_s": unaligned}
 
 
 def _representative_ranks(layout: str, p: int) -> list[int]:

@@ -10,17 +10,35 @@ charges every traced GEMM (:mod:`lightning_tp2d.planning.trace` counts them) its
 2026-12-04 (torch 2.11, CUDA 13; GPU time, CUDA events around back-to-back runs): every linear of Llama 3.1 8B and
 70B as 1-D TP cuts it over 1-8 ranks at 8192 and 16384 tokens, and GPT-2 medium's MLP product on the 1x1, 2x2 and
 3x3 grids (``recipes/benchmarks/gpu_rates/h200.json``). Their fit, ``rate = 719e12`` FLOP/s and ``overhead =
-11.6 us``, prices the H100 and H200 presets (an H200 is an H100's compute with more HBM). It replaced two points
-quoted in the developers' brief (730e12 at 8192x1024x4096 and 525e12 at its 2x2 shard: 773e12 + 5.25 us), which
-the measurement did not reproduce (577e12 and 403e12). No rate-plus-overhead line prices shards whose sizes are
-not multiples of 8: the 3x3 grid's ``2730 x 341 x 1365`` ran at 77e12 (the fit says 168e12). ``tp2d-bench
+11.6 us`` until 2026-12-06, prices the H100 and H200 presets (an H200 is an H100's compute with more HBM). It
+replaced two points quoted in the developers' brief (730e12 at 8192x1024x4096 and 525e12 at its 2x2 shard: 773e12
++ 5.25 us), which the measurement did not reproduce (577e12 and 403e12).
+
+Unaligned products. No rate-plus-overhead line prices a product whose contiguous widths (``k``, the shared
+dimension, and ``n``, the output's) are not multiples of :data:`ALIGNMENT` elements: the 3x3 grid's ``2730 x 341 x
+1365`` ran at 77e12, 2.53x the time of the line fitted to the other 82 (its ``711e12 + 9.4 us``, which the presets
+now use: the unaligned point had pulled the line to ``719e12 + 11.6 us``). :func:`fit` fits the aligned points;
+:func:`unaligned_slowdown` is the measured time of the unaligned ones over the line's (geometric mean), which the
+cost model charges every unaligned product (a grid shard, a 1-D TP shard, a vocabulary block:
+:func:`lightning_tp2d.planning.cost_model.unaligned_share`) on both sides. GPT-2's unpadded 50257-wide head ran on
+an sm75 kernel at about 5.9x its line in the same day's profile (three products, 20.7 ms a step); that is not a
+timed product of the table, so the one measured slowdown prices it too. ``tp2d-bench
 --measured-rates`` measures a table on the machine it runs on (:func:`lightning_tp2d.bench.calibrate.measure_table`)
 and projects with that fit instead, keeping the preset's links; its table is written into ``results.json``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+# bf16 tensor-core products want their contiguous widths in multiples of 8 elements (16 bytes)
+ALIGNMENT = 8
+
+
+def aligned(*widths: int) -> bool:
+    """Every width a multiple of :data:`ALIGNMENT`."""
+    return all(w % ALIGNMENT == 0 for w in widths)
 
 
 @dataclass(frozen=True)
@@ -40,6 +58,11 @@ class GemmPoint:
     @property
     def seconds(self) -> float:
         return self.flops / self.flops_per_s
+
+    @property
+    def aligned(self) -> bool:
+        """``k`` and ``n`` (the widths that are contiguous in memory) are multiples of :data:`ALIGNMENT`."""
+        return aligned(self.k, self.n)
 
 
 _H200_SOURCE = "H200, torch 2.11 / CUDA 13, bf16, recipes/gpu_rates.py 2026-12-04: "
@@ -131,14 +154,16 @@ H200_BF16 = tuple(GemmPoint(m, k, n, rate, _H200_SOURCE + label) for m, k, n, ra
 
 
 def fit(points) -> tuple[float, float]:
-    """``(rate, overhead)`` of ``t = F / rate + overhead`` fitted to ``points`` (at least two distinct sizes) by
+    """``(rate, overhead)`` of ``t = F / rate + overhead`` fitted to the aligned ``points`` (at least two distinct
+    sizes; the unaligned are :func:`unaligned_slowdown`'s) by
     least squares on the relative error of each product's time: a 30 us shard counts as much as a 30 ms product,
     so the overhead that small products pay is seen (an absolute-error fit of the H200 table let its largest
     products set the line and clamped the overhead to zero). The overhead is clamped at zero (a machine whose small
     products run at the large ones' rate); the rate is then refitted through the origin."""
-    points = list(points)
+    points = [p for p in points if p.aligned]
     if len({p.flops for p in points}) < 2:
-        raise ValueError(f"fitting a GEMM rate needs products of at least two sizes, got {len(points)} point(s)")
+        raise ValueError(f"fitting a GEMM rate needs aligned products (k and n multiples of {ALIGNMENT}) of at least "
+                         f"two sizes, got {len(points)} aligned point(s)")
     # minimise sum((x / rate + overhead - y) / y)^2: weighted least squares, weights 1 / y^2
     xs, ws = [p.flops / p.seconds for p in points], [1.0 / p.seconds for p in points]  # x / y, 1 / y
     sx, sw = sum(xs), sum(ws)
@@ -148,6 +173,13 @@ def fit(points) -> tuple[float, float]:
     if overhead < 0 or slope <= 0:
         overhead, slope = 0.0, sx / sxx
     return 1.0 / slope, overhead
+
+
+def unaligned_slowdown(points, rate: float, overhead: float) -> float:
+    """How many times the line ``F / rate + overhead`` the unaligned ``points`` took (geometric mean of measured over
+    predicted seconds; 1.0 when none was measured)."""
+    ratios = [p.seconds / (p.flops / rate + overhead) for p in points if not p.aligned]
+    return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 1.0
 
 
 def gemm_seconds(flops: float, gemms: float, rate: float, overhead: float) -> float:

@@ -73,7 +73,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from lightning_tp2d.planning import cache as plan_cache
-from lightning_tp2d.planning import cost_model, host_cost, memory_model, trace
+from lightning_tp2d.planning import cost_model, gemm_rates, host_cost, memory_model, trace
 from lightning_tp2d.planning.cost_model import Hardware, collective_time, data_parallel_all_reduce_time, step_time
 from lightning_tp2d.planning.memory_model import (baseline_activation_bytes, parameter_split,
                                                peak_bytes)
@@ -170,12 +170,19 @@ class PlanRow:
         gpu = t.get("micro_compute", 0.0) + t.get("micro_tp_exposed", 0.0) + t.get("micro_elementwise", 0.0)
         return t.get("micro_host_ops", 0.0) > gpu
 
+    @property
+    def unaligned(self) -> bool:
+        """Some of its products have a width that is not a multiple of 8 (``micro_unaligned``: the seconds they add,
+        :func:`~lightning_tp2d.planning.cost_model.unaligned_share`): a grid side or a vocabulary that pads or
+        divides to aligned shards runs faster."""
+        return self.parts.get("time_s", {}).get("micro_unaligned", 0.0) > 0.0
+
     def describe(self) -> str:
         return (f"{self.label} p={self.tensor_parallel_size} dp={self.data_parallel_size} "
                 f"zero={self.zero_stage} ckpt={self.checkpointing} micro={self.micro_batch}x{self.grad_accum}"
                 f"{' offload' if self.activation_offload else ''}: {self.memory_gib:.1f} GiB, "
                 f"{self.tokens_per_s_per_gpu:,.0f} tok/s/GPU, MFU {self.mfu:.1%}"
-                f"{', host-bound' if self.host_bound else ''}")
+                f"{', host-bound' if self.host_bound else ''}{', unaligned shards' if self.unaligned else ''}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -192,16 +199,26 @@ class PlanRow:
                          self.checkpointing, self.activation_offload, self.micro_batch)
 
 
+def _padded_by_inductor(micro: dict) -> dict:
+    """``micro`` without its unaligned products' extra time: compiled, torch's own code is inductor's, whose
+    ``shape_padding`` (on by default) pads an unaligned matmul's operands where its benchmark says that is faster.
+    The package's SUMMA and ring products are registered ops the compiler does not enter: they keep theirs."""
+    extra = micro.get("unaligned_s", 0.0)
+    return {**micro, "compute_s": micro["compute_s"] - extra, "total_s": micro["total_s"] - extra,
+            "unaligned_s": 0.0}
+
+
 def _fit_elementwise_passes() -> dict[str, float]:
     """Passes over the saved bytes that close the gap between the matmul/attention/optimizer time and the measured
     GPT-2 step on the H200 (:data:`GPT2_H200`), eager and compiled."""
     cfg = model_config(GPT2_H200["model"])
     hw = cost_model.H200_NVLINK4_NDR
     b, t = GPT2_H200["batch"], GPT2_H200["seq"]
-    compute = step_time("single", cfg, b, t, 1, hw, ELEMENT)["total_s"]
+    eager = step_time("single", cfg, b, t, 1, hw, ELEMENT)  # its 50257-wide head unaligned (the sm75 kernel)
+    compute = {"eager": eager["total_s"], "compiled": _padded_by_inductor(eager)["total_s"]}
     saved = baseline_activation_bytes(cfg, b, t, 1, elem=ELEMENT, ep=4)["total"]  # as price() counts it
     optimizer = OPTIMIZER_BYTES_PER_ELEMENT * parameter_split(cfg).total / hw.hbm_bytes_per_s
-    return {mode: (b * t / GPT2_H200[mode] - compute - optimizer) / (saved / hw.hbm_bytes_per_s)
+    return {mode: (b * t / GPT2_H200[mode] - compute[mode] - optimizer) / (saved / hw.hbm_bytes_per_s)
             for mode in ("eager", "compiled")}
 
 
@@ -345,7 +362,9 @@ def _chunked_loss_step(cfg, batch: int, seq: int, tp: int, hw: Hardware, micro: 
     prices CP's: each chunk of :data:`~lightning_tp2d.planning.rivals.CHUNK_TOKENS` tokens recomputes its logits in
     the backward (``2 N h ceil(V/tp)`` more matmul FLOPs), the head runs 4 GEMM kernels a chunk instead of 3 in
     all, and over ``tp`` > 1 ranks each chunk's ``loss_parallel`` forward runs its three all-reduces of the
-    chunk's float32 ``[n, 1]`` rows again (inside the node; no overlapped FLOPs, so the overlap rule hides none)."""
+    chunk's float32 ``[n, 1]`` rows again (inside the node; no overlapped FLOPs, so the overlap rule hides none).
+    A vocabulary shard that is not aligned (:func:`~lightning_tp2d.planning.cost_model.unaligned_share`) slows the
+    recomputed products as it slows the head's own."""
     tokens = batch * seq
     recomputed = 2.0 * tokens * cfg.n_embd * -(-cfg.vocab_size // tp)
     full, rest = divmod(tokens, CHUNK_TOKENS)
@@ -353,7 +372,11 @@ def _chunked_loss_step(cfg, batch: int, seq: int, tp: int, hw: Hardware, micro: 
     fl = micro["flops"]
     fl = {**fl, "backward": fl["backward"] + recomputed, "total": fl["total"] + recomputed,
           "matmul": fl["matmul"] + recomputed, "gemms": fl["gemms"] + gemms}
-    compute = micro["compute_s"] + recomputed / hw.matmul_flops_per_s + gemms * hw.gemm_overhead_s
+    multiple = getattr(cfg, "pad_vocab_multiple", 1) or 1
+    rows = -(-(-(-cfg.vocab_size // tp)) // multiple) * multiple  # a rank's vocabulary, padded as the head pads it
+    unaligned = (0.0 if gemm_rates.aligned(rows, cfg.n_embd)
+                 else recomputed / hw.matmul_flops_per_s * (hw.unaligned_gemm_slowdown - 1.0))
+    compute = micro["compute_s"] + recomputed / hw.matmul_flops_per_s + unaligned + gemms * hw.gemm_overhead_s
     comm = exposed = 0.0
     rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
     for n, calls in ((CHUNK_TOKENS, full), (rest, 1 if rest else 0)):
@@ -364,7 +387,7 @@ def _chunked_loss_step(cfg, batch: int, seq: int, tp: int, hw: Hardware, micro: 
             exposed += 3 * calls * (t - hidden)
     return {**micro, "compute_s": compute, "comm_s": micro["comm_s"] + comm,
             "exposed_comm_s": micro["exposed_comm_s"] + exposed, "total_s": compute + micro["exposed_comm_s"] + exposed,
-            "flops": fl}
+            "flops": fl, "unaligned_s": micro.get("unaligned_s", 0.0) + unaligned}
 
 
 def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: str, micro_batch: int,
@@ -459,6 +482,8 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
         micro = step_time(layout, cfg, micro_batch, seq, p, hw, ELEMENT, checkpointing=checkpointing, ranks=[0],
                           overlap=rule)
         saved = trace_step(layout, cfg, micro_batch, seq, p, ELEMENT, 0).activation_bytes
+    if compiled and (baseline or cp or ulysses):
+        micro = _padded_by_inductor(micro)
     if memory is None:
         memory = row_memory(cfg, layout, p, dp, zero_stage, checkpointing, micro_batch, seq,
                             cp_tp_size=cp_tp_size, cp_loss=cp_loss,
@@ -503,7 +528,8 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
              "time_s": {"micro_compute": micro["compute_s"], "micro_tp_exposed": micro["exposed_comm_s"],
                         "micro_elementwise": elementwise_s, "dp_comm": data["comm_s"], "dp_exposed": data["exposed_s"],
                         "optimizer": optimizer_s, "micro_host_copy": host["copy_s"],
-                        "micro_host_exposed": host["exposed_s"], "micro_host_ops": issue_s}}
+                        "micro_host_exposed": host["exposed_s"], "micro_host_ops": issue_s,
+                        "micro_unaligned": micro.get("unaligned_s", 0.0)}}
     return PlanRow(layout, baseline, p, dp, zero_stage, checkpointing, micro_batch, grad_accum,
                    memory["total"] / GIB, step_s, per_gpu, mfu, async_tp, parts, p // inner if cp else 1, offload,
                    shard_group=shard_group if baseline and shard_group != dp else 0,
@@ -883,12 +909,14 @@ def _deepest(cfg, candidate, seq: int, cap: float, found: dict) -> dict:
 def table(rows: list[PlanRow], limit: int | None = 12) -> str:
     """A markdown table of ``rows`` (the first ``limit``), each named by :attr:`PlanRow.label`: two rows whose
     configuration columns read the same are the same configuration; a step the host's time sets
-    (:attr:`PlanRow.host_bound`) reads ``(host)``."""
+    (:attr:`PlanRow.host_bound`) reads ``(host)``, one with unaligned shards (:attr:`PlanRow.unaligned`)
+    ``(unaligned)``."""
     head = ("| # | configuration | p | dp | ZeRO | checkpointing | micro x accum | GiB/GPU | step s | tok/s/GPU | MFU |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for i, r in enumerate(rows[:limit] if limit else rows, 1):
         offload, host = " + offload" if r.activation_offload else "", " (host)" if r.host_bound else ""
+        host += " (unaligned)" if r.unaligned else ""
         lines.append(f"| {i} | {r.label} | {r.tensor_parallel_size} | {r.data_parallel_size} | {r.zero_stage} | "
                      f"{r.checkpointing}{offload} | {r.micro_batch} x {r.grad_accum} | {r.memory_gib:.1f} | "
                      f"{r.step_s:.2f}{host} | {r.tokens_per_s_per_gpu:,.0f} | {r.mfu:.1%} |")
