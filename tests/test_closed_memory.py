@@ -1,6 +1,6 @@
 """The closed-form peak memory (:func:`lightning_tp2d.planning.closed_memory.closed_peak_bytes`) against the traced
 memory model (:func:`lightning_tp2d.planning.memory_model.peak_bytes`, fake steps profiled phase by phase) on small
-configurations of what it models: the ring, both families, ZeRO stages 0 to 3, checkpointing none, selective and
+configurations of what it models: the ring, both families (Llama's head tied and untied), ZeRO stages 0 to 3, checkpointing none, selective and
 full, bf16 autocast with AdamW's fused step. Each case is picked so that a different phase peaks (the loss's
 backward, the last block's MLP or attention backward, block 0's, the optimizer's all-gather after the step), on rings
 of 2 and 4 with a vocabulary (257) that does not divide; the traced references are shared by the module's fixture."""
@@ -30,11 +30,16 @@ CASES = [
     ("gpt2-tiny", 3, 2, 128, 2, "selective", 1, 0),  # the last block's, two blocks' recipes still saved
     ("llama-tiny", 3, 2, 64, 2, "selective", 2, 3),  # FSDP stage 3: the block before last
     ("gpt2-tiny", 2, 2, 128, 2, "selective", 2, 3),  # FSDP stage 3, GPT-2
+    # Llama with a tied head (as 3.2-1b / 3b): the head's gradient is the token table's
+    ("llama-tiny+tied", 3, 2, 64, 2, "none", 1, 0),
+    ("llama-tiny+tied", 3, 2, 64, 2, "selective", 2, 3),
 ]
 
 
 def _config(name: str, blocks: int, seq: int):
+    name, tied = name.removesuffix("+tied"), name.endswith("+tied")  # "name+tied": the named Llama, head tied
     base = model_config(name)
+    base = dataclasses.replace(base, tie_embeddings=True) if tied else base
     return dataclasses.replace(base, n_layer=blocks, block_size=max(base.block_size, seq))
 
 

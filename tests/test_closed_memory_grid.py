@@ -1,6 +1,6 @@
 """The grid layouts' closed-form peak memory (:func:`lightning_tp2d.planning.closed_memory_grid.grid_peak_bytes`)
 against the traced memory model (:func:`lightning_tp2d.planning.memory_model.peak_bytes`, fake steps profiled phase
-by phase) on small configurations: ``"2d"`` and ``"2d-metp"``, both families, grids of side 2 and 3, ZeRO stages 0
+by phase) on small configurations: ``"2d"`` and ``"2d-metp"``, both families (Llama's head tied and untied), grids of side 2 and 3, ZeRO stages 0
 to 3 (FSDP2 over two replicas at 2 and 3), checkpointing none, selective and full, bf16 autocast with AdamW's fused
 step, rank 0. Each case is picked so that a different moment peaks (the last block's MLP backward, the loss's
 backward, the ring attention's backward, a block's forward run again under full checkpointing, the optimizer's
@@ -34,12 +34,17 @@ CASES = [
     # run again in the forward phase
     ("2d", "llama-tiny@8192", 2, 2, 16, 4, "none", 2, 2),  # a vocabulary of 8192 at 16 tokens: the root's
     # reduce-scatter at the end of the backward; the head's backward in the forward phase
+    # Llama with a tied head (as 3.2-1b / 3b): the mirrored head block, a recipe under "selective"
+    ("2d", "llama-tiny+tied", 2, 2, 128, 4, "selective", 1, 0),
+    ("2d-metp", "llama-tiny+tied", 2, 1, 128, 4, "selective", 2, 3),
 ]
 
 
 def _config(name: str, blocks: int, seq: int):
+    name, tied = name.removesuffix("+tied"), name.endswith("+tied")  # "name+tied": the named Llama, head tied
     name, _, vocab = name.partition("@")  # "name@V": the named size with a vocabulary of V
     base = model_config(name)
+    base = dataclasses.replace(base, tie_embeddings=True) if tied else base
     if vocab:
         base = dataclasses.replace(base, vocab_size=int(vocab))
     return dataclasses.replace(base, n_layer=blocks, block_size=max(base.block_size, seq))

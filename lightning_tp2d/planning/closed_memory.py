@@ -14,8 +14,7 @@ the step as before):
   replica are refused;
 * checkpointing ``"none"``, ``"selective"`` and ``"full"``;
 * ``elem`` 2 (bf16 autocast over float32 parameters), AdamW's fused step (``fused=True``): what the planner prices;
-* GPT-2 (tied head) and Llama with an untied head (``tie_embeddings=False``: every named Llama size but 3.2-1b
-  and 3.2-3b).
+* GPT-2 (tied head) and Llama with a tied or untied head (``tie_embeddings``; 3.2-1b and 3.2-3b tie theirs).
 
 Notation, per rank: ``e = elem``; ``N = B T / p`` local tokens, ``S = T / p`` local positions; ``h`` width, ``nh``
 heads of width ``hs``, ``kv`` the key/value width (``n_kv_head * hs``; GPT-2: ``h``), ``F`` the MLP's width (GPT-2
@@ -209,8 +208,6 @@ def closed_form_problem(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 
                 f"the ring layouts only")
     if p < 2:
         return f"p={p}: the closed form models rings of at least 2 ranks"
-    if hasattr(cfg, "intermediate_size") and getattr(cfg, "tie_embeddings", False):
-        return "tie_embeddings=True (Llama): the closed form models Llama's untied head"
     if zero_stage not in (0, 1, 2, 3) or (zero_stage >= 2 and dp < 2):
         return (f"zero_stage={zero_stage} (dp={dp}): the closed form models stages 0 and 1, and 2 and 3 (FSDP) "
                 f"with dp > 1")
@@ -253,6 +250,7 @@ def closed_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1,
     h, nh = cfg.n_embd, cfg.n_head
     hs = h // nh
     llama = hasattr(cfg, "intermediate_size")
+    tied = bool(getattr(cfg, "tie_embeddings", True))  # the head multiplies by the embedding (GPT-2's always does)
     kv = cfg.n_kv_head * hs if llama else h
     F = cfg.intermediate_size if llama else 4 * h
     f = F // p
@@ -292,7 +290,8 @@ def closed_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1,
     widest = max(max(0, min(Vb, cfg.vocab_size - j * Vb)) for j in range(p) if j != rank)  # after the own one
     loss_backward = (8 * Vb * h + (recv + 1) * e * Vb * h + (4 + e) * tile * widest + N * h * e + 17 * N
                      + _LOSS_SCALARS)
-    head_grads = 4 * (z.root - (z.vocab_rows * h if llama else 0) - (0 if llama else cfg.block_size * h))
+    # the root's gradients once the head's backward is done: all but an untied embedding's and GPT-2's positions'
+    head_grads = 4 * (z.root - (0 if tied else z.vocab_rows * h) - (0 if llama else cfg.block_size * h))
     # each phase's candidate moments, as named parts (the phase peaks at the largest sum)
     forward = [{"saved activations": L * kept + R, "loss backward": loss_backward}]
     if llama:  # the final RMSNorm's backward: five float32 [N, h] temporaries (the norm is composite)

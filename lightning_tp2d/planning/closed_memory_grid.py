@@ -16,7 +16,7 @@ numbers; ``memory_model.closed_forms()`` then profiles the step as before):
   (:mod:`~lightning_tp2d.planning.closed_memory_grid_fsdp`, below); stages 2 and 3 on one replica are refused;
 * checkpointing ``"none"``, ``"selective"`` and ``"full"``;
 * ``elem`` 2 (bf16 autocast over float32 parameters), AdamW's fused step; GPT-2 (tied head) and Llama (GQA,
-  untied head).
+  tied or untied head: the tied head's block is the token table's, swapped with the mirror rank, as GPT-2's).
 
 Notation, per rank ``(r, c)`` of the grid of side ``q``: ``e = elem``; ``N`` local tokens (``"2d"``: ``B/q``
 sequences of ``T`` rows; ``"2d-metp"``: ``B`` sequences of ``S = T/q`` rows), ``R_T`` the rows of one local
@@ -182,8 +182,6 @@ def grid_problem(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero
     family = family_of_config(cfg)
     if family is None or family.name not in ("gpt2", "llama"):
         return f"a {type(cfg).__name__}: the closed form models GPT-2 and Llama"
-    if family.name == "llama" and getattr(cfg, "tie_embeddings", False):
-        return "tie_embeddings=True (Llama): the closed form models Llama's untied head"
     if getattr(cfg, "dropout", 0.0):
         return f"dropout={cfg.dropout}: the closed form models training without dropout"
     if spec.size_problem(p) or p < 4:
@@ -224,6 +222,7 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     z = _grid_sizes(cfg, q, rank)
     e, L = elem, cfg.n_layer
     llama = family_of_config(cfg).name == "llama"
+    tied = bool(getattr(cfg, "tie_embeddings", True))  # the head multiplies by the token table (GPT-2's always does)
     h, nh = cfg.n_embd, cfg.n_head
     hs = h // nh
     hq, nq = h // q, nh // q
@@ -247,11 +246,11 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     R = 4 * N * Vb + 10 * N + 2 * N * hq * e + stats + e * Vb * hq + positions + (8 * q * N if ring else 0)
     block_input = N * hq * e
     # "selective": the norms' outputs (and the casts of them, Llama's five), the MLP's activation output (SwiGLU's
-    # product, GELU's output) and GPT-2's mirrored head block are recipes, rebuilt when a backward unpacks them
+    # product, GELU's output) and a tied head's mirrored block are recipes, rebuilt when a backward unpacks them
     selective = checkpointing == "selective"
     rebuilt_mlp = N * fq * e if selective else 0  # in the MLP's down projection's backward
     recipes = (5 if llama else 2) * N * hq * e + rebuilt_mlp if selective else 0
-    root_recipes = N * hq * e + (0 if llama else e * Vb * hq) if selective else 0  # in the head's backward
+    root_recipes = N * hq * e + (e * Vb * hq if tied else 0) if selective else 0  # in the head's backward
     kept = block_input if checkpointing == "full" else A - recipes
     activations = L * kept + R - root_recipes
     # the forward and the root's backward: the cross-entropy's backward
@@ -291,7 +290,7 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     else:
         down_column = q * e * hq * fq + 2 * w * e * N * hq
     forward_block = N * hq * e + (8 * N * hq if llama else 0) + mlp_live + e * hq * fq + down_column
-    head_grads = 4 * (z.root - z.embedding)  # the head's, the final norm's (GPT-2: the tied token table's)
+    head_grads = 4 * (z.root - z.embedding)  # the head's, the final norm's (tied: the token table's)
     left = _LOSS_SCALARS + positions + (8 * q * N if ring else 0)  # what the root keeps through the blocks' backward
     # rebuilt for the block's backward: "full" its saved tensors, "selective" its MLP's activation output
     recomputed = A - kept - recipes + rebuilt_mlp

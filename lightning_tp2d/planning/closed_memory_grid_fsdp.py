@@ -114,17 +114,17 @@ def fsdp_moments(v: dict) -> dict:
     gr, gb, sb = e * d.root_padded, e * d.block_padded, 4 * d.block
     # saved without autocast's copies: the block's matrices are bf16 already, Llama's norms return bf16 (one saved
     # output each instead of a cast per linear); the head's block is the gathered weight itself where no padding
-    # copies it (Llama: rows(c) = Vb) and no mirror rank sends it (GPT-2: the grid's diagonal, rows(r) = Vb)
+    # copies it (untied: rows(c) = Vb) and no mirror rank sends it (tied: the grid's diagonal, rows(r) = Vb)
     A = v["A"] - e * z.block_matrices - (3 * N * hq * e if llama else 0)
     r, c = divmod(v["rank"], v["q"])
     full_rows = [v["cfg"].vocab_size - i * Vb >= Vb for i in (r, c)]  # the vocabulary blocks of row r, col c
-    whole_block = full_rows[1] if llama else r == c and full_rows[0]
+    whole_block = r == c and full_rows[0] if v["tied"] else full_rows[1]
     R = v["R"] - (e * Vb * hq if whole_block else 0)
-    # "selective": each norm's one output and the MLP's activation output are recipes (GPT-2's mirrored head block
+    # "selective": each norm's one output and the MLP's activation output are recipes (a tied head's mirrored block
     # too, where a mirror rank sends it), the MLP's rebuilt in its down projection's backward
     selective = ck == "selective"
     recipes = 2 * N * hq * e + v["rebuilt_mlp"] if selective else 0
-    saved_root = R - (N * hq * e + (0 if llama or whole_block else e * Vb * hq) if selective else 0)
+    saved_root = R - (N * hq * e + (e * Vb * hq if v["tied"] and not whole_block else 0) if selective else 0)
     kept = {"none": A, "selective": A - recipes, "full": v["block_input"]}[ck]
     current = A - recipes + v["rebuilt_mlp"]  # the block whose MLP's backward runs
     # the ring attention's backward keeps the block's tensors less its second norm's and MLP's (Llama: one norm
