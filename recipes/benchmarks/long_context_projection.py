@@ -55,7 +55,7 @@ now keeps every saved activation in bf16 (it kept the residual stream in float32
 vocabulary blocks in row tiles, so its step holds 41.9 GiB at 128k and 68.8 at 256k with nothing recomputed. `cp`,
 even with its chunked loss, keeps its gathered K/V and its blocks' saved tensors for the whole sequence per rank:
 101.6 GiB at 128k without checkpointing, so it runs torchtitan's per-op `selective` policy there (58.6 GiB) and
-`full` at 256k (`selective`: 99.2 GiB). That recomputation is the whole difference: at 128k METP is 1.01x `cp`
+`full` at 256k (`selective`: 99.2 GiB). That recomputation is the whole difference: at 128k METP is 1.02x `cp`
 (selective recomputes little), at 256k 1.28x (full recomputes every block's forward). Attention is most of the
 FLOPs at these lengths and every row computes exactly the causal scores over its GPUs (METP's zigzag ring, cp's
 head-tail balancer); the ring traffic of METP and of `cp` hides behind the attention it overlaps (exposed: 0.07-0.11 s
@@ -73,8 +73,8 @@ node `cp` is the stronger of torch's two, and the package's rows are compared wi
 equals a measured 4-rank CPU step byte for byte (`tests/test_context_parallel.py`), as `cp`'s does.
 
 **Calibration: 2.3x above torchtitan's 548 tokens/s/GPU at CP 8; the gap grows with the CP degree.** The CP 1 row
-(plain FSDP 8 at 32k) is 1.23x, the planner's usual optimism for torchtitan's rows (1.17-1.24 in
-`recipes/benchmarks/scale`); CP 2 at 64k 1.34x; CP 4 at 128k 2.01x; CP 8 at 256k 2.27x. Float8 (in every published
+(plain FSDP 8 at 32k) is 1.23x, the planner's usual optimism for torchtitan's rows (1.18-1.35 in
+`recipes/benchmarks/scale`); CP 2 at 64k 1.33x; CP 4 at 128k 2.01x; CP 8 at 256k 2.26x. Float8 (in every published
 row) makes them faster, not slower, so it explains none of it. At 256k about 80% of the FLOPs are attention, priced at
 the preset's rate (541 TFLOP/s, torch's causal SDPA over a whole 32k sequence measured on an H200, x 835/989 on the
 500 W cards); the published rows imply 288-290 TFLOP/s at CP 1-2 and 182-191 at CP 4-8 with every other rate kept. What the model leaves out and grows with the CP degree: torch's
