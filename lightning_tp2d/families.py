@@ -21,7 +21,10 @@ A :class:`ModelFamily` describes one model class (GPT-2, Llama, or a user's own)
   transposes, fused q/k/v, ``config.json`` reader and writer), through which :func:`~lightning_tp2d.export.export_hf`
   and :func:`~lightning_tp2d.export.load_hf_weights` read and write it, or the family's own loader
   (``load_hf(model, directory)``); :func:`~lightning_tp2d.export.hf_loader` picks;
-* ``config_key``: the key checkpoints record the family's configs under (default ``"<name>_configs"``).
+* ``config_key``: the key checkpoints record the family's configs under (default ``"<name>_configs"``);
+* ``anatomy(config)``: what a config's blocks are made of (an :class:`Anatomy`: gated MLP, rotary positions,
+  RMSNorm, the MLP's and the key/value projections' widths, a tied head), which the cost and memory models read
+  (:func:`anatomy`) instead of guessing a family from a config's fields.
 
 :func:`register_family` makes a family known; :func:`family_of` finds the family of a model (by ``isinstance``, the
 most derived registered class first), so the strategies and ``parallelize`` accept any registered model. GPT-2 and
@@ -57,6 +60,23 @@ from lightning_tp2d.nn.ring_llama import (LlamaAttention2DMetp, RingLlamaAttenti
 
 
 @dataclass(frozen=True)
+class Anatomy:
+    """What one config's blocks are made of, as the cost and memory models need it (:func:`anatomy`). The models'
+    closed forms are checked against the traced step on GPT-2 (LayerNorm, GELU, learned positions, fused q/k/v,
+    tied head) and Llama (RMSNorm, SwiGLU, RoPE, grouped queries, either head); a family that mixes these traits
+    otherwise is priced by the same rules, unchecked."""
+
+    gated_mlp: bool  # SwiGLU: gate, up and down matrices (else GELU: up and down)
+    rotary: bool  # rotary position tables (else a learned position table, GPT-2's wpe)
+    rms_norm: bool  # RMSNorm: one statistic, no bias (else LayerNorm: mean and rstd, weight and bias)
+    fused_qkv: bool  # one q|k|v projection (GPT-2's c_attn) or three
+    mlp_width: int  # the MLP's hidden width (GPT-2: 4 h; Llama: intermediate_size)
+    kv_width: int  # the key and value projections' rows each (n_kv_head * head size; without GQA: h)
+    kv_heads: int  # key/value heads (without GQA: n_head)
+    tied_head: bool  # the head multiplies by the token embedding
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One model class and its parallel plans (module docstring)."""
 
@@ -72,6 +92,7 @@ class ModelFamily:
     hf: HFFormat | None = None  # the transformers format export.load_hf_weights / export_hf read and write
     load_hf: Callable[..., Any] | None = None  # the family's own transformers loader (model, directory)
     config_key: str = ""  # the key checkpoints record this family's configs under; "" -> "<name>_configs"
+    anatomy: Callable[[Any], Anatomy] | None = None  # what a config's blocks are made of (cost and memory models)
 
     def __post_init__(self) -> None:
         if not self.config_key:
@@ -170,6 +191,16 @@ def family_of_config(config: Any) -> ModelFamily | None:
     return None
 
 
+def anatomy(config: Any) -> Anatomy:
+    """What ``config``'s blocks are made of (:class:`Anatomy`), as its registered family says; ``ValueError`` for a
+    config of no registered family or of a family that does not say."""
+    family = family_of_config(config)
+    if family is None or family.anatomy is None:
+        raise ValueError(f"{type(config).__name__} is not the config of a registered family that states its "
+                         f"anatomy (registered: {model_names()})")
+    return family.anatomy(config)
+
+
 def model_names() -> str:
     """``"GPT2, Llama"``: the registered model classes, for messages."""
     return ", ".join(f.model_class.__name__ for f in _FAMILIES.values())
@@ -253,7 +284,9 @@ GPT2_PLANS = {
 register_family(ModelFamily(
     name="gpt2", model_class=GPT2, config_class=GPT2Config, module_roles=_gpt2_roles,
     plans=GPT2_PLANS, blocks="transformer.h",
-    tied=lambda model: {"lm_head": "transformer.wte"}, hf=gpt2.HF_FORMAT))
+    tied=lambda model: {"lm_head": "transformer.wte"}, hf=gpt2.HF_FORMAT,
+    anatomy=lambda c: Anatomy(gated_mlp=False, rotary=False, rms_norm=False, fused_qkv=True, mlp_width=4 * c.n_embd,
+                              kv_width=c.n_embd, kv_heads=c.n_head, tied_head=True)))
 
 
 # ---- Llama ---------------------------------------------------------------------------------------------------
@@ -291,7 +324,10 @@ register_family(ModelFamily(
     name="llama", model_class=Llama, config_class=LlamaConfig, module_roles=_llama_roles,
     plans=LLAMA_PLANS, blocks="model.layers",
     tied=lambda model: {"lm_head": "model.embed_tokens"} if model.config.tie_embeddings else {},
-    split_sizes=_llama_sizes, hf=llama.HF_FORMAT))
+    split_sizes=_llama_sizes, hf=llama.HF_FORMAT,
+    anatomy=lambda c: Anatomy(gated_mlp=True, rotary=True, rms_norm=True, fused_qkv=False,
+                              mlp_width=c.intermediate_size, kv_width=c.n_kv_head * c.head_size,
+                              kv_heads=c.n_kv_head, tied_head=bool(c.tie_embeddings))))
 
 def model_config(model: Any) -> Any:
     """The config a ``model`` argument stands for: a named size of any registered family (``"gpt2-tiny"``,
@@ -329,6 +365,6 @@ def model_config(model: Any) -> Any:
     return model
 
 
-__all__ = ["ModelFamily", "auto_tensor_parallel_size", "default_sizes", "families", "family_of", "family_of_config",
+__all__ = ["Anatomy", "ModelFamily", "anatomy", "auto_tensor_parallel_size", "default_sizes", "families", "family_of", "family_of_config",
            "fits", "fused_qkv_suffixes", "get_family", "model_config", "problems", "register_family", "register_plan",
            "unregister_family"]

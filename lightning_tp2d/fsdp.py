@@ -91,11 +91,11 @@ from lightning_tp2d import training
 from lightning_tp2d.comm import all_gather_along, all_reduce_along, axis_rank, axis_size
 from lightning_tp2d.families import family_of
 from lightning_tp2d.layouts import DATA_AXIS, handle_of
+from lightning_tp2d.train_plan import FSDP_STAGES, reshards_after_forward
 
 __all__ = ["FSDP_STAGES", "Stage0", "clip_grad_norm_", "gathered", "grad_norm", "is_sharded", "mixed_precision_policy",
            "shard_block", "shard_data_parallel", "stage0_specs"]
 
-FSDP_STAGES = (2, 3)
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
@@ -268,7 +268,8 @@ class _Group:
         module.tp2d_stage0 = {name: Stage0(p.device_mesh, tuple(p.placements), tuple(p.shape), tuple(p.stride()),
                                            tuple(p.to_local().shape), _dp_shard_dim(p, self.dp))
                               for name, p in params if _stage0_only(p, self.dp)}
-        fully_shard(module, mesh=self.mesh, reshard_after_forward=self.stage == 3 and not root,
+        again = reshards_after_forward(self.stage, self.dp) and not root
+        fully_shard(module, mesh=self.mesh, reshard_after_forward=again,
                     dp_mesh_dims=DataParallelMeshDims(shard=DATA_AXIS), ignored_params=whole,
                     shard_placement_fn=lambda param: Shard(_dp_shard_dim(param, self.dp)), mp_policy=self.mp_policy)
         module.tp2d_sharding = self

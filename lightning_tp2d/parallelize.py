@@ -46,6 +46,7 @@ from lightning_tp2d.families import family_of, model_names
 from lightning_tp2d.layouts import DEFAULT_LAYOUT, Layout, ParallelHandle, get_layout
 from lightning_tp2d.offload import ActivationOffloader
 from lightning_tp2d.ops import register_mesh
+from lightning_tp2d.train_plan import CHECKPOINTING
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_tp2d.metp import RingOptions
@@ -125,7 +126,7 @@ def _blocks_finished(model: nn.Module, roles: list[tuple[str, str]]) -> dict[int
     return finished
 
 
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+ACTIVATION_CHECKPOINTING = CHECKPOINTING
 
 
 def _selective(model: nn.Module):

@@ -44,7 +44,7 @@ import torch.nn as nn
 from lightning_tp2d import fsdp, training, zero
 from lightning_tp2d.families import family_of
 from lightning_tp2d.layouts import get_layout
-from lightning_tp2d.train_plan import TrainPlan
+from lightning_tp2d.train_plan import FSDP_STAGES, TrainPlan
 
 __all__ = ["AssembledStep", "assemble_step", "block_sharder", "clip_grad_norm_", "shard_optimizer"]
 
@@ -124,7 +124,7 @@ def assemble_step(model: nn.Module, mesh, plan: TrainPlan, *, precision: str | N
     if plan.fsdp:
         for m in [m for m in model.modules() if family_of(m) is not None and not fsdp.is_sharded(m)]:
             fsdp.shard_data_parallel(m, plan.zero_stage, mp_policy=policy)
-    elif plan.zero_stage >= 2:
+    elif plan.zero_stage in FSDP_STAGES:
         warnings.warn(f"zero_stage={plan.zero_stage} with data_parallel_size=1: nothing to shard over "
                       "data_parallel; the model trains as at stage 0", UserWarning, stacklevel=2)
     gradient_sync = training.GradientSync(model, mesh) if sync and plan.gradient_sync else None

@@ -71,6 +71,7 @@ from lightning_tp2d.run_values import check_run_values
 from lightning_tp2d.safe_files import clear, resolve, staging_path
 from lightning_tp2d.sizes import CONFIG_KEYS, resolve_sizes
 from lightning_tp2d.supervise import RankWatch, wait_to_be_ended
+from lightning_tp2d.train_plan import reshards_after_forward
 from lightning_tp2d.zero import ZERO_STAGES
 
 log = logging.getLogger("tp2d-train")
@@ -802,7 +803,7 @@ def check_fit(cfg: DictConfig, model, p: int, dp: int, devices: int) -> None:
     tries = [] if mode == "full" else ["parallel.activation_checkpointing=full"]
     if not offload:
         tries.append("parallel.activation_offload=true")
-    if dp > 1 and stage < 3:
+    if dp > 1 and not reshards_after_forward(stage, dp):  # not yet everything sharded over the replicas
         tries.append(f"parallel.zero_stage=3 (parameters, gradients and optimizer state sharded over the {dp} "
                      "replicas)")
     tries.append(f"a larger {layout.arrangement} (parallel.tensor_parallel_size above {p}, more devices)")

@@ -37,11 +37,14 @@ from dataclasses import dataclass
 
 from lightning_tp2d.layouts import get_layout
 
-ZERO_STAGES = (0, 1, 2, 3)  # the same as lightning_tp2d.zero.ZERO_STAGES (a test keeps them equal)
-CHECKPOINTING = ("none", "full", "selective")  # parallelize.ACTIVATION_CHECKPOINTING's (likewise)
+ZERO_STAGES = (0, 1, 2, 3)  # lightning_tp2d.zero.ZERO_STAGES is this tuple
+FSDP_STAGES = (2, 3)  # the stages FSDP2 runs (lightning_tp2d.fsdp.FSDP_STAGES is this tuple)
+# least recomputation first (the planner's order); parallelize.ACTIVATION_CHECKPOINTING is this tuple
+CHECKPOINTING = ("none", "selective", "full")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # what the strategies and FSDP's mixed precision support
 
-__all__ = ["CHECKPOINTING", "PRECISIONS", "TrainPlan", "ZERO_STAGES", "fsdp_shards"]
+__all__ = ["CHECKPOINTING", "FSDP_STAGES", "PRECISIONS", "TrainPlan", "ZERO_STAGES", "fsdp_shards",
+           "reshards_after_forward"]
 
 
 def _positive_int(value) -> bool:
@@ -52,7 +55,14 @@ def fsdp_shards(zero_stage: int, data_parallel_size: int) -> bool:
     """Whether FSDP2 shards the model at ``zero_stage`` over ``data_parallel_size`` replicas: stages 2 and 3 with more
     than one replica. The one statement of the rule: :attr:`TrainPlan.fsdp`, and the planner's models of a step
     given only its stage and replicas, ask it."""
-    return zero_stage >= 2 and data_parallel_size > 1
+    return zero_stage in FSDP_STAGES and data_parallel_size > 1
+
+
+def reshards_after_forward(zero_stage: int, data_parallel_size: int) -> bool:
+    """Whether FSDP frees a block's gathered parameters after its forward and gathers them again for its backward:
+    stage 3 under FSDP (:func:`fsdp_shards`). The one statement of the rule: :attr:`TrainPlan.reshard_after_forward`,
+    :mod:`lightning_tp2d.fsdp`'s groups, the 1-D baseline's groups and the planner's models ask it."""
+    return fsdp_shards(zero_stage, data_parallel_size) and zero_stage == 3
 
 
 @dataclass(frozen=True)
@@ -110,7 +120,7 @@ class TrainPlan:
     def reshard_after_forward(self) -> bool:
         """FSDP frees each block's gathered parameters after its forward and gathers them again for its backward
         (stage 3); at stage 2 they stay gathered until the backward. ``False`` without FSDP."""
-        return self.fsdp and self.zero_stage == 3
+        return reshards_after_forward(self.zero_stage, self.data_parallel_size)
 
     @property
     def optimizer_sharded(self) -> bool:
@@ -124,14 +134,14 @@ class TrainPlan:
         """:class:`~lightning_tp2d.training.GradientSync` averages the gradients over ``data_parallel`` during the
         backward: stages 0 and 1 with more than one replica (under FSDP its reduce-scatter is the average; with
         one replica there is nothing to average)."""
-        return self.zero_stage < 2 and self.data_parallel_size > 1
+        return self.zero_stage not in FSDP_STAGES and self.data_parallel_size > 1
 
     @property
     def clip_with_fsdp(self) -> bool:
         """Clipping sums the norm over the ``data_parallel`` shards too (:func:`lightning_tp2d.fsdp.clip_grad_norm_`):
         stages 2 and 3; else :func:`lightning_tp2d.training.clip_grad_norm_`, whose replicas hold equal, whole
         gradients."""
-        return self.zero_stage >= 2
+        return self.zero_stage in FSDP_STAGES
 
     def describe(self) -> str:
         """One line: ``metp p=4 dp=2 zero=3 ckpt=full offload micro=2 bf16-mixed``."""

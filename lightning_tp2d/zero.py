@@ -63,12 +63,13 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_tp2d.comm import all_gather_blocks, axis_rank, axis_size
+from lightning_tp2d import train_plan
 from lightning_tp2d.layouts import DATA_AXIS
 
 __all__ = ["BUCKET_MIB", "ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "ZERO_STAGES", "clipped_parameters",
            "even_slices", "full_param_groups", "optimizer_state_bytes", "shard_optimizer_state", "sharding_of"]
 
-ZERO_STAGES = (0, 1, 2, 3)  # 2 and 3: lightning_tp2d.fsdp (FSDP2 over data_parallel)
+ZERO_STAGES = train_plan.ZERO_STAGES  # 2 and 3: lightning_tp2d.fsdp (FSDP2 over data_parallel)
 _ATTRIBUTE = "tp2d_sharding"  # where a sharded optimizer keeps its ShardedOptimizer
 BUCKET_MIB = 64.0  # gathered bytes per all-gather after the step (ShardedOptimizer's bucket_mib)
 _IN_FLIGHT = 2  # all-gathers left on the wire while the next is posted: at most 3 blocks of receive buffers at once

@@ -50,7 +50,7 @@ def test_checkpointing_gives_the_same_gradients_and_keeps_less(layout, world_siz
 
 def test_bad_mode_is_refused_naming_the_choices():
     model = GPT2(GPT2Config.from_name("gpt2-tiny"))
-    with pytest.raises(ValueError, match="activation_checkpointing='partial' is not one of 'none', 'full', 'selective'"):
+    with pytest.raises(ValueError, match="activation_checkpointing='partial' is not one of 'none', 'selective', 'full'"):
         checkpoint_activations(model, "partial")
     checkpoint_activations(model, "selective")
     with pytest.raises(ValueError, match="already uses activation_checkpointing='selective'; cannot also apply 'full'"):

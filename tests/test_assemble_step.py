@@ -57,8 +57,11 @@ def test_plan_predicates_are_the_zero_rules_at_every_stage_and_dp(stage_dp):
 
 
 def test_plan_constants_are_the_runtimes():
-    assert ZERO_STAGES == zero.ZERO_STAGES
-    assert set(CHECKPOINTING) == set(ACTIVATION_CHECKPOINTING)
+    from lightning_tp2d import fsdp
+    from lightning_tp2d.train_plan import FSDP_STAGES
+
+    assert zero.ZERO_STAGES is ZERO_STAGES and ACTIVATION_CHECKPOINTING is CHECKPOINTING
+    assert fsdp.FSDP_STAGES is FSDP_STAGES
     assert core.SUPPORTED_PRECISION == PRECISIONS
     assert tp.TrainPlan is TrainPlan and "TrainPlan" in tp.__all__
 
@@ -232,3 +235,24 @@ def test_every_stage_steps_to_stage_0s_weights(assembled_runs):
             difference, moved = out["weights"][stage]
             assert moved > 1e-3, (stage, moved)  # the step changed the weights (lr 1e-2) ...
             assert difference < 1e-5, (stage, difference)  # ... as stage 0's did
+
+
+def test_the_zero_rules_are_stated_once_in_train_plan():
+    """Issue 49: FSDP on (stages 2 and 3 over more than one replica), resharding after the forward (stage 3 under
+    FSDP) and the lists of ZeRO stages and checkpointing modes are written in :mod:`lightning_tp2d.train_plan` only;
+    the runtime (``fsdp``, ``step``, the 1-D baseline) and the planner's models ask its functions."""
+    import re
+    from pathlib import Path
+
+    from lightning_tp2d.train_plan import fsdp_shards, reshards_after_forward
+
+    package = Path(tp.__file__).parent
+    restated = re.compile(r"stage\s*(>=\s*2|>\s*1|<\s*2|==\s*3\b)|\(0, 1, 2, 3\)|stage\w* (not )?in \(2, 3\)|dp\s*>\s*1\s+and\s+\w*stage"
+                          r"|\(\"none\", \"(selective|full)\", \"(selective|full)\"\)")
+    found = [f"{path.relative_to(package)}:{n}: {line.strip()}" for path in sorted(package.rglob("*.py"))
+             if path.name != "train_plan.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if restated.search(line)]
+    assert found == [], found
+    for stage, dp in EXPECTED:
+        plan = TrainPlan("metp", 2, dp, stage)
+        assert (fsdp_shards(stage, dp), reshards_after_forward(stage, dp)) == (plan.fsdp, plan.reshard_after_forward)

@@ -46,6 +46,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOut
                                                SequenceParallel)
 
 from lightning_tp2d.families import family_of
+from lightning_tp2d.train_plan import FSDP_STAGES, reshards_after_forward
 from lightning_tp2d.planning.rivals import AXIS, check_sequence_parallel
 from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.models.llama import LlamaConfig
@@ -145,9 +146,9 @@ def shard_1d_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: in
     A head tied to the embedding (GPT-2) joins it in the root group, which FSDP keeps gathered from the forward to
     the backward (``reshard_after_forward`` left to FSDP: the root is not resharded). ``mp_policy``: FSDP's
     :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` (torchtitan: bf16 parameters, float32 reduction)."""
-    if zero_stage not in (2, 3):
+    if zero_stage not in FSDP_STAGES:
         raise ValueError(f"shard_1d_data_parallel: zero_stage={zero_stage!r} is not 2 or 3")
-    again = zero_stage == 3
+    again = reshards_after_forward(zero_stage, dp_mesh.size())
     options = {"mesh": dp_mesh, "mp_policy": mp_policy} if mp_policy is not None else {"mesh": dp_mesh}
     embedding_name, norm_name = next(ends for cls, ends in _ENDS.items() if isinstance(model.config, cls))
     embedding, norm = model.get_submodule(embedding_name), model.get_submodule(norm_name)

@@ -41,78 +41,17 @@ The layers' schedules, rank ``(r, c)``, ``N`` local tokens (``"2d"``: ``B/q`` se
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 
-from lightning_tp2d.families import family_of_config, fits
+from lightning_tp2d.families import anatomy, family_of_config
 from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.options import TPOptions
-from lightning_tp2d.planning.events import Comm
-from lightning_tp2d.planning.steps import TracedStep, root_and_blocks
+from lightning_tp2d.planning.steps import Stream, TracedStep, one_replica_problem, root_and_blocks, split_problem
 from lightning_tp2d.summa import ab_form, reduce_order, ring_order, ring_steps
+from lightning_tp2d.train_plan import CHECKPOINTING
 
 __all__ = ["closed_grid_step", "models"]
 
-CHECKPOINTING = ("none", "selective", "full")
-_MATMUL, _ATTENTION = 0, 1  # compute slots, as the tracer's
 _F32 = 4  # statistics, embeddings, parameter gradients: float32 at elem 2 and 4
-
-
-class _Stream:
-    """One rank's operations in order: calls posted and waited for (each with its axis and group), compute between
-    them, GEMM kernels counted; :meth:`events` prices it by the tracer's overlap rule (one stream: the tensor
-    axes')."""
-
-    def __init__(self) -> None:
-        self.phase = "forward"
-        self.chunks: list[tuple[int, float]] = []
-        self.calls: list[list] = []  # [kind, axis, ranks, nbytes, phase, start, end]
-        self.flops = {ph: {"matmul": 0.0, "attention": 0.0} for ph in ("forward", "backward")}
-        self.gemms = {"forward": 0, "backward": 0}
-
-    def post(self, kind: str, axis: str, ranks: tuple[int, ...], nbytes: int) -> list:
-        entry = [kind, axis, ranks, nbytes, self.phase, len(self.chunks), None]
-        self.calls.append(entry)
-        return entry
-
-    def wait(self, entry: list) -> None:
-        entry[6] = len(self.chunks)
-
-    def blocking(self, kind: str, axis: str, ranks: tuple[int, ...], nbytes: int) -> None:
-        self.wait(self.post(kind, axis, ranks, nbytes))
-
-    def mm(self, flops: float) -> None:
-        self.gemms[self.phase] += 1
-        self._compute(_MATMUL, flops)
-
-    def attention(self, flops: float) -> None:
-        self._compute(_ATTENTION, flops)
-
-    def _compute(self, slot: int, flops: float) -> None:
-        if flops:
-            self.flops[self.phase]["matmul" if slot == _MATMUL else "attention"] += flops
-            self.chunks.append((slot, flops))
-
-    def events(self) -> dict[tuple, int]:
-        """``{(Comm with calls=1, matmul FLOPs, attention FLOPs, ranks): calls}``."""
-        starts, ends = defaultdict(list), defaultdict(list)
-        for n, entry in enumerate(self.calls):
-            if entry[5] < entry[6]:
-                starts[entry[5]].append(n)
-                ends[entry[6]].append(n)
-        shares = [[0.0, 0.0] for _ in self.calls]
-        active: dict[int, list] = {}
-        for i, (slot, flops) in enumerate(self.chunks):
-            for n in ends.get(i, ()):
-                del active[n]
-            for n in starts.get(i, ()):
-                active[n] = self.calls[n]
-            total = sum(e[3] for e in active.values())
-            for n, e in active.items() if total else ():
-                shares[n][slot] += flops * e[3] / total
-        out: dict[tuple, int] = defaultdict(int)
-        for (kind, axis, ranks, nbytes, phase, _, _), (fm, fa) in zip(self.calls, shares):
-            out[(Comm(kind, axis, len(ranks), nbytes, 1, fm + fa, phase), fm, fa, ranks)] += 1
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +110,7 @@ class _Column:
     """A weight column along ``row``: one all-gather waited at the first ``get`` (``summa._Column``), or, when it
     streams, one broadcast per block in ``order``, two ahead (``summa._ColumnStream`` on a ``BroadcastPipeline``)."""
 
-    def __init__(self, s: _Stream, g: _Grid, nbytes: int, streams: bool, order: list[int]) -> None:
+    def __init__(self, s: Stream, g: _Grid, nbytes: int, streams: bool, order: list[int]) -> None:
         self.s, self.g, self.nbytes = s, g, nbytes
         self.order, self.pending = iter(order), {}
         self.gather = None if streams else s.post("all_gather", "row", g.row, nbytes)
@@ -197,7 +136,7 @@ class _Column:
 class _RingGather:
     """``summa._RingGather``: blocks of ``nbytes`` both ways round ``col``; ``step(s)`` returns the coordinates held."""
 
-    def __init__(self, s: _Stream, g: _Grid, nbytes: int) -> None:
+    def __init__(self, s: Stream, g: _Grid, nbytes: int) -> None:
         self.s, self.g, self.nbytes = s, g, nbytes
         self.left_steps, self.right_steps = g.q // 2, (g.q - 1) // 2
         self.handle = None
@@ -215,7 +154,7 @@ class _RingGather:
 class _RingReduce:
     """``summa._RingReduce``: partial sums of ``nbytes`` both ways round ``col``; ``compute(k)`` runs a partial."""
 
-    def __init__(self, s: _Stream, g: _Grid, nbytes: int) -> None:
+    def __init__(self, s: Stream, g: _Grid, nbytes: int) -> None:
         self.s, self.g, self.nbytes = s, g, nbytes
         self.right_sends, self.left_sends = g.q // 2, (g.q - 1) // 2
         self.handle = None
@@ -240,7 +179,7 @@ def _flat(order: list[list[int]]) -> list[int]:
     return [k for step in order for k in step]
 
 
-def _summa(s: _Stream, g: _Grid, n_in: int, n_out: int, form: str, backward: bool) -> None:
+def _summa(s: Stream, g: _Grid, n_in: int, n_out: int, form: str, backward: bool) -> None:
     """One ``[N, n_in/q] @ [n_in/q, n_out/q]`` collective SUMMA product (``n_in``, ``n_out``: the local block widths
     times ``q``), forward (:func:`~lightning_tp2d.summa.collective_ab`, :func:`~lightning_tp2d.summa.scatter_ab`) or
     backward (:func:`~lightning_tp2d.summa.collective_ab_backward`, :func:`~lightning_tp2d.summa.scatter_ab_backward`,
@@ -291,7 +230,7 @@ def _summa(s: _Stream, g: _Grid, n_in: int, n_out: int, form: str, backward: boo
     s.wait(scatter)
 
 
-def _linear(s: _Stream, g: _Grid, n_in: int, n_out: int, backward: bool, *, fused: bool = False,
+def _linear(s: Stream, g: _Grid, n_in: int, n_out: int, backward: bool, *, fused: bool = False,
             bias: bool = False) -> None:
     """:class:`~lightning_tp2d.nn.linear.Linear2D` (``fused``: GPT-2's ``c_attn``, always the gather form); the
     bias' gradient all-reduced along ``row`` before the product's backward."""
@@ -301,7 +240,7 @@ def _linear(s: _Stream, g: _Grid, n_in: int, n_out: int, backward: bool, *, fuse
     _summa(s, g, n_in, n_out, form, backward)
 
 
-def _norm(s: _Stream, g: _Grid, backward: bool) -> None:
+def _norm(s: Stream, g: _Grid, backward: bool) -> None:
     """:class:`~lightning_tp2d.nn.layernorm.LayerNorm2D` (``Σx``, ``Σx²``) or
     :class:`~lightning_tp2d.nn.llama2d.RMSNorm2D` (``Σx²``): statistics along ``col``; the parameters' gradients in
     one all-reduce along ``row``."""
@@ -315,7 +254,7 @@ def _norm(s: _Stream, g: _Grid, backward: bool) -> None:
 # ---- attention ---------------------------------------------------------------------------------------------------
 
 
-def _ring_forward(s: _Stream, g: _Grid, nbytes: int, step) -> None:
+def _ring_forward(s: Stream, g: _Grid, nbytes: int, step) -> None:
     """:func:`~lightning_tp2d.metp.ring_forward` along ``row`` (ring rank ``i = r``)."""
     p, i = g.q, g.r
     for t in range(p):
@@ -325,7 +264,7 @@ def _ring_forward(s: _Stream, g: _Grid, nbytes: int, step) -> None:
             s.wait(pending)
 
 
-def _ring_backward(s: _Stream, g: _Grid, nbytes: int, step) -> None:
+def _ring_backward(s: Stream, g: _Grid, nbytes: int, step) -> None:
     """:func:`~lightning_tp2d.metp.ring_backward` along ``row``: the operands as forward, the gradient sums sent
     after each step's compute and waited after the next one's."""
     p, i = g.q, g.r
@@ -341,7 +280,7 @@ def _ring_backward(s: _Stream, g: _Grid, nbytes: int, step) -> None:
     s.wait(acc)
 
 
-def _attention_core(s: _Stream, g: _Grid, backward: bool) -> None:
+def _attention_core(s: Stream, g: _Grid, backward: bool) -> None:
     """The attention between the projections: local causal SDPA of the ``heads/q`` local heads (``"2d"``), or the
     METP ring along ``row`` (``"2d-metp"``): step ``j == r`` is the causal diagonal block, others ``S²/2`` scores
     per query head; K|V of the ``kv_heads/q`` local key/value heads travel."""
@@ -363,7 +302,7 @@ def _attention_core(s: _Stream, g: _Grid, backward: bool) -> None:
     (_ring_backward if backward else _ring_forward)(s, g, nbytes, step)
 
 
-def _attention(s: _Stream, g: _Grid, backward: bool) -> None:
+def _attention(s: Stream, g: _Grid, backward: bool) -> None:
     h, hd, kvd = g.h, g.heads * g.d, g.kv_heads * g.d
     if g.llama:
         projections = [lambda b: _linear(s, g, h, hd, b), lambda b: _linear(s, g, h, kvd, b),
@@ -375,7 +314,7 @@ def _attention(s: _Stream, g: _Grid, backward: bool) -> None:
         run(backward)
 
 
-def _mlp(s: _Stream, g: _Grid, backward: bool) -> None:
+def _mlp(s: Stream, g: _Grid, backward: bool) -> None:
     """GPT-2's ``c_fc``, GELU, ``c_proj``; Llama's ``gate_proj``, ``up_proj``, SiLU-gate, ``down_proj``."""
     h, f = g.h, g.hidden
     ins = [lambda b: _linear(s, g, h, f, b, bias=g.bias)] * (2 if g.llama else 1)
@@ -384,7 +323,7 @@ def _mlp(s: _Stream, g: _Grid, backward: bool) -> None:
         run(backward)
 
 
-def _block(s: _Stream, g: _Grid, backward: bool) -> None:
+def _block(s: Stream, g: _Grid, backward: bool) -> None:
     parts = [lambda b: _norm(s, g, b), lambda b: _attention(s, g, b), lambda b: _norm(s, g, b),
              lambda b: _mlp(s, g, b)]
     for run in (reversed(parts) if backward else parts):
@@ -394,7 +333,7 @@ def _block(s: _Stream, g: _Grid, backward: bool) -> None:
 # ---- the root ----------------------------------------------------------------------------------------------------
 
 
-def _embedding(s: _Stream, g: _Grid, backward: bool) -> None:
+def _embedding(s: Stream, g: _Grid, backward: bool) -> None:
     """:class:`~lightning_tp2d.nn.embedding.TokenEmbedding2D`: ``q`` float32 partial lookups reduced along ``row``
     (a ``ReducePipeline``: each waited after the next is posted; nothing computed between), the gradient's ``q``
     blocks broadcast back (a ``BroadcastPipeline``)."""
@@ -404,7 +343,7 @@ def _embedding(s: _Stream, g: _Grid, backward: bool) -> None:
         s.wait(entry)
 
 
-def _mirror_swap(s: _Stream, g: _Grid) -> None:
+def _mirror_swap(s: Stream, g: _Grid) -> None:
     """The tied head's swap of its padded block with the mirror rank (``exchange_with``: a send and a recv, blocking;
     nothing on the diagonal)."""
     if g.mirror != g.rank:
@@ -412,7 +351,7 @@ def _mirror_swap(s: _Stream, g: _Grid) -> None:
             s.blocking(kind, "pair", (g.rank, g.mirror), g.vb * (g.h // g.q) * g.e)
 
 
-def _head(s: _Stream, g: _Grid, backward: bool, checkpointing: str) -> None:
+def _head(s: Stream, g: _Grid, backward: bool, checkpointing: str) -> None:
     """The LM head (:class:`~lightning_tp2d.nn.head.LMHead2D`) and the vocab-parallel cross-entropy: forward the
     swap (tied), the product ``[N, h/q] @ [h/q, ceil(V/q)]``, the max, the sums and the totals; backward the swap
     again under ``"selective"`` (the mirrored block is a recipe), the product's backward and the swap of its
@@ -432,7 +371,7 @@ def _head(s: _Stream, g: _Grid, backward: bool, checkpointing: str) -> None:
         _mirror_swap(s, g)
 
 
-def _root(s: _Stream, g: _Grid, backward: bool, checkpointing: str) -> None:
+def _root(s: Stream, g: _Grid, backward: bool, checkpointing: str) -> None:
     """Embeddings, final norm, head; the backward in reverse (its blocking calls overlap nothing, so their order
     changes no number)."""
     if not backward:
@@ -455,7 +394,6 @@ def models(layout: str | Layout, cfg, p: int, elem: int, *, dp: int = 1, zero_st
     """Why :func:`closed_grid_step` does not model this case (a sentence naming the numbers), or ``None`` when it
     does."""
     spec = get_layout(layout)
-    family = family_of_config(cfg)
     if not spec.square or spec.arrangement != "grid":
         return f"layout {spec.name!r} ({spec.arrangement}) is not a square grid"
     if spec.splits_batch == spec.zigzag:
@@ -463,19 +401,12 @@ def models(layout: str | Layout, cfg, p: int, elem: int, *, dp: int = 1, zero_st
                 f"grid whose rows split the batch or cut the sequence")
     if spec.options not in (None, TPOptions()):
         return f"options {spec.options!r} are traced; closed forms cover the defaults"
-    if (dp, zero_stage, bool(clip)) != (1, 0, False):
-        return f"dp={dp}, zero_stage={zero_stage}, clip={clip}: closed forms cover one replica (dp=1, stage 0)"
-    if elem not in (2, 4):
-        return f"elem={elem}: closed forms cover 2 (bf16 autocast) and 4 (float32)"
-    if family is None or family.name not in ("gpt2", "llama"):
-        return f"a {type(cfg).__name__} is traced: closed forms cover GPT-2 and Llama"
+    problem = one_replica_problem(cfg, elem, dp, zero_stage, clip)
+    if problem:
+        return problem
     if spec.size_problem(p) or p < 4:
         return f"p={p}: the grid needs a square p >= 4"
-    if not fits(spec, p, cfg):
-        return f"p={p} does not split {type(cfg).__name__}'s sizes in {spec.name!r} (the trace regroups heads)"
-    if getattr(cfg, "dropout", 0.0):
-        return f"dropout={cfg.dropout}: closed forms cover training without dropout"
-    return None
+    return split_problem(spec, cfg, p)
 
 
 def closed_grid_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: int, rank: int = 0, *,
@@ -493,15 +424,15 @@ def closed_grid_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, el
     spec = get_layout(layout)
     spec.check_input(p, batch, seq)
     q = spec.side(p)
-    llama = family_of_config(cfg).name == "llama"
+    llama, a = family_of_config(cfg).name == "llama", anatomy(cfg)
     sequences, rows = (batch // q, seq) if spec.splits_batch else (batch, seq // q)
     g = _Grid(q=q, rank=rank, N=sequences * rows, B=sequences, T=rows, ring=spec.zigzag, h=cfg.n_embd,
-              heads=cfg.n_head, kv_heads=cfg.n_kv_head if llama else cfg.n_head, d=cfg.n_embd // cfg.n_head,
-              hidden=cfg.intermediate_size if llama else 4 * cfg.n_embd, vocab=cfg.vocab_size, e=elem,
-              bias=bool(getattr(cfg, "bias", False)), llama=llama, tied=bool(getattr(cfg, "tie_embeddings", True)),
+              heads=cfg.n_head, kv_heads=a.kv_heads, d=cfg.n_embd // cfg.n_head,
+              hidden=a.mlp_width, vocab=cfg.vocab_size, e=elem,
+              bias=bool(getattr(cfg, "bias", False)), llama=llama, tied=a.tied_head,
               block_size=cfg.block_size)
     activation = _activation_bytes(g, cfg.n_layer, checkpointing)
-    root, block = _Stream(), _Stream()
+    root, block = Stream(), Stream()
     _root(root, g, False, checkpointing)
     _block(block, g, False)
     root.phase = block.phase = "backward"

@@ -91,10 +91,12 @@ import dataclasses
 
 import torch
 
-from lightning_tp2d.families import family_of, family_of_config
+from lightning_tp2d.families import anatomy, family_of, family_of_config
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.metp import ring_options
-from lightning_tp2d.planning.closed_memory_grid import grid_peak_bytes, grid_problem, is_grid
+from lightning_tp2d.planning.closed_memory_grid import (grid_peak_bytes, grid_problem, is_grid, peak_of,
+                                                        step_memory_problem)
+from lightning_tp2d.train_plan import fsdp_shards
 
 __all__ = ["closed_peak_bytes", "closed_form_problem"]
 
@@ -208,15 +210,10 @@ def closed_form_problem(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 
                 f"the ring layouts only")
     if p < 2:
         return f"p={p}: the closed form models rings of at least 2 ranks"
-    if zero_stage not in (0, 1, 2, 3) or (zero_stage >= 2 and dp < 2):
-        return (f"zero_stage={zero_stage} (dp={dp}): the closed form models stages 0 and 1, and 2 and 3 (FSDP) "
-                f"with dp > 1")
-    if checkpointing not in ("none", "selective", "full"):
-        return f"checkpointing={checkpointing!r}: the closed form models 'none', 'selective' and 'full'"
-    if elem != 2:
-        return f"elem={elem}: the closed form models bf16 autocast (elem 2)"
-    if not fused:
-        return "fused=False: the closed form models AdamW's fused step (foreach holds a copy of the parameters)"
+    problem = step_memory_problem(cfg, dp=dp, zero_stage=zero_stage, checkpointing=checkpointing, elem=elem,
+                                  fused=fused)
+    if problem:
+        return problem
     if batch < 1 or seq % (2 * p) or seq < 2 * p:
         return f"batch={batch}, seq={seq}: the ring needs batch >= 1 and seq a multiple of 2p={2 * p}"
     return None
@@ -249,10 +246,9 @@ def closed_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1,
     e, L = elem, cfg.n_layer
     h, nh = cfg.n_embd, cfg.n_head
     hs = h // nh
-    llama = hasattr(cfg, "intermediate_size")
-    tied = bool(getattr(cfg, "tie_embeddings", True))  # the head multiplies by the embedding (GPT-2's always does)
-    kv = cfg.n_kv_head * hs if llama else h
-    F = cfg.intermediate_size if llama else 4 * h
+    llama, a = family_of_config(cfg).name == "llama", anatomy(cfg)  # the closed form models GPT-2 and Llama
+    tied = a.tied_head  # the head multiplies by the embedding (GPT-2's always does)
+    kv, F = a.kv_width, a.mlp_width
     f = F // p
     S = seq // p
     N = batch * S
@@ -263,7 +259,7 @@ def closed_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1,
     M = sum(z.block_matrices)
     block_params = 4 * (M + z.block_vectors)
     P = 4 * z.root + L * block_params  # float32 parameters held, and their gradients
-    fsdp = zero_stage >= 2  # (dp > 1: closed_form_problem)
+    fsdp = fsdp_shards(zero_stage, dp)  # (stages 2 and 3 on one replica: refused by closed_form_problem)
     if fsdp:  # FSDP's dp shards at rest; gathered in bf16 (FSDP's param_dtype: no autocast copies of weights)
         d = _data_shards(cfg, p, dp, rank)
         P = 4 * (d.root + L * d.block)
@@ -338,12 +334,7 @@ def closed_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1,
                "after backward": after}
     if fsdp:
         moments = _fsdp_moments(locals())
-    peaks = {phase: max(candidates, key=lambda m: sum(m.values())) for phase, candidates in moments.items()}
-    phases = {phase: int(sum(m.values())) for phase, m in peaks.items()}
-    step = max(phases.values())
-    peak_phase = max(phases, key=lambda phase: (phases[phase], -list(phases).index(phase)))
-    largest = [{"part": name, "bytes": int(b)} for name, b in sorted(peaks[peak_phase].items(), key=lambda x: -x[1])
-               if b]
+    phases, step, largest = peak_of(moments)
     optimizer = 2 * P // (dp if zero_stage == 1 else 1)
     recompute = A0 if checkpointing == "full" else 0
     transient = P if dp > 1 else 0  # GradientSync's flat buckets

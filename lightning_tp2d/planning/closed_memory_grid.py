@@ -92,11 +92,11 @@ import dataclasses
 
 import torch
 
-from lightning_tp2d.families import family_of_config
+from lightning_tp2d.families import anatomy, family_of_config
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.options import TPOptions
 from lightning_tp2d.planning.closed_memory_grid_fsdp import fsdp_moments, grid_data_shards, one_block_model
-from lightning_tp2d.train_plan import fsdp_shards
+from lightning_tp2d.train_plan import CHECKPOINTING, FSDP_STAGES, ZERO_STAGES, fsdp_shards
 
 __all__ = ["grid_peak_bytes", "grid_problem", "is_grid"]
 
@@ -162,6 +162,38 @@ def _grid_sizes(cfg, q: int, rank: int) -> _Sizes:
     return _SIZES[key]
 
 
+def step_memory_problem(cfg, *, dp: int, zero_stage: int, checkpointing: str, elem: int, fused: bool) -> str | None:
+    """What both closed-form memory models (the ring's, :mod:`~lightning_tp2d.planning.closed_memory`, and the
+    grids') refuse whatever the layout: a family other than GPT-2 and Llama, a ZeRO stage or checkpointing mode they
+    do not model (FSDP's stages on one replica), an element size other than bf16 autocast's, AdamW's foreach step
+    (``None``: none of these)."""
+    family = family_of_config(cfg)
+    if family is None or family.name not in ("gpt2", "llama"):
+        return f"a {type(cfg).__name__}: the closed form models GPT-2 and Llama"
+    if zero_stage not in ZERO_STAGES or (zero_stage in FSDP_STAGES and not fsdp_shards(zero_stage, dp)):
+        return (f"zero_stage={zero_stage} (dp={dp}): the closed form models stages 0 and 1, and 2 and 3 (FSDP) "
+                f"with dp > 1")
+    if checkpointing not in CHECKPOINTING:
+        return f"checkpointing={checkpointing!r}: the closed form models 'none', 'selective' and 'full'"
+    if elem != 2:
+        return f"elem={elem}: the closed form models bf16 autocast (elem 2)"
+    if not fused:
+        return "fused=False: the closed form models AdamW's fused step (foreach holds a copy of the parameters)"
+    return None
+
+
+def peak_of(moments: dict[str, list[dict]]) -> tuple[dict[str, int], int, list[dict]]:
+    """``(phases, step, largest)`` of each phase's candidate moments (named parts of the live bytes): each phase's
+    peak, the step's (the largest), and the parts of the phase that peaks, largest first (the first such phase when
+    two tie)."""
+    peaks = {phase: max(candidates, key=lambda m: sum(m.values())) for phase, candidates in moments.items()}
+    phases = {phase: int(sum(m.values())) for phase, m in peaks.items()}
+    peak_phase = max(phases, key=lambda phase: (phases[phase], -list(phases).index(phase)))
+    largest = [{"part": name, "bytes": int(b)} for name, b in sorted(peaks[peak_phase].items(), key=lambda x: -x[1])
+               if b]
+    return phases, max(phases.values()), largest
+
+
 def is_grid(layout) -> bool:
     """Whether ``layout``'s ranks form a square grid (the layouts this module models)."""
     spec = get_layout(layout)
@@ -180,8 +212,10 @@ def grid_problem(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero
     if spec.options not in (None, TPOptions()):
         return f"options {spec.options!r}: the closed form models the default options"
     family = family_of_config(cfg)
-    if family is None or family.name not in ("gpt2", "llama"):
-        return f"a {type(cfg).__name__}: the closed form models GPT-2 and Llama"
+    problem = step_memory_problem(cfg, dp=dp, zero_stage=zero_stage, checkpointing=checkpointing, elem=elem,
+                                  fused=fused)
+    if problem:
+        return problem
     if getattr(cfg, "dropout", 0.0):
         return f"dropout={cfg.dropout}: the closed form models training without dropout"
     if spec.size_problem(p) or p < 4:
@@ -189,15 +223,6 @@ def grid_problem(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero
     problems = family.problems(spec, p, cfg)
     if problems:
         return "; ".join(problems)
-    if zero_stage not in (0, 1, 2, 3) or (zero_stage >= 2 and not fsdp_shards(zero_stage, dp)):
-        return (f"zero_stage={zero_stage} (dp={dp}): the closed form models stages 0 and 1, and 2 and 3 (FSDP) "
-                f"with dp > 1")
-    if checkpointing not in ("none", "selective", "full"):
-        return f"checkpointing={checkpointing!r}: the closed form models 'none', 'selective' and 'full'"
-    if elem != 2:
-        return f"elem={elem}: the closed form models bf16 autocast (elem 2)"
-    if not fused:
-        return "fused=False: the closed form models AdamW's fused step (foreach holds a copy of the parameters)"
     if batch < 1:
         return f"batch={batch}: needs at least one sequence"
     return spec.batch_problem(p, batch) or spec.sequence_problem(p, seq)
@@ -222,7 +247,7 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     z = _grid_sizes(cfg, q, rank)
     e, L = elem, cfg.n_layer
     llama = family_of_config(cfg).name == "llama"
-    tied = bool(getattr(cfg, "tie_embeddings", True))  # the head multiplies by the token table (GPT-2's always does)
+    tied = anatomy(cfg).tied_head  # the head multiplies by the token table (GPT-2's always does)
     h, nh = cfg.n_embd, cfg.n_head
     hs = h // nh
     hq, nq = h // q, nh // q
@@ -329,12 +354,7 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
         d, clip_scalars, loss_scalars = grid_data_shards(cfg, q, dp, rank), _CLIP_SCALARS, _LOSS_SCALARS
         P = 4 * (d.root + L * d.block)
         moments = fsdp_moments(locals())
-    peaks = {phase: max(candidates, key=lambda m: sum(m.values())) for phase, candidates in moments.items()}
-    phases = {phase: int(sum(m.values())) for phase, m in peaks.items()}
-    step = max(phases.values())
-    peak_phase = max(phases, key=lambda phase: (phases[phase], -list(phases).index(phase)))
-    largest = [{"part": name, "bytes": int(b)} for name, b in sorted(peaks[peak_phase].items(), key=lambda x: -x[1])
-               if b]
+    phases, step, largest = peak_of(moments)
     optimizer = 2 * P // (dp if zero_stage == 1 else 1)
     transient = P if dp > 1 else 0  # GradientSync's flat buckets
     recompute = A if checkpointing == "full" else 0  # one block's saved tensors, rebuilt in its backward

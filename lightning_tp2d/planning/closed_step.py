@@ -28,78 +28,31 @@ they equal the tracer's count exactly, float32 and bf16, GPT-2 and Llama, every 
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 
-from lightning_tp2d.families import family_of_config, fits
+from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.metp import RingOptions
 from lightning_tp2d.planning import closed_grid
-from lightning_tp2d.planning.events import Comm, float32_bytes
-from lightning_tp2d.planning.steps import TracedStep, root_and_blocks
+from lightning_tp2d.planning.events import float32_bytes
+from lightning_tp2d.planning.steps import Stream, TracedStep, one_replica_problem, root_and_blocks, split_problem
+from lightning_tp2d.train_plan import CHECKPOINTING
 
 __all__ = ["closed_step", "models"]
 
-CHECKPOINTING = ("none", "selective", "full")
-_MATMUL, _ATTENTION = 0, 1  # compute slots, as the tracer's
 
-
-class _Stream:
-    """One rank's operations in order: calls posted and waited for, compute between them, GEMM kernels counted;
-    :meth:`events` prices it by the tracer's overlap rule."""
+class _Stream(Stream):
+    """The ring's :class:`~lightning_tp2d.planning.steps.Stream`: every call on the one axis and group it is made
+    with."""
 
     def __init__(self, axis: str, ranks: tuple[int, ...]) -> None:
+        super().__init__()
         self.axis, self.ranks = axis, ranks
-        self.phase = "forward"
-        self.chunks: list[tuple[int, float]] = []
-        self.calls: list[list] = []  # [kind, nbytes, phase, start, end]
-        self.flops = {ph: {"matmul": 0.0, "attention": 0.0} for ph in ("forward", "backward")}
-        self.gemms = {"forward": 0, "backward": 0}
 
-    def post(self, kind: str, nbytes: int) -> list:
-        entry = [kind, nbytes, self.phase, len(self.chunks), None]
-        self.calls.append(entry)
-        return entry
+    def post(self, kind: str, nbytes: int) -> list:  # type: ignore[override]
+        return super().post(kind, self.axis, self.ranks, nbytes)
 
-    def wait(self, entry: list) -> None:
-        entry[4] = len(self.chunks)
-
-    def blocking(self, kind: str, nbytes: int) -> None:
+    def blocking(self, kind: str, nbytes: int) -> None:  # type: ignore[override]
         self.wait(self.post(kind, nbytes))
-
-    def mm(self, flops: float) -> None:
-        self.gemms[self.phase] += 1
-        self._compute(_MATMUL, flops)
-
-    def attention(self, flops: float) -> None:
-        self._compute(_ATTENTION, flops)
-
-    def _compute(self, slot: int, flops: float) -> None:
-        if flops:
-            self.flops[self.phase]["matmul" if slot == _MATMUL else "attention"] += flops
-            self.chunks.append((slot, flops))
-
-    def events(self) -> dict[tuple, int]:
-        """``{(Comm with calls=1, matmul FLOPs, attention FLOPs, ranks): calls}``: each compute chunk's FLOPs shared
-        among the calls in flight in proportion to their bytes (one stream: the tensor axes')."""
-        starts, ends = defaultdict(list), defaultdict(list)
-        for n, entry in enumerate(self.calls):
-            if entry[3] < entry[4]:
-                starts[entry[3]].append(n)
-                ends[entry[4]].append(n)
-        shares = [[0.0, 0.0] for _ in self.calls]
-        active: dict[int, list] = {}
-        for i, (slot, flops) in enumerate(self.chunks):
-            for n in ends.get(i, ()):
-                del active[n]
-            for n in starts.get(i, ()):
-                active[n] = self.calls[n]
-            total = sum(e[1] for e in active.values())
-            for n, e in active.items() if total else ():
-                shares[n][slot] += flops * e[1] / total
-        out: dict[tuple, int] = defaultdict(int)
-        for (kind, nbytes, phase, _, _), (fm, fa) in zip(self.calls, shares):
-            out[(Comm(kind, self.axis, len(self.ranks), nbytes, 1, fm + fa, phase), fm, fa, self.ranks)] += 1
-        return out
 
 
 # ---- the ring drivers (lightning_tp2d.metp) ----------------------------------------------------------------------
@@ -302,26 +255,18 @@ def models(layout: str | Layout, cfg, p: int, elem: int, *, dp: int = 1, zero_st
     """Why :func:`closed_step` does not model this case (a sentence naming the numbers), or ``None`` when it
     does."""
     spec = get_layout(layout)
-    family = family_of_config(cfg)
     if spec.square and spec.arrangement == "grid":  # the grids: lightning_tp2d.planning.closed_grid
         return closed_grid.models(spec, cfg, p, elem, dp=dp, zero_stage=zero_stage, clip=clip)
     if spec.square or spec.arrangement != "ring":
         return f"layout {spec.name!r} ({spec.arrangement}) is traced, not modelled: closed forms cover the ring"
     if spec.options not in (None, RingOptions()):
         return f"ring options {spec.options!r} are traced; closed forms cover the defaults"
-    if (dp, zero_stage, bool(clip)) != (1, 0, False):
-        return f"dp={dp}, zero_stage={zero_stage}, clip={clip}: closed forms cover one replica (dp=1, stage 0)"
-    if elem not in (2, 4):
-        return f"elem={elem}: closed forms cover 2 (bf16 autocast) and 4 (float32)"
-    if family is None or family.name not in ("gpt2", "llama"):
-        return f"a {type(cfg).__name__} is traced: closed forms cover GPT-2 and Llama"
+    problem = one_replica_problem(cfg, elem, dp, zero_stage, clip)
+    if problem:
+        return problem
     if p < 2:
         return f"p={p}: the ring needs p >= 2"
-    if not fits(spec, p, cfg):
-        return f"p={p} does not split {type(cfg).__name__}'s sizes in {spec.name!r} (the trace regroups heads)"
-    if getattr(cfg, "dropout", 0.0):
-        return f"dropout={cfg.dropout}: the ring trains without dropout"
-    return None
+    return split_problem(spec, cfg, p)
 
 
 def closed_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: int, rank: int = 0, *,

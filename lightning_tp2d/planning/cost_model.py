@@ -52,6 +52,7 @@ import math
 import dataclasses
 from dataclasses import dataclass
 
+from lightning_tp2d.families import anatomy
 from lightning_tp2d.planning.events import Comm, float32_bytes
 from lightning_tp2d.planning.gemm_rates import H200_BF16, GemmPoint, aligned, unaligned_slowdown
 from lightning_tp2d.planning.gemm_rates import fit as fit_gemm_rates
@@ -307,7 +308,7 @@ def activation_bytes(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int,
     if layout not in BASELINES:
         ranks = _ranks_to_price(layout, cfg, batch, seq, p, elem) if rank is None else [rank]
         return max(_traced(layout, cfg, batch, seq, p, elem, r).activation_bytes for r in ranks)
-    if layout in TP1D and hasattr(cfg, "intermediate_size"):  # Llama: the planner's rule, as this eager model runs
+    if layout in TP1D and anatomy(cfg).rms_norm:  # Llama: the planner's rule, as this eager model runs
         total = baseline_activation_bytes(cfg, batch, seq, p, elem=elem, ep=float32_bytes(elem), composite=True,
                                           sequence_parallel=layout == "tp1d-sp")["total"]
         if elem < 4:  # autocast's copies of the block matrices and the head's rows (the embedding is looked up)
@@ -685,13 +686,12 @@ def ulysses_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int
     DeepSpeed issues them between the projections and the attention kernel, so none is hidden: they carry no
     overlapped FLOPs, and the overlap rule (``overlap``, :func:`overlap_rule`, as for every other event) hides
     nothing of them whatever its efficiency."""
-    hs = cfg.n_embd // cfg.n_head
-    kv_heads = max(getattr(cfg, "n_kv_head", cfg.n_head), p)
+    hs, a = cfg.n_embd // cfg.n_head, anatomy(cfg)
+    kv_heads = max(a.kv_heads, p)
     single = flops("single", cfg, batch, seq, 1, checkpointing, elem)
     fl = {k: (v if k == "gemms" else v / p) for k, v in single.items()}
     if mlp_tiles:
-        inner = getattr(cfg, "intermediate_size", 4 * cfg.n_embd)
-        mats = 3 if hasattr(cfg, "intermediate_size") else 2
+        inner, mats = a.mlp_width, 3 if a.gated_mlp else 2
         again = cfg.n_layer * 2.0 * batch * seq / p * cfg.n_embd * inner * mats
         fl = {**fl, "backward": fl["backward"] + again, "total": fl["total"] + again, "matmul": fl["matmul"] + again}
     unaligned = _unaligned_seconds(unaligned_share("ulysses", cfg, p), fl["matmul"] / hw.matmul_flops_per_s, hw)

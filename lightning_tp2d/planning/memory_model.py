@@ -55,11 +55,11 @@ from torch.distributed.tensor import DTensor
 from lightning_tp2d.planning.closed_memory import closed_form_problem, closed_peak_bytes
 from lightning_tp2d.planning.live import LiveTensorBytes, adamw_kernel, tensors_in
 from lightning_tp2d.planning.trace import config_key, fake_group, fake_mesh, in_worker, ranks_as_asked, trace_step
-from lightning_tp2d.families import family_of, family_of_config
+from lightning_tp2d.families import anatomy, family_of, family_of_config
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 from lightning_tp2d.step import assemble_step
-from lightning_tp2d.train_plan import TrainPlan, fsdp_shards
+from lightning_tp2d.train_plan import ZERO_STAGES, TrainPlan, fsdp_shards, reshards_after_forward
 
 __all__ = ["Shards", "ParameterSplit", "peak_bytes", "shard_bytes", "parameter_split", "baseline_activation_bytes",
            "baseline_peak_bytes", "loss_input_bytes", "loss_forward_bytes"]
@@ -386,8 +386,8 @@ def peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_s
     (the same keys, ``largest`` naming parts, plus ``"phases"``), the rest profiled."""
     if checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3")
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero_stage!r} is not one of {', '.join(map(str, ZERO_STAGES))}")
     ranks = [rank] if rank is not None else list(range(p) if ranks is None else ranks)
     if _CLOSED_FORMS.get() and not closed_form_problem(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage,
                                                        checkpointing=checkpointing, elem=elem, fused=fused):
@@ -521,19 +521,18 @@ def baseline_activation_bytes(cfg, batch: int, seq: int, tp: int, *, checkpointi
     h, H, V, L = cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.n_layer
     t, e, N = tp, elem, batch * seq
     s = tp if sequence_parallel else 1  # what sequence parallelism shards: the norms' inputs and statistics
-    llama = hasattr(cfg, "intermediate_size")
-    kv = cfg.n_kv_head * (h // H) if llama else h
-    inner = cfg.intermediate_size if llama else 4 * h
-    stats = (4 if llama else 8) * N  # RMSNorm's rstd; LayerNorm's mean and rstd (float32)
-    eager_norm = composite and llama
+    a = anatomy(cfg)
+    kv, inner = a.kv_width, a.mlp_width
+    stats = (4 if a.rms_norm else 8) * N  # RMSNorm's rstd; LayerNorm's mean and rstd (float32)
+    eager_norm = composite and a.rms_norm
     extra_norm = N * h * ep / s if eager_norm else 0  # the composite RMSNorm's normalized output
     norm_in = max(ep, 4) if eager_norm else ep  # the composite RMSNorm saves its input upcast to float32
     norms = 2 * (N * h * norm_in + stats) / s + 2 * extra_norm
     gathered = 2 * N * h * e
     attention = N * (h + 2 * kv + h) * e / t + 4 * N * H / t
-    if eager_norm:  # float32 cos and sin per attention, or, in another dtype, their copies cast for q and for k
+    if composite and a.rotary:  # float32 cos and sin per attention, or, in another dtype, their copies cast for q and k
         attention += 2 * seq * (h // H) * (4 if e == 4 else 2 * e)
-    mlp = (4 if llama else 2) * N * inner * e / t
+    mlp = (4 if a.gated_mlp else 2) * N * inner * e / t  # SwiGLU: gate, up, their product, its input; GELU: two
     plain = norms + gathered + attention + mlp
     block_input = N * h * ep / s
     if checkpointing == "none":
@@ -541,7 +540,7 @@ def baseline_activation_bytes(cfg, batch: int, seq: int, tp: int, *, checkpointi
     elif checkpointing == "full":
         per_block, recompute = block_input, plain
     else:
-        kept_mm = N * e * ((h + kv + inner) / t + h) if llama else N * e * (3 * h + inner) / t
+        kept_mm = N * e * ((h + kv + inner) / t + h) if a.gated_mlp else N * e * (3 * h + inner) / t
         kept = kept_mm + N * h * e / t + 4 * N * H / t + 2 * N * h * e / t + block_input
         per_block, recompute = kept, max(0.0, plain - kept)
     vocab = -(-V // t)
@@ -549,7 +548,7 @@ def baseline_activation_bytes(cfg, batch: int, seq: int, tp: int, *, checkpointi
     # composite: in the loss's input dtype, loss_input_bytes), the ids (GPT-2: its position ids 8 T; over several
     # ranks the embedding's masked copy of the ids, 8 N)
     root = ((N * h * norm_in + stats) / s + extra_norm + N * h * e + loss_input_bytes(ep, composite) * N * vocab
-            + (0 if llama else 8 * seq) + (8 * N if t > 1 else 0))
+            + (0 if a.rotary else 8 * seq) + (8 * N if t > 1 else 0))
     total = L * per_block + root
     return {"blocks": int(L * per_block), "root": int(root), "recompute": int(recompute), "total": int(total)}
 
@@ -583,8 +582,8 @@ def baseline_block_backward_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int
     split = parameter_split(cfg)
     root, block = split.root_shard(tp), split.block_shard(tp)
     L, h, N = split.n_layer, cfg.n_embd, batch * seq
-    inner = getattr(cfg, "intermediate_size", 4 * h)
-    sharded = dp > 1 and zero_stage >= 2
+    inner = anatomy(cfg).mlp_width
+    sharded = fsdp_shards(zero_stage, dp)
     ep = elem if sharded else 4
     acts = baseline_activation_bytes(cfg, batch, seq, tp, checkpointing=checkpointing, elem=elem, ep=ep,
                                      composite=composite)
@@ -645,7 +644,7 @@ def baseline_peak_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, zero
     split = parameter_split(cfg)
     root, block = split.root_shard(tp), split.block_shard(tp)
     L, h, V, N = split.n_layer, cfg.n_embd, cfg.vocab_size, batch * seq
-    sharded = dp > 1 and zero_stage >= 2
+    sharded = fsdp_shards(zero_stage, dp)
     local = (root + L * block) / (dp if sharded else 1)
     params = grads = 4 * local
     optimizer = 8 * local
@@ -654,7 +653,7 @@ def baseline_peak_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, zero
                                      composite=composite)
     g = elem if sharded else 4  # gradients of FSDP's bf16 parameters are bf16; autocast's parameters stay float32
     if sharded:
-        kept_root = root - (split.embedding / tp if zero_stage == 3 else 0)
+        kept_root = root - (split.embedding / tp if reshards_after_forward(zero_stage, dp) else 0)
         gathered = elem * (kept_root + (L if zero_stage == 2 else min(2, L)) * block)
     else:
         gathered = elem * (root + L * block) if elem < 4 else 0.0
@@ -668,7 +667,7 @@ def baseline_peak_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, zero
     in_block = baseline_block_backward_bytes(cfg, batch, seq, tp, dp=dp, zero_stage=zero_stage,
                                              checkpointing=checkpointing, elem=elem, composite=composite)
     # at stage 3 the blocks were resharded after their forward: the loss's forward has the root's groups gathered
-    at_loss = elem * kept_root if sharded and zero_stage == 3 else gathered
+    at_loss = elem * kept_root if reshards_after_forward(zero_stage, dp) else gathered
     backward = max(loss, in_block)
     end = grads + gathered + g * V * h
     total = params + optimizer + max(acts["total"] + gathered + backward, acts["total"] + at_loss + loss_forward, end)

@@ -83,8 +83,9 @@ from lightning_tp2d.planning.rivals import CHUNK_TOKENS, baseline_row_peak_bytes
 from lightning_tp2d.planning.commands import command_for
 from lightning_tp2d.planning.rivals import BASELINE, CP, CP_TP, ULYSSES  # the rivals' row names
 from lightning_tp2d.planning.trace import ranks_as_asked, trace_step
-from lightning_tp2d.train_plan import TrainPlan
-from lightning_tp2d.families import family_of_config, fits, model_config
+from lightning_tp2d.train_plan import (CHECKPOINTING, FSDP_STAGES, ZERO_STAGES, TrainPlan, fsdp_shards,
+                                       reshards_after_forward)
+from lightning_tp2d.families import anatomy, family_of_config, fits, model_config
 from lightning_tp2d.layouts import get_layout, layout_names
 from lightning_tp2d.models.config import max_seq_len
 
@@ -157,7 +158,7 @@ class PlanRow:
         if self.layout != BASELINE:
             return self.layout
         data = ("" if dp == 1 else f"HSDP {self.shard_group}x{dp // self.shard_group}" if self.shard_group
-                else "FSDP" if self.zero_stage >= 2 else "DDP")
+                else "FSDP" if fsdp_shards(self.zero_stage, dp) else "DDP")
         if p == 1:
             return f"{data or 'one GPU'} (no TP){loss}"
         return f"1-D TP+SP{' (async)' if self.async_tp else ''}{f' x {data}' if data else ''}{loss}"
@@ -254,7 +255,7 @@ def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: 
     if dp <= 1:
         return {"comm_s": 0.0, "exposed_s": 0.0}
     if shard_group not in (0, dp):
-        if stage < 2 or shard_group < 2 or dp % shard_group:
+        if stage not in FSDP_STAGES or shard_group < 2 or dp % shard_group:
             raise ValueError(f"HSDP: shard_group={shard_group} must divide dp={dp}, be at least 2, and shard stage 2 "
                              f"or 3 (got zero_stage {stage})")
         inside = data_parallel_time(root=root, block=block, n_layer=n_layer, dp=shard_group, tp=tp, stage=stage,
@@ -266,7 +267,7 @@ def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: 
         return {"comm_s": inside["comm_s"] + across, "exposed_s": inside["exposed_s"] + max(0.0, across - backward_s),
                 "hsdp_all_reduce_s": across}
     total = root + n_layer * block
-    if stage in (0, 1):
+    if stage not in FSDP_STAGES:  # DDP's all-reduce (stage 1: then the updated slices gathered)
         reduce = data_parallel_all_reduce_time(4 * total, dp * tp, tp, hw)
         exposed = max(0.0, reduce - backward_s)
         comm = reduce
@@ -280,9 +281,10 @@ def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: 
     gather_root = _dp_collective("all_gather", elem * root / dp, dp, tp, gpus_per_node, hw)
     scatter_root = _dp_collective("reduce_scatter", 4 * root, dp, tp, gpus_per_node, hw)
     fwd_block, bwd_block = forward_s / n_layer, backward_s / n_layer
-    backward_calls = scatter_block + (gather_block if stage == 3 else 0.0)
+    regather = reshards_after_forward(stage, dp)  # each block gathered again for its backward
+    backward_calls = scatter_block + (gather_block if regather else 0.0)
     again = _dp_collective("all_gather", elem * regathered / dp, dp, tp, gpus_per_node, hw) \
-        if stage == 3 and regathered else 0.0
+        if regather and regathered else 0.0
     comm = gather_root + scatter_root + n_layer * (gather_block + backward_calls) + again
     exposed = (gather_root + gather_block  # the first gathers run behind nothing
                + (n_layer - 1) * max(0.0, gather_block - fwd_block)
@@ -473,7 +475,7 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
             async_tp = micro["async_tp"]
         if loss == "chunked":
             micro = _chunked_loss_step(cfg, micro_batch, seq, tp, hw, micro, rule)
-        sharded = dp > 1 and zero_stage >= 2  # FSDP's bf16 param_dtype: the residual stream is bf16 too
+        sharded = fsdp_shards(zero_stage, dp)  # FSDP's bf16 param_dtype: the residual stream is bf16 too
         saved = _elementwise_bytes(cfg, micro_batch, seq, tp, ep=ELEMENT if sharded else 4)
     else:
         if async_tp:
@@ -569,7 +571,7 @@ def _candidates(cfg, gpus: int, gpus_per_node: int, seq: int, sequences: int, la
             if micros and stages:
                 out.append((name, p, dp, stages, list(checkpointing), micros))
     if include_baselines:
-        heads = [cfg.n_head] + ([cfg.n_kv_head] if hasattr(cfg, "n_kv_head") else [])
+        heads = [cfg.n_head, anatomy(cfg).kv_heads]
         for tp in _divisors(min(gpus, gpus_per_node)):
             if gpus % tp or any(n % tp for n in heads) or cfg.n_embd % tp or seq % tp:
                 continue
@@ -587,8 +589,8 @@ def _candidates(cfg, gpus: int, gpus_per_node: int, seq: int, sequences: int, la
 
 
 def search_space(model, *, gpus: int, gpus_per_node: int = 8, seq: int, global_batch_tokens: int,
-                 include_baselines: bool = True, layouts=None, zero_stages=(0, 1, 2, 3),
-                 checkpointing=("none", "selective", "full"), max_micro_batch: int | None = None,
+                 include_baselines: bool = True, layouts=None, zero_stages=ZERO_STAGES,
+                 checkpointing=CHECKPOINTING, max_micro_batch: int | None = None,
                  activation_offload=(False,)) -> dict[str, int]:
     """How many configurations :func:`plan` with these arguments considers on each side: ``{"package": n,
     "baseline": m}`` (:func:`count_configurations` of its candidates), whether or not they fit."""
@@ -612,7 +614,7 @@ def count_configurations(candidates, activation_offload=(False,)) -> dict[str, i
 
 def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq: int,
          global_batch_tokens: int, hardware: str | Hardware = "h100", include_baselines: bool = True,
-         layouts=None, zero_stages=(0, 1, 2, 3), checkpointing=("none", "selective", "full"),
+         layouts=None, zero_stages=ZERO_STAGES, checkpointing=CHECKPOINTING,
          memory_fraction: float = 0.9, max_micro_batch: int | None = None, compiled: bool = True,
          workers: int = 1, activation_offload=(False,), overlap="fitted", method: str = "closed",
          cache: bool | str | os.PathLike = True) -> list[PlanRow]:
@@ -1005,8 +1007,8 @@ def main(argv=None) -> int:
                         "JSON): its GEMM, attention and memory rates replace the preset's; links stay the preset's")
     parser.add_argument("--layouts", nargs="*", default=None, help="package layouts to consider (default: all)")
     parser.add_argument("--no-baselines", action="store_true", help="leave out the 1-D TP + SP x FSDP rows")
-    parser.add_argument("--zero-stages", type=int, nargs="*", default=[0, 1, 2, 3], help="ZeRO stages to consider")
-    parser.add_argument("--checkpointing", nargs="*", default=["none", "selective", "full"],
+    parser.add_argument("--zero-stages", type=int, nargs="*", default=list(ZERO_STAGES), help="ZeRO stages to consider")
+    parser.add_argument("--checkpointing", nargs="*", default=list(CHECKPOINTING),
                         help="activation checkpointing modes to consider")
     parser.add_argument("--max-micro-batch", type=int, default=None, help="largest micro-batch (sequences) to try")
     parser.add_argument("--eager", action="store_true", help="price elementwise work as eager runs it")

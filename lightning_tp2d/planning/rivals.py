@@ -13,7 +13,9 @@ import torch
 
 from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.models.llama import Llama
+from lightning_tp2d.families import anatomy
 from lightning_tp2d.planning.events import Comm, float32_bytes
+from lightning_tp2d.train_plan import FSDP_STAGES, ZERO_STAGES, fsdp_shards, reshards_after_forward
 from lightning_tp2d.planning.memory_model import (baseline_block_backward_bytes, baseline_peak_bytes,
                                                   loss_forward_bytes, loss_input_bytes, parameter_split)
 
@@ -92,12 +94,12 @@ def block_linears(cfg) -> tuple[tuple[tuple[int, int], ...], ...]:
     the attention output projection, those reading the MLP input, the MLP output projection. GPT-2: ``c_attn``
     ``[3h, h]``, ``c_proj`` ``[h, h]``, ``c_fc`` ``[4h, h]``, ``mlp.c_proj`` ``[h, 4h]``. Llama (a config with
     ``n_kv_head`` and ``intermediate_size``): ``q_proj`` ``[h, h]``, ``k_proj`` and ``v_proj`` ``[nkv*hs, h]`` (GQA),
-    ``o_proj`` ``[h, h]``, ``gate_proj`` and ``up_proj`` ``[I, h]``, ``down_proj`` ``[h, I]``."""
-    h = cfg.n_embd
-    if not hasattr(cfg, "intermediate_size"):
-        return ((3 * h, h),), ((h, h),), ((4 * h, h),), ((h, 4 * h),)
-    kv, width = cfg.n_kv_head * (h // cfg.n_head), cfg.intermediate_size
-    return ((h, h), (kv, h), (kv, h)), ((h, h),), ((width, h), (width, h)), ((h, width),)
+    ``o_proj`` ``[h, h]``, ``gate_proj`` and ``up_proj`` ``[I, h]``, ``down_proj`` ``[h, I]``. Read from the
+    family's :func:`~lightning_tp2d.families.anatomy` (fused or separate q/k/v, gated MLP or not)."""
+    h, a = cfg.n_embd, anatomy(cfg)
+    kv, width = a.kv_width, a.mlp_width
+    qkv = ((h + 2 * kv, h),) if a.fused_qkv else ((h, h), (kv, h), (kv, h))
+    return qkv, ((h, h),), ((width, h),) * (2 if a.gated_mlp else 1), ((h, width),)
 
 
 def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int,
@@ -162,8 +164,8 @@ def tp1d_sp_comm_events(cfg: GPT2Config, batch: int, seq: int, p: int, elem: int
     if p == 1:
         return loss
     norm_grads = (2 * L + 1) * (2 if getattr(cfg, "bias", False) else 1) * h * ep  # RMSNorm: weights only
-    # a learned position table (GPT-2's wpe); RoPE (Llama, a rope_theta) has none
-    positions = [ev("all_gather", seq * h * ea // p, 1, "backward")] if not hasattr(cfg, "rope_theta") else []
+    # a learned position table (GPT-2's wpe); rotary positions (Llama's RoPE) have none
+    positions = [] if anatomy(cfg).rotary else [ev("all_gather", seq * h * ea // p, 1, "backward")]
     return [
         ev("reduce_scatter", full_ep, 1, "forward"),  # wte: MaskPartial -> Shard(1)
         ev("all_gather", shard_ep, L, "forward", qkv),  # ln_1 output -> c_attn
@@ -378,7 +380,7 @@ def chunked_loss_phases(cfg, parts: dict, batch: int, seq: int, tp: int, *, dp: 
     * ``"end of backward"``: the gradients, what is gathered and the embedding's replicated ``[V, h]`` gradient.
 
     ``loss``: the largest the loss adds (its forward or backward chunk)."""
-    sharded = dp > 1 and zero_stage >= 2
+    sharded = fsdp_shards(zero_stage, dp)
     ep = elem if sharded else 4
     g = elem if sharded else 4  # FSDP's bf16 parameters' gradients; autocast's float32 ones
     split = parameter_split(cfg)
@@ -396,7 +398,7 @@ def chunked_loss_phases(cfg, parts: dict, batch: int, seq: int, tp: int, *, dp: 
     last_gather = parts["loss_forward"] - (loss_forward_bytes(elem, ep, False)
                                            - loss_input_bytes(ep, False)) * tokens * vocab
     # at stage 3 the blocks were resharded after their forward: the root's groups gathered, not the blocks
-    at_loss = (elem * (split.root_shard(tp) - split.embedding / tp) if sharded and zero_stage == 3
+    at_loss = (elem * (split.root_shard(tp) - split.embedding / tp) if reshards_after_forward(zero_stage, dp)
                else parts["gathered"])
     in_block = baseline_block_backward_bytes(cfg, batch, seq, tp, dp=dp, zero_stage=zero_stage,
                                              checkpointing=checkpointing, elem=elem)
@@ -451,11 +453,11 @@ def baseline_row_peak_bytes(cfg, batch: int, seq: int, tp: int, *, dp: int = 1, 
 
 def _shard_group(dp: int, zero_stage: int, shard_group: int) -> int:
     """The replicas FSDP shards over: ``dp`` unless ``shard_group`` (HSDP, stages 2 and 3) names a divisor of it."""
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
     if shard_group in (0, dp):
         return dp
-    if zero_stage < 2:
+    if zero_stage not in FSDP_STAGES:
         raise ValueError(f"shard_group={shard_group} (HSDP) shards FSDP's stages 2 and 3, not zero_stage {zero_stage}")
     if shard_group < 2 or dp % shard_group:
         raise ValueError(f"shard_group={shard_group} must divide dp={dp} and be at least 2 (1: plain replication, "

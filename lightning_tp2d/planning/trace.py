@@ -79,13 +79,13 @@ from lightning_tp2d.layouts import DATA_AXIS, Layout, get_layout
 from lightning_tp2d.mesh import ParallelDims, init_mesh
 from lightning_tp2d.ops import register_mesh
 from lightning_tp2d.step import assemble_step
-from lightning_tp2d.train_plan import TrainPlan, fsdp_shards
+from lightning_tp2d.train_plan import ZERO_STAGES, TrainPlan, fsdp_shards
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 
 _MATMUL_FLOPS = {packet.__name__: formula for packet, formula in flop_registry.items()
                  if packet.__name__ in ("mm", "addmm", "bmm", "baddbmm")}
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
-TRACED_STAGES = (0, 1, 2, 3)  # ZeRO stages the tracer runs
+TRACED_STAGES = ZERO_STAGES  # the tracer runs every ZeRO stage
 
 
 class _Recorder(TorchDispatchMode):
