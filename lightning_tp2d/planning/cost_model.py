@@ -504,6 +504,13 @@ def _hidden(ev: Comm, t: float, matmul_flops: float, attention_flops: float, rat
     return efficiency * min(t, matmul_flops / rates["matmul"] + attention_flops / rates["attention"]), 0
 
 
+def vocab_block_rows(cfg, k: int) -> int:
+    """Rows of one rank's vocabulary block over ``k`` ranks as its head multiplies it: ``ceil(V/k)`` padded to the
+    config's ``pad_vocab_multiple`` (the layouts' heads pad each block; the rivals' priced as padded the same way)."""
+    multiple = getattr(cfg, "pad_vocab_multiple", 1) or 1
+    return -(-(-(-cfg.vocab_size // k)) // multiple) * multiple
+
+
 def unaligned_share(layout: str, cfg, p: int, tp: int = 1) -> float:
     """The share of one rank's linear and head FLOPs that run in unaligned products (a contiguous width, ``k`` or
     ``n``, not a multiple of :data:`~lightning_tp2d.planning.gemm_rates.ALIGNMENT`), under ``layout`` on ``p``
@@ -516,22 +523,20 @@ def unaligned_share(layout: str, cfg, p: int, tp: int = 1) -> float:
     head's vocabulary: the config's ``pad_vocab_multiple`` padding each block as the layouts' heads pad it (a grid's
     ``ceil(V/q)`` rows, a ring's ``ceil(V/p)``, at width ``h/q`` and ``h``), and the 1-D rivals' ``ceil(V/p)`` rows
     padded the same way: a user who pads the package's vocabulary pads torch's too."""
-    multiple = getattr(cfg, "pad_vocab_multiple", 1) or 1
-    pad = lambda rows: -(-rows // multiple) * multiple  # noqa: E731
     h, V = cfg.n_embd, cfg.vocab_size
     if layout in layout_names():
         lay = get_layout(layout)
         k = lay.side(p)
         both = lay.square
     else:
-        k, both = (p if layout in ("tp1d", "tp1d-sp") else tp), False
+        k, both = (p if layout in TP1D else tp), False
     groups = block_linears(cfg)
     products = []  # (weight entries, local widths)
     for g, group in enumerate(groups):
         for out, inp in group:
             widths = ((out // k, inp // k) if both else (out // k, inp) if g % 2 == 0 else (out, inp // k))
             products.append((cfg.n_layer * out * inp, widths))
-    products.append((V * h, (pad(-(-V // k)), h // k if both else h)))
+    products.append((V * h, (vocab_block_rows(cfg, k), h // k if both else h)))
     total = sum(w for w, _ in products)
     return sum(w for w, widths in products if not aligned(*widths)) / total
 

@@ -374,9 +374,7 @@ def _chunked_loss_step(cfg, batch: int, seq: int, tp: int, hw: Hardware, micro: 
     fl = micro["flops"]
     fl = {**fl, "backward": fl["backward"] + recomputed, "total": fl["total"] + recomputed,
           "matmul": fl["matmul"] + recomputed, "gemms": fl["gemms"] + gemms}
-    multiple = getattr(cfg, "pad_vocab_multiple", 1) or 1
-    rows = -(-(-(-cfg.vocab_size // tp)) // multiple) * multiple  # a rank's vocabulary, padded as the head pads it
-    unaligned = (0.0 if gemm_rates.aligned(rows, cfg.n_embd)
+    unaligned = (0.0 if gemm_rates.aligned(cost_model.vocab_block_rows(cfg, tp), cfg.n_embd)
                  else recomputed / hw.matmul_flops_per_s * (hw.unaligned_gemm_slowdown - 1.0))
     compute = micro["compute_s"] + recomputed / hw.matmul_flops_per_s + unaligned + gemms * hw.gemm_overhead_s
     comm = exposed = 0.0
@@ -917,11 +915,11 @@ def table(rows: list[PlanRow], limit: int | None = 12) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for i, r in enumerate(rows[:limit] if limit else rows, 1):
-        offload, host = " + offload" if r.activation_offload else "", " (host)" if r.host_bound else ""
-        host += " (unaligned)" if r.unaligned else ""
+        offload = " + offload" if r.activation_offload else ""
+        marks = (" (host)" if r.host_bound else "") + (" (unaligned)" if r.unaligned else "")
         lines.append(f"| {i} | {r.label} | {r.tensor_parallel_size} | {r.data_parallel_size} | {r.zero_stage} | "
                      f"{r.checkpointing}{offload} | {r.micro_batch} x {r.grad_accum} | {r.memory_gib:.1f} | "
-                     f"{r.step_s:.2f}{host} | {r.tokens_per_s_per_gpu:,.0f} | {r.mfu:.1%} |")
+                     f"{r.step_s:.2f}{marks} | {r.tokens_per_s_per_gpu:,.0f} | {r.mfu:.1%} |")
     return "\n".join(lines)
 
 
