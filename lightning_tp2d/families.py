@@ -365,6 +365,6 @@ def model_config(model: Any) -> Any:
     return model
 
 
-__all__ = ["Anatomy", "ModelFamily", "anatomy", "auto_tensor_parallel_size", "default_sizes", "families", "family_of", "family_of_config",
-           "fits", "fused_qkv_suffixes", "get_family", "model_config", "problems", "register_family", "register_plan",
-           "unregister_family"]
+__all__ = ["Anatomy", "ModelFamily", "anatomy", "auto_tensor_parallel_size", "default_sizes", "families",
+           "family_of", "family_of_config", "fits", "fused_qkv_suffixes", "get_family", "model_config", "problems",
+           "register_family", "register_plan", "unregister_family"]
