@@ -53,13 +53,13 @@ def _depth(pid: int) -> int:
 
 
 def test_tp2d_plan_killed_leaves_no_process_behind(tmp_path):
-    """``tp2d-plan --workers 2`` on a case that traces (Llama 3.2 1B's tied head has no closed memory form, so each
-    planning process starts tracing workers), killed with ``SIGKILL`` once its processes and their workers run:
-    every one of them is gone within a few seconds."""
+    """``tp2d-plan --workers 2 --method traced`` (each planning process starts tracing workers; the closed forms
+    would answer in a second), killed with ``SIGKILL`` once its processes and their workers run: every one of them
+    is gone within a few seconds."""
     env = {**os.environ, "TP2D_PLAN_CACHE": str(tmp_path / "cache")}  # cold: nothing answered from disk
     plan = subprocess.Popen([shutil.which("tp2d-plan"), "llama-3.2-1b", "--gpus", "4", "--gpus-per-node", "4",
                              "--gpu-memory-gib", "80", "--seq", "4096", "--layouts", "metp", "--no-baselines",
-                             "--workers", "2"],
+                             "--workers", "2", "--method", "traced"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until(lambda: _depth(plan.pid) >= 2, time.monotonic() + 240, gone=lambda: plan.poll() is not None,

@@ -1014,6 +1014,9 @@ def main(argv=None) -> int:
                         help="also consider fully checkpointed rows with their block inputs in host memory")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                         help="candidates planned at once, each in a process of its own (default: up to 4 cores)")
+    parser.add_argument("--method", choices=METHODS, default="closed",
+                        help="closed: the package's rows from the closed forms (seconds); traced: every row from "
+                             "fake-tensor traces of the real layers, the reference (minutes to hours)")
     parser.add_argument("--top", type=int, default=12, help="rows to print (0: all)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write every row as JSON to PATH (default: nothing is written)")
@@ -1037,7 +1040,8 @@ def main(argv=None) -> int:
                         hardware=hardware, include_baselines=not args.no_baselines, layouts=args.layouts,
                         compiled=not args.eager, zero_stages=tuple(args.zero_stages),
                         checkpointing=tuple(args.checkpointing), max_micro_batch=args.max_micro_batch,
-                        workers=args.workers, activation_offload=(False, True) if args.offload else (False,))
+                        workers=args.workers, activation_offload=(False, True) if args.offload else (False,),
+                        method=args.method)
     except (ValueError, KeyError, OSError) as err:
         print(f"tp2d-plan: {err}", file=sys.stderr)
         return 2
