@@ -95,6 +95,7 @@ import torch
 from lightning_tp2d.families import anatomy, family_of_config
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.options import TPOptions
+from lightning_tp2d.planning.steps import closed_family_problem
 from lightning_tp2d.planning.closed_memory_grid_fsdp import fsdp_moments, grid_data_shards, one_block_model
 from lightning_tp2d.train_plan import CHECKPOINTING, FSDP_STAGES, ZERO_STAGES, fsdp_shards
 
@@ -167,9 +168,9 @@ def step_memory_problem(cfg, *, dp: int, zero_stage: int, checkpointing: str, el
     grids') refuse whatever the layout: a family other than GPT-2 and Llama, a ZeRO stage or checkpointing mode they
     do not model (FSDP's stages on one replica), an element size other than bf16 autocast's, AdamW's foreach step
     (``None``: none of these)."""
-    family = family_of_config(cfg)
-    if family is None or family.name not in ("gpt2", "llama"):
-        return f"a {type(cfg).__name__}: the closed form models GPT-2 and Llama"
+    problem = closed_family_problem(cfg)
+    if problem:
+        return problem
     if zero_stage not in ZERO_STAGES or (zero_stage in FSDP_STAGES and not fsdp_shards(zero_stage, dp)):
         return (f"zero_stage={zero_stage} (dp={dp}): the closed form models stages 0 and 1, and 2 and 3 (FSDP) "
                 f"with dp > 1")

@@ -11,6 +11,16 @@ from lightning_tp2d.families import family_of_config, fits
 from lightning_tp2d.planning.events import Comm
 
 _MATMUL, _ATTENTION = 0, 1  # compute slots, as the tracer's
+# the families the closed forms (step and memory) model; any other is traced
+CLOSED_FAMILIES = ("gpt2", "llama")
+
+
+def closed_family_problem(cfg) -> str | None:
+    """Why the closed forms do not model ``cfg``'s family (:data:`CLOSED_FAMILIES`), or ``None``."""
+    family = family_of_config(cfg)
+    if family is None or family.name not in CLOSED_FAMILIES:
+        return f"a {type(cfg).__name__} is traced: the closed forms model GPT-2 and Llama"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +104,7 @@ def one_replica_problem(cfg, elem: int, dp: int, zero_stage: int, clip: bool) ->
         return f"dp={dp}, zero_stage={zero_stage}, clip={clip}: closed forms cover one replica (dp=1, stage 0)"
     if elem not in (2, 4):
         return f"elem={elem}: closed forms cover 2 (bf16 autocast) and 4 (float32)"
-    family = family_of_config(cfg)
-    if family is None or family.name not in ("gpt2", "llama"):
-        return f"a {type(cfg).__name__} is traced: closed forms cover GPT-2 and Llama"
-    return None
+    return closed_family_problem(cfg)
 
 
 def split_problem(spec, cfg, p: int) -> str | None:
