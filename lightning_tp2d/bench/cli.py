@@ -34,8 +34,9 @@ from lightning_tp2d import layouts
 from lightning_tp2d.bench import calibrate, report
 from lightning_tp2d.planning import cost_model, gemm_rates
 from lightning_tp2d.planning.events import wire_bytes
-from lightning_tp2d.bench.runner import BASELINES, SCENARIOS, BenchSpec, max_sequence, run_scenario
+from lightning_tp2d.bench.runner import SCENARIOS, BenchSpec, max_sequence, run_scenario
 from lightning_tp2d.options import TPOptions
+from lightning_tp2d.rivals import TP1D, TP1D_SP, get_rival, is_rival
 
 QUICK = dict(model="gpt2-tiny", set=["n_head=12"], batch=4, seq=64, p=4, steps=2, warmup=1,
              layouts="single,hf,tp1d,2d,metp,2d-metp", max_seq_layouts="tp1d,metp", max_seq_p=2, cap_mib=2.0,
@@ -153,10 +154,11 @@ def local_mlp_shape(layout: str, tokens: int, h: int, p: int) -> tuple[int, int,
     tokens and every column (sequence-sharded around the attention, whole weights gathered by FSDP). A layout splits
     the tokens and the ``4h`` columns over its side (``q`` of a grid, ``p`` of a ring); a grid also splits the
     ``h`` inputs over ``col``, a ring keeps them whole (the weight blocks travel instead)."""
-    if layout == "ulysses":
-        return tokens // p, h, 4 * h
-    if layout in BASELINES:  # single runs on p = 1
-        return tokens, h, 4 * h // p
+    if is_rival(layout):
+        rival = get_rival(layout)
+        if rival.ulysses:
+            return tokens // p, h, 4 * h
+        return tokens, h, 4 * h // p  # single runs on p = 1
     rules = layouts.get_layout(layout)
     side = rules.side(p)
     return tokens // side, (h // side if rules.square else h), 4 * h // side
@@ -173,7 +175,8 @@ def model_check(scenarios: list[dict], spec: BenchSpec, p: int) -> dict:
     cores = os.cpu_count() or 1
     rows = []
     for r in scenarios:
-        if r.get("status") != "ok" or r["layout"] == "hf" or "step_time_s" not in r:
+        if r.get("status") != "ok" or (is_rival(r["layout"]) and get_rival(r["layout"]).hf_weights) \
+                or "step_time_s" not in r:
             continue
         layout, n, cfg = r["layout"], r["p"], spec.config(r["seq"])
         m, k, cols = local_mlp_shape(layout, r["batch"] * r["seq"], cfg.n_embd, n)
@@ -247,25 +250,26 @@ def projection(args: argparse.Namespace) -> dict:
     for r in cost_model.projected_speedup(cfg, batch, seq, gpus=gpus, hw=hw):
         n = r["gpus"]
         # a layout's ranks send different amounts (grid position: one of each kind, as the layout says); 1-D TP's alike
-        ranks = {grid: layouts.get_layout(grid).distinct_ranks(n), "tp1d": [0], "tp1d-sp": [0]}
+        ranks = {grid: layouts.get_layout(grid).distinct_ranks(n), TP1D.name: [0], TP1D_SP.name: [0]}
         wire = {layout: max(wire_bytes(cost_model.comm_events(layout, cfg, batch, seq, n, 2, rank=k))
                             for k in ranks[layout]) for layout in ranks}
         row = {"gpus": n, "nodes": r["nodes"], "time_2d_s": r["2d_s"], "time_tp1d_s": r["tp1d_s"],
-               "speedup": r["speedup"], "wire_bytes_2d": wire[grid], "wire_bytes_tp1d": wire["tp1d"],
-               "exposed_comm_2d_s": r[grid]["exposed_comm_s"], "exposed_comm_tp1d_s": r["tp1d"]["exposed_comm_s"],
+               "speedup": r["speedup"], "wire_bytes_2d": wire[grid], "wire_bytes_tp1d": wire[TP1D.name],
+               "exposed_comm_2d_s": r[grid]["exposed_comm_s"],
+               "exposed_comm_tp1d_s": r[cost_model.ONE_D]["exposed_comm_s"],
                "hidden_comm_2d_s": r[grid]["comm_s"] - r[grid]["exposed_comm_s"],
-               "compute_2d_s": r[grid]["compute_s"], "compute_tp1d_s": r["tp1d"]["compute_s"],
+               "compute_2d_s": r[grid]["compute_s"], "compute_tp1d_s": r[cost_model.ONE_D]["compute_s"],
                "activation_bytes_2d": cost_model.activation_bytes(grid, cfg, batch, seq, n, 2),
-               "activation_bytes_tp1d": cost_model.activation_bytes("tp1d", cfg, batch, seq, n, 2),
+               "activation_bytes_tp1d": cost_model.activation_bytes(TP1D.name, cfg, batch, seq, n, 2),
                # 1-D TP with sequence parallelism (bf16 on the wire), blocking and with torch's async TP modelled
                "time_tp1d_sp_s": r["tp1d_sp_s"], "time_tp1d_sp_async_s": r["tp1d_sp_async_s"],
                "speedup_vs_tp1d_sp": r["tp1d_sp_s"] / r["2d_s"],
                "speedup_vs_tp1d_sp_async": r["tp1d_sp_async_s"] / r["2d_s"],
-               "wire_bytes_tp1d_sp": wire["tp1d-sp"], "exposed_comm_tp1d_sp_s": r["tp1d_sp"]["exposed_comm_s"],
+               "wire_bytes_tp1d_sp": wire[TP1D_SP.name], "exposed_comm_tp1d_sp_s": r["tp1d_sp"]["exposed_comm_s"],
                "hidden_comm_tp1d_sp_s": r["tp1d_sp"]["comm_s"] - r["tp1d_sp"]["exposed_comm_s"],
                "exposed_comm_tp1d_sp_async_s": r["tp1d_sp_async"]["exposed_comm_s"],
                "hidden_comm_tp1d_sp_async_s": r["tp1d_sp_async"]["comm_s"] - r["tp1d_sp_async"]["exposed_comm_s"],
-               "activation_bytes_tp1d_sp": cost_model.activation_bytes("tp1d-sp", cfg, batch, seq, n, 2)}
+               "activation_bytes_tp1d_sp": cost_model.activation_bytes(TP1D_SP.name, cfg, batch, seq, n, 2)}
         if n == 4:  # the SUMMA variants of "2d" in one node: kept panels (no second gather) and broadcast SUMMA
             for key, spec in variants.items():
                 t = cost_model.step_time(spec, cfg, batch, seq, n, hw)
@@ -276,11 +280,11 @@ def projection(args: argparse.Namespace) -> dict:
     fair = []
     for n in (g for g in gpus if g > 1):  # in one node too (1-D TP x DP, plain DP against one grid); 1 GPU: no grid
         f = cost_model.fair_configurations(cfg, batch, seq, n, hw)
-        tp_only = min((c for c in f["tp1d"] if c["tp"] > 1), key=lambda c: c["total_s"])
+        tp_only = min((c for c in f[cost_model.ONE_D] if c["tp"] > 1), key=lambda c: c["total_s"])
         fair.append({"gpus": n, "best_tp1d": _summary(f["best_tp1d"]), "best_2d": _summary(f["best_2d"]),
                      "speedup": f["speedup"], "best_tp1d_tp_ge_2": _summary(tp_only),
                      "speedup_vs_tp_ge_2": tp_only["total_s"] / f["best_2d"]["total_s"],
-                     "configurations": [_summary(c) for c in f["tp1d"] + f[cost_model.GRID_2D]]})
+                     "configurations": [_summary(c) for c in f[cost_model.ONE_D] + f[cost_model.GRID_2D]]})
     return {"model": args.projection_model, "batch": batch, "seq": seq, "hardware": hw.name, "rows": rows,
             "fair": fair, "gemm_calibration": calibration,
             "metp_overlap_threshold": cost_model.metp_overlap_threshold(cfg, hw)}

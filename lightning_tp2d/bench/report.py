@@ -6,6 +6,7 @@ import json
 import os
 
 from lightning_tp2d.layouts import Grid2D, Ring
+from lightning_tp2d.rivals import CP, HF, SINGLE, TP1D, TP1D_SP
 
 MIB = 1024 * 1024
 GRID, RING = Grid2D.name, Ring.name  # the layouts the targets compare with 1-D TP
@@ -48,18 +49,18 @@ def evaluate_targets(results: dict) -> list[dict]:
                     "source": source})
 
     scen = results.get("scenarios", [])
-    a, b = _ok(scen, layout=GRID, p=4), _ok(scen, layout="tp1d", p=4)
+    a, b = _ok(scen, layout=GRID, p=4), _ok(scen, layout=TP1D.name, p=4)
     add("activation_2d_vs_tp1d", a["activation_bytes"] / b["activation_bytes"] if a and b else None,
         "scenarios (activation bytes alive at the end of the forward)")
     add("peak_2d_vs_tp1d", (a["peak_bytes"] - a["resident_bytes"]) / (b["peak_bytes"] - b["resident_bytes"])
         if a and b else None, "scenarios (peak of the step minus resident bytes)")
     ms = results.get("max_seq", [])
     m = next((r for r in ms if r["layout"] == RING and r.get("status") == "ok"), None)
-    t = next((r for r in ms if r["layout"] == "tp1d" and r.get("status") == "ok" and m and r["p"] == m["p"]), None)
+    t = next((r for r in ms if r["layout"] == TP1D.name and r.get("status") == "ok" and m and r["p"] == m["p"]), None)
     ratio = m["max_seq"] / t["max_seq"] if m and t and t["max_seq"] else None
     add("max_seq_metp_vs_tp1d", ratio, f"max-sequence search at p = {m['p']}" if m else "max-sequence search")
     _lower_bound(out[-1], m)
-    for key, baseline in (("max_seq_metp_vs_cp_p8", "cp"), ("max_seq_metp_vs_tp1d_sp_p8", "tp1d-sp")):
+    for key, baseline in (("max_seq_metp_vs_cp_p8", CP.name), ("max_seq_metp_vs_tp1d_sp_p8", TP1D_SP.name)):
         m, t = (next((r for r in ms if r["layout"] == name and r["p"] == 8 and r.get("status") == "ok"), None)
                 for name in (RING, baseline))
         add(key, m["max_seq"] / t["max_seq"] if m and t and t["max_seq"] else None, "max-sequence search at p = 8")
@@ -67,14 +68,14 @@ def evaluate_targets(results: dict) -> list[dict]:
     weak = results.get("weak_scaling", [])
     big = sorted({r["p"] for r in weak if r["p"] >= 16 and r.get("status") == "ok"})
     if big:
-        a, b = _ok(weak, layout=GRID, p=big[0]), _ok(weak, layout="tp1d", p=big[0])
+        a, b = _ok(weak, layout=GRID, p=big[0]), _ok(weak, layout=TP1D.name, p=big[0])
         add("wire_2d_vs_tp1d_p16", a["wire_bytes"] / b["wire_bytes"] if a and b else None,
             f"weak-scaling run at p = {big[0]} (wire bytes of the counted calls)")
     else:
         proj = [r for r in results.get("projection", {}).get("rows", []) if r["gpus"] >= 16]
         add("wire_2d_vs_tp1d_p16", proj[0]["wire_bytes_2d"] / proj[0]["wire_bytes_tp1d"] if proj else None,
             f"cost model at {proj[0]['gpus']} GPUs" if proj else "cost model")
-    s, h = _ok(scen, layout="single"), _ok(scen, layout="hf")
+    s, h = _ok(scen, layout=SINGLE.name), _ok(scen, layout=HF.name)
     add("single_vs_hf_tokens", s["tokens_per_s"] / h["tokens_per_s"] if s and h and "tokens_per_s" in s else None,
         "scenarios (median step time after warm-up)")
     proj = results.get("projection", {})

@@ -72,11 +72,9 @@ from lightning_tp2d.metp import block_kernel
 from lightning_tp2d.models import GPT2, GPT2Config, Llama
 from lightning_tp2d.models.config import max_seq_len
 from lightning_tp2d.parallelize import checkpoint_activations, parallelize
+from lightning_tp2d.rivals import get_rival, is_rival, rival_names
 
-BASELINES = ("single", "hf", "tp1d", "tp1d-sp", "cp", "cp-tp", "ulysses")  # bench scenarios that are not layouts
-TP1D = ("tp1d", "tp1d-sp")  # torch's 1-D tensor parallelism, without and with sequence parallelism
-CONTEXT_PARALLEL = ("cp", "cp-tp")  # torch's context parallelism x FSDP2 (baselines.context_parallel), Llama only
-SINGLE_DEVICE = ("single", "hf")
+BASELINES = rival_names()  # bench scenarios that are not layouts: the registered rivals (lightning_tp2d.rivals)
 SCENARIOS = BASELINES + layouts.layout_names()
 
 
@@ -112,28 +110,21 @@ class BenchSpec:
 
 
 def ranks_of(layout: str, p: int) -> int:
-    return 1 if layout in SINGLE_DEVICE else p
+    return get_rival(layout).ranks(p) if is_rival(layout) else p
 
 
 def cp_sizes(layout: str, p: int, spec: BenchSpec) -> tuple[int, int]:
     """``(CP ranks, TP ranks)`` of a context-parallel scenario on ``p`` ranks: ``cp`` all ``p`` by 1, ``cp-tp``
     ``p / t`` by ``t = spec.cp_tp_size``."""
-    tp = spec.cp_tp_size if layout == "cp-tp" else 1
-    return p // tp, tp
+    return get_rival(layout).split(p, spec.cp_tp_size)
 
 
 def input_multiples(layout: str, p: int, cp_tp_size: int = 2) -> tuple[int, int]:
-    """``(batch, sequence)`` multiples the scenario's input needs on ``p`` ranks (baselines take any, but
-    sequence parallelism splits the sequence, and context parallelism cuts ``2 * CP ranks`` chunks, each rank's
-    pair split again by sequence parallelism in ``cp-tp``)."""
-    if layout == "tp1d-sp":
-        return 1, p
-    if layout == "ulysses":
-        return 1, p
-    if layout in CONTEXT_PARALLEL:
-        chunks = 2 * p // (cp_tp_size if layout == "cp-tp" else 1)
-        return 1, chunks * p // math.gcd(chunks, p)
-    return (1, 1) if layout in BASELINES else layouts.get_layout(layout).input_multiples(p)
+    """``(batch, sequence)`` multiples the scenario's input needs on ``p`` ranks (a rival's
+    :meth:`~lightning_tp2d.rivals.Rival.input_multiples`, or the layout's)."""
+    if is_rival(layout):
+        return get_rival(layout).input_multiples(p, cp_tp_size)
+    return layouts.get_layout(layout).input_multiples(p)
 
 
 def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -> str | None:
@@ -146,25 +137,26 @@ def check_scenario(layout: str, p: int, spec: BenchSpec, batch: int, seq: int) -
     limit = max_seq_len(cfg)  # None: RoPE (Llama) runs any length; a position table has block_size rows
     if limit is not None and seq > limit:
         return f"seq {seq} > block_size {limit} (the rows of {spec.model!r}'s position table)"
-    if family.name != "gpt2" and layout == "hf":
+    rival = get_rival(layout) if is_rival(layout) else None
+    if rival is not None and rival.hf_weights and not rival.runs(family.name):
         return f"the {layout!r} baseline is GPT-2 only (model {spec.model!r} is a {family.model_class.__name__})"
-    if layout in CONTEXT_PARALLEL:
+    if rival is not None and rival.context_parallel:
         return context_parallel_problem(layout, p, spec, seq)
-    if layout == "ulysses":
+    if rival is not None and rival.ulysses:
         return ulysses_problem(p, spec, seq)
-    if layout not in BASELINES and layout not in family.layouts:
+    if rival is None and layout not in family.layouts:
         return (f"model family {family.name!r} ({family.model_class.__name__}) has no plan for layout {layout!r} "
                 f"yet; layouts it has: {list(family.layouts)}")
-    if layout == "hf" and (not cfg.bias or cfg.dropout):
+    if rival is not None and rival.hf_weights and (not cfg.bias or cfg.dropout):
         return f"transformers' GPT-2 has biases and is compared without dropout (bias={cfg.bias}, dropout={cfg.dropout})"
-    if layout in SINGLE_DEVICE:
+    if rival is not None and rival.one_device:
         return None
     if not isinstance(p, int) or p < 1:
         return f"p must be a positive int, got {p!r}"
     try:
-        if layout in TP1D:
+        if rival is not None and rival.tensor_parallel:
             check_tp1d(cfg, p)
-            if layout == "tp1d-sp":
+            if rival.sequence_parallel:
                 check_sequence_parallel(seq, p)
             return None
         rules = layouts.get_layout(layout)
@@ -192,15 +184,16 @@ def context_parallel_problem(layout: str, p: int, spec: BenchSpec, seq: int) -> 
         return f"p must be a positive int, got {p!r}"
     if cfg.dropout:
         return f"dropout={cfg.dropout}: torch's ring attention takes no dropout; use 0.0"
+    rival = get_rival(layout)
     n_cp, tp = cp_sizes(layout, p, spec)
-    if layout == "cp-tp" and (p % tp or n_cp < 2):
+    if rival.inner_tensor_parallel and (p % tp or n_cp < 2):
         fits = [k for k in range(2, p // 2 + 1) if p % k == 0]
         return (f"cp-tp with TP size {tp} needs p a multiple of {tp} with at least 2 CP ranks, got p={p}; "
                 f"use cp_tp_size in {fits}" if fits else f"cp-tp needs p >= 4 (2 CP x 2 TP ranks), got p={p}")
     if seq % (2 * n_cp):
         return (f"sequence length {seq} is not divisible by 2p = {2 * n_cp} (CP ranks {n_cp}): torch's head-tail "
                 f"load balancer needs 2p equal chunks")
-    if layout == "cp-tp":
+    if rival.inner_tensor_parallel:
         try:
             check_tp1d(cfg, tp)
             check_sequence_parallel(seq // n_cp, tp)
@@ -295,7 +288,10 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int) -> _Built:
     cfg = spec.config(seq)
     device = torch.device(spec.device, torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
     torch.manual_seed(spec.seed)
-    if layout == "hf":
+    rival = get_rival(layout) if is_rival(layout) else None  # None: a package layout
+    hf = rival is not None and rival.hf_weights
+    one_d = rival is not None and rival.tensor_parallel  # torch's 1-D TP (+ SP)
+    if hf:
         from transformers import GPT2Config as HFConfig, GPT2LMHeadModel  # deferred: optional (the "hf" baseline)
 
         hf_cfg = HFConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
@@ -310,41 +306,41 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int) -> _Built:
                                f"unexpected {result.unexpected_keys}")
     else:
         model = family_of_config(cfg).model_class(cfg)
-        if layout in ("single", "ulysses", *CONTEXT_PARALLEL):
-            model = model.to(device)
-            if layout != "ulysses":  # (ulysses: ALST's own checkpointing of every layer, always)
-                checkpoint_activations(model, spec.activation_checkpointing)  # the plain blocks, before FSDP / CP
-        elif layout in TP1D:
-            parallelize_1d(model.to(device), init_tp1d_mesh(world_size, device_type=device.type),
-                           sequence_parallel=layout == "tp1d-sp")
-            checkpoint_activations(model, spec.activation_checkpointing)
-        else:
+        if rival is None:
             parallelize(model, init_mesh(layout, world_size, 1, device_type=device.type), layout=layout)
             checkpoint_activations(model, spec.activation_checkpointing)
+        elif one_d:
+            parallelize_1d(model.to(device), init_tp1d_mesh(world_size, device_type=device.type),
+                           sequence_parallel=rival.sequence_parallel)
+            checkpoint_activations(model, spec.activation_checkpointing)
+        else:  # the plain model, or the one CP / Ulysses run
+            model = model.to(device)
+            if not rival.ulysses:  # (ulysses: ALST's own checkpointing of every layer, always)
+                checkpoint_activations(model, spec.activation_checkpointing)  # the plain blocks, before FSDP / CP
     model.train()
     gen = torch.Generator().manual_seed(spec.seed + 1)
     data = torch.randint(0, cfg.vocab_size, (spec.batch, seq + 1), generator=gen).to(device)
     idx, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-    if layout in CONTEXT_PARALLEL:  # sharded after the data is drawn (the same data as every other scenario)
+    if rival is not None and rival.context_parallel:  # sharded after the data is drawn (the same data as the rest)
         return _context_parallel(layout, spec, model, world_size, device, idx, targets)
-    if layout == "ulysses":
+    if rival is not None and rival.ulysses:
         return _ulysses(spec, model, world_size, idx, targets)
     if spec.compile:  # the timed steps run compiled; the measured step's dispatch modes make Dynamo run it eagerly
-        if layout != "hf":
+        if not hf:
             model.validate_inputs = False  # the ids are drawn in range; value checks would read the device
-        if layout in TP1D:  # torchtitan's way: each block on its own (torch's loss_parallel does not trace)
+        if one_d:  # torchtitan's way: each block on its own (torch's loss_parallel does not trace)
             for block in family_of_config(cfg).block_modules(model):
                 block.compile(backend=spec.compile, dynamic=False, fullgraph=True)
         else:
             model.compile(backend=spec.compile, dynamic=False)
-    if layout in TP1D:  # DTensor and plain parameters in separate groups (CUDA foreach kernels refuse a mix)
+    if one_d:  # DTensor and plain parameters in separate groups (CUDA foreach kernels refuse a mix)
         optimizer = _adamw(param_groups_1d(model), spec)
     else:
         optimizer = _adamw(model.parameters(), spec)
 
     def forward():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.dtype == "bfloat16"):
-            if layout == "hf":
+            if hf:
                 # HF shifts the labels itself: the same next-token loss, less the last position's target
                 return model(idx, labels=idx).loss
             return model(idx, targets)
@@ -452,7 +448,7 @@ def run_scenario(layout: str, p: int, spec: BenchSpec, seq: int | None = None, c
     reason = check_scenario(layout, world, spec, spec.batch, seq)
     if reason is None and spec.device == "cuda" and not torch.cuda.is_available():
         reason = "no CUDA device"
-    if reason is None and layout == "hf":
+    if reason is None and is_rival(layout) and get_rival(layout).hf_weights:
         try:
             import transformers  # noqa: F401 - deferred: optional (the "hf" baseline); is it installed?
         except ImportError:
@@ -476,7 +472,7 @@ def describe_largest(largest: list[dict] | None, n: int = 3) -> str:
 def ring_attention_kernel(layout: str, spec: BenchSpec, seq: int) -> str | None:
     """The per-block kernel a ring layout's attention uses in this process (:func:`lightning_tp2d.metp.block_kernel`),
     ``None`` for layouts without ring attention."""
-    if layout in BASELINES or not layouts.get_layout(layout).zigzag:  # ring attention: the zigzag layouts
+    if is_rival(layout) or not layouts.get_layout(layout).zigzag:  # ring attention: the zigzag layouts
         return None
     cfg = spec.config(seq)
     dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
@@ -504,15 +500,16 @@ def summarise(layout: str, p: int, spec: BenchSpec, seq: int, ranks: list[dict])
     row["sent_bytes"] = max(r["sent_bytes"] for r in ranks)  # what the rank that sends most puts on the wire
     row["sent_bytes_per_token"] = row["sent_bytes"] / (spec.batch * seq)
     cfg = spec.config(seq)
-    if layout != "hf" and isinstance(cfg, GPT2Config):  # the cost model (and its tracer) describe GPT-2
-        if layout not in BASELINES:  # every rank is compared with its own count: trace them in one go
+    rival = get_rival(layout) if is_rival(layout) else None
+    if not (rival is not None and rival.hf_weights) and isinstance(cfg, GPT2Config):  # the cost model describes GPT-2
+        if rival is None:  # every rank is compared with its own count: trace them in one go
             trace_steps(layout, cfg, spec.batch, seq, p, spec.elem, range(p))
         model_events = [cost_model.comm_events(layout, cfg, spec.batch, seq, p, spec.elem, rank=r) for r in range(p)]
         predicted = [totals(ev) for ev in model_events]
         row["model_comm_bytes"] = max(sum(v["bytes"] for v in t.values()) for t in predicted)
         row["wire_bytes"] = max(wire_bytes(ev) for ev in model_events)
         # exact only in float32 and without checkpointing (the model does not count recomputation's collectives)
-        if spec.dtype == "float32" and (layout in BASELINES or spec.activation_checkpointing == "none"):
+        if spec.dtype == "float32" and (rival is not None or spec.activation_checkpointing == "none"):
             row["comm_matches_model"] = all(
                 {k: v for k, v in r["comm"].items() if v["calls"]} == {k: v for k, v in t.items() if v["calls"]}
                 for r, t in zip(ranks, predicted))
@@ -525,7 +522,7 @@ def calls_per_block(layout: str, cfg, batch: int, seq: int, p: int, elem: int) -
     """Communication calls one transformer block adds to a step, forward and backward, on the rank that makes the
     most: read from the traced step of a layout (no extra trace unless the model has one block), the difference of
     the closed forms for the 1-D baselines."""
-    if layout in BASELINES:
+    if is_rival(layout):
         count = lambda n: sum(e.calls for e in cost_model.comm_events(layout, replace(cfg, n_layer=n), batch, seq,  # noqa: E731
                                                                        p, elem))
         return count(2) - count(1)

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 from lightning_tp2d.families import model_config
 from lightning_tp2d.layouts import get_layout, strategy_name
-from lightning_tp2d.planning.rivals import BASELINE, CP, CP_TP
+from lightning_tp2d.planning.rivals import BASELINE
+from lightning_tp2d.rivals import get_rival, is_rival, rivals
 from lightning_tp2d.token_need import least_tokens, split_need, stream_need
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -121,9 +122,11 @@ def torchtitan_settings(row: PlanRow, seq: int, *, compiled: bool = True) -> lis
     never after the forward), activation checkpointing (selective: per op, as the planner prices it), async TP (which
     torchtitan runs compiled), compile, the micro-batch and the sequence length; a global batch when the row
     accumulates. The model's own ``--model.*`` settings are the user's."""
-    if not row.baseline or row.layout not in (BASELINE, CP, CP_TP):
-        raise ValueError(f"{row.layout!r} is not a torchtitan configuration (its rows: {BASELINE}, {CP}, {CP_TP})")
-    cp = row.context_parallel_size if row.layout in (CP, CP_TP) else 1
+    rival = get_rival(row.layout) if is_rival(row.layout) else None
+    if not row.baseline or rival is None or not rival.torchtitan:
+        ran = ", ".join(r.name for r in rivals(torchtitan=True))
+        raise ValueError(f"{row.layout!r} is not a torchtitan configuration (its rows: {ran})")
+    cp = row.context_parallel_size if rival.context_parallel else 1
     dp, shards = row.data_parallel_size, row.shard_group or row.data_parallel_size
     out = [f"--parallelism.tensor_parallel_degree={row.tensor_parallel_size // cp}"]
     if cp > 1:
@@ -150,7 +153,7 @@ def lightning_strategy(row: PlanRow) -> str:
     """The Lightning ``ModelParallelStrategy`` whose ``(data_parallel, tensor_parallel)`` mesh runs the baseline row
     with a user's ``parallelize_fn`` (torch's 1-D TP + SP plan, then FSDP2 over the data-parallel axis): TP rows only
     (it has no context-parallel axis)."""
-    if not row.baseline or row.layout != BASELINE:
+    if not row.baseline or not (is_rival(row.layout) and get_rival(row.layout).planned):
         raise ValueError(f"{row.layout!r}: Lightning's ModelParallelStrategy runs the 1-D TP ({BASELINE}) rows only")
     return (f"ModelParallelStrategy(tensor_parallel_size={row.tensor_parallel_size}, "
             f"data_parallel_size={row.data_parallel_size})")
@@ -168,7 +171,7 @@ def command_for(row: PlanRow, model: str, seq: int, *, gpus_per_node: int, gpu_m
     lines = [f"torchrun --nnodes={nodes} --nproc_per_node={devices} -m torchtitan.train "
              f"--job.config_file=<{model}'s torchtitan toml> " + " ".join(torchtitan_settings(row, seq,
                                                                                                compiled=compiled))]
-    if row.layout == BASELINE:
+    if is_rival(row.layout) and get_rival(row.layout).planned:
         lines.append(f"Lightning: Trainer(devices={devices}, num_nodes={nodes}, strategy={lightning_strategy(row)}) "
                      "with torch's 1-D TP + SP plan and FSDP2 in its parallelize_fn")
     return "\n".join(lines)

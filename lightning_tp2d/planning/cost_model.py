@@ -62,19 +62,43 @@ from lightning_tp2d.planning.rivals import (CHUNK_TOKENS, LOSSES, RING_AXIS, blo
                                             cp_comm_events, recomputed_sp_events, tp1d_comm_events,
                                             tp1d_sp_comm_events)
 from lightning_tp2d.planning.trace import trace_step, trace_steps
+from lightning_tp2d import rivals as rv
 from lightning_tp2d.layouts import Grid2D, Layout, get_layout, layout_names
+from lightning_tp2d.rivals import is_rival
 from lightning_tp2d.models.config import max_seq_len
 from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING
 
 GRID_2D = Grid2D.name  # the layout the projection compares with 1-D tensor parallelism
+ONE_D = rv.TP1D.name  # the projection's other side: torch's 1-D tensor parallelism (its rows' key)
 # not layouts of this package: the plain model and torch's 1-D tensor parallelism, without and with sequence parallelism
-BASELINES = ("single", "tp1d", "tp1d-sp")
-TP1D = ("tp1d", "tp1d-sp")
+BASELINES = (rv.SINGLE.name, rv.TP1D.name, rv.TP1D_SP.name)
+TP1D = (rv.TP1D.name, rv.TP1D_SP.name)
 
 
 def _layouts() -> tuple[str, ...]:
     return BASELINES + layout_names()
+
+
+def _rival(layout) -> rv.Rival | None:
+    return rv.get_rival(layout) if is_rival(layout) else None
+
+
+def _one_device(layout) -> bool:
+    """The plain model on one rank (``"single"``)."""
+    rival = _rival(layout)
+    return rival is not None and rival.one_device
+
+
+def _one_dimensional(layout) -> bool:
+    """torch's 1-D TP, with or without sequence parallelism (``"tp1d"``, ``"tp1d-sp"``)."""
+    rival = _rival(layout)
+    return rival is not None and rival.tensor_parallel
+
+
+def _sequence_parallel(layout) -> bool:
+    """torch's 1-D TP + SP (``"tp1d-sp"``)."""
+    return _one_dimensional(layout) and _rival(layout).sequence_parallel
 
 
 __all__ = ["Link", "Hardware", "H100_NVLINK4_NDR", "H200_NVLINK4_NDR", "H100_GRAND_TETON", "A100_NVLINK3_HDR",
@@ -97,14 +121,14 @@ def _check(layout: str | Layout, cfg: GPT2Config, batch: int, seq: int, p: int) 
     if max_seq_len(cfg) is not None and seq > cfg.block_size:  # (None: RoPE, any length)
         raise ValueError(f"seq {seq} exceeds block_size {cfg.block_size}")
     h = cfg.n_embd
-    if layout == "single":
+    if _one_device(layout):
         if p != 1:
             raise ValueError(f"layout 'single' runs on one rank, got p={p}")
         return 1
-    if layout in TP1D:
+    if _one_dimensional(layout):
         if h % p:
             raise ValueError(f"layout {layout!r}: n_embd={h} is not divisible by p={p}")
-        if layout == "tp1d-sp":
+        if _sequence_parallel(layout):
             check_sequence_parallel(seq, p)
         return p
     spec = get_layout(layout)
@@ -145,7 +169,7 @@ def recomputed_linears(cfg, checkpointing: str) -> tuple[int, ...]:
 def _ranks_to_price(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem: int, **data) -> list[int]:
     """:func:`_representative_ranks`, traced in one request for a layout (later per-rank calls hit the cache)."""
     ranks = _representative_ranks(layout, p)
-    if layout not in BASELINES and (p > 1 or data.get("dp", 1) > 1):
+    if not is_rival(layout) and (p > 1 or data.get("dp", 1) > 1):
         trace_steps(layout, cfg, batch, seq, p, elem, ranks, **data)
     return ranks
 
@@ -159,20 +183,21 @@ def _timed_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, el
     _check(layout, cfg, batch, seq, p)
     if not 0 <= rank < p:
         raise ValueError(f"rank {rank} is not in [0, {p})")
-    if layout in BASELINES and (dp, zero_stage, clip) != (1, 0, False):
+    if is_rival(layout) and (dp, zero_stage, clip) != (1, 0, False):
         raise ValueError(f"dp, zero_stage and clip are traced for the package's layouts, not for {layout!r} "
                          f"(got dp={dp}, zero_stage={zero_stage}, clip={clip})")
     _check_checkpointing(checkpointing)
-    if layout in BASELINES and checkpointing != "none" and layout != "tp1d-sp" and p > 1:
+    if is_rival(layout) and checkpointing != "none" and not _sequence_parallel(layout) and p > 1:
         raise ValueError(f"checkpointing is priced for the 'tp1d-sp' and 'single' baselines, not {layout!r}")
-    if layout == "tp1d":  # before the p == 1 shortcut: loss_parallel all-reduces even over one rank
+    # 1-D TP without SP, before the p == 1 shortcut: loss_parallel all-reduces even over one rank
+    if _one_dimensional(layout) and not _sequence_parallel(layout):
         return [(ev, 0.0, 0.0, tuple(range(p))) for ev in tp1d_comm_events(cfg, batch, seq, p, elem)]
-    if layout == "tp1d-sp":
+    if _sequence_parallel(layout):
         kw = dict(batch=batch, seq=seq, p=p, elem=elem, async_tp=async_tp, lean_wire=lean_wire)
         events = tp1d_sp_comm_events(cfg, **kw)
         events += recomputed_sp_events(cfg, events, checkpointing, **kw)
         return [(ev, ev.overlap_flops, 0.0, tuple(range(p))) for ev in events]
-    if layout == "single" or (p == 1 and dp == 1):
+    if _one_device(layout) or (p == 1 and dp == 1):
         return []
     return list(_traced(layout, cfg, batch, seq, p, elem, rank, dp=dp, zero_stage=zero_stage, clip=clip,
                         checkpointing=checkpointing).events)
@@ -195,7 +220,7 @@ def comm_events(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, elem
     """
     timed = _timed_events(layout, cfg, batch, seq, p, elem, rank, dp=dp, zero_stage=zero_stage, clip=clip,
                           checkpointing=checkpointing)
-    if layout in TP1D:
+    if _one_dimensional(layout):
         return [ev for ev, _, _, _ in timed]
     merged: dict[Comm, int] = {}
     for ev, _, _, _ in timed:
@@ -234,7 +259,7 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, checkpoint
     _check(layout, cfg, batch, seq, p)
     _check_checkpointing(checkpointing)
     h, V, L, T, B = cfg.n_embd, cfg.vocab_size, cfg.n_layer, seq, batch
-    if layout not in BASELINES:
+    if not is_rival(layout):
         # what the layers compute, traced (any rank: every rank of a layout computes the same)
         traced = _traced(layout, cfg, batch, seq, p, elem, 0, checkpointing=checkpointing)
         fl = traced.flops
@@ -245,8 +270,8 @@ def flops(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, checkpoint
                 "gemms": sum(traced.gemms.values())}
     N = B * T
     causal = T * (T + 1) / 2  # visible scores per sequence and head
-    k = 1 if layout == "single" else p
-    vocab = V if layout == "single" else -(-V // p)
+    k = 1 if _one_device(layout) else p
+    vocab = V if _one_device(layout) else -(-V // p)
     linears = [shape for group in block_linears(cfg) for shape in group]  # GPT-2: 12 h² weights; Llama's own
     lin_f = 2.0 * N * sum(o * i for o, i in linears) / k
     lin_b = 2 * lin_f
@@ -305,12 +330,12 @@ def activation_bytes(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int,
     _check(layout, cfg, batch, seq, p)
     if rank is not None and not 0 <= rank < p:
         raise ValueError(f"rank {rank} is not in [0, {p})")
-    if layout not in BASELINES:
+    if not is_rival(layout):
         ranks = _ranks_to_price(layout, cfg, batch, seq, p, elem) if rank is None else [rank]
         return max(_traced(layout, cfg, batch, seq, p, elem, r).activation_bytes for r in ranks)
-    if layout in TP1D and anatomy(cfg).rms_norm:  # Llama: the planner's rule, as this eager model runs
+    if _one_dimensional(layout) and anatomy(cfg).rms_norm:  # Llama: the planner's rule, as this eager model runs
         total = baseline_activation_bytes(cfg, batch, seq, p, elem=elem, ep=float32_bytes(elem), composite=True,
-                                          sequence_parallel=layout == "tp1d-sp")["total"]
+                                          sequence_parallel=_sequence_parallel(layout))["total"]
         if elem < 4:  # autocast's copies of the block matrices and the head's rows (the embedding is looked up)
             split = parameter_split(cfg)
             total += elem * (cfg.n_layer * (split.block - split.block_vectors) / p + -(-cfg.vocab_size // p) * cfg.n_embd)
@@ -318,15 +343,15 @@ def activation_bytes(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int,
     h, V, L, T, B, H = cfg.n_embd, cfg.vocab_size, cfg.n_layer, seq, batch, cfg.n_head
     N = B * T
     e, ep = elem, float32_bytes(elem)
-    k = 1 if layout == "single" else p
-    s = p if layout == "tp1d-sp" else 1  # what sequence parallelism shards: LayerNorm inputs and statistics
+    k = 1 if _one_device(layout) else p
+    s = p if _sequence_parallel(layout) else 1  # what sequence parallelism shards: LayerNorm inputs and statistics
     per_block = N * h * (2 * ep / s + 2 * e) + 12 * N * h * e / k + 4 * N * ep / s + B * H * T * ep / k
-    vocab = V if layout == "single" else -(-V // p)
-    if layout in TP1D and rank is not None:  # torch.chunk-style shards: the last rank(s) may hold fewer rows
+    vocab = V if _one_device(layout) else -(-V // p)
+    if _one_dimensional(layout) and rank is not None:  # torch.chunk-style shards: the last rank(s) may hold fewer rows
         vocab = max(0, min(vocab, V - rank * vocab))
     final_ln = (N * h * ep + 2 * N * ep) / s + N * h * e  # input, mean and rstd (ep), output as the head saves it
     total = L * per_block + final_ln + N * vocab * ep + 8 * T
-    if layout in TP1D:
+    if _one_dimensional(layout):
         total += 8 * N  # the embedding's masked copy of the ids (DTensor _MaskPartial)
     if elem < 4:
         total += L * 12 * h * h * e / k + vocab * h * e  # bf16 copies of the weights (autocast)
@@ -529,7 +554,7 @@ def unaligned_share(layout: str, cfg, p: int, tp: int = 1) -> float:
         k = lay.side(p)
         both = lay.square
     else:
-        k, both = (p if layout in TP1D else tp), False
+        k, both = (p if _one_dimensional(layout) else tp), False
     groups = block_linears(cfg)
     products = []  # (weight entries, local widths)
     for g, group in enumerate(groups):
@@ -574,7 +599,7 @@ def step_time(layout: str, cfg: GPT2Config, batch: int, seq: int, p: int, hw: Ha
     ``checkpointing``: the blocks' activations checkpointed in that mode (:func:`flops`; the recomputed collectives
     traced, for ``"tp1d-sp"`` :func:`~lightning_tp2d.planning.rivals.recomputed_sp_events`). ``ranks``: the tensor-parallel ranks to price
     (default: one of each kind the layout names, :meth:`~lightning_tp2d.layouts.Layout.distinct_ranks`)."""
-    if (async_tp or lean_wire) and layout != "tp1d-sp":
+    if (async_tp or lean_wire) and not _sequence_parallel(layout):
         raise ValueError(f"async_tp and lean_wire model the 'tp1d-sp' baseline, not layout {layout!r}")
     rule = overlap_rule(overlap)
     fl = flops(layout, cfg, batch, seq, p, checkpointing, elem)
@@ -634,11 +659,11 @@ def cp_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r} is not one of {LOSSES}")
     rule = overlap_rule(overlap)
-    single = flops("single", cfg, batch, seq, 1, checkpointing, elem)
+    single = flops(rv.SINGLE.name, cfg, batch, seq, 1, checkpointing, elem)
     if tp == 1:
         fl = {k: (v if k == "gemms" else v / p) for k, v in single.items()}
     else:  # the linears as 1-D TP + SP runs them on T/p tokens; attention over the whole causal sequence
-        local = flops("tp1d-sp", cfg, batch, seq // p, tp, checkpointing, elem)
+        local = flops(rv.TP1D_SP.name, cfg, batch, seq // p, tp, checkpointing, elem)
         att, att_f = single["attention"] / (p * tp), single["attention_forward"] / (p * tp)
         fwd = local["forward"] - local["attention_forward"] + att_f
         bwd = local["backward"] - (local["attention"] - local["attention_forward"]) + (att - att_f)
@@ -651,7 +676,8 @@ def cp_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int = 2,
               "matmul": fl["matmul"] + recomputed,
               "gemms": fl["gemms"] - 3 + 4 * -(-tokens // (chunk_tokens or CHUNK_TOKENS))}
     rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
-    unaligned = _unaligned_seconds(unaligned_share("cp", cfg, p, tp), fl["matmul"] / rates["matmul"], hw)
+    unaligned = _unaligned_seconds(unaligned_share(rv.CP.name, cfg, p, tp), fl["matmul"] / rates["matmul"],
+                                   hw)
     compute = (fl["matmul"] / rates["matmul"] + unaligned + fl["gemms"] * hw.gemm_overhead_s
                + fl["attention"] / rates["attention"])
     links = {RING_AXIS: _link(hw, range(0, p * tp, tp)), TP_AXIS: _link(hw, range(tp))}
@@ -693,13 +719,14 @@ def ulysses_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int
     nothing of them whatever its efficiency."""
     hs, a = cfg.n_embd // cfg.n_head, anatomy(cfg)
     kv_heads = max(a.kv_heads, p)
-    single = flops("single", cfg, batch, seq, 1, checkpointing, elem)
+    single = flops(rv.SINGLE.name, cfg, batch, seq, 1, checkpointing, elem)
     fl = {k: (v if k == "gemms" else v / p) for k, v in single.items()}
     if mlp_tiles:
         inner, mats = a.mlp_width, 3 if a.gated_mlp else 2
         again = cfg.n_layer * 2.0 * batch * seq / p * cfg.n_embd * inner * mats
         fl = {**fl, "backward": fl["backward"] + again, "total": fl["total"] + again, "matmul": fl["matmul"] + again}
-    unaligned = _unaligned_seconds(unaligned_share("ulysses", cfg, p), fl["matmul"] / hw.matmul_flops_per_s, hw)
+    unaligned = _unaligned_seconds(unaligned_share(rv.ULYSSES.name, cfg, p), fl["matmul"] / hw.matmul_flops_per_s,
+                                   hw)
     compute = (fl["matmul"] / hw.matmul_flops_per_s + unaligned + fl["gemms"] * hw.gemm_overhead_s
                + fl["attention"] / hw.attention_flops_per_s)
     rows = batch * seq // p
@@ -716,7 +743,7 @@ def ulysses_step_time(cfg, batch: int, seq: int, p: int, hw: Hardware, elem: int
 
 def _representative_ranks(layout: str, p: int) -> list[int]:
     """One rank of each kind whose schedule can differ (the layout says which); for tp1d and single all are alike."""
-    if layout in BASELINES:
+    if is_rival(layout):
         return [0]
     return get_layout(layout).distinct_ranks(p)
 
@@ -738,10 +765,10 @@ def projected_speedup(cfg: GPT2Config, batch: int, seq: int, gpus=(4, 16, 64), h
         if q * q != n:
             raise ValueError(f"the 2d layout needs a square number of GPUs, got {n}")
         t2d = step_time(GRID_2D, cfg, batch, seq, n, hw, elem)
-        t1d = step_time("tp1d", cfg, batch, seq, n, hw, elem)
-        sp = step_time("tp1d-sp", cfg, batch, seq, n, hw, elem, lean_wire=True)
-        sp_async = step_time("tp1d-sp", cfg, batch, seq, n, hw, elem, async_tp=True, lean_wire=True)
-        out.append({"gpus": n, "q": q, "nodes": -(-n // hw.gpus_per_node), "tp1d": t1d, "tp1d_sp": sp,
+        t1d = step_time(rv.TP1D.name, cfg, batch, seq, n, hw, elem)
+        sp = step_time(rv.TP1D_SP.name, cfg, batch, seq, n, hw, elem, lean_wire=True)
+        sp_async = step_time(rv.TP1D_SP.name, cfg, batch, seq, n, hw, elem, async_tp=True, lean_wire=True)
+        out.append({"gpus": n, "q": q, "nodes": -(-n // hw.gpus_per_node), ONE_D: t1d, "tp1d_sp": sp,
                     "tp1d_sp_async": sp_async, GRID_2D: t2d, "tp1d_s": t1d["total_s"], "tp1d_sp_s": sp["total_s"],
                     "tp1d_sp_async_s": sp_async["total_s"], "2d_s": t2d["total_s"],
                     "speedup": t1d["total_s"] / t2d["total_s"]})
@@ -791,7 +818,7 @@ def fair_configurations(cfg: GPT2Config, batch: int, seq: int, n: int, hw: Hardw
     skipped. Each row: ``layout``, ``tp`` (ranks per replica), ``dp``, ``batch`` (per replica), ``step`` (the
     :func:`step_time` dict), ``dp_comm_s``, ``dp_exposed_s``, ``total_s``."""
     P = parameter_count(cfg)
-    rows: dict[str, list] = {"tp1d": [], GRID_2D: []}
+    rows: dict[str, list] = {ONE_D: [], GRID_2D: []}
     for tp in range(1, n + 1):
         if n % tp:
             continue
@@ -803,10 +830,10 @@ def fair_configurations(cfg: GPT2Config, batch: int, seq: int, n: int, hw: Hardw
         candidates = []
         if tp <= hw.gpus_per_node and cfg.n_embd % tp == 0 and seq % tp == 0:
             if tp == 1:
-                candidates.append(("tp1d", "single", step_time("single", cfg, b, seq, 1, hw, elem)))
+                candidates.append((ONE_D, rv.SINGLE.name, step_time(rv.SINGLE.name, cfg, b, seq, 1, hw, elem)))
             else:
-                candidates.append(("tp1d", "tp1d-sp", min(
-                    (step_time("tp1d-sp", cfg, b, seq, tp, hw, elem, async_tp=a, lean_wire=True) for a in (False, True)),
+                candidates.append((ONE_D, rv.TP1D_SP.name, min(
+                    (step_time(rv.TP1D_SP.name, cfg, b, seq, tp, hw, elem, async_tp=a, lean_wire=True) for a in (False, True)),
                     key=lambda r: r["total_s"])))
         if q > 1 and q * q == tp and b % q == 0 and cfg.n_embd % q == 0:
             candidates.append((GRID_2D, GRID_2D, step_time(GRID_2D, cfg, b, seq, tp, hw, elem)))
@@ -819,12 +846,12 @@ def fair_configurations(cfg: GPT2Config, batch: int, seq: int, n: int, hw: Hardw
             rows[family].append({"layout": layout, "tp": tp, "dp": dp, "batch": b, "step": step,
                                  "dp_comm_s": dp_comm, "dp_exposed_s": dp_exposed,
                                  "total_s": step["total_s"] + dp_exposed})
-    if not rows["tp1d"] or not rows[GRID_2D]:
-        raise ValueError(f"no {'1-D' if not rows['tp1d'] else '2-D'} configuration of batch {batch} x seq {seq} "
+    if not rows[ONE_D] or not rows[GRID_2D]:
+        raise ValueError(f"no {'1-D' if not rows[ONE_D] else '2-D'} configuration of batch {batch} x seq {seq} "
                          f"fits {n} GPUs")
     best = {k: min(v, key=lambda r: r["total_s"]) for k, v in rows.items()}
-    return {**rows, "best_tp1d": best["tp1d"], "best_2d": best[GRID_2D],
-            "speedup": best["tp1d"]["total_s"] / best[GRID_2D]["total_s"]}
+    return {**rows, "best_tp1d": best[ONE_D], "best_2d": best[GRID_2D],
+            "speedup": best[ONE_D]["total_s"] / best[GRID_2D]["total_s"]}
 
 
 def metp_overlap_threshold(cfg: GPT2Config, hw: Hardware, elem: int = 2, causal: bool = True) -> int:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import get_layout, layout_names
+from lightning_tp2d.rivals import SINGLE, get_rival, is_rival
 
 # The measurements (host_ops.json beside this module, with how each was taken): host seconds per aten op (an op as
 # OpCounter counts it: every dispatch but the collectives) from the H200 run, and per rank the (forward, backward)
@@ -49,9 +50,13 @@ SECONDS_PER_OP = {name: _RATES["host_s_per_step"][name] / ops
 MEASURED_OPS = {family: {name: {int(k): (tuple(one), tuple(two)) for k, (one, two) in points.items()}
                          for name, points in table.items()}
                 for family, table in _DATA["ops"]["counts"].items()}
-# rivals with no count of their own: DeepSpeed-Ulysses runs the plain model's ops between its all-to-alls; cp-tp as
-# cp; a rival a family has no count for (GPT-2 has no CP baseline of torch's), the plain model's
-_AS = {"ulysses": "single", "cp-tp": "cp"}
+
+
+def _counted_as(name: str) -> str:
+    """Whose measured counts price the rival ``name``: its :attr:`~lightning_tp2d.rivals.Rival.host_ops` (those
+    with no count of their own: DeepSpeed-Ulysses runs the plain model's ops between its all-to-alls, cp-tp as cp),
+    else its own; a rival a family has no count for (GPT-2 has no CP baseline of torch's) takes the plain model's."""
+    return (get_rival(name).host_ops or name) if is_rival(name) else name
 
 
 def _at(points: dict[int, tuple], k: int) -> tuple[float, float, float, float]:
@@ -79,7 +84,7 @@ def micro_batch_ops(layout: str, cfg, p: int, checkpointing: str = "none") -> fl
     if layout in layout_names():  # by the layout's axis size: a grid's side, a ring's length
         points, k = table[layout], get_layout(layout).side(p)
     else:  # a rival's count does not depend on its size
-        points = table.get(_AS.get(layout, layout), table["single"])
+        points = table.get(_counted_as(layout), table[SINGLE.name])
         k = min(points)
     fixed_f, fixed_b, block_f, block_b = _at(points, k)
     recompute = block_f if checkpointing == "full" else 0.0

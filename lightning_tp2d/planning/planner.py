@@ -73,16 +73,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from lightning_tp2d.planning import cache as plan_cache
-from lightning_tp2d.planning import cost_model, gemm_rates, host_cost, memory_model, trace
+from lightning_tp2d.planning import cost_model, host_cost, memory_model, trace
 from lightning_tp2d.planning.cost_model import Hardware, collective_time, data_parallel_all_reduce_time, step_time
-from lightning_tp2d.planning.memory_model import (baseline_activation_bytes, parameter_split,
-                                               peak_bytes)
+from lightning_tp2d.planning.memory_model import baseline_activation_bytes, parameter_split
 from lightning_tp2d.planning.processes import in_processes
-from lightning_tp2d.planning.events import Comm
-from lightning_tp2d.planning.rivals import CHUNK_TOKENS, baseline_row_peak_bytes, cp_peak_bytes, ulysses_peak_bytes
+from lightning_tp2d.planning.rival_models import LOSS_VARIANTS, model_of
 from lightning_tp2d.planning.commands import command_for
 from lightning_tp2d.planning.rivals import BASELINE, CP, CP_TP, ULYSSES  # the rivals' row names
-from lightning_tp2d.planning.trace import ranks_as_asked, trace_step
+from lightning_tp2d.planning.trace import ranks_as_asked
+from lightning_tp2d.rivals import SINGLE, TP1D_SP, get_rival, is_rival
 from lightning_tp2d.train_plan import (CHECKPOINTING, FSDP_STAGES, ZERO_STAGES, TrainPlan, fsdp_shards,
                                        reshards_after_forward)
 from lightning_tp2d.families import anatomy, family_of_config, fits, model_config
@@ -106,7 +105,6 @@ log = logging.getLogger(__name__)
 # The planner applies it to every overlapped collective of both sides (cost_model.OVERLAP["fitted"]); the overlap
 # rule is plan()'s and price()'s ``overlap`` ("fitted", "pessimistic", "ideal" or a mapping kind -> efficiency).
 ASYNC_TP_OVERLAP = cost_model.FITTED_OVERLAP
-LOSS_VARIANTS = ("unfused", "chunked")  # the baseline's loss: the model's head + one cross-entropy, or chunked
 # transformers' GPT-2 124M, bf16 autocast, fused AdamW, batch 32 x 1024 on one H200: tokens/s, measured by
 # recipes/gpu_issue12.py on 2026-12-04 (torch 2.11, transformers 5.17; recipes/results/gpu_issue12_h200.json). The GPU
 # week's measurement (issue 24, older transformers) was 213k eager, 412k compiled.
@@ -152,10 +150,11 @@ class PlanRow:
         (FSDP over groups of ``s = shard_group`` replicas, ``r`` groups); CP's split; ``chunked loss``."""
         p, dp, cp = self.tensor_parallel_size, self.data_parallel_size, self.context_parallel_size
         loss = ", chunked loss" if self.loss == "chunked" else ""
-        if self.layout in (CP, CP_TP):
+        rival = get_rival(self.layout) if is_rival(self.layout) else None
+        if rival is not None and rival.context_parallel:
             split = f"CP {cp}" + (f" x TP {p // cp}" if p != cp else "") + (", async" if self.async_tp else "")
             return f"{self.layout} ({split}){loss}"
-        if self.layout != BASELINE:
+        if rival is None or not rival.planned:
             return self.layout
         data = ("" if dp == 1 else f"HSDP {self.shard_group}x{dp // self.shard_group}" if self.shard_group
                 else "FSDP" if fsdp_shards(self.zero_stage, dp) else "DDP")
@@ -193,7 +192,7 @@ class PlanRow:
         """The :class:`~lightning_tp2d.train_plan.TrainPlan` that runs this package row (what the strategies take
         as ``plan=``; ``precision`` left to the run, bf16-mixed being what the row is priced for). A rival's row has
         none: its settings are :func:`~lightning_tp2d.planning.commands.command_for`'s."""
-        if self.baseline or self.layout in (CP, CP_TP, ULYSSES):
+        if self.baseline or is_rival(self.layout):
             raise ValueError(f"a {self.layout!r} row is a rival's configuration, not a TrainPlan of this package "
                              f"(its settings: lightning_tp2d.planning.commands.command_for)")
         return TrainPlan(self.layout, self.tensor_parallel_size, self.data_parallel_size, self.zero_stage,
@@ -215,7 +214,7 @@ def _fit_elementwise_passes() -> dict[str, float]:
     cfg = model_config(GPT2_H200["model"])
     hw = cost_model.H200_NVLINK4_NDR
     b, t = GPT2_H200["batch"], GPT2_H200["seq"]
-    eager = step_time("single", cfg, b, t, 1, hw, ELEMENT)  # its 50257-wide head unaligned (the sm75 kernel)
+    eager = step_time(SINGLE.name, cfg, b, t, 1, hw, ELEMENT)  # its 50257-wide head unaligned (the sm75 kernel)
     compute = {"eager": eager["total_s"], "compiled": _padded_by_inductor(eager)["total_s"]}
     saved = baseline_activation_bytes(cfg, b, t, 1, elem=ELEMENT, ep=4)["total"]  # as price() counts it
     optimizer = OPTIMIZER_BYTES_PER_ELEMENT * parameter_split(cfg).total / hw.hbm_bytes_per_s
@@ -228,7 +227,7 @@ ELEMENTWISE_PASSES = _fit_elementwise_passes()
 
 def model_flops_per_token(cfg, seq: int) -> float:
     """Training FLOPs per token without recomputation (the MFU numerator): the plain model's step / tokens."""
-    return cost_model.flops("single", cfg, 1, seq, 1)["total"] / seq
+    return cost_model.flops(SINGLE.name, cfg, 1, seq, 1)["total"] / seq
 
 
 def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: int, stage: int, gpus_per_node: int,
@@ -346,50 +345,6 @@ def offload_time(cfg, micro_batch: int, seq: int, ranks: int, hw: Hardware, forw
     return {"copy_s": 2 * n * copy, "exposed_s": exposed}
 
 
-def _elementwise_bytes(cfg, batch: int, seq: int, tp: int, *, ep: int) -> float:
-    """Bytes the elementwise ops of the 1-D baseline's forward touch (``"tp1d-sp"`` over ``tp`` ranks on ``batch x
-    seq`` tokens, the residual stream and norm inputs in ``ep`` bytes): what it saves
-    (:func:`~lightning_tp2d.planning.memory_model.baseline_activation_bytes`) with each of the ``2 L + 1``
-    all-gathered norm outputs (``N h e`` saved for the column-parallel linears) counted as the ``N h e / tp``
-    shard the norm writes: the gather is a collective's output, not an elementwise op's, and the package's traced
-    bytes count each rank's own shards the same way. ``tp`` 1: the saved bytes."""
-    saved = baseline_activation_bytes(cfg, batch, seq, tp, elem=ELEMENT, ep=ep)["total"]
-    gathered = (2 * cfg.n_layer + 1) * batch * seq * cfg.n_embd * ELEMENT
-    return saved - gathered * (1 - 1 / tp)
-
-
-def _chunked_loss_step(cfg, batch: int, seq: int, tp: int, hw: Hardware, micro: dict, rule: dict) -> dict:
-    """``micro`` (the 1-D baseline's :func:`~lightning_tp2d.planning.cost_model.step_time` on ``batch x seq``
-    tokens over ``tp`` ranks) with the chunked loss, as :func:`~lightning_tp2d.planning.cost_model.cp_step_time`
-    prices CP's: each chunk of :data:`~lightning_tp2d.planning.rivals.CHUNK_TOKENS` tokens recomputes its logits in
-    the backward (``2 N h ceil(V/tp)`` more matmul FLOPs), the head runs 4 GEMM kernels a chunk instead of 3 in
-    all, and over ``tp`` > 1 ranks each chunk's ``loss_parallel`` forward runs its three all-reduces of the
-    chunk's float32 ``[n, 1]`` rows again (inside the node; no overlapped FLOPs, so the overlap rule hides none).
-    A vocabulary shard that is not aligned (:func:`~lightning_tp2d.planning.cost_model.unaligned_share`) slows the
-    recomputed products as it slows the head's own."""
-    tokens = batch * seq
-    recomputed = 2.0 * tokens * cfg.n_embd * -(-cfg.vocab_size // tp)
-    full, rest = divmod(tokens, CHUNK_TOKENS)
-    gemms = 4 * (full + (1 if rest else 0)) - 3
-    fl = micro["flops"]
-    fl = {**fl, "backward": fl["backward"] + recomputed, "total": fl["total"] + recomputed,
-          "matmul": fl["matmul"] + recomputed, "gemms": fl["gemms"] + gemms}
-    unaligned = (0.0 if gemm_rates.aligned(cost_model.vocab_block_rows(cfg, tp), cfg.n_embd)
-                 else recomputed / hw.matmul_flops_per_s * (hw.unaligned_gemm_slowdown - 1.0))
-    compute = micro["compute_s"] + recomputed / hw.matmul_flops_per_s + unaligned + gemms * hw.gemm_overhead_s
-    comm = exposed = 0.0
-    rates = {"matmul": hw.matmul_flops_per_s, "attention": hw.attention_flops_per_s}
-    for n, calls in ((CHUNK_TOKENS, full), (rest, 1 if rest else 0)):
-        if tp > 1 and calls:
-            t = collective_time("all_reduce", tp, 4 * n, hw.intra)
-            hidden = cost_model._hidden(Comm("all_reduce", "tp", tp, 4 * n), t, 0.0, 0.0, rates, False, rule)[0]
-            comm += 3 * calls * t
-            exposed += 3 * calls * (t - hidden)
-    return {**micro, "compute_s": compute, "comm_s": micro["comm_s"] + comm,
-            "exposed_comm_s": micro["exposed_comm_s"] + exposed, "total_s": compute + micro["exposed_comm_s"] + exposed,
-            "flops": fl, "unaligned_s": micro.get("unaligned_s", 0.0) + unaligned}
-
-
 def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: str, micro_batch: int,
           grad_accum: int, seq: int, hw: Hardware, gpus_per_node: int, compiled: bool = True,
           memory: dict | None = None, async_tp: bool | None = None, cp_tp_size: int = 2,
@@ -427,62 +382,18 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     if offload and checkpointing != "full":
         raise ValueError(f"activation offload moves the inputs full checkpointing keeps; got checkpointing="
                          f"{checkpointing!r}")
-    baseline, cp, ulysses = layout == BASELINE, layout in (CP, CP_TP), layout == ULYSSES
-    if not baseline and (shard_group or loss != "unfused"):
-        raise ValueError(f"shard_group and loss price the {BASELINE!r} baseline, not layout {layout!r} (got "
-                         f"shard_group={shard_group}, loss={loss!r})")
-    if loss not in LOSS_VARIANTS:
-        raise ValueError(f"loss={loss!r} is not one of {LOSS_VARIANTS}")
+    side = model_of(layout)  # the rival's or the layout's cost and memory model: the only dispatch here
+    side.check(p=p, zero_stage=zero_stage, checkpointing=checkpointing, async_tp=async_tp, cp_tp_size=cp_tp_size,
+               shard_group=shard_group, loss=loss)
+    baseline = side.baseline
     rule = cost_model.overlap_rule(overlap)
     hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
     passes = ELEMENTWISE_PASSES["compiled" if compiled else "eager"]
     split = parameter_split(cfg)
-    inner = cp_tp_size if layout == CP_TP else 1  # TP ranks inside each CP rank
-    if ulysses:
-        if zero_stage != 3 or async_tp or checkpointing != "full":
-            raise ValueError(f"'ulysses' runs ALST's schedule: FSDP2 at zero_stage 3, full checkpointing, no async "
-                             f"TP; got zero_stage={zero_stage}, checkpointing={checkpointing!r}, async_tp={async_tp}")
-        micro = cost_model.ulysses_step_time(cfg, micro_batch, seq, p, hw, ELEMENT, checkpointing=checkpointing,
-                                             overlap=rule)
-        async_tp = False
-        saved = baseline_activation_bytes(cfg, micro_batch, seq // p, 1, elem=ELEMENT, ep=ELEMENT)["total"]
-    elif cp:
-        if zero_stage != 3 or (async_tp and inner == 1):
-            raise ValueError(f"{layout!r} runs FSDP2 at zero_stage 3{' and no async TP' if inner == 1 else ''}, got "
-                             f"zero_stage={zero_stage}, async_tp={async_tp}")
-        if layout == CP_TP and (inner < 2 or p % inner or p // inner < 2):
-            raise ValueError(f"'cp-tp' needs cp_tp_size >= 2 dividing p with at least 2 CP ranks, got p={p}, "
-                             f"cp_tp_size={cp_tp_size}")
-        ring = p // inner
-        micro = min((cost_model.cp_step_time(cfg, micro_batch, seq, ring, hw, ELEMENT, dp=dp, tp=inner, async_tp=a,
-                                             checkpointing=checkpointing, overlap=rule, loss=cp_loss)
-                     | {"async_tp": a} for a in ((False, True) if async_tp is None and inner > 1
-                                                 else (bool(async_tp),))), key=lambda r: r["total_s"])
-        async_tp = micro["async_tp"]
-        saved = _elementwise_bytes(cfg, micro_batch, seq // ring, inner, ep=ELEMENT)
-    elif baseline:
-        tp = p
-        if tp == 1:
-            micro = step_time("single", cfg, micro_batch, seq, 1, hw, ELEMENT, checkpointing=checkpointing)
-            async_tp = False
-        else:
-            micro = min((step_time(BASELINE, cfg, micro_batch, seq, tp, hw, ELEMENT, async_tp=a, lean_wire=True,
-                                   checkpointing=checkpointing, overlap=rule) | {"async_tp": a}
-                         for a in ((False, True) if async_tp is None else (async_tp,))),
-                        key=lambda r: r["total_s"])
-            async_tp = micro["async_tp"]
-        if loss == "chunked":
-            micro = _chunked_loss_step(cfg, micro_batch, seq, tp, hw, micro, rule)
-        sharded = fsdp_shards(zero_stage, dp)  # FSDP's bf16 param_dtype: the residual stream is bf16 too
-        saved = _elementwise_bytes(cfg, micro_batch, seq, tp, ep=ELEMENT if sharded else 4)
-    else:
-        if async_tp:
-            raise ValueError(f"async_tp prices the {BASELINE!r} baseline, not layout {layout!r}")
-        async_tp = False
-        micro = step_time(layout, cfg, micro_batch, seq, p, hw, ELEMENT, checkpointing=checkpointing, ranks=[0],
-                          overlap=rule)
-        saved = trace_step(layout, cfg, micro_batch, seq, p, ELEMENT, 0).activation_bytes
-    if compiled and (baseline or cp or ulysses):
+    micro, async_tp, saved = side.micro(cfg, micro_batch=micro_batch, seq=seq, p=p, dp=dp, hw=hw,
+                                        checkpointing=checkpointing, zero_stage=zero_stage, async_tp=async_tp,
+                                        rule=rule, cp_tp_size=cp_tp_size, cp_loss=cp_loss, loss=loss)
+    if compiled and side.torch_code:
         micro = _padded_by_inductor(micro)
     if memory is None:
         memory = row_memory(cfg, layout, p, dp, zero_stage, checkpointing, micro_batch, seq,
@@ -493,31 +404,21 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     backward_s = micro["compute_s"] - forward_s
     elementwise_s = passes * saved / hw.hbm_bytes_per_s
     # the host issues the micro-batch's ops while the GPU runs them: the slower of the two (planning.host_cost)
-    issue_s = host_cost.micro_batch_host_seconds(("single" if p == 1 else BASELINE) if baseline else layout, cfg, p,
-                                                 checkpointing, compiled)
+    issue_s = host_cost.micro_batch_host_seconds(side.host_name(p), cfg, p, checkpointing, compiled)
     micro_s = max(micro["total_s"] + elementwise_s, issue_s)
     host = {"copy_s": 0.0, "exposed_s": 0.0}
     if offload:
         memory = offload_memory(memory, cfg, micro_batch, seq, p, gpus_per_node)
         host = offload_time(cfg, micro_batch, seq, p, hw, forward_s, backward_s)
         micro_s += host["exposed_s"]
-    tensor = inner if cp else 1 if ulysses else p  # the ranks that cut each parameter before FSDP / ZeRO shards it
-    shard = (lambda n, vectors: (n - vectors) / tensor + vectors if baseline or cp or ulysses  # noqa: E731
-             else n / tensor)
-    root, block = shard(split.root, split.root_vectors), shard(split.block, split.block_vectors)
-    sharding, ranks = dp, p  # FSDP / ZeRO over the replicas, each replica's tensor shard of ranks
-    # gathered again in the backward at stage 3: the baseline's untied embedding (its own group), cp's whole root
-    regathered = split.embedding / p if baseline else 0.0
-    if cp:  # FSDP over the CP ranks of every replica, of each tensor rank's (cp: whole) parameters
-        sharding, ranks = p // inner * dp, inner
-        regathered = root
-    if ulysses:  # FSDP2 over every rank of every replica; the root kept gathered from forward to backward
-        sharding, ranks, regathered = p * dp, 1, 0.0
-    data = data_parallel_time(root=root, block=block, n_layer=split.n_layer, dp=sharding, tp=ranks, stage=zero_stage,
-                              gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s, backward_s=backward_s,
-                              grad_accum=grad_accum, regathered=regathered,
+    sharded = side.data_parallel(split, p, dp, cp_tp_size)  # FSDP / ZeRO over the replicas of each tensor shard
+    root, block = sharded.shard(split.root, split.root_vectors), sharded.shard(split.block, split.block_vectors)
+    data = data_parallel_time(root=root, block=block, n_layer=split.n_layer, dp=sharded.sharding, tp=sharded.ranks,
+                              stage=zero_stage, gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s,
+                              backward_s=backward_s, grad_accum=grad_accum, regathered=sharded.regathered,
                               shard_group=shard_group if baseline else 0)
-    sharded_over = shard_group if baseline and shard_group else sharding  # HSDP: the optimizer's shard is 1 / group
+    # HSDP: the optimizer's shard is 1 / group
+    sharded_over = shard_group if baseline and shard_group else sharded.sharding
     updated = (root + split.n_layer * block) / (sharded_over if zero_stage >= 1 else 1)
     optimizer_s = OPTIMIZER_BYTES_PER_ELEMENT * updated / hw.hbm_bytes_per_s
     step_s = grad_accum * micro_s + data["exposed_s"] + optimizer_s
@@ -531,9 +432,10 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
                         "micro_host_exposed": host["exposed_s"], "micro_host_ops": issue_s,
                         "micro_unaligned": micro.get("unaligned_s", 0.0)}}
     return PlanRow(layout, baseline, p, dp, zero_stage, checkpointing, micro_batch, grad_accum,
-                   memory["total"] / GIB, step_s, per_gpu, mfu, async_tp, parts, p // inner if cp else 1, offload,
+                   memory["total"] / GIB, step_s, per_gpu, mfu, async_tp, parts,
+                   side.context_parallel_size(p, cp_tp_size), offload,
                    shard_group=shard_group if baseline and shard_group != dp else 0,
-                   loss=loss if baseline else ("own" if not cp else cp_loss))
+                   loss=side.loss_label(loss, cp_loss))
 
 
 def _micro_batches(per_replica: int, multiple: int, largest: int | None) -> list[int]:
@@ -606,7 +508,7 @@ def count_configurations(candidates, activation_offload=(False,)) -> dict[str, i
     counts = {"package": 0, "baseline": 0}
     for name, _, _, stages, modes, micros, *_ in candidates:
         settings = sum(len([off for off in activation_offload if mode == "full" or not off]) for mode in modes)
-        counts["baseline" if name == BASELINE else "package"] += len(stages) * settings * len(micros)
+        counts["baseline" if is_rival(name) else "package"] += len(stages) * settings * len(micros)
     return counts
 
 
@@ -743,7 +645,7 @@ def _plan_candidate(cfg, candidate, *, seq: int, sequences: int, hw: Hardware, g
                 if not fits_here:
                     break
                 first_fits = first_fits or i == 0
-                if i == 1 and name != BASELINE:
+                if i == 1 and not is_rival(name):
                     _bracket(cfg, name, p, dp, stage, mode, micros, seq, previous, memory, cap)
                 previous = memory
             if not first_fits:
@@ -777,22 +679,11 @@ def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_b
     :func:`~lightning_tp2d.planning.rivals.cp_peak_bytes` (CP over ``p`` / ``p / cp_tp_size`` ranks; its FSDP2
     is stage 3 whatever ``stage`` says). The baseline's ``shard_group`` (HSDP), stage 1 and ``loss``:
     :func:`~lightning_tp2d.planning.rivals.baseline_row_peak_bytes`."""
-    if layout != BASELINE and (shard_group or loss != "unfused"):
-        raise ValueError(f"shard_group and loss are the {BASELINE!r} baseline's, not layout {layout!r}'s")
-    if layout == ULYSSES:
-        found = ulysses_peak_bytes(cfg, micro_batch, seq, p, dp=dp, checkpointing=mode, elem=ELEMENT)
-        parts = found["parts"]
-        return {**parts, "parameters": parts["states"], "total": found["peak"], "largest": found["largest"],
-                "largest_bytes": found["largest_bytes"]}
-    if layout in (CP, CP_TP):
-        inner = cp_tp_size if layout == CP_TP else 1
-        return cp_peak_bytes(cfg, micro_batch, seq, p // inner, dp=dp, checkpointing=mode, elem=ELEMENT, tp=inner,
-                             loss=cp_loss)
-    if layout == BASELINE:
-        return baseline_row_peak_bytes(cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, shard_group=shard_group,
-                                       checkpointing=mode, elem=ELEMENT, loss=loss)
-    return peak_bytes(layout, cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, checkpointing=mode, elem=ELEMENT,
-                      ranks=[0], fused=True)
+    side = model_of(layout)
+    if not side.baseline and (shard_group or loss != "unfused"):
+        raise ValueError(f"shard_group and loss are the {TP1D_SP.name!r} baseline's, not layout {layout!r}'s")
+    return side.memory(cfg, p=p, dp=dp, stage=stage, mode=mode, micro_batch=micro_batch, seq=seq,
+                       cp_tp_size=cp_tp_size, cp_loss=cp_loss, shard_group=shard_group, loss=loss)
 
 
 def longest_sequence(cfg, *, layout: str, p: int, dp: int = 1, zero_stage: int, gpu_memory_gib: float,

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from lightning_tp2d import rivals as rival_registry
 from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.models.llama import Llama
 from lightning_tp2d.families import anatomy
@@ -19,12 +20,12 @@ from lightning_tp2d.train_plan import FSDP_STAGES, ZERO_STAGES, fsdp_shards, res
 from lightning_tp2d.planning.memory_model import (baseline_block_backward_bytes, baseline_peak_bytes,
                                                   loss_forward_bytes, loss_input_bytes, parameter_split)
 
-# The rivals' names in the planner's rows (PlanRow.layout of a baseline row). Planned by plan(): BASELINE; priced by
-# price() only: the others.
-BASELINE = "tp1d-sp"  # torch's 1-D TP + SP x FSDP2 (torchtitan's plan; tp 1: plain FSDP)
-CP = "cp"  # torch's context parallelism x FSDP2 (lightning_tp2d.baselines.context_parallel)
-CP_TP = "cp-tp"  # the same x 1-D TP + SP inside each CP rank (torchtitan's composition)
-ULYSSES = "ulysses"  # DeepSpeed's Ulysses SP + ALST's tiling x FSDP2 (lightning_tp2d.baselines.ulysses)
+# The rivals' names in the planner's rows (PlanRow.layout of a rival's row), from their registry
+# (lightning_tp2d.rivals). Planned by plan(): BASELINE; priced by price() only: the others.
+BASELINE = rival_registry.TP1D_SP.name  # torch's 1-D TP + SP x FSDP2 (torchtitan's plan; tp 1: plain FSDP)
+CP = rival_registry.CP.name  # torch's context parallelism x FSDP2 (lightning_tp2d.baselines.context_parallel)
+CP_TP = rival_registry.CP_TP.name  # the same x 1-D TP + SP inside each CP rank (torchtitan's composition)
+ULYSSES = rival_registry.ULYSSES.name  # DeepSpeed's Ulysses SP + ALST's tiling x FSDP2 (baselines.ulysses)
 
 # ---- 1-D TP (torch's colwise / rowwise styles, loss parallel) ----------------------------------------------------------
 
