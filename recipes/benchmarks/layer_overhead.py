@@ -5,7 +5,8 @@ bytes moved by memory-bound ops, eager (and with ``--compile``, inductor-compile
 
 * **One rank** (size-1 axes: a 1x1 grid, a ring of one; no communication): each layout's step against the plain
   model's (``single``), for gpt2-tiny and llama-tiny in 2 blocks on B2 x 64 tokens (an overhead-bound shape: the
-  host's per-op cost dominates, as it does on a GPU for a layout that dispatches more ops than the plain model).
+  host's per-op cost dominates, as it does on a GPU for a layout that dispatches more ops than the plain model),
+  beside torch's own 1-D TP + SP on the same size-1 mesh (``tp1d-sp``: DTensor parameters, as the layouts').
 * **Four ranks** (2x2 grids, a ring of 4; 4 heads for gpt2-tiny, 8 and 4 key/value heads for llama-tiny, which
   torch's 1-D TP over 4 ranks needs): per rank, the largest rank's ops (collectives counted apart) and its
   memory-bound bytes times 4, against the plain model on one process with the same global batch, beside torch's
@@ -37,6 +38,9 @@ from lightning_tp2d.bench.runner import BenchSpec
 
 MODELS = ("gpt2-tiny", "llama-tiny")
 LAYOUTS = ("2d", "metp", "2d-metp")
+# torch's own 1-D TP + SP on a size-1 mesh: its parameters are DTensors as the layouts' are, so it pays the same
+# per-parameter crossing; the fair peer of the one-rank rows (the plain model keeps plain tensors)
+ONE_RANK_PEERS = ("tp1d-sp",)
 
 
 def _run(layout: str, world: int, spec: BenchSpec, steps: int) -> list[dict]:
@@ -52,7 +56,7 @@ def one_rank(model: str, rounds: int, compiled: bool) -> dict:
     for-loop AdamW and with the fused one (what CausalLMModule configures), and with ``compiled`` the inductor-compiled
     step with the fused one."""
     spec = BenchSpec(model=model, overrides={"n_layer": 2, "dropout": 0.0}, batch=2, seq=64)
-    layouts = ("single", *LAYOUTS)
+    layouts = ("single", *LAYOUTS, *ONE_RANK_PEERS)
     rows = {layout: _run(layout, 1, spec, 0)[0] for layout in layouts}
     timings = {"seconds": replace(spec, optimizer="torch"), "seconds_fused": replace(spec, optimizer="fused")}
     if compiled:
@@ -143,7 +147,9 @@ def markdown(results: dict) -> str:
              "memory-bound bytes per training step (forward, backward, AdamW's for-loop, zero_grad). Seconds: the "
              "fastest of alternating rounds, every layout timed in one process; eager with AdamW's for-loop and with "
              "the fused AdamW that CausalLMModule configures"
-             + ("; compiled (inductor) with the fused AdamW." if results["compiled"] else "."), "",
+             + ("; compiled (inductor) with the fused AdamW." if results["compiled"] else ".")
+             + " `tp1d-sp`: torch's own 1-D TP + SP on the same size-1 mesh (its parameters DTensors, as the layouts'; "
+             "compiled block by block, as torchtitan compiles it).", "",
              "| model | layout | ops | x plain | memory-bound MB | x plain | eager ms, for-loop AdamW | x plain |"
              " eager ms, fused AdamW | x plain |"
              + (" compiled ms, fused AdamW | x plain |" if results["compiled"] else ""),
