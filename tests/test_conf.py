@@ -334,6 +334,14 @@ def test_the_console_script_is_declared():
 
 
 
+@pytest.mark.parametrize("option", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-tiny", "gpt2-mini"])
+def test_gpt2_model_files_build_their_named_configs(option):
+    """One owner of a named size: what ``tp2d-train model=<name>`` trains is the config ``tp2d-plan <name>`` prices,
+    the padded head of OpenAI's sizes included."""
+    assert instantiate(composed(f"model={option}").model) == GPT2Config.from_name(option)
+    assert GPT2Config.from_name(option).pad_vocab_multiple == (1 if option in ("gpt2-tiny", "gpt2-mini") else 128)
+
+
 # ---- Llama: the family's size rules and plans ---------------------------------------------------------------------
 
 

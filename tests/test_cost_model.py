@@ -285,7 +285,9 @@ def test_activation_bytes_of_the_plain_model(dtype):
 # ---- arithmetic alone ------------------------------------------------------------------------------------
 
 
-GPT2_SMALL = GPT2Config.from_name("gpt2")
+# transformers' GPT-2 124M, its 50257-wide head unpadded: the arithmetic below counts the vocabulary exactly (the named
+# size pads the head's product to 50304, which the layouts' traces count and the closed forms do not)
+GPT2_SMALL = GPT2Config.from_name("gpt2", pad_vocab_multiple=1)
 # Properties that hold for any size trace one narrow block with a small vocabulary (a trace costs per operation, and
 # each distinct shape, depth and rank is its own trace): the tests below share this config's traces.
 NARROW = dataclasses.replace(GPT2_SMALL, n_layer=1, n_embd=192, vocab_size=257)
@@ -772,13 +774,16 @@ def test_unaligned_share_names_the_products_each_side_cuts_to_unaligned_widths()
     from lightning_tp2d.planning.gemm_rates import aligned
 
     assert aligned(8, 64, 1024) and not aligned(8, 341) and not aligned(50257)
-    medium = GPT2Config.from_name("gpt2-medium")  # V = 50257: every side's head is unaligned, nothing else
+    # V = 50257 unpadded (as transformers runs it): every side's head is unaligned, nothing else
+    medium = GPT2Config.from_name("gpt2-medium", pad_vocab_multiple=1)
     head = medium.vocab_size * medium.n_embd
     total = head + medium.n_layer * 12 * medium.n_embd ** 2
     for layout, p in (("single", 1), ("2d", 4), ("metp", 4), ("tp1d-sp", 4), ("tp1d", 8)):
         assert cm.unaligned_share(layout, medium, p) == pytest.approx(head / total, rel=1e-12)
-    # padded to 128 (nanoGPT's 50304), a grid's block ceil(V/2) = 25129 pads to 25216 and the rival's shard too
-    padded = GPT2Config.from_name("gpt2-medium", pad_vocab_multiple=128)
+    # padded to 128 (nanoGPT's 50304: the named size's default), a grid's block ceil(V/2) = 25129 pads to 25216 and
+    # the rival's shard too
+    padded = GPT2Config.from_name("gpt2-medium")
+    assert padded.pad_vocab_multiple == 128
     for layout, p in (("single", 1), ("2d", 4), ("metp", 4), ("tp1d-sp", 4), ("tp1d-sp", 8)):
         assert cm.unaligned_share(layout, padded, p) == 0.0
     assert cm.unaligned_share("cp", padded, 4, tp=2) == 0.0 and cm.unaligned_share("ulysses", padded, 8) == 0.0
@@ -798,7 +803,7 @@ def test_unaligned_share_names_the_products_each_side_cuts_to_unaligned_widths()
 
 def test_unaligned_products_cost_the_measured_slowdown_on_every_side_and_compiled_torch_pads_its_own():
     hw = cm.H200_NVLINK4_NDR
-    medium, padded = (GPT2Config.from_name("gpt2-medium", **kw) for kw in ({}, {"pad_vocab_multiple": 128}))
+    medium, padded = (GPT2Config.from_name("gpt2-medium", **kw) for kw in ({"pad_vocab_multiple": 1}, {}))
     for layout, p in (("single", 1), ("2d", 4), ("tp1d-sp", 4)):
         slow, fast = (cm.step_time(layout, c, 4, 256, p, hw) for c in (medium, padded))
         share = cm.unaligned_share(layout, medium, p)

@@ -97,11 +97,18 @@ class GPT2Config(NamedSizes):
                    dropout=float(drops.pop()), **read_token_ids(hf_config, hf_config.vocab_size))
 
 
+# The named sizes are what `tp2d-train model=<name>` trains and `tp2d-plan <name>` prices (conf/model/<name>.yaml
+# holds the same fields, tests/test_conf.py holds them equal). OpenAI's sizes pad the head's product to 50304 ids
+# (pad_vocab_multiple=128, tensor-core shaped; parameters, logits, checkpoints and exports keep 50257); a config read
+# from transformers (from_hf_config) keeps its own vocabulary unpadded.
 _NAMED_CONFIGS = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024),  # 124M
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257, block_size=1024),  # 350M
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257, block_size=1024),  # 774M
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024),  # 1558M
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024, pad_vocab_multiple=128),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257, block_size=1024,
+                        pad_vocab_multiple=128),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257, block_size=1024,
+                       pad_vocab_multiple=128),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024,
+                    pad_vocab_multiple=128),  # 1558M
     # Test sizes: 6 heads split over 2 or 3 ranks per grid side; vocab 257 divides by neither.
     "gpt2-tiny": dict(n_layer=2, n_head=6, n_embd=48, vocab_size=257, block_size=64),
     "gpt2-mini": dict(n_layer=4, n_head=6, n_embd=96, vocab_size=257, block_size=128),

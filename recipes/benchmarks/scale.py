@@ -66,7 +66,7 @@ def calibration() -> list[dict]:
                      "predicted_tokens_per_s_per_gpu": row.tokens_per_s_per_gpu,
                      "ratio": row.tokens_per_s_per_gpu / published, "published_memory_gib": memory,
                      "predicted_memory_gib": row.memory_gib, "row": row.to_dict()})
-    gpt2 = model_config(planner.GPT2_H200["model"])
+    gpt2 = planner.measured_gpt2_config()  # transformers' GPT-2 as measured: its head unpadded
     for mode in ("eager", "compiled"):
         row = planner.price(gpt2, layout=planner.BASELINE, p=1, dp=1, zero_stage=0, checkpointing="none",
                             micro_batch=planner.GPT2_H200["batch"], grad_accum=1, seq=planner.GPT2_H200["seq"],
