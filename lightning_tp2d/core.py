@@ -28,10 +28,10 @@ from lightning_tp2d.export import hf_loader
 from lightning_tp2d.families import families, family_of, family_of_config, model_names
 from lightning_tp2d.layouts import DEFAULT_LAYOUT, STRATEGY_NAMES, Layout, get_layout, handle_of
 from lightning_tp2d.mesh import ParallelDims, as_timeout, init_mesh
-from lightning_tp2d.parallelize import (ACTIVATION_CHECKPOINTING, checkpoint_activations, offloaded_checkpointing,
-                                         parallelize)
+from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, offloaded_checkpointing
 from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes
-from lightning_tp2d.step import AssembledStep, assemble_step, block_sharder, clip_grad_norm_, shard_optimizer
+from lightning_tp2d.step import (AssembledStep, assemble_step, block_sharder, clip_grad_norm_, prepare_model,
+                                 shard_optimizer)
 from lightning_tp2d.train_plan import PRECISIONS, TrainPlan
 from lightning_tp2d.training import broadcast_module_
 from lightning_tp2d.values import check_number
@@ -297,10 +297,14 @@ class TensorParallelCore:
         """This run's :class:`~lightning_tp2d.train_plan.TrainPlan` (once the sizes are resolved): layout, sizes,
         ZeRO stage, checkpointing, offload, the run's precision and the plan's micro-batch advice, if any; its
         properties decide what :func:`~lightning_tp2d.step.assemble_step` wires."""
-        dims = self.parallel_dims
+        if self._dims is None and self._mesh is not None:  # a mesh built by hand (tests): its sizes are the run's
+            layout, (tp, dp) = self.layout_spec.name, self.layout_spec.sizes_of_mesh(self._mesh)
+        else:
+            dims = self.parallel_dims
+            layout, tp, dp = dims.layout, dims.tensor_parallel_size, dims.data_parallel_size
         micro = self.given_plan.micro_batch if self.given_plan is not None else None
-        return TrainPlan(dims.layout, dims.tensor_parallel_size, dims.data_parallel_size, self.zero_stage,
-                         self.activation_checkpointing, self.activation_offload, micro, self._run_precision)
+        return TrainPlan(layout, tp, dp, self.zero_stage, self.activation_checkpointing, self.activation_offload, micro,
+                         self._run_precision)
 
     def _resolve_dims(self, config: Any) -> ParallelDims:
         """The sizes for this job's devices and the model's config (``None`` before the module is known): the one
@@ -486,7 +490,7 @@ class TensorParallelCore:
                 f"{type(module).__name__} holds no lightning_tp2d.models.GPT2 or other registered model "
                 f"({model_names()}): {type(self).__name__} parallelizes the models it finds inside the module (build "
                 "one in __init__ or configure_model)")
-        base = None
+        base, plan = None, self.train_plan  # the model side of the plan: step.prepare_model
         for index, (name, gpt) in enumerate(found):
             done = handle_of(gpt)
             if done is not None:
@@ -500,7 +504,7 @@ class TensorParallelCore:
                     base = int(self.broadcast(torch.initial_seed()) if base is None else base)
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(base + index)  # the same full weights on every rank, whatever the layout
-                    parallelize(gpt, self._mesh, self.layout_spec, on_block=self._block_sharder())
+                    prepare_model(gpt, self._mesh, plan, layout=self.layout_spec, on_block=self._block_sharder())
                 init_from = getattr(module, "init_from", None)  # CausalLMModule(init_from=<HF directory>)
                 if init_from is not None:  # before Lightning restores a ckpt_path, which then wins
                     load_hf = hf_loader(family_of(gpt))
@@ -510,10 +514,9 @@ class TensorParallelCore:
                     load_hf(gpt, init_from)  # tensor by tensor, each rank keeping its shards (dp shards too)
             else:
                 broadcast_module_(gpt, self._mesh)
-                parallelize(gpt, self._mesh, self.layout_spec)
-            checkpoint_activations(gpt, self.activation_checkpointing, offload=self.activation_offload)
+                prepare_model(gpt, self._mesh, plan, layout=self.layout_spec)
             if self.compile_options is not None:  # each block alone under FSDP: its hooks run between them
-                for part in family_of(gpt).block_modules(gpt) if self.train_plan.fsdp else (gpt,):
+                for part in family_of(gpt).block_modules(gpt) if plan.fsdp else (gpt,):
                     part.compile(**self.compile_options)
         left = [n for n, p in module.named_parameters() if p.is_meta]
         if left:

@@ -1,4 +1,12 @@
-"""The training step's data-parallel machinery, assembled once from a :class:`~lightning_tp2d.train_plan.TrainPlan`.
+"""The training step, built once from a :class:`~lightning_tp2d.train_plan.TrainPlan`: the model side
+(:func:`prepare_model`) and the data-parallel machinery (:func:`assemble_step`), or both at once (:func:`build_step`).
+
+:func:`prepare_model` is the one place that turns a plan's layout and checkpointing into a model: it parallelizes the
+model for ``plan.layout`` on the mesh (:func:`lightning_tp2d.parallelize`, block by block with ``on_block`` for a
+meta-device model) and checkpoints its blocks' activations as ``plan.activation_checkpointing`` and
+``plan.activation_offload`` say (:func:`lightning_tp2d.parallelize.checkpoint_activations`). The strategies, the
+planner's tracer and memory model and the benchmark's scenarios call it; a step's other hooks (the tracer's recorder,
+the memory model's shard reads) go between it and :func:`assemble_step`.
 
 :func:`assemble_step` is the one place that turns a plan's ZeRO stage into a step: the Trainer and Fabric strategies
 call it, and so do the planner's schedule tracer (:mod:`lightning_tp2d.planning.trace`), its memory model
@@ -18,7 +26,7 @@ and returns an :class:`AssembledStep` that also says how to shard an optimizer b
 
 .. code-block:: python
 
-    step = assemble_step(model, mesh, TrainPlan("metp", 2, 2, zero_stage=1))
+    step = build_step(model, mesh, TrainPlan("metp", 2, 2, zero_stage=1))  # prepare_model, then assemble_step
     optimizer = step.shard_optimizer(torch.optim.AdamW(model.parameters())) or optimizer
     loss = model(idx, targets); loss.backward()
     if step.gradient_sync is not None:
@@ -43,10 +51,12 @@ import torch.nn as nn
 
 from lightning_tp2d import fsdp, training, zero
 from lightning_tp2d.families import family_of
-from lightning_tp2d.layouts import get_layout
+from lightning_tp2d.layouts import Layout, get_layout, handle_of
+from lightning_tp2d.parallelize import checkpoint_activations, parallelize
 from lightning_tp2d.train_plan import FSDP_STAGES, TrainPlan
 
-__all__ = ["AssembledStep", "assemble_step", "block_sharder", "clip_grad_norm_", "shard_optimizer"]
+__all__ = ["AssembledStep", "assemble_step", "block_sharder", "build_step", "clip_grad_norm_", "prepare_model",
+           "shard_optimizer"]
 
 
 def _precision(plan: TrainPlan, precision: str | None) -> str:
@@ -129,3 +139,33 @@ def assemble_step(model: nn.Module, mesh, plan: TrainPlan, *, precision: str | N
                       "data_parallel; the model trains as at stage 0", UserWarning, stacklevel=2)
     gradient_sync = training.GradientSync(model, mesh) if sync and plan.gradient_sync else None
     return AssembledStep(plan, mesh, precision, gradient_sync)
+
+
+def prepare_model(model: nn.Module, mesh, plan: TrainPlan, *, layout: Layout | None = None,
+                  on_block: Callable[[nn.Module], object] | None = None) -> nn.Module:
+    """The model side of ``plan``'s step on ``model``, in place (module docstring): parallelized for ``plan.layout`` on
+    ``mesh`` (``layout``: the :class:`~lightning_tp2d.layouts.Layout` object of that name to use, with its options;
+    ``on_block``: as :func:`~lightning_tp2d.parallelize`'s, for a meta-device model cut block by block; a model
+    already parallelized for this layout on this mesh is kept as it is), then its blocks' activations checkpointed in
+    ``plan.activation_checkpointing`` mode, their kept inputs in host memory when ``plan.activation_offload``. Returns
+    ``model``. ``ValueError`` when the mesh's sizes are not the plan's, or ``layout`` is not the plan's."""
+    _check_mesh(plan, mesh)
+    spec = get_layout(plan.layout) if layout is None else layout
+    if spec.name != plan.layout:
+        raise ValueError(f"prepare_model: layout {spec.name!r} is not the plan's {plan.layout!r}")
+    done = handle_of(model)
+    if done is None:
+        parallelize(model, mesh, spec, on_block=on_block)
+    elif done.layout != spec or done.mesh is not mesh:
+        raise ValueError(f"prepare_model: {type(model).__name__} is already parallelized with layout "
+                         f"{done.layout.name!r} on another mesh, not {plan.layout!r} on this one")
+    return checkpoint_activations(model, plan.activation_checkpointing, offload=plan.activation_offload)
+
+
+def build_step(model: nn.Module, mesh, plan: TrainPlan, *, layout: Layout | None = None,
+               on_block: Callable[[nn.Module], object] | None = None, precision: str | None = None,
+               sync: bool = True) -> AssembledStep:
+    """``plan``'s whole step on a plain ``model``: :func:`prepare_model`, then :func:`assemble_step` (module
+    docstring's loop). Call it before building optimizers."""
+    prepare_model(model, mesh, plan, layout=layout, on_block=on_block)
+    return assemble_step(model, mesh, plan, precision=precision, sync=sync)

@@ -22,7 +22,7 @@ import torch
 
 import lightning_tp2d as tp
 from lightning_tp2d import comm_record, core, fabric, fsdp, strategy, zero
-from lightning_tp2d.bench import measure
+from lightning_tp2d.bench import measure, runner
 from lightning_tp2d.fabric import TP2DFabricStrategy
 from lightning_tp2d.models import GPT2, GPT2Config
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING
@@ -155,6 +155,62 @@ def test_every_step_user_calls_assemble_step_and_wires_nothing_itself():
         assert "self.assemble" in _called(ast.parse(inspect.getsource(module))), module.__name__
     clip = textwrap.dedent(inspect.getsource(core.TensorParallelCore.clip_norm_))
     assert "self.train_plan" in clip and "zero_stage" not in clip  # the plan's rule, not a stage test of its own
+
+
+# the places that turn a plan's layout and checkpointing into a model: each calls step.prepare_model, none
+# parallelizes or checkpoints a package layout's model itself
+PREPARERS = [(core, "TensorParallelCore.parallelize_models"), (trace, "_build"), (memory_model, "_shards_here"),
+             (runner, "_build")]
+
+
+def test_every_model_preparer_calls_prepare_model_and_parallelizes_nothing_itself():
+    for module, qualname in PREPARERS:
+        called = _called(_function(module, qualname))
+        assert "prepare_model" in called, (module.__name__, qualname)
+        assert "parallelize" not in called, (module.__name__, qualname)
+        if module is not runner:  # (the bench checkpoints the rivals' plain and 1-D models with torch's code)
+            assert "checkpoint_activations" not in called, (module.__name__, qualname)
+
+
+def _built_steps(rank: int, world_size: int) -> dict:
+    from lightning_tp2d.layouts import handle_of
+    from lightning_tp2d.parallelize import _mode_of  # (the checkpointing a model carries)
+    from lightning_tp2d.step import build_step, prepare_model
+
+    cfg = GPT2Config.from_name("gpt2-tiny", n_head=12, dropout=0.0)
+    torch.manual_seed(0)
+    plain = GPT2(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    want = plain(idx, idx).item()
+    mesh = tp.init_mesh("metp", world_size, 1)
+    model = GPT2(cfg)
+    model.load_state_dict(plain.state_dict())
+    plan = TrainPlan("metp", world_size, activation_checkpointing="full")
+    step = build_step(model, mesh, plan, precision="32-true")
+    out = {"parallel": handle_of(model) is not None, "mode": _mode_of(model), "sync": step.gradient_sync,
+           "loss": model(idx, idx).item(), "want": want, "plan": step.plan == plan}
+    again = prepare_model(model, mesh, plan)  # already prepared on this mesh: kept as it is
+    out["kept"] = again is model and _mode_of(model) == "full"
+    errors = []
+    for other in (TrainPlan("metp", world_size, activation_checkpointing="full"),):
+        try:
+            prepare_model(model, tp.init_mesh("metp", world_size, 1), other)  # another mesh
+        except ValueError as err:
+            errors.append(str(err))
+    try:
+        prepare_model(GPT2(cfg), mesh, plan, layout=tp.layouts.get_layout("2d"))
+    except ValueError as err:
+        errors.append(str(err))
+    out["errors"] = errors
+    return out
+
+
+def test_build_step_prepares_the_model_and_assembles_its_step():
+    for r in run_distributed(_built_steps, 2):
+        assert r["parallel"] and r["mode"] == "full" and r["sync"] is None and r["plan"] and r["kept"]
+        assert r["loss"] == pytest.approx(r["want"], rel=1e-5)  # the plain model's loss, checkpointed ring of 2
+        assert "already parallelized with layout 'metp' on another mesh" in r["errors"][0]
+        assert "layout '2d' is not the plan's 'metp'" in r["errors"][1]
 
 
 # ---- (c) the traced step is the assembled step, collective by collective ------------------------------------------

@@ -71,7 +71,9 @@ from lightning_tp2d.mesh import init_mesh
 from lightning_tp2d.metp import block_kernel
 from lightning_tp2d.models import GPT2, GPT2Config, Llama
 from lightning_tp2d.models.config import max_seq_len
-from lightning_tp2d.parallelize import checkpoint_activations, parallelize
+from lightning_tp2d.parallelize import checkpoint_activations
+from lightning_tp2d.step import prepare_model
+from lightning_tp2d.train_plan import TrainPlan
 from lightning_tp2d.rivals import get_rival, is_rival, rival_names
 
 BASELINES = rival_names()  # bench scenarios that are not layouts: the registered rivals (lightning_tp2d.rivals)
@@ -306,9 +308,9 @@ def _build(layout: str, spec: BenchSpec, seq: int, world_size: int) -> _Built:
                                f"unexpected {result.unexpected_keys}")
     else:
         model = family_of_config(cfg).model_class(cfg)
-        if rival is None:
-            parallelize(model, init_mesh(layout, world_size, 1, device_type=device.type), layout=layout)
-            checkpoint_activations(model, spec.activation_checkpointing)
+        if rival is None:  # the package's layout: its model side as the strategies prepare it
+            plan = TrainPlan(layout, world_size, 1, activation_checkpointing=spec.activation_checkpointing)
+            prepare_model(model, init_mesh(layout, world_size, 1, device_type=device.type), plan)
         elif one_d:
             parallelize_1d(model.to(device), init_tp1d_mesh(world_size, device_type=device.type),
                            sequence_parallel=rival.sequence_parallel)

@@ -57,8 +57,8 @@ from lightning_tp2d.planning.live import LiveTensorBytes, adamw_kernel, tensors_
 from lightning_tp2d.planning.trace import config_key, fake_group, fake_mesh, in_worker, ranks_as_asked, trace_step
 from lightning_tp2d.families import anatomy, family_of, family_of_config
 from lightning_tp2d.layouts import get_layout
-from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
-from lightning_tp2d.step import assemble_step
+from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING
+from lightning_tp2d.step import assemble_step, prepare_model
 from lightning_tp2d.train_plan import ZERO_STAGES, TrainPlan, fsdp_shards, reshards_after_forward
 
 __all__ = ["Shards", "ParameterSplit", "peak_bytes", "shard_bytes", "parameter_split", "baseline_activation_bytes",
@@ -164,15 +164,14 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, c
     fake_group(p * dp, rank)  # the worker's live group when it is this one (shard_bytes: in_worker's group)
     mesh = fake_mesh(spec, p, dp)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        plan = TrainPlan(spec.name, p, dp, stage, checkpointing, precision="bf16-mixed" if elem == 2 else "32-true")
         model = family_of_config(cfg).model_class(cfg)
-        parallelize(model, mesh, spec)
+        prepare_model(model, mesh, plan, layout=spec)  # parallelized and checkpointed as the strategies do
         model.validate_inputs = False  # fake ids cannot be read
-        checkpoint_activations(model, checkpointing)
         blocks = list(family_of(model).block_modules(model))
         in_blocks = {id(q) for b in blocks for q in b.parameters()}
         root = _nbytes(q for q in model.parameters() if id(q) not in in_blocks)
         tensor_shards = [_nbytes(b.parameters()) for b in blocks]
-        plan = TrainPlan(spec.name, p, dp, stage, checkpointing, precision="bf16-mixed" if elem == 2 else "32-true")
         with warnings.catch_warnings():  # stage 2/3 on one replica: nothing to shard (assemble_step warns)
             warnings.simplefilter("ignore", UserWarning)
             step = assemble_step(model, mesh, plan)  # FSDP and GradientSync as the strategies assemble them

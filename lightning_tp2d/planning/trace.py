@@ -78,9 +78,9 @@ from lightning_tp2d.families import family_of, family_of_config, fits
 from lightning_tp2d.layouts import DATA_AXIS, Layout, get_layout
 from lightning_tp2d.mesh import ParallelDims, init_mesh
 from lightning_tp2d.ops import register_mesh
-from lightning_tp2d.step import assemble_step
+from lightning_tp2d.step import assemble_step, prepare_model
 from lightning_tp2d.train_plan import ZERO_STAGES, TrainPlan, fsdp_shards
-from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
+from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING
 
 _MATMUL_FLOPS = {packet.__name__: formula for packet, formula in flop_registry.items()
                  if packet.__name__ in ("mm", "addmm", "bmm", "baddbmm")}
@@ -575,9 +575,8 @@ def _build(spec: Layout, cfg, mesh, elem: int, data: _DataParallel, recorder: _R
     model = family_of_config(cfg).model_class(cfg)
     if elem == 8:
         model = model.double()
-    parallelize(model, mesh, spec)
+    prepare_model(model, mesh, plan, layout=spec)  # parallelized and checkpointed as the strategies do
     model.validate_inputs = False  # fake ids cannot be read
-    checkpoint_activations(model, checkpointing)
     if checkpointing == "full":
         for block in family_of(model).block_modules(model):
             block.register_forward_pre_hook(lambda m, args: recorder.keep(args))
