@@ -73,7 +73,6 @@ GRID_2D = Grid2D.name  # the layout the projection compares with 1-D tensor para
 ONE_D = rv.TP1D.name  # the projection's other side: torch's 1-D tensor parallelism (its rows' key)
 # not layouts of this package: the plain model and torch's 1-D tensor parallelism, without and with sequence parallelism
 BASELINES = (rv.SINGLE.name, rv.TP1D.name, rv.TP1D_SP.name)
-TP1D = (rv.TP1D.name, rv.TP1D_SP.name)
 
 
 def _layouts() -> tuple[str, ...]:
