@@ -77,7 +77,7 @@ from lightning_tp2d.planning import cost_model, host_cost, memory_model, trace
 from lightning_tp2d.planning.cost_model import Hardware, collective_time, data_parallel_all_reduce_time, step_time
 from lightning_tp2d.planning.memory_model import baseline_activation_bytes, parameter_split
 from lightning_tp2d.planning.processes import in_processes
-from lightning_tp2d.planning.rival_models import LOSS_VARIANTS, model_of
+from lightning_tp2d.planning.rival_models import ELEMENT, LOSS_VARIANTS, model_of
 from lightning_tp2d.planning.commands import command_for
 from lightning_tp2d.planning.rivals import BASELINE, CP, CP_TP, ULYSSES  # the rivals' row names
 from lightning_tp2d.planning.trace import ranks_as_asked
@@ -94,7 +94,6 @@ __all__ = ["ULYSSES", "PlanRow", "plan", "price", "longest_sequence", "offload_m
 GIB = 2**30
 HARDWARE = {"h100": cost_model.H100_NVLINK4_NDR, "h200": cost_model.H200_NVLINK4_NDR,
             "h100-grand-teton": cost_model.H100_GRAND_TETON, "a100": cost_model.A100_NVLINK3_HDR}
-ELEMENT = 2  # bf16 compute
 OPTIMIZER_BYTES_PER_ELEMENT = 28  # AdamW: read param, grad, exp_avg, exp_avg_sq (16); write param and moments (12)
 MAX_MICRO_BATCH = 16  # sequences per micro-batch tried at most by default (a layout needing more tries its least)
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from lightning_tp2d.planning.rivals import (CHUNK_TOKENS, baseline_row_peak_byte
 from lightning_tp2d.planning.trace import trace_step
 from lightning_tp2d.train_plan import fsdp_shards
 
-ELEMENT = 2  # bf16 compute (planner.ELEMENT)
+ELEMENT = 2  # bf16 compute: the element size every row is priced at (planner.ELEMENT is this)
 LOSS_VARIANTS = ("unfused", "chunked")  # the 1-D baseline's loss: the model's head + one cross-entropy, or chunked
 
 
@@ -105,7 +105,7 @@ class SideModel:
 
 
 class _RivalModel(SideModel):
-    """A rival's side: its own settings check, its vectors whole on every tensor rank."""
+    """A rival's side: the :class:`~lightning_tp2d.rivals.Rival` it prices (its name the row's)."""
 
     def __init__(self, rival: registry.Rival) -> None:
         super().__init__(rival.name)
@@ -228,9 +228,6 @@ class Ulysses(_RivalModel):
     def data_parallel(self, split, p, dp, cp_tp_size):
         # FSDP2 over every rank of every replica; the root kept gathered from forward to backward
         return Sharding(tensor=1, vectors_cut=False, sharding=p * dp, ranks=1)
-
-    def loss_label(self, loss: str, cp_loss: str) -> str:
-        return "own"
 
 
 _MODELS: dict[str, SideModel] = {}
