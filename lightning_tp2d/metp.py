@@ -413,6 +413,35 @@ def _rows(t: torch.Tensor, batch: slice, rows: slice, last: bool = False) -> tor
     return t[..., rows] if last else t[..., rows, :]
 
 
+def _kv_rows(kv: torch.Tensor, batch: slice, cols: slice) -> tuple[torch.Tensor, ...]:
+    """``(k, v)``: views of the travelling ``K|V [2, B, nkv, S, d]`` at ``batch`` and key rows ``cols``, cut as one
+    block and unbound (one op for the pair where two selects and two slices would be four)."""
+    if batch != _ALL:
+        kv = kv[:, batch]
+    if cols != _ALL:
+        kv = kv[..., cols, :]
+    return kv.unbind(0)
+
+
+class _RowViews:
+    """Views ``_rows(t[r], batch, rows)`` of a call's fixed tensors (the queries, the output and its log-sum-exp, their
+    gradients), each cut once per call: a rank's blocks ask for the same few (its two chunks' rows, a document's
+    run) at every ring step. ``lse``-like tensors (no head-size axis) are named in ``last``."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], last: dict[str, torch.Tensor]) -> None:
+        self.tensors, self.last, self.cut = {**tensors, **last}, set(last), {}
+
+    def __call__(self, name: str, r: int, batch: slice, rows: slice) -> torch.Tensor:
+        key = (name, r, batch.start, batch.stop, rows.start, rows.stop)
+        view = self.cut.get(key)
+        if view is None:
+            row = self.cut.get((name, r))
+            if row is None:
+                row = self.cut[name, r] = self.tensors[name][r]
+            view = self.cut[key] = _rows(row, batch, rows, last=name in self.last)
+        return view
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, l_b: torch.Tensor) -> None:
     """Fold one block's ``(o_b, l_b)`` into the running ``(out, lse)`` views in place (online log-sum-exp)."""
     new = torch.logaddexp(lse, l_b)
@@ -450,11 +479,13 @@ class _RingAttention(torch.autograd.Function):
             for batch, rows, cols, diagonal in document_blocks(i, j, n, c, docs):
                 attend(kv_j, batch, rows, cols, diagonal, first=diagonal)  # diagonals: the first to reach their rows
 
+        rows_of = _RowViews({"q": q, "out": out}, last={"lse": lse})
+
         def attend(kv_j, batch, rows, cols, causal, first):
-            k_j, v_j = _rows(kv_j[0], batch, cols), _rows(kv_j[1], batch, cols)
+            k_j, v_j = _kv_rows(kv_j, batch, cols)
             for r in range(groups):
-                o_b, l_b = attend_block(_rows(q[r], batch, rows), k_j, v_j, causal, scale, options)
-                o, l = _rows(out[r], batch, rows), _rows(lse[r], batch, rows, last=True)  # views
+                o_b, l_b = attend_block(rows_of("q", r, batch, rows), k_j, v_j, causal, scale, options)
+                o, l = rows_of("out", r, batch, rows), rows_of("lse", r, batch, rows)  # views
                 if first:
                     o.copy_(o_b)
                     l.copy_(l_b)
@@ -463,7 +494,11 @@ class _RingAttention(torch.autograd.Function):
 
         ring_forward((kv,), mesh, axis, step, double_buffer=options.double_buffer)
         g, B, nkv, S, d = q.shape
-        y = out.to(qkv.dtype).permute(1, 2, 0, 3, 4).reshape(B, nkv * g, S, d)  # a view when g == 1
+        # token-major storage [B, S, nkv*g, d] seen as [B, nkv*g, S, d]: the projection after it reads its [B*S, h]
+        # rows (a ring's column blocks, a grid's row block) as views, not copies; flash kernels' own layout
+        y = torch.empty_strided((B, nkv * g, S, d), (S * nkv * g * d, d, nkv * g * d, 1), dtype=qkv.dtype,
+                                device=qkv.device)
+        y.unflatten(1, (nkv, g)).copy_(out.permute(1, 2, 0, 3, 4))
         ctx.save_for_backward(qkv, y, lse, *(() if doc_ids is None else (doc_ids,)))
         ctx.mesh, ctx.axis, ctx.scale, ctx.groups, ctx.options = mesh, axis, scale, groups, options
         ctx.documents = documents  # host data, kept in eager only (under torch.compile: None, rebuilt from doc_ids)
@@ -491,15 +526,17 @@ class _RingAttention(torch.autograd.Function):
                     add_block(dkv, kv_j, batch, rows, cols, diagonal)
             return (dkv,)
 
+        rows_of = _RowViews({"dy": dy, "q": q, "y": y, "dq": dq}, last={"lse": lse})
+
         def add_block(dkv, kv_j, batch, rows, cols, causal):
-            k_j, v_j = _rows(kv_j[0], batch, cols), _rows(kv_j[1], batch, cols)
-            dk_j, dv_j = _rows(dkv[0], batch, cols), _rows(dkv[1], batch, cols)
+            k_j, v_j = _kv_rows(kv_j, batch, cols)
+            dk_j, dv_j = _kv_rows(dkv, batch, cols)
             for r in range(g):
-                dq_b, dk_b, dv_b = attend_block_backward(_rows(dy[r], batch, rows), _rows(q[r], batch, rows), k_j,
-                                                         v_j, _rows(y[r], batch, rows),
-                                                         _rows(lse[r], batch, rows, last=True),
-                                                         causal, ctx.scale, ctx.options)
-                _rows(dq[r], batch, rows).add_(dq_b)  # (add_ on the view: `view[...] += b` would copy it back too)
+                dq_b, dk_b, dv_b = attend_block_backward(rows_of("dy", r, batch, rows), rows_of("q", r, batch, rows),
+                                                         k_j, v_j, rows_of("y", r, batch, rows),
+                                                         rows_of("lse", r, batch, rows), causal, ctx.scale,
+                                                         ctx.options)
+                rows_of("dq", r, batch, rows).add_(dq_b)  # (add_ on the view: `view[...] += b` would copy it back)
                 dk_j.add_(dk_b)
                 dv_j.add_(dv_b)
 
@@ -524,7 +561,8 @@ def ring_attention(qkv: torch.Tensor, mesh: DeviceMesh, axis: str, scale: float 
     """Causal attention of a zigzag-sharded sequence, multi-head (``groups=1``) or grouped-query (``groups`` query
     heads per key/value head): ``qkv [groups+2, B, nkv, S, d]`` (rows ``0..groups-1`` the queries, row ``r`` of head
     ``k`` being query head ``k*groups + r`` (:func:`group_queries` builds it), then k and v, of this rank's chunks
-    ``i`` and ``2p-1-i``, ``S = 2T/(2p)``) -> ``y [B, nkv*groups, S, d]``. Only ``K|V [2, B, nkv, S, d]`` travels;
+    ``i`` and ``2p-1-i``, ``S = 2T/(2p)``) -> ``y [B, nkv*groups, S, d]``, stored token-major (``y.transpose(1, 2)``
+    is contiguous: the output projection reads its rows as views). Only ``K|V [2, B, nkv, S, d]`` travels;
     each query row attends to the block it holds (no per-group copy of K/V, on the wire or locally), and the
     backward sums ``dK|dV`` over the groups before they travel. Per step and query row one ``[≤2c, ≤2c]`` block
     (the fused kernel of :func:`block_kernel` or ``options.math_tile``-row score tiles), never ``[T, T]``. Forward:
@@ -559,6 +597,12 @@ def ring_attention(qkv: torch.Tensor, mesh: DeviceMesh, axis: str, scale: float 
 # ---- MLP -------------------------------------------------------------------------------------------------
 
 
+def tile_rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``t[rows]`` for a tile ``slice(start, stop)`` of ``t``'s first axis, or ``t`` itself when the tile is all of it:
+    a slice is an op on the host even when it is the whole tensor, and an untiled ring step asks for dozens."""
+    return t if rows.start == 0 and rows.stop >= t.shape[0] else t[rows]
+
+
 def _gelu(dh, u):
     """GELU (tanh): ``(gelu(u), d/du given dh)``; ``dh`` ``None`` in the forward."""
     hidden = F.gelu(u, approximate="tanh")
@@ -580,11 +624,16 @@ MLP_ACTIVATIONS = {"gelu_tanh": _gelu, "swiglu": _swiglu}  # name -> (dh, *pre-a
 def _pre_activations(x, w_in, b1, j):
     """``X Wg_jᵀ`` (SwiGLU's gate) and ``X W1_jᵀ + b1_j``: the pre-activation blocks ``[N, f]`` of ring rank
     ``j``'s rows; ``w_in`` is ``(w1_j,)`` or ``(wg_j, w1_j)``."""
-    pres = [x @ w.t() for w in w_in]
-    if b1 is not None:
-        f = w_in[-1].shape[0]
-        pres[-1].add_(b1[j * f:(j + 1) * f])
-    return pres
+    *gate, w1_j = w_in
+    if b1 is None:
+        return [x @ w.t() for w in w_in]
+    f = w1_j.shape[0]
+    return [*(x @ w.t() for w in gate), torch.addmm(b1[j * f:(j + 1) * f], x, w1_j.t())]  # one op, not mm + add_
+
+
+def _bias_as(b1: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """``b1`` in the products' dtype, cast once per call (as autocast gives a plain linear its bias)."""
+    return None if b1 is None else b1.to(x.dtype)
 
 
 def _mlp_tiles(x: torch.Tensor, w1: torch.Tensor, options: RingOptions) -> list[slice]:
@@ -606,11 +655,12 @@ class _RingMLP(torch.autograd.Function):
         own = (w1, w2) if w_gate is None else (w_gate, w1, w2)
         out = x.new_zeros((x.shape[0], w2.shape[0]))
         tiles = _mlp_tiles(x, w1, options)
+        b1_x = _bias_as(b1, x)
 
         def step(j, blocks):
             *w_in, w2_j = blocks
             for r in tiles:  # [tile, f] hidden blocks at a time when f > h (options.tile_tokens)
-                out[r].addmm_(act(None, *_pre_activations(x[r], w_in, b1, j))[0], w2_j.t())
+                tile_rows(out, r).addmm_(act(None, *_pre_activations(tile_rows(x, r), w_in, b1_x, j))[0], w2_j.t())
 
         ring_forward(own, mesh, axis, step, double_buffer=options.double_buffer)
         if b2 is not None:
@@ -631,19 +681,20 @@ class _RingMLP(torch.autograd.Function):
         db1 = None if b1 is None else torch.zeros(b1.shape, dtype=acc, device=b1.device)
         f = own[0].shape[0]
         tiles = _mlp_tiles(x, own[0], ctx.options)
+        b1_x = _bias_as(b1, x)
 
         def step(j, blocks):
             *w_in, w2_j = blocks
             grads = None
             for r in tiles:  # [tile, f] at a time when f > h (options.tile_tokens)
-                x_r, dout_r = x[r], dout[r]
-                pres = _pre_activations(x_r, w_in, b1, j)  # recomputed, never stored
+                x_r, dout_r = tile_rows(x, r), tile_rows(dout, r)
+                pres = _pre_activations(x_r, w_in, b1_x, j)  # recomputed, never stored
                 hidden, dpres = act(dout_r @ w2_j, *pres)  # (tile, f) each
                 del pres
                 if db1 is not None:
-                    db1[j * f:(j + 1) * f] += dpres[-1].sum(0)
+                    db1[j * f:(j + 1) * f].add_(dpres[-1].sum(0))  # (a `+=` on the slice would copy it back)
                 for dpre, w_j in zip(dpres, w_in):
-                    dx[r].addmm_(dpre, w_j)
+                    tile_rows(dx, r).addmm_(dpre, w_j)
                 tile_grads = (*(dpre.t() @ x_r for dpre in dpres), dout_r.t() @ hidden)
                 del hidden, dpres
                 if grads is None:

@@ -28,9 +28,10 @@ RIVALS = {"gpt2-tiny": ("tp1d-sp",), "llama-tiny": ("tp1d-sp", "cp")}
 LAYOUTS = ("2d", "metp", "2d-metp")
 # the largest rank's ops per step (torch 2.13.0). Before issue 48's second part: 2d 1235 / metp 1917 / 2d-metp 1511
 # (gpt2-tiny), 1310 / 2578 / 1814 (llama-tiny): written-out norms, a masked loss, copies of the SUMMA partials and
-# of indexed views in the ring's backward
-OPS = {"gpt2-tiny": {"2d": 1108, "metp": 1701, "2d-metp": 1272, "tp1d-sp": 641},
-       "llama-tiny": {"2d": 1236, "metp": 2198, "2d-metp": 1540, "tp1d-sp": 816, "cp": 961}}
+# of indexed views in the ring's backward. Then, before the ring's views were cut once per call (metp 1701 / 2198,
+# 2d-metp 1272 / 1540): per-step vocab masks, whole-tensor tile slices, the attention output re-laid by a copy
+OPS = {"gpt2-tiny": {"2d": 1108, "metp": 1386, "2d-metp": 1246, "tp1d-sp": 641},
+       "llama-tiny": {"2d": 1236, "metp": 1825, "2d-metp": 1496, "tp1d-sp": 816, "cp": 961}}
 
 
 def _four_rank_costs(rank: int, world: int, model: str) -> dict:

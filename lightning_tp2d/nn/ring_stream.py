@@ -31,7 +31,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import all_reduce_along
-from lightning_tp2d.metp import RingOptions, acc_dtype, ring_backward, ring_forward, ring_options
+from lightning_tp2d.metp import RingOptions, acc_dtype, ring_backward, ring_forward, ring_options, tile_rows
 from lightning_tp2d.nn.cross_entropy import IGNORE_INDEX
 from lightning_tp2d.ops import registered
 
@@ -222,13 +222,13 @@ def ring_linear_in(x, w, bias, mesh: DeviceMesh, axis: str, layout, *,
 # ---- vocabulary: embedding and LM-head cross-entropy -----------------------------------------------
 
 
-def _block_hits(ids: torch.Tensor, j: int, rows: int, valid: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where ``ids`` fall in the first ``valid`` rows of vocab block ``j`` (``rows`` per block): ``(index, hit)``,
-    the ids relative to the block clamped into ``[0, valid)`` (safe to gather with everywhere; meaningful
-    where ``hit``) and the mask. Elementwise: same shapes whatever the ids."""
-    valid = rows if valid is None else valid
-    local = ids - j * rows
-    return local.clamp(0, valid - 1), (local >= 0) & (local < valid)
+def _vocab_split(ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block, offset)`` of each id for vocab blocks of ``rows`` ids: which block holds it and its row there, in
+    ``[0, rows)`` for any id (an ignored ``-100`` is in block ``-1``, which no rank holds). Two elementwise ops once per
+    call, so a ring step's hits are one comparison (``block == j``) and its gather indices need no arithmetic; no host
+    sync, the same shapes whatever the ids."""
+    block = torch.div(ids, rows, rounding_mode="floor")
+    return block, torch.remainder(ids, rows)
 
 
 @registered("ring_embedding")
@@ -237,10 +237,11 @@ class _RingEmbedding(torch.autograd.Function):
     def forward(ctx, weight, ids, mesh, axis, options):
         # weight (Vb, h) vocab block i, zero-padded; ids (B, S) global token ids of this rank's chunks
         out = weight.new_zeros((*ids.shape, weight.shape[1]))
+        block, local = _vocab_split(ids, weight.shape[0])
+        block = block.unsqueeze(-1)
 
         def step(j, blocks):
-            local, hit = _block_hits(ids, j, weight.shape[0])
-            torch.where(hit.unsqueeze(-1), blocks[0][local], out, out=out)  # (B, S, h): each token hits once
+            torch.where(block == j, blocks[0][local], out, out=out)  # (B, S, h): each token hits once
 
         ring_forward((weight,), mesh, axis, step, double_buffer=options.double_buffer)
         ctx.save_for_backward(ids)
@@ -251,10 +252,11 @@ class _RingEmbedding(torch.autograd.Function):
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
         grad = grad.to(acc_dtype(ctx.dtype)).reshape(-1, ctx.shape[1])  # (B*S, h)
+        block, local = _vocab_split(ids.reshape(-1), ctx.shape[0])
+        block = block.unsqueeze(-1)
 
         def step(j, _):
-            local, hit = _block_hits(ids.reshape(-1), j, ctx.shape[0])
-            mine = torch.where(hit.unsqueeze(-1), grad, 0.0)  # misses add an exact zero to row 0
+            mine = torch.where(block == j, grad, 0.0)  # misses add an exact zero to their row
             return (grad.new_zeros(ctx.shape).index_add_(0, local, mine),)
 
         (dweight,) = ring_backward((), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer)
@@ -266,8 +268,16 @@ def _vocab_block(block: torch.Tensor, valid: int, rows: int) -> tuple[torch.Tens
     ids alone for a block of ``rows`` ids (no mask), or the whole GPU-shaped block (more rows than ids: its
     product keeps its padded width, and the columns past ``valid`` are masked)."""
     if block.shape[0] == rows:
-        return block[:valid], None
+        return tile_rows(block, slice(0, valid)), None
     return block, torch.arange(block.shape[0], device=block.device) >= valid
+
+
+def _block_targets(block: torch.Tensor, offset: torch.Tensor, j: int, valid: int,
+                   rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, hit)`` of the targets in vocab block ``j`` of ``valid`` loss columns: the offsets (safe to gather with
+    from ``valid`` columns everywhere, meaningful where ``hit``) and the mask. A target always lies in its block's
+    valid columns; only a short last block (``valid < rows``) clamps the other targets' offsets, one op."""
+    return (offset if valid == rows else offset.clamp(max=valid - 1)), block == j
 
 
 @registered("ring_cross_entropy")
@@ -281,7 +291,7 @@ class _RingCrossEntropy(torch.autograd.Function):
         lse = torch.full((x.shape[0],), float("-inf"), dtype=acc, device=x.device)
         target_logit = torch.zeros_like(lse)
         keep = targets != IGNORE_INDEX
-
+        block, offset = _vocab_split(targets, rows)
         tiles = options.row_tiles(x.shape[0])
 
         def step(j, blocks):
@@ -289,14 +299,15 @@ class _RingCrossEntropy(torch.autograd.Function):
             if valid == 0:
                 return
             w_j, pad = _vocab_block(blocks[0], valid, rows)
-            local, hit = _block_hits(targets, j, rows, valid)
+            local, hit = _block_targets(block, offset, j, valid, rows)
             for r in tiles:  # [tile, valid] logits at a time (options.tile_tokens)
-                z = (x[r] @ w_j.t()).to(acc)  # (tile, valid), or the GPU-shaped block with its padding masked
+                lse_r, target_r = tile_rows(lse, r), tile_rows(target_logit, r)
+                z = (tile_rows(x, r) @ w_j.t()).to(acc)  # (tile, valid), or the GPU-shaped block, padding masked
                 if pad is not None:
                     z.masked_fill_(pad, float("-inf"))
-                torch.logaddexp(lse[r], torch.logsumexp(z, -1), out=lse[r])
-                torch.where(hit[r], z.gather(1, local[r].unsqueeze(1)).squeeze(1), target_logit[r],
-                            out=target_logit[r])
+                torch.logaddexp(lse_r, torch.logsumexp(z, -1), out=lse_r)
+                torch.where(tile_rows(hit, r), z.gather(1, tile_rows(local, r).unsqueeze(1)).squeeze(1), target_r,
+                            out=target_r)
 
         ring_forward((weight,), mesh, axis, step, double_buffer=options.double_buffer)
         per_token = torch.where(keep, lse - target_logit, lse.new_zeros(()))
@@ -313,26 +324,32 @@ class _RingCrossEntropy(torch.autograd.Function):
         rows, acc = ctx.rows, lse.dtype
         scale = ((targets != IGNORE_INDEX).to(acc) * (grad.to(acc) / ctx.count)).unsqueeze(-1)  # (N, 1)
         dx = torch.zeros_like(x)
-
+        block, offset = _vocab_split(targets, rows)
         tiles = ctx.options.row_tiles(x.shape[0])
 
         def step(j, blocks):
-            dweight = torch.zeros(weight.shape, dtype=acc, device=x.device)
             valid = max(0, min(rows, ctx.vocab_size - j * rows))
             if valid == 0:
-                return (dweight,)
+                return (torch.zeros(weight.shape, dtype=acc, device=x.device),)
             w_j, pad = _vocab_block(blocks[0], valid, rows)
-            local, hit = _block_hits(targets, j, rows, valid)
+            local, hit = _block_targets(block, offset, j, valid, rows)
             miss = hit.to(acc).neg_().unsqueeze(1)  # - onehot where hit; misses add -0
+            # float32 sum of the tiles' products; one tile of the whole block: exactly its product
+            whole = len(tiles) == 1 and w_j.shape[0] == weight.shape[0]
+            dweight = None if whole else torch.zeros(weight.shape, dtype=acc, device=x.device)
             for r in tiles:  # [tile, valid] at a time (options.tile_tokens)
-                dz = (x[r] @ w_j.t()).to(acc)
+                x_r = tile_rows(x, r)
+                dz = (x_r @ w_j.t()).to(acc)
                 if pad is not None:
                     dz.masked_fill_(pad, float("-inf"))  # padding: softmax 0
-                dz = dz.sub_(lse[r].unsqueeze(-1)).exp_()  # softmax block (tile, valid)
-                dz.scatter_add_(1, local[r].unsqueeze(1), miss[r])
-                dz = dz.mul_(scale[r]).to(x.dtype)
-                dx[r].addmm_(dz, w_j)
-                dweight[:w_j.shape[0]] += dz.t() @ x[r]  # float32 sum of the tiles (one tile: exactly the product)
+                dz = dz.sub_(tile_rows(lse, r).unsqueeze(-1)).exp_()  # softmax block (tile, valid)
+                dz.scatter_add_(1, tile_rows(local, r).unsqueeze(1), tile_rows(miss, r))
+                dz = dz.mul_(tile_rows(scale, r)).to(x.dtype)
+                tile_rows(dx, r).addmm_(dz, w_j)
+                if whole:
+                    dweight = (dz.t() @ x_r).to(acc)
+                else:
+                    tile_rows(dweight, slice(0, w_j.shape[0])).add_(dz.t() @ x_r)
             return (dweight,)
 
         (dweight,) = ring_backward((weight,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,

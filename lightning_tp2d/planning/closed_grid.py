@@ -457,13 +457,13 @@ def _block_activation_bytes(g: _Grid, checkpointing: str) -> int:
     residual stream and every saved activation in the compute dtype, the statistics float32. Per local token:
 
     * the two residual sums (``2 hq``: the block's output is the next block's input, read by its first norm);
-    * GPT-2: q|k|v (``3 hq``), the attention output (``hq``; ``"2d-metp"``: one more ``hq``-wide copy of it), the
+    * GPT-2: q|k|v (``3 hq``), the attention output (``hq``; ``"2d-metp"``'s too: the ring writes it token-major), the
       MLP's pre-activation and GELU output (``8 hq``, the GELU output recomputed under ``"selective"``), each
       LayerNorm's output (``2 hq``, recomputed under ``"selective"``) and its float32 mean and reciprocal deviation
       (``2 x 2 x 4`` bytes);
     * Llama ``"2d"``: q and k after RoPE and v (``hd + 2 kvd``) and the attention output (``hd``); ``"2d-metp"``:
-      the ring's ``[g+2, B, kv, S, d]`` q|k|v (:func:`~lightning_tp2d.metp.group_queries`, ``hd + 2 kvd``), its
-      output (``hd``) and the output's re-laid copy the output projection reads (``hd``); the MLP's gate and up
+      the ring's ``[g+2, B, kv, S, d]`` q|k|v (:func:`~lightning_tp2d.metp.group_queries`, ``hd + 2 kvd``) and its
+      output (``hd``, token-major: the output projection reads it as a view); the MLP's gate and up
       (``2f``), SiLU(gate) (``f``) and the gated product (``f``, recomputed under ``"selective"``); each RMSNorm's
       float32 reciprocal root mean square (4 bytes) and its output -- under float32 the output itself (``2 hq``),
       under bf16 the bf16 copy each linear reading it makes (``autocast_operands``: q, k, v, gate, up, ``5 hq``),
@@ -481,13 +481,13 @@ def _block_activation_bytes(g: _Grid, checkpointing: str) -> int:
     per_token = 2 * hq * e + 4 * (g.heads // q)  # residuals; log-sum-exp
     if g.llama:
         hd, kvd, f = g.heads // q * g.d, g.kv_heads // q * g.d, g.hidden // q
-        attention = 3 * hd + 2 * kvd if g.ring else 2 * hd + 2 * kvd
+        attention = 2 * hd + 2 * kvd
         norms = 0 if selective else (5 if half else 2) * hq
         per_token += e * (attention + (3 if selective else 4) * f + norms) + 2 * 4
         rope = (4 * g.T * g.d * e) if half else 2 * g.T * g.d * 4
         weights = (2 * g.heads * g.d + 2 * g.kv_heads * g.d + 3 * g.hidden) * g.h // (q * q) * e if half else 0
         return N * per_token + rope + weights
-    per_token += e * ((8 if selective else 14) * hq + (hq if g.ring else 0)) + 2 * 2 * 4
+    per_token += e * (8 if selective else 14) * hq + 2 * 2 * 4
     weights = 12 * g.h * g.h // (q * q) * e if half else 0
     return N * per_token + weights
 

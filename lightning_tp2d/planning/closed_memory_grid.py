@@ -32,7 +32,7 @@ to them); ``M`` the local elements of one block's matrices (``1/p`` of each), ``
   LayerNorm mean and ``rstd`` ``8N``); the matmuls' bf16 operands: Llama casts each norm's float32 output once
   per linear that reads it (five ``N hq e``), GPT-2's LayerNorm returns bf16 (its two outputs ``N hq e``); the
   bf16 copies of the block's matrices ``e M``; q, k, v ``N (hq + 2 kq) e``, the attention's output ``N hq e``
-  (the ring's one more copy: ``2 N hq e``) and log-sum-exp ``4 N nq``; Llama's RoPE tables cast for q and k
+  (the ring's too: written token-major, the output projection reads it as a view) and log-sum-exp ``4 N nq``; Llama's RoPE tables cast for q and k
   ``4 R_T hs e``; the MLP: SwiGLU's gate, up, ``silu(gate)`` and product ``4 N fq e``, GELU's pre-activation and
   output ``2 N fq e``. ``"full"``: the block's input ``N hq e``. ``"selective"`` (:mod:`lightning_tp2d.recompute`):
   ``A`` less its recipes, the norms' outputs (Llama: the five casts of them) and the MLP's activation output (SwiGLU's
@@ -264,8 +264,7 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     # saved per block ("none") and by the root
     stats = 4 * N if llama else 8 * N  # RMSNorm's rstd; LayerNorm's mean and rstd
     norms = 2 * (N * hq * e + stats) + (5 if llama else 2) * N * hq * e  # inputs, statistics, bf16 outputs
-    attention = N * (hq + 2 * kq) * e + (2 if ring else 1) * N * hq * e + 4 * N * nq + (4 * rows * hs * e if llama
-                                                                                      else 0)
+    attention = N * (hq + 2 * kq) * e + N * hq * e + 4 * N * nq + (4 * rows * hs * e if llama else 0)
     mlp = (4 if llama else 2) * N * fq * e
     A = norms + e * z.block_matrices + attention + mlp
     positions = 0 if llama else 8 * rows
@@ -298,10 +297,9 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     attention_backward = (4 * N * (hq + 2 * kq) + 16 * N * kq + 2 * N * hq * e + (recv + 1) * 2 * N * kq * e
                           + (5 if nq > kq // hs else 5 / 2) * N * kq * e)
     # what the block still holds then: its saved tensors less its second norm's, its MLP's and the bf16 copies of
-    # the output projection and the MLP (the ring's re-laid output too), plus the residual's gradient; the
-    # gradients of its MLP, output projection and second norm
-    attention_kept = (A - (N * hq * e + stats + (2 if llama else 1) * N * hq * e) - e * z.late - mlp
-                      - (N * hq * e if ring else 0) + N * hq * e
+    # the output projection and the MLP, plus the residual's gradient; the gradients of its MLP, output projection
+    # and second norm
+    attention_kept = (A - (N * hq * e + stats + (2 if llama else 1) * N * hq * e) - e * z.late - mlp + N * hq * e
                       - ((3 if llama else 1) * N * hq * e if selective else 0))  # (the first norm's, not rebuilt)
     attention_grads = 4 * (z.block - z.before_attention)
     # "full": a block's forward at its MLP's down projection (scatter form, the partial sums round col): the
