@@ -27,7 +27,7 @@ from lightning_tp2d import fsdp
 from lightning_tp2d.export import hf_loader
 from lightning_tp2d.families import families, family_of, family_of_config, model_names
 from lightning_tp2d.layouts import DEFAULT_LAYOUT, STRATEGY_NAMES, Layout, get_layout, handle_of
-from lightning_tp2d.mesh import ParallelDims, as_timeout, init_mesh
+from lightning_tp2d.mesh import as_timeout, init_mesh
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, offloaded_checkpointing
 from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes
 from lightning_tp2d.step import (AssembledStep, assemble_step, block_sharder, clip_grad_norm_, prepare_model,
@@ -104,7 +104,7 @@ class TensorParallelCore:
     """The layout, sizes, mesh and model handling of both strategies (module docstring)."""
 
     layout_spec: Layout | None  # None while layout="auto" is not planned yet
-    _dims: ParallelDims | None = None
+    _run_plan: TrainPlan | None = None  # this run's plan, resolved once the sizes are known (_resolve)
     _mesh: Any = None  # the strategy's mesh (built in setup_environment)
     _run_precision: str = "32-true"  # the Lightning precision name (kept by _check_precision_name)
     plans_layout: bool = False  # layout="auto" is supported (the strategy knows the model before the process group)
@@ -209,7 +209,7 @@ class TensorParallelCore:
         self._requested = (tensor_parallel_size, data_parallel_size)
         self.allow_fallback = bool(allow_fallback)
         self.zero_stage = zero_stage
-        self._dims = None
+        self._run_plan = None
 
     def _check_offload(self, activation_offload: bool, activation_checkpointing: str, auto: bool) -> str:
         """Check and keep ``activation_offload``; return the checkpointing mode it runs with: ``"full"`` when it
@@ -277,10 +277,9 @@ class TensorParallelCore:
         return self._mesh
 
     @property
-    def parallel_dims(self) -> ParallelDims:
-        if self._dims is None:
-            raise RuntimeError(f"{type(self).__name__} sizes are resolved when the Trainer (or Fabric) is built")
-        return self._dims
+    def parallel_dims(self) -> TrainPlan:
+        """The run's sizes: :attr:`train_plan` (a plan is its sizes, with the mesh's shape and axis names)."""
+        return self.train_plan
 
     def _check_precision_name(self, name: str) -> None:
         """Check the Lightning precision and keep it (:meth:`assemble` picks FSDP's mixed precision by it)."""
@@ -294,24 +293,28 @@ class TensorParallelCore:
 
     @property
     def train_plan(self) -> TrainPlan:
-        """This run's :class:`~lightning_tp2d.train_plan.TrainPlan` (once the sizes are resolved): layout, sizes,
-        ZeRO stage, checkpointing, offload, the run's precision and the plan's micro-batch advice, if any; its
-        properties decide what :func:`~lightning_tp2d.step.assemble_step` wires."""
-        if self._dims is None and self._mesh is not None:  # a mesh built by hand (tests): its sizes are the run's
-            layout, (tp, dp) = self.layout_spec.name, self.layout_spec.sizes_of_mesh(self._mesh)
-        else:
-            dims = self.parallel_dims
-            layout, tp, dp = dims.layout, dims.tensor_parallel_size, dims.data_parallel_size
-        micro = self.given_plan.micro_batch if self.given_plan is not None else None
-        return TrainPlan(layout, tp, dp, self.zero_stage, self.activation_checkpointing, self.activation_offload, micro,
-                         self._run_precision)
+        """This run's :class:`~lightning_tp2d.train_plan.TrainPlan`, resolved once the sizes are (:meth:`_resolve`,
+        when the Trainer or Fabric is built and again when the processes start): the layout object, sizes, ZeRO
+        stage, checkpointing, offload, the run's precision and the plan's micro-batch advice, if any. Its properties
+        decide what :func:`~lightning_tp2d.step.assemble_step` wires, and it is the mesh's shape."""
+        if self._run_plan is None:
+            raise RuntimeError(f"{type(self).__name__} sizes are resolved when the Trainer (or Fabric) is built")
+        return self._run_plan
 
-    def _resolve_dims(self, config: Any) -> ParallelDims:
-        """The sizes for this job's devices and the model's config (``None`` before the module is known): the one
-        resolver :func:`~lightning_tp2d.sizes.resolve_sizes`, its messages in the strategy's argument names."""
+    def _plan_of(self, tensor_parallel_size: int, data_parallel_size: int) -> TrainPlan:
+        """The plan of this strategy's arguments (or the planner's row it took) at these sizes."""
+        micro = self.given_plan.micro_batch if self.given_plan is not None else None
+        return TrainPlan(self.layout_spec, tensor_parallel_size, data_parallel_size, self.zero_stage,
+                         self.activation_checkpointing, self.activation_offload, micro, self._run_precision)
+
+    def _resolve(self, config: Any) -> TrainPlan:
+        """Resolve and hold this run's plan: the sizes for this job's devices and the model's config (``None``
+        before the module is known), from the one resolver :func:`~lightning_tp2d.sizes.resolve_sizes`, its messages
+        in the strategy's argument names."""
         tp, dp = resolve_sizes(self.layout_spec, config, self.num_processes, self.num_nodes, *self._requested,
                                allow_fallback=self.allow_fallback, names=ARGUMENTS)
-        return ParallelDims(self.layout_spec, tp, dp)
+        self._run_plan = self._plan_of(tp, dp)
+        return self._run_plan
 
     def _plan(self, config: Any, memory_gib: float, per_node: int, nodes: int) -> list[PlanRow]:
         """``layout="auto"``: the configurations of :func:`lightning_tp2d.planning.planner.plan` (no 1-D baselines) for
@@ -453,7 +456,7 @@ class TensorParallelCore:
             # sets OMP_NUM_THREADS=1 for the same reason)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
 
-    def _build_mesh(self, dims: ParallelDims, module: nn.Module | None):
+    def _build_mesh(self, dims: TrainPlan, module: nn.Module | None):
         """The mesh a GPT2 inside ``module`` is already parallelized on, when it is this layout and these sizes
         (validate/test after fit, a second Trainer on the same module: its shards stay valid), else a new one."""
         for m in module.modules() if module is not None else ():
@@ -560,9 +563,9 @@ class TensorParallelCore:
 
     def checkpoint_info(self, module: nn.Module) -> dict[str, Any]:
         """What a checkpoint records about the run that wrote it (informative; loading needs none of it)."""
-        dims = self.parallel_dims
-        info = {"layout": dims.layout, "tensor_parallel_size": dims.tensor_parallel_size,
-                "data_parallel_size": dims.data_parallel_size, "zero_stage": self.zero_stage,
+        plan = self.train_plan
+        info = {"layout": plan.layout, "tensor_parallel_size": plan.tensor_parallel_size,
+                "data_parallel_size": plan.data_parallel_size, "zero_stage": plan.zero_stage,
                 **{family.config_key: {} for family in families()}}
         for name, m in _models(module):  # each family's configs under its key (ModelFamily.config_key)
             info[family_of(m).config_key][name] = vars(m.config)

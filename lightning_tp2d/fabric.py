@@ -74,15 +74,13 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         self._check_precision_name(_precision_name(self.precision))
-        self._dims = self._resolve_dims(None)
+        self._resolve(None)
 
     def setup_environment(self) -> None:
         super(ModelParallelStrategy, self).setup_environment()  # the accelerator; the mesh is ours
         self._limit_cpu_threads()
         self._setup_distributed()
-        dims = self._resolve_dims(None)
-        self._dims = dims
-        self._mesh = self._build_mesh(dims, None)  # the device_mesh property's (TensorParallelCore)
+        self._mesh = self._build_mesh(self._resolve(None), None)  # the device_mesh property's (TensorParallelCore)
 
     # ---- module and optimizers ----------------------------------------------------------------------------
 

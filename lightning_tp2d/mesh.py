@@ -20,7 +20,6 @@ import atexit
 import gc
 import threading
 import weakref
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -29,55 +28,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_tp2d.layouts import DEFAULT_LAYOUT, Layout, get_layout
 from lightning_tp2d.ops import register_mesh
+from lightning_tp2d.train_plan import TrainPlan
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of one run: ``layout`` (a name or a :class:`~lightning_tp2d.layouts.Layout`; kept as its name),
-    tensor-parallel size ``p`` and data-parallel size ``dp``. The rules are the layout's."""
-
-    layout: str
-    tensor_parallel_size: int  # p: ranks that share one model replica (q*q for the grid layouts)
-    data_parallel_size: int = 1  # dp: model replicas, each fed its own batches
-
-    def __post_init__(self) -> None:
-        spec = get_layout(self.layout)
-        object.__setattr__(self, "layout", spec.name)
-        object.__setattr__(self, "_spec", spec)
-        for name in ("tensor_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        spec.check_tensor_parallel_size(self.tensor_parallel_size)
-
-    @property
-    def spec(self) -> Layout:
-        """The :class:`~lightning_tp2d.layouts.Layout` object."""
-        return self._spec  # type: ignore[attr-defined]
-
-    @property
-    def q(self) -> int:
-        """Side of the grid (``p = q*q``); for the ring layout, the ring size ``p``."""
-        return self.spec.side(self.tensor_parallel_size)
-
-    @property
-    def world_size(self) -> int:
-        return self.data_parallel_size * self.tensor_parallel_size
-
-    @property
-    def mesh_dim_names(self) -> tuple[str, ...]:
-        return self.spec.mesh_dim_names
-
-    @property
-    def mesh_shape(self) -> tuple[int, ...]:
-        return self.spec.mesh_shape(self.tensor_parallel_size, self.data_parallel_size)
-
-    def check_world_size(self, world_size: int) -> None:
-        if world_size != self.world_size:
-            raise ValueError(
-                f"world size {world_size} != data_parallel_size {self.data_parallel_size} x "
-                f"tensor_parallel_size {self.tensor_parallel_size} = {self.world_size}"
-            )
+# The sizes of one run: a TrainPlan's layout, tensor_parallel_size and data_parallel_size (its other fields at their
+# defaults), with the mesh's shape and axis names. The two were separate classes until issue 49 merged them.
+ParallelDims = TrainPlan
 
 
 def device_type_for_backend(backend: str) -> str:
@@ -134,7 +90,7 @@ def init_mesh(layout: str | Layout = DEFAULT_LAYOUT, tensor_parallel_size: int =
     sizes do not fit the world.
     """
     timeout = as_timeout(timeout)
-    dims = ParallelDims(layout, tensor_parallel_size, data_parallel_size)
+    dims = TrainPlan(layout, tensor_parallel_size, data_parallel_size)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("init_mesh needs an initialised process group: call torch.distributed.init_process_group first")
     dims.check_world_size(dist.get_world_size())
@@ -202,11 +158,12 @@ def release_process_groups(timeout: float = RELEASE_TIMEOUT_S) -> bool:
     return not worker.is_alive()
 
 
-def parallel_dims_of(mesh: DeviceMesh, layout: str | Layout) -> ParallelDims:
-    """Recover the :class:`ParallelDims` a mesh was built for, checking its axis names."""
+def parallel_dims_of(mesh: DeviceMesh, layout: str | Layout) -> TrainPlan:
+    """Recover the sizes (a :class:`~lightning_tp2d.train_plan.TrainPlan`) a mesh was built for, checking its axis
+    names."""
     spec = get_layout(layout)
     p, dp = spec.sizes_of_mesh(mesh)
-    return ParallelDims(spec.name, p, dp)
+    return TrainPlan(spec, p, dp)
 
 
 def grid_coords(mesh: DeviceMesh) -> tuple[int, int]:

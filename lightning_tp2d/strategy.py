@@ -136,7 +136,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         if self.layout_spec is None:  # layout="auto": planned in setup_environment, once the module is known
             self._device_memory_gib(early=True)
         else:
-            self._dims = self._resolve_dims(None)
+            self._resolve(None)
         launcher = self._launcher
         if launcher is not None:  # Lightning starts the other local ranks: check module and data once, before it does
             launch = launcher.launch
@@ -164,7 +164,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             if problem:
                 raise ValueError(problem)
         batch = getattr(data, "batch_size", None) if fitting and self.layout_spec is not None else None
-        problem = self.layout_spec.batch_problem(self._dims.tensor_parallel_size, batch) if batch else None
+        problem = self.layout_spec.batch_problem(self.train_plan.tensor_parallel_size, batch) if batch else None
         if problem:
             raise ValueError(problem)
 
@@ -181,10 +181,9 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         self._setup_distributed()
         if planned is not None:
             self.plan_layout(planned)
-        dims = self._resolve_dims(find_model_config(self.lightning_module))
-        self._dims = dims
+        plan = self._resolve(find_model_config(self.lightning_module))
         # validate/test after fit, or a second Trainer, reuse the mesh the module is parallelized on
-        self._mesh = self._build_mesh(dims, self.lightning_module)
+        self._mesh = self._build_mesh(plan, self.lightning_module)
         self.lightning_module._device_mesh = self._mesh
 
     def _plan_job(self) -> list[PlanRow]:

@@ -4,7 +4,9 @@
 ============================  =======  =================================================================================
 field                         default  meaning
 ============================  =======  =================================================================================
-``layout``                    --       a registered layout's name (``"2d"``, ``"metp"``, ``"2d-metp"``)
+``layout``                    --       a registered layout's name (``"2d"``, ``"metp"``, ``"2d-metp"``) or its
+                                       :class:`~lightning_tp2d.layouts.Layout` object: kept as the name, the object
+                                       (with its ring options) as :attr:`~TrainPlan.spec`
 ``tensor_parallel_size``      --       ``p``: ranks per model replica (square for the grid layouts)
 ``data_parallel_size``        1        ``dp``: model replicas
 ``zero_stage``                0        0: every replica keeps the optimizer state of its tensor shard; 1: the state is
@@ -15,6 +17,11 @@ field                         default  meaning
 ``precision``                 None     a Lightning precision name (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``);
                                        ``None``: the run's
 ============================  =======  =================================================================================
+
+A plan is also the run's sizes (it replaced ``mesh.ParallelDims``, which names it still): :attr:`~TrainPlan.spec`,
+:attr:`~TrainPlan.q`, :attr:`~TrainPlan.world_size`, :attr:`~TrainPlan.mesh_shape`,
+:attr:`~TrainPlan.mesh_dim_names` and :meth:`~TrainPlan.check_world_size`. The strategies and Fabric resolve one
+plan when their sizes are known and hold it (``train_plan``); nothing rebuilds it per access.
 
 The ZeRO rules live here once, as properties; every place that runs or prices a step reads them:
 
@@ -35,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_tp2d.layouts import get_layout
+from lightning_tp2d.layouts import Layout, get_layout
 
 ZERO_STAGES = (0, 1, 2, 3)  # lightning_tp2d.zero.ZERO_STAGES is this tuple
 FSDP_STAGES = (2, 3)  # the stages FSDP2 runs (lightning_tp2d.fsdp.FSDP_STAGES is this tuple)
@@ -70,7 +77,7 @@ class TrainPlan:
     """One training configuration (module docstring); checked when made, each refusal a ``ValueError`` naming the
     value."""
 
-    layout: str
+    layout: str  # the name; a Layout object given here is kept as spec
     tensor_parallel_size: int
     data_parallel_size: int = 1
     zero_stage: int = 0
@@ -80,9 +87,11 @@ class TrainPlan:
     precision: str | None = None  # None: the run's (the Trainer's or Fabric's precision)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layout, str):
-            raise ValueError(f"TrainPlan.layout must be a layout's name, got {self.layout!r}")
+        if not isinstance(self.layout, (str, Layout)):
+            raise ValueError(f"TrainPlan.layout must be a layout's name or Layout, got {self.layout!r}")
         spec = get_layout(self.layout)  # unknown name: a ValueError listing the registered ones
+        object.__setattr__(self, "layout", spec.name)
+        object.__setattr__(self, "_spec", spec)
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"TrainPlan.{name} must be a positive int, got {getattr(self, name)!r}")
@@ -106,9 +115,35 @@ class TrainPlan:
                              "the run's)")
 
     @property
+    def spec(self) -> Layout:
+        """The :class:`~lightning_tp2d.layouts.Layout` object (the one given, with its options, or the name's)."""
+        return self._spec  # type: ignore[attr-defined]
+
+    @property
     def world_size(self) -> int:
         """Ranks the plan runs on: ``p * dp``."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def q(self) -> int:
+        """Side of the grid (``p = q*q``); for a ring layout, the ring size ``p``."""
+        return self.spec.side(self.tensor_parallel_size)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The mesh's axes: ``("data_parallel", *the layout's tensor axes)``."""
+        return self.spec.mesh_dim_names
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The mesh's shape: ``(dp, q, q)`` on a grid, ``(dp, p)`` on a ring."""
+        return self.spec.mesh_shape(self.tensor_parallel_size, self.data_parallel_size)
+
+    def check_world_size(self, world_size: int) -> None:
+        """A ``ValueError`` naming the sizes when ``world_size`` ranks are not ``dp x p``."""
+        if world_size != self.world_size:
+            raise ValueError(f"world size {world_size} != data_parallel_size {self.data_parallel_size} x "
+                             f"tensor_parallel_size {self.tensor_parallel_size} = {self.world_size}")
 
     @property
     def fsdp(self) -> bool:

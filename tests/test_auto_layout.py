@@ -58,7 +58,7 @@ def test_auto_runs_the_plans_best_row(model, monkeypatch):
     assert len(logged) == 1 and best.describe() in logged[0] and f"runner-up: {runner_up.describe()}" in logged[0]
     assert strategy.layout == best.layout and strategy.layout_spec.name == best.layout
     assert strategy.zero_stage == best.zero_stage and strategy.activation_checkpointing == best.checkpointing
-    dims = strategy._resolve_dims(model_config(model))  # what setup_environment builds the mesh from
+    dims = strategy._resolve(model_config(model))  # what setup_environment builds the mesh from
     assert (dims.tensor_parallel_size, dims.data_parallel_size) == (best.tensor_parallel_size,
                                                                     best.data_parallel_size)
 

@@ -119,7 +119,7 @@ def test_llama3_ids_round_trip_from_init_from_through_a_checkpoint_to_the_export
     module = tp.CausalLMModule(init_from=str(source))
     module.configure_model()
     dims = tp.ParallelDims(layout="2d", tensor_parallel_size=1, data_parallel_size=1)
-    info = TensorParallelCore.checkpoint_info(type("Core", (), {"parallel_dims": dims, "zero_stage": 0})(), module)
+    info = TensorParallelCore.checkpoint_info(type("Core", (), {"train_plan": dims})(), module)
     recorded = tmp_path / "recorded.ckpt"  # what TP2DStrategy records: the config's fields, under its family's key
     ckpt.save({"state_dict": ckpt.full_model_state(module, 0), "tp2d": info}, recorded, rank=0, sharded=True,
               all_gather=lambda obj: [obj])

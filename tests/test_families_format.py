@@ -214,7 +214,7 @@ def test_a_user_family_trains_and_its_checkpoint_loads_exports_and_samples(tiny,
 
     # what TP2DStrategy records: each registered family's configs under its own key
     dims = tp.ParallelDims(layout="2d", tensor_parallel_size=1, data_parallel_size=1)
-    info = TensorParallelCore.checkpoint_info(type("Core", (), {"parallel_dims": dims, "zero_stage": 0})(), module)
+    info = TensorParallelCore.checkpoint_info(type("Core", (), {"train_plan": dims})(), module)
     assert info["tiny_configs"] == {"model": vars(trained.config)} and info["gpt2_configs"] == {}
     recorded = tmp_path / "recorded"
     ckpt.save({"state_dict": ckpt.full_model_state(module, 0), "tp2d": info}, recorded, rank=0, sharded=True,

@@ -251,7 +251,8 @@ def _ring_compare(rank: int, world_size: int) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "activation_offload=True needs full activation checkpointing"
         strategy = TP2DFabricStrategy(layout="metp", activation_offload=True)
-    strategy._mesh = tp.init_mesh("metp", world_size, 1)  # what setup_environment builds
+    strategy._run_plan = strategy._plan_of(world_size, 1)  # what setup_environment resolves and builds
+    strategy._mesh = tp.init_mesh("metp", world_size, 1)
     torch.manual_seed(0)
     module = torch.nn.ModuleDict({"model": model_class(cfg).double()})
     strategy.parallelize_models(module)

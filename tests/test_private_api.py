@@ -245,4 +245,4 @@ def test_the_scan_finds_each_kind_of_private_use():
     assert ("callbacks.py", "StepCheckpoint.save_now", "_monitor_candidates") in found  # base method on self
     assert ("strategy.py", "TP2DStrategy._install_gradient_clipping", "clip_grad_by_norm") in found  # patch
     names = {name for _, _, name in found}
-    assert not names & {"_int", "_cuda_devices", "_exit", "_dims", "_grad_sync_blocked"}  # ours, or stdlib
+    assert not names & {"_int", "_cuda_devices", "_exit", "_run_plan", "_grad_sync_blocked"}  # ours, or stdlib
