@@ -55,8 +55,9 @@ class ColumnBlocks:
     def write(self, t: torch.Tensor, j: int, block: torch.Tensor) -> None:
         self.read(t, j).copy_(block)
 
-    def bias_block(self, bias: torch.Tensor, j: int) -> torch.Tensor:
-        return bias[j * self.width:(j + 1) * self.width]
+    def bias_rows(self, bias: torch.Tensor) -> torch.Tensor:
+        """``[n, width]``: row ``j`` is block ``j``'s bias (a view)."""
+        return bias.view(self.n, self.width)
 
     def bias_grad(self, dt: torch.Tensor) -> torch.Tensor:
         return dt.sum(0)
@@ -113,9 +114,10 @@ class HeadBlocks:
         for head, lo, hi, at in self._touched(j):
             t[:, :, head, :, lo:hi].copy_(cols[..., at:at + hi - lo].permute(2, 0, 1, 3))
 
-    def bias_block(self, bias: torch.Tensor, j: int) -> torch.Tensor:
+    def bias_rows(self, bias: torch.Tensor) -> torch.Tensor:
+        """``[n, g*w]``: row ``j`` is block ``j``'s bias, ``[q_j | k_j | v_j]`` (one small copy per call)."""
         g = self.shape[0]
-        return bias.view(g, self.n, -1)[:, j].reshape(-1)
+        return bias.view(g, self.n, -1).transpose(0, 1).reshape(self.n, -1)
 
     def bias_grad(self, dt: torch.Tensor) -> torch.Tensor:
         return dt.sum((1, 3)).reshape(-1)  # (g, H, d) in torch's order
@@ -141,12 +143,12 @@ class _RingLinearOut(torch.autograd.Function):
     def forward(ctx, x, w, bias, mesh, axis, layout, options):
         # x (N, in) local rows; w (out/p, in) this rank's output rows; bias (out,) replicated or None
         y = x.new_empty(layout.shape)
+        # each block's bias as a row, in the product's dtype (as autocast gives a plain linear its bias), once per call
+        bias_rows = None if bias is None else layout.bias_rows(bias.to(x.dtype))
 
         def step(j, blocks):
             (w_j,) = blocks
-            y_j = x @ w_j.t()
-            if bias is not None:
-                y_j += layout.bias_block(bias, j)
+            y_j = x @ w_j.t() if bias_rows is None else torch.addmm(bias_rows[j], x, w_j.t())  # one op, not mm + add_
             layout.write(y, j, y_j)
 
         _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step)
