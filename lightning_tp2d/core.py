@@ -140,7 +140,7 @@ class TensorParallelCore:
         """The arguments ``plan`` stands for, in ``__init__``'s order. An argument left at its default takes the
         plan's value; one given must equal it (a ``ValueError`` names each that does not). A
         :class:`~lightning_tp2d.layouts.Layout` object naming the plan's layout is kept (it carries the layers'
-        options)."""
+        options); else the plan's own (:attr:`~lightning_tp2d.train_plan.TrainPlan.spec`, with its ``options``)."""
         if not isinstance(plan, TrainPlan):
             raise ValueError(f"plan must be a lightning_tp2d.TrainPlan, got {type(plan).__name__}")
         named = layout.name if isinstance(layout, Layout) else layout
@@ -156,7 +156,7 @@ class TensorParallelCore:
             raise ValueError(f"plan={plan.describe()!r} disagrees with the arguments {', '.join(clashes)}: give the "
                              "plan alone, or arguments that match it")
         self.given_plan = plan
-        return (layout if isinstance(layout, Layout) and layout.name == plan.layout else plan.layout,
+        return (layout if isinstance(layout, Layout) and layout.name == plan.layout else plan.spec,
                 plan.tensor_parallel_size, plan.data_parallel_size, plan.zero_stage, plan.activation_checkpointing,
                 plan.activation_offload)
 
@@ -507,7 +507,7 @@ class TensorParallelCore:
                     base = int(self.broadcast(torch.initial_seed()) if base is None else base)
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(base + index)  # the same full weights on every rank, whatever the layout
-                    prepare_model(gpt, self._mesh, plan, layout=self.layout_spec, on_block=self._block_sharder())
+                    prepare_model(gpt, self._mesh, plan, on_block=self._block_sharder())
                 init_from = getattr(module, "init_from", None)  # CausalLMModule(init_from=<HF directory>)
                 if init_from is not None:  # before Lightning restores a ckpt_path, which then wins
                     load_hf = hf_loader(family_of(gpt))
@@ -517,7 +517,7 @@ class TensorParallelCore:
                     load_hf(gpt, init_from)  # tensor by tensor, each rank keeping its shards (dp shards too)
             else:
                 broadcast_module_(gpt, self._mesh)
-                prepare_model(gpt, self._mesh, plan, layout=self.layout_spec)
+                prepare_model(gpt, self._mesh, plan)
             if self.compile_options is not None:  # each block alone under FSDP: its hooks run between them
                 for part in family_of(gpt).block_modules(gpt) if plan.fsdp else (gpt,):
                     part.compile(**self.compile_options)

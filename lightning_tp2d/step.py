@@ -51,7 +51,7 @@ import torch.nn as nn
 
 from lightning_tp2d import fsdp, training, zero
 from lightning_tp2d.families import family_of
-from lightning_tp2d.layouts import Layout, get_layout, handle_of
+from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.parallelize import checkpoint_activations, parallelize
 from lightning_tp2d.train_plan import FSDP_STAGES, TrainPlan
 
@@ -111,7 +111,7 @@ class AssembledStep:
 
 
 def _check_mesh(plan: TrainPlan, mesh) -> None:
-    sizes = get_layout(plan.layout).sizes_of_mesh(mesh)
+    sizes = plan.spec.sizes_of_mesh(mesh)
     if sizes != (plan.tensor_parallel_size, plan.data_parallel_size):
         raise ValueError(f"assemble_step: the mesh holds p={sizes[0]} x dp={sizes[1]} ranks, the plan "
                          f"p={plan.tensor_parallel_size} x dp={plan.data_parallel_size}")
@@ -141,18 +141,17 @@ def assemble_step(model: nn.Module, mesh, plan: TrainPlan, *, precision: str | N
     return AssembledStep(plan, mesh, precision, gradient_sync)
 
 
-def prepare_model(model: nn.Module, mesh, plan: TrainPlan, *, layout: Layout | None = None,
+def prepare_model(model: nn.Module, mesh, plan: TrainPlan, *,
                   on_block: Callable[[nn.Module], object] | None = None) -> nn.Module:
-    """The model side of ``plan``'s step on ``model``, in place (module docstring): parallelized for ``plan.layout`` on
-    ``mesh`` (``layout``: the :class:`~lightning_tp2d.layouts.Layout` object of that name to use, with its options;
-    ``on_block``: as :func:`~lightning_tp2d.parallelize`'s, for a meta-device model cut block by block; a model
+    """The model side of ``plan``'s step on ``model``, in place (module docstring): parallelized for the plan's
+    layout (:attr:`~lightning_tp2d.train_plan.TrainPlan.spec`, the Layout object with its options) on ``mesh``
+    (``on_block``: as :func:`~lightning_tp2d.parallelize`'s, for a meta-device model cut block by block; a model
     already parallelized for this layout on this mesh is kept as it is), then its blocks' activations checkpointed in
     ``plan.activation_checkpointing`` mode, their kept inputs in host memory when ``plan.activation_offload``. Returns
-    ``model``. ``ValueError`` when the mesh's sizes are not the plan's, or ``layout`` is not the plan's."""
+    ``model``. ``ValueError`` when the mesh's sizes are not the plan's, or the model is already parallelized
+    otherwise."""
     _check_mesh(plan, mesh)
-    spec = get_layout(plan.layout) if layout is None else layout
-    if spec.name != plan.layout:
-        raise ValueError(f"prepare_model: layout {spec.name!r} is not the plan's {plan.layout!r}")
+    spec = plan.spec
     done = handle_of(model)
     if done is None:
         parallelize(model, mesh, spec, on_block=on_block)
@@ -162,10 +161,9 @@ def prepare_model(model: nn.Module, mesh, plan: TrainPlan, *, layout: Layout | N
     return checkpoint_activations(model, plan.activation_checkpointing, offload=plan.activation_offload)
 
 
-def build_step(model: nn.Module, mesh, plan: TrainPlan, *, layout: Layout | None = None,
-               on_block: Callable[[nn.Module], object] | None = None, precision: str | None = None,
-               sync: bool = True) -> AssembledStep:
+def build_step(model: nn.Module, mesh, plan: TrainPlan, *, on_block: Callable[[nn.Module], object] | None = None,
+               precision: str | None = None, sync: bool = True) -> AssembledStep:
     """``plan``'s whole step on a plain ``model``: :func:`prepare_model`, then :func:`assemble_step` (module
     docstring's loop). Call it before building optimizers."""
-    prepare_model(model, mesh, plan, layout=layout, on_block=on_block)
+    prepare_model(model, mesh, plan, on_block=on_block)
     return assemble_step(model, mesh, plan, precision=precision, sync=sync)

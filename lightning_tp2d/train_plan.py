@@ -5,8 +5,8 @@
 field                         default  meaning
 ============================  =======  =================================================================================
 ``layout``                    --       a registered layout's name (``"2d"``, ``"metp"``, ``"2d-metp"``) or its
-                                       :class:`~lightning_tp2d.layouts.Layout` object: kept as the name, the object
-                                       (with its ring options) as :attr:`~TrainPlan.spec`
+                                       :class:`~lightning_tp2d.layouts.Layout` object: kept as the name, its options
+                                       in ``options``, the object as :attr:`~TrainPlan.spec`
 ``tensor_parallel_size``      --       ``p``: ranks per model replica (square for the grid layouts)
 ``data_parallel_size``        1        ``dp``: model replicas
 ``zero_stage``                0        0: every replica keeps the optimizer state of its tensor shard; 1: the state is
@@ -16,6 +16,8 @@ field                         default  meaning
 ``micro_batch``               None     sequences per replica per micro-batch (advice: the data keeps its own)
 ``precision``                 None     a Lightning precision name (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``);
                                        ``None``: the run's
+``options``                   None     the layout's layer options (:class:`~lightning_tp2d.options.TPOptions`: SUMMA
+                                       algorithm, ring kernels); ``None``: the defaults, or the given Layout's
 ============================  =======  =================================================================================
 
 A plan is also the run's sizes (it replaced ``mesh.ParallelDims``, which names it still): :attr:`~TrainPlan.spec`,
@@ -41,8 +43,12 @@ A low floor: nothing here imports torch, and of the package only :mod:`lightning
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lightning_tp2d.layouts import Layout, get_layout
+
+if TYPE_CHECKING:
+    from lightning_tp2d.options import TPOptions
 
 ZERO_STAGES = (0, 1, 2, 3)  # lightning_tp2d.zero.ZERO_STAGES is this tuple
 FSDP_STAGES = (2, 3)  # the stages FSDP2 runs (lightning_tp2d.fsdp.FSDP_STAGES is this tuple)
@@ -85,12 +91,17 @@ class TrainPlan:
     activation_offload: bool = False
     micro_batch: int | None = None  # advice: the data module and the Trainer keep theirs
     precision: str | None = None  # None: the run's (the Trainer's or Fabric's precision)
+    options: TPOptions | None = None  # the layout's layer options; None: the defaults, or the given Layout's
+
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, (str, Layout)):
             raise ValueError(f"TrainPlan.layout must be a layout's name or Layout, got {self.layout!r}")
-        spec = get_layout(self.layout)  # unknown name: a ValueError listing the registered ones
+        given = self.layout.options if isinstance(self.layout, Layout) else None
+        # an unknown name: a ValueError listing the registered ones
+        spec = get_layout(self.layout, self.options if self.options is not None else given)
         object.__setattr__(self, "layout", spec.name)
+        object.__setattr__(self, "options", spec.options)  # so dataclasses.replace keeps them
         object.__setattr__(self, "_spec", spec)
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if not _positive_int(getattr(self, name)):
@@ -116,7 +127,7 @@ class TrainPlan:
 
     @property
     def spec(self) -> Layout:
-        """The :class:`~lightning_tp2d.layouts.Layout` object (the one given, with its options, or the name's)."""
+        """The :class:`~lightning_tp2d.layouts.Layout` object: the layout's, with :attr:`options`."""
         return self._spec  # type: ignore[attr-defined]
 
     @property

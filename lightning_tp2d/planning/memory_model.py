@@ -164,9 +164,9 @@ def _shards_here(spec, cfg, batch: int, seq: int, p: int, dp: int, stage: int, c
     fake_group(p * dp, rank)  # the worker's live group when it is this one (shard_bytes: in_worker's group)
     mesh = fake_mesh(spec, p, dp)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        plan = TrainPlan(spec.name, p, dp, stage, checkpointing, precision="bf16-mixed" if elem == 2 else "32-true")
+        plan = TrainPlan(spec, p, dp, stage, checkpointing, precision="bf16-mixed" if elem == 2 else "32-true")
         model = family_of_config(cfg).model_class(cfg)
-        prepare_model(model, mesh, plan, layout=spec)  # parallelized and checkpointed as the strategies do
+        prepare_model(model, mesh, plan)  # parallelized and checkpointed as the strategies do
         model.validate_inputs = False  # fake ids cannot be read
         blocks = list(family_of(model).block_modules(model))
         in_blocks = {id(q) for b in blocks for q in b.parameters()}

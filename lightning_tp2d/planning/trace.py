@@ -570,12 +570,12 @@ def _build(spec: Layout, cfg, mesh, elem: int, data: _DataParallel, recorder: _R
     for the :class:`~lightning_tp2d.train_plan.TrainPlan` of ``data``: FSDP, GradientSync, ZeRO-1's optimizer slices,
     the clipping), with the recorder's hooks on its blocks; and what runs after the backward."""
     p, dp = spec.sizes_of_mesh(mesh)
-    plan = TrainPlan(spec.name, p, dp, data.stage, checkpointing,
+    plan = TrainPlan(spec, p, dp, data.stage, checkpointing,
                      precision="bf16-mixed" if elem == 2 else "32-true")  # (float64: no policy, as float32)
     model = family_of_config(cfg).model_class(cfg)
     if elem == 8:
         model = model.double()
-    prepare_model(model, mesh, plan, layout=spec)  # parallelized and checkpointed as the strategies do
+    prepare_model(model, mesh, plan)  # parallelized and checkpointed as the strategies do
     model.validate_inputs = False  # fake ids cannot be read
     if checkpointing == "full":
         for block in family_of(model).block_modules(model):
