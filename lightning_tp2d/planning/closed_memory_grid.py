@@ -28,12 +28,12 @@ to them); ``M`` the local elements of one block's matrices (``1/p`` of each), ``
 * parameters: every block matrix ``1/p``, every vector ``1/q`` (split over ``col``, replicated over ``row``); the
   token embedding ``rows(r) x hq`` (vocabulary over ``row``, DTensor's ceil chunks), Llama's untied head
   ``rows(c) x hq``, GPT-2's position table ``block_size x hq``;
-* saved per block, ``"none"`` (``A``): each norm's input ``N hq e`` and statistics (RMSNorm ``rstd`` ``4N``,
-  LayerNorm mean and ``rstd`` ``8N``); the matmuls' bf16 operands: Llama casts each norm's float32 output once
-  per linear that reads it (five ``N hq e``), GPT-2's LayerNorm returns bf16 (its two outputs ``N hq e``); the
-  bf16 copies of the block's matrices ``e M``; q, k, v ``N (hq + 2 kq) e``, the attention's output ``N hq e``
-  (the ring's too: written token-major, the output projection reads it as a view) and log-sum-exp ``4 N nq``; Llama's RoPE tables cast for q and k
-  ``4 R_T hs e``; the MLP: SwiGLU's gate, up, ``silu(gate)`` and product ``4 N fq e``, GELU's pre-activation and
+* saved per block, ``"none"`` (``A``): each norm's input ``N hq e`` and statistics (RMSNorm ``rstd`` ``4N``, LayerNorm
+  mean and ``rstd`` ``8N``); the matmuls' bf16 operands: Llama casts each norm's float32 output once per linear that
+  reads it (five ``N hq e``), GPT-2's LayerNorm returns bf16 (its two outputs ``N hq e``); the bf16 copies of the
+  block's matrices ``e M``; q, k, v ``N (hq + 2 kq) e``, the attention's output ``N hq e`` (the ring's too: written
+  token-major, the output projection reads it as a view) and log-sum-exp ``4 N nq``; Llama's RoPE tables cast for q
+  and k ``4 R_T hs e``; the MLP: SwiGLU's gate, up, ``silu(gate)`` and product ``4 N fq e``, GELU's pre-activation and
   output ``2 N fq e``. ``"full"``: the block's input ``N hq e``. ``"selective"`` (:mod:`lightning_tp2d.recompute`):
   ``A`` less its recipes, the norms' outputs (Llama: the five casts of them) and the MLP's activation output (SwiGLU's
   product, GELU's output) ``N fq e``, which its down projection's backward rebuilds (the block holds it then); the
