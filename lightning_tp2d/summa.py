@@ -67,8 +67,12 @@ _GATHER, _REDUCE = 0, 1  # point-to-point tags of the two rings the collective b
 
 
 def _is_transposed(t: torch.Tensor) -> bool:
-    """True for a 2-D transposed view of contiguous storage (``x.t()`` of a contiguous ``x``)."""
-    return t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous()
+    """True for a 2-D transposed view of contiguous storage (``x.t()`` of a contiguous ``x``), read from the strides
+    (``t.t().is_contiguous()`` would dispatch a view op per operand and product)."""
+    if t.dim() != 2 or t.is_contiguous():
+        return False
+    (rows, cols), (row_stride, col_stride) = t.shape, t.stride()
+    return (rows <= 1 or row_stride == 1) and (cols <= 1 or col_stride == rows)
 
 
 def _wire(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -158,6 +162,7 @@ class _Column:
 
     def __init__(self, blocks: torch.Tensor, transposed: bool, handle=None) -> None:
         self.blocks, self.transposed, self.handle = blocks, transposed, handle
+        self.views: dict[bool, tuple[torch.Tensor, ...]] = {}  # every block's view, cut once (not two ops per get)
 
     @classmethod
     def gather(cls, b: torch.Tensor, mesh: DeviceMesh) -> _Column:
@@ -165,12 +170,15 @@ class _Column:
         blocks, handle = all_gather_blocks(wire, mesh, "row")
         return cls(blocks, transposed, handle)
 
-    def get(self, k: int) -> torch.Tensor:
+    def get(self, k: int, t: bool = False) -> torch.Tensor:
+        """Block ``k`` (``t``: its transpose, the stored block itself when transposed views travel)."""
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
-        block = self.blocks[k]
-        return block.t() if self.transposed else block
+        flip = self.transposed != t
+        if flip not in self.views:
+            self.views[flip] = (self.blocks.transpose(-1, -2) if flip else self.blocks).unbind(0)
+        return self.views[flip][k]
 
 
 def reduce_order(n: int, i: int) -> list[int]:
@@ -197,9 +205,10 @@ class _ColumnStream:
             wire = exchange_with(wire, transpose_peer(mesh))
         self.pipeline = BroadcastPipeline(wire, mesh, "row", order=order, ahead=2)
 
-    def get(self, k: int) -> torch.Tensor:
+    def get(self, k: int, t: bool = False) -> torch.Tensor:
+        """Block ``k`` (``t``: its transpose), as :meth:`_Column.get`."""
         buf = self.pipeline.get(k)
-        return buf.t() if self.transposed else buf
+        return buf.t() if self.transposed != t else buf
 
 
 def _streams(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool) -> bool:
@@ -310,7 +319,7 @@ def collective_abt(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, column: _
     column = column or _Column.gather(b, mesh)
     ring = _RingReduce(mesh, _REDUCE)
     for s in range(ring_steps(ring.n)):
-        out = ring.step(s, lambda k: a @ column.get(k).t())
+        out = ring.step(s, lambda k: a @ column.get(k, t=True))
     return out
 
 
@@ -319,13 +328,14 @@ class _Partials:
     are computed (no second copy to stack them), then reduce-scattered along ``row`` in one async call."""
 
     def __init__(self, n: int) -> None:
-        self.n, self.buffer = n, None
+        self.n, self.buffer, self.slots = n, None, ()
 
     def put(self, k: int, lhs: torch.Tensor, rhs: torch.Tensor) -> None:
-        """Partial ``k`` is ``lhs @ rhs``, multiplied straight into its slot (``out=``: no copy)."""
+        """Partial ``k`` is ``lhs @ rhs``, multiplied straight into its slot (``out=``: no copy; the slots cut once)."""
         if self.buffer is None:
             self.buffer = lhs.new_empty((self.n, lhs.shape[0], rhs.shape[1]))
-        torch.mm(lhs, rhs, out=self.buffer[k])
+            self.slots = self.buffer.unbind(0)
+        torch.mm(lhs, rhs, out=self.slots[k])
 
     def reduce(self, mesh: DeviceMesh):
         """Post the reduce-scatter (async): ``(out, handle)``."""
@@ -339,10 +349,11 @@ def collective_atb(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, out_trans
     n, i = axis_size(mesh, "col"), axis_rank(mesh, "col")
     parts = _Partials(n)
     ring = _RingGather(a, mesh, _GATHER) if a_panels is None else None
+    b_t = b.t() if out_transposed else None  # the fixed operand transposed once, not per block
     for s, ks in enumerate(ring_order(n, i)):
         held = ring.step(s) if ring is not None else [(k, a_panels[k]) for k in ks]
         for k, a_k in held:
-            parts.put(k, *((b.t(), a_k) if out_transposed else (a_k.t(), b)))
+            parts.put(k, *((b_t, a_k) if out_transposed else (a_k.t(), b)))
     out, handle = parts.reduce(mesh)
     handle.wait()
     return out.t() if out_transposed else out
@@ -360,17 +371,18 @@ def collective_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor,
     gather = _RingGather(a, mesh, _GATHER) if need_b and a_panels is None else None
     reduce = _RingReduce(mesh, _REDUCE) if need_a else None
     parts = _Partials(n)
-    da = db = db_handle = None
+    da = db = db_handle = grad_t = None
     order = ring_order(n, i)
     for s in range(len(order)):
         if need_b:
             held = gather.step(s) if gather is not None else [(k, a_panels[k]) for k in order[s]]
+            grad_t = grad.t() if out_t and grad_t is None else grad_t  # transposed once, not per block
             for k, a_k in held:
-                parts.put(k, *((grad.t(), a_k) if out_t else (a_k.t(), grad)))
+                parts.put(k, *((grad_t, a_k) if out_t else (a_k.t(), grad)))
             if s == len(order) - 1:
                 db, db_handle = parts.reduce(mesh)
         if need_a:
-            da = reduce.step(s, lambda k: grad @ column.get(k).t())
+            da = reduce.step(s, lambda k: grad @ column.get(k, t=True))
     if db_handle is not None:
         db_handle.wait()
         db = db.t() if out_t else db
@@ -421,18 +433,19 @@ def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, me
     ring = _RingGather(grad, mesh, _GATHER)
     parts = _Partials(n)
     da = db = db_handle = None
+    a_t = None if out_t else a.t()  # the fixed operand transposed once, not per block
     steps = ring_steps(n)
     for s in range(steps):
         held = ring.step(s)
         if need_b:
             for c, g in held:
-                parts.put(c, *((g.t(), a) if out_t else (a.t(), g)))
+                parts.put(c, *((g.t(), a) if out_t else (a_t, g)))
             if s == steps - 1:
                 db, db_handle = parts.reduce(mesh)
         if need_a:
             for c, g in held:
-                b_c = column.get(c)
-                da = g @ b_c.t() if da is None else da.addmm_(g, b_c.t())
+                b_c = column.get(c, t=True)
+                da = g @ b_c if da is None else da.addmm_(g, b_c)
     if db_handle is not None:
         db_handle.wait()
         if not mirrored:

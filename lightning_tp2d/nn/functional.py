@@ -115,12 +115,8 @@ class _SumGradsAlong(torch.autograd.Function):
     def backward(ctx, *grads):
         flat = torch.cat([g.reshape(-1) for g in grads])
         all_reduce_along(flat, ctx.mesh, ctx.axis)
-        out, offset = [], 0
-        for shape in ctx.shapes:
-            n = shape.numel()
-            out.append(flat[offset:offset + n].view(shape))
-            offset += n
-        return (None, None, *out)
+        parts = flat.split([shape.numel() for shape in ctx.shapes])  # one op for every part
+        return (None, None, *(part.view(shape) for part, shape in zip(parts, ctx.shapes)))
 
 
 def sum_grads_along(xs, mesh: DeviceMesh, axis: str) -> tuple[torch.Tensor, ...]:
