@@ -34,7 +34,7 @@ __all__ = [
 
 # public name -> the module that defines it (imported on first access)
 _EXPORTS = {
-    "ParallelDims": "mesh", "init_mesh": "mesh",
+    "ParallelDims": "train_plan", "init_mesh": "mesh",
     "GPT2": "models", "GPT2Config": "models", "Llama": "models", "LlamaConfig": "models",
     "full_state_dict": "parallelize", "local_parameter_bytes": "parallelize", "parallelize": "parallelize",
     "checkpoint_activations": "parallelize",

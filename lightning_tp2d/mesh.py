@@ -31,9 +31,7 @@ from lightning_tp2d.ops import register_mesh
 from lightning_tp2d.train_plan import TrainPlan
 
 
-# The sizes of one run: a TrainPlan's layout, tensor_parallel_size and data_parallel_size (its other fields at their
-# defaults), with the mesh's shape and axis names. The two were separate classes until issue 49 merged them.
-ParallelDims = TrainPlan
+ParallelDims = TrainPlan  # the sizes of one run (lightning_tp2d.train_plan.ParallelDims), at its older import path
 
 
 def device_type_for_backend(backend: str) -> str:

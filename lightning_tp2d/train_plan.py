@@ -56,7 +56,7 @@ FSDP_STAGES = (2, 3)  # the stages FSDP2 runs (lightning_tp2d.fsdp.FSDP_STAGES i
 CHECKPOINTING = ("none", "selective", "full")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # what the strategies and FSDP's mixed precision support
 
-__all__ = ["CHECKPOINTING", "FSDP_STAGES", "PRECISIONS", "TrainPlan", "ZERO_STAGES", "fsdp_shards",
+__all__ = ["CHECKPOINTING", "FSDP_STAGES", "PRECISIONS", "ParallelDims", "TrainPlan", "ZERO_STAGES", "fsdp_shards",
            "reshards_after_forward"]
 
 
@@ -195,3 +195,8 @@ class TrainPlan:
                 f"ckpt={self.activation_checkpointing}{' offload' if self.activation_offload else ''}"
                 f"{'' if self.micro_batch is None else f' micro={self.micro_batch}'}"
                 f"{'' if self.precision is None else ' ' + self.precision}")
+
+
+# The sizes of one run are a plan's (its layout, tensor_parallel_size and data_parallel_size; the rest at their
+# defaults), with the mesh's shape and axis names: one class since issue 49, the older name kept.
+ParallelDims = TrainPlan

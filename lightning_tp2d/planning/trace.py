@@ -76,7 +76,7 @@ from lightning_tp2d.planning.processes import start_process
 from lightning_tp2d.planning.steps import TracedStep
 from lightning_tp2d.families import family_of, family_of_config, fits
 from lightning_tp2d.layouts import DATA_AXIS, Layout, get_layout
-from lightning_tp2d.mesh import ParallelDims, init_mesh
+from lightning_tp2d.mesh import init_mesh
 from lightning_tp2d.ops import register_mesh
 from lightning_tp2d.step import assemble_step, prepare_model
 from lightning_tp2d.train_plan import ZERO_STAGES, TrainPlan, fsdp_shards
@@ -526,7 +526,7 @@ def drop_fake_group() -> None:
 def fake_mesh(spec: Layout, p: int, dp: int):
     """The layout's mesh of ``dp x p`` on the live :func:`fake_group`, one per shape and axis names while the
     group lives (so cached sharding decisions keep meeting the mesh they were made for)."""
-    dims = ParallelDims(spec, p, dp)
+    dims = TrainPlan(spec, p, dp)
     key = (tuple(dims.mesh_shape), tuple(dims.mesh_dim_names))
     meshes = _LIVE["meshes"]
     if key not in meshes:
