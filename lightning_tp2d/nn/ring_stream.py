@@ -226,9 +226,9 @@ def ring_linear_in(x, w, bias, mesh: DeviceMesh, axis: str, layout, *,
 
 def _vocab_split(ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(block, offset)`` of each id for vocab blocks of ``rows`` ids: which block holds it and its row there, in
-    ``[0, rows)`` for any id (an ignored ``-100`` is in block ``-1``, which no rank holds). Two elementwise ops once per
-    call, so a ring step's hits are one comparison (``block == j``) and its gather indices need no arithmetic; no host
-    sync, the same shapes whatever the ids."""
+    ``[0, rows)`` for any id (an ignored ``-100`` is in a negative block, which no rank holds). Two elementwise ops
+    once per call, so a ring step's hits are one comparison (``block == j``) and its gather indices need no
+    arithmetic; no host sync, the same shapes whatever the ids."""
     block = torch.div(ids, rows, rounding_mode="floor")
     return block, torch.remainder(ids, rows)
 
