@@ -440,7 +440,7 @@ class TensorParallelCore:
         layout, sizes, ZeRO stage and activation checkpointing, with this strategy's ``activation_offload`` (its
         micro-batch and accumulation are advice: the data and the Trainer keep theirs)."""
         plan = dataclasses.replace(row.train_plan, activation_offload=self.activation_offload)
-        self.layout_spec = get_layout(plan.layout)
+        self.layout_spec = plan.spec
         self.layout = self.layout_spec.name
         self._requested = (plan.tensor_parallel_size, plan.data_parallel_size)
         self.zero_stage = plan.zero_stage
