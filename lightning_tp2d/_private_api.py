@@ -274,16 +274,35 @@ torch (2.13)
     public: none; torch does not expose a group's timeout.
 
 ``DTensor._spec``, ``DTensor._local_tensor``, ``torch.distributed.tensor._utils.compute_global_tensor_info``
-    where: nn/functional.py:_LocalView
-    why: the layers' one crossing from a DTensor parameter to its local shard: a view of ``_local_tensor`` forward,
-    and backward the gradient wrapped as a DTensor with (a copy of) the parameter's own ``_spec`` when its global
-    stride (``compute_global_tensor_info``) matches. ``DTensor.to_local()`` does the same forward, but its backward
-    builds the gradient through ``DTensor.from_local`` (a second autograd function and a checked new spec): a
-    second view op and ~120 us per parameter and step on CPU, 5 of the 6 ms a 1x1 grid's gpt2-tiny step spent
-    beyond the plain model's.
+    where: nn/functional.py:local_view, nn/functional.py:_LocalView, nn/functional.py:_as_param_grad,
+    nn/functional.py:_to_param_grad, nn/functional.py:own_leaf_grads
+    why: the layers' one crossing from a DTensor parameter to its local shard. ``local_view`` hands out
+    ``_local_tensor`` itself, armed as an autograd leaf of its own (below): no op and no autograd node per use, so
+    one rank dispatches the plain model's ops; the shard's hook (``_to_param_grad``) checks that it is still its
+    parameter's ``_local_tensor`` before moving its gradient there. Where a shard cannot be a leaf (FSDP's gathered parameters),
+    ``_LocalView`` makes a view of ``_local_tensor`` forward, and backward wraps the gradient as a DTensor with (a
+    copy of) the parameter's own ``_spec`` when its global stride (``compute_global_tensor_info``) matches.
+    ``DTensor.to_local()`` does the same forward, but its backward builds the gradient through
+    ``DTensor.from_local`` (a second autograd function and a checked new spec): a second view op and ~120 us per
+    parameter and step on CPU.
     public: ``DTensor.to_local()``, which ``local_view`` uses under ``torch.compile`` (traced into the graph).
     ``DTensor._spec`` is read once per parameter (nn/functional.py:_grad_spec): the gradients' spec is a copy of it
     made once and shared by every step's gradient (a copy per gradient cost 31 us per parameter and step).
+
+``Module._parameters``
+    where: nn/functional.py:_holder, nn/functional.py:_to_param_grad
+    why: the parameter a module holds under a name: that an armed shard's parameter is still the one its hook will
+    find there, read on every use and every backward. ``getattr(module, name)`` reaches it through
+    ``Module.__getattr__`` after a failed attribute lookup: 5 us a call on CPU, 0.3 ms of a 3 ms gpt2-tiny step.
+    public: ``getattr(module, name)`` or ``Module.get_parameter(name)`` (the same dictionary, slower).
+
+``Tensor._post_accumulate_grad_hooks``
+    where: nn/functional.py:_to_param_grad
+    why: an armed shard's gradient accumulates on the shard (a plain tensor: no DTensor dispatch per accumulation)
+    and its hook moves it into ``param.grad``; autograd never accumulates into the parameter itself, so the hook
+    then runs the hooks registered on the parameter (the data-parallel gradient buckets', FSDP's averaging of the
+    parameters it keeps whole, a user's) as autograd would have.
+    public: none; ``register_post_accumulate_grad_hook`` registers hooks but nothing lists or runs them.
 
 ``DTensor._op_dispatcher._custom_op_handlers``, ``torch.ops.aten._fused_adamw_``, ``torch.ops.aten._fused_adam_``,
 ``DTensor._spec``, ``DTensor._local_tensor``
@@ -449,8 +468,14 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("OpOverload._schema", ("planning/trace.py:_attention_flops", "bench/layer_cost.py:_is_view"),
      "argument names of an attention op, to price its FLOPs; whether an op is a view"),
     ("DTensor._spec, DTensor._local_tensor, torch.distributed.tensor._utils.compute_global_tensor_info",
-     ("nn/functional.py:_LocalView",),
-     "the layers' one crossing to a parameter's local shard, without to_local's from_local in the backward"),
+     ("nn/functional.py:local_view", "nn/functional.py:_LocalView", "nn/functional.py:_as_param_grad",
+      "nn/functional.py:_to_param_grad", "nn/functional.py:own_leaf_grads"),
+     "the layers' one crossing to a parameter's local shard: the shard itself as a leaf, else a view whose backward "
+     "skips to_local's from_local"),
+    ("Module._parameters", ("nn/functional.py:_holder", "nn/functional.py:_to_param_grad"),
+     "the parameter a module holds under a name, without Module.__getattr__ (5 us a call)"),
+    ("Tensor._post_accumulate_grad_hooks", ("nn/functional.py:_to_param_grad",),
+     "run the parameter's own post-accumulate hooks once its armed shard's gradient is moved into param.grad"),
     ("DTensor._spec", ("nn/functional.py:_grad_spec",), "one gradient spec per parameter, copied once"),
     ("DTensor._op_dispatcher._custom_op_handlers, torch.ops.aten._fused_adamw_, torch.ops.aten._fused_adam_, "
      "DTensor._spec, DTensor._local_tensor",

@@ -46,6 +46,7 @@ from lightning_tp2d.families import family_of, model_names
 from lightning_tp2d.layouts import DEFAULT_LAYOUT, Layout, ParallelHandle, get_layout
 from lightning_tp2d.offload import ActivationOffloader
 from lightning_tp2d.ops import register_mesh
+from lightning_tp2d.nn.functional import own_leaf_grads
 from lightning_tp2d.train_plan import CHECKPOINTING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -111,6 +112,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAU
             on_block(block)
     model.residual_in_compute_dtype = True  # bf16 activations under bf16-mixed at every stage (gpt2.in_compute_dtype)
     model.tp = ParallelHandle(spec, mesh, p, dp)
+    own_leaf_grads(model)  # the layers take each parameter's shard as a leaf of its own (nn.functional.local_view)
     return model
 
 

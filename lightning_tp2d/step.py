@@ -18,6 +18,10 @@ Given a model parallelized on ``mesh`` (``dp x p``), it
   at stage 3, FSDP's mixed precision for the run's precision); before any optimizer holds the parameters;
 * installs :class:`~lightning_tp2d.training.GradientSync` on the whole module when :attr:`TrainPlan.gradient_sync`
   (stages 0/1, ``dp > 1``: buckets all-reduced during the backward; the loop calls ``finish()`` after it);
+* lets every DTensor parameter that FSDP does not split hand the layers its local shard as an autograd leaf of its
+  own (:func:`lightning_tp2d.nn.functional.own_leaf_grads`), again for those a cast or a move replaced after
+  :func:`~lightning_tp2d.parallelize` (which does it for the parameters it makes): gradients accumulate as plain
+  tensors and become the parameters' DTensor ``.grad`` after each backward;
 
 and returns an :class:`AssembledStep` that also says how to shard an optimizer built afterwards
 (:meth:`AssembledStep.shard_optimizer`: ZeRO-1's slices when :attr:`TrainPlan.optimizer_sharded`) and how to clip
@@ -52,6 +56,7 @@ import torch.nn as nn
 from lightning_tp2d import fsdp, training, zero
 from lightning_tp2d.families import family_of
 from lightning_tp2d.layouts import handle_of
+from lightning_tp2d.nn.functional import own_leaf_grads
 from lightning_tp2d.parallelize import checkpoint_activations, parallelize
 from lightning_tp2d.train_plan import FSDP_STAGES, TrainPlan
 
@@ -138,6 +143,7 @@ def assemble_step(model: nn.Module, mesh, plan: TrainPlan, *, precision: str | N
         warnings.warn(f"zero_stage={plan.zero_stage} with data_parallel_size=1: nothing to shard over "
                       "data_parallel; the model trains as at stage 0", UserWarning, stacklevel=2)
     gradient_sync = training.GradientSync(model, mesh) if sync and plan.gradient_sync else None
+    own_leaf_grads(model)
     return AssembledStep(plan, mesh, precision, gradient_sync)
 
 

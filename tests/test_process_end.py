@@ -57,7 +57,13 @@ from lightning_tp2d import mesh as tp_mesh
 from lightning_tp2d.models import GPT2, GPT2Config
 
 def threads():  # gloo's threads: pt_gloo_runloop (a group's workers), gloo_tcp_loop (its transport)
-    return sum("gloo" in open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task"))
+    count = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            count += "gloo" in open(f"/proc/self/task/{t}/comm").read()
+        except FileNotFoundError:  # a thread that ended while they were counted
+            pass
+    return count
 
 rank, phase = int(os.environ["RANK"]), os.environ["PHASE"]
 before = threads()
@@ -101,9 +107,10 @@ def _phase(tmp_path: Path, phase: str) -> str:
 
 @pytest.mark.parametrize("phase", ["destroy", "kept"])
 def test_release_joins_every_process_group_thread_with_or_without_destroy(tmp_path, phase):
+    out = _phase(tmp_path, phase)
     lines = re.findall(rf"(?m)^rank (\d) {phase}: ended (\w+), threads (\d+) (\d+) (\d+) (\d+) "
-                       rf"initialized (\w+)$", _phase(tmp_path, phase))
-    assert sorted(rank for rank, *_ in lines) == ["0", "1"]
+                       rf"initialized (\w+)$", out)
+    assert sorted(rank for rank, *_ in lines) == ["0", "1"], out[-3000:]
     for rank, ended, before, started, running, after, initialized in lines:
         assert ended == "True" and initialized == "False"  # gloo: the release ends a group the user left too
         assert int(before) == 0 and int(running) > int(started) > 0  # the groups' gloo threads ran ...

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +23,9 @@ from lightning_tp2d.ops import registered
 class _LocalView(torch.autograd.Function):
     """A DTensor parameter -> a view of its local shard; backward: the shard's gradient as a DTensor of the
     parameter's own placements. What ``DTensor.to_local()`` does, without its backward's ``DTensor.from_local``
-    (a second autograd function and a checked spec: ~120 us per parameter and step on CPU, 5 of the 6 ms that a
-    1x1 grid's gpt2-tiny step spent beyond the plain model's before this), and with one gradient spec per
-    parameter (:func:`_grad_spec`)."""
+    (a second autograd function and a checked spec: ~120 us per parameter and step on CPU), and with one gradient
+    spec per parameter (:func:`_grad_spec`). The crossing for parameters whose shard is not a leaf of its own
+    (:func:`local_view`: FSDP's, a copied model's)."""
 
     @staticmethod
     def forward(ctx, param):
@@ -37,13 +39,18 @@ class _LocalView(torch.autograd.Function):
     def backward(ctx, grad):
         if grad is None:
             return None
-        spec = ctx.spec
-        if grad.stride() == ctx.stride:  # laid out as the shard itself: the parameter's own global stride
-            return DTensor(grad, spec, requires_grad=False)
-        _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
-        if tuple(stride) != spec.tensor_meta.stride:  # a gradient laid out otherwise: torch's own conversion
-            return DTensor.from_local(grad, spec.mesh, spec.placements, shape=spec.shape, stride=tuple(stride))
+        return _as_param_grad(grad, ctx.spec, ctx.stride)
+
+
+def _as_param_grad(grad: torch.Tensor, spec, stride) -> DTensor:
+    """``grad`` (a local shard's gradient) as a DTensor laid out as the parameter of ``spec`` (whose local shard has
+    ``stride``)."""
+    if grad.stride() == stride:  # laid out as the shard itself: the parameter's own global stride
         return DTensor(grad, spec, requires_grad=False)
+    _, global_stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
+    if tuple(global_stride) != spec.tensor_meta.stride:  # a gradient laid out otherwise: torch's own conversion
+        return DTensor.from_local(grad, spec.mesh, spec.placements, shape=spec.shape, stride=tuple(global_stride))
+    return DTensor(grad, spec, requires_grad=False)
 
 
 _GRAD_SPEC = "_tp2d_grad_spec"
@@ -61,13 +68,127 @@ def _grad_spec(param: DTensor):
     return cached[1]
 
 
+# On a DTensor parameter whose local shard may become an autograd leaf of its own: its _Link
+_LEAF = "_tp2d_leaf"
+
+
+class _Link:
+    """Where an armed shard's gradient goes (:func:`_leaf_of`), kept in its parameter's ``__dict__``: the module
+    that holds the parameter (a weak reference) and the parameter's name there, and the shard armed for it (a weak
+    reference). Nothing here refers to the parameter: a strong reference from its shard's hook would keep it alive
+    (autograd's hooks are invisible to the garbage collector) and a cycle through it would free its memory only at
+    the collector's next pass; a weak reference to the parameter would stop ``torch.utils.swap_tensors``, which
+    ``Module._apply`` (``.to()``) uses on DTensor parameters. A deep copy is an empty link (its copied parameter
+    goes through :class:`_LocalView`)."""
+
+    __slots__ = ("module", "name", "local")
+
+    def __init__(self, module: weakref.ref | None, name: str) -> None:
+        self.module, self.name, self.local = module, name, None
+
+    def __deepcopy__(self, memo) -> _Link:
+        return _Link(None, self.name)
+
+    def __reduce__(self):  # (pickled: an empty link too; weak references do not pickle)
+        return _Link, (None, self.name)
+
+
+def own_leaf_grads(model: torch.nn.Module) -> None:
+    """Let each DTensor parameter of ``model`` not split over ``data_parallel`` (FSDP's, whose gathered copies
+    FSDP's own backward hooks read) hand the layers its local shard as an autograd leaf of its own
+    (:func:`local_view`). :func:`lightning_tp2d.parallelize` calls it on the model it parallelized, and
+    :func:`lightning_tp2d.step.assemble_step` again for the parameters that a cast or a move replaced since."""
+    for module in model.modules():
+        ref = None
+        for name, param in module.named_parameters(recurse=False):
+            if not isinstance(param, DTensor) or _split_over_data(param):
+                continue
+            link = param.__dict__.get(_LEAF)
+            if link is None or _holder(link) is not param:  # new, copied, or its module no longer holds it
+                ref = ref or weakref.ref(module)
+                param.__dict__[_LEAF] = link = _Link(ref, name)
+            if param.requires_grad and (link.local is None or link.local() is not param._local_tensor):
+                _leaf_of(link, param._local_tensor)
+
+
+def _holder(link: _Link):
+    """The parameter ``link``'s module holds under its name now (``None``: none, or no module)."""
+    owner = None if link.module is None else link.module()
+    return None if owner is None else owner._parameters.get(link.name)  # private: see lightning_tp2d._private_api
+
+
+def _split_over_data(param: DTensor) -> bool:
+    names = param.device_mesh.mesh_dim_names or ()
+    return "data_parallel" in names and not param.placements[names.index("data_parallel")].is_replicate()
+
+
+def _leaf_of(link: _Link, local: torch.Tensor) -> torch.Tensor:
+    """Arm ``local`` (a parameter's shard) as an autograd leaf of its own, once per shard object: it requires grad,
+    and after each accumulation a hook moves its gradient into the parameter's ``.grad`` (:func:`_to_param_grad`)."""
+    local.requires_grad_(True)
+    local.register_post_accumulate_grad_hook(functools.partial(_to_param_grad, link.module, link.name))
+    link.local = weakref.ref(local)
+    return local
+
+
+def _to_param_grad(module: weakref.ref, name: str, local: torch.Tensor) -> None:
+    """The post-accumulate hook of an armed shard: its gradient becomes the parameter's (a DTensor over the same
+    storage, no copy) or is added into the parameter's existing one (gradient accumulation), the shard's own
+    ``.grad`` is cleared, and the parameter's own post-accumulate hooks (the data-parallel gradient buckets',
+    FSDP's averaging of the parameters it keeps whole, a user's) run as autograd would have run them. The parameter
+    is the one ``module`` holds as ``name`` now, if this shard is still its shard."""
+    owner = module()
+    param = None if owner is None else owner._parameters.get(name)  # private: see lightning_tp2d._private_api
+    if not isinstance(param, DTensor) or param._local_tensor is not local:
+        return  # (a link made since, for where the parameter is now, has its own hook: the gradient is left to it)
+    grad, local.grad = local.grad, None
+    if grad is None:
+        return
+    have = param.grad
+    if have is None:
+        param.grad = _as_param_grad(grad, _grad_spec(param), local.stride())
+    elif isinstance(have, DTensor) and have._local_tensor.shape == grad.shape:
+        have._local_tensor.add_(grad)
+    else:
+        param.grad = have + _as_param_grad(grad, _grad_spec(param), local.stride())
+    hooks = param._post_accumulate_grad_hooks  # private: see lightning_tp2d._private_api
+    if hooks:
+        for hook in tuple(hooks.values()):
+            hook(param)
+
+
 def local_view(param: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor parameter, differentiable (:class:`_LocalView`); under ``torch.compile``
-    (which traces ``to_local`` into the graph for free) and for a plain tensor, as ``to_local`` / itself."""
+    """The local shard of a DTensor parameter, differentiable: the math the layers do on it reaches the parameter's
+    ``.grad`` (a DTensor of the parameter's placements).
+
+    * A parameter marked by :func:`own_leaf_grads` (:func:`lightning_tp2d.parallelize` marks every parameter it
+      makes, :func:`lightning_tp2d.step.assemble_step` those a cast or a move replaced since) hands out its local
+      shard itself, armed as an autograd leaf of its own (:func:`_leaf_of`): no op, no autograd node and no tensor
+      subclass per use, and its gradient accumulates as a plain tensor, as the plain model's do. Its hook sets
+      ``param.grad`` after each backward. This makes one rank dispatch the plain model's ops exactly
+      (``tests/test_one_rank.py``; docs/benchmarks.md, "The layouts' own cost"). Under ``torch.compile`` the armed
+      shard is traced as a plain leaf input, so no DTensor enters the graph either.
+    * Any other DTensor parameter (FSDP's sharded and gathered ones, a deep copy's until it is marked, one that does
+      not require grad) goes through :class:`_LocalView`, and under ``torch.compile`` through ``to_local``; a plain
+      tensor is itself.
+
+    A gradient that reaches an armed shard must be a tensor no collective's work object still holds: autograd would
+    copy it rather than keep it (``_SumGradAlong`` hands its all-reduced sum over as a fresh view)."""
     if not isinstance(param, DTensor):
         return param
     if torch.compiler.is_compiling():
+        link = getattr(param, _LEAF, None)
+        local = param._local_tensor
+        if param.requires_grad and link is not None and link.local is not None and link.local() is local:
+            return local  # (armed when it was marked: traced as a plain leaf input, no DTensor in the graph)
         return param.to_local()
+    link = param.__dict__.get(_LEAF)
+    if link is not None and param.requires_grad and _holder(link) is param:  # (where its hook finds it)
+        local = param._local_tensor
+        armed = link.local
+        if armed is None or armed() is not local:  # a shard replaced since it was marked (a cast, a load)
+            _leaf_of(link, local)
+        return local
     return _LocalView.apply(param)
 
 
@@ -86,9 +207,9 @@ class _SumGradAlong(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        all_reduce_along(grad, ctx.mesh, ctx.axis)
-        return grad, None, None
+        summed = grad.contiguous().clone()
+        all_reduce_along(summed, ctx.mesh, ctx.axis)
+        return summed.view_as(summed), None, None
 
 
 def sum_grad_along(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor:
