@@ -53,6 +53,13 @@ def _compare(rank: int, world: int) -> dict:
     # the fast path takes these calls: every DTensor laid out as its parameter
     ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
     out["takes_aligned"] = fused_adam._local_lists((ps, grads, grads, grads, [], [])) is not None
+    # the same specs again: taken without a check (the cache), the same shards handed over
+    again = fused_adam._local_lists((ps, grads, grads, grads, [], []))
+    out["cached"] = (again is not None and all(a is g._local_tensor for a, g in zip(again[1], grads))
+                     and any(len(k) == 5 for k in fused_adam._CHECKED))
+    # a parameter's moment laid out otherwise after the cache holds the aligned call: still refused
+    other = [distribute_tensor(torch.zeros(t.shape), mesh, [Replicate()]) for t in full]
+    out["takes_other"] = fused_adam._local_lists((ps, grads, other, grads, [], [])) is not None
     # a gradient left Partial (replicated parameter, unreduced gradient) is DTensor's to redistribute
     partial = [grads[0], DTensor.from_local(grads[1].to_local() * (rank + 1), mesh, [Partial()]), grads[2]]
     out["takes_partial"] = fused_adam._local_lists((ps, partial, grads, grads, [], [])) is not None
@@ -69,8 +76,8 @@ def test_fused_adamw_on_local_shards_matches_dtensor_dispatch_and_falls_back_whe
             assert len(fast) == len(ref) == 9
             for a, b in zip(fast, ref):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
-        assert rank["takes_aligned"] is True
-        assert rank["takes_partial"] is False
+        assert rank["takes_aligned"] is True and rank["cached"] is True
+        assert rank["takes_partial"] is False and rank["takes_other"] is False
 
 
 def _installed_after_parallelize(rank: int, world: int) -> bool:
