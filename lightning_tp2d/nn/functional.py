@@ -16,6 +16,7 @@ from torch.distributed.tensor._utils import compute_global_tensor_info  # privat
 from lightning_tp2d import recompute
 from lightning_tp2d.nn import traced
 from lightning_tp2d.comm import all_gather_along, all_reduce_along, axis_rank, axis_size, exchange_with
+from lightning_tp2d.layouts import DATA_AXIS
 from lightning_tp2d.mesh import transpose_peer
 from lightning_tp2d.ops import registered
 
@@ -119,7 +120,7 @@ def _holder(link: _Link):
 
 def _split_over_data(param: DTensor) -> bool:
     names = param.device_mesh.mesh_dim_names or ()
-    return "data_parallel" in names and not param.placements[names.index("data_parallel")].is_replicate()
+    return DATA_AXIS in names and not param.placements[names.index(DATA_AXIS)].is_replicate()
 
 
 def _leaf_of(link: _Link, local: torch.Tensor) -> torch.Tensor:
