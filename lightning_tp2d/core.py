@@ -30,8 +30,8 @@ from lightning_tp2d.layouts import DEFAULT_LAYOUT, STRATEGY_NAMES, Layout, get_l
 from lightning_tp2d.mesh import as_timeout, init_mesh
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, offloaded_checkpointing
 from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes
-from lightning_tp2d.step import (AssembledStep, assemble_step, block_sharder, clip_grad_norm_, prepare_model,
-                                 shard_optimizer)
+from lightning_tp2d.step import (AssembledStep, assemble_step, block_sharder, clip_grad_norm_, is_prepared,
+                                 prepare_model, shard_optimizer)
 from lightning_tp2d.train_plan import PRECISIONS, TrainPlan
 from lightning_tp2d.training import broadcast_module_
 from lightning_tp2d.values import check_number
@@ -495,11 +495,7 @@ class TensorParallelCore:
                 "one in __init__ or configure_model)")
         base, plan = None, self.train_plan  # the model side of the plan: step.prepare_model
         for index, (name, gpt) in enumerate(found):
-            done = handle_of(gpt)
-            if done is not None:
-                if done.layout != self.layout_spec or done.mesh is not self._mesh:
-                    raise ValueError(f"{type(gpt).__name__} {name!r} is already parallelized with layout {done.layout.name!r} on "
-                                     "another mesh")
+            if is_prepared(gpt, self._mesh, plan, name):  # kept as it is (checkpointed and compiled already)
                 continue
             if any(p.is_meta for p in gpt.parameters()):
                 if base is None:

@@ -60,8 +60,8 @@ from lightning_tp2d.nn.functional import own_leaf_grads
 from lightning_tp2d.parallelize import checkpoint_activations, parallelize
 from lightning_tp2d.train_plan import FSDP_STAGES, TrainPlan
 
-__all__ = ["AssembledStep", "assemble_step", "block_sharder", "build_step", "clip_grad_norm_", "prepare_model",
-           "shard_optimizer"]
+__all__ = ["AssembledStep", "assemble_step", "block_sharder", "build_step", "clip_grad_norm_", "is_prepared",
+           "prepare_model", "shard_optimizer"]
 
 
 def _precision(plan: TrainPlan, precision: str | None) -> str:
@@ -157,14 +157,23 @@ def prepare_model(model: nn.Module, mesh, plan: TrainPlan, *,
     ``model``. ``ValueError`` when the mesh's sizes are not the plan's, or the model is already parallelized
     otherwise."""
     _check_mesh(plan, mesh)
-    spec = plan.spec
+    if not is_prepared(model, mesh, plan):
+        parallelize(model, mesh, plan.spec, on_block=on_block)
+    return checkpoint_activations(model, plan.activation_checkpointing, offload=plan.activation_offload)
+
+
+def is_prepared(model: nn.Module, mesh, plan: TrainPlan, name: str | None = None) -> bool:
+    """Whether ``model`` is parallelized for ``plan``'s layout on ``mesh`` already (``False``: not parallelized at
+    all); ``ValueError`` when it is parallelized otherwise (another layout, or another mesh). ``name``: the model's
+    name in the message. The one statement of the rule :func:`prepare_model` and the strategies keep."""
     done = handle_of(model)
     if done is None:
-        parallelize(model, mesh, spec, on_block=on_block)
-    elif done.layout != spec or done.mesh is not mesh:
-        raise ValueError(f"prepare_model: {type(model).__name__} is already parallelized with layout "
-                         f"{done.layout.name!r} on another mesh, not {plan.layout!r} on this one")
-    return checkpoint_activations(model, plan.activation_checkpointing, offload=plan.activation_offload)
+        return False
+    if done.layout != plan.spec or done.mesh is not mesh:
+        what = type(model).__name__ + ("" if name is None else f" {name!r}")
+        raise ValueError(f"{what} is already parallelized with layout {done.layout.name!r} on another mesh, not "
+                         f"{plan.layout!r} on this one")
+    return True
 
 
 def build_step(model: nn.Module, mesh, plan: TrainPlan, *, on_block: Callable[[nn.Module], object] | None = None,
