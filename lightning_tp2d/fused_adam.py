@@ -61,12 +61,11 @@ def _local_lists(args) -> list | None:
     except AttributeError:  # a plain tensor in a list
         return None
     if key not in _CHECKED:
-        out = _checked_local_lists(args)
-        if out is not None:
-            if len(_CHECKED) >= _CHECKED_MAX:
-                _CHECKED.clear()
-            _CHECKED[key] = [list(map(_SPEC, arg)) for arg in lists]  # (kept: their ids stay theirs)
-        return out
+        if not _aligned(args):
+            return None
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED[key] = [list(map(_SPEC, arg)) for arg in lists]  # (kept: their ids stay theirs)
     out = []
     for i, arg in enumerate(args):
         if i < _LISTS and isinstance(arg, (list, tuple)):
@@ -80,26 +79,13 @@ def _local_lists(args) -> list | None:
     return out
 
 
-def _checked_local_lists(args) -> list | None:
-    """:func:`_local_lists`, every tensor checked."""
+def _aligned(args) -> bool:
+    """Whether every tensor of the call's five lists is laid out as its parameter (none ``Partial``)."""
     params = args[0]
     if not all(isinstance(p, DTensor) and not any(pl.is_partial() for pl in p._spec.placements) for p in params):
-        return None
-    out = []
-    for i, arg in enumerate(args):
-        if i < _LISTS and isinstance(arg, (list, tuple)):
-            if arg and (len(arg) != len(params) or not all(_like(t, p) for t, p in zip(arg, params))):
-                return None
-            out.append([t._local_tensor for t in arg])
-        elif isinstance(arg, (list, tuple)):
-            if any(isinstance(t, DTensor) for t in arg):
-                return None
-            out.append(arg)
-        elif isinstance(arg, DTensor):
-            return None
-        else:
-            out.append(arg)
-    return out
+        return False
+    return all(not arg or (len(arg) == len(params) and all(_like(t, p) for t, p in zip(arg, params)))
+               for arg in args[:_LISTS] if isinstance(arg, (list, tuple)))
 
 
 def _handler(op_call, args, kwargs):
