@@ -289,6 +289,13 @@ torch (2.13)
     ``DTensor._spec`` is read once per parameter (nn/functional.py:_grad_spec): the gradients' spec is a copy of it
     made once and shared by every step's gradient (a copy per gradient cost 31 us per parameter and step).
 
+``DTensor._local_tensor`` (bench)
+    where: bench/layer_cost.py:_bytes
+    why: the memory-bound bytes a rank moves when torch's DTensor code runs an op: a dispatch mode sees the DTensor op
+    with its global shapes (DTensor then runs it on the shards outside the mode), so each DTensor argument and result
+    counts its shard's bytes. Read inside a dispatch mode, where ``to_local()`` (an autograd function) would add work.
+    public: ``DTensor.to_local()``.
+
 ``Module._parameters``
     where: nn/functional.py:_holder, nn/functional.py:_to_param_grad
     why: the parameter a module holds under a name: that an armed shard's parameter is still the one its hook will
@@ -472,6 +479,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
       "nn/functional.py:_to_param_grad", "nn/functional.py:own_leaf_grads"),
      "the layers' one crossing to a parameter's local shard: the shard itself as a leaf, else a view whose backward "
      "skips to_local's from_local"),
+    ("DTensor._local_tensor", ("bench/layer_cost.py:_bytes",),
+     "the bytes of a DTensor op's shards, counted by a dispatch mode that sees the global shapes"),
     ("Module._parameters", ("nn/functional.py:_holder", "nn/functional.py:_to_param_grad"),
      "the parameter a module holds under a name, without Module.__getattr__ (5 us a call)"),
     ("Tensor._post_accumulate_grad_hooks", ("nn/functional.py:_to_param_grad",),

@@ -153,7 +153,11 @@ def test_the_baseline_considers_zero_1_and_the_package_s_stages():
 def test_baseline_elementwise_work_counts_the_norm_shards_not_their_gathered_copies():
     """The 1-D baseline's elementwise seconds per token and GPU no longer grow with its TP degree: the ``2 L + 1``
     norm outputs it all-gathers are counted as the ``N h e / tp`` shards the norms write (they were counted whole,
-    which made TP 8 pay ~1.7x plain FSDP's elementwise time per token)."""
+    which made TP 8 pay ~1.7x plain FSDP's elementwise time per token); then the side's measured memory-bound
+    quotient (:func:`~lightning_tp2d.planning.host_cost.memory_bound_ratio`, the same at every TP degree above 1:
+    what torch's code moves beyond that model, its reduce-scatters' chunk copies among it) multiplies them."""
+    from lightning_tp2d.planning import host_cost
+
     cfg = model_config("llama-3.1-8b")
     per_token = {}
     for tp in (1, 2, 8):
@@ -163,8 +167,11 @@ def test_baseline_elementwise_work_counts_the_norm_shards_not_their_gathered_cop
         saved = baseline_activation_bytes(cfg, 1, SEQ, tp, elem=2, ep=2)["total"]
         gathered = (2 * cfg.n_layer + 1) * SEQ * cfg.n_embd * 2
         passes = planner.ELEMENTWISE_PASSES["compiled"]
-        assert seconds == pytest.approx(passes * (saved - gathered * (1 - 1 / tp)) / HW.hbm_bytes_per_s, rel=1e-12)
-        per_token[tp] = seconds / (SEQ / tp)
+        ratio = host_cost.memory_bound_ratio("tp1d-sp" if tp > 1 else "single", cfg, tp)
+        assert ratio == (1.0 if tp == 1 else host_cost.MEMORY_BOUND["llama"]["tp1d-sp"][4])
+        modelled = saved - gathered * (1 - 1 / tp)
+        assert seconds == pytest.approx(passes * ratio * modelled / HW.hbm_bytes_per_s, rel=1e-12)
+        per_token[tp] = seconds / ratio / (SEQ / tp)
     assert per_token[8] == pytest.approx(per_token[1], rel=0.02)
     assert per_token[2] == pytest.approx(per_token[1], rel=0.02)
 

@@ -3,11 +3,14 @@ memory-bound ops, eager time. The measure of "one rank is the plain model" and "
 (docs/benchmarks.md, "The layouts' own cost"; ``recipes/benchmarks/layer_overhead.py`` runs it).
 
 * :class:`OpCounter` (a ``TorchDispatchMode``): every aten op of a step by name, and the bytes read and written by
-  the memory-bound ones: not a view (an op whose result aliases an input without writing it), not a GEMM or an
-  attention kernel (:data:`COMPUTE_BOUND`), not a collective. A view costs host time, no memory traffic.
+  the memory-bound ones: not a view (an op whose result aliases an input without writing it), not an allocation
+  (``empty`` and its kin, :data:`ALLOCATIONS`), not a GEMM or an attention kernel (:data:`COMPUTE_BOUND`), not a
+  collective. A view or an allocation costs host time, no memory traffic.
 * :func:`step_cost`: one training step (forward, backward, AdamW, zero_grad) of a model on a batch, counted, after
   one warm-up step (AdamW's state exists); :func:`eager_seconds`: the mean wall time of further steps.
 * :func:`build`: the plain model of a family and size, or its parallel form for a layout on a mesh.
+* :func:`fake_rank_host_seconds`: the host's CPU seconds of a micro-batch of each side, one rank alone on torch's
+  fake process group (the planner's host price per op, ``recipes/benchmarks/host_ops.py --rates``).
 
 Op counts are deterministic for a given torch build, model, batch and layout: tests assert them exactly.
 """
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_tp2d as tp
@@ -30,6 +34,7 @@ from lightning_tp2d.families import family_of_config, model_config
 
 # GEMMs and fused attention: compute-bound kernels, left out of the memory-bound bytes (their time is FLOPs)
 COMPUTE_BOUND = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "_scaled_mm",
+                           "addmm_", "baddbmm_", "addbmm_",  # (in place: a GEMM accumulating into its output)
                            "_scaled_dot_product_flash_attention_for_cpu",
                            "_scaled_dot_product_flash_attention_for_cpu_backward",
                            "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
@@ -39,13 +44,21 @@ COMPUTE_BOUND = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", 
                            "_flash_attention_forward", "_flash_attention_backward"})
 
 
+# ops that allocate without reading or writing a byte (a receive buffer, an output to fill): host time, no traffic
+ALLOCATIONS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted"})
+
+
 def _is_view(func) -> bool:
     """An op whose result aliases an input without writing it (``view``, ``t``, ``slice``, ``as_strided`` ...)."""
     return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
 
 def _bytes(value) -> int:
-    """Bytes of the tensors in ``value`` (an op's arguments or result: tensors in tuples, lists and dicts)."""
+    """Bytes of the tensors in ``value`` (an op's arguments or result: tensors in tuples, lists and dicts). A DTensor
+    counts its local shard: the dispatch mode sees torch's DTensor code one op at a time with the global shapes
+    (DTensor then runs the op on the shards, outside the mode), and a rank moves its shard's bytes, not the whole's."""
+    if isinstance(value, DTensor):
+        value = value._local_tensor
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (tuple, list)):
@@ -86,7 +99,7 @@ class OpCounter(TorchDispatchMode):
             self.cost.collectives[name] += 1
             return out
         self.cost.ops[name] += 1
-        if name not in COMPUTE_BOUND and not _is_view(func):
+        if name not in COMPUTE_BOUND and name not in ALLOCATIONS and not _is_view(func):
             self.cost.bytes += _bytes((args, kwargs)) + _bytes(out)
         return out
 
@@ -153,6 +166,19 @@ def rank_cost(rank: int, world_size: int, layout: str, spec, timed_steps: int = 
     return out
 
 
+def _alternating_rounds(fns: dict, rounds: int, steps: int, clock) -> dict[str, list[float]]:
+    """``rounds`` rounds, each running every one of ``fns`` ``steps`` times in turn: ``{key: [clock seconds per call,
+    one per round]}``, so that a slow spell of a shared machine falls on every one alike."""
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            start = clock()
+            for _ in range(steps):
+                fn()
+            times[key].append((clock() - start) / steps)
+    return times
+
+
 def interleaved_seconds(rank: int, world_size: int, layouts: tuple[str, ...], spec, rounds: int = 10,
                         steps: int = 5) -> dict:
     """On each of ``world_size`` ranks: every one of ``layouts`` built in this one process
@@ -173,20 +199,15 @@ def interleaved_seconds(rank: int, world_size: int, layouts: tuple[str, ...], sp
         for _ in range(3):  # (compiled: the graph is made in the first)
             step()
         steps_of[layout] = step
-    times: dict[str, list[float]] = {layout: [] for layout in layouts}
-    for _ in range(rounds):
-        for layout, step in steps_of.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            times[layout].append((time.perf_counter() - start) / steps)
+    times = _alternating_rounds(steps_of, rounds, steps, time.perf_counter)
     return {layout: {"min": min(t), "median": statistics.median(t)} for layout, t in times.items()}
 
 
 def rank_phase_ops(rank: int, world_size: int, layout: str, spec) -> dict:
     """On each of ``world_size`` ranks: the aten ops (collectives apart) of one micro-batch's forward (with the loss)
     and backward of the benchmark harness's ``layout`` scenario, counted apart, after a warm-up step. What the
-    planner's host price is made of (:mod:`lightning_tp2d.planning.host_cost`): ``{"forward": n, "backward": n}``."""
+    planner's host price is made of (:mod:`lightning_tp2d.planning.host_cost`): ``{"forward": n, "backward": n}``,
+    with the memory-bound bytes of each too (``"forward_bytes"``, ``"backward_bytes"``)."""
     built = runner._build(layout, spec, spec.seq, world_size)
     with built.region():
         built.forward().backward()
@@ -198,7 +219,75 @@ def rank_phase_ops(rank: int, world_size: int, layout: str, spec) -> dict:
         with backward:
             loss.backward()
     built.optimizer.zero_grad(set_to_none=True)
-    return {"forward": forward.cost.total, "backward": backward.cost.total}
+    return {"forward": forward.cost.total, "backward": backward.cost.total, "forward_bytes": forward.cost.bytes,
+            "backward_bytes": backward.cost.bytes}
+
+
+def interleaved_host_seconds(rank: int, world_size: int, sides: tuple[str, ...], spec, rounds: int = 8,
+                             steps: int = 3, compiled: tuple[str, ...] = ()) -> dict:
+    """On each of ``world_size`` ranks: the host's price of one micro-batch (forward with the loss, backward) of each
+    of ``sides`` (the benchmark harness's scenarios, :func:`~lightning_tp2d.bench.runner._build` with ``spec``),
+    eager, and of those in ``compiled`` also compiled (inductor), all built in this one process and timed in
+    ``rounds`` alternating rounds of ``steps`` micro-batches, so that a slow spell falls on every side alike.
+
+    The time is this thread's CPU seconds (``time.thread_time``): what the host spends issuing the micro-batch --
+    Python, autograd, dispatch and, on CPU, the kernels themselves -- and not the time a rank waits for a collective
+    or for a core it shares with the other ranks. ``{side or side + ":compiled": {"ops": n, "seconds": s}}``: the
+    eager micro-batch's aten ops (collectives apart, :class:`OpCounter`) and the fastest round's seconds per
+    micro-batch (the compiled entry's ``ops`` are the eager step's: the unit the planner's table counts)."""
+    import dataclasses as _dc
+
+    runs = {}
+    for side in sides:
+        for mode in ("eager", "compiled") if side in compiled else ("eager",):
+            built = runner._build(side, _dc.replace(spec, compile="inductor" if mode == "compiled" else ""),
+                                  spec.seq, world_size)
+
+            def micro(built=built) -> None:
+                with built.region():
+                    built.forward().backward()
+                built.optimizer.zero_grad(set_to_none=True)
+
+            for _ in range(3):  # (compiled: the graph is made in the first)
+                micro()
+            runs[side if mode == "eager" else f"{side}:compiled"] = micro
+    ops = {}
+    for key, micro in runs.items():
+        if ":" not in key:
+            counter = OpCounter()
+            with counter:
+                micro()
+            ops[key] = counter.cost.total
+    times = _alternating_rounds(runs, rounds, steps, time.thread_time)
+    return {key: {"ops": ops[key.split(":")[0]], "seconds": min(t)} for key, t in times.items()}
+
+
+def fake_rank_phase_ops(world_size: int, layout: str, spec) -> dict:
+    """:func:`rank_phase_ops` of rank 0 of ``world_size`` in this one process, on torch's fake process group (as
+    :func:`fake_rank_host_seconds`): its ops and memory-bound bytes are its own exactly, whatever its values."""
+    from lightning_tp2d.planning.trace import drop_fake_group, fake_group
+
+    fake_group(world_size, 0)
+    try:
+        return rank_phase_ops(0, world_size, layout, spec)
+    finally:
+        drop_fake_group()
+
+
+def fake_rank_host_seconds(world_size: int, sides: tuple[str, ...], spec, rounds: int = 8, steps: int = 3,
+                           compiled: tuple[str, ...] = ()) -> dict:
+    """:func:`interleaved_host_seconds` of rank 0 of ``world_size`` in this one process, on torch's fake process
+    group (:func:`lightning_tp2d.planning.trace.fake_group`): every collective returns at once, so the rank is timed
+    alone on its core, doing exactly its own host work (its ops, its collectives' calls), never waiting for another
+    rank or sharing a core with one. The values are wrong (nothing arrives); the host's work is not. The process's
+    default group is made and destroyed here."""
+    from lightning_tp2d.planning.trace import drop_fake_group, fake_group
+
+    fake_group(world_size, 0)
+    try:
+        return interleaved_host_seconds(0, world_size, sides, spec, rounds, steps, compiled)
+    finally:
+        drop_fake_group()
 
 
 def eager_seconds(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, steps: int = 10) -> float:
@@ -212,5 +301,6 @@ def eager_seconds(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, st
     return (time.perf_counter() - start) / steps
 
 
-__all__ = ["COLLECTIVES", "COMPUTE_BOUND", "Cost", "OpCounter", "build", "eager_seconds", "interleaved_seconds",
+__all__ = ["ALLOCATIONS", "COLLECTIVES", "COMPUTE_BOUND", "Cost", "OpCounter", "build", "eager_seconds",
+           "fake_rank_host_seconds", "fake_rank_phase_ops", "interleaved_host_seconds", "interleaved_seconds",
            "rank_cost", "rank_phase_ops", "step_cost"]

@@ -4,8 +4,8 @@ An eager GPU step runs ahead of the GPU only while the host issues kernels faste
 takes ``max(host, GPU)``. On one H200 (2026-12-04, ``recipes/results/layer_overhead_h200.json``: GPT-2 medium, B8 x
 1024, one rank, no communication) the plain model's host spent 0.068 s a step beside 0.073 s of GPU kernels, while
 the layouts' own layers spent 0.17-0.26 s of host a step: host-bound at 0.31-0.53x the plain model's speed. (That
-run counted 13.6-33.3k profiler events a step; the same steps dispatch 3.0-9.3k aten ops, the unit here.) The planner priced neither before (issue 48, part 5); now each row's
-micro-batch is ``max(GPU seconds, host seconds)``:
+run counted 13.6-33.3k profiler events a step; the same steps dispatch 3.0-9.3k aten ops, the unit here.) Each
+row's micro-batch is ``max(GPU seconds, host seconds)`` (issue 48, part 5):
 
 * **ops**, per rank and micro-batch, forward (with the loss) and backward apart, measured on CPU by
   :func:`lightning_tp2d.bench.layer_cost.rank_phase_ops` (torch 2.13.0; ops are what the code dispatches, the same
@@ -15,16 +15,35 @@ micro-batch is ``max(GPU seconds, host seconds)``:
   checkpointing runs each block's forward again; ``"selective"``'s recomputed recipes (a few elementwise ops a block)
   are not counted. Shapes move the counts a little (the SUMMA streams a weight column past a size, the ring MLP
   tiles rows past ``tile_tokens``): two shapes of the ring of 4 differed by 13%;
-* **host seconds per op** (:data:`SECONDS_PER_OP`), from the H200 run: torch's own code (the plain model, and every
-  rival, whose DTensor dispatch was not measured: the rate most favourable to them) at the plain model's 23 us
-  (an op's whole host cost: autograd, Python, the kernel launch); each layout at its own measured rate, 24-35 us
-  (the layers' registered ops and autograd functions: more Python per op);
-* **compiled**: torch's code is captured whole (its host cost is left out, as the kernel launches of every side
-  are); the layouts' registered ops stay opaque and run their ops eagerly inside the graph, priced as eager (the
-  plain parts between them fuse; the only compiled measure, the H200's under torch 2.11 with the graph breaks since
-  fixed, ran the layouts at 0.14-0.16x the compiled plain model, slower than their eager step).
+* **host seconds per op**: the plain model's, :data:`PLAIN_SECONDS_PER_OP` (23 us: an op's whole host cost,
+  autograd, Python, the kernel launch; the H200 run), times each side's measured ratio to it
+  (:func:`seconds_per_op`; ``host_ops.json``'s ``cpu_rates``, ``recipes/benchmarks/host_ops.py --rates``): on CPU,
+  rank 0 alone on torch's fake process group, the thread's CPU seconds of a micro-batch over its ops against the plain
+  model's, in one process, at an overhead-bound shape (B2 x 32). The ratios are taken at one rank (the layouts'
+  size-1 form, ``p`` 1) and at four (a 2x2 grid, a ring of 4, the rivals), and the four-rank ratio prices every
+  larger size. The host's work is the same code on any device; its speed is the H200 host's. (The H200's own
+  per-layout rates, 24-35 us an op, were of the layers before issue 48's changes and are kept in the table only as
+  a record.) A rival with no ops of its own (:attr:`~lightning_tp2d.rivals.Rival.host_ops`) takes its stand-in's
+  ratio;
+* **compiled**: what a compiled micro-batch costs the host beyond the compiled plain model's, measured the same way
+  (torch's inductor on CPU, the plain model's own compiled host cost taken as none: the kernel launches of every
+  side are left out). torch's 1-D TP + SP is compiled block by block, as torchtitan does; its DTensor code between
+  the blocks stays. The layouts' registered ops stay opaque and run their ops eagerly inside the graph. torch's
+  context parallelism is not compiled by the harness, so its compiled host is priced at none, the figure most
+  favourable to it (and DeepSpeed-Ulysses, counted as the plain model, likewise).
 
 The AdamW step (once per step, fused) is not counted.
+
+The same table holds what each side's layers move through memory beyond what the planner's elementwise model of it
+says (``memory_bound``, ``recipes/benchmarks/host_ops.py --bytes``): the memory-bound bytes per token of a block on
+one rank, counted on CPU (float32, exact; each layout at the grid sides and ring lengths its ops are counted at, the
+rivals on four ranks), over the bytes per token the side's elementwise model prices (the traced layouts' saved
+activations; the rivals' :func:`~lightning_tp2d.planning.rival_models.elementwise_bytes`), as a quotient of the
+plain model's. :func:`memory_bound_ratio` is the factor the planner multiplies the side's elementwise bytes by
+(:func:`lightning_tp2d.planning.planner.price`): the ring rescales and accumulates every block's partial output once
+per ring step, which its saved activations do not show, and torch's 1-D TP + SP copies each reduce-scatter's chunks
+into one buffer. Bytes that do not grow with the tokens (the weights' traffic: the ring's weight-gradient
+accumulation per step, FSDP's copies in and out) are not priced, on any side.
 """
 
 from __future__ import annotations
@@ -37,16 +56,18 @@ from lightning_tp2d.families import family_of_config
 from lightning_tp2d.layouts import get_layout, layout_names
 from lightning_tp2d.rivals import SINGLE, get_rival, is_rival
 
-# The measurements (host_ops.json beside this module, with how each was taken): host seconds per aten op (an op as
-# OpCounter counts it: every dispatch but the collectives) from the H200 run, and per rank the (forward, backward)
-# ops of a micro-batch with one block and with two, by axis size (a grid's side, a ring's length; the rivals' do not
-# depend on it).
+# The measurements (host_ops.json beside this module, with how each was taken): the plain model's host seconds per
+# aten op (an op as OpCounter counts it: every dispatch but the collectives) from the H200 run; per rank the
+# (forward, backward) ops of a micro-batch with one block and with two, by axis size (a grid's side, a ring's length;
+# the rivals' do not depend on it); each side's host seconds per op against the plain model's, eager and compiled,
+# at one rank and at four (cpu_rates).
 _DATA = json.loads((Path(__file__).parent / "host_ops.json").read_text())
 _RATES = _DATA["seconds_per_op"]
 _PLAIN = "plain"
 PLAIN_SECONDS_PER_OP = _RATES["host_s_per_step"][_PLAIN] / _RATES["aten_ops_per_step"][_PLAIN]
-SECONDS_PER_OP = {name: _RATES["host_s_per_step"][name] / ops
-                  for name, ops in _RATES["aten_ops_per_step"].items() if name != _PLAIN}
+CPU_RATES = {mode: _DATA["cpu_rates"][mode] for mode in ("eager", "compiled")}
+MEMORY_BOUND = {family: {side: {int(k): entry["ratio"] for k, entry in sizes.items()} for side, sizes in table.items()}
+                for family, table in _DATA["memory_bound"]["families"].items()}
 MEASURED_OPS = {family: {name: {int(k): (tuple(one), tuple(two)) for k, (one, two) in points.items()}
                          for name, points in table.items()}
                 for family, table in _DATA["ops"]["counts"].items()}
@@ -91,15 +112,43 @@ def micro_batch_ops(layout: str, cfg, p: int, checkpointing: str = "none") -> fl
     return fixed_f + fixed_b + cfg.n_layer * (block_f + block_b + recompute)
 
 
+def seconds_per_op(layout: str, cfg, p: int, compiled: bool = False) -> float:
+    """Host seconds an op of ``layout`` (a package layout or a rival, as :func:`micro_batch_ops` takes it) on ``p``
+    ranks costs, eager or ``compiled`` (module docstring): :data:`PLAIN_SECONDS_PER_OP` times the side's measured
+    ratio (:data:`CPU_RATES`) at one rank for a layout's size-1 form, else at four. A side with no measured ratio
+    (torch's context parallelism compiled) costs none."""
+    ours = layout in layout_names()
+    table = CPU_RATES["compiled" if compiled else "eager"][family_of_config(cfg).name]["1" if ours and p == 1 else "4"]
+    name = layout if ours else _counted_as(layout)
+    if name not in table and name not in MEASURED_OPS[family_of_config(cfg).name]:  # counted as the plain model
+        name = SINGLE.name
+    return PLAIN_SECONDS_PER_OP * table.get(name, 0.0)
+
+
+def memory_bound_ratio(layout: str, cfg, p: int) -> float:
+    """The factor on ``layout``'s elementwise bytes on ``p`` ranks (module docstring, :data:`MEMORY_BOUND`): 1 for
+    a layout's size-1 form (the plain model's ops on the plain model's tensors) and for a side counted as the plain
+    model; a layout's measured quotients by axis size (a grid's side, a ring's length) interpolated linearly and
+    extrapolated from the last two (the ring merges once per step: its extra grows with its length); a rival's at
+    four ranks."""
+    ours = layout in layout_names()
+    if ours and p == 1:
+        return 1.0
+    table = MEMORY_BOUND[family_of_config(cfg).name]
+    points = table.get(layout if ours else _counted_as(layout), table[SINGLE.name])
+    k = get_layout(layout).side(p) if ours else min(points)
+    ks = sorted(points)
+    if len(ks) == 1 or k in points:
+        return points[k if k in points else ks[0]]
+    i = min(max(bisect.bisect(ks, k), 1), len(ks) - 1)  # the segment holding k, or the end one nearest it
+    lo, hi = ks[i - 1], ks[i]
+    return max(0.0, points[lo] + (k - lo) / (hi - lo) * (points[hi] - points[lo]))
+
+
 def micro_batch_host_seconds(layout: str, cfg, p: int, checkpointing: str = "none", compiled: bool = False) -> float:
-    """Host seconds of one micro-batch (module docstring): :func:`micro_batch_ops` times the layout's
-    :data:`SECONDS_PER_OP`, torch's own code at :data:`PLAIN_SECONDS_PER_OP`; compiled, torch's code costs none
-    and the layouts' opaque registered ops their eager price."""
-    ours = layout in SECONDS_PER_OP
-    if compiled and not ours:
-        return 0.0
-    return micro_batch_ops(layout, cfg, p, checkpointing) * (SECONDS_PER_OP[layout] if ours else PLAIN_SECONDS_PER_OP)
+    """Host seconds of one micro-batch (module docstring): :func:`micro_batch_ops` times :func:`seconds_per_op`."""
+    return micro_batch_ops(layout, cfg, p, checkpointing) * seconds_per_op(layout, cfg, p, compiled)
 
 
-__all__ = ["MEASURED_OPS", "PLAIN_SECONDS_PER_OP", "SECONDS_PER_OP", "micro_batch_host_seconds",
-           "micro_batch_ops"]
+__all__ = ["CPU_RATES", "MEASURED_OPS", "MEMORY_BOUND", "PLAIN_SECONDS_PER_OP", "memory_bound_ratio",
+           "micro_batch_host_seconds", "micro_batch_ops", "seconds_per_op"]

@@ -40,7 +40,10 @@ How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
 * elementwise work (norms, activations, residual adds, casts, the loss's softmax, the optimizer's reads of
   activations): ``ELEMENTWISE_PASSES`` passes over the bytes the micro-batch's forward saves, at the GPU's memory
   bandwidth -- one constant per execution mode, fitted to the one single-GPU measurement the project has
-  (:data:`GPT2_H200`: transformers' GPT-2 124M on an H200, 160k tokens/s eager, 393k compiled);
+  (:data:`GPT2_H200`: transformers' GPT-2 124M on an H200, 160k tokens/s eager, 393k compiled); each side's bytes
+  times its measured memory-bound quotient (:func:`lightning_tp2d.planning.host_cost.memory_bound_ratio`: what its
+  layers move on CPU beyond what its model of the saved bytes says, against the plain model's), the layouts' extra
+  at the eager passes even compiled (it is moved inside their registered ops);
 * the optimizer: AdamW reads the parameter, gradient and two moments and writes three of them, 28 bytes per element
   this rank updates, at memory bandwidth;
 * data parallelism, one rule for both families (:func:`data_parallel_time`): stage 0 and 1 all-reduce the float32
@@ -51,8 +54,9 @@ How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
   compute;
 * the host: a micro-batch takes the longer of its GPU time (the parts above) and the host's time to issue its ops
   (:func:`lightning_tp2d.planning.host_cost.micro_batch_host_seconds`: the aten ops one rank dispatches, measured
-  per block on CPU, times the host seconds an op cost on the H200; torch's own code at the plain model's rate,
-  compiled at none; the layouts' registered ops at their own rate, compiled or not).
+  per block on CPU, times the plain model's host seconds an op on the H200 and each side's measured ratio to it,
+  eager or compiled: the layouts' and the rivals' own, measured on CPU one rank at a time; compiled, what the host
+  spends beyond the compiled plain model, which costs none).
 
 Not modelled: pipeline parallelism (the package has none; 405B at 1024 GPUs is where that limits), float8, the
 host's kernel launches under compile, the optimizer's host time, allocator fragmentation (memory is live bytes; the
@@ -100,7 +104,7 @@ log = logging.getLogger(__name__)
 
 # The fraction of the hideable collective time that is really hidden: fitted to torchtitan's published async /
 # blocking TP gains on H100s (bf16, compile: 8B on 64 GPUs, FSDP 8 x TP 8: 1.098x; 70B on 256, FSDP 32 x TP 8:
-# 1.092x), which one value, 0.57, reproduces for both (hiding all but the first chunk, 1.0, predicted 1.17-1.18x).
+# 1.092x), which one value, 0.57, reproduces for both (hiding all but the first chunk, 1.0, predicted 1.17-1.19x).
 # The planner applies it to every overlapped collective of both sides (cost_model.OVERLAP["fitted"]); the overlap
 # rule is plan()'s and price()'s ``overlap`` ("fitted", "pessimistic", "ideal" or a mapping kind -> efficiency).
 ASYNC_TP_OVERLAP = cost_model.FITTED_OVERLAP
@@ -407,7 +411,11 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     fl = micro["flops"]
     forward_s = micro["compute_s"] * fl["forward"] / fl["total"]
     backward_s = micro["compute_s"] - forward_s
-    elementwise_s = passes * saved / hw.hbm_bytes_per_s
+    # the side's measured memory-bound bytes over what its elementwise model says (host_cost.memory_bound_ratio); the
+    # layouts' extra, moved inside their registered ops, which the compiler does not enter, is priced eager
+    ratio = host_cost.memory_bound_ratio(side.host_name(p), cfg, p)
+    extra_passes = ELEMENTWISE_PASSES["eager"] if compiled and not side.torch_code and ratio > 1 else passes
+    elementwise_s = (passes + extra_passes * (ratio - 1.0)) * saved / hw.hbm_bytes_per_s
     # the host issues the micro-batch's ops while the GPU runs them: the slower of the two (planning.host_cost)
     issue_s = host_cost.micro_batch_host_seconds(side.host_name(p), cfg, p, checkpointing, compiled)
     micro_s = max(micro["total_s"] + elementwise_s, issue_s)

@@ -173,7 +173,7 @@ def markdown(results: dict) -> str:
     lines += ["", FLOAT8_NOTE, "",
               f"The async-TP rows are in sample for one constant: async TP hides {planner.ASYNC_TP_OVERLAP} of the "
               "collective time it could hide behind its matmul (`planner.ASYNC_TP_OVERLAP`), fitted to these two "
-              "published async / blocking gains; hiding all of it predicted 1.17-1.18x where torchtitan measured "
+              "published async / blocking gains; hiding all of it predicted 1.17-1.19x where torchtitan measured "
               "1.09-1.10x.", "",
               "torchtitan's H100s (Grand Teton) are 96 GB HBM2e cards at 500 W whose peak, it says, lies between the "
               "SXM's and the NVL's: they are priced on `h100-grand-teton` (the H100 preset's rates x 835/989, 2.4 TB/s); "
