@@ -80,21 +80,26 @@ def _counted_as(name: str) -> str:
     return (get_rival(name).host_ops or name) if is_rival(name) else name
 
 
+def _line(points: dict[int, tuple[float, ...]], k: int) -> tuple[float, ...]:
+    """The measured ``points`` (axis size -> values) at axis size ``k``: interpolated linearly between the two
+    around it, extrapolated from the nearest two outside them."""
+    ks = sorted(points)
+    if len(ks) == 1 or k in points:
+        return points[k if k in points else ks[0]]
+    i = min(max(bisect.bisect(ks, k), 1), len(ks) - 1)  # the segment holding k, or the end one nearest it
+    lo, hi = ks[i - 1], ks[i]
+    t = (k - lo) / (hi - lo)
+    return tuple(x + t * (y - x) for x, y in zip(points[lo], points[hi]))
+
+
 def _at(points: dict[int, tuple], k: int) -> tuple[float, float, float, float]:
-    """``(fixed forward, fixed backward, block forward, block backward)`` at axis size ``k``: the measured points
-    interpolated linearly, extrapolated from the nearest two."""
+    """``(fixed forward, fixed backward, block forward, block backward)`` at axis size ``k`` (:func:`_line` over
+    the measured one- and two-block counts)."""
     def split(pair):
         (f1, b1), (f2, b2) = pair
         return (2 * f1 - f2, 2 * b1 - b2, f2 - f1, b2 - b1)
 
-    ks = sorted(points)
-    if len(ks) == 1 or k in points:
-        return split(points[k if k in points else ks[0]])
-    i = min(max(bisect.bisect(ks, k), 1), len(ks) - 1)  # the segment holding k, or the end one nearest it
-    lo, hi = ks[i - 1], ks[i]
-    a, b = split(points[lo]), split(points[hi])
-    t = (k - lo) / (hi - lo)
-    return tuple(x + t * (y - x) for x, y in zip(a, b))
+    return _line({size: split(pair) for size, pair in points.items()}, k)
 
 
 def micro_batch_ops(layout: str, cfg, p: int, checkpointing: str = "none") -> float:
@@ -116,7 +121,7 @@ def seconds_per_op(layout: str, cfg, p: int, compiled: bool = False) -> float:
     """Host seconds an op of ``layout`` (a package layout or a rival, as :func:`micro_batch_ops` takes it) on ``p``
     ranks costs, eager or ``compiled`` (module docstring): :data:`PLAIN_SECONDS_PER_OP` times the side's measured
     ratio (:data:`CPU_RATES`) at one rank for a layout's size-1 form, else at four. A side with no measured ratio
-    (torch's context parallelism compiled) costs none."""
+    (compiled: torch's context parallelism, and its Llama 1-D TP + SP) costs none."""
     ours = layout in layout_names()
     table = CPU_RATES["compiled" if compiled else "eager"][family_of_config(cfg).name]["1" if ours and p == 1 else "4"]
     name = layout if ours else _counted_as(layout)
@@ -137,12 +142,7 @@ def memory_bound_ratio(layout: str, cfg, p: int) -> float:
     table = MEMORY_BOUND[family_of_config(cfg).name]
     points = table.get(layout if ours else _counted_as(layout), table[SINGLE.name])
     k = get_layout(layout).side(p) if ours else min(points)
-    ks = sorted(points)
-    if len(ks) == 1 or k in points:
-        return points[k if k in points else ks[0]]
-    i = min(max(bisect.bisect(ks, k), 1), len(ks) - 1)  # the segment holding k, or the end one nearest it
-    lo, hi = ks[i - 1], ks[i]
-    return max(0.0, points[lo] + (k - lo) / (hi - lo) * (points[hi] - points[lo]))
+    return max(0.0, _line({size: (ratio,) for size, ratio in points.items()}, k)[0])
 
 
 def micro_batch_host_seconds(layout: str, cfg, p: int, checkpointing: str = "none", compiled: bool = False) -> float:

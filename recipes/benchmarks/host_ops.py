@@ -60,6 +60,7 @@ import torch
 from lightning_tp2d.bench.layer_cost import fake_rank_host_seconds, fake_rank_phase_ops, rank_phase_ops
 from lightning_tp2d.bench.procs import run_ranks
 from lightning_tp2d.bench.runner import BenchSpec
+from lightning_tp2d.layouts import get_layout, layout_names
 
 TABLE = Path(__file__).resolve().parents[2] / "lightning_tp2d" / "planning" / "host_ops.json"
 MODELS = {"gpt2": "gpt2-tiny", "llama": "llama-tiny"}
@@ -109,8 +110,9 @@ def bytes_batch(side: str, size: int) -> int:
     """Sequences per counted micro-batch: one (torch's sequence-parallel all-gathers along the sequence are views
     then, funcol's ``_maybe_view_chunk_cat``, and copies with more: the figure most favourable to the 1-D baseline,
     whose reduce-scatters still copy their chunks into one buffer, in torch's ``reduce_scatter_single``, at any
-    batch); a grid splits the batch over its ``q`` rows and takes ``q``."""
-    return size if side in ("2d", "2d-metp") else 1
+    batch); a grid (a square layout) takes ``q``, as "2d" splits the batch over its ``q`` rows (and "2d-metp" is
+    counted alike)."""
+    return size if side in layout_names() and get_layout(side).square else 1
 
 
 def block_bytes_per_token(family: str, side: str, size: int) -> tuple[float, float]:
