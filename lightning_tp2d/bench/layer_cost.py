@@ -18,6 +18,7 @@ Op counts are deterministic for a given torch build, model, batch and layout: te
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -235,12 +236,10 @@ def interleaved_host_seconds(rank: int, world_size: int, sides: tuple[str, ...],
     or for a core it shares with the other ranks. ``{side or side + ":compiled": {"ops": n, "seconds": s}}``: the
     eager micro-batch's aten ops (collectives apart, :class:`OpCounter`) and the fastest round's seconds per
     micro-batch (the compiled entry's ``ops`` are the eager step's: the unit the planner's table counts)."""
-    import dataclasses as _dc
-
     runs = {}
     for side in sides:
         for mode in ("eager", "compiled") if side in compiled else ("eager",):
-            built = runner._build(side, _dc.replace(spec, compile="inductor" if mode == "compiled" else ""),
+            built = runner._build(side, dataclasses.replace(spec, compile="inductor" if mode == "compiled" else ""),
                                   spec.seq, world_size)
 
             def micro(built=built) -> None:
@@ -262,16 +261,23 @@ def interleaved_host_seconds(rank: int, world_size: int, sides: tuple[str, ...],
     return {key: {"ops": ops[key.split(":")[0]], "seconds": min(t)} for key, t in times.items()}
 
 
-def fake_rank_phase_ops(world_size: int, layout: str, spec) -> dict:
-    """:func:`rank_phase_ops` of rank 0 of ``world_size`` in this one process, on torch's fake process group (as
-    :func:`fake_rank_host_seconds`): its ops and memory-bound bytes are its own exactly, whatever its values."""
+@contextlib.contextmanager
+def _alone_on_fake_group(world_size: int):
+    """This process as rank 0 of ``world_size`` on torch's fake process group, destroyed on the way out."""
     from lightning_tp2d.planning.trace import drop_fake_group, fake_group
 
     fake_group(world_size, 0)
     try:
-        return rank_phase_ops(0, world_size, layout, spec)
+        yield
     finally:
         drop_fake_group()
+
+
+def fake_rank_phase_ops(world_size: int, layout: str, spec) -> dict:
+    """:func:`rank_phase_ops` of rank 0 of ``world_size`` in this one process, on torch's fake process group (as
+    :func:`fake_rank_host_seconds`): its ops and memory-bound bytes are its own exactly, whatever its values."""
+    with _alone_on_fake_group(world_size):
+        return rank_phase_ops(0, world_size, layout, spec)
 
 
 def fake_rank_host_seconds(world_size: int, sides: tuple[str, ...], spec, rounds: int = 8, steps: int = 3,
@@ -281,13 +287,8 @@ def fake_rank_host_seconds(world_size: int, sides: tuple[str, ...], spec, rounds
     alone on its core, doing exactly its own host work (its ops, its collectives' calls), never waiting for another
     rank or sharing a core with one. The values are wrong (nothing arrives); the host's work is not. The process's
     default group is made and destroyed here."""
-    from lightning_tp2d.planning.trace import drop_fake_group, fake_group
-
-    fake_group(world_size, 0)
-    try:
+    with _alone_on_fake_group(world_size):
         return interleaved_host_seconds(0, world_size, sides, spec, rounds, steps, compiled)
-    finally:
-        drop_fake_group()
 
 
 def eager_seconds(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, steps: int = 10) -> float:
