@@ -110,9 +110,24 @@ def ring_forward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step:
         blocks.advance()
 
 
+class _Arriving:
+    """The sum arriving from ``i-1`` at a step of :func:`ring_backward` that folds it in itself (``folds_sum``):
+    calling it waits for the transfer and returns the buffers (``None`` at a step where no sum arrives)."""
+
+    def __init__(self, handle, buffers) -> None:
+        self.handle, self.buffers, self.taken = handle, buffers, False
+
+    def __call__(self) -> tuple[torch.Tensor, ...] | None:
+        if self.handle is not None:
+            self.handle.wait()  # also completes the send of the previous sum
+            self.handle = None
+        self.taken = True
+        return self.buffers
+
+
 def ring_backward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step: Step,
-                  home: Sequence[torch.Tensor] | None = None, *,
-                  double_buffer: bool = True, wire_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+                  home: Sequence[torch.Tensor] | None = None, *, double_buffer: bool = True,
+                  wire_dtype: torch.dtype | None = None, folds_sum: bool = False) -> tuple[torch.Tensor, ...]:
     """Rotate ``own`` again and sum gradients of the travelling blocks round the ring.
 
     ``step(j, blocks)`` returns fresh tensors: this rank's contribution to the gradients of rank ``j``'s blocks.
@@ -122,7 +137,10 @@ def ring_backward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step
     the sums start one rank early and need ``p-1`` gradient exchanges only. ``double_buffer`` as in
     :func:`ring_forward`. ``wire_dtype``: the dtype the sums travel in (``None``: the contributions' own, float32
     for bf16 operands); each rank adds the arriving sum into its float32 contribution and sends the total on in
-    ``wire_dtype`` (bf16 halves the bytes at one rounding per hop).
+    ``wire_dtype`` (bf16 halves the bytes at one rounding per hop). ``folds_sum``: ``step(j, blocks, arriving)``
+    returns the total itself, its contribution plus ``arriving()`` (:class:`_Arriving`: waits, then the sum, or
+    ``None``), so the sum is added where the contribution is written (``torch.add(.., out=)``) rather than in a pass
+    of its own after the step; the step calls it after its compute, which the transfer still overlaps.
     """
     i, p = axis_rank(mesh, axis), axis_size(mesh, axis)
     shift = 0 if own else 1
@@ -130,12 +148,19 @@ def ring_backward(own: Sequence[torch.Tensor], mesh: DeviceMesh, axis: str, step
     acc = acc_in = acc_wait = None
     for t in range(p):
         blocks.post()
-        acc = tuple(step((i - t - shift) % p, blocks.cur))
+        if folds_sum:
+            arriving = _Arriving(acc_wait, acc_in)
+            acc = tuple(step((i - t - shift) % p, blocks.cur, arriving))
+            if acc_wait is not None and not arriving.taken:
+                raise RuntimeError("ring_backward(folds_sum=True): the step returned without taking the arriving sum")
+        else:
+            acc = tuple(step((i - t - shift) % p, blocks.cur))
         free = None
         if acc_wait is not None:
-            acc_wait.wait()  # also completes the send of the previous sum
-            for a, b in zip(acc, acc_in):
-                a.add_(b)
+            if not folds_sum:
+                acc_wait.wait()  # also completes the send of the previous sum
+                for a, b in zip(acc, acc_in):
+                    a.add_(b)
             free = acc_in
         last = t == p - 1
         if not (shift and last):
@@ -443,10 +468,50 @@ class _RowViews:
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, l_b: torch.Tensor) -> None:
-    """Fold one block's ``(o_b, l_b)`` into the running ``(out, lse)`` views in place (online log-sum-exp)."""
-    new = torch.logaddexp(lse, l_b)
-    out.mul_((lse - new).exp_().unsqueeze(-1)).add_(o_b.to(out.dtype) * (l_b - new).exp_().unsqueeze(-1))
-    lse.copy_(new)
+    """Fold one block's ``(o_b, l_b)`` into the running ``(out, lse)`` views in place (online log-sum-exp). The two
+    weights ``exp(lse - new)`` and ``exp(l_b - new)`` sum to one, so the fold is one ``lerp_`` towards the block:
+    ``out`` is read and written once (a scale, a product and a sum would pass over it and ``o_b`` seven times)."""
+    torch.logaddexp(lse, l_b, out=lse)
+    out.lerp_(o_b.to(out.dtype), (l_b - lse).exp_().unsqueeze(-1))
+
+
+def _into(view: torch.Tensor, block: torch.Tensor, first: bool) -> None:
+    """Write ``block`` into ``view`` (its first contribution) or add it (``add_`` on the view: ``view[...] += b``
+    would copy it back)."""
+    if first:
+        view.copy_(block)
+    else:
+        view.add_(block)
+
+
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool,
+            bias: torch.Tensor | None = None) -> None:
+    """``out = [bias +] a @ b`` (``first``: a ring's first contribution, written by the GEMM itself; no zeroed buffer,
+    no separate bias pass) or ``out += a @ b`` (the GEMM accumulates into ``out``)."""
+    if not first:
+        out.addmm_(a, b)
+    elif bias is None:
+        torch.mm(a, b, out=out)
+    else:
+        torch.addmm(bias, a, b, out=out)
+
+
+def _fold(dkv: torch.Tensor, views: tuple, blocks: tuple, cols: slice, summed: tuple | None) -> None:
+    """Write a ring step's first K|V gradient blocks into the fresh sum ``dkv`` at key rows ``cols`` (``views``: its
+    ``dk, dv`` there), plus the sum arriving from ``i-1`` (``summed``, or ``None`` at the first step): one
+    ``add(.., out=)`` per block where a copy and a later ``add_`` of the whole sum would be two passes more. Key rows
+    the step leaves out (``cols`` = ``[0, c)``: ``[c, 2c)``) take the arriving sum, or zeros."""
+    rest = None if cols == _ALL else dkv[..., cols.stop:, :]
+    if summed is None:
+        for view, block in zip(views, blocks):
+            view.copy_(block)
+        if rest is not None:
+            rest.zero_()
+        return
+    for view, block, prior in zip(views, blocks, _kv_rows(summed[0], _ALL, cols)):
+        torch.add(prior, block, out=view)
+    if rest is not None:
+        rest.copy_(summed[0][..., cols.stop:, :])
 
 
 def _groups_first(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -512,23 +577,31 @@ class _RingAttention(torch.autograd.Function):
         q, kv = qkv[:g], qkv[g:]
         c = q.shape[-2] // 2
         dy, y = _groups_first(dy.contiguous(), g), _groups_first(y, g)  # views (g, B, nkv, S, d)
+        # written, not zeroed and summed into: the diagonal block (step 0, j == i; under documents the diagonal
+        # blocks, sorted first) covers every query row once, and each step's first block fills the travelling sums
         dqkv = torch.empty(qkv.shape, dtype=lse.dtype, device=qkv.device)
-        dq = dqkv[:g].zero_()
+        dq = dqkv[:g]
 
-        def step(j, blocks):
+        def step(j, blocks, arriving):
+            # the travelling K|V gradient sum (the nkv heads, summed over g): the sum arriving from i-1 plus this
+            # rank's blocks, written into a fresh buffer by the first group's adds
             (kv_j,) = blocks
-            dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)  # the nkv heads travel, summed over g
+            dkv = torch.empty(kv.shape, dtype=lse.dtype, device=kv.device)
             if docs is None:
                 rows, cols, causal = visible(i, j, c)
-                add_block(dkv, kv_j, slice(None), rows, cols, causal)
-            else:
-                for batch, rows, cols, diagonal in document_blocks(i, j, n, c, docs):
-                    add_block(dkv, kv_j, batch, rows, cols, diagonal)
+                add_block(dkv, kv_j, _ALL, rows, cols, causal, first_rows=j == i, arriving=arriving)
+                return (dkv,)
+            dkv.zero_()  # under documents the blocks overlap in keys: summed into, the arriving sum last
+            for batch, rows, cols, diagonal in document_blocks(i, j, n, c, docs):
+                add_block(dkv, kv_j, batch, rows, cols, diagonal, first_rows=diagonal, arriving=None)
+            summed = arriving()
+            if summed is not None:
+                dkv.add_(summed[0])
             return (dkv,)
 
         rows_of = _RowViews({"dy": dy, "q": q, "y": y, "dq": dq}, last={"lse": lse})
 
-        def add_block(dkv, kv_j, batch, rows, cols, causal):
+        def add_block(dkv, kv_j, batch, rows, cols, causal, first_rows, arriving):
             k_j, v_j = _kv_rows(kv_j, batch, cols)
             dk_j, dv_j = _kv_rows(dkv, batch, cols)
             for r in range(g):
@@ -536,12 +609,15 @@ class _RingAttention(torch.autograd.Function):
                                                          k_j, v_j, rows_of("y", r, batch, rows),
                                                          rows_of("lse", r, batch, rows), causal, ctx.scale,
                                                          ctx.options)
-                rows_of("dq", r, batch, rows).add_(dq_b)  # (add_ on the view: `view[...] += b` would copy it back)
-                dk_j.add_(dk_b)
-                dv_j.add_(dv_b)
+                _into(rows_of("dq", r, batch, rows), dq_b, first_rows)
+                if arriving is not None and r == 0:
+                    _fold(dkv, (dk_j, dv_j), (dk_b, dv_b), cols, arriving())
+                else:
+                    dk_j.add_(dk_b)
+                    dv_j.add_(dv_b)
 
         ring_backward((kv,), ctx.mesh, ctx.axis, step, home=(dqkv[g:],), double_buffer=ctx.options.double_buffer,
-                      wire_dtype=ctx.options.wire_dtype(kv.dtype))
+                      wire_dtype=ctx.options.wire_dtype(kv.dtype), folds_sum=True)
         return dqkv.to(qkv.dtype), None, None, None, None, None, None, None
 
 
@@ -614,8 +690,7 @@ def _swiglu(dh, gate, u):
     act = F.silu(gate)
     if dh is None:
         return act * u, None
-    s = torch.sigmoid(gate)
-    return act * u, (dh * u * (s * (1 + gate * (1 - s))), dh * act)
+    return act * u, (torch.ops.aten.silu_backward(dh * u, gate), dh * act)  # silu' in one pass, as autograd's
 
 
 MLP_ACTIVATIONS = {"gelu_tanh": _gelu, "swiglu": _swiglu}  # name -> (dh, *pre-activations) -> (hidden, grads)
@@ -653,18 +728,17 @@ class _RingMLP(torch.autograd.Function):
         # columns of block i; w_gate (f, h) = gate_proj rows of block i (SwiGLU) or None; all blocks travel together
         act = MLP_ACTIVATIONS[activation]
         own = (w1, w2) if w_gate is None else (w_gate, w1, w2)
-        out = x.new_zeros((x.shape[0], w2.shape[0]))
+        out = x.new_empty((x.shape[0], w2.shape[0]))  # written by the first step's GEMM, with b2
         tiles = _mlp_tiles(x, w1, options)
-        b1_x = _bias_as(b1, x)
+        b1_x, b2_x, i = _bias_as(b1, x), _bias_as(b2, x), axis_rank(mesh, axis)
 
         def step(j, blocks):
             *w_in, w2_j = blocks
             for r in tiles:  # [tile, f] hidden blocks at a time when f > h (options.tile_tokens)
-                tile_rows(out, r).addmm_(act(None, *_pre_activations(tile_rows(x, r), w_in, b1_x, j))[0], w2_j.t())
+                hidden = act(None, *_pre_activations(tile_rows(x, r), w_in, b1_x, j))[0]
+                mm_into(tile_rows(out, r), hidden, w2_j.t(), first=j == i, bias=b2_x)
 
         ring_forward(own, mesh, axis, step, double_buffer=options.double_buffer)
-        if b2 is not None:
-            out += b2
         ctx.save_for_backward(x, *own, *(() if b1 is None else (b1,)))  # no None: the registered op saves tensors
         ctx.mesh, ctx.axis, ctx.activation, ctx.options = mesh, axis, activation, options
         ctx.n_own, ctx.has_b2 = len(own), b2 is not None
@@ -677,11 +751,11 @@ class _RingMLP(torch.autograd.Function):
         act = MLP_ACTIVATIONS[ctx.activation]
         acc = acc_dtype(x.dtype)
         dout = dout.contiguous()
-        dx = torch.zeros_like(x)
+        dx = torch.empty_like(x)  # written by the first step's GEMM (j == i)
         db1 = None if b1 is None else torch.zeros(b1.shape, dtype=acc, device=b1.device)
         f = own[0].shape[0]
         tiles = _mlp_tiles(x, own[0], ctx.options)
-        b1_x = _bias_as(b1, x)
+        b1_x, i = _bias_as(b1, x), axis_rank(ctx.mesh, ctx.axis)
 
         def step(j, blocks):
             *w_in, w2_j = blocks
@@ -693,8 +767,8 @@ class _RingMLP(torch.autograd.Function):
                 del pres
                 if db1 is not None:
                     db1[j * f:(j + 1) * f].add_(dpres[-1].sum(0))  # (a `+=` on the slice would copy it back)
-                for dpre, w_j in zip(dpres, w_in):
-                    tile_rows(dx, r).addmm_(dpre, w_j)
+                for k, (dpre, w_j) in enumerate(zip(dpres, w_in)):
+                    mm_into(tile_rows(dx, r), dpre, w_j, first=j == i and k == 0)
                 tile_grads = (*(dpre.t() @ x_r for dpre in dpres), dout_r.t() @ hidden)
                 del hidden, dpres
                 if grads is None:

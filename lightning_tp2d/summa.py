@@ -102,14 +102,21 @@ class _Panels:
         return buf.t() if self.transposed else buf
 
 
-def broadcast_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = False):
-    """``C = A B`` on local blocks, no autograd: ``(c, a_panels, b_panels)``, the panels as lists when ``keep``."""
+def _first_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``[bias +] a @ b``: a product's first partial, with the bias added by the GEMM itself (no pass of its own)."""
+    return a @ b if bias is None else torch.addmm(bias, a, b)
+
+
+def broadcast_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = False,
+                 bias: torch.Tensor | None = None):
+    """``C = A B [+ bias]`` on local blocks, no autograd: ``(c, a_panels, b_panels)``, the panels as lists when
+    ``keep``; ``bias`` (``C``'s columns) added by the first panel product."""
     q = axis_size(mesh, "col")
     a_panels, b_panels = _Panels(a, mesh, "col"), _Panels(b, mesh, "row")
     out, kept_a, kept_b = None, [], []
     for l in range(q):
         a_l, b_l = a_panels.get(l), b_panels.get(l)
-        out = a_l @ b_l if out is None else out.addmm_(a_l, b_l)
+        out = _first_product(a_l, b_l, bias) if out is None else out.addmm_(a_l, b_l)
         if keep:
             kept_a.append(a_l)
             kept_b.append(b_l)
@@ -295,10 +302,12 @@ class _RingReduce:
         return None
 
 
-def collective_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = False):
-    """``C = A B`` on local blocks, no autograd: ``(c, a_panels, column)``; with ``keep`` the ``A`` blocks in
-    coordinate order and the gathered :class:`_Column` of ``B``, else ``None``. A weight column that outweighs
-    ``A``'s block is streamed block by block instead (:class:`_ColumnStream`; never kept)."""
+def collective_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = False,
+                  bias: torch.Tensor | None = None):
+    """``C = A B [+ bias]`` on local blocks, no autograd: ``(c, a_panels, column)``; with ``keep`` the ``A`` blocks
+    in coordinate order and the gathered :class:`_Column` of ``B``, else ``None``. A weight column that outweighs
+    ``A``'s block is streamed block by block instead (:class:`_ColumnStream`; never kept). ``bias`` as in
+    :func:`broadcast_ab`."""
     if _streams(a, b, mesh, keep):
         column = _ColumnStream(b, mesh, _flat(ring_order(axis_size(mesh, "col"), axis_rank(mesh, "col"))))
     else:
@@ -308,7 +317,7 @@ def collective_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool
     for s in range(ring_steps(ring.n)):
         for k, a_k in ring.step(s):
             b_k = column.get(k)
-            out = a_k @ b_k if out is None else out.addmm_(a_k, b_k)
+            out = _first_product(a_k, b_k, bias) if out is None else out.addmm_(a_k, b_k)
             if keep:
                 kept[k] = a_k
     return out, ([kept[k] for k in range(ring.n)] if keep else None), (column if keep else None)
@@ -400,8 +409,10 @@ def _mirror_column(b: torch.Tensor, mesh: DeviceMesh, mirrored: bool = False) ->
     return _Column(blocks, transposed, handle)
 
 
-def scatter_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = False, mirrored: bool = False):
-    """``C = A B`` in the *scatter* form, no autograd: ``(c, column)`` (the mirrored column when ``keep``). Rank
+def scatter_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = False, mirrored: bool = False,
+               bias: torch.Tensor | None = None):
+    """``C = A B [+ bias]`` in the *scatter* form, no autograd: ``(c, column)`` (the mirrored column when ``keep``;
+    ``bias`` added by the own partial's GEMM, the one that stays on this rank). Rank
     ``(r, k)`` multiplies its own ``A_rk`` by row ``k`` of ``B`` and the partials ``A_rk B_kc`` are reduce-scattered
     round the ``col`` ring, so ``C``-sized blocks travel instead of ``A``-sized ones (the MLP's down projection:
     ``h``-wide instead of ``4h``-wide). ``mirrored``: ``b`` is already the mirror rank's block ``B_kr`` (a weight
@@ -413,7 +424,7 @@ def scatter_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = 
         column = _mirror_column(b, mesh, mirrored)
     ring = _RingReduce(mesh, _REDUCE)
     for s in range(ring_steps(ring.n)):
-        out = ring.step(s, lambda c: a @ column.get(c))
+        out = ring.step(s, lambda c: _first_product(a, column.get(c), bias if c == i else None))
     return out, (column if keep else None)
 
 
@@ -460,17 +471,18 @@ def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, me
 @registered("summa_ab")
 class _SummaAB(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, mesh, options, form, mirrored):
+    def forward(ctx, a, b, bias, mesh, options, form, mirrored):
         ctx.mesh, ctx.algorithm, ctx.keep, ctx.form, ctx.mirrored = mesh, options.summa, options.keep_panels, form, mirrored
+        ctx.has_bias = bias is not None
         if ctx.algorithm == "broadcast":
-            out, a_panels, b_panels = broadcast_ab(a, b, mesh, ctx.keep)
+            out, a_panels, b_panels = broadcast_ab(a, b, mesh, ctx.keep, bias)
             ctx.save_for_backward(a, b, *(a_panels + b_panels if ctx.keep else []))
             return out
         if ctx.form == "scatter":
-            out, column = scatter_ab(a, b, mesh, ctx.keep, mirrored)
+            out, column = scatter_ab(a, b, mesh, ctx.keep, mirrored, bias)
             a_panels = []
         else:
-            out, a_panels, column = collective_ab(a, b, mesh, ctx.keep)
+            out, a_panels, column = collective_ab(a, b, mesh, ctx.keep, bias)
         ctx.transposed = column.transposed if ctx.keep else None
         ctx.save_for_backward(a, b, *(a_panels + [column.blocks] if ctx.keep else []))
         return out
@@ -480,18 +492,19 @@ class _SummaAB(torch.autograd.Function):
         a, b, *kept = ctx.saved_tensors
         grad = grad.contiguous()
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dbias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None  # this grid row's tokens
         if ctx.algorithm == "broadcast":
             q = len(kept) // 2
             a_panels, b_panels = (kept[:q], kept[q:]) if ctx.keep else (None, None)
             da = broadcast_abt(grad, b, ctx.mesh, b_panels) if need_a else None  # dA = dC Bᵀ
             db = broadcast_atb(a, grad, ctx.mesh, _is_transposed(b), a_panels) if need_b else None  # dB = Aᵀ dC
-            return da, db, None, None, None, None
+            return da, db, dbias, None, None, None, None
         a_panels, column = (kept[:-1], _Column(kept[-1], ctx.transposed)) if ctx.keep else (None, None)
         if ctx.form == "scatter":
             da, db = scatter_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, column, ctx.mirrored)
         else:
             da, db = collective_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, a_panels, column)
-        return da, db, None, None, None, None
+        return da, db, dbias, None, None, None, None
 
 
 def _abt(a, b, mesh, algorithm):
@@ -553,8 +566,10 @@ def ab_form(in_features: int, out_features: int, keep_panels: bool = False) -> s
 
 
 def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, options: TPOptions | None = None,
-             form: str = "gather", b_mirrored: bool = False) -> torch.Tensor:
-    """``C = A B`` with ``A``, ``B``, ``C`` block-distributed on the grid; differentiable. ``options``:
+             form: str = "gather", b_mirrored: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``C = A B [+ bias]`` with ``A``, ``B``, ``C`` block-distributed on the grid; differentiable. ``bias``: ``C``'s
+    columns of this rank (``[N/q]`` of ``C [M/q, N/q]``), added inside the first GEMM (its gradient is
+    this grid row's token sum; a caller sums it over ``row``). ``options``:
     :class:`~lightning_tp2d.options.TPOptions` (``summa`` algorithm, ``keep_panels``). ``form`` (collective
     algorithm only; :func:`ab_form` picks one): ``"gather"`` passes ``A``'s blocks round the ring,
     ``"scatter"`` the partial sums of ``C`` (module docstring). ``b_mirrored`` (scatter form only): rank ``(r, c)``
@@ -565,7 +580,7 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, options: TPOpti
         raise ValueError(f"form={form!r} is not one of {', '.join(map(repr, FORMS))}")
     if b_mirrored and (form != "scatter" or options.summa != "collective"):
         raise ValueError(f"b_mirrored needs the collective scatter form, got summa={options.summa!r} form={form!r}")
-    return _SummaAB.apply(a, b, mesh, options, form, b_mirrored)
+    return _SummaAB.apply(a, b, bias, mesh, options, form, b_mirrored)
 
 
 def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, options: TPOptions | None = None) -> torch.Tensor:

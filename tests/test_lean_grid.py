@@ -34,9 +34,12 @@ LAYOUTS = ("2d", "metp", "2d-metp")
 # use, a transpose to test an operand's layout, the fixed operand transposed per block; and before each parameter's
 # shard became an autograd leaf of its own (2d 1001 / 1078, metp 1362 / 1825, 2d-metp 1139 / 1338): one view per
 # parameter use (nn.functional.local_view), less one view per gradient summed over an axis (handed to its leaf as a
-# fresh view: a collective's work may still hold the summed tensor, and autograd would copy it)
-OPS = {"gpt2-tiny": {"2d": 981, "metp": 1352, "2d-metp": 1119, "tp1d-sp": 641},
-       "llama-tiny": {"2d": 1062, "metp": 1809, "2d-metp": 1322, "tp1d-sp": 816, "cp": 961}}
+# fresh view: a collective's work may still hold the summed tensor, and autograd would copy it); and before the ring's
+# first contributions were written by their GEMMs and adds (2d 981 / 1062, metp 1352 / 1809, 2d-metp 1119 / 1322): a
+# zeroed buffer per output and per step's K|V gradient, summed into, a bias added in a pass of its own, the online
+# softmax's merge in five ops, SwiGLU's derivative written out
+OPS = {"gpt2-tiny": {"2d": 965, "metp": 1330, "2d-metp": 1089, "tp1d-sp": 641},
+       "llama-tiny": {"2d": 1062, "metp": 1713, "2d-metp": 1296, "tp1d-sp": 816, "cp": 961}}
 
 
 def _four_rank_costs(rank: int, world: int, model: str) -> dict:
@@ -84,20 +87,23 @@ def test_no_copies_where_a_view_or_out_serves(costs, model):
 
 # the largest rank's memory-bound bytes per step (torch 2.13.0): exact counts, held so that they do not grow. Until
 # 2026-12-06 the counter charged torch's DTensor ops their global shapes (a dispatch mode sees the DTensor op; the
-# shards' op runs outside it), and allocations (empty, empty_like ...) and in-place GEMMs (addmm_) as traffic: then
-# "2d" looked leaner than torch's 1-D TP + SP for both families. Counted right, it is for Llama, not for GPT-2
-# (1.0% more: the grid's LayerNorm statistics and their backward, written out over a row of the grid), which issue
-# 48's target (no more than torch's) does not yet meet
-BYTES = {"gpt2-tiny": {"2d": 12052176, "metp": 15198436, "2d-metp": 14655184, "tp1d-sp": 11932108},
-         "llama-tiny": {"2d": 26784316, "metp": 42875312, "2d-metp": 31168060, "tp1d-sp": 38745816, "cp": 39054528}}
+# shards' op runs outside it), and allocations (empty, empty_like ...) and in-place GEMMs (addmm_) as traffic. Until
+# 2026-12-07 it charged `_unsafe_view` (a view whose schema declares no alias) as a copy, and an op's `out=` buffer
+# and the self of copy_ / zero_ / fill_ as read as well as written (every side: tp1d-sp 11932108 / 38745816, cp
+# 39054528). Then, before the ring's and the grid's first contributions were written by their GEMMs and adds (the
+# fused bias, the one-lerp merge, the folded K|V gradient sums, SwiGLU's one-pass derivative): 2d 12052176 /
+# 26784316, metp 15198436 / 42875312, 2d-metp 14655184 / 31168060 (gpt2 / llama), GPT-2's "2d" 1.0% above torch's
+# TP + SP. Now "2d" is below TP + SP for both families, and "metp" is 1.05x torch's CP for Llama
+BYTES = {"gpt2-tiny": {"2d": 11097008, "metp": 12297188, "2d-metp": 12448688, "tp1d-sp": 11665868},
+         "llama-tiny": {"2d": 26256252, "metp": 34912688, "2d-metp": 29022076, "tp1d-sp": 35235544, "cp": 33243488}}
 
 
 @pytest.mark.skipif(not TORCH_213, reason="byte counts follow torch 2.13.0's decompositions")
 @pytest.mark.parametrize("model", sorted(OPS))
-def test_memory_bound_bytes_per_rank_are_held_and_llama_s_grids_below_torch_tp_sp(costs, model):
+def test_memory_bound_bytes_per_rank_are_held_and_the_grids_below_torch_tp_sp(costs, model):
     assert {layout: c["bytes"] for layout, c in costs[model].items()} == BYTES[model]
+    assert costs[model]["2d"]["bytes"] <= costs[model]["tp1d-sp"]["bytes"]
     if model == "llama-tiny":
-        assert costs[model]["2d"]["bytes"] <= costs[model]["tp1d-sp"]["bytes"]
         assert costs[model]["2d-metp"]["bytes"] <= costs[model]["tp1d-sp"]["bytes"]
 
 

@@ -49,9 +49,14 @@ COMPUTE_BOUND = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", 
 ALLOCATIONS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted"})
 
 
+# views whose schema declares no alias (``_unsafe_view``: what ``reshape`` and ``matmul`` return after a copy or a GEMM)
+UNDECLARED_VIEWS = frozenset({"_unsafe_view"})
+
+
 def _is_view(func) -> bool:
     """An op whose result aliases an input without writing it (``view``, ``t``, ``slice``, ``as_strided`` ...)."""
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+    return (func.overloadpacket.__name__ in UNDECLARED_VIEWS
+            or any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns))
 
 
 def _bytes(value) -> int:
@@ -67,6 +72,20 @@ def _bytes(value) -> int:
     if isinstance(value, dict):
         return sum(_bytes(v) for v in value.values())
     return 0
+
+
+# in-place ops that overwrite ``self`` without reading it: their result (``self``) is the only traffic on it
+WRITE_ONLY = frozenset({"copy_", "zero_", "fill_", "uniform_", "normal_", "bernoulli_", "random_", "exponential_"})
+
+
+def _read_bytes(func, name: str, args, kwargs) -> int:
+    """Bytes an op reads: its tensor arguments, less an ``out=`` buffer and the ``self`` of a :data:`WRITE_ONLY` op,
+    which it only writes (their bytes are counted once, as the result). An in-place op that reads ``self``
+    (``add_``, ``mul_``) reads it and writes it: twice."""
+    if name in WRITE_ONLY:
+        args = args[1:]
+    outs = {a.name for a in func._schema.arguments if a.is_out}
+    return _bytes((args, {k: v for k, v in kwargs.items() if k not in outs} if outs else kwargs))
 
 
 COLLECTIVES = frozenset({"c10d", "_c10d_functional", "_dtensor"})  # op namespaces of communication
@@ -101,7 +120,7 @@ class OpCounter(TorchDispatchMode):
             return out
         self.cost.ops[name] += 1
         if name not in COMPUTE_BOUND and name not in ALLOCATIONS and not _is_view(func):
-            self.cost.bytes += _bytes((args, kwargs)) + _bytes(out)
+            self.cost.bytes += _read_bytes(func, name, args, kwargs) + _bytes(out)
         return out
 
 

@@ -59,9 +59,10 @@ class Linear2D(nn.Module):
             return F.linear(x, local_view(self.weight), None if self.bias is None else local_view(self.bias))
         lead = x.shape[:-1]
         x2d, w_t = autocast_operands(x.reshape(-1, x.shape[-1]), local_view(self.weight))  # w_t [out/q, in/q] = W_rcᵀ
-        y = summa_ab(x2d, w_t.t(), self.mesh, self.options, self.form, self.form == "scatter")  # (N/q, out/q); W travels as stored
-        if self.bias is not None:
-            y = y + sum_grad_along(local_view(self.bias), self.mesh, "row").to(y.dtype)  # bf16 under autocast
+        # the bias in the products' dtype (bf16 under autocast), added by the SUMMA's first GEMM; its gradient summed
+        # over row (rows see different tokens)
+        bias = None if self.bias is None else sum_grad_along(local_view(self.bias), self.mesh, "row").to(x2d.dtype)
+        y = summa_ab(x2d, w_t.t(), self.mesh, self.options, self.form, self.form == "scatter", bias)  # (N/q, out/q)
         return y.view(*lead, y.shape[-1])
 
     def extra_repr(self) -> str:

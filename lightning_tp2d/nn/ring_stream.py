@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tp2d.comm import all_reduce_along
-from lightning_tp2d.metp import RingOptions, acc_dtype, ring_backward, ring_forward, ring_options, tile_rows
+from lightning_tp2d.comm import all_reduce_along, axis_rank
+from lightning_tp2d.metp import (RingOptions, acc_dtype, mm_into, ring_backward, ring_forward, ring_options,
+                                tile_rows)
 from lightning_tp2d.nn.cross_entropy import IGNORE_INDEX
 from lightning_tp2d.ops import registered
 
@@ -158,12 +159,13 @@ class _RingLinearOut(torch.autograd.Function):
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         acc = acc_dtype(x.dtype)
-        dx = torch.zeros_like(x)
+        dx = torch.empty_like(x)  # written by the first step's GEMM (j == i)
+        i = axis_rank(ctx.mesh, ctx.axis)
 
         def step(j, blocks):
             (w_j,) = blocks
             g = ctx.layout.read(dy, j)  # (N, out/p)
-            dx.addmm_(g, w_j)  # dX += dY_j W_j
+            mm_into(dx, g, w_j, first=j == i)  # dX += dY_j W_j
             return ((g.t() @ x).to(acc),)  # dW_j += dY_jᵀ X
 
         dw = _stream_backward(ctx, w, step)
@@ -176,16 +178,19 @@ class _RingLinearIn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, mesh, axis, layout, options):
         # x: input whose block j (layout) is the in-columns of ring rank j; w (out, in/p) this rank's columns
-        out = None
+        out = None  # written by the first step's GEMM (j == i), with the bias
+        bias_x, i = None if bias is None else bias.to(x.dtype), axis_rank(mesh, axis)
 
         def step(j, blocks):
             nonlocal out
             (w_j,) = blocks
             x_j = layout.read(x, j)
-            out = x_j @ w_j.t() if out is None else out.addmm_(x_j, w_j.t())
+            if out is None:
+                out = x_j.new_empty((x_j.shape[0], w_j.shape[0]))
+            mm_into(out, x_j, w_j.t(), first=j == i, bias=bias_x)
 
         _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step)
-        return out if bias is None else out.add_(bias)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
