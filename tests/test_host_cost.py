@@ -22,7 +22,8 @@ def test_measured_sizes_give_the_measured_ops_and_other_sizes_lie_on_the_lines_b
             for k, ((f1, b1), (f2, b2)) in points.items():
                 p = k * k if layout in ("2d", "2d-metp") else k  # (a grid of side k)
                 for n_layer, total in ((1, f1 + b1), (2, f2 + b2)):
-                    assert host_cost.micro_batch_ops(layout, dataclasses.replace(cfg, n_layer=n_layer), p) == total
+                    assert host_cost.micro_batch_ops(layout, dataclasses.replace(cfg, n_layer=n_layer), p,
+                                                     ring=k) == total  # (torch's CP: its ring's length)
     cfg = model_config("gpt2-tiny")
     ring = host_cost.MEASURED_OPS["gpt2"]["metp"]
     at = {k: host_cost.micro_batch_ops("metp", cfg, k) for k in (2, 3, 4, 8)}
@@ -31,6 +32,29 @@ def test_measured_sizes_give_the_measured_ops_and_other_sizes_lie_on_the_lines_b
     # the grid beyond its largest measured side: the last two sides' line, extended
     q4, q3 = (host_cost.micro_batch_ops("2d", cfg, q * q) for q in (4, 3))
     assert host_cost.micro_batch_ops("2d", cfg, 64) == pytest.approx(q4 + 4 * (q4 - q3))
+
+
+def test_torch_s_context_parallelism_is_priced_at_its_own_ring_length(monkeypatch):
+    """torch's CP is a ring (a kernel, a merge and a K|V gradient sum per ring step, counted since the counter sees
+    inside its DTensor handler): its ops and memory-bound quotient grow with its CP degree, and a cp row is priced at
+    it, not at the four ranks its rates were timed on; cp-tp's ring is its CP degree, not its GPU count."""
+    cfg = model_config("llama-tiny")
+    ops = [host_cost.micro_batch_ops("cp", cfg, k, ring=k) for k in (2, 4, 8)]
+    ratios = [host_cost.memory_bound_ratio("cp", cfg, k, ring=k) for k in (2, 4, 8)]
+    assert ops[0] < ops[1] < ops[2] and ratios[0] < ratios[1] < ratios[2]
+    assert host_cost.micro_batch_ops("cp-tp", cfg, 8, ring=4) == ops[1]  # (counted as cp, at its CP degree)
+    assert host_cost.micro_batch_ops("tp1d-sp", cfg, 8, ring=8) == host_cost.micro_batch_ops("tp1d-sp", cfg, 4)
+    seen, real = [], host_cost.memory_bound_ratio
+    def recorded(layout, cfg_, p, ring=None):
+        seen.append((layout, p, ring))
+        return real(layout, cfg_, p, ring)
+
+    monkeypatch.setattr(host_cost, "memory_bound_ratio", recorded)
+    common = dict(p=8, dp=1, zero_stage=3, checkpointing="full", micro_batch=1, grad_accum=1, seq=32768,
+                  hw=H100_NVLINK4_NDR, gpus_per_node=8)
+    planner.price(model_config("llama-3.1-8b"), layout="cp", **common)
+    planner.price(model_config("llama-3.1-8b"), layout="cp-tp", cp_tp_size=2, **common)
+    assert seen == [("cp", 8, 8), ("cp-tp", 8, 4)]
 
 
 def test_full_checkpointing_runs_each_block_forward_again():

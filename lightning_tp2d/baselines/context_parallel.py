@@ -103,8 +103,10 @@ def _ring_forward(mesh: DeviceMesh, query, key, value, dropout_p: float = 0.0, i
     if dropout_p or attn_mask is not None:
         raise NotImplementedError(f"CPU context-parallel attention takes no dropout (got {dropout_p}) and no "
                                   f"attn_mask (got {'a tensor' if attn_mask is not None else None}), as torch's ring")
-    return torch_cp._templated_ring_attention(mesh.get_group(), SEQ_DIM, _FORWARD, query=query, key=key,
-                                              value=value, is_causal=is_causal, scale=scale)
+    from lightning_tp2d.bench.layer_cost import count_local  # (the bench imports this module)
+
+    return count_local(torch_cp._templated_ring_attention, mesh.get_group(), SEQ_DIM, _FORWARD, query=query,
+                       key=key, value=value, is_causal=is_causal, scale=scale)
 
 
 def _ring_backward(mesh: DeviceMesh, grad_out, query, key, value, out, logsumexp, dropout_p: float,
@@ -112,9 +114,12 @@ def _ring_backward(mesh: DeviceMesh, grad_out, query, key, value, out, logsumexp
     """The CPU backward's signature; torch's ring backward with the CPU backward kernel per block; ``(dq, dk, dv)``."""
     if dropout_p or attn_mask is not None:
         raise NotImplementedError("CPU context-parallel attention takes no dropout and no attn_mask")
-    return torch_cp._templated_ring_attention_backward(
-        mesh.get_group(), SEQ_DIM, _BACKWARD, grad_out=grad_out, grad_out_name="grad_out", query=query, key=key,
-        value=value, out=out, logsumexp=logsumexp, is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+    from lightning_tp2d.bench.layer_cost import count_local
+
+    return count_local(
+        torch_cp._templated_ring_attention_backward, mesh.get_group(), SEQ_DIM, _BACKWARD, grad_out=grad_out,
+        grad_out_name="grad_out", query=query, key=key, value=value, out=out, logsumexp=logsumexp,
+        is_causal=is_causal, dropout_p=dropout_p, scale=scale)
 
 
 _RING = {_FORWARD: _ring_forward, _BACKWARD: _ring_backward}

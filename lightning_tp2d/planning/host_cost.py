@@ -14,7 +14,9 @@ row's micro-batch is ``max(GPU seconds, host seconds)`` (issue 48, part 5):
   ops grow linearly with its side: ``q`` SUMMA panels per product) and extrapolated from the last two. ``"full"``
   checkpointing runs each block's forward again; ``"selective"``'s recomputed recipes (a few elementwise ops a block)
   are not counted. Shapes move the counts a little (the SUMMA streams a weight column past a size, the ring MLP
-  tiles rows past ``tile_tokens``): two shapes of the ring of 4 differed by 13%;
+  tiles rows past ``tile_tokens``): two shapes of the ring of 4 differed by 13%. torch's context parallelism is a
+  ring too (a kernel call and a merge per ring step): it is counted at rings of 2, 4 and 8 and priced at its own CP
+  degree (``ring``); torch's 1-D TP + SP at 4 ranks, for every size;
 * **host seconds per op**: the plain model's, :data:`PLAIN_SECONDS_PER_OP` (23 us: an op's whole host cost,
   autograd, Python, the kernel launch; the H200 run), times each side's measured ratio to it
   (:func:`seconds_per_op`; ``host_ops.json``'s ``cpu_rates``, ``recipes/benchmarks/host_ops.py --rates``): on CPU,
@@ -36,14 +38,15 @@ The AdamW step (once per step, fused) is not counted.
 
 The same table holds what each side's layers move through memory beyond what the planner's elementwise model of it
 says (``memory_bound``, ``recipes/benchmarks/host_ops.py --bytes``): the memory-bound bytes per token of a block on
-one rank, counted on CPU (float32, exact; each layout at the grid sides and ring lengths its ops are counted at, the
-rivals on four ranks), over the bytes per token the side's elementwise model prices (the traced layouts' saved
-activations; the rivals' :func:`~lightning_tp2d.planning.rival_models.elementwise_bytes`), as a quotient of the
-plain model's. :func:`memory_bound_ratio` is the factor the planner multiplies the side's elementwise bytes by
-(:func:`lightning_tp2d.planning.planner.price`): the ring rescales and accumulates every block's partial output once
-per ring step, which its saved activations do not show, and torch's 1-D TP + SP copies each reduce-scatter's chunks
-into one buffer. Bytes that do not grow with the tokens (the weights' traffic: the ring's weight-gradient
-accumulation per step, FSDP's copies in and out) are not priced, on any side.
+one rank, counted on CPU (float32, exact; each layout and torch's CP at the grid sides and ring lengths their ops are
+counted at, torch's 1-D TP + SP on four ranks), over the bytes per token the side's elementwise model prices (the
+traced layouts' saved activations; the rivals' :func:`~lightning_tp2d.planning.rival_models.elementwise_bytes`), as
+a quotient of the plain model's. :func:`memory_bound_ratio` is the factor the planner multiplies the side's
+elementwise bytes by (:func:`lightning_tp2d.planning.planner.price`): a ring (METP's, torch's CP) merges every
+block's partial output and sums the travelling K|V gradients once per ring step, which its saved activations do not
+show, and torch's 1-D TP + SP copies each reduce-scatter's chunks into one buffer. Bytes that do not grow with the
+tokens (the weights' traffic: the ring's weight-gradient accumulation per step, FSDP's copies in and out) are not
+priced, on any side.
 """
 
 from __future__ import annotations
@@ -58,9 +61,9 @@ from lightning_tp2d.rivals import SINGLE, get_rival, is_rival
 
 # The measurements (host_ops.json beside this module, with how each was taken): the plain model's host seconds per
 # aten op (an op as OpCounter counts it: every dispatch but the collectives) from the H200 run; per rank the
-# (forward, backward) ops of a micro-batch with one block and with two, by axis size (a grid's side, a ring's length;
-# the rivals' do not depend on it); each side's host seconds per op against the plain model's, eager and compiled,
-# at one rank and at four (cpu_rates).
+# (forward, backward) ops of a micro-batch with one block and with two, by axis size (a grid's side, a ring's length,
+# torch's CP degree; torch's 1-D TP + SP's at 4 ranks); each side's host seconds per op against the plain model's,
+# eager and compiled, at one rank and at four (cpu_rates).
 _DATA = json.loads((Path(__file__).parent / "host_ops.json").read_text())
 _RATES = _DATA["seconds_per_op"]
 _PLAIN = "plain"
@@ -102,16 +105,22 @@ def _at(points: dict[int, tuple], k: int) -> tuple[float, float, float, float]:
     return _line({size: split(pair) for size, pair in points.items()}, k)
 
 
-def micro_batch_ops(layout: str, cfg, p: int, checkpointing: str = "none") -> float:
+def _points(table: dict, layout: str, p: int, ring: int | None) -> tuple[dict, int]:
+    """``(measured points, axis size)`` of ``layout`` on ``p`` ranks in a :data:`MEASURED_OPS` or
+    :data:`MEMORY_BOUND` family table: a layout's by its axis size (a grid's side, a ring's length); a rival's by its
+    ring's length ``ring`` (torch's CP degree; ``None``: all ``p`` ranks) where it was counted at several, else its
+    one count (torch's 1-D TP + SP at 4 ranks; a rival with no count of its own, the plain model's)."""
+    if layout in layout_names():
+        return table[layout], get_layout(layout).side(p)
+    points = table.get(_counted_as(layout), table[SINGLE.name])
+    return points, ((p if ring is None else ring) if len(points) > 1 else min(points))
+
+
+def micro_batch_ops(layout: str, cfg, p: int, checkpointing: str = "none", ring: int | None = None) -> float:
     """Aten ops one rank dispatches for one micro-batch (forward with the loss, backward, ``"full"``'s recomputed
     forwards) of ``cfg`` (its ``n_layer`` blocks) under ``layout`` on ``p`` tensor-parallel ranks: a package layout,
-    ``"single"`` / ``"tp1d-sp"`` / ``"cp"`` / ``"cp-tp"`` / ``"ulysses"``."""
-    table = MEASURED_OPS[family_of_config(cfg).name]
-    if layout in layout_names():  # by the layout's axis size: a grid's side, a ring's length
-        points, k = table[layout], get_layout(layout).side(p)
-    else:  # a rival's count does not depend on its size
-        points = table.get(_counted_as(layout), table[SINGLE.name])
-        k = min(points)
+    ``"single"`` / ``"tp1d-sp"`` / ``"cp"`` / ``"cp-tp"`` / ``"ulysses"``; ``ring``: a CP rival's CP degree."""
+    points, k = _points(MEASURED_OPS[family_of_config(cfg).name], layout, p, ring)
     fixed_f, fixed_b, block_f, block_b = _at(points, k)
     recompute = block_f if checkpointing == "full" else 0.0
     return fixed_f + fixed_b + cfg.n_layer * (block_f + block_b + recompute)
@@ -130,24 +139,22 @@ def seconds_per_op(layout: str, cfg, p: int, compiled: bool = False) -> float:
     return PLAIN_SECONDS_PER_OP * table.get(name, 0.0)
 
 
-def memory_bound_ratio(layout: str, cfg, p: int) -> float:
+def memory_bound_ratio(layout: str, cfg, p: int, ring: int | None = None) -> float:
     """The factor on ``layout``'s elementwise bytes on ``p`` ranks (module docstring, :data:`MEMORY_BOUND`): 1 for
     a layout's size-1 form (the plain model's ops on the plain model's tensors) and for a side counted as the plain
-    model; a layout's measured quotients by axis size (a grid's side, a ring's length) interpolated linearly and
-    extrapolated from the last two (the ring merges once per step: its extra grows with its length); a rival's at
-    four ranks."""
-    ours = layout in layout_names()
-    if ours and p == 1:
+    model; measured quotients by axis size (a grid's side, a ring's length, torch's CP degree ``ring``) interpolated
+    linearly and extrapolated from the last two (a ring merges once per step: its extra grows with its length);
+    torch's 1-D TP + SP's at four ranks."""
+    if layout in layout_names() and p == 1:
         return 1.0
-    table = MEMORY_BOUND[family_of_config(cfg).name]
-    points = table.get(layout if ours else _counted_as(layout), table[SINGLE.name])
-    k = get_layout(layout).side(p) if ours else min(points)
+    points, k = _points(MEMORY_BOUND[family_of_config(cfg).name], layout, p, ring)
     return max(0.0, _line({size: (ratio,) for size, ratio in points.items()}, k)[0])
 
 
-def micro_batch_host_seconds(layout: str, cfg, p: int, checkpointing: str = "none", compiled: bool = False) -> float:
+def micro_batch_host_seconds(layout: str, cfg, p: int, checkpointing: str = "none", compiled: bool = False,
+                             ring: int | None = None) -> float:
     """Host seconds of one micro-batch (module docstring): :func:`micro_batch_ops` times :func:`seconds_per_op`."""
-    return micro_batch_ops(layout, cfg, p, checkpointing) * seconds_per_op(layout, cfg, p, compiled)
+    return micro_batch_ops(layout, cfg, p, checkpointing, ring) * seconds_per_op(layout, cfg, p, compiled)
 
 
 __all__ = ["CPU_RATES", "MEASURED_OPS", "MEMORY_BOUND", "PLAIN_SECONDS_PER_OP", "memory_bound_ratio",

@@ -413,11 +413,12 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     backward_s = micro["compute_s"] - forward_s
     # the side's measured memory-bound bytes over what its elementwise model says (host_cost.memory_bound_ratio); the
     # layouts' extra, moved inside their registered ops, which the compiler does not enter, is priced eager
-    ratio = host_cost.memory_bound_ratio(side.host_name(p), cfg, p)
+    ring = side.context_parallel_size(p, cp_tp_size)  # a CP rival's ring: its counts grow with it, as METP's
+    ratio = host_cost.memory_bound_ratio(side.host_name(p), cfg, p, ring)
     extra_passes = ELEMENTWISE_PASSES["eager"] if compiled and not side.torch_code and ratio > 1 else passes
     elementwise_s = (passes + extra_passes * (ratio - 1.0)) * saved / hw.hbm_bytes_per_s
     # the host issues the micro-batch's ops while the GPU runs them: the slower of the two (planning.host_cost)
-    issue_s = host_cost.micro_batch_host_seconds(side.host_name(p), cfg, p, checkpointing, compiled)
+    issue_s = host_cost.micro_batch_host_seconds(side.host_name(p), cfg, p, checkpointing, compiled, ring)
     micro_s = max(micro["total_s"] + elementwise_s, issue_s)
     host = {"copy_s": 0.0, "exposed_s": 0.0}
     if offload:

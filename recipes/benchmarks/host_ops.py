@@ -12,7 +12,8 @@ bf16 autocast, B12 x 96 tokens, and keeps the largest rank's count:
 
 * the layouts and the plain model with 12 heads (Llama: 12 key/value heads), at grids of side 2, 3 and 4 (4, 9 and 16
   ranks) and rings of 2, 4 and 8;
-* the rivals with 4 heads (Llama: 8 and 4 key/value heads), which torch's 1-D TP over 4 ranks needs, on 4 ranks.
+* the rivals with 4 heads (Llama: 8 and 4 key/value heads), which torch's 1-D TP over 4 ranks needs: its 1-D TP + SP
+  on 4 ranks, its context parallelism (a ring) on rings of 2, 4 and 8.
 
 ``--only`` recounts the named sides and keeps the rest of the table; ``--check`` writes nothing and exits 1 when a
 count differs. The seconds per op (``seconds_per_op``, from a GPU run) are not touched. Counts are torch 2.13.0's
@@ -35,7 +36,8 @@ their compiled entries are left out (the planner prices them at none, the figure
 allocations, GEMMs, attention kernels or collectives) of one micro-batch's forward and backward of rank 0 on
 torch's fake process group, at one and two blocks and at 192 and 384 tokens (one sequence, a grid of side ``q``
 ``q``, :func:`bytes_batch`; float32; width 768 and 12 heads, :data:`BYTES_SHAPES`), for the plain model, for each
-layout at the axis sizes the ops are counted at, and for each rival on 4 ranks. A block's
+layout and torch's context parallelism at the axis sizes the ops are counted at, and for torch's 1-D TP + SP on 4
+ranks. A block's
 bytes per token (the slope over the two lengths; what does not grow with the tokens is the weights' traffic, left
 out) is set beside the bytes per token of a block that the side's own elementwise model in the planner prices
 (the traced layouts' saved activations; the rivals' :func:`~lightning_tp2d.planning.rival_models.elementwise_bytes`,
@@ -67,8 +69,10 @@ MODELS = {"gpt2": "gpt2-tiny", "llama": "llama-tiny"}
 HEADS = {"gpt2": {"n_head": 12}, "llama": {"n_head": 12, "n_kv_head": 12}}
 RIVAL_HEADS = {"gpt2": {"n_head": 4}, "llama": {"n_head": 8, "n_kv_head": 4}}
 # side -> (axis sizes counted, ranks at each size): a grid's side q runs on q*q ranks, a ring of p on p
+# (torch's context parallelism is a ring too: its merges and K|V gradient sums per ring step grow with its length, as
+# METP's do, so it is counted at the rings' lengths; torch's 1-D TP + SP at 4, the ranks its 4 heads allow)
 SIDES = {"single": ((1,), lambda k: 1), "2d": ((2, 3, 4), lambda q: q * q), "metp": ((2, 4, 8), lambda p: p),
-         "2d-metp": ((2, 3, 4), lambda q: q * q), "tp1d-sp": ((4,), lambda k: 4), "cp": ((4,), lambda k: 4)}
+         "2d-metp": ((2, 3, 4), lambda q: q * q), "tp1d-sp": ((4,), lambda k: 4), "cp": ((2, 4, 8), lambda p: p)}
 FAMILIES_OF = {"cp": ("llama",)}  # torch's context parallelism baseline runs Llama only
 
 
@@ -102,7 +106,7 @@ BYTES_SHAPES = {"gpt2": {"n_embd": 768, "n_head": 12, "vocab_size": 512, "block_
                 "llama": {"n_embd": 768, "n_head": 12, "n_kv_head": 12, "intermediate_size": 2064, "vocab_size": 512,
                           "block_size": 384}}
 BYTES_TOKENS = (192, 384)  # (divisible by every zigzag: 2q for q = 2, 3, 4 and 2p for p = 8)
-# the sides and axis sizes counted: the ops table's (SIDES), the rivals at 4 ranks
+# the sides and axis sizes counted: the ops table's (SIDES)
 BYTES_SIDES = ("2d", "metp", "2d-metp", "tp1d-sp", "cp")
 
 
@@ -290,7 +294,7 @@ def main() -> int:
     data["ops"]["source"] = (f"recipes/benchmarks/host_ops.py: lightning_tp2d.bench.layer_cost.rank_phase_ops on CPU, "
                              f"torch {torch.__version__.split('+')[0]}, {time.strftime('%Y-%m-%d')}, bf16 autocast, "
                              "B12 x 96 tokens, 12 heads (Llama: 12 key/value heads); the rivals with 4 heads (Llama: "
-                             "8 and 4) on 4 ranks; the largest rank's count")
+                             "8 and 4): 1-D TP + SP on 4 ranks, CP on rings of 2, 4 and 8; the largest rank's count")
     TABLE.write_text(json.dumps(data, indent=1) + "\n")
     return 0
 

@@ -72,15 +72,17 @@ the loss's vocabulary, while sequence parallelism gathers each norm output to th
 node `cp` is the stronger of torch's two, and the package's rows are compared with it; its declared communication
 equals a measured 4-rank CPU step byte for byte (`tests/test_context_parallel.py`), as `cp`'s does.
 
-**Calibration: 2.3x above torchtitan's 548 tokens/s/GPU at CP 8; the gap grows with the CP degree.** The CP 1 row
-(plain FSDP 8 at 32k) is 1.23x, the planner's usual optimism for torchtitan's rows (1.18-1.35 in
-`recipes/benchmarks/scale`); CP 2 at 64k 1.33x; CP 4 at 128k 2.01x; CP 8 at 256k 2.26x. Float8 (in every published
+**Calibration: 2.2x above torchtitan's 548 tokens/s/GPU at CP 8; the gap grows with the CP degree.** The CP 1 row
+(plain FSDP 8 at 32k) is 1.21x, the planner's usual optimism for torchtitan's rows (1.16-1.28 in
+`recipes/benchmarks/scale`); CP 2 at 64k 1.30x; CP 4 at 128k 1.94x; CP 8 at 256k 2.17x (2.26x before torch's ring
+was counted as the ring it is, 2026-12-07). Float8 (in every published
 row) makes them faster, not slower, so it explains none of it. At 256k about 80% of the FLOPs are attention, priced at
 the preset's rate (541 TFLOP/s, torch's causal SDPA over a whole 32k sequence measured on an H200, x 835/989 on the
 500 W cards); the published rows imply 288-290 TFLOP/s at CP 1-2 and 182-191 at CP 4-8 with every other rate kept. What the model leaves out and grows with the CP degree: torch's
 ring calls SDPA's flash kernel (FA2 on H100) once per ring step on blocks of `2c x c` scores (`c = T / 2p`: at CP 8
 and 256k, 32k x 16k, still large) and merges the partial outputs and log-sum-exps in float32 after every step
-(elementwise passes over `T/p x h` per step, p per attention, not priced); and in December 2024 torchtitan's CP may
+(elementwise passes over `T/p x h` per step, p per attention: priced since 2026-12-07 by its measured memory-bound
+quotient at its CP degree, 1.31 / 1.64 / 2.31 on rings of 2 / 4 / 8); and in December 2024 torchtitan's CP may
 have exposed the K/V all-gather the model hides behind the diagonal block. So the `cp` rows above are optimistic for
 cp at degree 8 by up to ~1.8x beyond the usual 1.23x; METP's ring also runs p kernel calls per attention on half
 blocks, so its rows carry a similar loss. Measured on an H200 (`recipes/benchmarks/gpu_rates/h200.md`), the
