@@ -223,9 +223,9 @@ torch (2.13)
     public: none; the class is not exported publicly.
 
 ``OpOverload._schema``
-    where: planning/trace.py:_attention_flops, bench/layer_cost.py:_is_view
+    where: planning/trace.py:_attention_flops, bench/layer_cost.py:_is_view, bench/layer_cost.py:_read_bytes
     why: argument names of an attention op, to price its FLOPs; whether an op's result aliases an input (a view:
-    no memory traffic).
+    no memory traffic); which of its arguments are ``out=`` buffers (written, not read).
     public: none; the schema is exposed only there.
 
 ``UntypedStorage._cdata``
@@ -472,8 +472,9 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      ("bench/collectives.py:FunctionalCollectiveCounter.__torch_dispatch__",
       "planning/live.py:LiveTensorBytes.__torch_dispatch__"),
      "let higher-order operators pass through a dispatch mode unexamined"),
-    ("OpOverload._schema", ("planning/trace.py:_attention_flops", "bench/layer_cost.py:_is_view"),
-     "argument names of an attention op, to price its FLOPs; whether an op is a view"),
+    ("OpOverload._schema", ("planning/trace.py:_attention_flops", "bench/layer_cost.py:_is_view",
+                            "bench/layer_cost.py:_read_bytes"),
+     "argument names of an attention op, to price its FLOPs; whether an op is a view; its out= arguments"),
     ("DTensor._spec, DTensor._local_tensor, torch.distributed.tensor._utils.compute_global_tensor_info",
      ("nn/functional.py:local_view", "nn/functional.py:_LocalView", "nn/functional.py:_as_param_grad",
       "nn/functional.py:_to_param_grad", "nn/functional.py:own_leaf_grads"),

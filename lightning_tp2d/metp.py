@@ -604,17 +604,23 @@ class _RingAttention(torch.autograd.Function):
         def add_block(dkv, kv_j, batch, rows, cols, causal, first_rows, arriving):
             k_j, v_j = _kv_rows(kv_j, batch, cols)
             dk_j, dv_j = _kv_rows(dkv, batch, cols)
+            summed = None  # with `arriving`: the groups' K|V blocks, summed (in float32) before the one fold
             for r in range(g):
                 dq_b, dk_b, dv_b = attend_block_backward(rows_of("dy", r, batch, rows), rows_of("q", r, batch, rows),
                                                          k_j, v_j, rows_of("y", r, batch, rows),
                                                          rows_of("lse", r, batch, rows), causal, ctx.scale,
                                                          ctx.options)
                 _into(rows_of("dq", r, batch, rows), dq_b, first_rows)
-                if arriving is not None and r == 0:
-                    _fold(dkv, (dk_j, dv_j), (dk_b, dv_b), cols, arriving())
-                else:
+                if arriving is None:
                     dk_j.add_(dk_b)
                     dv_j.add_(dv_b)
+                elif summed is None:
+                    summed = (dk_b, dv_b) if g == 1 else (dk_b.to(lse.dtype), dv_b.to(lse.dtype))
+                else:
+                    summed[0].add_(dk_b)
+                    summed[1].add_(dv_b)
+            if arriving is not None:  # after every group's kernel, so the arriving sum's transfer overlaps them all
+                _fold(dkv, (dk_j, dv_j), summed, cols, arriving())
 
         ring_backward((kv,), ctx.mesh, ctx.axis, step, home=(dqkv[g:],), double_buffer=ctx.options.double_buffer,
                       wire_dtype=ctx.options.wire_dtype(kv.dtype), folds_sum=True)

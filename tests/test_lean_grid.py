@@ -96,7 +96,7 @@ def test_no_copies_where_a_view_or_out_serves(costs, model):
 # fused bias, the one-lerp merge, the folded K|V gradient sums, SwiGLU's one-pass derivative): 2d 12052176 /
 # 26784316, metp 15198436 / 42875312, 2d-metp 14655184 / 31168060 (gpt2 / llama), GPT-2's "2d" 1.0% above torch's
 # TP + SP. And until then torch's CP ring ran unseen (33243488): its kernels, merges and K|V gradient sums run inside
-# DTensor's handler of one SDPA op, with the counter's mode off (bench.layer_cost.count_local counts them now). Now
+# DTensor's handler of one SDPA op, with the counter's mode off (bench.counting.count_local counts them now). Now
 # "2d" is below TP + SP for both families, and "metp" below torch's CP for Llama
 BYTES = {"gpt2-tiny": {"2d": 11097008, "metp": 12297188, "2d-metp": 12448688, "tp1d-sp": 11665868},
          "llama-tiny": {"2d": 26256252, "metp": 34912688, "2d-metp": 29022076, "tp1d-sp": 35235544, "cp": 40100192}}

@@ -67,6 +67,7 @@ from torch.distributed.tensor.experimental._context_parallel import _attention a
 from torch.distributed.tensor.experimental._context_parallel._sharding_rules import _op_strategy_context
 
 from lightning_tp2d.bench.collectives import FunctionalCollectiveCounter
+from lightning_tp2d.bench.counting import count_local
 from lightning_tp2d.planning.events import wire_factor
 from lightning_tp2d.planning.live import LiveTensorBytes, resident_bytes
 from lightning_tp2d.baselines.tp1d import _LossParallelInBackward, _loss_parallel_once, parallelize_1d
@@ -103,8 +104,6 @@ def _ring_forward(mesh: DeviceMesh, query, key, value, dropout_p: float = 0.0, i
     if dropout_p or attn_mask is not None:
         raise NotImplementedError(f"CPU context-parallel attention takes no dropout (got {dropout_p}) and no "
                                   f"attn_mask (got {'a tensor' if attn_mask is not None else None}), as torch's ring")
-    from lightning_tp2d.bench.layer_cost import count_local  # (the bench imports this module)
-
     return count_local(torch_cp._templated_ring_attention, mesh.get_group(), SEQ_DIM, _FORWARD, query=query,
                        key=key, value=value, is_causal=is_causal, scale=scale)
 
@@ -114,8 +113,6 @@ def _ring_backward(mesh: DeviceMesh, grad_out, query, key, value, out, logsumexp
     """The CPU backward's signature; torch's ring backward with the CPU backward kernel per block; ``(dq, dk, dv)``."""
     if dropout_p or attn_mask is not None:
         raise NotImplementedError("CPU context-parallel attention takes no dropout and no attn_mask")
-    from lightning_tp2d.bench.layer_cost import count_local
-
     return count_local(
         torch_cp._templated_ring_attention_backward, mesh.get_group(), SEQ_DIM, _BACKWARD, grad_out=grad_out,
         grad_out_name="grad_out", query=query, key=key, value=value, out=out, logsumexp=logsumexp,

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_tp2d as tp
-from lightning_tp2d.bench import runner
+from lightning_tp2d.bench import counting, runner
 from lightning_tp2d.families import family_of_config, model_config
 
 # GEMMs and fused attention: compute-bound kernels, left out of the memory-bound bytes (their time is FLOPs)
@@ -106,20 +106,20 @@ class Cost:
 
 class OpCounter(TorchDispatchMode):
     """Counts every op dispatched inside it into :attr:`cost` (module docstring). A DTensor op is counted as the one
-    op the mode sees, its shards' bytes; what a DTensor handler runs on the shards runs with the mode off, unseen,
-    unless the handler's code asks :func:`count_local` (torch's CP ring: a kernel, a merge and a K|V gradient sum per
-    ring step behind one SDPA op)."""
+    op the mode sees, with its shards' bytes; what a DTensor handler runs on the shards runs with the mode off,
+    unseen, unless the handler's code asks :func:`~lightning_tp2d.bench.counting.count_local` (torch's CP ring: a
+    kernel, a merge and a K|V gradient sum per ring step behind one SDPA op)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.cost = Cost()
 
     def __enter__(self):
-        _COUNTING.append(self)
+        counting.OPEN.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _COUNTING.pop()
+        counting.OPEN.pop()
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -133,19 +133,6 @@ class OpCounter(TorchDispatchMode):
         if name not in COMPUTE_BOUND and name not in ALLOCATIONS and not _is_view(func):
             self.cost.bytes += _read_bytes(func, name, args, kwargs) + _bytes(out)
         return out
-
-
-_COUNTING: list[OpCounter] = []  # the counters whose `with` is open, innermost last
-
-
-def count_local(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, its ops counted by the innermost open :class:`OpCounter`, if any: for the local work
-    of a DTensor op's handler (:func:`lightning_tp2d.baselines.context_parallel.cpu_ring_attention`'s ring), which
-    DTensor runs while the counter's mode is off. The handler's DTensor op itself is counted as one op besides."""
-    if not _COUNTING:
-        return fn(*args, **kwargs)
-    with _COUNTING[-1]:
-        return fn(*args, **kwargs)
 
 
 def build(family_size: str, layout: str | None, *, n_layer: int | None = None, seed: int = 0) -> nn.Module:
