@@ -50,7 +50,7 @@ def test_readme_own_loop_example_with_gpt2_ends_with_exit_0_every_run(tmp_path):
 # after the user's destroy_process_group() ("destroy") or without it ("kept"); or ("stuck") a worker waiting in a
 # collective its peer never joins (the peer is alive, busy elsewhere). Prints what it saw.
 RELEASE = r"""
-import os, time
+import os, sys, time
 import torch, torch.distributed as dist
 import lightning_tp2d as tp
 from lightning_tp2d import mesh as tp_mesh
@@ -77,7 +77,8 @@ if phase == "stuck":
         time.sleep(3.0)
     started = time.monotonic()
     ended = tp_mesh.release_process_groups(timeout=0.5)
-    print(f"rank {rank} stuck: ended {ended} in {time.monotonic() - started:.2f} s", flush=True)
+    sys.stdout.write(f"rank {rank} stuck: ended {ended} in {time.monotonic() - started:.2f} s\n")
+    sys.stdout.flush()
 else:
     started = threads()
     torch.manual_seed(0)
@@ -91,8 +92,10 @@ else:
     if phase == "destroy":
         dist.destroy_process_group()
     ended = tp_mesh.release_process_groups()
-    print(f"rank {rank} {phase}: ended {ended}, threads {before} {started} {running} {threads()} "
-          f"initialized {dist.is_initialized()}", flush=True)
+    # one write per line (print writes the text and its newline apart, and the two ranks share one pipe)
+    sys.stdout.write(f"rank {rank} {phase}: ended {ended}, threads {before} {started} {running} {threads()} "
+                     f"initialized {dist.is_initialized()}\n")
+    sys.stdout.flush()
 """
 
 
