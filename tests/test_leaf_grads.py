@@ -111,19 +111,54 @@ def _compiled(rank: int, world: int, layout: str) -> dict:
     dynamo.reset()
     dynamo.utils.counters.clear()
     out = {}
+    guards: dict[str, list] = {}
     for name, m in (("plain", plain), ("ours", model), ("twin", twin)):
-        m.compile(backend="aot_eager", dynamic=False)
+        seen = guards.setdefault(name, [])
+
+        def keep(entries, seen=seen):  # records the guards' types, keeps them all
+            seen.extend(e.guard_type for e in entries)
+            return [True] * len(entries)
+
+        m.compile(backend="aot_eager", dynamic=False, options={"guard_filter_fn": keep})
         m(a, ya).backward()
         m(b, yb).backward()
         out[name] = _grads(m)
     out["shard_grads"] = sum(p._local_tensor.grad is not None for p in model.parameters())
     out["breaks"] = sum(dynamo.utils.counters["graph_break"].values())
+    out["spec_guards"] = {name: seen.count("DTENSOR_SPEC_MATCH") for name, seen in guards.items()}
+    # frozen after it was traced: the compiled graph still takes its shard, which gets no gradient
+    model.zero_grad(set_to_none=True)
+    frozen = model.transformer.wpe.weight
+    frozen.requires_grad_(False)
+    model(a, ya).backward()
+    out["frozen"] = (frozen.grad is None, frozen._local_tensor.grad is None,
+                     sum(p.grad is not None for p in model.parameters()), sum(1 for _ in model.parameters()))
+    # cast after it was traced: the old shards die with their weak references, the model is traced again through
+    # its parameters, and the gradients are the cast plain model's
+    frozen.requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    plain.zero_grad(set_to_none=True)
+    for m in (plain, model):
+        m.double()
+        m(a, ya).backward()
+    out["cast"] = (_grads(model), _grads(plain))
     return out
 
 
 def test_compiled_steps_take_the_shards_as_leaves_and_give_the_plain_gradients():
     out = run_distributed(_compiled, 1, "2d")[0]
     assert out["breaks"] == 0 and out["shard_grads"] == 0
+    # the armed shards are found through the modules' links: no DTensor parameter is guarded by its whole spec (a
+    # Python guard per parameter and call); the twin, unarmed, still is
+    assert out["spec_guards"]["ours"] == 0 and out["spec_guards"]["plain"] == 0
+    assert out["spec_guards"]["twin"] > 0
+    frozen_grad_none, shard_grad_none, with_grads, n = out["frozen"]
+    assert frozen_grad_none and shard_grad_none and with_grads == n - 1
+    ours, plain = out["cast"]
+    assert ours.keys() == plain.keys()
+    for name, grad in plain.items():
+        assert ours[name].dtype == torch.float64, name
+        torch.testing.assert_close(ours[name], grad, rtol=1e-9, atol=1e-10, msg=f"cast: {name}")
     for side in ("ours", "twin"):
         assert out[side].keys() == out["plain"].keys()
         for name, grad in out["plain"].items():

@@ -23,7 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from lightning_tp2d.comm import BroadcastPipeline, ReducePipeline
 from lightning_tp2d.layouts import Grid2D
-from lightning_tp2d.nn.functional import (axis_index, is_local_grid, local_view, shard_parameter, shard_range,
+from lightning_tp2d.nn.functional import (axis_index, is_local_grid, local_param, shard_parameter, shard_range,
                                           sum_grad_along)
 from lightning_tp2d.ops import registered
 
@@ -94,9 +94,9 @@ class TokenEmbedding2D(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self.local:
-            return F.embedding(idx, local_view(self.weight))
+            return F.embedding(idx, local_param(self, "weight"))
         shard_batch(idx, self.mesh)  # validates B % q before any communication
-        return _EmbedToOwner.apply(local_view(self.weight), idx, self.mesh, self.vocab_start)
+        return _EmbedToOwner.apply(local_param(self, "weight"), idx, self.mesh, self.vocab_start)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, local vocab [{self.vocab_start}, {self.vocab_stop})"
@@ -111,4 +111,4 @@ class PositionEmbedding2D(nn.Module):
         self.weight = shard_parameter(embedding.weight, mesh, [Replicate(), Replicate(), Shard(1)])
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
-        return F.embedding(pos, sum_grad_along(local_view(self.weight), self.mesh, "row"))
+        return F.embedding(pos, sum_grad_along(local_param(self, "weight"), self.mesh, "row"))

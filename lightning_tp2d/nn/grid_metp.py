@@ -20,7 +20,7 @@ from lightning_tp2d.layouts import GridRing
 from lightning_tp2d.metp import RingOptions, ring_attention, ring_options
 from lightning_tp2d.nn.attention import Attention2D
 from lightning_tp2d.nn.embedding import PositionEmbedding2D, TokenEmbedding2D, _EmbedToOwner
-from lightning_tp2d.nn.functional import axis_index, local_view
+from lightning_tp2d.nn.functional import axis_index, local_param
 from lightning_tp2d.nn.head import LMHead2D
 from lightning_tp2d.nn.ring import refuse_attention_dropout
 from lightning_tp2d.nn.sequence import check_sequence_length, zigzag_inverse, zigzag_positions
@@ -51,7 +51,7 @@ class TokenEmbedding2DMetp(TokenEmbedding2D):
         if self.local:  # a 1x1 grid: the whole sequence in order, the whole vocabulary
             return super().forward(idx)
         shards = torch.cat([idx[:, zigzag_positions(idx.shape[1], q, t, idx.device)] for t in range(q)])
-        return _EmbedToOwner.apply(local_view(self.weight), shards, self.mesh, self.vocab_start)
+        return _EmbedToOwner.apply(local_param(self, "weight"), shards, self.mesh, self.vocab_start)
 
 
 class PositionEmbedding2DMetp(PositionEmbedding2D):

@@ -29,7 +29,7 @@ from lightning_tp2d.mesh import transpose_peer
 from lightning_tp2d.nn import traced
 from lightning_tp2d.nn.cross_entropy import vocab_parallel_cross_entropy
 from lightning_tp2d.nn.embedding import shard_batch
-from lightning_tp2d.nn.functional import (autocast_operands, axis_index, gather_grid, is_local_grid, local_view,
+from lightning_tp2d.nn.functional import (autocast_operands, axis_index, gather_grid, is_local_grid, local_param,
                                           pad_rows, transpose_grid)
 from lightning_tp2d.options import tp_options
 from lightning_tp2d.summa import summa_ab
@@ -72,7 +72,7 @@ class LMHead2D(nn.Module):
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``[N/q, ceil(V/q)]`` logits block of this rank (padding columns hold zeros)."""
-        x2d, weight = autocast_operands(x.reshape(-1, x.shape[-1]), local_view(self.weight))  # E[V_r, h_c]
+        x2d, weight = autocast_operands(x.reshape(-1, x.shape[-1]), local_param(self, "weight"))  # E[V_r, h_c]
         mirrored = transpose_grid(pad_rows(weight, self.block_rows), self.mesh)  # E[V_c, h_r]: (ceil(V/q), h/q)
         recompute.mark(mirrored, lambda dtype=weight.dtype: self._mirror(dtype))  # selective: swapped again
         return summa_ab(x2d, mirrored.t(), self.mesh, self.options)  # B block Eᵀ[h_r, V_c], travels as stored
@@ -102,7 +102,7 @@ class LMHead2D(nn.Module):
         """``logits_at`` (a position ``0 <= t < T``, no targets): the logits ``[B, 1, V]`` of that position only,
         from the few rows :meth:`position_rows` picks (every rank computes and gathers those, not ``[N/q, V/q]``)."""
         if self.local:
-            return lm_head(x, local_view(self.weight), targets, logits_at, self.pad_multiple)
+            return lm_head(x, local_param(self, "weight"), targets, logits_at, self.pad_multiple)
         if logits_at is not None:
             x, index = self.position_rows(x, logits_at)
         if targets is not None:

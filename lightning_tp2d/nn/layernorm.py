@@ -17,7 +17,7 @@ from lightning_tp2d import recompute
 from lightning_tp2d.comm import all_reduce_along
 from lightning_tp2d.models.gpt2 import layer_norm
 from lightning_tp2d.nn import traced
-from lightning_tp2d.nn.functional import is_local_grid, local_view, shard_bias, shard_parameter, sum_grads_along
+from lightning_tp2d.nn.functional import is_local_grid, local_param, shard_bias, shard_parameter, sum_grads_along
 from lightning_tp2d.ops import registered
 
 
@@ -98,10 +98,11 @@ class LayerNorm2D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.local:
-            w, b = local_view(self.weight), None if self.bias is None else local_view(self.bias)
+            w, b = local_param(self, "weight"), local_param(self, "bias")
             y = layer_norm(x, (self.hidden,), w, b, self.eps)
             return recompute.mark(y, lambda: layer_norm(x, (self.hidden,), w, b, self.eps))
-        local = [local_view(self.weight)] + ([local_view(self.bias)] if self.bias is not None else [])
+        local = [local_param(self, "weight"), local_param(self, "bias")]
+        local = local if local[1] is not None else local[:1]
         w, *b = sum_grads_along(local, self.mesh, "row")  # both gradients in one all-reduce over row
         if torch.compiler.is_compiling():  # plain torch the compiler fuses (lightning_tp2d.nn.traced)
             return traced.layer_norm(x, w, b[0] if b else None, self.mesh, self.hidden, self.eps)

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_tp2d.nn.functional import autocast_operands, is_local_grid, local_view, shard_parameter, sum_grad_along
+from lightning_tp2d.nn.functional import autocast_operands, is_local_grid, local_param, shard_parameter, sum_grad_along
 from lightning_tp2d.options import tp_options
 from lightning_tp2d.summa import ab_form, summa_ab
 
@@ -56,12 +56,13 @@ class Linear2D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.local:  # (the scatter form's mirror block of a 1x1 grid is the weight itself)
-            return F.linear(x, local_view(self.weight), None if self.bias is None else local_view(self.bias))
+            return F.linear(x, local_param(self, "weight"), local_param(self, "bias"))
         lead = x.shape[:-1]
-        x2d, w_t = autocast_operands(x.reshape(-1, x.shape[-1]), local_view(self.weight))  # w_t [out/q, in/q] = W_rcᵀ
+        x2d, w_t = autocast_operands(x.reshape(-1, x.shape[-1]), local_param(self, "weight"))  # w_t [out/q, in/q] = W_rcᵀ
         # the bias in the products' dtype (bf16 under autocast), added by the SUMMA's first GEMM; its gradient summed
         # over row (rows see different tokens)
-        bias = None if self.bias is None else sum_grad_along(local_view(self.bias), self.mesh, "row").to(x2d.dtype)
+        bias = local_param(self, "bias")  # (None without one; not `self.bias is None`: see local_param)
+        bias = None if bias is None else sum_grad_along(bias, self.mesh, "row").to(x2d.dtype)
         y = summa_ab(x2d, w_t.t(), self.mesh, self.options, self.form, self.form == "scatter", bias)  # (N/q, out/q)
         return y.view(*lead, y.shape[-1])
 

@@ -32,7 +32,7 @@ from lightning_tp2d.comm import all_reduce_along
 from lightning_tp2d.models.llama import rms_norm, rope_attention
 from lightning_tp2d.nn.attention import LAYOUT, refuse_documents
 from lightning_tp2d.nn import traced
-from lightning_tp2d.nn.functional import (autocast_operands, axis_index, is_local_grid, local_view, pad_rows,
+from lightning_tp2d.nn.functional import (autocast_operands, axis_index, is_local_grid, local_param, pad_rows,
                                           shard_parameter, sum_grad_along)
 from lightning_tp2d.nn.head import LMHead2D
 from lightning_tp2d.nn.layernorm import _stat_dtype
@@ -92,10 +92,10 @@ class RMSNorm2D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.local:
-            w = local_view(self.weight)
+            w = local_param(self, "weight")
             y = rms_norm(x, w, self.eps)
             return recompute.mark(y, lambda: rms_norm(x, w, self.eps))
-        w = sum_grad_along(local_view(self.weight), self.mesh, "row")
+        w = sum_grad_along(local_param(self, "weight"), self.mesh, "row")
         if torch.compiler.is_compiling():  # plain torch the compiler fuses (lightning_tp2d.nn.traced)
             return traced.rms_norm(x, w, self.mesh, self.hidden, self.eps)
         return _RMSNormAlongCol.apply(x, w, self.mesh, self.hidden, self.eps)
@@ -157,7 +157,7 @@ class UntiedLMHead2D(LMHead2D):
         self.vocab_size = head.weight.shape[0]
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
-        x2d, weight = autocast_operands(x.reshape(-1, x.shape[-1]), local_view(self.weight))  # W[V_c, h_r]
+        x2d, weight = autocast_operands(x.reshape(-1, x.shape[-1]), local_param(self, "weight"))  # W[V_c, h_r]
         return summa_ab(x2d, pad_rows(weight, self.block_rows).t(), self.mesh, self.options)
 
     def extra_repr(self) -> str:

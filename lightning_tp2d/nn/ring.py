@@ -38,7 +38,7 @@ from lightning_tp2d import recompute
 from lightning_tp2d.layouts import Ring
 from lightning_tp2d.metp import RingOptions, ring_attention, ring_mlp, ring_options
 from lightning_tp2d.models.gpt2 import causal_attention, layer_norm, lm_head, padded_rows
-from lightning_tp2d.nn.functional import (autocast_operands, axis_index, local_view, pad_rows, shard_bias,
+from lightning_tp2d.nn.functional import (autocast_operands, axis_index, local_param, pad_rows, shard_bias,
                                           shard_parameter, sum_grad_along)
 from lightning_tp2d.nn.ring_stream import (ColumnBlocks, HeadBlocks, ring_cross_entropy, ring_embedding,
                                            ring_linear_in, ring_linear_out)
@@ -81,8 +81,9 @@ class RingLinear(nn.Module):
 
     def local(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight block, full bias)`` of this rank, the bias wrapped so its gradient is summed over the ring."""
-        bias = None if self.bias is None else sum_grad_along(local_view(self.bias), self.mesh, AXIS)
-        return local_view(self.weight), bias
+        bias = local_param(self, "bias")  # (None without one; not `self.bias is None`: see local_param)
+        bias = None if bias is None else sum_grad_along(bias, self.mesh, AXIS)
+        return local_param(self, "weight"), bias
 
     def forward(self, x: torch.Tensor, layout, options: RingOptions) -> torch.Tensor:
         """``options``: the owning layer's (one owner, so the two linears of a layer never disagree)."""
@@ -107,8 +108,9 @@ class RingLayerNorm(nn.Module):
         shard_bias(self, norm.bias, mesh, REPLICATED)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = sum_grad_along(local_view(self.weight), self.mesh, AXIS)
-        b = None if self.bias is None else sum_grad_along(local_view(self.bias), self.mesh, AXIS)
+        w = sum_grad_along(local_param(self, "weight"), self.mesh, AXIS)
+        b = local_param(self, "bias")
+        b = None if b is None else sum_grad_along(b, self.mesh, AXIS)
         y = layer_norm(x, self.normalized_shape, w, b, self.eps)  # in x's dtype (bf16 stays bf16)
         return recompute.mark(y, lambda: layer_norm(x, self.normalized_shape, w, b, self.eps))
 
@@ -188,9 +190,9 @@ class RingTokenEmbedding(nn.Module):
         i, p = axis_index(self.mesh, AXIS)
         check_sequence_length(idx.shape[1], LAYOUT, p)
         if p == 1:  # a ring of one: the whole vocabulary and sequence are local
-            return F.embedding(idx, local_view(self.weight))
+            return F.embedding(idx, local_param(self, "weight"))
         ids = idx[:, zigzag_positions(idx.shape[1], p, i, idx.device)]
-        return ring_embedding(pad_rows(local_view(self.weight), self.block_rows), ids, self.mesh, AXIS,
+        return ring_embedding(pad_rows(local_param(self, "weight"), self.block_rows), ids, self.mesh, AXIS,
                               options=self.options)
 
     def extra_repr(self) -> str:
@@ -210,7 +212,7 @@ class RingPositionEmbedding(nn.Module):
         i, p = axis_index(self.mesh, AXIS)
         check_sequence_length(pos.shape[0], LAYOUT, p)
         mine = pos if p == 1 else pos[zigzag_positions(pos.shape[0], p, i, pos.device)]
-        return F.embedding(mine, sum_grad_along(local_view(self.weight), self.mesh, AXIS))
+        return F.embedding(mine, sum_grad_along(local_param(self, "weight"), self.mesh, AXIS))
 
 
 class RingLMHead(nn.Module):
@@ -242,7 +244,7 @@ class RingLMHead(nn.Module):
         if p == 1 and one_tile(x.shape[0] * x.shape[1], self.options):  # a ring of one: the plain model's head
             if targets is not None:
                 check_sequence_length(targets.shape[1], LAYOUT, p)
-            return lm_head(x, local_view(self.weight), targets, logits_at, self.pad_multiple)
+            return lm_head(x, local_param(self, "weight"), targets, logits_at, self.pad_multiple)
         if logits_at is not None:
             c = x.shape[1] // 2
             x, index = x[:, [logits_at % c, c + logits_at % c]], logits_at // c  # (B, 2, h): offset m of each chunk
@@ -250,7 +252,7 @@ class RingLMHead(nn.Module):
         if targets is not None:
             check_sequence_length(targets.shape[1], LAYOUT, p)
             targets = targets[:, zigzag_positions(targets.shape[1], p, i, targets.device)].reshape(-1)
-        weight = pad_rows(local_view(self.weight), self.block_rows)
+        weight = pad_rows(local_param(self, "weight"), self.block_rows)
         x2d, weight = autocast_operands(x.reshape(B * S, h), weight)
         block_vocab = None if self.block_rows == self.vocab_rows else self.vocab_rows
         if targets is not None:

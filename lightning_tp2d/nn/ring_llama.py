@@ -52,7 +52,7 @@ from torch.distributed.tensor import Replicate, Shard
 from lightning_tp2d import recompute
 from lightning_tp2d.metp import RingOptions, group_queries, ring_attention, ring_mlp, ring_options
 from lightning_tp2d.models.llama import apply_rope, rms_norm, rope_attention, rope_cache, swiglu
-from lightning_tp2d.nn.functional import autocast_operands, axis_index, local_view, shard_parameter, sum_grad_along
+from lightning_tp2d.nn.functional import autocast_operands, axis_index, local_param, shard_parameter, sum_grad_along
 from lightning_tp2d.nn.grid_metp import LMHead2DMetp
 from lightning_tp2d.nn.llama2d import LlamaAttention2D, UntiedLMHead2D
 from lightning_tp2d.nn.ring import (AXIS, REPLICATED, RingLinear, RingLMHead, is_local_ring, one_tile,
@@ -74,7 +74,7 @@ class RingRMSNorm(nn.Module):
         self.weight = shard_parameter(norm.weight, mesh, REPLICATED)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = sum_grad_along(local_view(self.weight), self.mesh, AXIS)
+        w = sum_grad_along(local_param(self, "weight"), self.mesh, AXIS)
         y = rms_norm(x, w, self.eps)
         return recompute.mark(y, lambda: rms_norm(x, w, self.eps))
 
