@@ -223,6 +223,16 @@ def local_param(module: torch.nn.Module, name: str) -> torch.Tensor:
         local = None if link is None or link.local is None else link.local()
         if local is not None and local.requires_grad:
             return local
+        return local_view(getattr(module, name))
+    # eager: local_view's armed case, checked from the link's side (no Module.__getattr__, no weak module call)
+    links = module.__dict__.get(_LINKS)
+    link = None if links is None else links.get(name)
+    if link is not None and link.local is not None:
+        param = module._parameters.get(name)  # private: see lightning_tp2d._private_api
+        if param is not None and param.__dict__.get(_LEAF) is link and param.requires_grad:
+            local = param._local_tensor
+            if link.local() is local:
+                return local
     return local_view(getattr(module, name))
 
 
