@@ -65,10 +65,11 @@ def test_auto_runs_the_plans_best_row(model, monkeypatch):
 
 def test_a_tensor_parallel_size_restricts_the_plan_to_it():
     rows = _rows("gpt2-tiny")
-    assert rows[0].tensor_parallel_size != 4  # (so the restriction changes the choice)
-    strategy = _planned("gpt2-tiny", tensor_parallel_size=4)
-    assert strategy.chosen_plan == next(r for r in rows if r.tensor_parallel_size == 4)
-    assert strategy.layout == "2d" and strategy._requested == (4, 1)
+    other = next(r for r in rows if r.tensor_parallel_size != rows[0].tensor_parallel_size)  # another size's best
+    strategy = _planned("gpt2-tiny", tensor_parallel_size=other.tensor_parallel_size)
+    assert strategy.chosen_plan == other  # (not the best row: the restriction changed the choice)
+    assert strategy.layout == other.layout
+    assert strategy._requested == (other.tensor_parallel_size, other.data_parallel_size)
 
 
 def test_a_size_no_row_has_is_refused_naming_the_planned_sizes():

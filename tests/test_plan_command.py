@@ -29,7 +29,7 @@ launch.register_resolvers()
 
 def _row(layout: str, p: int, dp: int, *, baseline: bool = False, stage: int = 0, ckpt: str = "none", micro: int = 1,
          accum: int = 1, **more) -> PlanRow:
-    return PlanRow(layout=layout, baseline=baseline, tensor_parallel_size=p, data_parallel_size=dp, zero_stage=stage,
+    return PlanRow.of(layout=layout, baseline=baseline, tensor_parallel_size=p, data_parallel_size=dp, zero_stage=stage,
                    checkpointing=ckpt, micro_batch=micro, grad_accum=accum, memory_gib=70.0, step_s=1.0,
                    tokens_per_s_per_gpu=1000.0, mfu=0.4, **more)
 

@@ -24,7 +24,7 @@ CALLS: list[int] = []  # the ranks that called the planner, in this process
 
 
 def _row(layout: str, p: int, dp: int, memory_gib: float) -> PlanRow:
-    return PlanRow(layout=layout, baseline=False, tensor_parallel_size=p, data_parallel_size=dp, zero_stage=1,
+    return PlanRow.of(layout=layout, baseline=False, tensor_parallel_size=p, data_parallel_size=dp, zero_stage=1,
                    checkpointing="full", micro_batch=1, grad_accum=1, memory_gib=memory_gib, step_s=1.0,
                    tokens_per_s_per_gpu=1.0, mfu=0.1)
 

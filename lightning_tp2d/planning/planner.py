@@ -81,7 +81,7 @@ from lightning_tp2d.planning import cost_model, host_cost, memory_model, trace
 from lightning_tp2d.planning.cost_model import Hardware, collective_time, data_parallel_all_reduce_time, step_time
 from lightning_tp2d.planning.memory_model import baseline_activation_bytes, parameter_split
 from lightning_tp2d.planning.processes import in_processes
-from lightning_tp2d.planning.rival_models import ELEMENT, LOSS_VARIANTS, model_of
+from lightning_tp2d.planning.rival_models import ELEMENT, LOSS_VARIANTS, RowPlan, model_of
 from lightning_tp2d.planning.commands import command_for
 from lightning_tp2d.planning.rivals import BASELINE, CP, CP_TP, ULYSSES  # the rivals' row names
 from lightning_tp2d.planning.trace import ranks_as_asked
@@ -120,30 +120,30 @@ class NothingFits(ValueError):
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One configuration and its prediction (per GPU)."""
+    """One configuration and its prediction (per GPU): :attr:`plan`, what the row runs (for a package layout, the
+    settings of its :attr:`train_plan`), and what :func:`price` predicts of it. The plan's fields read as the row's
+    own (``row.layout``, ``row.tensor_parallel_size``, ...); :meth:`of` makes a row from them and the predictions."""
 
-    layout: str  # a package layout, or "tp1d-sp" (baseline: torch's 1-D TP + SP; tp 1: plain FSDP)
+    plan: RowPlan
     baseline: bool
-    tensor_parallel_size: int
-    data_parallel_size: int
-    zero_stage: int
-    checkpointing: str
-    micro_batch: int  # sequences per replica per micro-batch
-    grad_accum: int
     memory_gib: float
     step_s: float
     tokens_per_s_per_gpu: float
     mfu: float
-    async_tp: bool = False
     parts: dict = dataclasses.field(default_factory=dict, compare=False)  # memory and time breakdowns
-    context_parallel_size: int = 1  # "cp" / "cp-tp": CP ranks of the p (the rest, p / CP, 1-D TP + SP inside each)
-    activation_offload: bool = False  # checkpointed block inputs in host memory (:func:`offload_memory`)
-    # the baseline's HSDP: FSDP over groups of this many replicas, replicated across groups (0: FSDP, or ZeRO, over
-    # all data_parallel_size replicas; the package's rows: always 0)
-    shard_group: int = 0
-    # the baseline's loss, "unfused" (the head's logits, one cross-entropy) or "chunked"; the package's rows run their
-    # layout's own head and loss ("own": the ring layouts' tiled ring cross-entropy, the grid's vocab-parallel one)
-    loss: str = "unfused"
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "plan":  # (copy and pickle probe before the fields exist)
+            raise AttributeError(name)
+        return getattr(self.plan, name)
+
+    @classmethod
+    def of(cls, *, baseline: bool, memory_gib: float, step_s: float, tokens_per_s_per_gpu: float, mfu: float,
+           parts: dict | None = None, **plan) -> PlanRow:
+        """A row from its plan's fields (:class:`~lightning_tp2d.planning.rival_models.RowPlan`) and its
+        predictions, as :meth:`to_dict` writes them."""
+        plan.pop("context_parallel_size", None)  # (derived from the plan: to_dict writes it for readers)
+        return cls(RowPlan(**plan), baseline, memory_gib, step_s, tokens_per_s_per_gpu, mfu, parts or {})
 
     @property
     def label(self) -> str:
@@ -188,7 +188,9 @@ class PlanRow:
                 f"{', host-bound' if self.host_bound else ''}{', unaligned shards' if self.unaligned else ''}")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The plan's fields (with its ``context_parallel_size``) and the predictions, in one flat dict."""
+        out = dataclasses.asdict(self.plan) | {"context_parallel_size": self.context_parallel_size}
+        return out | {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
 
     @property
     def train_plan(self) -> TrainPlan:
@@ -391,29 +393,26 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     if offload and checkpointing != "full":
         raise ValueError(f"activation offload moves the inputs full checkpointing keeps; got checkpointing="
                          f"{checkpointing!r}")
-    side = model_of(layout)  # the rival's or the layout's cost and memory model: the only dispatch here
-    side.check(p=p, zero_stage=zero_stage, checkpointing=checkpointing, async_tp=async_tp, cp_tp_size=cp_tp_size,
-               shard_group=shard_group, loss=loss)
+    asked = RowPlan(layout, p, dp, zero_stage, checkpointing, micro_batch, grad_accum, seq, offload, async_tp,
+                    cp_tp_size, cp_loss, shard_group, loss)
+    side = asked.side  # the rival's or the layout's cost and memory model: the only dispatch here
+    side.check(asked)
     baseline = side.baseline
     rule = cost_model.overlap_rule(overlap)
     hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
     passes = ELEMENTWISE_PASSES["compiled" if compiled else "eager"]
     split = parameter_split(cfg)
-    micro, async_tp, saved = side.micro(cfg, micro_batch=micro_batch, seq=seq, p=p, dp=dp, hw=hw,
-                                        checkpointing=checkpointing, zero_stage=zero_stage, async_tp=async_tp,
-                                        rule=rule, cp_tp_size=cp_tp_size, cp_loss=cp_loss, loss=loss)
+    micro, async_tp, saved = side.micro(cfg, asked, hw, rule)
     if compiled and side.torch_code:
         micro = _padded_by_inductor(micro)
     if memory is None:
-        memory = row_memory(cfg, layout, p, dp, zero_stage, checkpointing, micro_batch, seq,
-                            cp_tp_size=cp_tp_size, cp_loss=cp_loss,
-                            **({"shard_group": shard_group, "loss": loss} if baseline else {}))
+        memory = side.memory(cfg, asked)
     fl = micro["flops"]
     forward_s = micro["compute_s"] * fl["forward"] / fl["total"]
     backward_s = micro["compute_s"] - forward_s
     # the side's measured memory-bound bytes over what its elementwise model says (host_cost.memory_bound_ratio); the
     # layouts' extra, moved inside their registered ops, which the compiler does not enter, is priced eager
-    ring = side.context_parallel_size(p, cp_tp_size)  # a CP rival's ring: its counts grow with it, as METP's
+    ring = asked.context_parallel_size  # a CP rival's ring: its counts grow with it, as METP's
     ratio = host_cost.memory_bound_ratio(side.host_name(p), cfg, p, ring)
     extra_passes = ELEMENTWISE_PASSES["eager"] if compiled and not side.torch_code and ratio > 1 else passes
     elementwise_s = (passes + extra_passes * (ratio - 1.0)) * saved / hw.hbm_bytes_per_s
@@ -425,7 +424,7 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
         memory = offload_memory(memory, cfg, micro_batch, seq, p, gpus_per_node)
         host = offload_time(cfg, micro_batch, seq, p, hw, forward_s, backward_s)
         micro_s += host["exposed_s"]
-    sharded = side.data_parallel(split, p, dp, cp_tp_size)  # FSDP / ZeRO over the replicas of each tensor shard
+    sharded = side.data_parallel(split, asked)  # FSDP / ZeRO over the replicas of each tensor shard
     root, block = sharded.shard(split.root, split.root_vectors), sharded.shard(split.block, split.block_vectors)
     data = data_parallel_time(root=root, block=block, n_layer=split.n_layer, dp=sharded.sharding, tp=sharded.ranks,
                               stage=zero_stage, gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s,
@@ -445,11 +444,9 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
                         "optimizer": optimizer_s, "micro_host_copy": host["copy_s"],
                         "micro_host_exposed": host["exposed_s"], "micro_host_ops": issue_s,
                         "micro_unaligned": micro.get("unaligned_s", 0.0)}}
-    return PlanRow(layout, baseline, p, dp, zero_stage, checkpointing, micro_batch, grad_accum,
-                   memory["total"] / GIB, step_s, per_gpu, mfu, async_tp, parts,
-                   side.context_parallel_size(p, cp_tp_size), offload,
-                   shard_group=shard_group if baseline and shard_group != dp else 0,
-                   loss=side.loss_label(loss, cp_loss))
+    run = dataclasses.replace(asked, async_tp=async_tp, shard_group=shard_group if baseline and shard_group != dp
+                              else 0, loss=side.loss_label(asked))
+    return PlanRow(run, baseline, memory["total"] / GIB, step_s, per_gpu, mfu, parts)
 
 
 def _micro_batches(per_replica: int, multiple: int, largest: int | None) -> list[int]:
@@ -580,7 +577,7 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
     if stored is not None:
         if stored.get("error"):
             raise NothingFits(stored["error"])
-        return [PlanRow(**row) for row in stored["rows"]]
+        return [PlanRow.of(**row) for row in stored["rows"]]
     candidates = _candidates(cfg, gpus, gpus_per_node, seq, sequences, names, include_baselines, zero_stages,
                              checkpointing, max_micro_batch)
     with ranks_as_asked(), pricing(method):
@@ -696,8 +693,8 @@ def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_b
     side = model_of(layout)
     if not side.baseline and (shard_group or loss != "unfused"):
         raise ValueError(f"shard_group and loss are the {TP1D_SP.name!r} baseline's, not layout {layout!r}'s")
-    return side.memory(cfg, p=p, dp=dp, stage=stage, mode=mode, micro_batch=micro_batch, seq=seq,
-                       cp_tp_size=cp_tp_size, cp_loss=cp_loss, shard_group=shard_group, loss=loss)
+    return side.memory(cfg, RowPlan(layout, p, dp, stage, mode, micro_batch, seq=seq, cp_tp_size=cp_tp_size,
+                                    cp_loss=cp_loss, shard_group=shard_group, loss=loss))
 
 
 def longest_sequence(cfg, *, layout: str, p: int, dp: int = 1, zero_stage: int, gpu_memory_gib: float,

@@ -1,6 +1,7 @@
 """Each side's cost and memory model for :func:`~lightning_tp2d.planning.planner.price`: one object per priced rival
 (:data:`lightning_tp2d.rivals.TP1D_SP`, ``CP``, ``CP_TP``, ``ULYSSES``) and one for the package's layouts, all
-answering the same questions, so that ``price`` and ``row_memory`` dispatch through :func:`model_of` alone:
+answering the same questions about a :class:`RowPlan` (what a row runs), so that ``price`` and ``row_memory``
+dispatch through :func:`model_of` alone:
 
 * :meth:`~SideModel.check`: the settings it runs with (a ``ValueError`` naming the ones it does not);
 * :meth:`~SideModel.micro`: one micro-batch's step (:mod:`~lightning_tp2d.planning.cost_model`), the async TP it
@@ -17,6 +18,7 @@ registered with :func:`register_model` under its :class:`~lightning_tp2d.rivals.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from lightning_tp2d import rivals as registry
@@ -51,6 +53,52 @@ class Sharding:
         return n / self.tensor if self.vectors_cut else (n - vectors) / self.tensor + vectors
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """What one priced row runs (:attr:`PlanRow.plan <lightning_tp2d.planning.planner.PlanRow.plan>`): the side (a
+    package layout or a rival), its sizes and its settings. :func:`~lightning_tp2d.planning.planner.price` is asked
+    one and returns it as run: ``async_tp`` the one chosen, ``shard_group`` 0 unless the baseline's HSDP splits its
+    replicas, ``loss`` the loss the side runs (:meth:`SideModel.loss_label`)."""
+
+    layout: str
+    tensor_parallel_size: int
+    data_parallel_size: int = 1
+    zero_stage: int = 0
+    checkpointing: str = "none"
+    micro_batch: int = 1  # sequences per replica per micro-batch
+    grad_accum: int = 1
+    seq: int = 0  # tokens per sequence (0: not said, as a row built by hand)
+    activation_offload: bool = False  # checkpointed block inputs in host memory (planner.offload_memory)
+    async_tp: bool | None = None  # 1-D TP (the baseline's, cp-tp's): None asks for the faster of blocking and async
+    cp_tp_size: int = 2  # "cp-tp": the 1-D TP ranks inside each CP rank
+    cp_loss: str = "chunked"  # "cp" / "cp-tp"'s loss: "chunked" (as users run it) or "unfused" (torchtitan's runs)
+    # the baseline's HSDP: FSDP over groups of this many replicas, replicated across groups (0: FSDP, or ZeRO, over
+    # all data_parallel_size replicas; the package's rows: always 0)
+    shard_group: int = 0
+    # the baseline's loss, "unfused" (the head's logits, one cross-entropy) or "chunked"; as run, a package row's
+    # is "own" (its layout's head and loss) and a CP row's its cp_loss
+    loss: str = "unfused"
+
+    @property
+    def p(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def dp(self) -> int:
+        return self.data_parallel_size
+
+    @property
+    def side(self) -> SideModel:
+        """Its cost and memory model (:func:`model_of`)."""
+        return model_of(self.layout)
+
+    @property
+    def context_parallel_size(self) -> int:
+        """``"cp"`` / ``"cp-tp"``: the CP ranks of its ``p`` (the rest, ``p / CP``, 1-D TP + SP inside each); 1
+        otherwise."""
+        return self.side.context_parallel_size(self.p, self.cp_tp_size)
+
+
 class SideModel:
     """The package's layouts (module docstring): the traced (or closed-form) step of the layout named ``name``."""
 
@@ -65,33 +113,32 @@ class SideModel:
         """Its products are torch's own, which inductor pads when compiled (the package's registered ops are not)."""
         return self.rival is not None
 
-    def check(self, *, p: int, zero_stage: int, checkpointing: str, async_tp, cp_tp_size: int, shard_group: int,
-              loss: str) -> None:
-        if shard_group or loss != "unfused":
+    def check(self, r: RowPlan) -> None:
+        """A ``ValueError`` naming the settings of ``r`` this side does not run with."""
+        if r.shard_group or r.loss != "unfused":
             raise ValueError(f"shard_group and loss price the {registry.TP1D_SP.name!r} baseline, not layout "
-                             f"{self.name!r} (got shard_group={shard_group}, loss={loss!r})")
-        if async_tp:
+                             f"{self.name!r} (got shard_group={r.shard_group}, loss={r.loss!r})")
+        if r.async_tp:
             raise ValueError(f"async_tp prices the {registry.TP1D_SP.name!r} baseline, not layout {self.name!r}")
 
     def inner(self, cp_tp_size: int) -> int:
         """The 1-D TP ranks inside each of its sequence ranks (``"cp-tp"``'s ``cp_tp_size``; 1 otherwise)."""
         return 1
 
-    def micro(self, cfg, *, micro_batch: int, seq: int, p: int, dp: int, hw: Hardware, checkpointing: str,
-              zero_stage: int, async_tp, rule, cp_tp_size: int, cp_loss: str, loss: str) -> tuple[dict, bool, float]:
-        """``(step, async_tp, elementwise bytes)`` of one micro-batch of ``micro_batch x seq`` tokens on ``p`` ranks."""
-        micro = step_time(self.name, cfg, micro_batch, seq, p, hw, ELEMENT, checkpointing=checkpointing, ranks=[0],
-                          overlap=rule)
-        return micro, False, trace_step(self.name, cfg, micro_batch, seq, p, ELEMENT, 0).activation_bytes
+    def micro(self, cfg, r: RowPlan, hw: Hardware, rule) -> tuple[dict, bool, float]:
+        """``(step, async_tp, elementwise bytes)`` of one micro-batch of ``r``: ``micro_batch x seq`` tokens on
+        ``p`` ranks."""
+        micro = step_time(self.name, cfg, r.micro_batch, r.seq, r.p, hw, ELEMENT, checkpointing=r.checkpointing,
+                          ranks=[0], overlap=rule)
+        return micro, False, trace_step(self.name, cfg, r.micro_batch, r.seq, r.p, ELEMENT, 0).activation_bytes
 
-    def memory(self, cfg, *, p: int, dp: int, stage: int, mode: str, micro_batch: int, seq: int, cp_tp_size: int,
-               cp_loss: str, shard_group: int, loss: str) -> dict:
-        """Predicted peak bytes per GPU with their parts (tensor rank 0; AdamW's fused step)."""
-        return peak_bytes(self.name, cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, checkpointing=mode,
-                          elem=ELEMENT, ranks=[0], fused=True)
+    def memory(self, cfg, r: RowPlan) -> dict:
+        """Predicted peak bytes per GPU of ``r`` with their parts (tensor rank 0; AdamW's fused step)."""
+        return peak_bytes(self.name, cfg, r.micro_batch, r.seq, r.p, dp=r.dp, zero_stage=r.zero_stage,
+                          checkpointing=r.checkpointing, elem=ELEMENT, ranks=[0], fused=True)
 
-    def data_parallel(self, split, p: int, dp: int, cp_tp_size: int) -> Sharding:
-        return Sharding(tensor=p, vectors_cut=True, sharding=dp, ranks=p)
+    def data_parallel(self, split, r: RowPlan) -> Sharding:
+        return Sharding(tensor=r.p, vectors_cut=True, sharding=r.dp, ranks=r.p)
 
     def host_name(self, p: int) -> str:
         return self.name
@@ -99,8 +146,8 @@ class SideModel:
     def context_parallel_size(self, p: int, cp_tp_size: int) -> int:
         return 1
 
-    def loss_label(self, loss: str, cp_loss: str) -> str:
-        """The row's ``loss`` (PlanRow.loss): the package's layouts run their own head and loss."""
+    def loss_label(self, r: RowPlan) -> str:
+        """The loss ``r`` runs (its ``loss`` as run): the package's layouts run their own head and loss."""
         return "own"
 
 
@@ -118,40 +165,40 @@ class OneDimensional(_RivalModel):
 
     baseline = True
 
-    def check(self, *, p, zero_stage, checkpointing, async_tp, cp_tp_size, shard_group, loss) -> None:
-        if loss not in LOSS_VARIANTS:
-            raise ValueError(f"loss={loss!r} is not one of {LOSS_VARIANTS}")
+    def check(self, r: RowPlan) -> None:
+        if r.loss not in LOSS_VARIANTS:
+            raise ValueError(f"loss={r.loss!r} is not one of {LOSS_VARIANTS}")
 
-    def micro(self, cfg, *, micro_batch, seq, p, dp, hw, checkpointing, zero_stage, async_tp, rule, cp_tp_size,
-              cp_loss, loss):
-        tp = p
+    def micro(self, cfg, r: RowPlan, hw: Hardware, rule):
+        tp, batch, seq, async_tp = r.p, r.micro_batch, r.seq, r.async_tp
         if tp == 1:
-            micro = step_time(registry.SINGLE.name, cfg, micro_batch, seq, 1, hw, ELEMENT, checkpointing=checkpointing)
+            micro = step_time(registry.SINGLE.name, cfg, batch, seq, 1, hw, ELEMENT, checkpointing=r.checkpointing)
             async_tp = False
         else:
-            micro = min((step_time(self.name, cfg, micro_batch, seq, tp, hw, ELEMENT, async_tp=a, lean_wire=True,
-                                   checkpointing=checkpointing, overlap=rule) | {"async_tp": a}
+            micro = min((step_time(self.name, cfg, batch, seq, tp, hw, ELEMENT, async_tp=a, lean_wire=True,
+                                   checkpointing=r.checkpointing, overlap=rule) | {"async_tp": a}
                          for a in ((False, True) if async_tp is None else (async_tp,))),
-                        key=lambda r: r["total_s"])
+                        key=lambda m: m["total_s"])
             async_tp = micro["async_tp"]
-        if loss == "chunked":
-            micro = chunked_loss_step(cfg, micro_batch, seq, tp, hw, micro, rule)
-        sharded = fsdp_shards(zero_stage, dp)  # FSDP's bf16 param_dtype: the residual stream is bf16 too
-        return micro, async_tp, elementwise_bytes(cfg, micro_batch, seq, tp, ep=ELEMENT if sharded else 4)
+        if r.loss == "chunked":
+            micro = chunked_loss_step(cfg, batch, seq, tp, hw, micro, rule)
+        sharded = fsdp_shards(r.zero_stage, r.dp)  # FSDP's bf16 param_dtype: the residual stream is bf16 too
+        return micro, async_tp, elementwise_bytes(cfg, batch, seq, tp, ep=ELEMENT if sharded else 4)
 
-    def memory(self, cfg, *, p, dp, stage, mode, micro_batch, seq, cp_tp_size, cp_loss, shard_group, loss):
-        return baseline_row_peak_bytes(cfg, micro_batch, seq, p, dp=dp, zero_stage=stage, shard_group=shard_group,
-                                       checkpointing=mode, elem=ELEMENT, loss=loss)
+    def memory(self, cfg, r: RowPlan) -> dict:
+        return baseline_row_peak_bytes(cfg, r.micro_batch, r.seq, r.p, dp=r.dp, zero_stage=r.zero_stage,
+                                       shard_group=r.shard_group, checkpointing=r.checkpointing, elem=ELEMENT,
+                                       loss=r.loss)
 
-    def data_parallel(self, split, p, dp, cp_tp_size):
+    def data_parallel(self, split, r: RowPlan) -> Sharding:
         # gathered again in the backward at stage 3: its untied embedding (its own FSDP group)
-        return Sharding(tensor=p, vectors_cut=False, sharding=dp, ranks=p, regathered=split.embedding / p)
+        return Sharding(tensor=r.p, vectors_cut=False, sharding=r.dp, ranks=r.p, regathered=split.embedding / r.p)
 
     def host_name(self, p: int) -> str:
         return registry.SINGLE.name if p == 1 else self.name
 
-    def loss_label(self, loss: str, cp_loss: str) -> str:
-        return loss
+    def loss_label(self, r: RowPlan) -> str:
+        return r.loss
 
 
 class ContextParallel(_RivalModel):
@@ -161,73 +208,70 @@ class ContextParallel(_RivalModel):
     def inner(self, cp_tp_size: int) -> int:
         return cp_tp_size if self.rival.inner_tensor_parallel else 1
 
-    def check(self, *, p, zero_stage, checkpointing, async_tp, cp_tp_size, shard_group, loss) -> None:
-        SideModel.check(self, p=p, zero_stage=zero_stage, checkpointing=checkpointing, async_tp=False,
-                        cp_tp_size=cp_tp_size, shard_group=shard_group, loss=loss)
-        inner = self.inner(cp_tp_size)
-        if zero_stage != 3 or (async_tp and inner == 1):
+    def check(self, r: RowPlan) -> None:
+        SideModel.check(self, dataclasses.replace(r, async_tp=False))
+        inner = self.inner(r.cp_tp_size)
+        if r.zero_stage != 3 or (r.async_tp and inner == 1):
             raise ValueError(f"{self.name!r} runs FSDP2 at zero_stage 3{' and no async TP' if inner == 1 else ''}, "
-                             f"got zero_stage={zero_stage}, async_tp={async_tp}")
-        if self.rival.inner_tensor_parallel and (inner < 2 or p % inner or p // inner < 2):
-            raise ValueError(f"{self.name!r} needs cp_tp_size >= 2 dividing p with at least 2 CP ranks, got p={p}, "
-                             f"cp_tp_size={cp_tp_size}")
+                             f"got zero_stage={r.zero_stage}, async_tp={r.async_tp}")
+        if self.rival.inner_tensor_parallel and (inner < 2 or r.p % inner or r.p // inner < 2):
+            raise ValueError(f"{self.name!r} needs cp_tp_size >= 2 dividing p with at least 2 CP ranks, got "
+                             f"p={r.p}, cp_tp_size={r.cp_tp_size}")
 
-    def micro(self, cfg, *, micro_batch, seq, p, dp, hw, checkpointing, zero_stage, async_tp, rule, cp_tp_size,
-              cp_loss, loss):
-        inner = self.inner(cp_tp_size)
-        ring = p // inner
-        micro = min((cost_model.cp_step_time(cfg, micro_batch, seq, ring, hw, ELEMENT, dp=dp, tp=inner, async_tp=a,
-                                             checkpointing=checkpointing, overlap=rule, loss=cp_loss)
-                     | {"async_tp": a} for a in ((False, True) if async_tp is None and inner > 1
-                                                 else (bool(async_tp),))), key=lambda r: r["total_s"])
-        return micro, micro["async_tp"], elementwise_bytes(cfg, micro_batch, seq // ring, inner, ep=ELEMENT)
+    def micro(self, cfg, r: RowPlan, hw: Hardware, rule):
+        inner = self.inner(r.cp_tp_size)
+        ring = r.p // inner
+        asked = (False, True) if r.async_tp is None and inner > 1 else (bool(r.async_tp),)
+        micro = min((cost_model.cp_step_time(cfg, r.micro_batch, r.seq, ring, hw, ELEMENT, dp=r.dp, tp=inner,
+                                             async_tp=a, checkpointing=r.checkpointing, overlap=rule, loss=r.cp_loss)
+                     | {"async_tp": a} for a in asked), key=lambda m: m["total_s"])
+        return micro, micro["async_tp"], elementwise_bytes(cfg, r.micro_batch, r.seq // ring, inner, ep=ELEMENT)
 
-    def memory(self, cfg, *, p, dp, stage, mode, micro_batch, seq, cp_tp_size, cp_loss, shard_group, loss):
-        inner = self.inner(cp_tp_size)
-        return cp_peak_bytes(cfg, micro_batch, seq, p // inner, dp=dp, checkpointing=mode, elem=ELEMENT, tp=inner,
-                             loss=cp_loss)
+    def memory(self, cfg, r: RowPlan) -> dict:
+        inner = self.inner(r.cp_tp_size)
+        return cp_peak_bytes(cfg, r.micro_batch, r.seq, r.p // inner, dp=r.dp, checkpointing=r.checkpointing,
+                             elem=ELEMENT, tp=inner, loss=r.cp_loss)
 
-    def data_parallel(self, split, p, dp, cp_tp_size):
+    def data_parallel(self, split, r: RowPlan) -> Sharding:
         # FSDP over the CP ranks of every replica, of each tensor rank's (cp: whole) parameters; the root regathered
-        inner = self.inner(cp_tp_size)
+        inner = self.inner(r.cp_tp_size)
         root = Sharding(tensor=inner, vectors_cut=False, sharding=1, ranks=1).shard(split.root, split.root_vectors)
-        return Sharding(tensor=inner, vectors_cut=False, sharding=p // inner * dp, ranks=inner, regathered=root)
+        return Sharding(tensor=inner, vectors_cut=False, sharding=r.p // inner * r.dp, ranks=inner, regathered=root)
 
     def context_parallel_size(self, p: int, cp_tp_size: int) -> int:
         return p // self.inner(cp_tp_size)
 
-    def loss_label(self, loss: str, cp_loss: str) -> str:
-        return cp_loss
+    def loss_label(self, r: RowPlan) -> str:
+        return r.cp_loss
 
 
 class Ulysses(_RivalModel):
     """DeepSpeed's Ulysses SP + ALST's tiling x FSDP2 over every rank (``"ulysses"``): stage 3, full
     checkpointing of every layer (ALST's), no async TP."""
 
-    def check(self, *, p, zero_stage, checkpointing, async_tp, cp_tp_size, shard_group, loss) -> None:
-        SideModel.check(self, p=p, zero_stage=zero_stage, checkpointing=checkpointing, async_tp=False,
-                        cp_tp_size=cp_tp_size, shard_group=shard_group, loss=loss)
-        if zero_stage != 3 or async_tp or checkpointing != "full":
+    def check(self, r: RowPlan) -> None:
+        SideModel.check(self, dataclasses.replace(r, async_tp=False))
+        if r.zero_stage != 3 or r.async_tp or r.checkpointing != "full":
             raise ValueError(f"{self.name!r} runs ALST's schedule: FSDP2 at zero_stage 3, full checkpointing, no "
-                             f"async TP; got zero_stage={zero_stage}, checkpointing={checkpointing!r}, "
-                             f"async_tp={async_tp}")
+                             f"async TP; got zero_stage={r.zero_stage}, checkpointing={r.checkpointing!r}, "
+                             f"async_tp={r.async_tp}")
 
-    def micro(self, cfg, *, micro_batch, seq, p, dp, hw, checkpointing, zero_stage, async_tp, rule, cp_tp_size,
-              cp_loss, loss):
-        micro = cost_model.ulysses_step_time(cfg, micro_batch, seq, p, hw, ELEMENT, checkpointing=checkpointing,
-                                             overlap=rule)
-        saved = baseline_activation_bytes(cfg, micro_batch, seq // p, 1, elem=ELEMENT, ep=ELEMENT)["total"]
+    def micro(self, cfg, r: RowPlan, hw: Hardware, rule):
+        micro = cost_model.ulysses_step_time(cfg, r.micro_batch, r.seq, r.p, hw, ELEMENT,
+                                             checkpointing=r.checkpointing, overlap=rule)
+        saved = baseline_activation_bytes(cfg, r.micro_batch, r.seq // r.p, 1, elem=ELEMENT, ep=ELEMENT)["total"]
         return micro, False, saved
 
-    def memory(self, cfg, *, p, dp, stage, mode, micro_batch, seq, cp_tp_size, cp_loss, shard_group, loss):
-        found = ulysses_peak_bytes(cfg, micro_batch, seq, p, dp=dp, checkpointing=mode, elem=ELEMENT)
+    def memory(self, cfg, r: RowPlan) -> dict:
+        found = ulysses_peak_bytes(cfg, r.micro_batch, r.seq, r.p, dp=r.dp, checkpointing=r.checkpointing,
+                                   elem=ELEMENT)
         parts = found["parts"]
         return {**parts, "parameters": parts["states"], "total": found["peak"], "largest": found["largest"],
                 "largest_bytes": found["largest_bytes"]}
 
-    def data_parallel(self, split, p, dp, cp_tp_size):
+    def data_parallel(self, split, r: RowPlan) -> Sharding:
         # FSDP2 over every rank of every replica; the root kept gathered from forward to backward
-        return Sharding(tensor=1, vectors_cut=False, sharding=p * dp, ranks=1)
+        return Sharding(tensor=1, vectors_cut=False, sharding=r.p * r.dp, ranks=1)
 
 
 _MODELS: dict[str, SideModel] = {}
@@ -296,5 +340,5 @@ def chunked_loss_step(cfg, batch: int, seq: int, tp: int, hw: Hardware, micro: d
             "flops": fl, "unaligned_s": micro.get("unaligned_s", 0.0) + unaligned}
 
 
-__all__ = ["ContextParallel", "LOSS_VARIANTS", "OneDimensional", "Sharding", "SideModel", "Ulysses",
+__all__ = ["ContextParallel", "LOSS_VARIANTS", "OneDimensional", "RowPlan", "Sharding", "SideModel", "Ulysses",
            "chunked_loss_step", "elementwise_bytes", "model_of", "register_model"]
