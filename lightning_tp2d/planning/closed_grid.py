@@ -45,9 +45,9 @@ import dataclasses
 from lightning_tp2d.families import anatomy, family_of_config
 from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.options import TPOptions
-from lightning_tp2d.planning.steps import Stream, TracedStep, one_replica_problem, root_and_blocks, split_problem
+from lightning_tp2d.planning.steps import (Stream, TracedStep, checked_entry, one_replica_problem, root_and_blocks,
+                                          run_passes, split_problem)
 from lightning_tp2d.summa import ab_form, reduce_order, ring_order, ring_steps
-from lightning_tp2d.train_plan import CHECKPOINTING
 
 __all__ = ["closed_grid_step", "models"]
 
@@ -414,15 +414,8 @@ def closed_grid_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, el
     """The :class:`~lightning_tp2d.planning.steps.TracedStep` of grid rank ``rank`` (module docstring), equal to
     :func:`lightning_tp2d.planning.trace.trace_step`'s for one replica. ``ValueError`` naming the numbers for
     anything it does not model (:func:`models`) or an input the layout refuses."""
-    why = models(layout, cfg, p, elem)
-    if why:
-        raise ValueError(f"closed_grid_step: {why}")
-    if checkpointing not in CHECKPOINTING:
-        raise ValueError(f"checkpointing={checkpointing!r} is not one of {CHECKPOINTING}")
-    if not 0 <= rank < p:
-        raise ValueError(f"rank {rank} is not in [0, {p})")
     spec = get_layout(layout)
-    spec.check_input(p, batch, seq)
+    checked_entry("closed_grid_step", models(spec, cfg, p, elem), spec, p, batch, seq, rank, checkpointing)
     q = spec.side(p)
     llama, a = family_of_config(cfg).name == "llama", anatomy(cfg)
     sequences, rows = (batch // q, seq) if spec.splits_batch else (batch, seq // q)
@@ -433,13 +426,8 @@ def closed_grid_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, el
               block_size=cfg.block_size)
     activation = _activation_bytes(g, cfg.n_layer, checkpointing)
     root, block = Stream(), Stream()
-    _root(root, g, False, checkpointing)
-    _block(block, g, False)
-    root.phase = block.phase = "backward"
-    _root(root, g, True, checkpointing)
-    if checkpointing == "full":
-        _block(block, g, False)  # the checkpoint runs the block's forward again, then its backward
-    _block(block, g, True)
+    run_passes(root, block, lambda s, backward: _root(s, g, backward, checkpointing),
+               lambda s, backward: _block(s, g, backward), checkpointing)
     return root_and_blocks(root, block, cfg.n_layer, activation)
 
 

@@ -94,17 +94,13 @@ import torch
 from lightning_tp2d.families import anatomy, family_of, family_of_config
 from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.metp import ring_options
-from lightning_tp2d.planning.closed_memory_grid import (grid_peak_bytes, grid_problem, is_grid, peak_of,
-                                                        step_memory_problem)
+from lightning_tp2d.planning.closed_memory_grid import (_CLIP_SCALARS, _GRAD_BUCKET, _LOSS_SCALARS, after_backward,
+                                                        check_peak_entry, grid_peak_bytes, grid_problem, is_grid,
+                                                        peak_of, step_memory_problem)
 from lightning_tp2d.train_plan import fsdp_shards
 
 __all__ = ["closed_peak_bytes", "closed_form_problem"]
 
-_GRAD_BUCKET = 25 * 2 ** 20  # GradientSync's default bucket bytes
-_GATHER_BUCKET = 64 * 2 ** 20  # ShardedOptimizer's gathered bytes per all-gather (zero.BUCKET_MIB)
-_GATHERS_IN_FLIGHT = 3  # ShardedOptimizer: at most three all-gathers' receive blocks at once
-_LOSS_SCALARS = 16  # the loss's sum and count (stacked), the mean and its gradient: float32 scalars
-_CLIP_SCALARS = 20  # clipping's norms and coefficient, the stacked sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,14 +226,8 @@ def closed_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1,
     if is_grid(layout):  # the grid layouts' closed form (closed_memory_grid)
         return grid_peak_bytes(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, checkpointing=checkpointing,
                                elem=elem, rank=rank, fused=fused)
-    problem = closed_form_problem(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage,
-                                  checkpointing=checkpointing, elem=elem, fused=fused)
-    if problem:
-        raise ValueError(problem)
-    if not 0 <= rank < p:
-        raise ValueError(f"rank={rank} is not in [0, {p})")
-    if dp < 1:
-        raise ValueError(f"dp={dp} must be at least 1")
+    check_peak_entry(closed_form_problem(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage,
+                                      checkpointing=checkpointing, elem=elem, fused=fused), rank, p, dp)
     spec = get_layout(layout)
     problems = family_of_config(cfg).problems(spec, p, cfg)
     if problems:
@@ -324,12 +314,7 @@ def closed_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1,
     ending = [{"gradients": others, "buckets": _flat_buckets(others, dp), "embedding backward": 12 * Vb * h + 17 * N,
                "saved activations": left},
               {"gradients": P + _LOSS_SCALARS, "buckets": P if dp > 1 else 0}]
-    after = [{"gradients": P, "clipping": 4 * z.largest + _CLIP_SCALARS}]
-    if dp > 1:  # GradientSync's finish: the buckets beside the gradients
-        after.append({"gradients": P, "buckets": P + _CLIP_SCALARS - 8})
-    if zero_stage == 1 and dp > 1:  # the all-gathers of the updated slices
-        gathered = min(P, _GATHERS_IN_FLIGHT * _GATHER_BUCKET)
-        after.append({"gradients": P, "all-gather": gathered + gathered // dp + _CLIP_SCALARS - 8})
+    after = after_backward(P, z.largest, dp, zero_stage)
     moments = {"forward": forward, "last block": in_block(L - 1), "block 0": in_block(0) + ending,
                "after backward": after}
     if fsdp:

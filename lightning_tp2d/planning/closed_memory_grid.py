@@ -201,6 +201,30 @@ def is_grid(layout) -> bool:
     return spec.square and spec.arrangement == "grid"
 
 
+def check_peak_entry(problem: str | None, rank: int, p: int, dp: int) -> None:
+    """The refusals both memory closed forms (the ring's and the grids') make on entry: a step it does not model
+    (``problem``, a sentence naming the numbers), a rank outside ``[0, p)``, ``dp`` below 1."""
+    if problem:
+        raise ValueError(problem)
+    if not 0 <= rank < p:
+        raise ValueError(f"rank={rank} is not in [0, {p})")
+    if dp < 1:
+        raise ValueError(f"dp={dp} must be at least 1")
+
+
+def after_backward(P: int, largest: int, dp: int, zero_stage: int) -> list[dict]:
+    """The moments after the backward (both memory closed forms): the gradients (``P`` bytes) and gradient clipping's
+    temporaries (``largest``: the largest gradient's elements), then with ``dp`` > 1 GradientSync's buckets beside the
+    gradients and at stage 1 the all-gathers of the updated slices."""
+    after = [{"gradients": P, "clipping": 4 * largest + _CLIP_SCALARS}]
+    if dp > 1:  # GradientSync's finish: the buckets beside the gradients
+        after.append({"gradients": P, "buckets": P + _CLIP_SCALARS - 8})
+    if zero_stage == 1 and dp > 1:  # the all-gathers of the updated slices
+        gathered = min(P, _GATHERS_IN_FLIGHT * _GATHER_BUCKET)
+        after.append({"gradients": P, "all-gather": gathered + gathered // dp + _CLIP_SCALARS - 8})
+    return after
+
+
 def grid_problem(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, zero_stage: int = 0,
                  checkpointing: str = "none", elem: int = 2, fused: bool = True) -> str | None:
     """Why :func:`grid_peak_bytes` does not model this step, a sentence naming the numbers (``None``: it does)."""
@@ -235,25 +259,19 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
     :func:`~lightning_tp2d.planning.memory_model.peak_bytes` (``largest`` naming the parts of the phase that
     peaks, largest first) plus ``"phases"``, each phase's peak by name. ``ValueError`` naming the numbers for a
     step it does not model (:func:`grid_problem`)."""
-    problem = grid_problem(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage, checkpointing=checkpointing,
-                           elem=elem, fused=fused)
-    if problem:
-        raise ValueError(problem)
-    if not 0 <= rank < p:
-        raise ValueError(f"rank={rank} is not in [0, {p})")
-    if dp < 1:
-        raise ValueError(f"dp={dp} must be at least 1")
+    check_peak_entry(grid_problem(layout, cfg, batch, seq, p, dp=dp, zero_stage=zero_stage,
+                               checkpointing=checkpointing, elem=elem, fused=fused), rank, p, dp)
     spec = get_layout(layout)
     q = spec.side(p)
     z = _grid_sizes(cfg, q, rank)
     e, L = elem, cfg.n_layer
-    llama = family_of_config(cfg).name == "llama"
-    tied = anatomy(cfg).tied_head  # the head multiplies by the token table (GPT-2's always does)
+    llama, a = family_of_config(cfg).name == "llama", anatomy(cfg)
+    tied = a.tied_head  # the head multiplies by the token table (GPT-2's always does)
     h, nh = cfg.n_embd, cfg.n_head
     hs = h // nh
     hq, nq = h // q, nh // q
-    kq = cfg.n_kv_head * hs // q if llama else hq
-    fq = (cfg.intermediate_size if llama else 4 * h) // q
+    kq = a.kv_width // q
+    fq = a.mlp_width // q
     sequences, rows = (batch // q, seq) if spec.splits_batch else (batch, seq // q)
     N = sequences * rows
     Vb = -(-cfg.vocab_size // q)
@@ -335,12 +353,7 @@ def grid_peak_bytes(layout, cfg, batch: int, seq: int, p: int, *, dp: int = 1, z
         return out
 
     ending = {"gradients": P + _LOSS_SCALARS, "buckets": P if dp > 1 else 0}
-    after = [{"gradients": P, "clipping": 4 * z.largest + _CLIP_SCALARS}]
-    if dp > 1:  # GradientSync's finish: the buckets beside the gradients
-        after.append({"gradients": P, "buckets": P + _CLIP_SCALARS - 8})
-    if zero_stage == 1 and dp > 1:  # the all-gathers of the updated slices
-        gathered = min(P, _GATHERS_IN_FLIGHT * _GATHER_BUCKET)
-        after.append({"gradients": P, "all-gather": gathered + gathered // dp + _CLIP_SCALARS - 8})
+    after = after_backward(P, z.largest, dp, zero_stage)
     forward = [{"saved activations": activations, "loss backward": loss_backward},
                {"saved activations": L * kept + R - 4 * N * Vb - 10 * N + _LOSS_SCALARS,  # (recipes rebuilt)
                 "head backward": head_backward}]

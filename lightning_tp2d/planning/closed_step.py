@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from lightning_tp2d.families import family_of_config
+from lightning_tp2d.families import anatomy, family_of_config
 from lightning_tp2d.layouts import Layout, get_layout
 from lightning_tp2d.metp import RingOptions
 from lightning_tp2d.planning import closed_grid
 from lightning_tp2d.planning.events import float32_bytes
-from lightning_tp2d.planning.steps import Stream, TracedStep, one_replica_problem, root_and_blocks, split_problem
-from lightning_tp2d.train_plan import CHECKPOINTING
+from lightning_tp2d.planning.steps import (Stream, TracedStep, checked_entry, one_replica_problem, root_and_blocks,
+                                          run_passes, split_problem)
 
 __all__ = ["closed_step", "models"]
 
@@ -276,30 +276,16 @@ def closed_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: i
     anything it does not model (:func:`models`) or an input the layout refuses."""
     if get_layout(layout).square and get_layout(layout).arrangement == "grid":
         return closed_grid.closed_grid_step(layout, cfg, batch, seq, p, elem, rank, checkpointing=checkpointing)
-    why = models(layout, cfg, p, elem)
-    if why:
-        raise ValueError(f"closed_step: {why}")
-    if checkpointing not in CHECKPOINTING:
-        raise ValueError(f"checkpointing={checkpointing!r} is not one of {CHECKPOINTING}")
-    if not 0 <= rank < p:
-        raise ValueError(f"rank {rank} is not in [0, {p})")
     spec = get_layout(layout)
-    spec.check_input(p, batch, seq)
-    llama = family_of_config(cfg).name == "llama"
-    m = _Shapes(p=p, rank=rank, B=batch, S=seq // p, h=cfg.n_embd, heads=cfg.n_head,
-                kv_heads=cfg.n_kv_head if llama else cfg.n_head, d=cfg.n_embd // cfg.n_head,
-                hidden=cfg.intermediate_size if llama else 4 * cfg.n_embd, gates=2 if llama else 1,
-                vocab=cfg.vocab_size, e=elem, bias=bool(getattr(cfg, "bias", False)), llama=llama,
-                tile=RingOptions().tile_tokens or 0)
+    checked_entry("closed_step", models(spec, cfg, p, elem), spec, p, batch, seq, rank, checkpointing)
+    llama, a = family_of_config(cfg).name == "llama", anatomy(cfg)
+    m = _Shapes(p=p, rank=rank, B=batch, S=seq // p, h=cfg.n_embd, heads=cfg.n_head, kv_heads=a.kv_heads,
+                d=cfg.n_embd // cfg.n_head, hidden=a.mlp_width, gates=2 if a.gated_mlp else 1, vocab=cfg.vocab_size,
+                e=elem, bias=bool(getattr(cfg, "bias", False)), llama=llama, tile=RingOptions().tile_tokens or 0)
     ranks = tuple(range(p))
     root, block = _Stream("ring", ranks), _Stream("ring", ranks)
-    _root(root, m, cfg, False)
-    _block(block, m, False)
-    root.phase = block.phase = "backward"
-    _root(root, m, cfg, True)
-    if checkpointing == "full":
-        _block(block, m, False)  # the checkpoint runs the block's forward again, then its backward
-    _block(block, m, True)
+    run_passes(root, block, lambda s, backward: _root(s, m, cfg, backward), lambda s, backward: _block(s, m, backward),
+               checkpointing)
     L = cfg.n_layer
     activation = _root_activation_bytes(m, checkpointing) + L * _block_activation_bytes(m, checkpointing)
     return root_and_blocks(root, block, L, activation)

@@ -9,6 +9,7 @@ from collections import defaultdict
 
 from lightning_tp2d.families import family_of_config, fits
 from lightning_tp2d.planning.events import Comm
+from lightning_tp2d.train_plan import CHECKPOINTING
 
 _MATMUL, _ATTENTION = 0, 1  # compute slots, as the tracer's
 # the families the closed forms (step and memory) model; any other is traced
@@ -115,6 +116,33 @@ def split_problem(spec, cfg, p: int) -> str | None:
     if getattr(cfg, "dropout", 0.0):
         return f"dropout={cfg.dropout}: closed forms cover training without dropout"
     return None
+
+
+def checked_entry(name: str, why: str | None, spec, p: int, batch: int, seq: int, rank: int,
+                  checkpointing: str) -> None:
+    """The refusals both step closed forms make on entry (``name`` the function's, for the message): a case it does
+    not model (``why``, its ``models()``), an unknown checkpointing mode, a rank outside ``[0, p)``, an input the
+    layout refuses."""
+    if why:
+        raise ValueError(f"{name}: {why}")
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing={checkpointing!r} is not one of {CHECKPOINTING}")
+    if not 0 <= rank < p:
+        raise ValueError(f"rank {rank} is not in [0, {p})")
+    spec.check_input(p, batch, seq)
+
+
+def run_passes(root, block, root_pass, block_pass, checkpointing: str) -> None:
+    """One training step's passes on a root stream and a block stream (``root_pass(stream, backward)``, likewise
+    ``block_pass``): both forwards, then the root's backward and the block's, the block's forward again first under
+    full checkpointing (the checkpoint runs it again before its backward)."""
+    root_pass(root, False)
+    block_pass(block, False)
+    root.phase = block.phase = "backward"
+    root_pass(root, True)
+    if checkpointing == "full":
+        block_pass(block, False)
+    block_pass(block, True)
 
 
 def _order(item) -> tuple:
