@@ -274,8 +274,8 @@ torch (2.13)
     public: none; torch does not expose a group's timeout.
 
 ``DTensor._spec``, ``DTensor._local_tensor``, ``torch.distributed.tensor._utils.compute_global_tensor_info``
-    where: nn/functional.py:local_view, nn/functional.py:_LocalView, nn/functional.py:_as_param_grad,
-    nn/functional.py:_to_param_grad, nn/functional.py:own_leaf_grads
+    where: nn/functional.py:local_view, nn/functional.py:local_param, nn/functional.py:_LocalView,
+    nn/functional.py:_as_param_grad, nn/functional.py:_to_param_grad, nn/functional.py:own_leaf_grads
     why: the layers' one crossing from a DTensor parameter to its local shard. ``local_view`` hands out
     ``_local_tensor`` itself, armed as an autograd leaf of its own (below): no op and no autograd node per use, so
     one rank dispatches the plain model's ops; the shard's hook (``_to_param_grad``) checks that it is still its
@@ -302,7 +302,7 @@ torch (2.13)
     public: ``DTensor.to_local()``.
 
 ``Module._parameters``
-    where: nn/functional.py:_holder, nn/functional.py:_to_param_grad
+    where: nn/functional.py:_holder, nn/functional.py:_to_param_grad, nn/functional.py:local_param
     why: the parameter a module holds under a name: that an armed shard's parameter is still the one its hook will
     find there, read on every use and every backward. ``getattr(module, name)`` reaches it through
     ``Module.__getattr__`` after a failed attribute lookup: 5 us a call on CPU, 0.3 ms of a 3 ms gpt2-tiny step.
@@ -481,13 +481,14 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
                             "bench/layer_cost.py:_read_bytes"),
      "argument names of an attention op, to price its FLOPs; whether an op is a view; its out= arguments"),
     ("DTensor._spec, DTensor._local_tensor, torch.distributed.tensor._utils.compute_global_tensor_info",
-     ("nn/functional.py:local_view", "nn/functional.py:_LocalView", "nn/functional.py:_as_param_grad",
-      "nn/functional.py:_to_param_grad", "nn/functional.py:own_leaf_grads"),
+     ("nn/functional.py:local_view", "nn/functional.py:local_param", "nn/functional.py:_LocalView",
+      "nn/functional.py:_as_param_grad", "nn/functional.py:_to_param_grad", "nn/functional.py:own_leaf_grads"),
      "the layers' one crossing to a parameter's local shard: the shard itself as a leaf, else a view whose backward "
      "skips to_local's from_local"),
     ("DTensor._local_tensor", ("bench/layer_cost.py:_bytes",),
      "the bytes of a DTensor op's shards, counted by a dispatch mode that sees the global shapes"),
-    ("Module._parameters", ("nn/functional.py:_holder", "nn/functional.py:_to_param_grad"),
+    ("Module._parameters", ("nn/functional.py:_holder", "nn/functional.py:_to_param_grad",
+                            "nn/functional.py:local_param"),
      "the parameter a module holds under a name, without Module.__getattr__ (5 us a call)"),
     ("Tensor._post_accumulate_grad_hooks", ("nn/functional.py:_to_param_grad",),
      "run the parameter's own post-accumulate hooks once its armed shard's gradient is moved into param.grad"),
