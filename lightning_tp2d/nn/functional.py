@@ -181,7 +181,8 @@ def local_view(param: torch.Tensor) -> torch.Tensor:
       subclass per use, and its gradient accumulates as a plain tensor, as the plain model's do. Its hook sets
       ``param.grad`` after each backward. This makes one rank dispatch the plain model's ops exactly
       (``tests/test_one_rank.py``; docs/benchmarks.md, "The layouts' own cost"). Under ``torch.compile`` the armed
-      shard is traced as a plain leaf input, so no DTensor enters the graph either.
+      shard is traced as a plain leaf input, so no DTensor enters the graph either: :func:`local_param`, what the
+      layers call, finds it through the module's links.
     * Any other DTensor parameter (FSDP's sharded and gathered ones, a deep copy's until it is marked, one that does
       not require grad) goes through :class:`_LocalView`, and under ``torch.compile`` through ``to_local``; a plain
       tensor is itself.
@@ -190,11 +191,7 @@ def local_view(param: torch.Tensor) -> torch.Tensor:
     copy it rather than keep it (``_SumGradAlong`` hands its all-reduced sum over as a fresh view)."""
     if not isinstance(param, DTensor):
         return param
-    if torch.compiler.is_compiling():
-        link = getattr(param, _LEAF, None)
-        local = param._local_tensor
-        if param.requires_grad and link is not None and link.local is not None and link.local() is local:
-            return local  # (armed when it was marked: traced as a plain leaf input, no DTensor in the graph)
+    if torch.compiler.is_compiling():  # (an armed shard is found by local_param, without touching the DTensor)
         return param.to_local()
     link = param.__dict__.get(_LEAF)
     if link is not None and param.requires_grad and _holder(link) is param:  # (where its hook finds it)
