@@ -57,8 +57,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tp2d.comm import (BroadcastPipeline, ReducePipeline, all_gather_blocks, axis_rank, axis_size,
-                                 exchange_with, neighbour_exchange, reduce_scatter_blocks)
+from lightning_tp2d.comm import (DONE, BroadcastPipeline, ReducePipeline, all_gather_blocks, all_reduce_along,
+                                 axis_rank, axis_size, exchange_with, neighbour_exchange, reduce_scatter_blocks)
 from lightning_tp2d.mesh import transpose_peer
 from lightning_tp2d.ops import registered
 from lightning_tp2d.options import TPOptions, tp_options
@@ -474,6 +474,8 @@ class _SummaAB(torch.autograd.Function):
     def forward(ctx, a, b, bias, mesh, options, form, mirrored):
         ctx.mesh, ctx.algorithm, ctx.keep, ctx.form, ctx.mirrored = mesh, options.summa, options.keep_panels, form, mirrored
         ctx.has_bias = bias is not None
+        if bias is not None:  # added in the products' dtype (bf16 under autocast); its gradient in the parameter's
+            ctx.bias_dtype, bias = bias.dtype, bias.to(a.dtype)
         if ctx.algorithm == "broadcast":
             out, a_panels, b_panels = broadcast_ab(a, b, mesh, ctx.keep, bias)
             ctx.save_for_backward(a, b, *(a_panels + b_panels if ctx.keep else []))
@@ -492,19 +494,26 @@ class _SummaAB(torch.autograd.Function):
         a, b, *kept = ctx.saved_tensors
         grad = grad.contiguous()
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dbias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None  # this grid row's tokens
+        dbias, summed = None, DONE
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            # the bias is replicated over row and each grid row sees its own tokens: its gradient is this row's token
+            # sum (in the parameter's dtype), summed over row by an all-reduce that the products' work overlaps
+            dbias = grad.sum(0, dtype=ctx.bias_dtype)
+            summed = all_reduce_along(dbias, ctx.mesh, "row", async_op=True)
         if ctx.algorithm == "broadcast":
             q = len(kept) // 2
             a_panels, b_panels = (kept[:q], kept[q:]) if ctx.keep else (None, None)
             da = broadcast_abt(grad, b, ctx.mesh, b_panels) if need_a else None  # dA = dC Bᵀ
             db = broadcast_atb(a, grad, ctx.mesh, _is_transposed(b), a_panels) if need_b else None  # dB = Aᵀ dC
-            return da, db, dbias, None, None, None, None
-        a_panels, column = (kept[:-1], _Column(kept[-1], ctx.transposed)) if ctx.keep else (None, None)
-        if ctx.form == "scatter":
-            da, db = scatter_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, column, ctx.mirrored)
         else:
-            da, db = collective_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, a_panels, column)
-        return da, db, dbias, None, None, None, None
+            a_panels, column = (kept[:-1], _Column(kept[-1], ctx.transposed)) if ctx.keep else (None, None)
+            if ctx.form == "scatter":
+                da, db = scatter_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, column, ctx.mirrored)
+            else:
+                da, db = collective_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, a_panels, column)
+        summed.wait()
+        # handed on as a fresh view: the collective's work may still hold the summed tensor, and autograd would copy it
+        return da, db, None if dbias is None else dbias.view_as(dbias), None, None, None, None
 
 
 def _abt(a, b, mesh, algorithm):
@@ -568,8 +577,9 @@ def ab_form(in_features: int, out_features: int, keep_panels: bool = False) -> s
 def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, options: TPOptions | None = None,
              form: str = "gather", b_mirrored: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``C = A B [+ bias]`` with ``A``, ``B``, ``C`` block-distributed on the grid; differentiable. ``bias``: ``C``'s
-    columns of this rank (``[N/q]`` of ``C [M/q, N/q]``), added inside the first GEMM (its gradient is
-    this grid row's token sum; a caller sums it over ``row``). ``options``:
+    columns of this rank (``[N/q]`` of ``C [M/q, N/q]``, replicated over ``row``), cast to ``A``'s dtype and added
+    inside the first GEMM; its gradient, in its own dtype, is the token sum over the whole grid column (each grid
+    row's sum, all-reduced over ``row`` while the backward's products run). ``options``:
     :class:`~lightning_tp2d.options.TPOptions` (``summa`` algorithm, ``keep_panels``). ``form`` (collective
     algorithm only; :func:`ab_form` picks one): ``"gather"`` passes ``A``'s blocks round the ring,
     ``"scatter"`` the partial sums of ``C`` (module docstring). ``b_mirrored`` (scatter form only): rank ``(r, c)``

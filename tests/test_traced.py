@@ -37,15 +37,16 @@ def _compare(rank: int, world: int) -> dict:
 
     x = torch.randn(6, 5, **f64).requires_grad_()
     w, b = torch.randn(5, **f64).requires_grad_(), torch.randn(5, **f64).requires_grad_()
+    # the eager function sums its parameters' gradients over row itself; the traced form through sum_gradients
     y0 = _LayerNormAlongCol.apply(x, w, b, mesh, 10, 1e-5)
-    y1 = traced.layer_norm(x, w, b, mesh, 10, 1e-5)
+    y1 = traced.layer_norm(x, *traced.sum_gradients([w, b], mesh, "row"), mesh, 10, 1e-5)
     out["layer_norm"] = max(_worst([y0], [y1]), _worst(_grads(y0, (x, w, b), 1), _grads(y1, (x, w, b), 1)))
     y1 = traced.layer_norm(x, w, b, mesh, 10, 1e-5)
     y2 = torch.compile(traced.layer_norm, backend="aot_eager")(x, w, b, mesh, 10, 1e-5)
     out["layer_norm_compiled"] = max(_worst([y1], [y2]), _worst(_grads(y1, (x, w, b), 2), _grads(y2, (x, w, b), 2)))
 
     y0 = _RMSNormAlongCol.apply(x, w, mesh, 10, 1e-6)
-    y1 = traced.rms_norm(x, w, mesh, 10, 1e-6)
+    y1 = traced.rms_norm(x, traced.sum_gradient(w, mesh, "row"), mesh, 10, 1e-6)
     out["rms_norm"] = max(_worst([y0], [y1]), _worst(_grads(y0, (x, w), 3), _grads(y1, (x, w), 3)))
 
     # identity forward, gradients summed over row in one all-reduce

@@ -74,8 +74,10 @@ def _bytes(value) -> int:
     return 0
 
 
-# in-place ops that overwrite ``self`` without reading it: their result (``self``) is the only traffic on it
-WRITE_ONLY = frozenset({"copy_", "zero_", "fill_", "uniform_", "normal_", "bernoulli_", "random_", "exponential_"})
+# ops that write without reading ``self``: in-place ops that overwrite it (their result, ``self``, is the only traffic
+# on it) and factories that take it for its dtype and device only (``g.new_zeros(shape)``, ``torch.zeros_like(g)``)
+WRITE_ONLY = frozenset({"copy_", "zero_", "fill_", "uniform_", "normal_", "bernoulli_", "random_", "exponential_",
+                        "new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"})
 
 
 def _read_bytes(func, name: str, args, kwargs) -> int:

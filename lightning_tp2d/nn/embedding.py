@@ -39,13 +39,13 @@ def shard_batch(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return x[r * n:(r + 1) * n]
 
 
-def _lookup(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
-    """Rows of ``weight`` (vocab block starting at ``start``) for ``ids``; zero where an id is elsewhere."""
-    local = ids - start
-    hit = (local >= 0) & (local < weight.shape[0])
-    if weight.shape[0] == 0:
-        return weight.new_zeros((*ids.shape, weight.shape[1]))
-    return F.embedding(local.clamp(0, weight.shape[0] - 1), weight) * hit.unsqueeze(-1).to(weight.dtype)
+def _block_ids(idx: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``idx``'s rows in the vocab block ``[start, start + rows)`` (clamped into it: an id elsewhere reads row 0 or
+    the last) and ``[..., 1]`` whether each id is there: once per call for all token shards (a mask, not an index
+    list: no host sync, static shapes)."""
+    local = idx - start
+    hit = ((local >= 0) & (local < rows)).unsqueeze(-1)
+    return local.clamp_(0, rows - 1), hit
 
 
 @registered("embed_to_owner")
@@ -53,29 +53,37 @@ class _EmbedToOwner(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, idx, mesh, start):
         q = axis_index(mesh, "row")[1]
-        shards = idx.chunk(q, dim=0)
+        rows = weight.shape[0]
         reducer = ReducePipeline(mesh, "row")
-        for t, ids in enumerate(shards):
-            reducer.push(_lookup(weight, ids, start).contiguous(), dst=t)
-        ctx.save_for_backward(idx)
-        ctx.mesh, ctx.start, ctx.weight_shape = mesh, start, weight.shape
+        ctx.mesh, ctx.weight_shape, ctx.empty = mesh, weight.shape, rows == 0
+        if ctx.empty:  # an empty vocab block (more grid rows than ids): zeros to every owner
+            for t, ids in enumerate(idx.chunk(q, dim=0)):
+                reducer.push(weight.new_zeros((*ids.shape, weight.shape[1])), dst=t)
+            return reducer.finish()
+        local, hit = _block_ids(idx, start, rows)
+        mask = hit.to(weight.dtype)
+        for t, (ids, m) in enumerate(zip(local.chunk(q, dim=0), mask.chunk(q, dim=0))):
+            reducer.push(F.embedding(ids, weight).mul_(m), dst=t)  # zero where an id is another block's
+        ctx.save_for_backward(idx)  # (the ids the model keeps anyway; their block rows are made again backward)
+        ctx.start = start
         return reducer.finish()
 
     @staticmethod
     def backward(ctx, grad):
-        (idx,) = ctx.saved_tensors
         q = axis_index(ctx.mesh, "row")[1]
-        rows, width = ctx.weight_shape
+        width = ctx.weight_shape[1]
         dweight = grad.new_zeros(ctx.weight_shape)
         grads = BroadcastPipeline(grad.contiguous(), ctx.mesh, "row")
-        for t, ids in enumerate(idx.chunk(q, dim=0)):
-            g = grads.get(t)
-            if rows == 0:
-                continue
-            local = (ids - ctx.start).reshape(-1)
-            hit = (local >= 0) & (local < rows)  # a mask, not an index list: no host sync, static shapes
-            mine = torch.where(hit.unsqueeze(-1), g.reshape(-1, width), 0.0)  # misses add an exact zero to row 0
-            dweight.index_add_(0, local.clamp(0, rows - 1), mine)
+        if ctx.empty:
+            for t in range(q):
+                grads.get(t)
+            return dweight, None, None, None
+        (idx,) = ctx.saved_tensors
+        local, hit = _block_ids(idx, ctx.start, ctx.weight_shape[0])
+        zero = grad.new_zeros(())
+        for t, (ids, h) in enumerate(zip(local.chunk(q, dim=0), hit.chunk(q, dim=0))):
+            mine = torch.where(h, grads.get(t), zero)  # misses add an exact zero to a row of the block
+            dweight.index_add_(0, ids.reshape(-1), mine.view(-1, width))
         return dweight, None, None, None
 
 

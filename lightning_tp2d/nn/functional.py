@@ -237,8 +237,10 @@ def local_param(module: torch.nn.Module, name: str) -> torch.Tensor:
 class _SumGradAlong(torch.autograd.Function):
     """Forward: identity. Backward: sum the gradient over ``axis``.
 
-    For a parameter replicated over an axis whose ranks see different tokens (LayerNorm and bias vectors over
-    ``row`` in "2d"): each replica's local gradient is a partial sum, and the true gradient is their sum.
+    For a parameter replicated over an axis whose ranks see different tokens (the position table over ``row`` in
+    "2d", the ring's vectors in "metp"): each replica's local gradient is a partial sum, and the true gradient is
+    their sum. (The grid's norms and SUMMA biases sum theirs inside their own backward, overlapped, with no identity
+    function per use: :func:`lightning_tp2d.nn.layernorm.param_grads`, :class:`lightning_tp2d.summa._SummaAB`.)
     """
 
     @staticmethod
@@ -275,10 +277,11 @@ class _SumGradsAlong(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g if g.dim() == 1 else g.reshape(-1) for g in grads])  # (vectors: no view to flatten)
         all_reduce_along(flat, ctx.mesh, ctx.axis)
-        parts = flat.split([shape.numel() for shape in ctx.shapes])  # one op for every part
-        return (None, None, *(part.view(shape) for part, shape in zip(parts, ctx.shapes)))
+        # one op cuts every part; each is a view the collective's work does not hold, so autograd takes it as it is
+        parts = flat.split([shape.numel() for shape in ctx.shapes])
+        return (None, None, *(part if len(shape) == 1 else part.view(shape) for part, shape in zip(parts, ctx.shapes)))
 
 
 def sum_grads_along(xs, mesh: DeviceMesh, axis: str) -> tuple[torch.Tensor, ...]:

@@ -3,7 +3,8 @@
 Rank ``(r, c)`` holds ``x_rc [N/q, h/q]``. Statistics come from the local moments ``E[x]`` and ``E[x²]`` of
 one fused reduction, all-reduced along ``col`` (one call of ``2 * N/q`` numbers); the backward needs ``Σ dx̂`` and
 ``Σ dx̂·x̂`` over the full hidden size, again one all-reduce along ``col``. Weight and bias ``[h]`` are split over
-``col`` and replicated over ``row``; their gradients are summed over ``row`` in one all-reduce.
+``col`` and replicated over ``row``; their gradients are summed over ``row`` in one all-reduce, posted in the
+layer's backward before the input gradient's work and waited on after it (:func:`param_grads`).
 """
 
 from __future__ import annotations
@@ -71,15 +72,37 @@ class _LayerNormAlongCol(torch.autograd.Function):
         x = keep[0]
         xhat = x if len(keep) == 1 else _normalized(x, keep[1], rstd)
         g = grad.to(rstd.dtype)
+        params = param_grads(g, xhat, ctx.has_bias, ctx.mesh)  # (summed over row while dx is made)
         dxhat = g * weight
         sums = torch.stack([dxhat.sum(-1, keepdim=True), (dxhat * xhat).sum(-1, keepdim=True)]).div_(ctx.hidden)
         all_reduce_along(sums, ctx.mesh, "col")
         mean_d, mean_dx = sums.unbind(0)
         dx = (dxhat - torch.addcmul(mean_d, xhat, mean_dx)).mul_(rstd)
-        rows = tuple(range(g.dim() - 1))
-        dw = (g * xhat).sum(rows).to(weight.dtype)
-        db = g.sum(rows).to(weight.dtype) if ctx.has_bias else None
-        return dx.to(ctx.dtype), dw, db, None, None, None
+        dw, db = params()
+        return dx.to(ctx.dtype), dw.to(weight.dtype), None if db is None else db.to(weight.dtype), None, None, None
+
+
+def param_grads(g: torch.Tensor, xhat: torch.Tensor, has_bias: bool, mesh: DeviceMesh):
+    """A grid norm's weight (and bias) gradient, ``Σ g·x̂`` (and ``Σ g``) over this grid row's tokens in the
+    statistics' dtype, summed over ``row`` (its replicas see their own tokens) by one all-reduce, posted now: returns
+    ``finish``, which waits for it and returns ``(dw, db or None)``. Each is handed on as a view the collective's work
+    does not hold (else autograd, finding the tensor still referenced, would copy it): both written into one buffer
+    and cut from it, or the weight's alone viewed afresh."""
+    rows = tuple(range(g.dim() - 1))
+    if has_bias:
+        params = g.new_empty((2, g.shape[-1]))
+        dw, db = params.unbind(0)
+        torch.sum(g * xhat, rows, out=dw)
+        torch.sum(g, rows, out=db)
+    else:
+        params = (g * xhat).sum(rows)
+    handle = all_reduce_along(params, mesh, "row", async_op=True)
+
+    def finish() -> tuple[torch.Tensor, torch.Tensor | None]:
+        handle.wait()
+        return (dw, db) if has_bias else (params.view_as(params), None)
+
+    return finish
 
 
 class LayerNorm2D(nn.Module):
@@ -101,12 +124,12 @@ class LayerNorm2D(nn.Module):
             w, b = local_param(self, "weight"), local_param(self, "bias")
             y = layer_norm(x, (self.hidden,), w, b, self.eps)
             return recompute.mark(y, lambda: layer_norm(x, (self.hidden,), w, b, self.eps))
-        local = [local_param(self, "weight"), local_param(self, "bias")]
-        local = local if local[1] is not None else local[:1]
-        w, *b = sum_grads_along(local, self.mesh, "row")  # both gradients in one all-reduce over row
+        w, b = local_param(self, "weight"), local_param(self, "bias")
         if torch.compiler.is_compiling():  # plain torch the compiler fuses (lightning_tp2d.nn.traced)
+            w, *b = sum_grads_along([w] if b is None else [w, b], self.mesh, "row")  # one all-reduce over row
             return traced.layer_norm(x, w, b[0] if b else None, self.mesh, self.hidden, self.eps)
-        return _LayerNormAlongCol.apply(x, w, b[0] if b else None, self.mesh, self.hidden, self.eps)
+        # eager: the parameters' gradients are summed over row inside the layer's backward (param_grads)
+        return _LayerNormAlongCol.apply(x, w, b, self.mesh, self.hidden, self.eps)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, eps={self.eps}"

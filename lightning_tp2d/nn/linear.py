@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_tp2d.nn.functional import autocast_operands, is_local_grid, local_param, shard_parameter, sum_grad_along
+from lightning_tp2d.nn.functional import autocast_operands, is_local_grid, local_param, shard_parameter
 from lightning_tp2d.options import tp_options
 from lightning_tp2d.summa import ab_form, summa_ab
 
@@ -59,10 +59,9 @@ class Linear2D(nn.Module):
             return F.linear(x, local_param(self, "weight"), local_param(self, "bias"))
         lead = x.shape[:-1]
         x2d, w_t = autocast_operands(x.reshape(-1, x.shape[-1]), local_param(self, "weight"))  # w_t [out/q, in/q] = W_rcᵀ
-        # the bias in the products' dtype (bf16 under autocast), added by the SUMMA's first GEMM; its gradient summed
-        # over row (rows see different tokens)
-        bias = local_param(self, "bias")  # (None without one; not `self.bias is None`: see local_param)
-        bias = None if bias is None else sum_grad_along(bias, self.mesh, "row").to(x2d.dtype)
+        # the bias (None without one; not `self.bias is None`: see local_param) is added by the SUMMA's first GEMM in
+        # the products' dtype; its gradient is summed over row (rows see different tokens) inside the product's backward
+        bias = local_param(self, "bias")
         y = summa_ab(x2d, w_t.t(), self.mesh, self.options, self.form, self.form == "scatter", bias)  # (N/q, out/q)
         return y.view(*lead, y.shape[-1])
 

@@ -35,7 +35,7 @@ from lightning_tp2d.nn import traced
 from lightning_tp2d.nn.functional import (autocast_operands, axis_index, is_local_grid, local_param, pad_rows,
                                           shard_parameter, sum_grad_along)
 from lightning_tp2d.nn.head import LMHead2D
-from lightning_tp2d.nn.layernorm import _stat_dtype
+from lightning_tp2d.nn.layernorm import _stat_dtype, param_grads
 from lightning_tp2d.nn.linear import Linear2D
 from lightning_tp2d.ops import registered
 from lightning_tp2d.options import tp_options
@@ -69,13 +69,14 @@ class _RMSNormAlongCol(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         xhat = x.to(rstd.dtype) * rstd
         g = grad.to(rstd.dtype)
+        # the weight's gradient (x̂ rounded to x's dtype, as the plain norm's), summed over row while dx is made
+        params = param_grads(g, xhat.to(x.dtype).to(rstd.dtype), False, ctx.mesh)
         dxhat = g * weight.to(rstd.dtype)
         dot = (dxhat * xhat).sum(-1, keepdim=True).div_(ctx.hidden)  # (N/q, 1)
         all_reduce_along(dot, ctx.mesh, "col")
         dx = torch.addcmul(dxhat, xhat, dot, value=-1).mul_(rstd)
-        rows = tuple(range(g.dim() - 1))
-        dw = (g * xhat.to(x.dtype).to(rstd.dtype)).sum(rows).to(weight.dtype)
-        return dx.to(x.dtype), dw, None, None, None
+        dw, _ = params()
+        return dx.to(x.dtype), dw.to(weight.dtype), None, None, None
 
 
 class RMSNorm2D(nn.Module):
@@ -95,10 +96,10 @@ class RMSNorm2D(nn.Module):
             w = local_param(self, "weight")
             y = rms_norm(x, w, self.eps)
             return recompute.mark(y, lambda: rms_norm(x, w, self.eps))
-        w = sum_grad_along(local_param(self, "weight"), self.mesh, "row")
+        w = local_param(self, "weight")
         if torch.compiler.is_compiling():  # plain torch the compiler fuses (lightning_tp2d.nn.traced)
-            return traced.rms_norm(x, w, self.mesh, self.hidden, self.eps)
-        return _RMSNormAlongCol.apply(x, w, self.mesh, self.hidden, self.eps)
+            return traced.rms_norm(x, sum_grad_along(w, self.mesh, "row"), self.mesh, self.hidden, self.eps)
+        return _RMSNormAlongCol.apply(x, w, self.mesh, self.hidden, self.eps)  # (its gradient summed over row inside)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, eps={self.eps}"

@@ -39,7 +39,7 @@ from lightning_tp2d.layouts import Ring
 from lightning_tp2d.metp import RingOptions, ring_attention, ring_mlp, ring_options
 from lightning_tp2d.models.gpt2 import causal_attention, layer_norm, lm_head, padded_rows
 from lightning_tp2d.nn.functional import (autocast_operands, axis_index, local_param, pad_rows, shard_bias,
-                                          shard_parameter, sum_grad_along)
+                                          shard_parameter, sum_grad_along, sum_grads_along)
 from lightning_tp2d.nn.ring_stream import (ColumnBlocks, HeadBlocks, ring_cross_entropy, ring_embedding,
                                            ring_linear_in, ring_linear_out)
 from lightning_tp2d.nn.sequence import check_sequence_length, gather_sequence, zigzag_positions
@@ -108,9 +108,9 @@ class RingLayerNorm(nn.Module):
         shard_bias(self, norm.bias, mesh, REPLICATED)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = sum_grad_along(local_param(self, "weight"), self.mesh, AXIS)
-        b = local_param(self, "bias")
-        b = None if b is None else sum_grad_along(b, self.mesh, AXIS)
+        w, b = local_param(self, "weight"), local_param(self, "bias")
+        w, *b = sum_grads_along([w] if b is None else [w, b], self.mesh, AXIS)  # both gradients in one all-reduce
+        b = b[0] if b else None
         y = layer_norm(x, self.normalized_shape, w, b, self.eps)  # in x's dtype (bf16 stays bf16)
         return recompute.mark(y, lambda: layer_norm(x, self.normalized_shape, w, b, self.eps))
 

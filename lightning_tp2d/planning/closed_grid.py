@@ -233,22 +233,24 @@ def _summa(s: Stream, g: _Grid, n_in: int, n_out: int, form: str, backward: bool
 def _linear(s: Stream, g: _Grid, n_in: int, n_out: int, backward: bool, *, fused: bool = False,
             bias: bool = False) -> None:
     """:class:`~lightning_tp2d.nn.linear.Linear2D` (``fused``: GPT-2's ``c_attn``, always the gather form); the
-    bias' gradient all-reduced along ``row`` before the product's backward."""
+    bias' gradient all-reduced along ``row`` while the product's backward runs."""
     form = "gather" if fused else ab_form(n_in, n_out)
-    if backward and bias:
-        s.blocking("all_reduce", "row", g.row, n_out // g.q * _F32)
+    summed = s.post("all_reduce", "row", g.row, n_out // g.q * _F32) if backward and bias else None
     _summa(s, g, n_in, n_out, form, backward)
+    if summed is not None:
+        s.wait(summed)
 
 
 def _norm(s: Stream, g: _Grid, backward: bool) -> None:
     """:class:`~lightning_tp2d.nn.layernorm.LayerNorm2D` (``Σx``, ``Σx²``) or
-    :class:`~lightning_tp2d.nn.llama2d.RMSNorm2D` (``Σx²``): statistics along ``col``; the parameters' gradients in
-    one all-reduce along ``row``."""
+    :class:`~lightning_tp2d.nn.llama2d.RMSNorm2D` (``Σx²``): statistics along ``col``; backward, the parameters'
+    gradients in one all-reduce along ``row``, posted before the statistics' and waited on after them."""
     stats = 1 if g.llama else 2
+    vectors = 1 if g.llama or not g.bias else 2
+    summed = s.post("all_reduce", "row", g.row, vectors * (g.h // g.q) * _F32) if backward else None
     s.blocking("all_reduce", "col", g.col, stats * g.N * _F32)
-    if backward:
-        vectors = 1 if g.llama or not g.bias else 2
-        s.blocking("all_reduce", "row", g.row, vectors * (g.h // g.q) * _F32)
+    if summed is not None:
+        s.wait(summed)
 
 
 # ---- attention ---------------------------------------------------------------------------------------------------

@@ -194,12 +194,13 @@ def _block(s: _Stream, m: _Shapes, backward: bool) -> None:
 
 
 def _block_vectors(m: _Shapes) -> list[int]:
-    """Elements of each replicated vector of a block whose gradient is summed over the ring (one call each)."""
+    """Elements of each call that sums a block's replicated vectors' gradients over the ring (one call a vector; a
+    LayerNorm's weight and bias in one)."""
     if m.llama:
         return [m.h, m.h]  # the two RMSNorm weights
     if not m.bias:
         return [m.h, m.h]  # LayerNorm weights
-    return [m.h] * 4 + [3 * m.h, m.h, 4 * m.h, m.h]  # LayerNorm weights and biases; c_attn, c_proj, c_fc, c_proj
+    return [2 * m.h] * 2 + [3 * m.h, m.h, 4 * m.h, m.h]  # LayerNorms' weights and biases; c_attn, c_proj, c_fc, c_proj
 
 
 def _head(s: _Stream, m: _Shapes, backward: bool) -> None:
@@ -243,8 +244,7 @@ def _root(s: _Stream, m: _Shapes, cfg, backward: bool) -> None:
         _head(s, m, False)
         return
     _head(s, m, True)
-    for n in ([m.h] if m.llama else [m.h, m.h] if m.bias else [m.h]):  # final norm weight (and bias)
-        s.blocking("all_reduce", n * e32)
+    s.blocking("all_reduce", (2 if m.bias and not m.llama else 1) * m.h * e32)  # final norm weight (and bias)
     if not m.llama:
         s.blocking("all_reduce", cfg.block_size * m.h * e32)  # the position table
     _embedding(s, m, True)  # tied or untied: the same passes (the head streams its vocab block either way)
