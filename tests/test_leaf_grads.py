@@ -104,6 +104,8 @@ def test_accumulated_gradients_at_four_ranks_are_the_plain_models():
 def _compiled(rank: int, world: int, layout: str) -> dict:
     import torch._dynamo as dynamo
 
+    from lightning_tp2d.nn.functional import own_leaf_grads
+
     plain = layer_cost.build("gpt2-tiny", None, n_layer=1)
     model = layer_cost.build("gpt2-tiny", layout, n_layer=1)
     twin = copy.deepcopy(model)  # unarmed until a step's assembly marks it: traced through to_local
@@ -142,6 +144,26 @@ def _compiled(rank: int, world: int, layout: str) -> dict:
         m.double()
         m(a, ya).backward()
     out["cast"] = (_grads(model), _grads(plain))
+    # a parameter replaced (a new nn.Parameter) while the old one lives on: the compiled graph, which reaches shards
+    # through the modules' links, still takes the old shard; its gradient cannot reach the new parameter, and the
+    # backward says so rather than leave the parameter untrained. Armed again, the graph takes the new shard.
+    own_leaf_grads(model)  # armed again after the cast (a step's assembly does this), and traced with the shards
+    model(a, ya).backward()
+    model.zero_grad(set_to_none=True)
+    fc = model.transformer.h[0].mlp.c_fc
+    old = fc.weight
+    fc.weight = torch.nn.Parameter(old.detach().clone())
+    try:
+        model(a, ya).backward()
+        out["replaced"] = "no error"
+    except RuntimeError as err:
+        out["replaced"] = str(err)
+    own_leaf_grads(model)
+    model.zero_grad(set_to_none=True)
+    plain.zero_grad(set_to_none=True)
+    for m in (plain, model):
+        m(a, ya).backward()
+    out["rearmed"] = (_grads(model), _grads(plain), old.grad is None)
     return out
 
 
@@ -159,6 +181,11 @@ def test_compiled_steps_take_the_shards_as_leaves_and_give_the_plain_gradients()
     for name, grad in plain.items():
         assert ours[name].dtype == torch.float64, name
         torch.testing.assert_close(ours[name], grad, rtol=1e-9, atol=1e-10, msg=f"cast: {name}")
+    assert "the gradient of Linear2D.weight reached a shard that is no longer that parameter's" in out["replaced"]
+    ours, plain, old_untouched = out["rearmed"]
+    assert old_untouched and ours.keys() == plain.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(ours[name], grad, rtol=1e-9, atol=1e-10, msg=f"re-armed: {name}")
     for side in ("ours", "twin"):
         assert out[side].keys() == out["plain"].keys()
         for name, grad in out["plain"].items():

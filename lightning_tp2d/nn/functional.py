@@ -150,11 +150,21 @@ def _to_param_grad(module: weakref.ref, name: str, local: torch.Tensor) -> None:
     storage, no copy) or is added into the parameter's existing one (gradient accumulation), the shard's own
     ``.grad`` is cleared, and the parameter's own post-accumulate hooks (the data-parallel gradient buckets',
     FSDP's averaging of the parameters it keeps whole, a user's) run as autograd would have run them. The parameter
-    is the one ``module`` holds as ``name`` now, if this shard is still its shard."""
+    is the one ``module`` holds as ``name`` now, if this shard is still its shard; if it is not (the parameter was
+    replaced after a forward, or a compiled graph, took this shard), the step computed with values the model no longer
+    holds and its gradient has nowhere to go: that raises, naming the parameter, rather than leave it untrained."""
     owner = module()
     param = None if owner is None else owner._parameters.get(name)  # private: see lightning_tp2d._private_api
     if not isinstance(param, DTensor) or param._local_tensor is not local:
-        return  # (a link made since, for where the parameter is now, has its own hook: the gradient is left to it)
+        if owner is not None and local.grad is not None:
+            raise RuntimeError(
+                f"the gradient of {type(owner).__name__}.{name} reached a shard that is no longer that parameter's: "
+                f"the parameter was replaced (a new nn.Parameter assigned, or its shard swapped) after a forward or "
+                f"a compiled graph took the old one, so this step computed with the old values and its gradient "
+                f"cannot reach the parameter the module holds now. Replace parameters before the forward, and after "
+                f"replacing them under torch.compile call lightning_tp2d.nn.functional.own_leaf_grads(model) (a "
+                f"Trainer or lightning_tp2d.step.assemble_step does) so that the compiled graph takes the new ones")
+        return
     grad, local.grad = local.grad, None
     if grad is None or not param.requires_grad:  # (frozen since a compiled graph took its shard: no gradient)
         return
