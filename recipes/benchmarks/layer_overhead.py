@@ -2,6 +2,7 @@
 bytes moved by memory-bound ops, eager (and with ``--compile``, inductor-compiled) seconds. Issue 48's measure.
 
     python recipes/benchmarks/layer_overhead.py [--out recipes/benchmarks/layer_overhead] [--rounds 15] [--compile]
+    python recipes/benchmarks/layer_overhead.py --markdown  # results.md again from results.json
 
 * **One rank** (size-1 axes: a 1x1 grid, a ring of one; no communication): each layout's step against the plain
   model's (``single``), for gpt2-tiny and llama-tiny in 2 blocks on B2 x 64 tokens (an overhead-bound shape: the
@@ -185,7 +186,40 @@ def markdown(results: dict) -> str:
               "sharing this machine's cores (so gloo and the host dominate); compiled: each layout's whole model, "
               "torch's 1-D TP + SP block by block as torchtitan compiles it (its loss_parallel does not trace), "
               "context parallelism eager only (the harness does not compile it)."]
+    lines += op_ledger(results["four_ranks"])
     return "\n".join(lines) + "\n"
+
+
+# each layout's fair peer at four ranks (issue 48): torch's 1-D TP + SP for the grids, its context parallelism for
+# the ring where the harness runs it (Llama; GPT-2's ring is set beside TP + SP)
+PEERS = {"2d": ("tp1d-sp",), "2d-metp": ("tp1d-sp",), "metp": ("cp", "tp1d-sp")}
+
+
+def op_ledger(four_ranks: dict, least: int = 4) -> list[str]:
+    """Markdown: op by op, where each layout's largest rank dispatches a different count from its fair peer's
+    (:data:`PEERS`), both sides' counts (collectives apart), the ops that differ by at least ``least`` one per row and
+    the rest summed; the rows that add up to the totals' difference."""
+    lines = ["", "Op by op at four ranks, against each layout's fair peer (the largest rank of each; collectives "
+             f"apart): every op whose count differs by {least} or more, the others summed in the last row.", ""]
+    for model, rows in four_ranks.items():
+        for layout, peers in PEERS.items():
+            peer = next((p for p in peers if p in rows), None)
+            if layout not in rows or peer is None:
+                continue
+            ours, theirs = rows[layout]["ops"], rows[peer]["ops"]
+            diffs = sorted(((ours.get(op, 0) - theirs.get(op, 0), op) for op in set(ours) | set(theirs)),
+                           key=lambda d: (-abs(d[0]), d[1]))
+            shown = [(d, op) for d, op in diffs if abs(d) >= least]
+            rest = [(d, op) for d, op in diffs if 0 < abs(d) < least]
+            lines += [f"**{model}, {layout} against {peer}**: {rows[layout]['total']} against {rows[peer]['total']} "
+                      f"ops ({rows[layout]['total'] - rows[peer]['total']:+d}).", "",
+                      f"| op | {layout} | {peer} | difference |", "|---|---|---|---|"]
+            lines += [f"| `{op}` | {ours.get(op, 0)} | {theirs.get(op, 0)} | {d:+d} |" for d, op in shown]
+            if rest:
+                lines.append(f"| {len(rest)} other ops | {sum(ours.get(op, 0) for _, op in rest)} | "
+                             f"{sum(theirs.get(op, 0) for _, op in rest)} | {sum(d for d, _ in rest):+d} |")
+            lines.append("")
+    return lines
 
 
 def main() -> None:
@@ -193,7 +227,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "layer_overhead"))
     parser.add_argument("--rounds", type=int, default=15, help="alternating timed rounds (of 5 steps) per one-rank row")
     parser.add_argument("--compile", action="store_true", help="also time each one-rank step compiled (inductor)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="only write results.md again from --out's results.json (nothing is run)")
     args = parser.parse_args()
+    if args.markdown:
+        out = Path(args.out)
+        (out / "results.md").write_text(markdown(json.loads((out / "results.json").read_text())))
+        return
     started = time.time()
     results = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "compiled": args.compile,
