@@ -4,7 +4,8 @@ tensor- and data-parallel sizes (or, with ``layout="auto"``, the planner's choic
 checkpointing: :mod:`lightning_tp2d.planning.planner`), the mesh, finding and parallelizing the
 :class:`~lightning_tp2d.models.GPT2` (or other registered model family: :mod:`lightning_tp2d.families`) modules (meta-device models from one seed or
 a transformers directory, eager ones made identical on every rank, then activation checkpointing and
-``torch.compile``), and what a checkpoint records about the run.
+``torch.compile``), and what a checkpoint records about the run. What a strategy is asked is one checked object
+(:class:`RunRequest`) until its sizes are known, then the run's :class:`~lightning_tp2d.train_plan.TrainPlan`.
 
 A mixin: the Lightning base class (Trainer's or Fabric's ``ModelParallelStrategy``) brings ``num_nodes``,
 ``num_processes``, ``root_device``, ``broadcast`` and the process group; nothing here imports Lightning.
@@ -94,6 +95,35 @@ def find_model_config(module: nn.Module | None) -> Any:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class RunRequest:
+    """What a strategy is asked to run before its sizes are known, checked once and held whole: the layout
+    (``spec``; ``None`` while ``layout="auto"`` is not planned), the sizes asked for (``"auto"`` or a number), the
+    ZeRO stage, checkpointing, offload and whether a 1-D fallback is allowed. ``layout="auto"`` replaces it whole with
+    the planner's row (:meth:`TensorParallelCore._take_plan`); :meth:`plan` is the run's
+    :class:`~lightning_tp2d.train_plan.TrainPlan` at resolved sizes. The strategy's ``layout``, ``layout_spec``,
+    ``zero_stage``, ``activation_checkpointing``, ``activation_offload`` and ``allow_fallback`` read it."""
+
+    spec: Layout | None
+    tensor_parallel_size: Literal["auto"] | int = "auto"
+    data_parallel_size: Literal["auto"] | int = "auto"
+    zero_stage: int = 0
+    activation_checkpointing: str = "none"
+    activation_offload: bool = False
+    allow_fallback: bool = False
+
+    @property
+    def layout(self) -> str:
+        return AUTO_LAYOUT if self.spec is None else self.spec.name
+
+    def plan(self, tensor_parallel_size: int, data_parallel_size: int, micro_batch: int | None = None,
+             precision: str | None = None) -> TrainPlan:
+        """The run's plan at these sizes (its layout must be known: not ``"auto"``)."""
+        if self.spec is None:
+            raise RuntimeError("layout='auto' is planned when the model is known, before the plan is made")
+        return TrainPlan(self.spec, tensor_parallel_size, data_parallel_size, self.zero_stage,
+                         self.activation_checkpointing, self.activation_offload, micro_batch, precision)
+
 
 def _models(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, model)`` of every model of a registered family inside ``module``."""
@@ -103,7 +133,7 @@ def _models(module: nn.Module) -> list[tuple[str, nn.Module]]:
 class TensorParallelCore:
     """The layout, sizes, mesh and model handling of both strategies (module docstring)."""
 
-    layout_spec: Layout | None  # None while layout="auto" is not planned yet
+    _request: RunRequest  # what was asked (checked in _check_arguments; layout="auto": the planner's row, _take_plan)
     _run_plan: TrainPlan | None = None  # this run's plan, resolved once the sizes are known (_resolve)
     _mesh: Any = None  # the strategy's mesh (built in setup_environment)
     _run_precision: str = "32-true"  # the Lightning precision name (kept by _check_precision_name)
@@ -180,7 +210,6 @@ class TensorParallelCore:
                              f"{', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
         self.compile_options = compile_options(compile)
         activation_checkpointing = self._check_offload(activation_offload, activation_checkpointing, auto)
-        self.activation_checkpointing = activation_checkpointing
         if self.compile_options is not None and activation_checkpointing == "selective":
             raise ValueError("compile with activation_checkpointing='selective' is not supported: its saved-tensor "
                              "hooks and recipes run in eager mode only (use 'full', or no compile)")
@@ -204,11 +233,8 @@ class TensorParallelCore:
             raise ValueError(f"activation_offload=True offloads what activation_checkpointing='full' keeps, but "
                              f"plan_options['checkpointing']={list(planned)} leaves 'full' out: add it, or drop "
                              "activation_offload")
-        self.layout_spec = spec
-        self.layout = AUTO_LAYOUT if auto else spec.name
-        self._requested = (tensor_parallel_size, data_parallel_size)
-        self.allow_fallback = bool(allow_fallback)
-        self.zero_stage = zero_stage
+        self._request = RunRequest(spec, tensor_parallel_size, data_parallel_size, zero_stage,
+                                   activation_checkpointing, activation_offload, bool(allow_fallback))
         self._run_plan = None
 
     def _check_offload(self, activation_offload: bool, activation_checkpointing: str, auto: bool) -> str:
@@ -217,7 +243,6 @@ class TensorParallelCore:
         instead, :meth:`_plan`), a ``ValueError`` with ``"selective"`` or with ``compile``."""
         if not isinstance(activation_offload, bool):
             raise ValueError(f"activation_offload must be True or False, got {activation_offload!r}")
-        self.activation_offload = activation_offload
         if not activation_offload:
             return activation_checkpointing
         mode = offloaded_checkpointing(activation_checkpointing, activation_offload)  # selective: refused
@@ -266,6 +291,34 @@ class TensorParallelCore:
             strategy_registry.register(name, cls, description=f"tensor-parallel GPT-2, layout {layout!r}",
                                        layout=layout, override=True)
 
+    # ---- the request, read through its one object ---------------------------------------------------------
+
+    @property
+    def layout(self) -> str:
+        """The layout's name, or ``"auto"`` while the planner has not chosen one."""
+        return self._request.layout
+
+    @property
+    def layout_spec(self) -> Layout | None:
+        """The :class:`~lightning_tp2d.layouts.Layout` object (``None`` while ``layout="auto"`` is not planned)."""
+        return self._request.spec
+
+    @property
+    def zero_stage(self) -> int:
+        return self._request.zero_stage
+
+    @property
+    def activation_checkpointing(self) -> str:
+        return self._request.activation_checkpointing
+
+    @property
+    def activation_offload(self) -> bool:
+        return self._request.activation_offload
+
+    @property
+    def allow_fallback(self) -> bool:
+        return self._request.allow_fallback
+
     # ---- sizes --------------------------------------------------------------------------------------------
 
     @property
@@ -304,15 +357,15 @@ class TensorParallelCore:
     def _plan_of(self, tensor_parallel_size: int, data_parallel_size: int) -> TrainPlan:
         """The plan of this strategy's arguments (or the planner's row it took) at these sizes."""
         micro = self.given_plan.micro_batch if self.given_plan is not None else None
-        return TrainPlan(self.layout_spec, tensor_parallel_size, data_parallel_size, self.zero_stage,
-                         self.activation_checkpointing, self.activation_offload, micro, self._run_precision)
+        return self._request.plan(tensor_parallel_size, data_parallel_size, micro, self._run_precision)
 
     def _resolve(self, config: Any) -> TrainPlan:
         """Resolve and hold this run's plan: the sizes for this job's devices and the model's config (``None``
         before the module is known), from the one resolver :func:`~lightning_tp2d.sizes.resolve_sizes`, its messages
         in the strategy's argument names."""
-        tp, dp = resolve_sizes(self.layout_spec, config, self.num_processes, self.num_nodes, *self._requested,
-                               allow_fallback=self.allow_fallback, names=ARGUMENTS)
+        asked = self._request
+        tp, dp = resolve_sizes(asked.spec, config, self.num_processes, self.num_nodes, asked.tensor_parallel_size,
+                               asked.data_parallel_size, allow_fallback=asked.allow_fallback, names=ARGUMENTS)
         self._run_plan = self._plan_of(tp, dp)
         return self._run_plan
 
@@ -368,7 +421,7 @@ class TensorParallelCore:
             options["checkpointing"] = ("full",)
         rows = plan(config, gpus=world, gpu_memory_gib=memory_gib, gpus_per_node=per_node, seq=seq,
                     global_batch_tokens=tokens, include_baselines=False, layouts=layouts, **options)
-        tensor, data = self._requested
+        tensor, data = self._request.tensor_parallel_size, self._request.data_parallel_size
         kept = [r for r in rows if tensor in ("auto", r.tensor_parallel_size) and data in ("auto", r.data_parallel_size)
                 and (self.compile_options is None or r.checkpointing == "none"
                      or get_layout(r.layout).compiles_checkpointed)]
@@ -440,11 +493,10 @@ class TensorParallelCore:
         layout, sizes, ZeRO stage and activation checkpointing, with this strategy's ``activation_offload`` (its
         micro-batch and accumulation are advice: the data and the Trainer keep theirs)."""
         plan = dataclasses.replace(row.train_plan, activation_offload=self.activation_offload)
-        self.layout_spec = plan.spec
-        self.layout = self.layout_spec.name
-        self._requested = (plan.tensor_parallel_size, plan.data_parallel_size)
-        self.zero_stage = plan.zero_stage
-        self.activation_checkpointing = plan.activation_checkpointing
+        self._request = dataclasses.replace(self._request, spec=plan.spec,
+                                            tensor_parallel_size=plan.tensor_parallel_size,
+                                            data_parallel_size=plan.data_parallel_size, zero_stage=plan.zero_stage,
+                                            activation_checkpointing=plan.activation_checkpointing)
         self.given_plan = plan
         self.chosen_plan = row
 

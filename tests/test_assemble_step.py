@@ -23,7 +23,9 @@ import torch
 import lightning_tp2d as tp
 from lightning_tp2d import comm_record, core, fabric, fsdp, strategy, zero
 from lightning_tp2d.bench import measure, runner
+from lightning_tp2d.core import RunRequest
 from lightning_tp2d.fabric import TP2DFabricStrategy
+from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.models import GPT2, GPT2Config
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING
 from lightning_tp2d.planning import cost_model as cm
@@ -90,10 +92,11 @@ def test_plan_refuses_bad_values_naming_them(kwargs, message):
 def test_strategies_take_a_plan_and_refuse_arguments_that_disagree():
     plan = TrainPlan("metp", 2, 2, zero_stage=1, activation_checkpointing="full", micro_batch=3)
     trainer_side = tp.TP2DStrategy(plan=plan)
-    assert (trainer_side.layout, trainer_side._requested, trainer_side.zero_stage,
-            trainer_side.activation_checkpointing) == ("metp", (2, 2), 1, "full")
+    # the strategy holds what it was asked as one object (its sizes resolved when the Trainer is built)
+    assert trainer_side._request == RunRequest(get_layout("metp"), 2, 2, 1, "full")
+    assert (trainer_side.layout, trainer_side.zero_stage, trainer_side.activation_checkpointing) == ("metp", 1, "full")
     fabric_side = TP2DFabricStrategy(plan=plan, zero_stage=1, tensor_parallel_size=2)  # equal: accepted
-    assert (fabric_side.layout, fabric_side._requested, fabric_side.zero_stage) == ("metp", (2, 2), 1)
+    assert fabric_side._request == RunRequest(get_layout("metp"), 2, 2, 1, "full")
     with pytest.raises(ValueError, match=r"data_parallel_size=4 \(the plan's: 2\), zero_stage=3 \(the plan's: 1\)"):
         tp.TP2DStrategy(plan=plan, zero_stage=3, data_parallel_size=4)
     with pytest.raises(ValueError, match=r"layout='auto' \(the plan's: 'metp'\)"):

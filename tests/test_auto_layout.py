@@ -69,7 +69,9 @@ def test_a_tensor_parallel_size_restricts_the_plan_to_it():
     strategy = _planned("gpt2-tiny", tensor_parallel_size=other.tensor_parallel_size)
     assert strategy.chosen_plan == other  # (not the best row: the restriction changed the choice)
     assert strategy.layout == other.layout
-    assert strategy._requested == (other.tensor_parallel_size, other.data_parallel_size)
+    asked = strategy._request  # the planner's row replaced the request whole
+    assert (asked.tensor_parallel_size, asked.data_parallel_size) == (other.tensor_parallel_size,
+                                                                      other.data_parallel_size)
 
 
 def test_a_size_no_row_has_is_refused_naming_the_planned_sizes():

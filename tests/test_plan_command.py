@@ -89,8 +89,9 @@ def test_printed_overrides_compose_into_the_strategy_that_runs_the_row(row, mode
     assert cfg.trainer.devices * cfg.trainer.num_nodes == row.tensor_parallel_size * row.data_parallel_size
     assert cfg.trainer.accelerator == "gpu" and par.memory_gib == 80
     strategy = instantiate(par, **train.strategy_overrides(par))  # as tp2d-train builds it
-    assert strategy.layout == row.layout and strategy._requested == (row.tensor_parallel_size,
-                                                                     row.data_parallel_size)
+    asked = strategy._request
+    assert strategy.layout == row.layout and (asked.tensor_parallel_size, asked.data_parallel_size) == (
+        row.tensor_parallel_size, row.data_parallel_size)
     assert strategy.zero_stage == row.zero_stage and strategy.activation_checkpointing == row.checkpointing
     config = instantiate(cfg.model)
     assert config.block_size >= seq and type(config).__name__ == ("GPT2Config" if "gpt2" in model else "LlamaConfig")
