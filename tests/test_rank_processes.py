@@ -91,6 +91,25 @@ def test_a_pool_whose_task_stalls_ends_its_ranks_and_refuses_more_tasks(tmp_path
         raise AssertionError("an ended pool ran a task")
 
 
+def _returns_a_tensor_that_requires_grad(rank: int, world_size: int) -> torch.Tensor:
+    return torch.ones(2, requires_grad=True) * 2  # not a leaf: it does not pickle
+
+
+def test_a_rank_whose_return_value_does_not_pickle_fails_at_once_naming_why():
+    # the queue's feeder thread would only print the pickling error and drop the value: the parent waited 180 s
+    start = time.monotonic()
+    pool = procs.RankPool(2)
+    try:
+        for result in (procs.run_ranks(_returns_a_tensor_that_requires_grad, 2, timeout=120.0),
+                       pool.run(_returns_a_tensor_that_requires_grad, timeout=120.0)):
+            assert result.status == "error", result.status
+            assert "return value cannot be sent to the parent (it must pickle)" in result.reason
+            assert "requires_grad" in result.reason
+    finally:
+        pool.close()
+    assert time.monotonic() - start < 60
+
+
 def test_the_oversubscription_benchmark_times_both_placements(capsys):
     """``recipes/benchmarks/gloo_oversubscribed.py`` (what a small collective costs with more ranks than cores): a
     row per world size and placement, each with its time per call and the ranks' CPU seconds."""

@@ -25,6 +25,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import torch
@@ -89,12 +90,26 @@ def _worker(rank: int, world_size: int, init_file: str, device: str, cap_bytes: 
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        results.put((rank, "ok", out))
+        _put_result(results, rank, out)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent, which decides
         oom = _oom_in(exc)
         status = OOM if oom is not None else "error"
         short = oom if oom is not None else exc if isinstance(exc, ValueError) and not tracebacks else None
         results.put((rank, status, _short(short) if short is not None else traceback.format_exc()))
+
+
+def _put_result(results, rank: int, out) -> None:
+    """Send ``rank``'s return value to the parent, or an error naming why it cannot travel. A queue pickles in a
+    thread of its own, which only prints a value that does not pickle (a tensor that requires grad and is not a
+    leaf, a lambda) and drops it: the parent would wait for the rank until its timeout. Pickled here first, such a
+    value fails the run at once, with the reason."""
+    try:
+        ForkingPickler.dumps(out)  # (the queue's pickler: torch's reductions refuse what plain pickle takes)
+    except Exception as exc:  # noqa: BLE001 - pickling raises whatever the object's __reduce__ raises
+        results.put((rank, "error", f"rank {rank}'s return value cannot be sent to the parent (it must pickle): "
+                                    f"{type(exc).__name__}: {exc}"))
+        return
+    results.put((rank, "ok", out))
 
 
 def _one_thread_team(threads: int = 1) -> None:
@@ -335,5 +350,5 @@ def _pool_rank(rank: int, world_size: int, lightning: bool, port: int, folder: s
             continue
         if not dist.is_initialized() and (world_size > 1 or not lightning):
             join()
-        results.put((rank, "ok", out))
+        _put_result(results, rank, out)
 
