@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature, >= 0; 0: greedy (default 1)")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    parser.add_argument("--ignore-eos", action="store_true", help="sample all --max-new-tokens tokens, past the "
+                        "model's end-of-text id (default: stop once it is sampled, when the model names one)")
     parser.add_argument("--tokenizer", choices=("byte", "gpt2"), default=None,
                         help="default: the checkpoint's run's, else gpt2 for a 50257-token vocabulary, else byte")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -160,7 +162,8 @@ def generate(args: argparse.Namespace) -> str:
         raise ValueError(f"the prompt is {len(ids)} tokens, more than the model's block_size {cfg.block_size}")
     model = model.to(device)
     idx = torch.tensor([ids], dtype=torch.long, device=device)
-    out = sample(model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    out = sample(model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                 eos_token_id=None if args.ignore_eos else "model")
     return tokenizer.decode(out[0].tolist())
 
 

@@ -28,6 +28,7 @@ vocab-parallel loss never forms full logits, so a logits-based perplexity metric
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import lightning.pytorch as L
 import torch
@@ -310,11 +311,13 @@ class CausalLMModule(L.LightningModule):
     # ---- sampling ------------------------------------------------------------------------------------------
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 seed: int = 0) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``idx [B, T]`` (:func:`sample`). Under tensor parallelism every
-        rank must call it with the same ``idx`` and ``seed``: the gathered logits are identical on all ranks, and so
-        are the samples drawn from one seeded generator."""
-        return sample(self.model, idx, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+                 seed: int = 0, eos_token_id: int | Sequence[int] | None | str = "model") -> torch.Tensor:
+        """Append up to ``max_new_tokens`` sampled tokens to ``idx [B, T]``, stopping once every row has sampled an
+        end-of-text id (:func:`sample`). Under tensor parallelism every rank must call it with the same ``idx`` and
+        ``seed``: the gathered logits are identical on all ranks, and so are the samples drawn from one seeded
+        generator (and so where they stop)."""
+        return sample(self.model, idx, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                      eos_token_id=eos_token_id)
 
 
 def check_optimizer_values(*, learning_rate, weight_decay, betas, eps, warmup_steps, max_steps, min_lr_ratio) -> None:
@@ -345,17 +348,38 @@ def check_sampling(max_new_tokens, temperature, top_k, names=("max_new_tokens", 
                  meaning=f"sample among the k most likely tokens; {none}: all")
 
 
+def _stop_ids(model: GPT2 | Llama, eos_token_id) -> tuple[int, ...]:
+    """The end-of-text ids :func:`sample` stops at: the model config's ``eos_token_id`` for ``"model"`` (none when it
+    has none), else the int or ints given, ``None``: none."""
+    if isinstance(eos_token_id, str):
+        if eos_token_id != "model":
+            raise ValueError(f"eos_token_id={eos_token_id!r}: an id, a list of ids, None or 'model' (the model's own)")
+        eos_token_id = getattr(model.config, "eos_token_id", None)
+    ids = () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    vocab = model.config.vocab_size
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"eos_token_id={eos_token_id!r}: {bad[0]!r} is not one of the model's {vocab} token ids")
+    return ids
+
+
 @torch.no_grad()
 def sample(model: GPT2 | Llama, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-           seed: int = 0) -> torch.Tensor:
-    """``idx [B, T]`` followed by ``max_new_tokens`` tokens sampled from ``model`` (plain or parallelized): from
+           seed: int = 0, eos_token_id: int | Sequence[int] | None | str = "model") -> torch.Tensor:
+    """``idx [B, T]`` followed by up to ``max_new_tokens`` tokens sampled from ``model`` (plain or parallelized): from
     ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely (all if ``None``), or greedy for
     ``temperature == 0`` (a negative temperature is refused: :func:`check_sampling`), drawn from one generator
     seeded with ``seed``. A model with a position table (GPT-2) takes ``T <= block_size`` and then sees the last
     ``block_size`` tokens; a RoPE model (Llama) sees them all. Each step
     asks the model for one position's logits (``logits_at``), so a long prompt's prefill holds ``[B, V]`` logits,
-    not ``[B, T, V]``. A parallelized model needs the same call on every rank of its mesh (same tokens out)."""
+    not ``[B, T, V]``. A parallelized model needs the same call on every rank of its mesh (same tokens out).
+
+    Generation stops early once every row has sampled an end-of-text id (``eos_token_id``: the model config's own by
+    default, as transformers' ``generate`` stops at the generation config's; an id or ids; ``None``: never): a row that
+    has ended is filled after its end with the config's ``pad_token_id``, else with its end-of-text id, while the
+    others go on. Checking whether all have ended reads one flag a step on the host."""
     check_sampling(max_new_tokens, temperature, top_k)
+    stops = _stop_ids(model, eos_token_id)
     was_training = model.training
     model.check_input(idx, values=True)
     model.eval()
@@ -367,6 +391,11 @@ def sample(model: GPT2 | Llama, idx: torch.Tensor, max_new_tokens: int, temperat
     limit = max_seq_len(model.config)  # None: no position table, the whole context every step
     window = None if limit is None else limit - limit % seq_multiple
     generator = torch.Generator(device=idx.device).manual_seed(seed)
+    if stops:
+        stop_ids = torch.tensor(stops, device=idx.device)
+        pad = getattr(model.config, "pad_token_id", None)
+        filler = torch.tensor(stops[0] if pad is None else pad, device=idx.device)
+        ended = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
         cond = idx if window is None else idx[:, -window:]
         T = cond.size(1)
@@ -383,7 +412,12 @@ def sample(model: GPT2 | Llama, idx: torch.Tensor, max_new_tokens: int, temperat
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        if stops:
+            nxt = torch.where(ended, filler, nxt)
+            ended |= torch.isin(nxt, stop_ids)
         idx = torch.cat([idx, nxt], dim=1)
+        if stops and bool(ended.all()):
+            break
     model.train(was_training)
     return idx
 

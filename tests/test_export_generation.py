@@ -77,6 +77,39 @@ def test_transformers_generation_stops_at_the_exported_end_of_text(tmp_path, fam
         new = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False,
                           pad_token_id=0)[0, 3:].tolist()
     assert new == ours[: j + 1] and len(new) < n and new[-1] == eos
+    # our sampling stops there too: at the model config's end-of-text id, as transformers' generate does
+    assert sample(model, prompt, n, temperature=0)[0, 3:].tolist() == new
+    assert sample(model, prompt, n, temperature=0, eos_token_id=None)[0, 3:].tolist() == ours  # never stops
+
+
+def test_sampling_stops_when_every_row_has_ended_and_fills_the_rows_that_ended_first():
+    prompt, n = torch.tensor([[5, 9, 2], [7, 1, 3]]), 12
+
+    def ends_of(rows):  # each row's first new token at a step >= 1 (its end), the rows ending at two steps, each
+        ends = [next((k for k in range(1, n - 1) if row[k] not in row[:k]), None) for row in rows]
+        if None in ends or ends[0] == ends[1]:  # row's end id absent from the other row's tokens before its end
+            return None
+        clean = rows[0][ends[0]] not in rows[1][:ends[1] + 1] and rows[1][ends[1]] not in rows[0][:ends[0] + 1]
+        return ends if clean else None
+
+    for seed in range(100):  # a seeded tiny model whose greedy rows end so (a fresh one often repeats one token)
+        torch.manual_seed(seed)
+        model = MODELS["gpt2"](TINY["gpt2"]).eval()
+        rows = sample(model, prompt, n, temperature=0, eos_token_id=None)[:, 3:].tolist()
+        ends = ends_of(rows)
+        if ends is not None:
+            break
+    else:
+        raise AssertionError("no gpt2 seed below 100 gives two rows that end at distinct steps")
+    stops = [rows[0][ends[0]], rows[1][ends[1]]]
+    out = sample(model, prompt, n, temperature=0, eos_token_id=stops)[:, 3:].tolist()
+    last = max(ends)
+    assert len(out[0]) == last + 1  # stopped when the later row ended, not at max_new_tokens
+    for r, row in enumerate(out):
+        assert row[:ends[r] + 1] == rows[r][:ends[r] + 1]  # the same tokens up to its end
+        assert row[ends[r] + 1:] == [stops[r]] * (last - ends[r])  # then its end-of-text id (no pad_token_id)
+    with pytest.raises(ValueError, match=r"eos_token_id=999: 999 is not one of the model's 64 token ids"):
+        sample(model, prompt, 2, eos_token_id=999)
 
 
 def test_without_known_ids_gpt2_writes_its_convention_and_llama_writes_none(tmp_path):
