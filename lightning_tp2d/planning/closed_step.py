@@ -274,9 +274,9 @@ def closed_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, elem: i
     """The :class:`~lightning_tp2d.planning.steps.TracedStep` of ring rank ``rank`` (module docstring), equal to
     :func:`lightning_tp2d.planning.trace.trace_step`'s for one replica. ``ValueError`` naming the numbers for
     anything it does not model (:func:`models`) or an input the layout refuses."""
-    if get_layout(layout).square and get_layout(layout).arrangement == "grid":
-        return closed_grid.closed_grid_step(layout, cfg, batch, seq, p, elem, rank, checkpointing=checkpointing)
     spec = get_layout(layout)
+    if spec.square and spec.arrangement == "grid":
+        return closed_grid.closed_grid_step(layout, cfg, batch, seq, p, elem, rank, checkpointing=checkpointing)
     checked_entry("closed_step", models(spec, cfg, p, elem), spec, p, batch, seq, rank, checkpointing)
     llama, a = family_of_config(cfg).name == "llama", anatomy(cfg)
     m = _Shapes(p=p, rank=rank, B=batch, S=seq // p, h=cfg.n_embd, heads=cfg.n_head, kv_heads=a.kv_heads,
