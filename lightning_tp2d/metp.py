@@ -748,6 +748,7 @@ class _RingMLP(torch.autograd.Function):
         ctx.save_for_backward(x, *own, *(() if b1 is None else (b1,)))  # no None: the registered op saves tensors
         ctx.mesh, ctx.axis, ctx.activation, ctx.options = mesh, axis, activation, options
         ctx.n_own, ctx.has_b2 = len(own), b2 is not None
+        ctx.b2_dtype = None if b2 is None else b2.dtype
         return out
 
     @staticmethod
@@ -762,6 +763,12 @@ class _RingMLP(torch.autograd.Function):
         f = own[0].shape[0]
         tiles = _mlp_tiles(x, own[0], ctx.options)
         b1_x, i = _bias_as(b1, x), axis_rank(ctx.mesh, ctx.axis)
+        # the biases are replicated over the ring, each rank's tokens its own: their gradients are summed over it,
+        # b2's (known now) while the ring runs, b1's (made block by block) after it
+        db2, summed = None, comm.DONE
+        if ctx.has_b2:
+            db2 = dout.sum(0, dtype=ctx.b2_dtype)
+            summed = comm.all_reduce_along(db2, ctx.mesh, ctx.axis, async_op=True)
 
         def step(j, blocks):
             *w_in, w2_j = blocks
@@ -787,8 +794,12 @@ class _RingMLP(torch.autograd.Function):
         grads = ring_backward(own, ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
                               wire_dtype=ctx.options.wire_dtype(own[0].dtype))
         *dw_in, dw2 = (gw.to(w.dtype) for gw, w in zip(grads, own))
-        db2 = dout.sum(0) if ctx.has_b2 else None
-        db1 = None if db1 is None else db1.to(b1.dtype)
+        if db1 is not None:
+            comm.all_reduce_along(db1, ctx.mesh, ctx.axis)
+            db1 = db1.to(b1.dtype)
+        summed.wait()
+        # handed on as views the collectives' work objects do not hold (autograd would copy a tensor still held)
+        db1, db2 = (None if g is None else g.view_as(g) for g in (db1, db2))
         dw_gate = dw_in[0] if len(dw_in) == 2 else None
         return dx, dw_in[-1], db1, dw2, db2, dw_gate, None, None, None, None
 

@@ -389,9 +389,9 @@ def test_events_name_their_group_and_overlap_only_behind_compute(layout, p):
             assert isinstance(e, Comm) and e.phase in ("forward", "backward")
             assert groups[e.group] == e.group_size, e
             assert e.overlap_flops >= 0
-            # blocking, but for the grid's replicated parameters' gradient sums over row (a bias, a norm's weight and
-            # bias), posted before their layer's backward work and waited on after it
-            summed_params = layout != "metp" and e.group == "row" and e.phase == "backward"
+            # blocking, but for the replicated parameters' gradient sums (the grid's over row: a bias, a norm's
+            # weight and bias; the ring's biases), posted before their layer's backward work and waited on after it
+            summed_params = e.phase == "backward" and e.group == ("ring" if layout == "metp" else "row")
             if e.kind in ("send", "recv") or (e.kind == "all_reduce" and not summed_params):
                 assert e.overlap_flops == 0, e
         for phase in ("forward", "backward"):
@@ -519,11 +519,15 @@ def test_turning_double_buffering_off_in_the_ring_layers_exposes_every_exchange_
         assert totals(overlapped) == totals(waited)  # the same calls and bytes ...
         rings = [e for e in overlapped if e.kind == "ring_exchange"]
         assert sum(e.calls * e.overlap_flops for e in rings) > 0
-        assert all(e.overlap_flops == 0 for e in waited)  # ... none of them behind compute any more
+        # ... no exchange behind compute any more (the biases' all-reduces still run while their kernels' rings do)
+        assert all(e.overlap_flops == 0 for e in waited if e.kind != "all_reduce")
+        assert all(e.group == "ring" and e.phase == "backward" for e in waited if e.overlap_flops)
     hw = cm.H100_NVLINK4_NDR
     t_on, t_off = cm.step_time(on, cfg, 2, 24, 4, hw), cm.step_time(off, cfg, 2, 24, 4, hw)
     assert t_off["comm_s"] == pytest.approx(t_on["comm_s"])
-    assert t_off["exposed_comm_s"] == pytest.approx(t_off["comm_s"]) and t_on["exposed_comm_s"] < t_off["comm_s"]
+    # all of it exposed but what the biases' small all-reduces hide (under 0.01% of it here)
+    assert t_off["exposed_comm_s"] == pytest.approx(t_off["comm_s"], rel=1e-4)
+    assert t_on["exposed_comm_s"] < t_off["exposed_comm_s"] < t_off["comm_s"]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 import lightning_tp2d as tp
 from lightning_tp2d import comm, metp
-from lightning_tp2d.nn.functional import sum_grad_along
 from lightning_tp2d.nn.ring_stream import (ColumnBlocks, ring_cross_entropy, ring_embedding, ring_linear_in,
                                            ring_linear_out)
 from lightning_tp2d.nn.sequence import zigzag_positions
@@ -114,8 +113,8 @@ def _mlp(mesh, p, i, tile_tokens=None):
     mine = [x_all[i], w1[i * f:(i + 1) * f], b1, w2[:, i * f:(i + 1) * f], b2]
     x, lw1, lb1, lw2, lb2 = [t.clone().requires_grad_() for t in mine]
     options = metp.RingOptions(tile_tokens=tile_tokens)
-    out, fwd = _counted(lambda: metp.ring_mlp(x, lw1, sum_grad_along(lb1, mesh, "ring"), lw2,
-                                              sum_grad_along(lb2, mesh, "ring"), mesh, "ring", options=options))
+    # the biases replicated over the ring: the kernel sums their gradients over it (two all-reduces, below)
+    out, fwd = _counted(lambda: metp.ring_mlp(x, lw1, lb1, lw2, lb2, mesh, "ring", options=options))
     _, bwd = _counted(lambda: out.backward(dout[i]))
     errs = [_rel(out, ref[i]), _rel(x.grad, rx.grad[i]), _rel(lw1.grad, rw1.grad[i * f:(i + 1) * f]),
             _rel(lb1.grad, rb1.grad), _rel(lw2.grad, rw2.grad[:, i * f:(i + 1) * f]), _rel(lb2.grad, rb2.grad)]
@@ -135,7 +134,7 @@ def _linears(mesh, p, i):
     ref.sum().backward()
     mine = (x_all[i], w1[i * w:(i + 1) * w], b1, w2[:, i * w:(i + 1) * w])
     x, lw1, lb1, lw2 = [t.clone().requires_grad_() for t in mine]
-    y = ring_linear_out(x, lw1, sum_grad_along(lb1, mesh, "ring"), mesh, "ring", ColumnBlocks(n, p, w))
+    y = ring_linear_out(x, lw1, lb1, mesh, "ring", ColumnBlocks(n, p, w))  # (its bias' gradient summed inside)
     out = ring_linear_in(y, lw2, None, mesh, "ring", ColumnBlocks(n, p, w))
     out.sum().backward()
     errs = [_rel(out, ref[i]), _rel(x.grad, ref_in[0].grad[i]), _rel(lw1.grad, ref_in[1].grad[i * w:(i + 1) * w]),
@@ -270,8 +269,7 @@ def _swiglu_mlp(mesh, p, i, tile_tokens=None):
     rows = slice(i * f, (i + 1) * f)
     mine = [t.clone().requires_grad_() for t in (x_all[i], wg[rows], wu[rows], bu, wd[:, rows], bd)]
     x, lwg, lwu, lbu, lwd, lbd = mine
-    out, fwd = _counted(lambda: metp.ring_mlp(x, lwu, sum_grad_along(lbu, mesh, "ring"), lwd,
-                                              sum_grad_along(lbd, mesh, "ring"), mesh, "ring", activation="swiglu",
+    out, fwd = _counted(lambda: metp.ring_mlp(x, lwu, lbu, lwd, lbd, mesh, "ring", activation="swiglu",
                                               w_gate=lwg, options=metp.RingOptions(tile_tokens=tile_tokens)))
     _, bwd = _counted(lambda: out.backward(dout[i]))
     want = [rx.grad[i], rwg.grad[rows], rwu.grad[rows], rbu.grad, rwd.grad[:, rows], rbd.grad]

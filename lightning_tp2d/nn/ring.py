@@ -80,10 +80,9 @@ class RingLinear(nn.Module):
         shard_bias(self, linear.bias, mesh, REPLICATED)
 
     def local(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(weight block, full bias)`` of this rank, the bias wrapped so its gradient is summed over the ring."""
-        bias = local_param(self, "bias")  # (None without one; not `self.bias is None`: see local_param)
-        bias = None if bias is None else sum_grad_along(bias, self.mesh, AXIS)
-        return local_param(self, "weight"), bias
+        """``(weight block, full bias)`` of this rank (the bias ``None`` without one; not ``self.bias is None``: see
+        ``local_param``). The ring kernels sum the bias' gradient over the ring in their own backward."""
+        return local_param(self, "weight"), local_param(self, "bias")
 
     def forward(self, x: torch.Tensor, layout, options: RingOptions) -> torch.Tensor:
         """``options``: the owning layer's (one owner, so the two linears of a layer never disagree)."""

@@ -25,6 +25,7 @@ shape, so the functions also run on the ``meta`` device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,8 +61,8 @@ class ColumnBlocks:
         """``[n, width]``: row ``j`` is block ``j``'s bias (a view)."""
         return bias.view(self.n, self.width)
 
-    def bias_grad(self, dt: torch.Tensor) -> torch.Tensor:
-        return dt.sum(0)
+    def bias_grad(self, dt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dt.sum(0, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,8 @@ class HeadBlocks:
         g = self.shape[0]
         return bias.view(g, self.n, -1).transpose(0, 1).reshape(self.n, -1)
 
-    def bias_grad(self, dt: torch.Tensor) -> torch.Tensor:
-        return dt.sum((1, 3)).reshape(-1)  # (g, H, d) in torch's order
+    def bias_grad(self, dt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dt.sum((1, 3), dtype=dtype).reshape(-1)  # (g, H, d) in torch's order
 
 
 def _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step) -> None:
@@ -129,6 +130,24 @@ def _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step) -> None:
     ring_forward((w,), mesh, axis, step, double_buffer=options.double_buffer)
     ctx.save_for_backward(x, w)
     ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias, ctx.options = mesh, axis, layout, bias is not None, options
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def summed_bias_grad(ctx, grad: Callable[[torch.dtype], torch.Tensor]) -> Callable[[], torch.Tensor | None]:
+    """A replicated bias' gradient (``grad(dtype)``: this rank's tokens' sum, in the bias' dtype), summed over the
+    ring by an all-reduce posted now: returns ``finish``, which waits for it and returns the gradient as a view the
+    collective's work does not hold (else autograd, finding the tensor still referenced, would copy it); ``None``
+    without a bias. The kernel's ring passes run while it travels."""
+    if not ctx.has_bias:
+        return lambda: None
+    summed = grad(ctx.bias_dtype)
+    handle = all_reduce_along(summed, ctx.mesh, ctx.axis, async_op=True)
+
+    def finish() -> torch.Tensor:
+        handle.wait()
+        return summed.view_as(summed)
+
+    return finish
 
 
 def _stream_backward(ctx, w, step) -> torch.Tensor:
@@ -161,6 +180,7 @@ class _RingLinearOut(torch.autograd.Function):
         acc = acc_dtype(x.dtype)
         dx = torch.empty_like(x)  # written by the first step's GEMM (j == i)
         i = axis_rank(ctx.mesh, ctx.axis)
+        db = summed_bias_grad(ctx, lambda dtype: ctx.layout.bias_grad(dy, dtype))
 
         def step(j, blocks):
             (w_j,) = blocks
@@ -169,8 +189,7 @@ class _RingLinearOut(torch.autograd.Function):
             return ((g.t() @ x).to(acc),)  # dW_j += dY_jᵀ X
 
         dw = _stream_backward(ctx, w, step)
-        db = ctx.layout.bias_grad(dy) if ctx.has_bias else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db(), None, None, None, None
 
 
 @registered("ring_linear_in")
@@ -198,6 +217,7 @@ class _RingLinearIn(torch.autograd.Function):
         acc = acc_dtype(x.dtype)
         dout = dout.contiguous()
         dx = x.new_empty(ctx.layout.shape)
+        db = summed_bias_grad(ctx, lambda dtype: dout.sum(0, dtype=dtype))
 
         def step(j, blocks):
             (w_j,) = blocks
@@ -205,8 +225,7 @@ class _RingLinearIn(torch.autograd.Function):
             return ((dout.t() @ ctx.layout.read(x, j)).to(acc),)  # dW_j += dYᵀ X_j
 
         dw = _stream_backward(ctx, w, step)
-        db = dout.sum(0) if ctx.has_bias else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db(), None, None, None, None
 
 
 def ring_linear_out(x, w, bias, mesh: DeviceMesh, axis: str, layout, *,

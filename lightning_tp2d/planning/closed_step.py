@@ -119,20 +119,30 @@ class _Shapes:
         return [min(tile, rows - r) for r in range(0, rows, max(tile, 1))] or [rows]
 
 
-def _linear_out(s: _Stream, m: _Shapes, d_in: int, rows: int, backward: bool) -> None:
+def _bias_sum(s: _Stream, m: _Shapes, n: int, backward: bool) -> list | None:
+    """A GPT-2 bias' gradient (``n`` elements, the parameter's float32) all-reduced over the ring, posted when its
+    kernel's backward starts (:func:`~lightning_tp2d.nn.ring_stream.summed_bias_grad`); ``None`` without one."""
+    return s.post("all_reduce", n * float32_bytes(m.e)) if backward and m.bias else None
+
+
+def _linear_out(s: _Stream, m: _Shapes, d_in: int, rows: int, backward: bool, bias: int = 0) -> None:
     """Out-split streaming linear (:func:`~lightning_tp2d.nn.ring_stream.ring_linear_out`): ``rows`` output rows per
-    block travel; forward ``X W_jᵀ`` per step, backward ``dX += dY_j W_j`` and ``dY_jᵀ X``."""
+    block travel; forward ``X W_jᵀ`` per step, backward ``dX += dY_j W_j`` and ``dY_jᵀ X``; a ``bias``-wide bias'
+    gradient summed over the ring while the backward's ring runs."""
     nbytes, flops = rows * d_in * m.e, 2.0 * m.N * d_in * rows
     if not backward:
         _ring_forward(s, m.p, m.rank, nbytes, lambda j: s.mm(flops))
-    else:
-        _ring_backward(s, m.p, m.rank, nbytes, nbytes, lambda j: (s.mm(flops), s.mm(flops)))
+        return
+    summed = _bias_sum(s, m, bias, bool(bias))
+    _ring_backward(s, m.p, m.rank, nbytes, nbytes, lambda j: (s.mm(flops), s.mm(flops)))
+    if summed is not None:
+        s.wait(summed)
 
 
-def _linear_in(s: _Stream, m: _Shapes, cols: int, d_out: int, backward: bool) -> None:
+def _linear_in(s: _Stream, m: _Shapes, cols: int, d_out: int, backward: bool, bias: int = 0) -> None:
     """In-split streaming linear (:func:`~lightning_tp2d.nn.ring_stream.ring_linear_in`): ``cols`` input columns
     per block travel."""
-    _linear_out(s, m, cols, d_out, backward)  # the same block size and per-step products
+    _linear_out(s, m, cols, d_out, backward, bias)  # the same block size, per-step products and bias sum
 
 
 def _attention(s: _Stream, m: _Shapes, backward: bool) -> None:
@@ -167,10 +177,14 @@ def _mlp(s: _Stream, m: _Shapes, backward: bool) -> None:
             for _ in range(per_tile):
                 s.mm(2.0 * rows * h * f)
 
-    if backward:
-        _ring_backward(s, m.p, m.rank, nbytes, nbytes, step)
-    else:
+    if not backward:
         _ring_forward(s, m.p, m.rank, nbytes, step)
+        return
+    summed = _bias_sum(s, m, h, True)  # b2's, while the ring runs; b1's after it, blocking
+    _ring_backward(s, m.p, m.rank, nbytes, nbytes, step)
+    if m.bias:
+        s.wait(_bias_sum(s, m, m.hidden, True))
+        s.wait(summed)
 
 
 def _block(s: _Stream, m: _Shapes, backward: bool) -> None:
@@ -180,8 +194,8 @@ def _block(s: _Stream, m: _Shapes, backward: bool) -> None:
     e32 = float32_bytes(m.e)
     vectors = _block_vectors(m)
     passes = ([lambda b: _linear_out(s, m, h, hd // m.p, b), lambda b: _linear_out(s, m, h, 2 * kvd // m.p, b)]
-              if m.llama else [lambda b: _linear_out(s, m, h, 3 * hd // m.p, b)])
-    passes += [lambda b: _attention(s, m, b), lambda b: _linear_in(s, m, hd // m.p, h, b),
+              if m.llama else [lambda b: _linear_out(s, m, h, 3 * hd // m.p, b, bias=3 * hd)])
+    passes += [lambda b: _attention(s, m, b), lambda b: _linear_in(s, m, hd // m.p, h, b, bias=h),
                lambda b: _mlp(s, m, b)]
     if not backward:
         for run in passes:
@@ -194,13 +208,11 @@ def _block(s: _Stream, m: _Shapes, backward: bool) -> None:
 
 
 def _block_vectors(m: _Shapes) -> list[int]:
-    """Elements of each call that sums a block's replicated vectors' gradients over the ring (one call a vector; a
-    LayerNorm's weight and bias in one)."""
-    if m.llama:
-        return [m.h, m.h]  # the two RMSNorm weights
-    if not m.bias:
-        return [m.h, m.h]  # LayerNorm weights
-    return [2 * m.h] * 2 + [3 * m.h, m.h, 4 * m.h, m.h]  # LayerNorms' weights and biases; c_attn, c_proj, c_fc, c_proj
+    """Elements of each call that sums a block's norms' gradients over the ring, blocking (a LayerNorm's weight and
+    bias in one). The linears' biases are summed inside their kernels' backward (:func:`_bias_sum`)."""
+    if m.llama or not m.bias:
+        return [m.h, m.h]  # the two RMSNorm or LayerNorm weights
+    return [2 * m.h] * 2  # the LayerNorms' weights and biases
 
 
 def _head(s: _Stream, m: _Shapes, backward: bool) -> None:
