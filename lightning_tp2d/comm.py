@@ -218,6 +218,20 @@ def all_reduce_along(tensor: torch.Tensor, mesh: DeviceMesh, axis: str, op: str 
     return _finish(work, async_op, call=call, where=where)
 
 
+def summed_later(tensor: torch.Tensor, mesh: DeviceMesh, axis: str) -> Callable[[], torch.Tensor]:
+    """Post the in-place sum of ``tensor`` over ``axis`` (async) and return ``finish``, which waits for it and returns
+    ``tensor`` as a fresh view: what a backward hands autograd as a replicated parameter's gradient, summed while its
+    other work runs. (The collective's work object may still hold ``tensor`` itself when autograd accumulates the
+    gradient, and autograd would then copy it; a view the work does not hold it takes as it is.)"""
+    handle = all_reduce_along(tensor, mesh, axis, async_op=True)
+
+    def finish() -> torch.Tensor:
+        handle.wait()
+        return tensor.view_as(tensor)
+
+    return finish
+
+
 def exchange_with(tensor: torch.Tensor, peer: int) -> torch.Tensor:
     """Send ``tensor`` to global rank ``peer`` and return what ``peer`` sends back (same shape and dtype).
 

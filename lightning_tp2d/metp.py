@@ -765,10 +765,7 @@ class _RingMLP(torch.autograd.Function):
         b1_x, i = _bias_as(b1, x), axis_rank(ctx.mesh, ctx.axis)
         # the biases are replicated over the ring, each rank's tokens its own: their gradients are summed over it,
         # b2's (known now) while the ring runs, b1's (made block by block) after it
-        db2, summed = None, comm.DONE
-        if ctx.has_b2:
-            db2 = dout.sum(0, dtype=ctx.b2_dtype)
-            summed = comm.all_reduce_along(db2, ctx.mesh, ctx.axis, async_op=True)
+        db2 = None if not ctx.has_b2 else comm.summed_later(dout.sum(0, dtype=ctx.b2_dtype), ctx.mesh, ctx.axis)
 
         def step(j, blocks):
             *w_in, w2_j = blocks
@@ -795,11 +792,8 @@ class _RingMLP(torch.autograd.Function):
                               wire_dtype=ctx.options.wire_dtype(own[0].dtype))
         *dw_in, dw2 = (gw.to(w.dtype) for gw, w in zip(grads, own))
         if db1 is not None:
-            comm.all_reduce_along(db1, ctx.mesh, ctx.axis)
-            db1 = db1.to(b1.dtype)
-        summed.wait()
-        # handed on as views the collectives' work objects do not hold (autograd would copy a tensor still held)
-        db1, db2 = (None if g is None else g.view_as(g) for g in (db1, db2))
+            db1 = comm.summed_later(db1, ctx.mesh, ctx.axis)().to(b1.dtype)
+        db2 = None if db2 is None else db2()
         dw_gate = dw_in[0] if len(dw_in) == 2 else None
         return dx, dw_in[-1], db1, dw2, db2, dw_gate, None, None, None, None
 

@@ -57,8 +57,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tp2d.comm import (DONE, BroadcastPipeline, ReducePipeline, all_gather_blocks, all_reduce_along,
-                                 axis_rank, axis_size, exchange_with, neighbour_exchange, reduce_scatter_blocks)
+from lightning_tp2d.comm import (BroadcastPipeline, ReducePipeline, all_gather_blocks, axis_rank, axis_size,
+                                 exchange_with, neighbour_exchange, reduce_scatter_blocks, summed_later)
 from lightning_tp2d.mesh import transpose_peer
 from lightning_tp2d.ops import registered
 from lightning_tp2d.options import TPOptions, tp_options
@@ -494,12 +494,11 @@ class _SummaAB(torch.autograd.Function):
         a, b, *kept = ctx.saved_tensors
         grad = grad.contiguous()
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dbias, summed = None, DONE
+        # the bias is replicated over row and each grid row sees its own tokens: its gradient is this row's token sum
+        # (in the parameter's dtype), summed over row by an all-reduce that the products' work overlaps
+        dbias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            # the bias is replicated over row and each grid row sees its own tokens: its gradient is this row's token
-            # sum (in the parameter's dtype), summed over row by an all-reduce that the products' work overlaps
-            dbias = grad.sum(0, dtype=ctx.bias_dtype)
-            summed = all_reduce_along(dbias, ctx.mesh, "row", async_op=True)
+            dbias = summed_later(grad.sum(0, dtype=ctx.bias_dtype), ctx.mesh, "row")
         if ctx.algorithm == "broadcast":
             q = len(kept) // 2
             a_panels, b_panels = (kept[:q], kept[q:]) if ctx.keep else (None, None)
@@ -511,9 +510,7 @@ class _SummaAB(torch.autograd.Function):
                 da, db = scatter_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, column, ctx.mirrored)
             else:
                 da, db = collective_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, a_panels, column)
-        summed.wait()
-        # handed on as a fresh view: the collective's work may still hold the summed tensor, and autograd would copy it
-        return da, db, None if dbias is None else dbias.view_as(dbias), None, None, None, None
+        return da, db, None if dbias is None else dbias(), None, None, None, None
 
 
 def _abt(a, b, mesh, algorithm):

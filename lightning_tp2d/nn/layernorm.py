@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from lightning_tp2d import recompute
-from lightning_tp2d.comm import all_reduce_along
+from lightning_tp2d.comm import all_reduce_along, summed_later
 from lightning_tp2d.models.gpt2 import layer_norm
 from lightning_tp2d.nn import traced
 from lightning_tp2d.nn.functional import is_local_grid, local_param, shard_bias, shard_parameter, sum_grads_along
@@ -87,20 +87,20 @@ def param_grads(g: torch.Tensor, xhat: torch.Tensor, has_bias: bool, mesh: Devic
     statistics' dtype, summed over ``row`` (its replicas see their own tokens) by one all-reduce, posted now: returns
     ``finish``, which waits for it and returns ``(dw, db or None)``. Each is handed on as a view the collective's work
     does not hold (else autograd, finding the tensor still referenced, would copy it): both written into one buffer
-    and cut from it, or the weight's alone viewed afresh."""
+    and cut from it, or the weight's alone viewed afresh (:func:`~lightning_tp2d.comm.summed_later`)."""
     rows = tuple(range(g.dim() - 1))
-    if has_bias:
-        params = g.new_empty((2, g.shape[-1]))
-        dw, db = params.unbind(0)
-        torch.sum(g * xhat, rows, out=dw)
-        torch.sum(g, rows, out=db)
-    else:
-        params = (g * xhat).sum(rows)
+    if not has_bias:
+        weight = summed_later((g * xhat).sum(rows), mesh, "row")
+        return lambda: (weight(), None)
+    params = g.new_empty((2, g.shape[-1]))
+    dw, db = params.unbind(0)
+    torch.sum(g * xhat, rows, out=dw)
+    torch.sum(g, rows, out=db)
     handle = all_reduce_along(params, mesh, "row", async_op=True)
 
-    def finish() -> tuple[torch.Tensor, torch.Tensor | None]:
+    def finish() -> tuple[torch.Tensor, torch.Tensor]:
         handle.wait()
-        return (dw, db) if has_bias else (params.view_as(params), None)
+        return dw, db
 
     return finish
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tp2d.comm import all_reduce_along, axis_rank
+from lightning_tp2d.comm import all_reduce_along, axis_rank, summed_later
 from lightning_tp2d.metp import (RingOptions, acc_dtype, mm_into, ring_backward, ring_forward, ring_options,
                                 tile_rows)
 from lightning_tp2d.nn.cross_entropy import IGNORE_INDEX
@@ -135,19 +135,11 @@ def _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step) -> None:
 
 def summed_bias_grad(ctx, grad: Callable[[torch.dtype], torch.Tensor]) -> Callable[[], torch.Tensor | None]:
     """A replicated bias' gradient (``grad(dtype)``: this rank's tokens' sum, in the bias' dtype), summed over the
-    ring by an all-reduce posted now: returns ``finish``, which waits for it and returns the gradient as a view the
-    collective's work does not hold (else autograd, finding the tensor still referenced, would copy it); ``None``
-    without a bias. The kernel's ring passes run while it travels."""
+    ring while the kernel's ring passes run (:func:`~lightning_tp2d.comm.summed_later`): ``finish`` returns it;
+    ``None`` without a bias."""
     if not ctx.has_bias:
         return lambda: None
-    summed = grad(ctx.bias_dtype)
-    handle = all_reduce_along(summed, ctx.mesh, ctx.axis, async_op=True)
-
-    def finish() -> torch.Tensor:
-        handle.wait()
-        return summed.view_as(summed)
-
-    return finish
+    return summed_later(grad(ctx.bias_dtype), ctx.mesh, ctx.axis)
 
 
 def _stream_backward(ctx, w, step) -> torch.Tensor:
