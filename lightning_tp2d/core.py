@@ -94,7 +94,6 @@ def find_model_config(module: nn.Module | None) -> Any:
     return config if family_of_config(config) is not None else None
 
 
-
 @dataclasses.dataclass(frozen=True)
 class RunRequest:
     """What a strategy is asked to run before its sizes are known, checked once and held whole: the layout

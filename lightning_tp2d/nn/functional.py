@@ -248,9 +248,9 @@ class _SumGradAlong(torch.autograd.Function):
     """Forward: identity. Backward: sum the gradient over ``axis``.
 
     For a parameter replicated over an axis whose ranks see different tokens (the position table over ``row`` in
-    "2d", the ring's vectors in "metp"): each replica's local gradient is a partial sum, and the true gradient is
-    their sum. (The grid's norms and SUMMA biases sum theirs inside their own backward, overlapped, with no identity
-    function per use: :func:`lightning_tp2d.nn.layernorm.param_grads`, :class:`lightning_tp2d.summa._SummaAB`.)
+    "2d", the ring's norms and position table in "metp"): each replica's local gradient is a partial sum, and the true
+    gradient is their sum. (The grid's norms, the SUMMA's biases and the ring kernels' biases sum theirs inside their
+    own backward, overlapped, with no identity function per use: :func:`lightning_tp2d.comm.summed_later`.)
     """
 
     @staticmethod
