@@ -137,6 +137,14 @@ torch (2.13)
     attention calls its flash backward.
     public: none.
 
+``torch._scaled_mm``
+    where: float8.py:TensorwiseGemm._scaled
+    why: the float8 GEMM with per-operand scales that every float8 training recipe runs on (torchao's
+    ``Float8Linear`` calls it too; the rowwise path reaches it through torchao's ``addmm_float8_unwrapped``). The
+    tensorwise SUMMA partials call it directly, on float8 blocks that travelled the grid with the global scales.
+    public: none in torch (``torch._scaled_mm`` is the only float8 GEMM); torchao wraps it in its tensor subclass,
+    which the layouts' own communication cannot carry.
+
 ``torch.ops.aten._scaled_dot_product_flash_attention``, ``torch.ops.aten._scaled_dot_product_efficient_attention``,
 ``torch.ops.aten._scaled_dot_product_cudnn_attention``,
 ``torch.ops.aten._scaled_dot_product_flash_attention_backward``,
@@ -438,6 +446,8 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
      ("metp.py:_fused_backward", "baselines/context_parallel.py:(module)"),
      "the block backward from the global output and log-sum-exp"),
+    ("torch._scaled_mm", ("float8.py:TensorwiseGemm._scaled",),
+     "the float8 GEMM with per-operand scales (no public float8 GEMM in torch)"),
     ("torch.ops.aten._scaled_dot_product_flash_attention, torch.ops.aten._scaled_dot_product_efficient_attention, "
      "torch.ops.aten._scaled_dot_product_cudnn_attention",
      ("metp.py:_fused_forward",), "CUDA fused attention returning the log-sum-exp the ring merge needs"),

@@ -150,6 +150,15 @@ def axis_rank(mesh: DeviceMesh, axis: str) -> int:
     return mesh.get_local_rank(axis)
 
 
+_FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """What travels for ``tensor``: float8 blocks (``parallel.float8``) as their bytes (a ``uint8`` view of the same
+    storage: gloo has no float8 type, and NCCL moves them as bytes too), anything else as it is."""
+    return tensor.view(torch.uint8) if tensor.dtype in _FLOAT8 else tensor
+
+
 def _needs_host_staging(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return tensor.is_cuda and dist.get_backend(group) == "gloo"
 
@@ -170,6 +179,7 @@ def _issue(collective, tensor: torch.Tensor, group: dist.ProcessGroup, async_op:
     back into the source too, which would bump the version of a parameter shard that autograd saved)."""
     if _SHAPES_ONLY:
         return DONE
+    tensor = _bits(tensor)
     if not _needs_host_staging(tensor, group):
         with _named(where):
             work = collective(tensor, group=group, async_op=async_op, **kwargs)
@@ -397,6 +407,7 @@ def _point_to_point(send: list, recv: list, peers_out: list, peers_in: list, gro
     the copy-back to run after them (or ``None``)."""
     if _SHAPES_ONLY:
         return _Works([]), None
+    send, recv = [_bits(t) for t in send], [_bits(t) for t in recv]
     then = None
     if send and _needs_host_staging(send[0], group):
         targets = recv
@@ -470,8 +481,8 @@ def all_gather_blocks(tensor: torch.Tensor, mesh: DeviceMesh, axis: str) -> tupl
         return out, DONE
     where = _where("all_gather", axis, group)
     with _named(where):
-        work = _all_gather_single(out.view(n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else out, tensor,
-                                  group=group, async_op=True)
+        flat = out.view(n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else out
+        work = _all_gather_single(_bits(flat), _bits(tensor), group=group, async_op=True)
     return out, _finish(work, True, call=call, where=where)
 
 

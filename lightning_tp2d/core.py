@@ -146,7 +146,7 @@ class TensorParallelCore:
                  activation_checkpointing: str = "none", compile: bool | str | dict = False,
                  allow_fallback: bool = False, zero_stage: int = 0, memory_gib: float | None = None,
                  plan_options: Mapping[str, Any] | None = None, activation_offload: bool = False,
-                 plan: TrainPlan | None = None) -> None:
+                 plan: TrainPlan | None = None, float8: str | None = None) -> None:
         """The arguments of both strategies (documented on :class:`~lightning_tp2d.strategy.TP2DStrategy`): checked
         and kept, then the Lightning base class (``ModelParallelStrategy``, given :meth:`_base_arguments`), then the
         strategy's own state (:meth:`_init_state`). ``plan``: the layout, sizes, ZeRO stage, checkpointing and offload
@@ -157,6 +157,7 @@ class TensorParallelCore:
                                                    activation_checkpointing, activation_offload)
         self._check_arguments(layout, tensor_parallel_size, data_parallel_size, timeout, activation_checkpointing,
                               compile, allow_fallback, zero_stage, memory_gib, plan_options, activation_offload)
+        self._check_float8(float8)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=self.timeout, **self._base_arguments())
@@ -235,6 +236,29 @@ class TensorParallelCore:
         self._request = RunRequest(spec, tensor_parallel_size, data_parallel_size, zero_stage,
                                    activation_checkpointing, activation_offload, bool(allow_fallback))
         self._run_plan = None
+
+    def _check_float8(self, float8: str | None) -> None:
+        """``float8`` (a torchao recipe, :mod:`lightning_tp2d.float8`) onto the requested layout's options; a
+        ``ValueError`` for ``layout="auto"`` (the planner does not price float8 yet) or a layout without float8
+        products. The layout's own ``options.float8`` stands when ``float8`` is ``None``."""
+        from lightning_tp2d.float8 import check_recipe, float8_notice  # (torchao: imported only with a recipe)
+
+        float8 = check_recipe(float8)
+        if float8 is None:
+            return
+        if self._request.spec is None:
+            raise ValueError(f"float8={float8!r} needs a named layout ('2d'): the planner (layout='auto') does not "
+                             "price float8 yet")
+        self._request = dataclasses.replace(self._request, spec=self._request.spec.with_float8(float8))
+        notice = float8_notice(float8)  # a GPU without float8 GEMMs: a ValueError; the CPU: a one-line notice
+        if notice and int(os.environ.get("RANK", "0")) == 0:
+            warnings.warn(notice, stacklevel=3)
+
+    @property
+    def float8(self) -> str | None:
+        """The float8 recipe the linears run (``None``: high precision)."""
+        spec = self._request.spec
+        return None if spec is None or spec.options is None else getattr(spec.options, "float8", None)
 
     def _check_offload(self, activation_offload: bool, activation_checkpointing: str, auto: bool) -> str:
         """Check and keep ``activation_offload``; return the checkpointing mode it runs with: ``"full"`` when it

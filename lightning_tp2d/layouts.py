@@ -29,6 +29,7 @@ The bottom floor of the parallel code: nothing here imports the package (nor tor
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -67,9 +68,25 @@ class Layout:
     # torch.compile of activation-checkpointed blocks works (torch 2.13's AOTAutograd fails to save the DTensor
     # parameters' metadata inside a checkpointed "2d" block)
     compiles_checkpointed: ClassVar[bool] = True
+    float8_products: ClassVar[bool] = False  # its linears run options.float8 (lightning_tp2d.float8)
 
     def __init__(self, options: RingOptions | None = None) -> None:
+        if options is not None and getattr(options, "float8", None) and not self.float8_products:
+            runs = [name for name, cls in _REGISTRY.items() if cls.float8_products]
+            raise ValueError(f"float8={options.float8!r} runs on layout {', '.join(map(repr, runs))} so far; layout "
+                             f"{self.name!r}'s ring products are not float8 yet")
         self.options = options
+
+    def with_float8(self, recipe: str | None) -> Layout:
+        """This layout with its linears' GEMMs in float8 by ``recipe`` (``None``: in high precision); ``self`` when
+        its options already say so."""
+        from lightning_tp2d.options import check_float8, tp_options
+
+        options = tp_options(self.options)
+        recipe = check_float8(recipe)
+        if options.float8 == recipe:
+            return self
+        return type(self)(options=dataclasses.replace(options, float8=recipe))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, options={self.options!r})"
@@ -219,6 +236,7 @@ class Grid2D(SquareGrid):
     name = "2d"
     splits_batch = True
     compiles_checkpointed = False
+    float8_products = True
 
     def distinct_ranks(self, p: int) -> list[int]:
         # Every rank runs the same SUMMA shapes; only the diagonal skips the LM head's mirror swap. First and last
@@ -244,6 +262,7 @@ class GridRing(SquareGrid):
     ``row`` (docs/layouts.md, "2d-metp"), so batch 1 works."""
 
     name = "2d-metp"
+    float8_products = True  # its linears are "2d"'s SUMMA products (the ring carries attention only)
     zigzag = True
     supports_dropout = False
     packs_documents = True

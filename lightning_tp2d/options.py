@@ -1,6 +1,7 @@
 """How the parallel layers run: one frozen options object a layout hands to every layer it builds.
 
-None of it changes the maths (results agree to rounding; the ring's ``double_buffer`` is bit-identical). Each
+None of it but ``float8`` changes the maths (results agree to rounding; the ring's ``double_buffer`` is
+bit-identical). Each
 layer reads the fields that concern it and ignores the rest, so one object serves every layout ("2d-metp" uses
 both the SUMMA and the ring fields).
 
@@ -25,6 +26,9 @@ field              default     meaning
                                ``[N, V/p]``) and the MLP when its hidden block ``F/p`` is wider than ``h``
                                (``[tile, F/p]``); forward and the recomputing backward. Same communication, results
                                equal to rounding. ``0`` or ``None``: untiled (one tile of all ``N`` rows)
+``float8``         None        the linears' GEMMs in float8 by a torchao recipe: ``"tensorwise"`` or ``"rowwise"``
+                               (:mod:`lightning_tp2d.float8`; the "2d" layout). This one *does* change the maths:
+                               float8 rounding of the linears' operands
 =================  ==========  =======================================================================================
 """
 
@@ -35,8 +39,18 @@ from dataclasses import dataclass
 import torch
 
 ATTENTION_KERNELS = ("auto", "math")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's recipe names (lightning_tp2d.float8)
 RING_GRAD_DTYPES = ("activation", "float32")
 SUMMA_ALGORITHMS = ("collective", "broadcast")
+
+
+def check_float8(value) -> str | None:
+    """``value`` as a float8 recipe name (``None``, ``"none"`` or ``False``: no float8); a clear error otherwise."""
+    if value is None or value is False or value == "none":
+        return None
+    if value not in FLOAT8_RECIPES:
+        raise ValueError(f"float8={value!r} is not one of None, {', '.join(map(repr, FLOAT8_RECIPES))}")
+    return value
 
 
 def _check_bool(name: str, value) -> None:
@@ -55,6 +69,7 @@ class TPOptions:
     math_tile: int = 128
     ring_grad_dtype: str = "activation"
     tile_tokens: int | None = 8192
+    float8: str | None = None
 
     def wire_dtype(self, operand: torch.dtype) -> torch.dtype | None:
         """The dtype ring gradient sums of an ``operand``-typed block travel in (``None``: float32 / float64, the
@@ -64,6 +79,7 @@ class TPOptions:
         return operand
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "float8", check_float8(self.float8))
         if self.summa not in SUMMA_ALGORITHMS:
             raise ValueError(f"summa={self.summa!r} is not one of {', '.join(map(repr, SUMMA_ALGORITHMS))}")
         _check_bool("keep_panels", self.keep_panels)

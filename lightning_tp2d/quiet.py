@@ -10,7 +10,10 @@ user would want to see is hidden:
   `LightningDataModule`": :class:`~lightning_tp2d.module.CausalLMModule` checks token ids in that hook on
   purpose (on the host, before the batch moves) and :class:`~lightning_tp2d.data.TextDataModule` has none, so the
   module's hook is used, as intended;
-* Lightning's "💡 Tip: ..." advertisements (litlogger, litmodels), one INFO line each on rank 0 of every Trainer.
+* Lightning's "💡 Tip: ..." advertisements (litlogger, litmodels), one INFO line each on rank 0 of every Trainer;
+* while torchao is imported (``parallel.float8`` only, :func:`quiet_loggers`): its "Failed to load ..._C*.so" lines
+  (CUDA kernels of other features; the float8 training path does not use them) and torch's pytree note on
+  torchao's ``KernelPreference`` enum.
 
 The entry points (``tp2d-train``, ``tp2d``), :class:`~lightning_tp2d.strategy.TP2DStrategy` and
 ``CausalLMModule`` call it when they are built, so ``Trainer(strategy="tp2d")`` users get the same output.
@@ -20,6 +23,7 @@ of a filter object). Standard library only: no torch, no Lightning import.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -45,3 +49,18 @@ def silence_known_noise() -> None:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     for name in TIP_LOGGERS:
         logging.getLogger(name).addFilter(_not_a_tip)
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str, level: int = logging.ERROR):
+    """Raise the named loggers to ``level`` for the ``with`` block (an import that logs what the user cannot act on),
+    then restore their levels."""
+    loggers = [logging.getLogger(name) for name in names]
+    before = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(level)
+    try:
+        yield
+    finally:
+        for logger, old in zip(loggers, before):
+            logger.setLevel(old)

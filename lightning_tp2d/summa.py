@@ -57,6 +57,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_tp2d import float8 as f8
 from lightning_tp2d.comm import (BroadcastPipeline, ReducePipeline, all_gather_blocks, axis_rank, axis_size,
                                  exchange_with, neighbour_exchange, reduce_scatter_blocks, summed_later)
 from lightning_tp2d.mesh import transpose_peer
@@ -102,38 +103,35 @@ class _Panels:
         return buf.t() if self.transposed else buf
 
 
-def _first_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``[bias +] a @ b``: a product's first partial, with the bias added by the GEMM itself (no pass of its own)."""
-    return a @ b if bias is None else torch.addmm(bias, a, b)
-
-
 def broadcast_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = False,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, gemm: f8.Gemm = f8.HIGH):
     """``C = A B [+ bias]`` on local blocks, no autograd: ``(c, a_panels, b_panels)``, the panels as lists when
-    ``keep``; ``bias`` (``C``'s columns) added by the first panel product."""
+    ``keep``; ``bias`` (``C``'s columns) added by the first panel product. ``gemm`` multiplies each partial (high
+    precision, or float8: :mod:`lightning_tp2d.float8`), here and in every algorithm below."""
     q = axis_size(mesh, "col")
     a_panels, b_panels = _Panels(a, mesh, "col"), _Panels(b, mesh, "row")
     out, kept_a, kept_b = None, [], []
     for l in range(q):
         a_l, b_l = a_panels.get(l), b_panels.get(l)
-        out = _first_product(a_l, b_l, bias) if out is None else out.addmm_(a_l, b_l)
+        out = gemm.first(a_l, b_l, bias) if out is None else gemm.addmm_(out, a_l, b_l)
         if keep:
             kept_a.append(a_l)
             kept_b.append(b_l)
     return out, (kept_a if keep else None), (kept_b if keep else None)
 
 
-def broadcast_abt(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, b_panels=None) -> torch.Tensor:
+def broadcast_abt(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, b_panels=None,
+                  gemm: f8.Gemm = f8.HIGH) -> torch.Tensor:
     """``C = A Bᵀ`` on local blocks, no autograd. ``a`` [M/q, K/q], ``b`` [N/q, K/q] -> [M/q, N/q]."""
     q = axis_size(mesh, "col")
     panels, reducer = _Panels(b, mesh, "row", b_panels), ReducePipeline(mesh, "col")
     for l in range(q):
-        reducer.push(a @ panels.get(l).t(), dst=l)
+        reducer.push(gemm.mm(a, panels.get(l).t()), dst=l)
     return reducer.finish()
 
 
 def broadcast_atb(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, out_transposed: bool = False,
-                  a_panels=None) -> torch.Tensor:
+                  a_panels=None, gemm: f8.Gemm = f8.HIGH) -> torch.Tensor:
     """``C = Aᵀ B`` on local blocks, no autograd. ``a`` [M/q, K/q], ``b`` [M/q, N/q] -> [K/q, N/q].
 
     With ``out_transposed`` the result is returned as the transposed view of a contiguous ``[N/q, K/q]``
@@ -143,7 +141,7 @@ def broadcast_atb(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, out_transp
     panels, reducer = _Panels(a, mesh, "col", a_panels), ReducePipeline(mesh, "row")
     for l in range(q):
         a_l = panels.get(l)
-        reducer.push(b.t() @ a_l if out_transposed else a_l.t() @ b, dst=l)
+        reducer.push(gemm.mm(b.t(), a_l) if out_transposed else gemm.mm(a_l.t(), b), dst=l)
     out = reducer.finish()
     return out.t() if out_transposed else out
 
@@ -303,7 +301,7 @@ class _RingReduce:
 
 
 def collective_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = False,
-                  bias: torch.Tensor | None = None):
+                  bias: torch.Tensor | None = None, gemm: f8.Gemm = f8.HIGH):
     """``C = A B [+ bias]`` on local blocks, no autograd: ``(c, a_panels, column)``; with ``keep`` the ``A`` blocks
     in coordinate order and the gathered :class:`_Column` of ``B``, else ``None``. A weight column that outweighs
     ``A``'s block is streamed block by block instead (:class:`_ColumnStream`; never kept). ``bias`` as in
@@ -317,18 +315,19 @@ def collective_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool
     for s in range(ring_steps(ring.n)):
         for k, a_k in ring.step(s):
             b_k = column.get(k)
-            out = _first_product(a_k, b_k, bias) if out is None else out.addmm_(a_k, b_k)
+            out = gemm.first(a_k, b_k, bias) if out is None else gemm.addmm_(out, a_k, b_k)
             if keep:
                 kept[k] = a_k
     return out, ([kept[k] for k in range(ring.n)] if keep else None), (column if keep else None)
 
 
-def collective_abt(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, column: _Column | None = None) -> torch.Tensor:
+def collective_abt(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, column: _Column | None = None,
+                   gemm: f8.Gemm = f8.HIGH) -> torch.Tensor:
     """``C = A Bᵀ`` on local blocks, no autograd. ``a`` [M/q, K/q], ``b`` [N/q, K/q] -> [M/q, N/q]."""
     column = column or _Column.gather(b, mesh)
     ring = _RingReduce(mesh, _REDUCE)
     for s in range(ring_steps(ring.n)):
-        out = ring.step(s, lambda k: a @ column.get(k, t=True))
+        out = ring.step(s, lambda k: gemm.mm(a, column.get(k, t=True)))
     return out
 
 
@@ -336,15 +335,15 @@ class _Partials:
     """The ``q`` weight-gradient partials of one product, written into one preallocated ``[q, ...]`` buffer as they
     are computed (no second copy to stack them), then reduce-scattered along ``row`` in one async call."""
 
-    def __init__(self, n: int) -> None:
-        self.n, self.buffer, self.slots = n, None, ()
+    def __init__(self, n: int, gemm: f8.Gemm = f8.HIGH) -> None:
+        self.n, self.gemm, self.buffer, self.slots = n, gemm, None, ()
 
     def put(self, k: int, lhs: torch.Tensor, rhs: torch.Tensor) -> None:
         """Partial ``k`` is ``lhs @ rhs``, multiplied straight into its slot (``out=``: no copy; the slots cut once)."""
         if self.buffer is None:
-            self.buffer = lhs.new_empty((self.n, lhs.shape[0], rhs.shape[1]))
+            self.buffer = lhs.new_empty((self.n, lhs.shape[0], rhs.shape[1]), dtype=self.gemm.out_dtype(lhs))
             self.slots = self.buffer.unbind(0)
-        torch.mm(lhs, rhs, out=self.slots[k])
+        self.gemm.into(lhs, rhs, self.slots[k])
 
     def reduce(self, mesh: DeviceMesh):
         """Post the reduce-scatter (async): ``(out, handle)``."""
@@ -352,11 +351,11 @@ class _Partials:
 
 
 def collective_atb(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, out_transposed: bool = False,
-                   a_panels=None) -> torch.Tensor:
+                   a_panels=None, gemm: f8.Gemm = f8.HIGH) -> torch.Tensor:
     """``C = Aᵀ B`` on local blocks, no autograd. ``a`` [M/q, K/q], ``b`` [M/q, N/q] -> [K/q, N/q]
     (``out_transposed``: as :func:`broadcast_atb`). ``a_panels``: the kept ``A`` blocks, no ring pass."""
     n, i = axis_size(mesh, "col"), axis_rank(mesh, "col")
-    parts = _Partials(n)
+    parts = _Partials(n, gemm)
     ring = _RingGather(a, mesh, _GATHER) if a_panels is None else None
     b_t = b.t() if out_transposed else None  # the fixed operand transposed once, not per block
     for s, ks in enumerate(ring_order(n, i)):
@@ -369,17 +368,19 @@ def collective_atb(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, out_trans
 
 
 def collective_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, mesh: DeviceMesh, need_a: bool,
-                           need_b: bool, a_panels=None, column: _Column | None = None):
+                           need_b: bool, a_panels=None, column: _Column | None = None,
+                           gemms: tuple[f8.Gemm, f8.Gemm] = (f8.HIGH, f8.HIGH)):
     """``(dA, dB)`` of ``C = A B`` in one loop: ``dA = dC Bᵀ`` (reduce ring) and ``dB = Aᵀ dC`` (gather ring, or the
     kept ``a_panels``) step together, so each ring's transfers fly behind the other's multiplies; ``dB``'s stacked
-    reduce-scatter along ``row`` is posted before ``dA``'s last multiply. ``dB`` comes back in ``b``'s layout."""
+    reduce-scatter along ``row`` is posted before ``dA``'s last multiply. ``dB`` comes back in ``b``'s layout.
+    ``gemms``: the ``dA`` and the ``dB`` products' partial GEMMs."""
     n, i = axis_size(mesh, "col"), axis_rank(mesh, "col")
     out_t = _is_transposed(b)
     if need_a and column is None:
         column = _ColumnStream(b, mesh, reduce_order(n, i)) if _streams(grad, b, mesh, False) else _Column.gather(b, mesh)
     gather = _RingGather(a, mesh, _GATHER) if need_b and a_panels is None else None
     reduce = _RingReduce(mesh, _REDUCE) if need_a else None
-    parts = _Partials(n)
+    parts = _Partials(n, gemms[1])
     da = db = db_handle = grad_t = None
     order = ring_order(n, i)
     for s in range(len(order)):
@@ -391,7 +392,7 @@ def collective_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor,
             if s == len(order) - 1:
                 db, db_handle = parts.reduce(mesh)
         if need_a:
-            da = reduce.step(s, lambda k: grad @ column.get(k, t=True))
+            da = reduce.step(s, lambda k: gemms[0].mm(grad, column.get(k, t=True)))
     if db_handle is not None:
         db_handle.wait()
         db = db.t() if out_t else db
@@ -410,7 +411,7 @@ def _mirror_column(b: torch.Tensor, mesh: DeviceMesh, mirrored: bool = False) ->
 
 
 def scatter_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = False, mirrored: bool = False,
-               bias: torch.Tensor | None = None):
+               bias: torch.Tensor | None = None, gemm: f8.Gemm = f8.HIGH):
     """``C = A B [+ bias]`` in the *scatter* form, no autograd: ``(c, column)`` (the mirrored column when ``keep``;
     ``bias`` added by the own partial's GEMM, the one that stays on this rank). Rank
     ``(r, k)`` multiplies its own ``A_rk`` by row ``k`` of ``B`` and the partials ``A_rk B_kc`` are reduce-scattered
@@ -424,12 +425,13 @@ def scatter_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, keep: bool = 
         column = _mirror_column(b, mesh, mirrored)
     ring = _RingReduce(mesh, _REDUCE)
     for s in range(ring_steps(ring.n)):
-        out = ring.step(s, lambda c: _first_product(a, column.get(c), bias if c == i else None))
+        out = ring.step(s, lambda c: gemm.first(a, column.get(c), bias if c == i else None))
     return out, (column if keep else None)
 
 
 def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, mesh: DeviceMesh, need_a: bool,
-                        need_b: bool, column: _Column | None = None, mirrored: bool = False):
+                        need_b: bool, column: _Column | None = None, mirrored: bool = False,
+                        gemms: tuple[f8.Gemm, f8.Gemm] = (f8.HIGH, f8.HIGH)):
     """``(dA, dB)`` of :func:`scatter_ab`: one ring pass of ``dC`` along ``col`` feeds both, ``dA_rk = sum_c dC_rc
     B_kcᵀ`` accumulated locally and ``dB_kc`` partials ``A_rkᵀ dC_rc`` stacked, reduce-scattered along ``row`` (posted
     before the last ``dA`` multiplies) and swapped back to the owner of ``B_kc`` (not when ``mirrored``: this rank
@@ -442,7 +444,7 @@ def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, me
         else:
             column = _mirror_column(b, mesh, mirrored)
     ring = _RingGather(grad, mesh, _GATHER)
-    parts = _Partials(n)
+    parts = _Partials(n, gemms[1])
     da = db = db_handle = None
     a_t = None if out_t else a.t()  # the fixed operand transposed once, not per block
     steps = ring_steps(n)
@@ -456,7 +458,7 @@ def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, me
         if need_a:
             for c, g in held:
                 b_c = column.get(c, t=True)
-                da = g @ b_c if da is None else da.addmm_(g, b_c)
+                da = gemms[0].mm(g, b_c) if da is None else gemms[0].addmm_(da, g, b_c)
     if db_handle is not None:
         db_handle.wait()
         if not mirrored:
@@ -468,30 +470,66 @@ def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, me
 # ---- autograd -----------------------------------------------------------------------------------------------------
 
 
+_GRID = ("row", "col")  # a tensorwise float8 scale is the amax over the whole grid's blocks
+
+
+def _float8_forward(ctx, recipe: str, a, b, mesh):
+    """``(a, b, gemm)`` of a float8 product's forward: under ``tensorwise`` the operands cast with their global
+    scales (they travel and are saved as float8), under ``rowwise`` as they are (each partial casts its own)."""
+    config = f8.recipe_config(recipe)
+    ctx.float8 = recipe
+    fast = config.gemm_config_output.use_fast_accum
+    if recipe == "tensorwise":
+        (a, b), scales = f8.tensorwise_cast(
+            [a, b], [config.cast_config_input.target_dtype, config.cast_config_weight.target_dtype], mesh, _GRID)
+        return a, b, f8.TensorwiseGemm(scales, ctx.out_dtype, fast), scales
+    return a, b, f8.RowwiseGemm(config.cast_config_input.target_dtype, config.round_scales_to_power_of_2, fast), ()
+
+
+def _float8_backward(ctx, grad, mesh, scales):
+    """``(grad, (dA gemm, dB gemm))`` of a float8 product's backward (``grad`` cast with its global scale under
+    ``tensorwise``: ``e5m2`` by torchao's recipe; each partial casts its own under ``rowwise``)."""
+    config = f8.recipe_config(ctx.float8)
+    fast_a, fast_b = config.gemm_config_grad_input.use_fast_accum, config.gemm_config_grad_weight.use_fast_accum
+    if ctx.float8 == "tensorwise":
+        (grad,), (scale,) = f8.tensorwise_cast([grad], [config.cast_config_grad_output.target_dtype], mesh, _GRID)
+        scale_a, scale_b = scales
+        return grad, (f8.TensorwiseGemm((scale, scale_b), ctx.out_dtype, fast_a),
+                      f8.TensorwiseGemm((scale, scale_a), ctx.out_dtype, fast_b))
+    dtype, pow2 = config.cast_config_grad_output.target_dtype, config.round_scales_to_power_of_2
+    return grad, (f8.RowwiseGemm(dtype, pow2, fast_a), f8.RowwiseGemm(dtype, pow2, fast_b))
+
+
 @registered("summa_ab")
 class _SummaAB(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, bias, mesh, options, form, mirrored):
+    def forward(ctx, a, b, bias, mesh, options, form, mirrored, float8):
         ctx.mesh, ctx.algorithm, ctx.keep, ctx.form, ctx.mirrored = mesh, options.summa, options.keep_panels, form, mirrored
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.out_dtype, ctx.float8 = bias is not None, a.dtype, None
         if bias is not None:  # added in the products' dtype (bf16 under autocast); its gradient in the parameter's
             ctx.bias_dtype, bias = bias.dtype, bias.to(a.dtype)
+        gemm, scales = f8.HIGH, ()
+        if float8 is not None:  # (the tensorwise scales are saved last, for the backward's GEMMs)
+            a, b, gemm, scales = _float8_forward(ctx, float8, a, b, mesh)
+        ctx.scales = len(scales)
         if ctx.algorithm == "broadcast":
-            out, a_panels, b_panels = broadcast_ab(a, b, mesh, ctx.keep, bias)
-            ctx.save_for_backward(a, b, *(a_panels + b_panels if ctx.keep else []))
+            out, a_panels, b_panels = broadcast_ab(a, b, mesh, ctx.keep, bias, gemm)
+            ctx.save_for_backward(a, b, *(a_panels + b_panels if ctx.keep else []), *scales)
             return out
         if ctx.form == "scatter":
-            out, column = scatter_ab(a, b, mesh, ctx.keep, mirrored, bias)
+            out, column = scatter_ab(a, b, mesh, ctx.keep, mirrored, bias, gemm)
             a_panels = []
         else:
-            out, a_panels, column = collective_ab(a, b, mesh, ctx.keep, bias)
+            out, a_panels, column = collective_ab(a, b, mesh, ctx.keep, bias, gemm)
         ctx.transposed = column.transposed if ctx.keep else None
-        ctx.save_for_backward(a, b, *(a_panels + [column.blocks] if ctx.keep else []))
+        ctx.save_for_backward(a, b, *(a_panels + [column.blocks] if ctx.keep else []), *scales)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         a, b, *kept = ctx.saved_tensors
+        scales = kept[len(kept) - ctx.scales:] if ctx.scales else ()
+        kept = kept[:len(kept) - ctx.scales]
         grad = grad.contiguous()
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # the bias is replicated over row and each grid row sees its own tokens: its gradient is this row's token sum
@@ -499,18 +537,22 @@ class _SummaAB(torch.autograd.Function):
         dbias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             dbias = summed_later(grad.sum(0, dtype=ctx.bias_dtype), ctx.mesh, "row")
+        gemms = (f8.HIGH, f8.HIGH)
+        if ctx.float8 is not None:
+            grad, gemms = _float8_backward(ctx, grad, ctx.mesh, scales)
         if ctx.algorithm == "broadcast":
             q = len(kept) // 2
             a_panels, b_panels = (kept[:q], kept[q:]) if ctx.keep else (None, None)
-            da = broadcast_abt(grad, b, ctx.mesh, b_panels) if need_a else None  # dA = dC Bᵀ
-            db = broadcast_atb(a, grad, ctx.mesh, _is_transposed(b), a_panels) if need_b else None  # dB = Aᵀ dC
+            da = broadcast_abt(grad, b, ctx.mesh, b_panels, gemms[0]) if need_a else None  # dA = dC Bᵀ
+            db = (broadcast_atb(a, grad, ctx.mesh, _is_transposed(b), a_panels, gemms[1])  # dB = Aᵀ dC
+                  if need_b else None)
         else:
             a_panels, column = (kept[:-1], _Column(kept[-1], ctx.transposed)) if ctx.keep else (None, None)
             if ctx.form == "scatter":
-                da, db = scatter_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, column, ctx.mirrored)
+                da, db = scatter_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, column, ctx.mirrored, gemms)
             else:
-                da, db = collective_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, a_panels, column)
-        return da, db, None if dbias is None else dbias(), None, None, None, None
+                da, db = collective_ab_backward(a, b, grad, ctx.mesh, need_a, need_b, a_panels, column, gemms)
+        return da, db, None if dbias is None else dbias(), None, None, None, None, None
 
 
 def _abt(a, b, mesh, algorithm):
@@ -572,7 +614,8 @@ def ab_form(in_features: int, out_features: int, keep_panels: bool = False) -> s
 
 
 def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, options: TPOptions | None = None,
-             form: str = "gather", b_mirrored: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+             form: str = "gather", b_mirrored: bool = False, bias: torch.Tensor | None = None,
+             float8: str | None = None) -> torch.Tensor:
     """``C = A B [+ bias]`` with ``A``, ``B``, ``C`` block-distributed on the grid; differentiable. ``bias``: ``C``'s
     columns of this rank (``[N/q]`` of ``C [M/q, N/q]``, replicated over ``row``), cast to ``A``'s dtype and added
     inside the first GEMM; its gradient, in its own dtype, is the token sum over the whole grid column (each grid
@@ -581,13 +624,14 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, options: TPOpti
     algorithm only; :func:`ab_form` picks one): ``"gather"`` passes ``A``'s blocks round the ring,
     ``"scatter"`` the partial sums of ``C`` (module docstring). ``b_mirrored`` (scatter form only): rank ``(r, c)``
     passes block ``B_cr``, the mirror rank's, so the scatter form needs no swap (its gradient comes back the same
-    way)."""
+    way). ``float8`` (``"tensorwise"`` / ``"rowwise"``, :mod:`lightning_tp2d.float8`): every partial GEMM of the
+    forward and backward in float8 by that recipe (the linears pass ``options.float8``; the heads do not)."""
     options = tp_options(options)
     if form not in FORMS:
         raise ValueError(f"form={form!r} is not one of {', '.join(map(repr, FORMS))}")
     if b_mirrored and (form != "scatter" or options.summa != "collective"):
         raise ValueError(f"b_mirrored needs the collective scatter form, got summa={options.summa!r} form={form!r}")
-    return _SummaAB.apply(a, b, bias, mesh, options, form, b_mirrored)
+    return _SummaAB.apply(a, b, bias, mesh, options, form, b_mirrored, f8.check_recipe(float8))
 
 
 def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh: DeviceMesh, options: TPOptions | None = None) -> torch.Tensor:

@@ -501,6 +501,24 @@ def check_parallel(par: DictConfig) -> None:
             get_layout(str(par.layout))
         except ValueError as err:
             raise ConfigError(f"parallel.layout: {err}, or {AUTO_LAYOUT!r} (planned)") from None
+    if par.get("float8") not in (None, False, "none"):
+        check_float8(par)
+
+
+def check_float8(par: DictConfig) -> None:
+    """``parallel.float8`` before launch: a recipe name, a layout whose products run it (not ``auto``: the planner
+    does not price float8 yet), torchao installed, and a GPU with float8 GEMMs where there is one."""
+    from lightning_tp2d.float8 import float8_notice
+
+    layout = str(par.get("layout", AUTO_LAYOUT))
+    try:
+        if layout == AUTO_LAYOUT:
+            raise ValueError(f"float8={par.float8!r} needs a named layout (parallel=tp2d): the planner "
+                             "(layout=auto) does not price float8 yet")
+        get_layout(layout).with_float8(str(par.float8))
+        float8_notice(str(par.float8))
+    except (ValueError, ImportError) as err:
+        raise ConfigError(f"parallel.float8: {err}") from None
 
 
 def check_checkpoint(cfg: DictConfig) -> None:

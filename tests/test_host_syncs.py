@@ -23,10 +23,10 @@ from tests.distributed import run_distributed
 from tests.lightning_ranks import run_ranks
 
 
-def _count(rank: int, world_size: int, layout: str) -> dict:
+def _count(rank: int, world_size: int, layout: str, float8: str | None = None) -> dict:
     cfg = GPT2Config.from_name("gpt2-tiny", n_head=4, dropout=0.0)
     torch.manual_seed(0)
-    model = tp.parallelize(GPT2(cfg), tp.init_mesh(layout, world_size, 1), layout)
+    model = tp.parallelize(GPT2(cfg), tp.init_mesh(layout, world_size, 1), layout, options=tp.TPOptions(float8=float8))
     model.validate_inputs = False  # the module checked the ids on the host batch
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     idx = torch.randint(0, cfg.vocab_size, (2, 16))
@@ -45,6 +45,14 @@ def _count(rank: int, world_size: int, layout: str) -> dict:
 @pytest.mark.parametrize("layout", ["2d", "metp", "2d-metp"])
 def test_a_training_step_never_reads_the_device(layout):
     for rank, counts in enumerate(run_distributed(_count, 4, layout)):
+        assert counts == {}, (rank, counts)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_float8_step_never_reads_the_device(recipe):
+    """The global amaxes are all-reduced and turned into scales on the device."""
+    pytest.importorskip("torchao")
+    for rank, counts in enumerate(run_distributed(_count, 4, "2d", recipe)):
         assert counts == {}, (rank, counts)
 
 

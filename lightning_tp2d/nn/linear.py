@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_tp2d import float8
 from lightning_tp2d.nn.functional import autocast_operands, is_local_grid, local_param, shard_parameter
 from lightning_tp2d.options import tp_options
 from lightning_tp2d.summa import ab_form, summa_ab
@@ -53,18 +54,24 @@ class Linear2D(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.local = is_local_grid(mesh)  # a 1x1 grid: one F.linear, as the plain model's
+        # a recipe's torchao configs, made (and torchao imported) now, not first inside a compiled forward
+        self.float8_configs = None if self.options.float8 is None else float8.linear_configs(self.options.float8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.local:  # (the scatter form's mirror block of a 1x1 grid is the weight itself)
+            if self.options.float8 is not None:  # torchao's own float8 linear, as the plain model converted by torchao
+                return float8.linear(x, local_param(self, "weight"), local_param(self, "bias"), self.float8_configs)
             return F.linear(x, local_param(self, "weight"), local_param(self, "bias"))
         lead = x.shape[:-1]
         x2d, w_t = autocast_operands(x.reshape(-1, x.shape[-1]), local_param(self, "weight"))  # w_t [out/q, in/q] = W_rcᵀ
         # the bias (None without one; not `self.bias is None`: see local_param) is added by the SUMMA's first GEMM in
         # the products' dtype; its gradient is summed over row (rows see different tokens) inside the product's backward
         bias = local_param(self, "bias")
-        y = summa_ab(x2d, w_t.t(), self.mesh, self.options, self.form, self.form == "scatter", bias)  # (N/q, out/q)
+        y = summa_ab(x2d, w_t.t(), self.mesh, self.options, self.form, self.form == "scatter", bias,
+                     self.options.float8)  # (N/q, out/q)
         return y.view(*lead, y.shape[-1])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"summa={self.options.summa!r}" + (f", form={self.form!r}" if self.options.summa == "collective" else ""))
+                f"summa={self.options.summa!r}" + (f", form={self.form!r}" if self.options.summa == "collective" else "")
+                + (f", float8={self.options.float8!r}" if self.options.float8 else ""))

@@ -1,0 +1,316 @@
+"""Float8 linears (``parallel.float8``, :mod:`lightning_tp2d.float8`) on the "2d" grid, against torchao's own float8.
+
+* **One SUMMA product** on a 2x2 grid (4 gloo ranks), every algorithm and form, forward and both gradients:
+  * ``tensorwise``: equal to the single-device float8 product built from torchao's pieces with the *global* scales
+    (float32 outputs, to 1e-5 relative: only the order of the fp32 partial sums differs), because every rank casts
+    its block with the all-reduced amax;
+  * ``rowwise``: each partial casts its own operands; cosine >= 0.999 against torchao's rowwise product of the whole
+    matrices (its scales span the whole contraction, the grid's a block of it);
+  * the activation and weight blocks travel as float8: a quarter of float32's bytes on every transfer, plus one
+    8-byte amax all-reduce per axis and pass.
+* **Whole models** on "2d" and "2d-metp" (tiny GPT-2 and Llama, fp32 master weights, one forward and backward;
+  fp32, and bf16 autocast on "2d"):
+  every gradient's cosine >= 0.99 against the same layout in high precision and against the plain model converted by
+  torchao's ``convert_to_float8_training`` (same recipe), losses within 1e-3; tensorwise GPT-2 in fp32 equals torchao's
+  plain model to float32 rounding (the same scales).
+* **One rank** (a 1x1 grid) runs torchao's own float8 linear: bit-equal to the converted plain model.
+* **Refusals**: an unknown recipe, the "metp" ring (its products are not float8 yet), ``layout="auto"``,
+  ``tp2d-train parallel.float8`` with the planner.
+
+All distributed checks of one grid run in one ``run_distributed`` call (module-scoped fixtures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("torchao")
+
+import lightning_tp2d as tp  # noqa: E402
+from lightning_tp2d import comm, float8  # noqa: E402
+from lightning_tp2d.mesh import grid_coords, init_mesh  # noqa: E402
+from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig  # noqa: E402
+from lightning_tp2d.options import TPOptions  # noqa: E402
+from lightning_tp2d.summa import summa_ab  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+
+Q = 2
+M, K, N = 24, 40, 32  # full product shapes; blocks 12 x 20 and 20 x 16 on the 2x2 grid
+# (summa algorithm, keep_panels, form): every path a Linear2D can take
+ALGOS = (("collective", False, "gather"), ("collective", True, "gather"), ("collective", False, "scatter"),
+         ("broadcast", False, "gather"), ("broadcast", True, "gather"))
+RECIPES = float8.RECIPES
+# whole-model cases (layout, family, recipe, bf16 autocast): every float8 layout and family; "2d-metp" in fp32 only
+CASES = [(la, f, r, b) for la in ("2d", "2d-metp") for f in ("gpt2", "llama") for r in RECIPES for b in (False, True)
+         if la == "2d" or not b]
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+def _block(x: torch.Tensor, i: int, j: int) -> torch.Tensor:
+    bi, bj = x.shape[0] // Q, x.shape[1] // Q
+    return x[i * bi:(i + 1) * bi, j * bj:(j + 1) * bj]
+
+
+def _operands():
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(M, K, generator=g)
+    a[3, 5] = 9.0  # one large entry: a global scale differs from most blocks' own
+    w = torch.randn(N, K, generator=g) * 0.1  # a torch Linear weight [out, in]; B = wᵀ
+    dc = torch.randn(M, N, generator=g)
+    return a, w, dc
+
+
+def _tensorwise_reference(a, w, dc):
+    """C = A Wᵀ, dA, dW from torchao's casts with each tensor's global scale, one ``_scaled_mm`` per GEMM."""
+    config = float8.recipe_config("tensorwise")
+    (a8, w8, g8), (sa, sw, sg) = float8.tensorwise_cast(
+        [a, w, dc], [config.cast_config_input.target_dtype, config.cast_config_weight.target_dtype,
+                     config.cast_config_grad_output.target_dtype])
+    mm = lambda x, y, s1, s2: torch._scaled_mm(x.contiguous(), y.t().contiguous().t(), s1.reciprocal(),  # noqa: E731
+                                               s2.reciprocal(), out_dtype=torch.float32)
+    return mm(a8, w8.t(), sa, sw), mm(g8, w8, sg, sw), mm(g8.t(), a8, sg, sa)
+
+
+def _rowwise_reference(a, w, dc):
+    """torchao's rowwise product of the whole matrices (its autograd function and config)."""
+    a = a.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    out = float8.linear(a, w, None, float8.linear_configs("rowwise"))
+    out.backward(dc)
+    return out.detach(), a.grad, w.grad
+
+
+def _product_worker(rank: int, world_size: int) -> dict:
+    mesh = init_mesh("2d", world_size, 1)
+    i, j = grid_coords(mesh)
+    a_full, w_full, dc_full = _operands()
+    results = {}
+    for recipe in (None, *RECIPES):
+        for algo in ALGOS:
+            summa, keep, form = algo
+            a = _block(a_full, i, j).clone().requires_grad_()
+            # rank (i, j) holds W's block [out_j, in_i] (Linear2D), or the mirror [out_i, in_j] in the scatter form
+            w = (_block(w_full, i, j) if form == "scatter" else _block(w_full, j, i)).clone().requires_grad_()
+            with comm.count_comm() as stats:
+                c = summa_ab(a, w.t(), mesh, TPOptions(summa=summa, keep_panels=keep), form, form == "scatter",
+                             float8=recipe)
+                fwd = stats.snapshot()
+            c.backward(_block(dc_full, i, j).contiguous())
+            results[(recipe, algo)] = {"c": c.detach(), "da": a.grad, "dw": w.grad, "fwd": fwd}
+    refs = {"tensorwise": _tensorwise_reference(a_full, w_full, dc_full),
+            "rowwise": _rowwise_reference(a_full, w_full, dc_full)}
+    checks = {}
+    for (recipe, algo), got in results.items():
+        if recipe is None:
+            continue
+        c_ref, da_ref, dw_ref = refs[recipe]
+        wi, wj = (i, j) if algo[2] == "scatter" else (j, i)
+        blocks = {"c": _block(c_ref, i, j), "da": _block(da_ref, i, j), "dw": _block(dw_ref, wi, wj)}
+        checks[(recipe, algo)] = {
+            "rel": {k: _rel(got[k], blocks[k]) for k in blocks},
+            "cos": {k: _cos(got[k], blocks[k]) for k in blocks},
+            "bytes": {kind: s["bytes"] for kind, s in got["fwd"].items() if s["calls"]},
+            "hp_bytes": {kind: s["bytes"] for kind, s in results[(None, algo)]["fwd"].items() if s["calls"]},
+        }
+    return checks
+
+
+@pytest.fixture(scope="module")
+def products():
+    return run_distributed(_product_worker, Q * Q)
+
+
+def _algo_id(algo) -> str:
+    return "-".join([algo[0], *(["keep"] if algo[1] else []), algo[2]])
+
+
+@pytest.mark.parametrize("algo", ALGOS, ids=_algo_id)
+def test_tensorwise_grid_product_equals_the_float8_product_with_global_scales(products, algo):
+    for rank, checks in enumerate(products):
+        rel = checks[("tensorwise", algo)]["rel"]
+        assert max(rel.values()) < 1e-5, (rank, rel)
+
+
+@pytest.mark.parametrize("algo", ALGOS, ids=_algo_id)
+def test_rowwise_grid_product_agrees_with_torchao_rowwise_within_float8_rounding(products, algo):
+    for rank, checks in enumerate(products):
+        cos = checks[("rowwise", algo)]["cos"]
+        assert min(cos.values()) > 0.999, (rank, cos)
+        assert max(checks[("rowwise", algo)]["rel"].values()) < 0.1, (rank, checks[("rowwise", algo)]["rel"])
+
+
+@pytest.mark.parametrize("algo", ALGOS, ids=_algo_id)
+def test_tensorwise_blocks_travel_as_float8(products, algo):
+    """Every operand transfer of the forward carries a quarter of float32's bytes (the scatter form's ring carries
+    partial sums of the output, in high precision); the only other traffic is the amax all-reduce, 2 float32
+    amaxes (A's and W's) once per grid axis."""
+    for rank, checks in enumerate(products):
+        got, hp = checks[("tensorwise", algo)]["bytes"], checks[("tensorwise", algo)]["hp_bytes"]
+        assert got.pop("all_reduce") == 2 * 2 * 4, (rank, got)
+        sums = ("ring_exchange",) if algo[2] == "scatter" else ()
+        assert got == {kind: n if kind in sums else n // 4 for kind, n in hp.items()}, (rank, got, hp)
+        rowwise = checks[("rowwise", algo)]["bytes"]
+        assert rowwise == hp, (rank, rowwise, hp)  # rowwise: panels in high precision (their scales differ by block)
+
+
+# ---- whole models ------------------------------------------------------------------------------------------------
+
+
+def _model(family: str):
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = GPT2Config.from_name("gpt2-tiny", dropout=0.0)
+        return cfg, GPT2(cfg)
+    cfg = LlamaConfig.from_name("llama-tiny")
+    return cfg, Llama(cfg)
+
+
+def _model_worker(rank: int, world_size: int) -> dict:
+    q = int(round(world_size ** 0.5))
+    grads = lambda m: [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # noqa: E731
+                       for p in m.parameters()]
+    out = {}
+    for layout, family, recipe, bf16 in CASES:
+        mesh = init_mesh(layout, world_size, 1)
+        cfg, plain = _model(family)
+        high, par = copy.deepcopy(plain), copy.deepcopy(plain)
+        float8.convert_plain(plain, recipe)
+        tp.parallelize(par, mesh, layout=layout, options=TPOptions(float8=recipe))
+        tp.parallelize(high, mesh, layout=layout)
+        g = torch.Generator().manual_seed(1)
+        idx = torch.randint(0, cfg.vocab_size, (2 * q, 32), generator=g)
+        targets = torch.randint(0, cfg.vocab_size, (2 * q, 32), generator=g)
+        losses = []
+        for m in (plain, par, high):
+            with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+                loss = m(idx, targets)
+            loss.backward()
+            losses.append(loss.item())
+        mine = grads(par)
+        out[(layout, family, recipe, bf16)] = {
+            "losses": losses,
+            "cos_plain": min(_cos(x, y) for x, y in zip(mine, grads(plain))),
+            "cos_high": min(_cos(x, y) for x, y in zip(mine, grads(high))),
+            "float8_linears": sum(float8.is_float8_linear(m) for m in plain.modules()),
+            "extra": [m.extra_repr() for m in par.modules() if type(m).__name__ == "Linear2D"][0],
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def models():
+    return run_distributed(_model_worker, Q * Q)[0]
+
+
+@pytest.mark.parametrize("layout, family, recipe, bf16", CASES,
+                         ids=[f"{la}-{f}-{r}-{'bf16' if b else 'fp32'}" for la, f, r, b in CASES])
+def test_grid_float8_step_agrees_with_high_precision_and_with_torchao(models, layout, family, recipe, bf16):
+    got = models[(layout, family, recipe, bf16)]
+    plain, mine, high = got["losses"]
+    assert abs(mine - high) / high < 1e-3 and abs(mine - plain) / plain < 1e-3, got
+    assert got["cos_high"] > 0.99 and got["cos_plain"] > 0.99, got
+    assert got["float8_linears"] > 0 and f"float8={recipe!r}" in got["extra"]
+
+
+def test_tensorwise_grid_equals_torchao_plain_to_float32_rounding(models):
+    got = models[("2d", "gpt2", "tensorwise", False)]
+    plain, mine, _ = got["losses"]
+    assert abs(mine - plain) / plain < 1e-6, got
+    assert got["cos_plain"] > 0.99999, got
+
+
+def _one_rank(rank: int, world_size: int, recipe: str) -> dict:
+    cfg, plain = _model("gpt2")
+    par = copy.deepcopy(plain)
+    float8.convert_plain(plain, recipe)
+    tp.parallelize(par, init_mesh("2d", 1, 1), layout="2d", options=TPOptions(float8=recipe))
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    losses = [m(idx, idx) for m in (plain, par)]
+    for loss in losses:
+        loss.backward()
+    return {"loss": [loss.item() for loss in losses],
+            "grads": max((p.grad.full_tensor() - p0.grad).abs().max().item()
+                         for p, p0 in zip(par.parameters(), plain.parameters()))}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_one_rank_runs_torchaos_own_float8_linear(recipe):
+    got = run_distributed(_one_rank, 1, recipe)[0]
+    assert got["loss"][0] == got["loss"][1] and got["grads"] == 0.0, got
+
+
+# ---- refusals ----------------------------------------------------------------------------------------------------
+
+
+def test_an_unknown_recipe_is_refused_naming_the_recipes():
+    with pytest.raises(ValueError, match=r"float8='fp8' is not one of None, 'tensorwise', 'rowwise'"):
+        TPOptions(float8="fp8")
+    assert TPOptions(float8="none").float8 is None
+
+
+@pytest.mark.parametrize("layout", ["metp"])
+def test_ring_layouts_refuse_float8_until_their_products_run_it(layout):
+    with pytest.raises(ValueError, match=rf"runs on layout '2d', '2d-metp' so far; layout '{layout}'"):
+        tp.get_layout(layout, TPOptions(float8="tensorwise"))
+    with pytest.raises(ValueError, match="ring products are not float8 yet"):
+        tp.TP2DStrategy(layout=layout, float8="rowwise")
+
+
+def test_strategy_carries_the_recipe_to_the_layers_and_says_it_is_emulated_on_cpu():
+    with pytest.warns(UserWarning, match=r"float8='rowwise': torch._scaled_mm is emulated on the CPU"):
+        strategy = tp.TP2DStrategy(layout="2d", float8="rowwise")
+    assert strategy.float8 == "rowwise" and strategy.layout_spec.options.float8 == "rowwise"
+    assert tp.TP2DStrategy(layout="2d").float8 is None
+    with pytest.raises(ValueError, match=r"float8='tensorwise' needs a named layout"):
+        tp.TP2DStrategy(layout="auto", float8="tensorwise", memory_gib=1.0)
+
+
+def test_tp2d_train_refuses_float8_with_the_planner_before_launch():
+    from omegaconf import OmegaConf
+
+    from lightning_tp2d.train import ConfigError, check_parallel
+
+    check_parallel(OmegaConf.create({"layout": "2d", "float8": "tensorwise"}))
+    with pytest.raises(ConfigError, match=r"parallel.float8: float8='rowwise' needs a named layout"):
+        check_parallel(OmegaConf.create({"layout": "auto", "float8": "rowwise"}))
+    with pytest.raises(ConfigError, match=r"parallel.float8: float8='e4m3' is not one of"):
+        check_parallel(OmegaConf.create({"layout": "2d", "float8": "e4m3"}))
+
+
+def _compiled(rank: int, world_size: int) -> dict:
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for recipe in RECIPES:
+        cfg, model = _model("gpt2")
+        tp.parallelize(model, init_mesh("2d", world_size, 1), layout="2d", options=TPOptions(float8=recipe))
+        eager = copy.deepcopy(model)
+        dynamo.reset()
+        counters.clear()
+        model.compile(backend="aot_eager", dynamic=False)
+        idx = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
+        losses = [m(idx, idx) for m in (eager, model)]
+        for loss in losses:
+            loss.backward()
+        out[recipe] = {"losses": [loss.item() for loss in losses], "breaks": sum(counters["graph_break"].values()),
+                       "grads": max(_rel(p.grad.full_tensor(), p0.grad.full_tensor())
+                                    for p, p0 in zip(model.parameters(), eager.parameters()))}
+    return out
+
+
+def test_float8_grid_compiles_into_one_graph_and_equals_eager():
+    for rank, got in enumerate(run_distributed(_compiled, Q * Q)):
+        for recipe, r in got.items():
+            assert r["breaks"] == 0 and abs(r["losses"][0] - r["losses"][1]) < 1e-5 and r["grads"] < 1e-4, (rank, recipe, r)
