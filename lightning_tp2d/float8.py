@@ -115,6 +115,9 @@ def tensorwise_cast(tensors, dtypes, mesh=None, axes=()):
     return [cast(t.detach(), s, dtype) for t, s, dtype in zip(tensors, scales, dtypes)], scales
 
 
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
 def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -151,18 +154,30 @@ HIGH = Gemm()
 
 
 class TensorwiseGemm(Gemm):
-    """Partial GEMMs of two float8 operands already cast with global tensorwise scales: ``torch._scaled_mm`` with
-    their inverse scales (0-d, so their order does not matter), accumulating in float32, written in ``out_dtype``."""
+    """Partial GEMMs under tensorwise scaling: ``torch._scaled_mm`` with the operands' inverse scales (0-d, so their
+    order does not matter), accumulating in float32, written in ``out_dtype``. An operand that arrives as float8 was
+    cast with its global scale (``scales``: one per such operand); one that arrives in high precision (a ring's
+    per-step MLP hidden block or its gradient, which never exist whole) is cast here with its own amax, to
+    ``cast_dtype``."""
 
-    def __init__(self, scales, out_dtype: torch.dtype, fast_accum: bool) -> None:
+    def __init__(self, scales, out_dtype: torch.dtype, fast_accum: bool, cast_dtype: torch.dtype | None = None) -> None:
         self.inverse = [s.reciprocal() for s in scales]
-        self.dtype, self.fast_accum = out_dtype, fast_accum
+        self.dtype, self.fast_accum, self.cast_dtype = out_dtype, fast_accum, cast_dtype
 
     def out_dtype(self, a: torch.Tensor) -> torch.dtype:
         return self.dtype
 
+    def _operand(self, t: torch.Tensor, inverse: list) -> torch.Tensor:
+        if t.dtype in _FLOAT8:
+            return t
+        (t,), (scale,) = tensorwise_cast([t], [self.cast_dtype])
+        inverse.append(scale.reciprocal())
+        return t
+
     def _scaled(self, a, b, bias=None, out=None):
-        return torch._scaled_mm(_row_major(a), _col_major(b), self.inverse[0], self.inverse[1], bias=bias,
+        inverse = list(self.inverse)
+        a, b = self._operand(a, inverse), self._operand(b, inverse)
+        return torch._scaled_mm(_row_major(a), _col_major(b), inverse[0], inverse[1], bias=bias,
                                 out_dtype=self.dtype, use_fast_accum=self.fast_accum, **({} if out is None else {"out": out}))
 
     def mm(self, a, b):
@@ -209,6 +224,39 @@ class RowwiseGemm(Gemm):
 
     def into(self, a, b, out):
         out.copy_(self.mm(a, b))
+
+
+# ---- one kernel's casts and GEMMs -------------------------------------------------------------------------------
+
+_ROLE_CAST = {"input": "cast_config_input", "weight": "cast_config_weight", "grad": "cast_config_grad_output"}
+_PASS_GEMM = {"output": "gemm_config_output", "grad_input": "gemm_config_grad_input",
+              "grad_weight": "gemm_config_grad_weight"}
+
+
+def role_dtype(recipe: str, role: str) -> torch.dtype:
+    """The float8 dtype ``recipe`` casts a GEMM operand of ``role`` (``"input"``, ``"weight"``, ``"grad"``) to."""
+    return getattr(recipe_config(recipe), _ROLE_CAST[role]).target_dtype
+
+
+def cast_global(recipe: str, tensors, roles, mesh=None, axes=()):
+    """``(tensors, scales)`` of a kernel's operands that travel or are reused: under ``tensorwise`` cast once with
+    their global scales (amaxes all-reduced over ``axes``: the ones that split them); under ``rowwise`` as they are,
+    no scales (each GEMM casts its own)."""
+    if recipe != "tensorwise":
+        return list(tensors), ()
+    return tensorwise_cast(tensors, [role_dtype(recipe, r) for r in roles], mesh, axes)
+
+
+def product(recipe: str, scales, out_dtype: torch.dtype, gemm_pass: str = "output", cast_role: str | None = None) -> Gemm:
+    """The GEMMs of one product of a kernel: ``scales`` of its operands cast by :func:`cast_global` (tensorwise),
+    ``gemm_pass`` the linear's GEMM it is (``"output"``, ``"grad_input"``, ``"grad_weight"``: torchao's fast
+    accumulation setting of each), ``cast_role`` the role of an operand that arrives in high precision (cast at the
+    product with its own amax)."""
+    config = recipe_config(recipe)
+    fast = getattr(config, _PASS_GEMM[gemm_pass]).use_fast_accum
+    if recipe == "tensorwise":
+        return TensorwiseGemm(scales, out_dtype, fast, None if cast_role is None else role_dtype(recipe, cast_role))
+    return RowwiseGemm(config.cast_config_input.target_dtype, config.round_scales_to_power_of_2, fast)
 
 
 # ---- a layout's local linear (a 1x1 grid, a ring of one) -------------------------------------------------------

@@ -73,8 +73,8 @@ class Layout:
     def __init__(self, options: RingOptions | None = None) -> None:
         if options is not None and getattr(options, "float8", None) and not self.float8_products:
             runs = [name for name, cls in _REGISTRY.items() if cls.float8_products]
-            raise ValueError(f"float8={options.float8!r} runs on layout {', '.join(map(repr, runs))} so far; layout "
-                             f"{self.name!r}'s ring products are not float8 yet")
+            raise ValueError(f"float8={options.float8!r} runs on the layouts {', '.join(map(repr, runs))}; layout "
+                             f"{self.name!r} does not say its products run it (Layout.float8_products)")
         self.options = options
 
     def with_float8(self, recipe: str | None) -> Layout:
@@ -250,6 +250,7 @@ class Ring(Layout):
     weight blocks and K/V travel round the ring."""
 
     name = "metp"
+    float8_products = True  # the ring kernels' GEMMs (lightning_tp2d.float8)
     tensor_axes = ("ring",)
     packs_documents = True
     zigzag = True

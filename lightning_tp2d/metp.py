@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d.comm import axis_rank, axis_size, ring_shift
 from lightning_tp2d import comm
+from lightning_tp2d import float8 as f8
 from lightning_tp2d.models.documents import SKIPPED, WHOLE, Documents
 from lightning_tp2d.options import ATTENTION_KERNELS, RingOptions, TPOptions, tp_options  # noqa: F401 (re-exported)
 from lightning_tp2d.ops import registered
@@ -485,9 +486,16 @@ def _into(view: torch.Tensor, block: torch.Tensor, first: bool) -> None:
 
 
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool,
-            bias: torch.Tensor | None = None) -> None:
+            bias: torch.Tensor | None = None, gemm: f8.Gemm = f8.HIGH) -> None:
     """``out = [bias +] a @ b`` (``first``: a ring's first contribution, written by the GEMM itself; no zeroed buffer,
-    no separate bias pass) or ``out += a @ b`` (the GEMM accumulates into ``out``)."""
+    no separate bias pass) or ``out += a @ b`` (the GEMM accumulates into ``out``). ``gemm``: float8 products
+    (:mod:`lightning_tp2d.float8`) write a fresh result into ``out`` or add it."""
+    if gemm is not f8.HIGH:
+        if first:
+            out.copy_(gemm.first(a, b, bias))
+        else:
+            out.add_(gemm.mm(a, b))
+        return
     if not first:
         out.addmm_(a, b)
     elif bias is None:
@@ -702,14 +710,19 @@ def _swiglu(dh, gate, u):
 MLP_ACTIVATIONS = {"gelu_tanh": _gelu, "swiglu": _swiglu}  # name -> (dh, *pre-activations) -> (hidden, grads)
 
 
-def _pre_activations(x, w_in, b1, j):
+def _pre_activations(x, w_in, b1, j, gemms=None):
     """``X Wg_jᵀ`` (SwiGLU's gate) and ``X W1_jᵀ + b1_j``: the pre-activation blocks ``[N, f]`` of ring rank
-    ``j``'s rows; ``w_in`` is ``(w1_j,)`` or ``(wg_j, w1_j)``."""
-    *gate, w1_j = w_in
-    if b1 is None:
-        return [x @ w.t() for w in w_in]
-    f = w1_j.shape[0]
-    return [*(x @ w.t() for w in gate), torch.addmm(b1[j * f:(j + 1) * f], x, w1_j.t())]  # one op, not mm + add_
+    ``j``'s rows; ``w_in`` is ``(w1_j,)`` or ``(wg_j, w1_j)``; ``gemms``: one float8 product per ``w_in`` entry
+    (``None``: high precision)."""
+    if gemms is None:
+        *gate, w1_j = w_in
+        if b1 is None:
+            return [x @ w.t() for w in w_in]
+        f = w1_j.shape[0]
+        return [*(x @ w.t() for w in gate), torch.addmm(b1[j * f:(j + 1) * f], x, w1_j.t())]  # one op, not mm + add_
+    f = w_in[-1].shape[0]
+    return [g.first(x, w.t(), b1[j * f:(j + 1) * f] if b1 is not None and k == len(w_in) - 1 else None)
+            for k, (g, w) in enumerate(zip(gemms, w_in))]
 
 
 def _bias_as(b1: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
@@ -726,10 +739,32 @@ def _mlp_tiles(x: torch.Tensor, w1: torch.Tensor, options: RingOptions) -> list[
     return options.row_tiles(x.shape[0])
 
 
+def _mlp_float8_gemms(ctx, dout, scales):
+    """``(dout, gemms)`` of :class:`_RingMLP`'s backward under ``ctx.float8``: ``dout`` cast (tensorwise: with its
+    amax over the ring), and the GEMMs of the recomputed pre-activations (as in the forward), ``dhidden = dY W2_j`` (float8
+    operands both), ``dX += dpre_k W_k,j`` and ``dW_k,j += dpre_kᵀ X`` (``dpre`` made per step, cast there as a
+    gradient), ``dW2_j += dYᵀ hidden`` (``hidden`` cast there). ``scales``: the forward's (``x``, then the
+    travelling blocks'; none under rowwise)."""
+    recipe, n_in = ctx.float8, ctx.n_own - 1
+    (dout,), grad_scale = f8.cast_global(recipe, [dout], ["grad"], ctx.mesh, (ctx.axis,))
+    tensorwise = bool(grad_scale)
+    s_x, *s_w = scales if tensorwise else [None] * (1 + ctx.n_own)
+    s_g = grad_scale[0] if tensorwise else None
+    pick = lambda *s: s if tensorwise else ()  # noqa: E731 - a product's float8 operands' scales (tensorwise)
+    acc = acc_dtype(ctx.dtype)
+    return dout, {
+        "pre": [f8.product(recipe, pick(s_x, s), ctx.dtype) for s in s_w[:n_in]],
+        "dhidden": f8.product(recipe, pick(s_g, s_w[-1]), ctx.dtype, "grad_input"),
+        "dx": [f8.product(recipe, pick(s), ctx.dtype, "grad_input", cast_role="grad") for s in s_w[:n_in]],
+        "dw_in": f8.product(recipe, pick(s_x), acc, "grad_weight", cast_role="grad"),
+        "dw2": f8.product(recipe, pick(s_g), acc, "grad_weight", cast_role="input"),
+    }
+
+
 @registered("ring_mlp")
 class _RingMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, w_gate, mesh, axis, activation, options):
+    def forward(ctx, x, w1, b1, w2, b2, w_gate, mesh, axis, activation, options, float8):
         # x (N, h); w1 (f, h) = c_fc / up_proj rows of block i (f = 4h/p or I/p); w2 (h, f) = c_proj / down_proj
         # columns of block i; w_gate (f, h) = gate_proj rows of block i (SwiGLU) or None; all blocks travel together
         act = MLP_ACTIVATIONS[activation]
@@ -737,49 +772,69 @@ class _RingMLP(torch.autograd.Function):
         out = x.new_empty((x.shape[0], w2.shape[0]))  # written by the first step's GEMM, with b2
         tiles = _mlp_tiles(x, w1, options)
         b1_x, b2_x, i = _bias_as(b1, x), _bias_as(b2, x), axis_rank(mesh, axis)
+        ctx.float8, ctx.dtype, ctx.w_dtype, scales = float8, x.dtype, w1.dtype, ()
+        gemms_in, gemm_out = None, f8.HIGH
+        if float8 is not None:  # x and the travelling blocks cast once (tensorwise: amaxes over the ring; blocks
+            #                     travel as float8); the hidden block, made per step, is cast where it is multiplied
+            (x, *own), scales = f8.cast_global(float8, [x, *own], ["input"] + ["weight"] * len(own), mesh, (axis,))
+            own = tuple(own)
+            pick = lambda *s: s if scales else ()  # noqa: E731 - a product's float8 operands' scales (tensorwise)
+            s_x, *s_w = scales if scales else [None] * (1 + len(own))
+            gemms_in = [f8.product(float8, pick(s_x, s), ctx.dtype) for s in s_w[:-1]]
+            gemm_out = f8.product(float8, pick(s_w[-1]), ctx.dtype, cast_role="input")
 
         def step(j, blocks):
             *w_in, w2_j = blocks
             for r in tiles:  # [tile, f] hidden blocks at a time when f > h (options.tile_tokens)
-                hidden = act(None, *_pre_activations(tile_rows(x, r), w_in, b1_x, j))[0]
-                mm_into(tile_rows(out, r), hidden, w2_j.t(), first=j == i, bias=b2_x)
+                hidden = act(None, *_pre_activations(tile_rows(x, r), w_in, b1_x, j, gemms_in))[0]
+                mm_into(tile_rows(out, r), hidden, w2_j.t(), first=j == i, bias=b2_x, gemm=gemm_out)
 
         ring_forward(own, mesh, axis, step, double_buffer=options.double_buffer)
-        ctx.save_for_backward(x, *own, *(() if b1 is None else (b1,)))  # no None: the registered op saves tensors
+        # no None: the registered op saves tensors; the tensorwise scales last
+        ctx.save_for_backward(x, *own, *(() if b1 is None else (b1,)), *scales)
         ctx.mesh, ctx.axis, ctx.activation, ctx.options = mesh, axis, activation, options
-        ctx.n_own, ctx.has_b2 = len(own), b2 is not None
+        ctx.n_own, ctx.has_b2, ctx.n_scales = len(own), b2 is not None, len(scales)
         ctx.b2_dtype = None if b2 is None else b2.dtype
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x, *own = ctx.saved_tensors
+        scales = own[len(own) - ctx.n_scales:] if ctx.n_scales else ()
+        own = own[:len(own) - ctx.n_scales]
         own, (b1,) = own[:ctx.n_own], (own[ctx.n_own:] or (None,))
         act = MLP_ACTIVATIONS[ctx.activation]
-        acc = acc_dtype(x.dtype)
+        acc = acc_dtype(ctx.dtype)
         dout = dout.contiguous()
-        dx = torch.empty_like(x)  # written by the first step's GEMM (j == i)
+        dx = x.new_empty(x.shape, dtype=ctx.dtype)  # written by the first step's GEMM (j == i)
         db1 = None if b1 is None else torch.zeros(b1.shape, dtype=acc, device=b1.device)
         f = own[0].shape[0]
         tiles = _mlp_tiles(x, own[0], ctx.options)
-        b1_x, i = _bias_as(b1, x), axis_rank(ctx.mesh, ctx.axis)
+        b1_x, i = None if b1 is None else b1.to(ctx.dtype), axis_rank(ctx.mesh, ctx.axis)
         # the biases are replicated over the ring, each rank's tokens its own: their gradients are summed over it,
         # b2's (known now) while the ring runs, b1's (made block by block) after it
         db2 = None if not ctx.has_b2 else comm.summed_later(dout.sum(0, dtype=ctx.b2_dtype), ctx.mesh, ctx.axis)
+        fg = None  # the float8 GEMMs (None: high precision)
+        if ctx.float8 is not None:
+            dout, fg = _mlp_float8_gemms(ctx, dout, scales)
 
         def step(j, blocks):
             *w_in, w2_j = blocks
             grads = None
             for r in tiles:  # [tile, f] at a time when f > h (options.tile_tokens)
                 x_r, dout_r = tile_rows(x, r), tile_rows(dout, r)
-                pres = _pre_activations(x_r, w_in, b1_x, j)  # recomputed, never stored
-                hidden, dpres = act(dout_r @ w2_j, *pres)  # (tile, f) each
+                pres = _pre_activations(x_r, w_in, b1_x, j, None if fg is None else fg["pre"])  # recomputed, never stored
+                hidden, dpres = act(dout_r @ w2_j if fg is None else fg["dhidden"].mm(dout_r, w2_j), *pres)  # (tile, f)
                 del pres
                 if db1 is not None:
                     db1[j * f:(j + 1) * f].add_(dpres[-1].sum(0))  # (a `+=` on the slice would copy it back)
                 for k, (dpre, w_j) in enumerate(zip(dpres, w_in)):
-                    mm_into(tile_rows(dx, r), dpre, w_j, first=j == i and k == 0)
-                tile_grads = (*(dpre.t() @ x_r for dpre in dpres), dout_r.t() @ hidden)
+                    mm_into(tile_rows(dx, r), dpre, w_j, first=j == i and k == 0,
+                            gemm=f8.HIGH if fg is None else fg["dx"][k])
+                if fg is None:
+                    tile_grads = (*(dpre.t() @ x_r for dpre in dpres), dout_r.t() @ hidden)
+                else:
+                    tile_grads = (*(fg["dw_in"].mm(dpre.t(), x_r) for dpre in dpres), fg["dw2"].mm(dout_r.t(), hidden))
                 del hidden, dpres
                 if grads is None:
                     grads = tuple(g.to(acc) for g in tile_grads)
@@ -789,17 +844,18 @@ class _RingMLP(torch.autograd.Function):
             return grads
 
         grads = ring_backward(own, ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
-                              wire_dtype=ctx.options.wire_dtype(own[0].dtype))
-        *dw_in, dw2 = (gw.to(w.dtype) for gw, w in zip(grads, own))
+                              wire_dtype=ctx.options.wire_dtype(ctx.w_dtype))
+        *dw_in, dw2 = (gw.to(ctx.w_dtype) for gw in grads)
         if db1 is not None:
             db1 = comm.summed_later(db1, ctx.mesh, ctx.axis)().to(b1.dtype)
         db2 = None if db2 is None else db2()
         dw_gate = dw_in[0] if len(dw_in) == 2 else None
-        return dx, dw_in[-1], db1, dw2, db2, dw_gate, None, None, None, None
+        return dx, dw_in[-1], db1, dw2, db2, dw_gate, None, None, None, None, None
 
 
 def ring_mlp(x, w1, b1, w2, b2, mesh: DeviceMesh, axis: str, *, activation: str = "gelu_tanh",
-             w_gate: torch.Tensor | None = None, options: RingOptions | None = None) -> torch.Tensor:
+             w_gate: torch.Tensor | None = None, options: RingOptions | None = None,
+             float8: str | None = None) -> torch.Tensor:
     """``act(X W1ᵀ + b1) W2ᵀ + b2`` in one ring pass, with ``X [N, h]`` local rows, ``W1``'s output rows (``w1 [f,
     h]``, ``f = F/p`` of the ``F``-wide hidden layer) and ``W2``'s input columns (``w2 [h, f]``) split over the ring,
     biases full (replicated) or ``None``. ``activation``: ``"gelu_tanh"`` (GPT-2: ``gelu(X W1ᵀ + b1)``) or
@@ -809,8 +865,11 @@ def ring_mlp(x, w1, b1, w2, b2, mesh: DeviceMesh, axis: str, *, activation: str 
     backward). When the hidden block is wider than the input (``f > h``: few ranks, e.g. Llama 3.1 8B's ``I = 14336``
     at ``p <= 3``), each step runs ``options.tile_tokens`` rows at a time, forward and the recomputing backward, so
     the hidden blocks are ``[tile, f]`` (:func:`_mlp_tiles`); the weight gradients sum the tiles' contributions in
-    float32; the exchanges are the same."""
+    float32; the exchanges are the same. ``float8``: every GEMM by that torchao recipe (:mod:`lightning_tp2d.float8`;
+    tensorwise: ``X``, ``dY`` and the weight blocks with their amaxes over the ring, the blocks travelling as
+    float8; the hidden block and its gradient, which exist a step at a time, with their own amax per step)."""
     if activation not in MLP_ACTIVATIONS or (w_gate is not None) != (activation == "swiglu"):
         raise ValueError(f"ring_mlp: activation={activation!r} with w_gate {'given' if w_gate is not None else 'None'};"
                          f" use 'gelu_tanh' without w_gate or 'swiglu' with it")
-    return _RingMLP.apply(x, w1, b1, w2, b2, w_gate, mesh, axis, activation, ring_options(options))
+    return _RingMLP.apply(x, w1, b1, w2, b2, w_gate, mesh, axis, activation, ring_options(options),
+                          f8.check_recipe(float8))

@@ -41,7 +41,7 @@ import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_tp2d import fused_adam, recompute
+from lightning_tp2d import float8, fused_adam, recompute
 from lightning_tp2d.families import family_of, model_names
 from lightning_tp2d.layouts import DEFAULT_LAYOUT, Layout, ParallelHandle, get_layout
 from lightning_tp2d.offload import ActivationOffloader
@@ -89,6 +89,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAU
     family.plan(spec)  # a family without a plan for this layout is refused before anything changes
     register_mesh(mesh)  # the registered ops find it again under torch.compile
     fused_adam.install()  # the fused AdamW step on the DTensor parameters at the plain tensors' host cost
+    recipe = getattr(spec.options, "float8", None)
+    if recipe is not None:  # torchao imported and the recipe's config made now, not first inside a compiled forward
+        float8.recipe_config(recipe)
     family.check_model(spec, p, model.config)  # dropout is refused by ring layers in training
     # A model built on the meta device is materialised one module at a time, on CPU, initialised in
     # init_weights' order (so a seed gives the same weights as an eager build) and then sharded: no rank

@@ -474,30 +474,22 @@ _GRID = ("row", "col")  # a tensorwise float8 scale is the amax over the whole g
 
 
 def _float8_forward(ctx, recipe: str, a, b, mesh):
-    """``(a, b, gemm)`` of a float8 product's forward: under ``tensorwise`` the operands cast with their global
+    """``(a, b, gemm, scales)`` of a float8 product's forward: under ``tensorwise`` the operands cast with their global
     scales (they travel and are saved as float8), under ``rowwise`` as they are (each partial casts its own)."""
-    config = f8.recipe_config(recipe)
     ctx.float8 = recipe
-    fast = config.gemm_config_output.use_fast_accum
-    if recipe == "tensorwise":
-        (a, b), scales = f8.tensorwise_cast(
-            [a, b], [config.cast_config_input.target_dtype, config.cast_config_weight.target_dtype], mesh, _GRID)
-        return a, b, f8.TensorwiseGemm(scales, ctx.out_dtype, fast), scales
-    return a, b, f8.RowwiseGemm(config.cast_config_input.target_dtype, config.round_scales_to_power_of_2, fast), ()
+    (a, b), scales = f8.cast_global(recipe, [a, b], ["input", "weight"], mesh, _GRID)
+    return a, b, f8.product(recipe, scales, ctx.out_dtype), scales
 
 
 def _float8_backward(ctx, grad, mesh, scales):
     """``(grad, (dA gemm, dB gemm))`` of a float8 product's backward (``grad`` cast with its global scale under
     ``tensorwise``: ``e5m2`` by torchao's recipe; each partial casts its own under ``rowwise``)."""
-    config = f8.recipe_config(ctx.float8)
-    fast_a, fast_b = config.gemm_config_grad_input.use_fast_accum, config.gemm_config_grad_weight.use_fast_accum
-    if ctx.float8 == "tensorwise":
-        (grad,), (scale,) = f8.tensorwise_cast([grad], [config.cast_config_grad_output.target_dtype], mesh, _GRID)
-        scale_a, scale_b = scales
-        return grad, (f8.TensorwiseGemm((scale, scale_b), ctx.out_dtype, fast_a),
-                      f8.TensorwiseGemm((scale, scale_a), ctx.out_dtype, fast_b))
-    dtype, pow2 = config.cast_config_grad_output.target_dtype, config.round_scales_to_power_of_2
-    return grad, (f8.RowwiseGemm(dtype, pow2, fast_a), f8.RowwiseGemm(dtype, pow2, fast_b))
+    recipe = ctx.float8
+    (grad,), grad_scale = f8.cast_global(recipe, [grad], ["grad"], mesh, _GRID)
+    scale_a, scale_b = scales or (None, None)
+    with_grad = lambda s: (*grad_scale, s) if grad_scale else ()  # noqa: E731
+    return grad, (f8.product(recipe, with_grad(scale_b), ctx.out_dtype, "grad_input"),
+                  f8.product(recipe, with_grad(scale_a), ctx.out_dtype, "grad_weight"))
 
 
 @registered("summa_ab")

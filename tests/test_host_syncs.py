@@ -48,11 +48,12 @@ def test_a_training_step_never_reads_the_device(layout):
         assert counts == {}, (rank, counts)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_a_float8_step_never_reads_the_device(recipe):
+@pytest.mark.parametrize("layout, recipe", [("2d", "tensorwise"), ("2d", "rowwise"), ("metp", "tensorwise"),
+                                            ("2d-metp", "rowwise")])
+def test_a_float8_step_never_reads_the_device(layout, recipe):
     """The global amaxes are all-reduced and turned into scales on the device."""
     pytest.importorskip("torchao")
-    for rank, counts in enumerate(run_distributed(_count, 4, "2d", recipe)):
+    for rank, counts in enumerate(run_distributed(_count, 4, layout, recipe)):
         assert counts == {}, (rank, counts)
 
 

@@ -89,7 +89,7 @@ class RingLinear(nn.Module):
         w, bias = self.local()
         x, w = autocast_operands(x, w)
         fn = ring_linear_out if self.split == "out" else ring_linear_in
-        return fn(x, w, bias, self.mesh, AXIS, layout, options=options)
+        return fn(x, w, bias, self.mesh, AXIS, layout, options=options, float8=options.float8)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, split={self.split!r}"
@@ -136,7 +136,8 @@ class RingAttention(nn.Module):
     def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
         """``documents``: the full batch's packed documents (:func:`~lightning_tp2d.metp.ring_attention`)."""
         refuse_attention_dropout(self)
-        if self.local and documents is None and self.options.attention_kernel == "auto":  # plain attention, fused
+        if (self.local and documents is None and self.options.attention_kernel == "auto"
+                and self.options.float8 is None):  # plain attention, fused (float8: the ring kernels, on one rank)
             (w_attn, b_attn), (w_proj, b_proj) = self.c_attn.local(), self.c_proj.local()
             y = causal_attention(F.linear(x, w_attn, b_attn), self.n_head)
             return self.resid_dropout(F.linear(y, w_proj, b_proj))
@@ -165,10 +166,11 @@ class RingMLP(nn.Module):
         B, S, h = x.shape
         w1, b1 = self.c_fc.local()
         w2, b2 = self.c_proj.local()
-        if self.local and one_tile(B * S, self.options):  # a ring of one: the plain model's MLP
+        if self.local and one_tile(B * S, self.options) and self.options.float8 is None:  # the plain model's MLP
             return self.dropout(F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2))
         x2d, w1, w2 = autocast_operands(x.reshape(B * S, h), w1, w2)
-        out = ring_mlp(x2d, w1, b1, w2, b2, self.mesh, AXIS, options=self.options)  # (B*S, h)
+        out = ring_mlp(x2d, w1, b1, w2, b2, self.mesh, AXIS, options=self.options,
+                       float8=self.options.float8)  # (B*S, h)
         return self.dropout(out.view(B, S, h))
 
 

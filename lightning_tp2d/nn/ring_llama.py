@@ -102,7 +102,8 @@ class RingLlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
         """``documents``: the full batch's packed documents (:func:`~lightning_tp2d.metp.ring_attention`)."""
         refuse_attention_dropout(self)
-        if self.local and documents is None and self.options.attention_kernel == "auto":  # plain attention, fused
+        if (self.local and documents is None and self.options.attention_kernel == "auto"
+                and self.options.float8 is None):  # plain attention, fused (float8: the ring kernels, on one rank)
             wq, wk, wv, wo = (proj.local()[0] for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj))
             y = rope_attention(F.linear(x, wq), F.linear(x, wk), F.linear(x, wv), self.head_size, self.rope)
             return F.linear(y, wo)
@@ -115,7 +116,8 @@ class RingLlamaAttention(nn.Module):
         (wk, _), (wv, _) = self.k_proj.local(), self.v_proj.local()
         x2d, wkv = autocast_operands(x2d, torch.cat([wk, wv]))  # as RingLinear does for q
         k, v = ring_linear_out(x2d, wkv, None, self.mesh, AXIS,
-                               HeadBlocks(2, B, S, self.n_kv_head, hs, p), options=self.options)  # (B, nkv, S, hs)
+                               HeadBlocks(2, B, S, self.n_kv_head, hs, p), options=self.options,
+                               float8=self.options.float8)  # (B, nkv, S, hs); float8: one scale for k and v
         cos, sin = rope_cache(zigzag_positions(S * p, p, i, x.device), hs, self.rope)  # absolute positions
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = ring_attention(group_queries(q, k, v), self.mesh, AXIS, groups=self.n_head // self.n_kv_head,
@@ -143,10 +145,11 @@ class RingSwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, h = x.shape
         (wg, _), (wu, _), (wd, _) = self.gate_proj.local(), self.up_proj.local(), self.down_proj.local()
-        if self.local and one_tile(B * S, self.options):  # a ring of one: the plain model's MLP
+        if self.local and one_tile(B * S, self.options) and self.options.float8 is None:  # the plain model's MLP
             return swiglu(x, wg, wu, wd)
         x2d, wg, wu, wd = autocast_operands(x.reshape(B * S, h), wg, wu, wd)
-        out = ring_mlp(x2d, wu, None, wd, None, self.mesh, AXIS, activation="swiglu", w_gate=wg, options=self.options)
+        out = ring_mlp(x2d, wu, None, wd, None, self.mesh, AXIS, activation="swiglu", w_gate=wg, options=self.options,
+                       float8=self.options.float8)
         return out.view(B, S, h)
 
 

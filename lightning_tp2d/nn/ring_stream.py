@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_tp2d import float8 as f8
 from lightning_tp2d.comm import all_reduce_along, axis_rank, summed_later
 from lightning_tp2d.metp import (RingOptions, acc_dtype, mm_into, ring_backward, ring_forward, ring_options,
                                 tile_rows)
@@ -104,6 +105,9 @@ class HeadBlocks:
             block = t[:, :, j * per:(j + 1) * per]  # (g, B, H/n, S, d)
             return block.permute(1, 3, 0, 2, 4).reshape(B * S, g * self.width)
         parts = [t[:, :, head, :, lo:hi] for head, lo, hi, _ in self._touched(j)]  # each (g, B, S, cols)
+        if t.dtype.itemsize == 1 and t.dtype.is_floating_point:  # float8 blocks: cat their bytes (autocast's cat
+            parts = [part.view(torch.uint8) for part in parts]   # rule has no float8 type)
+            return torch.cat(parts, dim=-1).view(t.dtype).permute(1, 2, 0, 3).reshape(B * S, g * self.width)
         return torch.cat(parts, dim=-1).permute(1, 2, 0, 3).reshape(B * S, g * self.width)
 
     def write(self, t: torch.Tensor, j: int, block: torch.Tensor) -> None:
@@ -125,10 +129,34 @@ class HeadBlocks:
         return dt.sum((1, 3), dtype=dtype).reshape(-1)  # (g, H, d) in torch's order
 
 
-def _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step) -> None:
-    """The forward pass shared by both linears: stream ``w`` round the ring calling ``step``; keep ``x`` and ``w``."""
+def _stream_casts(ctx, x, w, float8, axis, mesh):
+    """``(x, w, gemm, scales)``: a linear's operands and its forward GEMMs, in high precision or by the ``float8``
+    recipe (tensorwise: ``x`` and ``w`` cast with their amaxes over the ring, and ``w``'s blocks travel as float8).
+    Keeps on ``ctx`` what the backward needs to know of them."""
+    ctx.float8, ctx.dtype, ctx.w_dtype = float8, x.dtype, w.dtype
+    if float8 is None:
+        return x, w, f8.HIGH, ()
+    (x, w), scales = f8.cast_global(float8, [x, w], ["input", "weight"], mesh, (axis,))
+    return x, w, f8.product(float8, scales, ctx.dtype), scales
+
+
+def _stream_grad_casts(ctx, dy, scales):
+    """``(dy, dX gemm, dW gemm)`` of a linear's backward: high precision, or ``dy`` cast by the recipe (tensorwise:
+    with its amax over the ring); the weight gradient's GEMM writes the ring's float32 accumulation dtype."""
+    if ctx.float8 is None:
+        return dy, f8.HIGH, f8.HIGH
+    (dy,), grad_scale = f8.cast_global(ctx.float8, [dy], ["grad"], ctx.mesh, (ctx.axis,))
+    scale_x, scale_w = scales or (None, None)
+    with_grad = lambda s: (*grad_scale, s) if grad_scale else ()  # noqa: E731
+    return (dy, f8.product(ctx.float8, with_grad(scale_w), ctx.dtype, "grad_input"),
+            f8.product(ctx.float8, with_grad(scale_x), acc_dtype(ctx.dtype), "grad_weight"))
+
+
+def _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step, scales=()) -> None:
+    """The forward pass shared by both linears: stream ``w`` round the ring calling ``step``; keep ``x`` and ``w``
+    (float8 under a tensorwise recipe, with their ``scales``)."""
     ring_forward((w,), mesh, axis, step, double_buffer=options.double_buffer)
-    ctx.save_for_backward(x, w)
+    ctx.save_for_backward(x, w, *scales)
     ctx.mesh, ctx.axis, ctx.layout, ctx.has_bias, ctx.options = mesh, axis, layout, bias is not None, options
     ctx.bias_dtype = None if bias is None else bias.dtype
 
@@ -143,98 +171,106 @@ def summed_bias_grad(ctx, grad: Callable[[torch.dtype], torch.Tensor]) -> Callab
 
 
 def _stream_backward(ctx, w, step) -> torch.Tensor:
-    """The backward pass shared by both linears: ``dW`` summed round the ring from ``step``'s contributions."""
+    """The backward pass shared by both linears: ``dW`` summed round the ring from ``step``'s contributions (in the
+    weight's own dtype's wire and result dtypes, also when its blocks travel as float8)."""
     (dw,) = ring_backward((w,), ctx.mesh, ctx.axis, step, double_buffer=ctx.options.double_buffer,
-                          wire_dtype=ctx.options.wire_dtype(w.dtype))
-    return dw.to(w.dtype)
+                          wire_dtype=ctx.options.wire_dtype(ctx.w_dtype))
+    return dw.to(ctx.w_dtype)
 
 
 @registered("ring_linear_out")
 class _RingLinearOut(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bias, mesh, axis, layout, options):
+    def forward(ctx, x, w, bias, mesh, axis, layout, options, float8):
         # x (N, in) local rows; w (out/p, in) this rank's output rows; bias (out,) replicated or None
         y = x.new_empty(layout.shape)
         # each block's bias as a row, in the product's dtype (as autocast gives a plain linear its bias), once per call
         bias_rows = None if bias is None else layout.bias_rows(bias.to(x.dtype))
+        x, w, gemm, scales = _stream_casts(ctx, x, w, float8, axis, mesh)
 
         def step(j, blocks):
             (w_j,) = blocks
-            y_j = x @ w_j.t() if bias_rows is None else torch.addmm(bias_rows[j], x, w_j.t())  # one op, not mm + add_
+            y_j = gemm.first(x, w_j.t(), None if bias_rows is None else bias_rows[j])  # one op, not mm + add_
             layout.write(y, j, y_j)
 
-        _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step)
+        _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step, scales)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        acc = acc_dtype(x.dtype)
-        dx = torch.empty_like(x)  # written by the first step's GEMM (j == i)
+        x, w, *scales = ctx.saved_tensors
+        acc = acc_dtype(ctx.dtype)
+        dx = x.new_empty(x.shape, dtype=ctx.dtype)  # written by the first step's GEMM (j == i)
         i = axis_rank(ctx.mesh, ctx.axis)
         db = summed_bias_grad(ctx, lambda dtype: ctx.layout.bias_grad(dy, dtype))
+        dy, gemm_x, gemm_w = _stream_grad_casts(ctx, dy, scales)
 
         def step(j, blocks):
             (w_j,) = blocks
             g = ctx.layout.read(dy, j)  # (N, out/p)
-            mm_into(dx, g, w_j, first=j == i)  # dX += dY_j W_j
-            return ((g.t() @ x).to(acc),)  # dW_j += dY_jᵀ X
+            mm_into(dx, g, w_j, first=j == i, gemm=gemm_x)  # dX += dY_j W_j
+            return (gemm_w.mm(g.t(), x).to(acc),)  # dW_j += dY_jᵀ X
 
         dw = _stream_backward(ctx, w, step)
-        return dx, dw, db(), None, None, None, None
+        return dx, dw, db(), None, None, None, None, None
 
 
 @registered("ring_linear_in")
 class _RingLinearIn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bias, mesh, axis, layout, options):
+    def forward(ctx, x, w, bias, mesh, axis, layout, options, float8):
         # x: input whose block j (layout) is the in-columns of ring rank j; w (out, in/p) this rank's columns
         out = None  # written by the first step's GEMM (j == i), with the bias
         bias_x, i = None if bias is None else bias.to(x.dtype), axis_rank(mesh, axis)
+        x, w, gemm, scales = _stream_casts(ctx, x, w, float8, axis, mesh)
 
         def step(j, blocks):
             nonlocal out
             (w_j,) = blocks
             x_j = layout.read(x, j)
             if out is None:
-                out = x_j.new_empty((x_j.shape[0], w_j.shape[0]))
-            mm_into(out, x_j, w_j.t(), first=j == i, bias=bias_x)
+                out = x_j.new_empty((x_j.shape[0], w_j.shape[0]), dtype=ctx.dtype)
+            mm_into(out, x_j, w_j.t(), first=j == i, bias=bias_x, gemm=gemm)
 
-        _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step)
+        _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step, scales)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, w = ctx.saved_tensors
-        acc = acc_dtype(x.dtype)
+        x, w, *scales = ctx.saved_tensors
+        acc = acc_dtype(ctx.dtype)
         dout = dout.contiguous()
-        dx = x.new_empty(ctx.layout.shape)
+        dx = x.new_empty(ctx.layout.shape, dtype=ctx.dtype)
         db = summed_bias_grad(ctx, lambda dtype: dout.sum(0, dtype=dtype))
+        dout, gemm_x, gemm_w = _stream_grad_casts(ctx, dout, scales)
 
         def step(j, blocks):
             (w_j,) = blocks
-            ctx.layout.write(dx, j, dout @ w_j)  # dX_j = dY W_j
-            return ((dout.t() @ ctx.layout.read(x, j)).to(acc),)  # dW_j += dYᵀ X_j
+            ctx.layout.write(dx, j, gemm_x.mm(dout, w_j))  # dX_j = dY W_j
+            return (gemm_w.mm(dout.t(), ctx.layout.read(x, j)).to(acc),)  # dW_j += dYᵀ X_j
 
         dw = _stream_backward(ctx, w, step)
-        return dx, dw, db(), None, None, None, None
+        return dx, dw, db(), None, None, None, None, None
 
 
 def ring_linear_out(x, w, bias, mesh: DeviceMesh, axis: str, layout, *,
-                    options: RingOptions | None = None) -> torch.Tensor:
+                    options: RingOptions | None = None, float8: str | None = None) -> torch.Tensor:
     """``Y = X Wᵀ + b`` with ``W [out, in]`` split by output rows over the ring (``w [out/p, in]``, block ``i``):
     the blocks stream past the resident ``X [N, in]`` and block ``j`` of ``Y`` is written where ``layout``
     puts it (:class:`ColumnBlocks` or :class:`HeadBlocks`). Forward ``p-1`` exchanges of ``w``; backward
-    ``dX = Σ_j dY_j W_j`` locally and ``dW_j = Σ_i dY_ijᵀ X_i`` travelling: ``p-1`` + ``p`` exchanges."""
-    return _RingLinearOut.apply(x, w, bias, mesh, axis, layout, ring_options(options))
+    ``dX = Σ_j dY_j W_j`` locally and ``dW_j = Σ_i dY_ijᵀ X_i`` travelling: ``p-1`` + ``p`` exchanges. ``float8``:
+    every GEMM by that torchao recipe (:mod:`lightning_tp2d.float8`; tensorwise: the weight blocks travel as float8,
+    the gradient sums in high precision)."""
+    return _RingLinearOut.apply(x, w, bias, mesh, axis, layout, ring_options(options), f8.check_recipe(float8))
 
 
 def ring_linear_in(x, w, bias, mesh: DeviceMesh, axis: str, layout, *,
-                   options: RingOptions | None = None) -> torch.Tensor:
+                   options: RingOptions | None = None, float8: str | None = None) -> torch.Tensor:
     """``Y = Σ_j X_j W_jᵀ + b`` with ``W [out, in]`` split by input columns over the ring (``w [out, in/p]``) and
     ``X``'s column block ``j`` read through ``layout``; ``Y [N, out]``. Forward ``p-1`` exchanges of ``w``;
-    backward ``dX_j = dY W_j`` written back through ``layout``, ``dW_j = Σ_i dYᵢᵀ X_ij`` travelling."""
-    return _RingLinearIn.apply(x, w, bias, mesh, axis, layout, ring_options(options))
+    backward ``dX_j = dY W_j`` written back through ``layout``, ``dW_j = Σ_i dYᵢᵀ X_ij`` travelling. ``float8``: as
+    :func:`ring_linear_out`."""
+    return _RingLinearIn.apply(x, w, bias, mesh, axis, layout, ring_options(options), f8.check_recipe(float8))
 
 
 # ---- vocabulary: embedding and LM-head cross-entropy -----------------------------------------------
