@@ -138,6 +138,7 @@ class TensorParallelCore:
     _run_precision: str = "32-true"  # the Lightning precision name (kept by _check_precision_name)
     plans_layout: bool = False  # layout="auto" is supported (the strategy knows the model before the process group)
     chosen_plan: PlanRow | None = None  # layout="auto": the planner's row this run follows
+    _planned_float8: str | None = None  # the float8 recipe asked for (layout="auto": every planned row priced with it)
     given_plan: TrainPlan | None = None  # the plan= argument, or the TrainPlan of the planner's row (_take_plan)
 
     def __init__(self, layout: str | Layout = DEFAULT_LAYOUT, tensor_parallel_size: Literal["auto"] | int = "auto",
@@ -238,27 +239,30 @@ class TensorParallelCore:
         self._run_plan = None
 
     def _check_float8(self, float8: str | None) -> None:
-        """``float8`` (a torchao recipe, :mod:`lightning_tp2d.float8`) onto the requested layout's options; a
-        ``ValueError`` for ``layout="auto"`` (the planner does not price float8 yet) or a layout without float8
-        products. The layout's own ``options.float8`` stands when ``float8`` is ``None``."""
+        """``float8`` (a torchao recipe, :mod:`lightning_tp2d.float8`) onto the requested layout's options, or with
+        ``layout="auto"`` kept for the planner, which prices every row with it (the chosen row's plan carries it). A
+        ``ValueError`` for a layout without float8 products. The layout's own ``options.float8`` stands when
+        ``float8`` is ``None``."""
         from lightning_tp2d.float8 import check_recipe, float8_notice  # (torchao: imported only with a recipe)
 
         float8 = check_recipe(float8)
+        self._planned_float8 = float8
         if float8 is None:
             return
-        if self._request.spec is None:
-            raise ValueError(f"float8={float8!r} needs a named layout ('2d'): the planner (layout='auto') does not "
-                             "price float8 yet")
-        self._request = dataclasses.replace(self._request, spec=self._request.spec.with_float8(float8))
+        if self._request.spec is not None:
+            self._request = dataclasses.replace(self._request, spec=self._request.spec.with_float8(float8))
         notice = float8_notice(float8)  # a GPU without float8 GEMMs: a ValueError; the CPU: a one-line notice
         if notice and int(os.environ.get("RANK", "0")) == 0:
             warnings.warn(notice, stacklevel=3)
 
     @property
     def float8(self) -> str | None:
-        """The float8 recipe the linears run (``None``: high precision)."""
+        """The float8 recipe the linears run (``None``: high precision; ``layout="auto"`` before it is planned: the
+        recipe asked for)."""
         spec = self._request.spec
-        return None if spec is None or spec.options is None else getattr(spec.options, "float8", None)
+        if spec is None:
+            return self._planned_float8
+        return None if spec.options is None else getattr(spec.options, "float8", None)
 
     def _check_offload(self, activation_offload: bool, activation_checkpointing: str, auto: bool) -> str:
         """Check and keep ``activation_offload``; return the checkpointing mode it runs with: ``"full"`` when it
@@ -443,7 +447,8 @@ class TensorParallelCore:
         if self.activation_offload:  # offload runs on full checkpointing only (the planner prices it without offload)
             options["checkpointing"] = ("full",)
         rows = plan(config, gpus=world, gpu_memory_gib=memory_gib, gpus_per_node=per_node, seq=seq,
-                    global_batch_tokens=tokens, include_baselines=False, layouts=layouts, **options)
+                    global_batch_tokens=tokens, include_baselines=False, layouts=layouts, float8=self._planned_float8,
+                    **options)
         tensor, data = self._request.tensor_parallel_size, self._request.data_parallel_size
         kept = [r for r in rows if tensor in ("auto", r.tensor_parallel_size) and data in ("auto", r.data_parallel_size)
                 and (self.compile_options is None or r.checkpointing == "none"

@@ -5,18 +5,20 @@ torchao itself so that the layouts and the torchao rivals run the same recipe):
 
 ==============  =======================================================================================================
 ``tensorwise``  one scale per tensor (input, weight: ``e4m3``; output gradient: ``e5m2``), from the tensor's global
-                amax. On the grid every rank casts its own block with the *global* scale: the amax of its block is
-                all-reduced (``max``) over ``row`` and ``col`` first (one small collective per product and pass,
-                reduced on the device: no host sync). The blocks then travel *as float8*: SUMMA's panels, the weight
-                column and the ring's blocks carry one byte per element (half of bf16's), and every partial product
-                is one ``torch._scaled_mm`` with the two global scales, so a grid's product equals the plain model's
-                float8 product up to the order of its fp32 partial sums.
+                amax. Every rank casts its own block with the *global* scale: the amax of its block is all-reduced
+                (``max``) over the axes that split the tensor first (``row`` and ``col`` on the grid, the ring; one
+                small collective per product and pass, on the device: no host sync). The blocks then travel *as
+                float8*: SUMMA's panels and weight columns, the ring's weight blocks carry one byte per element
+                (half of bf16's), and every partial product is one ``torch._scaled_mm`` with the two global scales,
+                so a product equals the plain model's float8 product up to the order of its fp32 partial sums. The
+                ring MLP's hidden block and its gradient exist one step at a time: each is cast where it is
+                multiplied, with its own amax (:class:`TensorwiseGemm`'s ``cast_dtype``).
 ``rowwise``     one scale per row of the left operand and per column of the right one, over the GEMM's contraction
                 (``e4m3`` throughout, power-of-two scales), cast again for each of the three GEMMs from the operands
-                in high precision (as torchao does). On the grid each partial product's operands are cast where they
-                are multiplied, with scales over that partial's block of the contraction: finer than torchao's scale
-                over the whole row, so a grid's product equals the plain model's within float8 rounding, not to its
-                bits. Panels travel in high precision (the scales of a block differ per partial).
+                in high precision (as torchao does). In the layouts each partial product's operands are cast where
+                they are multiplied, with scales over that partial's block of the contraction: finer than torchao's
+                scale over the whole row, so a product equals the plain model's within float8 rounding, not to its
+                bits. Blocks travel in high precision (the scales of a block differ per partial).
 ==============  =======================================================================================================
 
 Master weights, the optimizer, norms, attention, the LM head and the loss stay as they are; only the linears' GEMMs
@@ -33,9 +35,9 @@ import torch
 from lightning_tp2d.options import FLOAT8_RECIPES as RECIPES
 from lightning_tp2d.options import check_float8 as check_recipe
 
-__all__ = ["RECIPES", "check_recipe", "recipe_config", "float8_supported", "float8_notice", "tensorwise_cast",
-           "Gemm", "HIGH", "TensorwiseGemm", "RowwiseGemm", "linear_configs", "linear", "is_float8_linear",
-           "convert_plain"]
+__all__ = ["RECIPES", "check_recipe", "recipe_config", "float8_supported", "float8_notice", "cast", "tensorwise_cast",
+           "Gemm", "HIGH", "TensorwiseGemm", "RowwiseGemm", "role_dtype", "cast_global", "product", "linear_configs",
+           "linear", "is_float8_linear", "convert_plain"]
 
 
 _AO: tuple | None = None  # (torchao.float8, float8_ops, float8_utils) once imported
@@ -102,8 +104,8 @@ def cast(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch
 
 
 def tensorwise_cast(tensors, dtypes, mesh=None, axes=()):
-    """Each of ``tensors`` cast to its ``dtypes`` entry with its *global* tensorwise scale: the amaxes of the local blocks,
-    stacked, are all-reduced (``max``) over each of ``axes`` of ``mesh`` in one call per axis (on the device), then
+    """Each of ``tensors`` cast to its ``dtypes`` entry with its *global* tensorwise scale: the amaxes of the local
+    blocks, stacked, are all-reduced (``max``) over each of ``axes`` of ``mesh`` in one call per axis (on the device), then
     turned into scales by torchao. Returns ``(codes, scales)``, ``scales[i]`` the 0-d scale of ``tensors[i]``."""
     from lightning_tp2d.comm import all_reduce_along
 
@@ -178,7 +180,8 @@ class TensorwiseGemm(Gemm):
         inverse = list(self.inverse)
         a, b = self._operand(a, inverse), self._operand(b, inverse)
         return torch._scaled_mm(_row_major(a), _col_major(b), inverse[0], inverse[1], bias=bias,
-                                out_dtype=self.dtype, use_fast_accum=self.fast_accum, **({} if out is None else {"out": out}))
+                                out_dtype=self.dtype, use_fast_accum=self.fast_accum,
+                                **({} if out is None else {"out": out}))
 
     def mm(self, a, b):
         return self._scaled(a, b)
@@ -247,7 +250,8 @@ def cast_global(recipe: str, tensors, roles, mesh=None, axes=()):
     return tensorwise_cast(tensors, [role_dtype(recipe, r) for r in roles], mesh, axes)
 
 
-def product(recipe: str, scales, out_dtype: torch.dtype, gemm_pass: str = "output", cast_role: str | None = None) -> Gemm:
+def product(recipe: str, scales, out_dtype: torch.dtype, gemm_pass: str = "output",
+            cast_role: str | None = None) -> Gemm:
     """The GEMMs of one product of a kernel: ``scales`` of its operands cast by :func:`cast_global` (tensorwise),
     ``gemm_pass`` the linear's GEMM it is (``"output"``, ``"grad_input"``, ``"grad_weight"``: torchao's fast
     accumulation setting of each), ``cast_role`` the role of an operand that arrives in high precision (cast at the

@@ -153,6 +153,8 @@ def train(cfg: DictConfig, run_dir: Path, ranks: RankWatch | None = None) -> flo
     callbacks, interrupt, checkpoint = make_callbacks(cfg, run_dir)
     if rank_zero:
         log.info("tp2d-train: %s", plan)
+        if float8_notice_line(cfg.parallel):  # the CPU emulates float8 GEMMs: one line says so
+            log.info("tp2d-train: %s", float8_notice_line(cfg.parallel))
         log.info("%s", resume_note(cfg.ckpt_path, run_dir) or f"run directory: {run_dir}")
 
     steps, every = int(cfg.trainer.max_steps), int(cfg.trainer.log_every_n_steps)
@@ -505,17 +507,27 @@ def check_parallel(par: DictConfig) -> None:
         check_float8(par)
 
 
-def check_float8(par: DictConfig) -> None:
-    """``parallel.float8`` before launch: a recipe name, a layout whose products run it (not ``auto``: the planner
-    does not price float8 yet), torchao installed, and a GPU with float8 GEMMs where there is one."""
+def float8_notice_line(par: DictConfig) -> str | None:
+    """What a run with ``parallel.float8`` says before it starts (:func:`lightning_tp2d.float8.float8_notice`: one line
+    when the GEMMs are emulated, on the CPU), ``None`` without a recipe or on a GPU with float8 GEMMs."""
+    if par.get("float8") in (None, False, "none"):
+        return None
     from lightning_tp2d.float8 import float8_notice
+
+    return float8_notice(str(par.float8))
+
+
+def check_float8(par: DictConfig) -> None:
+    """``parallel.float8`` before launch: a recipe name, a layout whose products run it (``auto``: the planner prices
+    every row with it), torchao installed, and a GPU with float8 GEMMs where there is one."""
+    from lightning_tp2d.float8 import check_recipe, float8_notice
 
     layout = str(par.get("layout", AUTO_LAYOUT))
     try:
         if layout == AUTO_LAYOUT:
-            raise ValueError(f"float8={par.float8!r} needs a named layout (parallel=tp2d): the planner "
-                             "(layout=auto) does not price float8 yet")
-        get_layout(layout).with_float8(str(par.float8))
+            check_recipe(str(par.float8))
+        else:
+            get_layout(layout).with_float8(str(par.float8))
         float8_notice(str(par.float8))
     except (ValueError, ImportError) as err:
         raise ConfigError(f"parallel.float8: {err}") from None

@@ -216,6 +216,12 @@ def test_gpu_rates_recipe_measures_every_table_and_the_planner_prices_with_it(tm
     assert (hw.matmul_flops_per_s, hw.gemm_overhead_s) == gemm_rates.fit(points)
     assert hw.attention_flops_per_s == rates["summary"]["attention_flops_per_s"] == rates["sdpa"][-1]["step_flops_per_s"]
     assert hw.hbm_bytes_per_s == rates["bandwidth"]["bytes_per_s"] and hw.intra == cost_model.H100_NVLINK4_NDR.intra
+    float8 = [gemm_rates.GemmPoint(r["m"], r["k"], r["n"], r["flops_per_s"]) for r in rates.get("float8_gemm", ())
+              if "flops_per_s" in r]
+    if len({p.flops for p in float8 if p.aligned}) >= 2:  # the float8 speedup: measured where float8 GEMMs ran
+        assert hw.float8_gemm_speedup == pytest.approx(gemm_rates.fit(float8)[0] / hw.matmul_flops_per_s)
+    else:
+        assert hw.float8_gemm_speedup == cost_model.H100_NVLINK4_NDR.float8_gemm_speedup
     plan = tmp_path / "plan.json"
     args = ["llama-tiny", "--gpus", "4", "--gpus-per-node", "4", "--gpu-memory-gib", "0.05", "--seq", "48",
             "--global-batch-tokens", "768", "--layouts", "2d", "--no-baselines", "--zero-stages", "0",

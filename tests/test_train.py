@@ -314,17 +314,22 @@ def test_ring_layouts_train_and_sample_from_the_command_line(tmp_path, parallel,
             assert got == pytest.approx(want, rel=1e-6, abs=0), (got, want)  # steps 4-6 as if never stopped
 
 
-def test_llama_trains_on_a_2x2_grid_and_its_checkpoint_exports_to_transformers(tmp_path):
-    """``tp2d-train model=llama-tiny parallel=tp2d``: the LightningModule builds the Llama, the strategy splits it
-    over the grid, the sample is drawn from it, and the checkpoint exports to a LlamaForCausalLM with its logits."""
+def test_llama_trains_in_float8_on_a_2x2_grid_and_its_checkpoint_exports_to_transformers(tmp_path):
+    """``tp2d-train model=llama-tiny parallel=tp2d parallel.float8=rowwise``: the LightningModule builds the Llama,
+    the strategy splits it over the grid with float8 linears (emulated on CPU: one line says so), the sample is drawn
+    from it, and the checkpoint (no float8 state in it) exports to a LlamaForCausalLM with its logits."""
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("float8 needs torchao")
     from lightning_tp2d import export_hf, load_llama
 
     args = ["experiment=quick", "model=llama-tiny", "parallel=tp2d", "parallel.tensor_parallel_size=4",
-            "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-            "trainer.log_every_n_steps=1", "data.max_tokens=20000", "sample.max_new_tokens=8",
-            "trainer.enable_progress_bar=false"]
+            "parallel.float8=rowwise", "trainer.max_steps=4", "trainer.val_check_interval=2",
+            "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "data.max_tokens=20000",
+            "sample.max_new_tokens=8", "trainer.enable_progress_bar=false"]
     run = tp2d_train_ranks(args, tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert (run.stdout + run.stderr).count("float8='rowwise': torch._scaled_mm is emulated on the CPU") == 1, \
+        run.stderr[-3000:]
     (run_dir,) = run_dirs(tmp_path)
     train, val, _ = losses(tmp_path / run_dir)
     assert len(train) == 4 and len(val) == 2 and train[-1] < train[0]

@@ -319,7 +319,8 @@ def _family(config) -> _Family1D:
                     f"got {type(config).__name__}")
 
 
-def parallelize_1d(model: GPT2 | Llama, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> GPT2 | Llama:
+def parallelize_1d(model: GPT2 | Llama, mesh: DeviceMesh, *, sequence_parallel: bool = False,
+                   float8: str | None = None) -> GPT2 | Llama:
     """Apply Megatron-style 1-D tensor parallelism with torch's TP styles to ``model`` (our GPT-2 or Llama) in
     place; returns it.
 
@@ -332,6 +333,12 @@ def parallelize_1d(model: GPT2 | Llama, mesh: DeviceMesh, *, sequence_parallel: 
     parameters are kept as each rank has them. Raises ``ValueError`` naming the numbers (heads, key/value heads,
     hidden or MLP size not divisible by ``p``, dropout) before any communication. Use :func:`param_groups_1d`
     for the optimizer.
+
+    ``float8`` (``"tensorwise"`` / ``"rowwise"``): the linears but the head first become torchao's ``Float8Linear``
+    (``convert_to_float8_training`` with the recipe, :func:`lightning_tp2d.float8.convert_plain`), then the same
+    styles shard them (torchao's ``Float8Linear`` takes DTensor weights; its tensorwise amax is the DTensor's global
+    one), as torchtitan converts before it parallelizes. torchtitan's tensorwise float8 TP styles, which all-gather the
+    activations in float8, are not used: the activations travel in bf16, as in its rowwise runs.
     """
     fam = _family(getattr(model, "config", None))
     if not isinstance(model, fam.model_class):
@@ -353,6 +360,10 @@ def parallelize_1d(model: GPT2 | Llama, mesh: DeviceMesh, *, sequence_parallel: 
 
     embedding = model.get_submodule(fam.embedding)
     tied = model.lm_head.weight is embedding.weight
+    if float8 is not None:
+        from lightning_tp2d.float8 import convert_plain  # torchao: imported only with a recipe
+
+        convert_plain(model, float8)
     if fam.prepare is not None:
         fam.prepare(model, p)
     plan = fam.plan(cfg.n_layer, sequence_parallel)

@@ -72,6 +72,8 @@ def train_overrides(row: PlanRow, model: str, seq: int, *, gpus_per_node: int, g
            f"parallel.activation_checkpointing={row.checkpointing}"]
     if row.activation_offload:
         out.append("parallel.activation_offload=true")
+    if row.float8:
+        out.append(f"parallel.float8={row.float8}")
     compiles = (row.checkpointing == "none" or (row.checkpointing == "full" and spec.compiles_checkpointed)) \
         and not row.activation_offload
     if compiled and compiles:
@@ -141,6 +143,8 @@ def torchtitan_settings(row: PlanRow, seq: int, *, compiled: bool = True) -> lis
         out.append("--activation_checkpoint.selective_ac_option=op")
     if row.async_tp:
         out.append("--parallelism.enable_async_tensor_parallel")
+    if row.float8:  # torchao's recipe on every linear but the head (torchtitan's float8 converter)
+        out += ["--model.converters=quantize.linear.float8", f"--quantize.linear.float8.recipe_name={row.float8}"]
     if compiled or row.async_tp:
         out.append("--compile.enable")
     out += [f"--training.local_batch_size={row.micro_batch}", f"--training.seq_len={seq}"]
@@ -173,5 +177,7 @@ def command_for(row: PlanRow, model: str, seq: int, *, gpus_per_node: int, gpu_m
                                                                                                compiled=compiled))]
     if is_rival(row.layout) and get_rival(row.layout).planned:
         lines.append(f"Lightning: Trainer(devices={devices}, num_nodes={nodes}, strategy={lightning_strategy(row)}) "
-                     "with torch's 1-D TP + SP plan and FSDP2 in its parallelize_fn")
+                     "with torch's 1-D TP + SP plan and FSDP2 in its parallelize_fn"
+                     + (f", the linears but the head converted by torchao's convert_to_float8_training "
+                        f"({row.float8!r} recipe) before it" if row.float8 else ""))
     return "\n".join(lines)

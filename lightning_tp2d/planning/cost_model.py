@@ -385,6 +385,8 @@ class Hardware:
     host_memory_bytes: float = 0.0  # host memory of one node: what offloaded activations must fit in
     # times the line's seconds an unaligned product takes (planning.gemm_rates.unaligned_slowdown; 1: not measured)
     unaligned_gemm_slowdown: float = 1.0
+    # float8 GEMMs' rate over the bf16 ones' (parallel.float8, float8_seconds); 0: the GPU has none
+    float8_gemm_speedup: float = 0.0
 
 
 # H100 SXM (bf16 dense peak ~989e12). Compute rates measured on an H200 (an H100's compute with more HBM) by
@@ -399,12 +401,18 @@ class Hardware:
 # H100's).
 _H100_GEMM_RATE, _H100_GEMM_OVERHEAD = fit_gemm_rates(H200_BF16)
 _H100_ATTENTION_RATE = 541e12
+# float8 GEMMs: not measured here yet (recipes/benchmarks/run_gpu_issue48.sh measures _scaled_mm beside bf16). Until
+# then torchao's own roofline model (torchao/testing/training/roofline_utils.py, torchao 0.18: H100 fp8 peak 1979e12
+# and bf16 989e12 dense, the same achievable fraction of each): 2.0x the bf16 rate, both recipes (torchao's rowwise
+# path runs the tensorwise kernel and scales after it; its extra cast passes are priced as bytes, float8_seconds)
+_H100_FLOAT8_SPEEDUP = 1979 / 989
 H100_NVLINK4_NDR = Hardware("H100 SXM, NVLink 4 (8/node), NDR 400G", _H100_GEMM_RATE, _H100_ATTENTION_RATE,
                             intra=Link(3e-6, 450e9), inter=Link(5e-6, 50e9), gpus_per_node=8,
                             gemm_overhead_s=_H100_GEMM_OVERHEAD, hbm_bytes_per_s=3.35e12, peak_flops_per_s=989e12,
                             host_bytes_per_s=50e9, host_memory_bytes=2e12,
                             unaligned_gemm_slowdown=unaligned_slowdown(H200_BF16, _H100_GEMM_RATE,
-                                                                       _H100_GEMM_OVERHEAD))
+                                                                       _H100_GEMM_OVERHEAD),
+                            float8_gemm_speedup=_H100_FLOAT8_SPEEDUP)
 # H200 SXM: an H100's compute with HBM3e, whose 1 GiB copy measured 4.23 TB/s (read + written) on 2026-12-04.
 H200_NVLINK4_NDR = dataclasses.replace(H100_NVLINK4_NDR, name="H200 SXM, NVLink 4 (8/node), NDR 400G",
                                        hbm_bytes_per_s=4.23e12)
@@ -426,8 +434,9 @@ def with_measured_rates(hw: Hardware, rates: dict) -> Hardware:
     """``hw`` with its compute and memory rates replaced by those measured on a GPU (the JSON ``recipes/gpu_rates.py``
     writes): GEMMs by the fit of its aligned products (:func:`lightning_tp2d.planning.gemm_rates.fit`: rate and overhead
     per kernel) and the slowdown of its unaligned ones, attention by its ``summary``'s rate (causal SDPA forward + backward at the longest length measured),
-    memory by its copy bandwidth; the links, node size and MFU peak stay ``hw``'s. ``ValueError`` naming what is
-    missing if ``rates`` is not such a table."""
+    memory by its copy bandwidth; float8 GEMMs, where it measured them (``float8_gemm``: ``torch._scaled_mm`` of the
+    same shapes), by the ratio of their fitted rate to the bf16 one (else ``hw``'s assumed speedup stays); the links,
+    node size and MFU peak stay ``hw``'s. ``ValueError`` naming what is missing if ``rates`` is not such a table."""
     try:
         points = [GemmPoint(r["m"], r["k"], r["n"], r["flops_per_s"], r.get("label", "")) for r in rates["gemm"]]
         attention, hbm = rates["summary"]["attention_flops_per_s"], rates["summary"]["hbm_bytes_per_s"]
@@ -435,9 +444,48 @@ def with_measured_rates(hw: Hardware, rates: dict) -> Hardware:
     except (KeyError, TypeError) as err:
         raise ValueError(f"not a rate table of recipes/gpu_rates.py: no {err} in it") from None
     rate, overhead = fit_gemm_rates(points)
+    float8 = [GemmPoint(r["m"], r["k"], r["n"], r["flops_per_s"], r.get("label", ""))
+              for r in rates.get("float8_gemm", ()) if "flops_per_s" in r]
+    speedup = hw.float8_gemm_speedup
+    if len({p.flops for p in float8 if p.aligned}) >= 2:
+        speedup = fit_gemm_rates(float8)[0] / rate
     return dataclasses.replace(hw, name=f"{hw.name}; rates measured on {device}", matmul_flops_per_s=rate,
                                gemm_overhead_s=overhead, attention_flops_per_s=attention, hbm_bytes_per_s=hbm,
-                               unaligned_gemm_slowdown=unaligned_slowdown(points, rate, overhead))
+                               unaligned_gemm_slowdown=unaligned_slowdown(points, rate, overhead),
+                               float8_gemm_speedup=speedup)
+
+
+# bytes each operand element moves to be cast to float8 from bf16: its amax read (2), then read (2) and written (1)
+FLOAT8_CAST_BYTES = 5
+# how many times each GEMM operand is cast per training step: tensorwise once (the forward's input and weight serve the
+# backward's GEMMs, the output gradient both of its GEMMs); rowwise once per GEMM it enters (twice: along the other axis)
+FLOAT8_CASTS = {"tensorwise": 1, "rowwise": 2}
+
+
+def float8_seconds(cfg, tokens: int, p: int, checkpointing: str, recipe: str, hw: Hardware) -> dict:
+    """What training the linears in float8 changes in one micro-batch's compute on one rank, the same rule for every
+    side (the layouts' ``parallel.float8``, the rivals with torchao's recipe): ``gemm_saved_s``, the linears' GEMM
+    seconds at the bf16 rate less at ``hw.float8_gemm_speedup`` times it (their FLOPs: ``6 N`` per weight entry, and
+    ``2 N`` again per recomputed linear, ``/ p``: every side computes ``1/p`` of them), and ``cast_s``, the casts'
+    memory traffic (:data:`FLOAT8_CAST_BYTES` per element of each linear's input, weight and output gradient shards,
+    ``N in + in out + N out`` over ``p``, :data:`FLOAT8_CASTS` times, recomputed inputs and weights again) at the HBM
+    rate. The LM head, attention and the loss stay bf16. ``tokens``: ``N``, the replica's tokens per micro-batch.
+    Not priced: float8 operands on the wire (the layouts' tensorwise panels and ring blocks, torchao's float8
+    all-gathers) and the tensorwise amax all-reduces (one small call per linear and pass)."""
+    if recipe not in FLOAT8_CASTS:
+        raise ValueError(f"float8={recipe!r} is not one of {list(FLOAT8_CASTS)}")
+    if hw.float8_gemm_speedup <= 0:
+        raise ValueError(f"float8={recipe!r}: {hw.name} has no float8 GEMMs")
+    linears = [shape for group in block_linears(cfg) for shape in group]
+    again = recomputed_linears(cfg, checkpointing)
+    entries = sum(o * i for o, i in linears) + sum(linears[k][0] * linears[k][1] for k in again) / 3
+    linear_flops = 6.0 * tokens * entries * cfg.n_layer / p
+    gemm_s = linear_flops / hw.matmul_flops_per_s
+    elements = sum(tokens * i + i * o + tokens * o for o, i in linears)
+    elements += sum(tokens * linears[k][1] + linears[k][0] * linears[k][1] for k in again)
+    cast_bytes = FLOAT8_CAST_BYTES * FLOAT8_CASTS[recipe] * elements * cfg.n_layer / p
+    return {"gemm_saved_s": gemm_s * (1.0 - 1.0 / hw.float8_gemm_speedup),
+            "cast_s": cast_bytes / hw.hbm_bytes_per_s if hw.hbm_bytes_per_s else 0.0}
 
 
 def collective_time(kind: str, n: int, nbytes: float, link: Link) -> float:

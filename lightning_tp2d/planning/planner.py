@@ -85,6 +85,7 @@ from lightning_tp2d.planning.rival_models import ELEMENT, LOSS_VARIANTS, RowPlan
 from lightning_tp2d.planning.commands import command_for
 from lightning_tp2d.planning.rivals import BASELINE, CP, CP_TP, ULYSSES  # the rivals' row names
 from lightning_tp2d.planning.trace import ranks_as_asked
+from lightning_tp2d.options import TPOptions, check_float8
 from lightning_tp2d.rivals import SINGLE, TP1D_SP, get_rival, is_rival
 from lightning_tp2d.train_plan import (CHECKPOINTING, FSDP_STAGES, ZERO_STAGES, TrainPlan, fsdp_shards,
                                        reshards_after_forward)
@@ -152,13 +153,13 @@ class PlanRow:
         the baseline's 1-D TP + SP (``(async)``: async TP) or none, over DDP (stages 0 and 1), FSDP or ``HSDP s x r``
         (FSDP over groups of ``s = shard_group`` replicas, ``r`` groups); CP's split; ``chunked loss``."""
         p, dp, cp = self.tensor_parallel_size, self.data_parallel_size, self.context_parallel_size
-        loss = ", chunked loss" if self.loss == "chunked" else ""
+        loss = (", chunked loss" if self.loss == "chunked" else "") + (f", float8 {self.float8}" if self.float8 else "")
         rival = get_rival(self.layout) if is_rival(self.layout) else None
         if rival is not None and rival.context_parallel:
             split = f"CP {cp}" + (f" x TP {p // cp}" if p != cp else "") + (", async" if self.async_tp else "")
             return f"{self.layout} ({split}){loss}"
         if rival is None or not rival.planned:
-            return self.layout
+            return self.layout + loss
         data = ("" if dp == 1 else f"HSDP {self.shard_group}x{dp // self.shard_group}" if self.shard_group
                 else "FSDP" if fsdp_shards(self.zero_stage, dp) else "DDP")
         if p == 1:
@@ -201,7 +202,8 @@ class PlanRow:
             raise ValueError(f"a {self.layout!r} row is a rival's configuration, not a TrainPlan of this package "
                              f"(its settings: lightning_tp2d.planning.commands.command_for)")
         return TrainPlan(self.layout, self.tensor_parallel_size, self.data_parallel_size, self.zero_stage,
-                         self.checkpointing, self.activation_offload, self.micro_batch)
+                         self.checkpointing, self.activation_offload, self.micro_batch,
+                         options=None if self.float8 is None else TPOptions(float8=self.float8))
 
 
 def _padded_by_inductor(micro: dict) -> dict:
@@ -360,7 +362,7 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
           grad_accum: int, seq: int, hw: Hardware, gpus_per_node: int, compiled: bool = True,
           memory: dict | None = None, async_tp: bool | None = None, cp_tp_size: int = 2,
           offload: bool = False, cp_loss: str = "chunked", overlap="fitted", shard_group: int = 0,
-          loss: str = "unfused") -> PlanRow:
+          loss: str = "unfused", float8: str | None = None) -> PlanRow:
     """Predict one configuration (module docstring). ``layout`` is a package layout, ``"tp1d-sp"`` (a baseline;
     ``p`` 1: plain FSDP; ``async_tp``: force blocking (``False``) or async TP (``True``), default the faster),
     ``"cp"``: torch's context parallelism over ``p`` ranks x FSDP2 (``zero_stage`` 3) over ``p * dp``, the step
@@ -389,12 +391,17 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     one more head matmul and 4 GEMM kernels a chunk instead of 3 in all, ``loss_parallel``'s three ``[n, 1]``
     all-reduces again per chunk; memory :func:`~lightning_tp2d.planning.rivals.baseline_row_peak_bytes`). Its
     elementwise work is priced on the bytes its elementwise ops touch: the norms' outputs sequence-sharded, as
-    they are written, not the all-gathered copies the column-parallel linears save."""
+    they are written, not the all-gathered copies the column-parallel linears save.
+
+    ``float8`` (``"tensorwise"`` / ``"rowwise"``): the linears in float8, on every side by one rule
+    (:func:`~lightning_tp2d.planning.cost_model.float8_seconds`: their GEMMs at the hardware's float8 rate, the casts'
+    bytes at its memory rate; the layouts' ``parallel.float8``, the rivals as torchao's recipe runs them); memory is
+    priced as bf16's."""
     if offload and checkpointing != "full":
         raise ValueError(f"activation offload moves the inputs full checkpointing keeps; got checkpointing="
                          f"{checkpointing!r}")
     asked = RowPlan(layout, p, dp, zero_stage, checkpointing, micro_batch, grad_accum, seq, offload, async_tp,
-                    cp_tp_size, cp_loss, shard_group, loss)
+                    cp_tp_size, cp_loss, shard_group, loss, float8)
     side = asked.side  # the rival's or the layout's cost and memory model: the only dispatch here
     side.check(asked)
     baseline = side.baseline
@@ -407,6 +414,11 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
         micro = _padded_by_inductor(micro)
     if memory is None:
         memory = side.memory(cfg, asked)
+    float8_s = 0.0
+    if float8 is not None:  # the linears' GEMMs faster, their casts' bytes added: the same rule for every side
+        f8 = cost_model.float8_seconds(cfg, micro_batch * seq, p, checkpointing, float8, hw)
+        float8_s = f8["cast_s"] - f8["gemm_saved_s"]
+        micro = {**micro, "compute_s": micro["compute_s"] + float8_s, "total_s": micro["total_s"] + float8_s}
     fl = micro["flops"]
     forward_s = micro["compute_s"] * fl["forward"] / fl["total"]
     backward_s = micro["compute_s"] - forward_s
@@ -443,7 +455,7 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
                         "micro_elementwise": elementwise_s, "dp_comm": data["comm_s"], "dp_exposed": data["exposed_s"],
                         "optimizer": optimizer_s, "micro_host_copy": host["copy_s"],
                         "micro_host_exposed": host["exposed_s"], "micro_host_ops": issue_s,
-                        "micro_unaligned": micro.get("unaligned_s", 0.0)}}
+                        "micro_unaligned": micro.get("unaligned_s", 0.0), "micro_float8": float8_s}}
     run = dataclasses.replace(asked, async_tp=async_tp, shard_group=shard_group if baseline and shard_group != dp
                               else 0, loss=side.loss_label(asked))
     return PlanRow(run, baseline, memory["total"] / GIB, step_s, per_gpu, mfu, parts)
@@ -528,7 +540,7 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
          layouts=None, zero_stages=ZERO_STAGES, checkpointing=CHECKPOINTING,
          memory_fraction: float = 0.9, max_micro_batch: int | None = None, compiled: bool = True,
          workers: int = 1, activation_offload=(False,), overlap="fitted", method: str = "closed",
-         cache: bool | str | os.PathLike = True) -> list[PlanRow]:
+         cache: bool | str | os.PathLike = True, float8: str | None = None) -> list[PlanRow]:
     """The configurations of ``model`` (a named size of any registered family, a config, or a config's fields)
     that fit ``gpus`` GPUs of ``gpu_memory_gib`` GiB (predicted peak at most ``memory_fraction`` of it), best first
     by predicted step time (module docstring). ``global_batch_tokens`` is rounded down to whole sequences of
@@ -547,7 +559,9 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
     ``cache``: keep the answer on disk and answer the same question from there (:mod:`lightning_tp2d.planning.cache`:
     keyed by every argument, the hardware's rates and the package's source; ``True`` the environment's folder, a
     path that folder, ``False`` none). Raises :class:`NothingFits` (a ``ValueError``; cached too) naming the model,
-    the least memory per GPU any configuration needs and that configuration."""
+    the least memory per GPU any configuration needs and that configuration. ``float8``: every row, the package's
+    and the rivals', with its linears in float8 by that torchao recipe (:func:`price`); the hardware must have
+    float8 GEMMs."""
     cfg = model_config(model)
     if family_of_config(cfg) is None:
         raise ValueError(f"plan: {model!r} is not a named size or config of a registered model family")
@@ -561,6 +575,9 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
     if max_seq_len(cfg) is not None and seq > cfg.block_size:  # (None: RoPE, any length)
         raise ValueError(f"plan: seq={seq} exceeds the model's block_size={cfg.block_size}")
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
+    float8 = check_float8(float8)
+    if float8 is not None and hw.float8_gemm_speedup <= 0:
+        raise ValueError(f"plan: float8={float8!r}, but {hw.name} has no float8 GEMMs (H100 and H200 have)")
     sequences = global_batch_tokens // seq
     if sequences < 1:
         raise ValueError(f"plan: global_batch_tokens={global_batch_tokens} is less than one sequence of {seq}")
@@ -572,7 +589,8 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
                                hardware=hw, include_baselines=include_baselines, layouts=names,
                                zero_stages=tuple(zero_stages), checkpointing=tuple(checkpointing),
                                memory_fraction=memory_fraction, max_micro_batch=max_micro_batch, compiled=compiled,
-                               activation_offload=tuple(activation_offload), overlap=overlap, method=method)
+                               activation_offload=tuple(activation_offload), overlap=overlap, method=method,
+                               **({"float8": float8} if float8 is not None else {}))
     stored = plan_cache.load(folder, key)
     if stored is not None:
         if stored.get("error"):
@@ -583,7 +601,7 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
     with ranks_as_asked(), pricing(method):
         planned = in_processes(functools.partial(_plan_candidate, cfg, seq=seq, sequences=sequences, hw=hw,
                                                  gpus_per_node=gpus_per_node, cap=cap, compiled=compiled,
-                                                 offloads=tuple(activation_offload), overlap=overlap),
+                                                 offloads=tuple(activation_offload), overlap=overlap, float8=float8),
                                candidates, workers)
     rows = [row for found, _ in planned for row in found]
     smallest = min((least for _, least in planned if least is not None), default=None)
@@ -620,7 +638,8 @@ def pricing(method: str = "closed") -> Iterator[None]:
 
 
 def _plan_candidate(cfg, candidate, *, seq: int, sequences: int, hw: Hardware, gpus_per_node: int, cap: float,
-                    compiled: bool, offloads=(False,), overlap="fitted") -> tuple[list[PlanRow], tuple[int, str] | None]:
+                    compiled: bool, offloads=(False,), overlap="fitted",
+                    float8: str | None = None) -> tuple[list[PlanRow], tuple[int, str] | None]:
     """One (layout, size) candidate of :func:`plan`: its rows that fit, and its least memory with the configuration
     that needs it. From the least memory up (ZeRO stage 3 before 2, 1, 0; full checkpointing before selective and
     none; micro-batches ascending): what does not fit at its least micro-batch leaves out every configuration that
@@ -652,7 +671,7 @@ def _plan_candidate(cfg, candidate, *, seq: int, sequences: int, hw: Hardware, g
                     rows.append(price(cfg, layout=name, p=p, dp=dp, zero_stage=stage, checkpointing=mode,
                                       micro_batch=m, grad_accum=per_replica // m, seq=seq, hw=hw,
                                       gpus_per_node=gpus_per_node, compiled=compiled, memory=memory, offload=off,
-                                      overlap=overlap, **extra))
+                                      overlap=overlap, float8=float8, **extra))
                 if not fits_here:
                     break
                 first_fits = first_fits or i == 0
@@ -919,6 +938,9 @@ def main(argv=None) -> int:
     parser.add_argument("--method", choices=METHODS, default="closed",
                         help="closed: the package's rows from the closed forms (seconds); traced: every row from "
                              "fake-tensor traces of the real layers, the reference (minutes to hours)")
+    parser.add_argument("--float8", choices=("tensorwise", "rowwise"), default=None,
+                        help="every row's linears in float8 by torchao's recipe (the package's parallel.float8, the "
+                             "rivals' convert_to_float8_training): float8 GEMM rates and cast bytes on both sides")
     parser.add_argument("--top", type=int, default=12, help="rows to print (0: all)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write every row as JSON to PATH (default: nothing is written)")
@@ -943,7 +965,7 @@ def main(argv=None) -> int:
                         compiled=not args.eager, zero_stages=tuple(args.zero_stages),
                         checkpointing=tuple(args.checkpointing), max_micro_batch=args.max_micro_batch,
                         workers=args.workers, activation_offload=(False, True) if args.offload else (False,),
-                        method=args.method)
+                        method=args.method, float8=args.float8)
     except (ValueError, KeyError, OSError) as err:
         print(f"tp2d-plan: {err}", file=sys.stderr)
         return 2

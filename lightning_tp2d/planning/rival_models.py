@@ -78,6 +78,9 @@ class RowPlan:
     # the baseline's loss, "unfused" (the head's logits, one cross-entropy) or "chunked"; as run, a package row's
     # is "own" (its layout's head and loss) and a CP row's its cp_loss
     loss: str = "unfused"
+    # the linears in float8 by this torchao recipe ("tensorwise" / "rowwise"): a layout's parallel.float8, a rival's
+    # torchao convert_to_float8_training (cost_model.float8_seconds); None: bf16
+    float8: str | None = None
 
     @property
     def p(self) -> int:

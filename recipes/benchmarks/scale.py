@@ -3,7 +3,7 @@ package's best configuration against the best 1-D TP + SP x FSDP one (async TP w
 predicts them (:mod:`lightning_tp2d.planning.planner`; predictions, not measurements: no GPU has run them).
 
     python recipes/benchmarks/scale.py [--out recipes/benchmarks/scale] [--tiny] [--cache DIR] [--only 8b:8,70b:64]
-                                       [--workers N]
+                                       [--workers N] [--float8 tensorwise|rowwise]
 
 For each (model, GPUs): every configuration that fits (memory <= 90% of 80 GiB), the best package row and the best
 baseline row (tokens/s/GPU, MFU, memory per GPU) and their ratio. Then the largest Llama-shaped model (70B's width,
@@ -14,7 +14,9 @@ single-GPU measurement the elementwise constants are fitted to. Writes ``results
 (a check that the recipe works, seconds). ``--cache DIR`` keeps each finished scenario's result there and reuses
 it on the next run, so a long run that stops part way resumes (planning all six took 5.6 minutes on 2 cores on 2026-12-04);
 ``--only`` plans just the named scenarios (``MODEL:GPUS``, the model without its ``llama-3.1-`` prefix) into the
-cache and writes nothing else.
+cache and writes nothing else. ``--float8 RECIPE``: every row of both sides with its linears in float8 by torchao's
+recipe (the planner's ``float8``: float8 GEMM rates and cast bytes, one rule for both sides; default ``--out``
+``scale_float8_<recipe>``), and the calibration rows torchtitan published with Float8 priced the same way.
 """
 
 from __future__ import annotations
@@ -51,23 +53,32 @@ TORCHTITAN = [
      16, True, 652.4, None),
 ]
 FLOAT8_NOTE = ("torchtitan's 829 / 876 tokens/s/GPU for 70B on 256 H100s (FSDP 32 x TP 8, Table 4 of its December "
-               "2024 benchmarks) ran with Float8 linears; the planner prices bf16 only, so the bf16 figures of the "
-               "same configuration (597.3 / 652.4, its June 2025 async-TP benchmarks) are the calibration rows.")
+               "2024 benchmarks) ran with Float8 linears; the bf16 tables' calibration rows are the bf16 figures of the "
+               "same configuration (597.3 / 652.4, its June 2025 async-TP benchmarks), and `--float8 tensorwise` "
+               "prices the Float8 ones.")
+# torchtitan's published Float8 configuration (benchmarks/llama3_h100_202412_torchtitan.md, Table 4: tensorwise
+# scaling, Float8 all-gathers in FSDP, compile), as TORCHTITAN's entries
+TORCHTITAN_FLOAT8 = [
+    ("70B, 256 H100, FSDP 32 x TP 8 + compile + Float8, full AC, local batch 16", "llama-3.1-70b", 8, 32, "full", 16,
+     False, 829.0, None),
+    ("70B, 256 H100, FSDP 32 x TP 8 + compile + Float8 + async TP, full AC, local batch 16", "llama-3.1-70b", 8, 32,
+     "full", 16, True, 876.0, None),
+]
 
 
-def calibration() -> list[dict]:
+def calibration(float8: str | None = None) -> list[dict]:
     hw = planner.HARDWARE["h100-grand-teton"]
     rows = []
-    for name, model, tp, dp, ck, batch, async_tp, published, memory in TORCHTITAN:
+    for name, model, tp, dp, ck, batch, async_tp, published, memory in (TORCHTITAN_FLOAT8 if float8 else TORCHTITAN):
         row = planner.price(model_config(model), layout=planner.BASELINE, p=tp, dp=dp, zero_stage=3,
                             checkpointing=ck, micro_batch=batch, grad_accum=1, seq=SEQ, hw=hw, gpus_per_node=PER_NODE,
-                            async_tp=async_tp if tp > 1 else None)
+                            async_tp=async_tp if tp > 1 else None, float8=float8)
         rows.append({"configuration": name, "published_tokens_per_s_per_gpu": published,
                      "predicted_tokens_per_s_per_gpu": row.tokens_per_s_per_gpu,
                      "ratio": row.tokens_per_s_per_gpu / published, "published_memory_gib": memory,
                      "predicted_memory_gib": row.memory_gib, "row": row.to_dict()})
     gpt2 = planner.measured_gpt2_config()  # transformers' GPT-2 as measured: its head unpadded
-    for mode in ("eager", "compiled"):
+    for mode in (() if float8 else ("eager", "compiled")):
         row = planner.price(gpt2, layout=planner.BASELINE, p=1, dp=1, zero_stage=0, checkpointing="none",
                             micro_batch=planner.GPT2_H200["batch"], grad_accum=1, seq=planner.GPT2_H200["seq"],
                             hw=planner.HARDWARE["h200"], gpus_per_node=PER_NODE, compiled=mode == "compiled")
@@ -89,8 +100,8 @@ def scenario(model: str, gpus: int, seq: int, tokens: int, memory_gib: float, pe
     package, baseline = planner.best(rows, False), planner.best(rows, True)
     ratio = package.tokens_per_s_per_gpu / baseline.tokens_per_s_per_gpu if package and baseline else None
     space = planner.search_space(model, gpus=gpus, gpus_per_node=per_node, seq=seq, global_batch_tokens=tokens,
-                                 **{k: v for k, v in options.items() if k != "workers"})
-    pessimistic = _pessimistic(rows, model, seq, per_node)
+                                 **{k: v for k, v in options.items() if k not in ("workers", "float8")})
+    pessimistic = _pessimistic(rows, model, seq, per_node, options.get("float8"))
     return {"model": model, "gpus": gpus, "status": "ok", "configurations": len(rows),
             "best_package": package.to_dict() if package else None,
             "best_baseline": baseline.to_dict() if baseline else None, "package_over_baseline": ratio,
@@ -98,7 +109,7 @@ def scenario(model: str, gpus: int, seq: int, tokens: int, memory_gib: float, pe
             "top": [r.to_dict() for r in rows[:8]], "seconds": time.time() - started}
 
 
-def _pessimistic(rows: list, model: str, seq: int, per_node: int) -> dict:
+def _pessimistic(rows: list, model: str, seq: int, per_node: int, float8: str | None = None) -> dict:
     """Every fitting row priced again with nothing of any collective hidden, on both sides (``overlap=
     "pessimistic"``; memory does not depend on it), and each side's best: ``{"pessimistic_package",
     "pessimistic_baseline", "pessimistic_ratio"}``."""
@@ -107,7 +118,7 @@ def _pessimistic(rows: list, model: str, seq: int, per_node: int) -> dict:
                            zero_stage=r.zero_stage, checkpointing=r.checkpointing, micro_batch=r.micro_batch,
                            grad_accum=r.grad_accum, seq=seq, hw=hw, gpus_per_node=per_node,
                            memory=r.parts["memory_bytes"], offload=r.activation_offload, overlap="pessimistic",
-                           **({"shard_group": r.shard_group, "loss": r.loss} if r.baseline else {}))
+                           float8=float8, **({"shard_group": r.shard_group, "loss": r.loss} if r.baseline else {}))
              for r in rows]
     package, baseline = (max((r for r in again if r.baseline == side), key=lambda r: r.tokens_per_s_per_gpu,
                              default=None) for side in (False, True))
@@ -136,10 +147,17 @@ def _cells(r: dict | None) -> str:
 
 
 def markdown(results: dict) -> str:
+    float8 = results.get("float8")
+    title = f", Float8 linears ({float8}) on both sides" if float8 else ""
     lines = [f"# Scale tables (predicted): Llama 3.1 on H100-80GB, {PER_NODE} per node, seq {results['seq']}, "
-             f"{results['tokens']:,} tokens per step", "",
+             f"{results['tokens']:,} tokens per step{title}", "",
              "Predictions of `lightning_tp2d.plan` (`lightning_tp2d/planning/planner.py`, which says how each term is "
-             "priced), not measurements: no GPU has run these. Regenerate: `python recipes/benchmarks/scale.py`.",
+             "priced), not measurements: no GPU has run these. Regenerate: `python recipes/benchmarks/scale.py"
+             + (f" --float8 {float8}`. Float8: every row's linears, the package's (`parallel.float8`) and the "
+                f"baseline's (torchao's recipe, as torchtitan runs it), at 2.0x the bf16 GEMM rate (torchao's roofline "
+                f"constants for the H100, not a measurement) plus the casts' bytes "
+                f"(`cost_model.float8_seconds`); memory as bf16's; float8 operands on the wire not priced on either "
+                f"side." if float8 else "`."),
              "", "## Best package configuration against the best 1-D TP + SP x FSDP configuration", "",
              "| model | GPUs | package: configuration | tok/s/GPU | MFU | GiB/GPU | baseline: configuration | "
              "tok/s/GPU | MFU | GiB/GPU | package / baseline | pessimistic overlap: package / baseline | "
@@ -171,6 +189,9 @@ def markdown(results: dict) -> str:
                      f"{c['predicted_tokens_per_s_per_gpu']:,.0f} | {c['ratio']:.2f} | {mem} | "
                      f"{c['predicted_memory_gib']:.1f} |")
     lines += ["", FLOAT8_NOTE, "",
+              *([] if not float8 else [f"The Float8 calibration rows price torchtitan's published Float8 runs with "
+                                       f"the `{float8}` recipe and the H100's assumed 2.0x float8 GEMM rate "
+                                       f"(`cost_model._H100_FLOAT8_SPEEDUP`), on the Grand Teton preset.", ""]),
               f"The async-TP rows are in sample for one constant: async TP hides {planner.ASYNC_TP_OVERLAP} of the "
               "collective time it could hide behind its matmul (`planner.ASYNC_TP_OVERLAP`), fitted to these two "
               "published async / blocking gains; hiding all of it predicted 1.17-1.19x where torchtitan measured "
@@ -214,7 +235,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", default=None, help="keep and reuse each scenario's result in this folder")
     parser.add_argument("--workers", type=int, default=1, help="candidates each scenario plans at once (plan's workers)")
     parser.add_argument("--only", default=None, help="plan only these scenarios into --cache, e.g. 8b:8,70b:64")
+    parser.add_argument("--float8", choices=("tensorwise", "rowwise"), default=None,
+                        help="every row's linears in float8 by this torchao recipe, both sides")
     args = parser.parse_args(argv)
+    if args.float8 and args.out == str(HERE / "scale"):
+        args.out = str(HERE / f"scale_float8_{args.float8}")
     if args.only and not args.cache:
         parser.error("--only needs --cache: it plans scenarios into the cache and writes no tables")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -228,7 +253,9 @@ def main(argv=None) -> int:
         seq, tokens, memory, per_node, base, big_gpus = SEQ, TOKENS, MEMORY_GIB, PER_NODE, "llama-3.1-70b", 64
         scenarios, options = SCENARIOS, {}
     options["workers"] = args.workers
-    results = {"seq": seq, "tokens": tokens, "gpu_memory_gib": memory, "gpus_per_node": per_node,
+    if args.float8:
+        options["float8"] = args.float8
+    results = {"seq": seq, "tokens": tokens, "gpu_memory_gib": memory, "gpus_per_node": per_node, "float8": args.float8,
                "hardware": planner.HARDWARE["h100"].name, "torch": torch.__version__,
                "python": platform.python_version(), "scenarios": []}
     cache = Path(args.cache) if args.cache else None
@@ -236,7 +263,7 @@ def main(argv=None) -> int:
     for model, gpus in scenarios:
         if only is not None and (model.removeprefix("llama-3.1-"), str(gpus)) not in only:
             continue
-        kept = cache / f"{model}-{gpus}.json" if cache else None
+        kept = cache / f"{model}-{gpus}{'-float8-' + args.float8 if args.float8 else ''}.json" if cache else None
         if kept is not None and kept.exists():
             results["scenarios"].append(json.loads(kept.read_text()))
         else:
@@ -254,7 +281,7 @@ def main(argv=None) -> int:
                                          gpus_per_node=per_node),
         "baseline": planner.largest_model(big_gpus, memory, seq, tokens, base=base, baseline=True,
                                           gpus_per_node=per_node)}
-    results["calibration"] = calibration()
+    results["calibration"] = calibration(args.float8)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (out / "results.md").write_text(markdown(results))
     plot(results, out)
