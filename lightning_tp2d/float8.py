@@ -36,8 +36,8 @@ from lightning_tp2d.options import FLOAT8_RECIPES as RECIPES
 from lightning_tp2d.options import check_float8 as check_recipe
 
 __all__ = ["RECIPES", "check_recipe", "recipe_config", "float8_supported", "float8_notice", "cast", "tensorwise_cast",
-           "Gemm", "HIGH", "TensorwiseGemm", "RowwiseGemm", "role_dtype", "cast_global", "product", "linear_configs",
-           "linear", "is_float8_linear", "convert_plain"]
+           "Gemm", "HIGH", "TensorwiseGemm", "RowwiseGemm", "role_dtype", "cast_global", "product", "forward_products",
+           "backward_products", "linear_configs", "linear", "is_float8_linear", "convert_plain"]
 
 
 _AO: tuple | None = None  # (torchao.float8, float8_ops, float8_utils) once imported
@@ -261,6 +261,26 @@ def product(recipe: str, scales, out_dtype: torch.dtype, gemm_pass: str = "outpu
     if recipe == "tensorwise":
         return TensorwiseGemm(scales, out_dtype, fast, None if cast_role is None else role_dtype(recipe, cast_role))
     return RowwiseGemm(config.cast_config_input.target_dtype, config.round_scales_to_power_of_2, fast)
+
+
+def forward_products(recipe: str, x: torch.Tensor, w: torch.Tensor, mesh, axes, out_dtype: torch.dtype):
+    """``(x, w, gemm, scales)`` of a linear's forward ``x @ w`` (``w`` as the product takes it) split over ``axes``:
+    the operands cast by :func:`cast_global` (tensorwise: cast once, saved and sent as float8) and its GEMMs."""
+    (x, w), scales = cast_global(recipe, [x, w], ["input", "weight"], mesh, axes)
+    return x, w, product(recipe, scales, out_dtype), scales
+
+
+def backward_products(recipe: str, grad: torch.Tensor, scales, mesh, axes, input_grad_dtype: torch.dtype,
+                      weight_grad_dtype: torch.dtype):
+    """``(grad, (input-gradient GEMMs, weight-gradient GEMMs))`` of the backward of a linear whose forward
+    :func:`forward_products` made (``scales``: its tensorwise scales, input's then weight's; none under rowwise):
+    ``grad`` cast by :func:`cast_global`; ``dX = dY Wᵀ`` multiplies it with the weight, ``dW = Xᵀ dY`` with the
+    input, each written in its dtype (a ring's weight gradients in its float32 accumulation dtype)."""
+    (grad,), grad_scale = cast_global(recipe, [grad], ["grad"], mesh, axes)
+    scale_x, scale_w = scales or (None, None)
+    pick = lambda s: (*grad_scale, s) if grad_scale else ()  # noqa: E731 - tensorwise: the operands' scales
+    return grad, (product(recipe, pick(scale_w), input_grad_dtype, "grad_input"),
+                  product(recipe, pick(scale_x), weight_grad_dtype, "grad_weight"))
 
 
 # ---- a layout's local linear (a 1x1 grid, a ring of one) -------------------------------------------------------

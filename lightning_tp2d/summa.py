@@ -473,25 +473,6 @@ def scatter_ab_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, me
 _GRID = ("row", "col")  # a tensorwise float8 scale is the amax over the whole grid's blocks
 
 
-def _float8_forward(ctx, recipe: str, a, b, mesh):
-    """``(a, b, gemm, scales)`` of a float8 product's forward: under ``tensorwise`` the operands cast with their global
-    scales (they travel and are saved as float8), under ``rowwise`` as they are (each partial casts its own)."""
-    ctx.float8 = recipe
-    (a, b), scales = f8.cast_global(recipe, [a, b], ["input", "weight"], mesh, _GRID)
-    return a, b, f8.product(recipe, scales, ctx.out_dtype), scales
-
-
-def _float8_backward(ctx, grad, mesh, scales):
-    """``(grad, (dA gemm, dB gemm))`` of a float8 product's backward (``grad`` cast with its global scale under
-    ``tensorwise``: ``e5m2`` by torchao's recipe; each partial casts its own under ``rowwise``)."""
-    recipe = ctx.float8
-    (grad,), grad_scale = f8.cast_global(recipe, [grad], ["grad"], mesh, _GRID)
-    scale_a, scale_b = scales or (None, None)
-    with_grad = lambda s: (*grad_scale, s) if grad_scale else ()  # noqa: E731
-    return grad, (f8.product(recipe, with_grad(scale_b), ctx.out_dtype, "grad_input"),
-                  f8.product(recipe, with_grad(scale_a), ctx.out_dtype, "grad_weight"))
-
-
 @registered("summa_ab")
 class _SummaAB(torch.autograd.Function):
     @staticmethod
@@ -501,8 +482,10 @@ class _SummaAB(torch.autograd.Function):
         if bias is not None:  # added in the products' dtype (bf16 under autocast); its gradient in the parameter's
             ctx.bias_dtype, bias = bias.dtype, bias.to(a.dtype)
         gemm, scales = f8.HIGH, ()
-        if float8 is not None:  # (the tensorwise scales are saved last, for the backward's GEMMs)
-            a, b, gemm, scales = _float8_forward(ctx, float8, a, b, mesh)
+        if float8 is not None:  # tensorwise: the operands cast with their global scales travel and are saved as
+            #                     float8, the scales saved last for the backward's GEMMs; rowwise: each partial casts
+            ctx.float8 = float8
+            a, b, gemm, scales = f8.forward_products(float8, a, b, mesh, _GRID, ctx.out_dtype)
         ctx.scales = len(scales)
         if ctx.algorithm == "broadcast":
             out, a_panels, b_panels = broadcast_ab(a, b, mesh, ctx.keep, bias, gemm)
@@ -531,7 +514,7 @@ class _SummaAB(torch.autograd.Function):
             dbias = summed_later(grad.sum(0, dtype=ctx.bias_dtype), ctx.mesh, "row")
         gemms = (f8.HIGH, f8.HIGH)
         if ctx.float8 is not None:
-            grad, gemms = _float8_backward(ctx, grad, ctx.mesh, scales)
+            grad, gemms = f8.backward_products(ctx.float8, grad, scales, ctx.mesh, _GRID, ctx.out_dtype, ctx.out_dtype)
         if ctx.algorithm == "broadcast":
             q = len(kept) // 2
             a_panels, b_panels = (kept[:q], kept[q:]) if ctx.keep else (None, None)

@@ -131,25 +131,23 @@ class HeadBlocks:
 
 def _stream_casts(ctx, x, w, float8, axis, mesh):
     """``(x, w, gemm, scales)``: a linear's operands and its forward GEMMs, in high precision or by the ``float8``
-    recipe (tensorwise: ``x`` and ``w`` cast with their amaxes over the ring, and ``w``'s blocks travel as float8).
-    Keeps on ``ctx`` what the backward needs to know of them."""
+    recipe (:func:`lightning_tp2d.float8.forward_products`; tensorwise: ``x`` and ``w`` cast with their amaxes over
+    the ring, and ``w``'s blocks travel as float8). Keeps on ``ctx`` what the backward needs to know of them."""
     ctx.float8, ctx.dtype, ctx.w_dtype = float8, x.dtype, w.dtype
     if float8 is None:
         return x, w, f8.HIGH, ()
-    (x, w), scales = f8.cast_global(float8, [x, w], ["input", "weight"], mesh, (axis,))
-    return x, w, f8.product(float8, scales, ctx.dtype), scales
+    return f8.forward_products(float8, x, w, mesh, (axis,), ctx.dtype)
 
 
 def _stream_grad_casts(ctx, dy, scales):
-    """``(dy, dX gemm, dW gemm)`` of a linear's backward: high precision, or ``dy`` cast by the recipe (tensorwise:
-    with its amax over the ring); the weight gradient's GEMM writes the ring's float32 accumulation dtype."""
+    """``(dy, dX gemm, dW gemm)`` of a linear's backward: high precision, or by the recipe
+    (:func:`lightning_tp2d.float8.backward_products`); the weight gradient's GEMM writes the ring's float32
+    accumulation dtype."""
     if ctx.float8 is None:
         return dy, f8.HIGH, f8.HIGH
-    (dy,), grad_scale = f8.cast_global(ctx.float8, [dy], ["grad"], ctx.mesh, (ctx.axis,))
-    scale_x, scale_w = scales or (None, None)
-    with_grad = lambda s: (*grad_scale, s) if grad_scale else ()  # noqa: E731
-    return (dy, f8.product(ctx.float8, with_grad(scale_w), ctx.dtype, "grad_input"),
-            f8.product(ctx.float8, with_grad(scale_x), acc_dtype(ctx.dtype), "grad_weight"))
+    dy, (gemm_x, gemm_w) = f8.backward_products(ctx.float8, dy, scales, ctx.mesh, (ctx.axis,), ctx.dtype,
+                                                acc_dtype(ctx.dtype))
+    return dy, gemm_x, gemm_w
 
 
 def _stream_forward(ctx, x, w, bias, mesh, axis, layout, options, step, scales=()) -> None:
