@@ -8,8 +8,8 @@
     matrices (its scales span the whole contraction, the grid's a block of it);
   * the activation and weight blocks travel as float8: a quarter of float32's bytes on every transfer, plus one
     8-byte amax all-reduce per axis and pass.
-* **Whole models** on every layout (tiny GPT-2 and Llama, fp32 master weights, one forward and backward; fp32 and
-  bf16 autocast):
+* **Whole models** on every layout (tiny GPT-2 and Llama, fp32 master weights, one forward and backward; fp32, and
+  bf16 autocast on "2d" and the ring's GPT-2):
   every gradient's cosine >= 0.99 against the same layout in high precision and against the plain model converted by
   torchao's ``convert_to_float8_training`` (same recipe), losses within 1e-3; tensorwise GPT-2 in fp32 equals torchao's
   plain model to float32 rounding (the same scales).
@@ -46,10 +46,10 @@ M, K, N = 24, 40, 32  # full product shapes; blocks 12 x 20 and 20 x 16 on the 2
 ALGOS = (("collective", False, "gather"), ("collective", True, "gather"), ("collective", False, "scatter"),
          ("broadcast", False, "gather"), ("broadcast", True, "gather"))
 RECIPES = float8.RECIPES
-# whole-model cases (layout, family, recipe, bf16 autocast): every layout, family and recipe, fp32 and bf16 (the
-# ring's heads cut through by its blocks under bf16: float8 blocks gathered as bytes, HeadBlocks.read)
+# whole-model cases (layout, family, recipe, bf16 autocast): every layout, family and recipe in fp32; bf16 on "2d"
+# and on the ring's GPT-2, whose heads its blocks cut through (float8 blocks gathered as bytes, HeadBlocks.read)
 CASES = [(la, f, r, b) for la in ("2d", "metp", "2d-metp") for f in ("gpt2", "llama") for r in RECIPES
-         for b in (False, True)]
+         for b in (False, True) if not b or la == "2d" or (la, f) == ("metp", "gpt2")]
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -431,7 +431,7 @@ def _compiled(rank: int, world_size: int) -> dict:
     from torch._dynamo.utils import counters
 
     out = {}
-    for layout, recipe in (("2d", "tensorwise"), ("2d", "rowwise"), ("metp", "tensorwise")):
+    for layout, recipe in (("2d", "rowwise"), ("metp", "tensorwise")):  # each recipe, each kind of kernel
         cfg, model = _model("gpt2")
         tp.parallelize(model, init_mesh(layout, world_size, 1), layout=layout, options=TPOptions(float8=recipe))
         eager = copy.deepcopy(model)
