@@ -150,13 +150,13 @@ def axis_rank(mesh: DeviceMesh, axis: str) -> int:
     return mesh.get_local_rank(axis)
 
 
-_FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """What travels for ``tensor``: float8 blocks (``parallel.float8``) as their bytes (a ``uint8`` view of the same
     storage: gloo has no float8 type, and NCCL moves them as bytes too), anything else as it is."""
-    return tensor.view(torch.uint8) if tensor.dtype in _FLOAT8 else tensor
+    return tensor.view(torch.uint8) if tensor.dtype in FLOAT8_DTYPES else tensor
 
 
 def _needs_host_staging(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:

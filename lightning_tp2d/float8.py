@@ -32,6 +32,7 @@ import functools
 
 import torch
 
+from lightning_tp2d.comm import FLOAT8_DTYPES, all_reduce_along
 from lightning_tp2d.options import FLOAT8_RECIPES as RECIPES
 from lightning_tp2d.options import check_float8 as check_recipe
 
@@ -107,17 +108,12 @@ def tensorwise_cast(tensors, dtypes, mesh=None, axes=()):
     """Each of ``tensors`` cast to its ``dtypes`` entry with its *global* tensorwise scale: the amaxes of the local
     blocks, stacked, are all-reduced (``max``) over each of ``axes`` of ``mesh`` in one call per axis (on the device), then
     turned into scales by torchao. Returns ``(codes, scales)``, ``scales[i]`` the 0-d scale of ``tensors[i]``."""
-    from lightning_tp2d.comm import all_reduce_along
-
     _, _, utils = _torchao()
     amax = torch.stack([t.detach().abs().amax() for t in tensors]).to(torch.float32)
     for axis in axes:
         all_reduce_along(amax, mesh, axis, op="max")
     scales = [utils.amax_to_scale(m, dtype) for m, dtype in zip(amax.unbind(0), dtypes)]
     return [cast(t.detach(), s, dtype) for t, s, dtype in zip(tensors, scales, dtypes)], scales
-
-
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -170,7 +166,7 @@ class TensorwiseGemm(Gemm):
         return self.dtype
 
     def _operand(self, t: torch.Tensor, inverse: list) -> torch.Tensor:
-        if t.dtype in _FLOAT8:
+        if t.dtype in FLOAT8_DTYPES:
             return t
         (t,), (scale,) = tensorwise_cast([t], [self.cast_dtype])
         inverse.append(scale.reciprocal())

@@ -153,8 +153,9 @@ def train(cfg: DictConfig, run_dir: Path, ranks: RankWatch | None = None) -> flo
     callbacks, interrupt, checkpoint = make_callbacks(cfg, run_dir)
     if rank_zero:
         log.info("tp2d-train: %s", plan)
-        if float8_notice_line(cfg.parallel):  # the CPU emulates float8 GEMMs: one line says so
-            log.info("tp2d-train: %s", float8_notice_line(cfg.parallel))
+        notice = float8_notice_line(cfg.parallel)  # the CPU emulates float8 GEMMs: one line says so
+        if notice:
+            log.info("tp2d-train: %s", notice)
         log.info("%s", resume_note(cfg.ckpt_path, run_dir) or f"run directory: {run_dir}")
 
     steps, every = int(cfg.trainer.max_steps), int(cfg.trainer.log_every_n_steps)

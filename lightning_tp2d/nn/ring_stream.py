@@ -32,7 +32,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp2d import float8 as f8
-from lightning_tp2d.comm import all_reduce_along, axis_rank, summed_later
+from lightning_tp2d.comm import FLOAT8_DTYPES, all_reduce_along, axis_rank, summed_later
 from lightning_tp2d.metp import (RingOptions, acc_dtype, mm_into, ring_backward, ring_forward, ring_options,
                                 tile_rows)
 from lightning_tp2d.nn.cross_entropy import IGNORE_INDEX
@@ -105,8 +105,8 @@ class HeadBlocks:
             block = t[:, :, j * per:(j + 1) * per]  # (g, B, H/n, S, d)
             return block.permute(1, 3, 0, 2, 4).reshape(B * S, g * self.width)
         parts = [t[:, :, head, :, lo:hi] for head, lo, hi, _ in self._touched(j)]  # each (g, B, S, cols)
-        if t.dtype.itemsize == 1 and t.dtype.is_floating_point:  # float8 blocks: cat their bytes (autocast's cat
-            parts = [part.view(torch.uint8) for part in parts]   # rule has no float8 type)
+        if t.dtype in FLOAT8_DTYPES:  # float8 blocks: cat their bytes (autocast's cat rule has no float8 type)
+            parts = [part.view(torch.uint8) for part in parts]
             return torch.cat(parts, dim=-1).view(t.dtype).permute(1, 2, 0, 3).reshape(B * S, g * self.width)
         return torch.cat(parts, dim=-1).permute(1, 2, 0, 3).reshape(B * S, g * self.width)
 
