@@ -7,7 +7,8 @@
   * ``rowwise``: each partial casts its own operands; cosine >= 0.999 against torchao's rowwise product of the whole
     matrices (its scales span the whole contraction, the grid's a block of it);
   * the activation and weight blocks travel as float8: a quarter of float32's bytes on every transfer, plus one
-    8-byte amax all-reduce per axis and pass.
+    8-byte amax all-reduce per axis and pass; byte for byte, every float8 block sent or received (forward and
+    backward, the ring's weight blocks too) is a tile of the whole operand cast with its global scale.
 * **Whole models** on every layout (tiny GPT-2 and Llama, fp32 master weights, one forward and backward; fp32, and
   bf16 autocast on "2d" and the ring's GPT-2):
   every gradient's cosine >= 0.99 against the same layout in high precision and against the plain model converted by
@@ -94,6 +95,52 @@ def _rowwise_reference(a, w, dc):
     return out.detach(), a.grad, w.grad
 
 
+@contextlib.contextmanager
+def _float8_on_the_wire():
+    """Every float8 tensor :mod:`lightning_tp2d.comm` sends or receives into (what ``comm._bits`` turns into bytes),
+    recorded as it is handed over: a list, read after the calls have completed."""
+    seen, bits = [], comm._bits
+
+    def recording(tensor):
+        if tensor.dtype in comm.FLOAT8_DTYPES:
+            seen.append(tensor)
+        return bits(tensor)
+
+    comm._bits = recording
+    try:
+        yield seen
+    finally:
+        comm._bits = bits
+
+
+def _wire_mismatches(seen: list, codes: list) -> tuple[int, int]:
+    """``(checked, unmatched)``: each transferred float8 buffer (an all-gather's output: its ``n`` blocks, stacked or
+    laid end to end along rows) must be, byte for byte, aligned tiles of ``codes`` (the whole operands cast with their
+    global scales) or of their transposes: what arrives decodes to exactly what the sender's operand cast to."""
+
+    def is_tile(block) -> bool:
+        r, c = block.shape
+        got = block.contiguous().view(torch.uint8)
+        return any(torch.equal(got, ref[i:i + r, j:j + c].contiguous().view(torch.uint8))
+                   for full in codes for ref in (full, full.t()) if ref.dtype == block.dtype
+                   and ref.shape[0] % r == 0 and ref.shape[1] % c == 0
+                   for i in range(0, ref.shape[0], r) for j in range(0, ref.shape[1], c))
+
+    unmatched = 0
+    for buffer in seen:
+        stacks = [buffer.unbind(0)] if buffer.dim() == 3 else \
+            [buffer.chunk(n, 0) for n in range(1, 9) if buffer.shape[0] % n == 0]
+        unmatched += not any(all(is_tile(block) for block in blocks) for blocks in stacks)
+    return len(seen), unmatched
+
+
+def _global_codes(a, w, dc) -> list:
+    config = float8.recipe_config("tensorwise")
+    return float8.tensorwise_cast([a, w, dc], [config.cast_config_input.target_dtype,
+                                               config.cast_config_weight.target_dtype,
+                                               config.cast_config_grad_output.target_dtype])[0]
+
+
 def _product_worker(rank: int, world_size: int) -> dict:
     mesh = init_mesh("2d", world_size, 1)
     i, j = grid_coords(mesh)
@@ -105,12 +152,14 @@ def _product_worker(rank: int, world_size: int) -> dict:
             a = _block(a_full, i, j).clone().requires_grad_()
             # rank (i, j) holds W's block [out_j, in_i] (Linear2D), or the mirror [out_i, in_j] in the scatter form
             w = (_block(w_full, i, j) if form == "scatter" else _block(w_full, j, i)).clone().requires_grad_()
-            with comm.count_comm() as stats:
-                c = summa_ab(a, w.t(), mesh, TPOptions(summa=summa, keep_panels=keep), form, form == "scatter",
-                             float8=recipe)
-                fwd = stats.snapshot()
-            c.backward(_block(dc_full, i, j).contiguous())
-            results[(recipe, algo)] = {"c": c.detach(), "da": a.grad, "dw": w.grad, "fwd": fwd}
+            with _float8_on_the_wire() as wire:
+                with comm.count_comm() as stats:
+                    c = summa_ab(a, w.t(), mesh, TPOptions(summa=summa, keep_panels=keep), form, form == "scatter",
+                                 float8=recipe)
+                    fwd = stats.snapshot()
+                c.backward(_block(dc_full, i, j).contiguous())
+            results[(recipe, algo)] = {"c": c.detach(), "da": a.grad, "dw": w.grad, "fwd": fwd,
+                                       "wire": _wire_mismatches(wire, _global_codes(a_full, w_full, dc_full))}
     refs = {"tensorwise": _tensorwise_reference(a_full, w_full, dc_full),
             "rowwise": _rowwise_reference(a_full, w_full, dc_full)}
     checks = {}
@@ -125,6 +174,7 @@ def _product_worker(rank: int, world_size: int) -> dict:
             "cos": {k: _cos(got[k], blocks[k]) for k in blocks},
             "bytes": {kind: s["bytes"] for kind, s in got["fwd"].items() if s["calls"]},
             "hp_bytes": {kind: s["bytes"] for kind, s in results[(None, algo)]["fwd"].items() if s["calls"]},
+            "wire": got["wire"],
         }
     return checks
 
@@ -165,6 +215,17 @@ def test_tensorwise_blocks_travel_as_float8(products, algo):
         assert got == {kind: n if kind in sums else n // 4 for kind, n in hp.items()}, (rank, got, hp)
         rowwise = checks[("rowwise", algo)]["bytes"]
         assert rowwise == hp, (rank, rowwise, hp)  # rowwise: panels in high precision (their scales differ by block)
+        assert checks[("rowwise", algo)]["wire"] == (0, 0), (rank, checks[("rowwise", algo)]["wire"])
+
+
+@pytest.mark.parametrize("algo", ALGOS, ids=_algo_id)
+def test_tensorwise_transfers_are_the_bytes_of_the_global_cast(products, algo):
+    """Byte for byte, forward and backward: every float8 block a rank sends or receives is a block of the operand
+    (A, W or dC) cast whole with its global scale, so the panel a rank multiplies decodes to exactly the value its
+    owner's operand cast to (nothing re-quantized, reordered or torn on the way)."""
+    for rank, checks in enumerate(products):
+        checked, unmatched = checks[("tensorwise", algo)]["wire"]
+        assert checked >= 2 and unmatched == 0, (rank, checked, unmatched)
 
 
 def _ring_worker(rank: int, world_size: int) -> dict:
@@ -179,11 +240,14 @@ def _ring_worker(rank: int, world_size: int) -> dict:
     for recipe in (None, "tensorwise"):
         x = mine(a_full, rows).clone().requires_grad_()
         w = mine(w_full, out_rows).clone().requires_grad_()
-        with comm.count_comm() as stats:
-            y = ring_linear_out(x, w, None, mesh, "ring", ColumnBlocks(rows, world_size, out_rows), float8=recipe)
-            fwd = stats.snapshot()
-        y.backward(mine(dc_full, rows))
-        results[recipe] = {"y": y.detach(), "dx": x.grad, "dw": w.grad, "bytes": fwd["ring_exchange"]["bytes"]}
+        with _float8_on_the_wire() as wire:
+            with comm.count_comm() as stats:
+                y = ring_linear_out(x, w, None, mesh, "ring", ColumnBlocks(rows, world_size, out_rows),
+                                    float8=recipe)
+                fwd = stats.snapshot()
+            y.backward(mine(dc_full, rows))
+        results[recipe] = {"y": y.detach(), "dx": x.grad, "dw": w.grad, "bytes": fwd["ring_exchange"]["bytes"],
+                           "wire": _wire_mismatches(wire, _global_codes(a_full, w_full, dc_full))}
         # the ring MLP: every GEMM in float8, its weight blocks travelling as float8
         w1 = mine(w_full, out_rows).clone().requires_grad_()
         w2 = mine(w_full, out_rows).t().contiguous().requires_grad_()
@@ -197,7 +261,7 @@ def _ring_worker(rank: int, world_size: int) -> dict:
     high_mlp, f8_mlp = results[None]["mlp"], got["mlp"]
     return {"rel": {"y": _rel(got["y"], mine(c_ref, rows)), "dx": _rel(got["dx"], mine(da_ref, rows)),
                     "dw": _rel(got["dw"], mine(dw_ref, out_rows))},
-            "bytes": (got["bytes"], results[None]["bytes"]), "mlp_bytes": (got["mlp_bytes"], results[None]["mlp_bytes"]),
+            "wire": got["wire"], "bytes": (got["bytes"], results[None]["bytes"]), "mlp_bytes": (got["mlp_bytes"], results[None]["mlp_bytes"]),
             "mlp_cos": min(_cos(a, b) for a, b in zip(f8_mlp, high_mlp))}
 
 
@@ -209,6 +273,8 @@ def test_ring_float8_linear_equals_the_float8_product_and_its_blocks_travel_as_f
         assert max(got["rel"].values()) < 1e-5, (rank, got)
         assert got["bytes"][0] * 4 == got["bytes"][1] and got["mlp_bytes"][0] * 4 == got["mlp_bytes"][1], (rank, got)
         assert got["mlp_cos"] > 0.99, (rank, got)
+        checked, unmatched = got["wire"]  # every weight block on the ring: bytes of W cast with its global scale
+        assert checked >= 3 and unmatched == 0, (rank, got["wire"])
 
 
 # ---- whole models ------------------------------------------------------------------------------------------------
