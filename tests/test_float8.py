@@ -343,6 +343,65 @@ def test_tensorwise_grid_equals_torchao_plain_to_float32_rounding(models):
     assert got["cos_plain"] > 0.99999, got
 
 
+# (layout, tensor-parallel ranks, recipe) x dp over 4 ranks: the ring's float8 kernels and a 1x1 grid's torchao linear
+ZERO_CASES = (("metp", 2, "tensorwise"), ("metp", 2, "rowwise"), ("2d", 1, "tensorwise"))
+
+
+def _zero_worker(rank: int, world_size: int) -> dict:
+    """Three clipped AdamW steps of a float8 model at ZeRO 0 (GradientSync) and ZeRO 3 (FSDP2 over data_parallel),
+    each replica its own batches, as tests/test_fsdp.py trains bf16 ones."""
+    from lightning_tp2d import fsdp
+    from lightning_tp2d.training import GradientSync, clip_grad_norm_
+    from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
+
+    out = {}
+    for layout, p, recipe in ZERO_CASES:
+        mesh = init_mesh(layout, p, world_size // p)
+        runs = {}
+        for stage in (0, 3):
+            torch.manual_seed(0)
+            cfg, model = _model("gpt2")
+            tp.parallelize(model, mesh, layout=layout, options=TPOptions(float8=recipe))
+            if stage:
+                fsdp.shard_data_parallel(model, stage)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            if stage:
+                shard_optimizer_state(optimizer, mesh)
+            sync = GradientSync(model, mesh) if stage == 0 else None
+            torch.manual_seed(10 + mesh.get_local_rank("data_parallel"))
+            losses, norms = [], []
+            for _ in range(3):
+                idx = torch.randint(0, cfg.vocab_size, (2, 32))
+                optimizer.zero_grad()
+                loss = model(idx, idx)
+                loss.backward()
+                if sync is not None:
+                    sync.finish()
+                    norm = clip_grad_norm_(model.parameters(), 0.5, mesh)
+                else:
+                    norm = fsdp.clip_grad_norm_(clipped_parameters(optimizer, ()), 0.5, mesh)
+                optimizer.step()
+                losses.append(loss.item())
+                norms.append(norm.item())
+            runs[stage] = (losses, norms, model.tp.layout.options.float8)
+        out[(layout, p, recipe)] = runs
+    return out
+
+
+def test_zero_3_trains_a_float8_model_like_zero_0():
+    """FSDP2 shards a float8 model's master weights like any other: it gathers them (in their own precision) before
+    the layer casts them, so three clipped steps at ZeRO 3 give ZeRO 0's losses and gradient norms (the casts see the
+    same weights; only fp32 summation order differs): the ring's float8 kernels on a ring of 2 x dp 2, and torchao's
+    own float8 linear on a 1x1 grid x dp 4."""
+    for rank, out in enumerate(run_distributed(_zero_worker, 4)):
+        for case, runs in out.items():
+            (l0, n0, _), (l3, n3, recipe) = runs[0], runs[3]
+            assert max(abs(a - b) / a for a, b in zip(l0, l3)) < 1e-4, (rank, case, l0, l3)
+            assert max(abs(a - b) / a for a, b in zip(n0, n3)) < 1e-3, (rank, case, n0, n3)
+            assert recipe == case[2], (rank, case, recipe)
+
+
+
 def _one_rank(rank: int, world_size: int, recipe: str) -> dict:
     cfg, plain = _model("gpt2")
     par = copy.deepcopy(plain)
