@@ -4,9 +4,11 @@ count, block calls and saved bytes; and the dispatch through closed_step and tra
 
 import pytest
 
+from lightning_tp2d.layouts import get_layout
 from lightning_tp2d.models.gpt2 import GPT2Config
 from lightning_tp2d.models.llama import LlamaConfig
 from lightning_tp2d.planning import cost_model, trace
+from lightning_tp2d.planning.events import wire_bytes
 from lightning_tp2d.planning.closed_grid import closed_grid_step, models
 from lightning_tp2d.planning.closed_step import closed_step
 from lightning_tp2d.planning.closed_step import models as closed_models
@@ -47,6 +49,34 @@ def test_closed_grid_step_equals_the_traced_step(case):
     assert closed.gemms == traced.gemms
     assert closed.activation_bytes == traced.activation_bytes
     assert closed.block_calls == traced.block_calls
+
+
+# parallel.float8 on both grids and families, both dtypes, every checkpointing mode, diagonal and off-diagonal ranks
+FLOAT8_CASES = [("tensorwise", CASES[i]) for i in (0, 1, 4, 7, 9, 10, 15, 17)] + \
+    [("rowwise", CASES[i]) for i in (5, 11)]
+
+
+@pytest.mark.parametrize("recipe, case", FLOAT8_CASES, ids=lambda c: c if isinstance(c, str) else
+                         "-".join(map(str, c[1:])))
+def test_closed_grid_step_prices_the_float8_wire_as_traced(recipe, case):
+    """Under ``parallel.float8`` the closed form's communication, FLOPs (``_scaled_mm`` counted as the GEMM it
+    replaces), GEMMs and block calls equal the trace's: tensorwise panels and weight columns at one byte per element,
+    partial sums and weight gradients in the compute dtype, two blocking amax all-reduces per product and pass, the
+    head in high precision; rowwise sends what high precision does. Saved bytes: the high-precision layout's under
+    tensorwise (its float8 saved operands are not modelled), exact under rowwise."""
+    cfg, layout, q, batch, seq, elem, checkpointing, rank = case
+    spec = get_layout(layout).with_float8(recipe)
+    with trace.ranks_as_asked():
+        traced = trace.trace_step(spec, cfg, batch, seq, q * q, elem, rank, checkpointing=checkpointing)
+    closed = closed_grid_step(spec, cfg, batch, seq, q * q, elem, rank, checkpointing=checkpointing)
+    high = closed_grid_step(layout, cfg, batch, seq, q * q, elem, rank, checkpointing=checkpointing)
+    assert set(closed.events) == set(traced.events)
+    assert (closed.flops, closed.gemms, closed.block_calls) == (traced.flops, traced.gemms, traced.block_calls)
+    assert closed.activation_bytes == high.activation_bytes
+    if recipe == "rowwise":
+        assert closed.activation_bytes == traced.activation_bytes and set(closed.events) == set(high.events)
+    else:
+        assert wire_bytes([ev for ev, *_ in closed.events]) < wire_bytes([ev for ev, *_ in high.events])
 
 
 def test_closed_step_and_closed_forms_dispatch_the_grids():

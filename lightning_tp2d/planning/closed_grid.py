@@ -17,7 +17,14 @@ square`, :attr:`~lightning_tp2d.layouts.Layout.arrangement`) with the default
 attention a ring along ``row`` (``"2d-metp"``, :attr:`~lightning_tp2d.layouts.Layout.zigzag`); GPT-2 (biases on or
 off) and Llama (GQA, tied or untied head) whose sizes the grid splits; any vocabulary (short last block);
 ``checkpointing`` ``"none"`` / ``"selective"`` / ``"full"``; ``elem`` 2 (bf16 autocast) and 4; one replica; every
-rank. Saved activation bytes: :func:`_activation_bytes`, exact for all of these.
+rank; ``parallel.float8`` (:attr:`_Grid.wire`): under tensorwise each linear's operand blocks and weight column travel
+as float8 (one byte per element: the forward's activation and weight panels, the backward's saved ones and the
+scatter form's output-gradient blocks), its partial sums and weight-gradient reduce-scatter in the compute dtype, and
+each product blocks on two amax all-reduces per pass (``row`` then ``col``; A's and B's forward, dC's backward); the
+LM head stays in high precision; rowwise sends what high precision does. Saved activation bytes:
+:func:`_activation_bytes`, exact for all of these but tensorwise float8, whose saved float8 operands are not modelled
+(the high-precision layout's are returned: fewer without checkpointing, more under ``"selective"``, where the float8
+casts of recomputable outputs are kept).
 
 The layers' schedules, rank ``(r, c)``, ``N`` local tokens (``"2d"``: ``B/q`` sequences of ``T``; ``"2d-metp"``:
 ``B`` sequences of ``S = T/q`` zigzag rows):
@@ -44,7 +51,7 @@ import dataclasses
 
 from lightning_tp2d.families import anatomy, family_of_config
 from lightning_tp2d.layouts import Layout, get_layout
-from lightning_tp2d.options import TPOptions
+from lightning_tp2d.options import FLOAT8_RECIPES, TPOptions
 from lightning_tp2d.planning.steps import (Stream, TracedStep, checked_entry, one_replica_problem, root_and_blocks,
                                           run_passes, split_problem)
 from lightning_tp2d.summa import ab_form, reduce_order, ring_order, ring_steps
@@ -75,6 +82,13 @@ class _Grid:
     llama: bool
     tied: bool
     block_size: int
+    float8: str | None = None  # parallel.float8
+
+    @property
+    def wire(self) -> int:
+        """Bytes per element of a linear's operands on the wire: one under tensorwise float8 (the blocks travel cast),
+        else the compute element."""
+        return 1 if self.float8 == "tensorwise" else self.e
 
     @property
     def r(self) -> int:
@@ -179,51 +193,56 @@ def _flat(order: list[list[int]]) -> list[int]:
     return [k for step in order for k in step]
 
 
-def _summa(s: Stream, g: _Grid, n_in: int, n_out: int, form: str, backward: bool) -> None:
+def _summa(s: Stream, g: _Grid, n_in: int, n_out: int, form: str, backward: bool, head: bool = False) -> None:
     """One ``[N, n_in/q] @ [n_in/q, n_out/q]`` collective SUMMA product (``n_in``, ``n_out``: the local block widths
     times ``q``), forward (:func:`~lightning_tp2d.summa.collective_ab`, :func:`~lightning_tp2d.summa.scatter_ab`) or
     backward (:func:`~lightning_tp2d.summa.collective_ab_backward`, :func:`~lightning_tp2d.summa.scatter_ab_backward`,
-    both gradients)."""
-    q, e, N = g.q, g.e, g.N
+    both gradients). ``head``: the LM head's product, which stays in high precision under ``parallel.float8``."""
+    if head:
+        g = dataclasses.replace(g, float8=None)
+    q, e, o, N = g.q, g.e, g.wire, g.N
     bi, bo = n_in // q, n_out // q
-    w_bytes, flops, steps = bi * bo * e, 2.0 * N * bi * bo, ring_steps(q)
+    w_bytes, flops, steps = bi * bo * o, 2.0 * N * bi * bo, ring_steps(q)
     forward_order, reduce_targets = _flat(ring_order(q, g.c)), reduce_order(q, g.c)
+    if g.float8 == "tensorwise":  # the global amaxes, blocking (float8.tensorwise_cast): A's and B's, then dC's
+        for axis, group in (("row", g.row), ("col", g.col)):
+            s.blocking("all_reduce", axis, group, (1 if backward else 2) * _F32)
     if not backward:
         streams = q * bi * bo > N * bi  # summa._streams(a, b): the column outweighs A's block
         if form == "gather":
             column = _Column(s, g, w_bytes, streams, forward_order)
-            ring = _RingGather(s, g, N * bi * e)
+            ring = _RingGather(s, g, N * bi * o)
             for step in range(steps):
                 for k in ring.step(step):
                     column.get(k)
                     s.mm(flops)
         else:
             column = _Column(s, g, w_bytes, streams, reduce_targets)
-            reduce = _RingReduce(s, g, N * bo * e)
+            reduce = _RingReduce(s, g, N * bo * e)  # partial sums: high precision
             for step in range(steps):
                 reduce.step(step, lambda k: (column.get(k), s.mm(flops)))
         return
     streams = q * bi * bo > N * bo  # summa._streams(grad, b)
     if form == "gather":
         column = _Column(s, g, w_bytes, streams, reduce_targets)
-        gather, reduce = _RingGather(s, g, N * bi * e), _RingReduce(s, g, N * bi * e)
+        gather, reduce = _RingGather(s, g, N * bi * o), _RingReduce(s, g, N * bi * e)
         scatter = None
         for step in range(steps):
             for _ in gather.step(step):
                 s.mm(flops)
             if step == steps - 1:
-                scatter = s.post("reduce_scatter", "row", g.row, q * w_bytes)
+                scatter = s.post("reduce_scatter", "row", g.row, q * bi * bo * e)
             reduce.step(step, lambda k: (column.get(k), s.mm(flops)))
     else:
         column = _Column(s, g, w_bytes, streams, forward_order)
-        ring = _RingGather(s, g, N * bo * e)
+        ring = _RingGather(s, g, N * bo * o)
         scatter = None
         for step in range(steps):
             held = ring.step(step)
             for _ in held:
                 s.mm(flops)
             if step == steps - 1:
-                scatter = s.post("reduce_scatter", "row", g.row, q * w_bytes)
+                scatter = s.post("reduce_scatter", "row", g.row, q * bi * bo * e)
             for k in held:
                 column.get(k)
                 s.mm(flops)
@@ -361,14 +380,14 @@ def _head(s: Stream, g: _Grid, backward: bool, checkpointing: str) -> None:
     if not backward:
         if g.tied:
             _mirror_swap(s, g)
-        _summa(s, g, g.h, g.q * g.vb, "gather", False)
+        _summa(s, g, g.h, g.q * g.vb, "gather", False, head=True)
         s.blocking("all_reduce", "col", g.col, g.N * _F32)
         s.blocking("all_reduce", "col", g.col, 2 * g.N * _F32)
         s.blocking("all_reduce", "row", g.row, 2 * _F32)
         return
     if g.tied and checkpointing == "selective":
         _mirror_swap(s, g)
-    _summa(s, g, g.h, g.q * g.vb, "gather", True)
+    _summa(s, g, g.h, g.q * g.vb, "gather", True, head=True)
     if g.tied:
         _mirror_swap(s, g)
 
@@ -401,8 +420,8 @@ def models(layout: str | Layout, cfg, p: int, elem: int, *, dp: int = 1, zero_st
     if spec.splits_batch == spec.zigzag:
         return (f"layout {spec.name!r} splits_batch={spec.splits_batch}, zigzag={spec.zigzag}: closed forms cover a "
                 f"grid whose rows split the batch or cut the sequence")
-    if spec.options not in (None, TPOptions()):
-        return f"options {spec.options!r} are traced; closed forms cover the defaults"
+    if spec.options not in (None, TPOptions(), *(TPOptions(float8=r) for r in FLOAT8_RECIPES)):
+        return f"options {spec.options!r} are traced; closed forms cover the defaults (and parallel.float8)"
     problem = one_replica_problem(cfg, elem, dp, zero_stage, clip)
     if problem:
         return problem
@@ -425,7 +444,7 @@ def closed_grid_step(layout: str | Layout, cfg, batch: int, seq: int, p: int, el
               heads=cfg.n_head, kv_heads=a.kv_heads, d=cfg.n_embd // cfg.n_head,
               hidden=a.mlp_width, vocab=cfg.vocab_size, e=elem,
               bias=bool(getattr(cfg, "bias", False)), llama=llama, tied=a.tied_head,
-              block_size=cfg.block_size)
+              block_size=cfg.block_size, float8=getattr(spec.options, "float8", None))
     activation = _activation_bytes(g, cfg.n_layer, checkpointing)
     root, block = Stream(), Stream()
     run_passes(root, block, lambda s, backward: _root(s, g, backward, checkpointing),

@@ -28,6 +28,8 @@ from lightning_tp2d.planning.events import Comm
 from lightning_tp2d.planning.memory_model import baseline_activation_bytes, peak_bytes
 from lightning_tp2d.planning.rivals import (CHUNK_TOKENS, baseline_row_peak_bytes, cp_peak_bytes,
                                             ulysses_peak_bytes)
+from lightning_tp2d.layouts import get_layout
+from lightning_tp2d.planning.closed_step import models as closed_models
 from lightning_tp2d.planning.trace import trace_step
 from lightning_tp2d.train_plan import fsdp_shards
 
@@ -131,9 +133,20 @@ class SideModel:
     def micro(self, cfg, r: RowPlan, hw: Hardware, rule) -> tuple[dict, bool, float]:
         """``(step, async_tp, elementwise bytes)`` of one micro-batch of ``r``: ``micro_batch x seq`` tokens on
         ``p`` ranks."""
-        micro = step_time(self.name, cfg, r.micro_batch, r.seq, r.p, hw, ELEMENT, checkpointing=r.checkpointing,
-                          ranks=[0], overlap=rule)
+        micro = step_time(self.on_the_wire(cfg, r), cfg, r.micro_batch, r.seq, r.p, hw, ELEMENT,
+                          checkpointing=r.checkpointing, ranks=[0], overlap=rule)
         return micro, False, trace_step(self.name, cfg, r.micro_batch, r.seq, r.p, ELEMENT, 0).activation_bytes
+
+    def on_the_wire(self, cfg, r: RowPlan):
+        """The layout whose communication ``r`` is priced with: under ``float8``, the layout with that recipe where
+        the closed forms model its float8 wire (the grids, :mod:`~lightning_tp2d.planning.closed_grid`: tensorwise
+        operand panels and weight columns at one byte per element, the amax all-reduces; rowwise sends what bf16
+        does), else its name (the ring's float8 weight blocks are not modelled: priced in bf16, more bytes than it
+        sends)."""
+        if r.float8 is None:
+            return self.name
+        spec = get_layout(self.name).with_float8(r.float8)
+        return spec if closed_models(spec, cfg, r.p, ELEMENT) is None else self.name
 
     def memory(self, cfg, r: RowPlan) -> dict:
         """Predicted peak bytes per GPU of ``r`` with their parts (tensor rank 0; AdamW's fused step)."""

@@ -84,6 +84,9 @@ from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING
 
 _MATMUL_FLOPS = {packet.__name__: formula for packet, formula in flop_registry.items()
                  if packet.__name__ in ("mm", "addmm", "bmm", "baddbmm")}
+# parallel.float8's GEMMs: [m, k] @ [k, n], the same FLOPs as the mm they replace (priced at the float8 rate by
+# cost_model.float8_seconds)
+_MATMUL_FLOPS["_scaled_mm"] = lambda a, b, *args, out_val=None, **kwargs: 2 * a.shape[0] * a.shape[1] * b.shape[1]
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 TRACED_STAGES = ZERO_STAGES  # the tracer runs every ZeRO stage
 
