@@ -28,6 +28,7 @@ optional dependency (``pip install "lightning-tp2d[float8]"``); it is imported o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -38,7 +39,7 @@ from lightning_tp2d.options import check_float8 as check_recipe
 
 __all__ = ["RECIPES", "check_recipe", "recipe_config", "float8_supported", "float8_notice", "cast", "tensorwise_cast",
            "Gemm", "HIGH", "TensorwiseGemm", "RowwiseGemm", "role_dtype", "cast_global", "product", "forward_products",
-           "backward_products", "linear_configs", "linear", "is_float8_linear", "convert_plain"]
+           "backward_products", "linear_configs", "linear", "is_float8_linear", "convert_plain", "precompute_fsdp_scales"]
 
 
 _AO: tuple | None = None  # (torchao.float8, float8_ops, float8_utils) once imported
@@ -314,11 +315,32 @@ def is_float8_linear(module: torch.nn.Module) -> bool:
     return type(module).__name__ == "Float8Linear"
 
 
-def convert_plain(model: torch.nn.Module, recipe: str | None, skip=("lm_head",)) -> torch.nn.Module:
+def convert_plain(model: torch.nn.Module, recipe: str | None, skip=("lm_head",),
+                  fsdp_float8_all_gather: bool = False) -> torch.nn.Module:
     """The plain model's ``nn.Linear`` layers as torchao's ``Float8Linear`` (``convert_to_float8_training``), all but
-    those named in ``skip`` (the head stays in high precision, as in the layouts); in place, returned."""
+    those named in ``skip`` (the head stays in high precision, as in the layouts); in place, returned.
+    ``fsdp_float8_all_gather`` (tensorwise only): torchao's ``enable_fsdp_float8_all_gather``, so that FSDP2
+    all-gathers those weights as float8 (each shard cast with the weight's global amax before the gather: one byte
+    per element instead of bf16's two), as torchtitan offers with tensorwise scaling; call
+    :func:`precompute_fsdp_scales` after each optimizer step to compute every weight's amax in one all-reduce."""
     if check_recipe(recipe) is None:
+        if fsdp_float8_all_gather:
+            raise ValueError("fsdp_float8_all_gather needs a float8 recipe (tensorwise)")
         return model
+    if fsdp_float8_all_gather and recipe != "tensorwise":
+        raise ValueError(f"fsdp_float8_all_gather: torchao gathers float8 weights with tensorwise scaling only, "
+                         f"got float8={recipe!r}")
     ao_float8, _, _ = _torchao()
+    config = recipe_config(recipe)
+    if fsdp_float8_all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     keep = lambda module, name: not any(name == s or name.endswith("." + s) for s in skip)  # noqa: E731
-    return ao_float8.convert_to_float8_training(model, config=recipe_config(recipe), module_filter_fn=keep)
+    return ao_float8.convert_to_float8_training(model, config=config, module_filter_fn=keep)
+
+
+def precompute_fsdp_scales(model: torch.nn.Module) -> None:
+    """torchao's ``precompute_float8_dynamic_scale_for_fsdp``: after an optimizer step, every float8-gathered
+    weight's amax in one all-reduce (else each FSDP all-gather computes its own). A no-op for a model without
+    them."""
+    ao_float8, _, _ = _torchao()
+    ao_float8.precompute_float8_dynamic_scale_for_fsdp(model)

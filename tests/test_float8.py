@@ -466,6 +466,54 @@ def test_the_rival_runs_float8_with_torchaos_own_code():
         assert r["cos"] > 0.99, (family, recipe, r)
 
 
+def _rival_fsdp_worker(rank: int, world_size: int) -> dict:
+    """The rival at 1-D TP 2 + SP x FSDP2 dp 2 (ZeRO 3), tensorwise, with and without torchao's float8 all-gather:
+    three AdamW steps' losses and one step's FSDP all-gather bytes."""
+    from lightning_tp2d.baselines.tp1d import parallelize_1d
+    from lightning_tp2d.baselines.tp1d_sp import DP_AXIS, init_tp_dp_mesh, shard_1d_data_parallel
+
+    mesh = init_tp_dp_mesh(2, world_size // 2)
+    out = {}
+    for gather in (False, True):
+        torch.manual_seed(0)
+        cfg = LlamaConfig.from_name("llama-tiny", n_head=8, n_kv_head=4)
+        model = parallelize_1d(Llama(cfg), mesh["tp"], sequence_parallel=True, float8="tensorwise",
+                               fsdp_float8_all_gather=gather)
+        shard_1d_data_parallel(model, mesh[DP_AXIS], 3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        torch.manual_seed(1 + mesh.get_local_rank(DP_AXIS))
+        losses = []
+        for step in range(3):
+            idx = torch.randint(0, cfg.vocab_size, (2, 32))
+            optimizer.zero_grad()
+            with comm.count_comm() as stats:
+                loss = model(idx, idx)
+                loss.backward()
+            optimizer.step()
+            if gather:
+                float8.precompute_fsdp_scales(model)
+            losses.append(loss.item())
+        out[gather] = {"losses": losses, "all_gather": stats.snapshot()["all_gather"]["bytes"]}
+    return out
+
+
+def test_the_rivals_fsdp_gathers_float8_weights_with_torchaos_own_code():
+    """``parallelize_1d(..., fsdp_float8_all_gather=True)`` (torchtitan's option, tensorwise): FSDP2 all-gathers the
+    float8 linears' weights as float8, a quarter of float32's bytes, and the model trains as without it (its weights
+    are cast with the same global amax, before the gather instead of after)."""
+    for rank, out in enumerate(run_distributed(_rival_fsdp_worker, 4)):
+        plain, gathered = out[False], out[True]
+        rel = [abs(a - b) / a for a, b in zip(plain["losses"], gathered["losses"])]
+        # the first step to float8 rounding (torchao computes the gathered weights' scales its own way); AdamW's
+        # normalised updates let that grow a little over the next steps
+        assert rel[0] < 1e-4 and max(rel) < 2e-3, (rank, out)
+        # the linears' weights dominate what FSDP gathers: under half of float32's bytes, not a quarter (the
+        # embedding, head and norms stay float32)
+        assert gathered["all_gather"] < 0.5 * plain["all_gather"], (rank, out)
+    with pytest.raises(ValueError, match="tensorwise scaling only"):
+        float8.convert_plain(torch.nn.Sequential(torch.nn.Linear(16, 16)), "rowwise", fsdp_float8_all_gather=True)
+
+
 # ---- refusals ----------------------------------------------------------------------------------------------------
 
 
@@ -513,8 +561,10 @@ def test_tp2d_train_checks_the_recipe_before_launch():
 
 def test_the_planner_prices_float8_on_every_side_by_one_rule():
     """``plan(..., float8=...)``: every row, package and rival, is its bf16 row with the linears' GEMMs at the float8
-    rate and their casts' bytes added (cost_model.float8_seconds); rowwise casts twice as much; a GPU without float8
-    GEMMs is refused; the rows run what they priced (the plan's options, torchao's converter for torchtitan)."""
+    rate and their casts' bytes added (cost_model.float8_seconds); rowwise casts twice as much; under tensorwise the
+    grids' exposed tensor-parallel communication shrinks (float8 panels) and a rival under FSDP2 gathers its weights
+    as float8 (less data-parallel traffic, its weights cast as shards); a GPU without float8 GEMMs is refused; the
+    rows run what they priced (the plan's options, torchao's converter for torchtitan)."""
     from lightning_tp2d.planning import cost_model
     from lightning_tp2d.planning.commands import command_for
     from lightning_tp2d.planning.planner import HARDWARE, plan
@@ -525,18 +575,33 @@ def test_the_planner_prices_float8_on_every_side_by_one_rule():
             for recipe in (None, "tensorwise", "rowwise")}
     hw = HARDWARE["h100"]
     cfg = tp.families.model_config("llama-3.1-8b")
-    sides = set()
+    sides, wire = set(), {}
     for key, high in rows[None].items():
         for recipe in RECIPES:
             row = rows[recipe][key]
+            # a rival under FSDP2 at tensorwise gathers its weights as float8: cast as shards, one byte on the wire
+            gathered = recipe == "tensorwise" and row.baseline and row.zero_stage >= 2 and row.data_parallel_size > 1
             f8 = cost_model.float8_seconds(cfg, row.micro_batch * 8192, row.tensor_parallel_size, row.checkpointing,
-                                           recipe, hw)
+                                           recipe, hw, weight_shards=row.data_parallel_size if gathered else 1)
             assert row.float8 == recipe and row.parts["time_s"]["micro_float8"] == pytest.approx(
                 f8["cast_s"] - f8["gemm_saved_s"], rel=1e-12)
             # the GEMMs gain more than the casts cost at these sizes, unless the host issuing the ops is the limit
             assert row.step_s < high.step_s or (row.host_bound and row.step_s == high.step_s), (row, high)
             sides.add(row.baseline)
+            time_s, high_s = row.parts["time_s"], high.parts["time_s"]
+            if recipe == "rowwise" or row.tensor_parallel_size == 1 or row.layout == "metp":
+                # rowwise sends what bf16 does; the ring's float8 blocks are priced in bf16
+                assert time_s["micro_tp_exposed"] == high_s["micro_tp_exposed"] or row.baseline, (row, high)
+            elif not row.baseline:  # the grids' panels travel as float8: fewer bytes, never more exposed
+                assert time_s["micro_tp_exposed"] <= high_s["micro_tp_exposed"], (row, high)
+                wire[row.layout] = wire.get(row.layout, 0) + (time_s["micro_tp_exposed"] < high_s["micro_tp_exposed"])
+            if gathered:
+                assert time_s["dp_comm"] < high_s["dp_comm"], (row, high)
+                wire["gathered"] = wire.get("gathered", 0) + 1
+            else:
+                assert time_s["dp_comm"] == high_s["dp_comm"], (row, high)
     assert sides == {True, False}
+    assert wire.get("2d", 0) > 0 and wire.get("gathered", 0) > 0, wire
     tensorwise = cost_model.float8_seconds(cfg, 8192, 4, "none", "tensorwise", hw)
     rowwise = cost_model.float8_seconds(cfg, 8192, 4, "none", "rowwise", hw)
     assert rowwise["cast_s"] == pytest.approx(2 * tensorwise["cast_s"]) and \
@@ -547,6 +612,10 @@ def test_the_planner_prices_float8_on_every_side_by_one_rule():
     baseline = min((r for r in rows["rowwise"].values() if r.baseline), key=lambda r: r.step_s)
     assert "--quantize.linear.float8.recipe_name=rowwise" in command_for(baseline, "llama-3.1-8b", 8192,
                                                                          gpus_per_node=8)
+    gathered = min((r for r in rows["tensorwise"].values() if r.baseline and r.zero_stage >= 2
+                    and r.data_parallel_size > 1 and r.layout == "tp1d-sp"), key=lambda r: r.step_s)
+    assert "--quantize.linear.float8.enable_fsdp_float8_all_gather" in command_for(gathered, "llama-3.1-8b", 8192,
+                                                                                   gpus_per_node=8)
     with pytest.raises(ValueError, match="has no float8 GEMMs"):
         plan("llama-3.1-8b", float8="tensorwise", hardware="a100", **args)
 

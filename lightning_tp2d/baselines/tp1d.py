@@ -320,7 +320,7 @@ def _family(config) -> _Family1D:
 
 
 def parallelize_1d(model: GPT2 | Llama, mesh: DeviceMesh, *, sequence_parallel: bool = False,
-                   float8: str | None = None) -> GPT2 | Llama:
+                   float8: str | None = None, fsdp_float8_all_gather: bool = False) -> GPT2 | Llama:
     """Apply Megatron-style 1-D tensor parallelism with torch's TP styles to ``model`` (our GPT-2 or Llama) in
     place; returns it.
 
@@ -339,6 +339,10 @@ def parallelize_1d(model: GPT2 | Llama, mesh: DeviceMesh, *, sequence_parallel: 
     styles shard them (torchao's ``Float8Linear`` takes DTensor weights; its tensorwise amax is the DTensor's global
     one), as torchtitan converts before it parallelizes. torchtitan's tensorwise float8 TP styles, which all-gather the
     activations in float8, are not used: the activations travel in bf16, as in its rowwise runs.
+    ``fsdp_float8_all_gather`` (tensorwise): torchao's ``enable_fsdp_float8_all_gather``, so that FSDP2
+    (:func:`~lightning_tp2d.baselines.tp1d_sp.shard_1d_data_parallel`) gathers those weights as float8, as
+    torchtitan's ``--quantize.linear.float8.enable_fsdp_float8_all_gather`` does; call
+    :func:`lightning_tp2d.float8.precompute_fsdp_scales` after each optimizer step, as torchtitan does.
     """
     fam = _family(getattr(model, "config", None))
     if not isinstance(model, fam.model_class):
@@ -363,7 +367,9 @@ def parallelize_1d(model: GPT2 | Llama, mesh: DeviceMesh, *, sequence_parallel: 
     if float8 is not None:
         from lightning_tp2d.float8 import convert_plain  # torchao: imported only with a recipe
 
-        convert_plain(model, float8)
+        convert_plain(model, float8, fsdp_float8_all_gather=fsdp_float8_all_gather)
+    elif fsdp_float8_all_gather:
+        raise ValueError("parallelize_1d: fsdp_float8_all_gather needs float8='tensorwise'")
     if fam.prepare is not None:
         fam.prepare(model, p)
     plan = fam.plan(cfg.n_layer, sequence_parallel)

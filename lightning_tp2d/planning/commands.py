@@ -145,6 +145,9 @@ def torchtitan_settings(row: PlanRow, seq: int, *, compiled: bool = True) -> lis
         out.append("--parallelism.enable_async_tensor_parallel")
     if row.float8:  # torchao's recipe on every linear but the head (torchtitan's float8 converter)
         out += ["--model.converters=quantize.linear.float8", f"--quantize.linear.float8.recipe_name={row.float8}"]
+        if row.float8 == "tensorwise" and row.zero_stage >= 2 and dp > 1:  # FSDP2 gathers the weights as float8
+            out += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]
     if compiled or row.async_tp:
         out.append("--compile.enable")
     out += [f"--training.local_batch_size={row.micro_batch}", f"--training.seq_len={seq}"]

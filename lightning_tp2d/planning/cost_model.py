@@ -462,7 +462,8 @@ FLOAT8_CAST_BYTES = 5
 FLOAT8_CASTS = {"tensorwise": 1, "rowwise": 2}
 
 
-def float8_seconds(cfg, tokens: int, p: int, checkpointing: str, recipe: str, hw: Hardware) -> dict:
+def float8_seconds(cfg, tokens: int, p: int, checkpointing: str, recipe: str, hw: Hardware,
+                   weight_shards: int = 1) -> dict:
     """What training the linears in float8 changes in one micro-batch's compute on one rank, the same rule for every
     side (the layouts' ``parallel.float8``, the rivals with torchao's recipe): ``gemm_saved_s``, the linears' GEMM
     seconds at the bf16 rate less at ``hw.float8_gemm_speedup`` times it (their FLOPs: ``6 N`` per weight entry, and
@@ -470,8 +471,11 @@ def float8_seconds(cfg, tokens: int, p: int, checkpointing: str, recipe: str, hw
     memory traffic (:data:`FLOAT8_CAST_BYTES` per element of each linear's input, weight and output gradient shards,
     ``N in + in out + N out`` over ``p``, :data:`FLOAT8_CASTS` times, recomputed inputs and weights again) at the HBM
     rate. The LM head, attention and the loss stay bf16. ``tokens``: ``N``, the replica's tokens per micro-batch.
-    Not priced: float8 operands on the wire (the layouts' tensorwise panels and ring blocks, torchao's float8
-    all-gathers) and the tensorwise amax all-reduces (one small call per linear and pass)."""
+    ``weight_shards``: the weights are cast as FSDP shards of ``1 / weight_shards`` before their float8 all-gather
+    (torchao's ``enable_fsdp_float8_all_gather``, :func:`float8_gather_element`), not whole after a bf16 one.
+    What travels is priced elsewhere: the grids' float8 panels and amax all-reduces in their closed forms
+    (:mod:`~lightning_tp2d.planning.closed_grid`), the rivals' float8 FSDP all-gathers by
+    :func:`float8_gather_element`. Not priced: the ring's float8 weight blocks (priced in bf16)."""
     if recipe not in FLOAT8_CASTS:
         raise ValueError(f"float8={recipe!r} is not one of {list(FLOAT8_CASTS)}")
     if hw.float8_gemm_speedup <= 0:
@@ -481,11 +485,20 @@ def float8_seconds(cfg, tokens: int, p: int, checkpointing: str, recipe: str, hw
     entries = sum(o * i for o, i in linears) + sum(linears[k][0] * linears[k][1] for k in again) / 3
     linear_flops = 6.0 * tokens * entries * cfg.n_layer / p
     gemm_s = linear_flops / hw.matmul_flops_per_s
-    elements = sum(tokens * i + i * o + tokens * o for o, i in linears)
-    elements += sum(tokens * linears[k][1] + linears[k][0] * linears[k][1] for k in again)
+    elements = sum(tokens * i + i * o / weight_shards + tokens * o for o, i in linears)
+    elements += sum(tokens * linears[k][1] + linears[k][0] * linears[k][1] / weight_shards for k in again)
     cast_bytes = FLOAT8_CAST_BYTES * FLOAT8_CASTS[recipe] * elements * cfg.n_layer / p
     return {"gemm_saved_s": gemm_s * (1.0 - 1.0 / hw.float8_gemm_speedup),
             "cast_s": cast_bytes / hw.hbm_bytes_per_s if hw.hbm_bytes_per_s else 0.0}
+
+
+def float8_gather_element(cfg, elem: int) -> float:
+    """Bytes per element FSDP all-gathers of one block's parameters when its linears' weights travel as float8
+    (torchao's ``enable_fsdp_float8_all_gather``, tensorwise: one byte each) and its vectors (norms, biases) in the
+    ``elem``-byte compute dtype, averaged over the block's parameters."""
+    linear = sum(o * i for group in block_linears(cfg) for o, i in group)
+    total = parameter_split(cfg).block
+    return (linear + elem * (total - linear)) / total
 
 
 def collective_time(kind: str, n: int, nbytes: float, link: Link) -> float:

@@ -58,8 +58,8 @@ How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
   eager or compiled: the layouts' and the rivals' own, measured on CPU one rank at a time; compiled, what the host
   spends beyond the compiled plain model, which costs none).
 
-Not modelled: pipeline parallelism (the package has none; 405B at 1024 GPUs is where that limits), float8, the
-host's kernel launches under compile, the optimizer's host time, allocator fragmentation (memory is live bytes; the
+Not modelled: pipeline parallelism (the package has none; 405B at 1024 GPUs is where that limits), float8's memory
+(its rows are priced at bf16's; the ring's float8 weight blocks at bf16's bytes), the host's kernel launches under compile, the optimizer's host time, allocator fragmentation (memory is live bytes; the
 10% margin is for it), contention between the data-parallel and tensor-parallel links.
 """
 
@@ -245,7 +245,7 @@ def model_flops_per_token(cfg, seq: int) -> float:
 
 def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: int, stage: int, gpus_per_node: int,
                        hw: Hardware, forward_s: float, backward_s: float, grad_accum: int, elem: int = ELEMENT,
-                       regathered: float = 0.0, shard_group: int = 0) -> dict:
+                       regathered: float = 0.0, shard_group: int = 0, block_elem: float | None = None) -> dict:
     """Seconds of data-parallel communication per step for ``dp`` replicas of ``tp`` consecutive ranks, one rank
     holding ``root`` + ``n_layer * block`` tensor-shard elements (float32 at rest, gradients reduced in float32),
     ``forward_s`` / ``backward_s`` one micro-batch's compute: ``{"comm_s", "exposed_s"}`` (module docstring).
@@ -255,6 +255,9 @@ def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: 
     input embedding (torchtitan's ``apply_fsdp`` wraps it alone, resharded after forward), the whole root of torch's
     context parallelism (:func:`~lightning_tp2d.baselines.context_parallel.parallelize_cp`); 0 for the package's
     layouts, whose root group FSDP keeps gathered from the forward to the backward. Ignored below stage 3.
+
+    ``block_elem``: bytes per element of the blocks' all-gathers where they differ from ``elem`` (a rival's float8
+    all-gather, :func:`~lightning_tp2d.planning.cost_model.float8_gather_element`).
 
     ``shard_group`` (stages 2 and 3; 0 or ``dp``: FSDP over all ``dp`` replicas): HSDP, FSDP over groups of
     ``s = shard_group`` consecutive replicas (``s * tp`` consecutive ranks: inside a node when they fit one), each
@@ -272,7 +275,7 @@ def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: 
                              f"or 3 (got zero_stage {stage})")
         inside = data_parallel_time(root=root, block=block, n_layer=n_layer, dp=shard_group, tp=tp, stage=stage,
                                     gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s, backward_s=backward_s,
-                                    grad_accum=grad_accum, elem=elem, regathered=regathered)
+                                    grad_accum=grad_accum, elem=elem, regathered=regathered, block_elem=block_elem)
         replicas = dp // shard_group
         link = hw.intra if dp * tp <= gpus_per_node else hw.inter  # groups s * tp ranks apart
         across = collective_time("all_reduce", replicas, 4 * (root + n_layer * block) / shard_group, link)
@@ -288,7 +291,8 @@ def data_parallel_time(*, root: float, block: float, n_layer: int, dp: int, tp: 
             comm += gather
             exposed += gather
         return {"comm_s": comm, "exposed_s": exposed}
-    gather_block = _dp_collective("all_gather", elem * block / dp, dp, tp, gpus_per_node, hw)
+    gather_block = _dp_collective("all_gather", (elem if block_elem is None else block_elem) * block / dp, dp, tp,
+                                  gpus_per_node, hw)
     scatter_block = _dp_collective("reduce_scatter", 4 * block, dp, tp, gpus_per_node, hw)
     gather_root = _dp_collective("all_gather", elem * root / dp, dp, tp, gpus_per_node, hw)
     scatter_root = _dp_collective("reduce_scatter", 4 * root, dp, tp, gpus_per_node, hw)
@@ -395,8 +399,12 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
 
     ``float8`` (``"tensorwise"`` / ``"rowwise"``): the linears in float8, on every side by one rule
     (:func:`~lightning_tp2d.planning.cost_model.float8_seconds`: their GEMMs at the hardware's float8 rate, the casts'
-    bytes at its memory rate; the layouts' ``parallel.float8``, the rivals as torchao's recipe runs them); memory is
-    priced as bf16's."""
+    bytes at its memory rate; the layouts' ``parallel.float8``, the rivals as torchao's recipe runs them). On the wire
+    under tensorwise: the grids' operand panels and weight columns at one byte per element with their amax
+    all-reduces (their closed forms, :meth:`~lightning_tp2d.planning.rival_models.SideModel.on_the_wire`; the ring's
+    float8 weight blocks are priced in bf16), a rival's FSDP2 all-gathers of its linears' weights at one byte
+    (torchao's ``enable_fsdp_float8_all_gather``, :func:`~lightning_tp2d.planning.cost_model.float8_gather_element`,
+    its weights cast as shards); rowwise sends what bf16 does. Memory is priced as bf16's."""
     if offload and checkpointing != "full":
         raise ValueError(f"activation offload moves the inputs full checkpointing keeps; got checkpointing="
                          f"{checkpointing!r}")
@@ -415,8 +423,13 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     if memory is None:
         memory = side.memory(cfg, asked)
     float8_s = 0.0
+    # a rival's FSDP2 all-gathers its float8 linears' weights as float8 under tensorwise (torchao's
+    # enable_fsdp_float8_all_gather, torchtitan's option), each shard cast before the gather
+    float8_gather = float8 == "tensorwise" and side.torch_code and zero_stage in FSDP_STAGES and dp > 1
     if float8 is not None:  # the linears' GEMMs faster, their casts' bytes added: the same rule for every side
-        f8 = cost_model.float8_seconds(cfg, micro_batch * seq, p, checkpointing, float8, hw)
+        f8 = cost_model.float8_seconds(cfg, micro_batch * seq, p, checkpointing, float8, hw,
+                                       weight_shards=side.data_parallel(parameter_split(cfg), asked).sharding
+                                       if float8_gather else 1)
         float8_s = f8["cast_s"] - f8["gemm_saved_s"]
         micro = {**micro, "compute_s": micro["compute_s"] + float8_s, "total_s": micro["total_s"] + float8_s}
     fl = micro["flops"]
@@ -441,7 +454,8 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     data = data_parallel_time(root=root, block=block, n_layer=split.n_layer, dp=sharded.sharding, tp=sharded.ranks,
                               stage=zero_stage, gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s,
                               backward_s=backward_s, grad_accum=grad_accum, regathered=sharded.regathered,
-                              shard_group=shard_group if baseline else 0)
+                              shard_group=shard_group if baseline else 0,
+                              block_elem=cost_model.float8_gather_element(cfg, ELEMENT) if float8_gather else None)
     # HSDP: the optimizer's shard is 1 / group
     sharded_over = shard_group if baseline and shard_group else sharded.sharding
     updated = (root + split.n_layer * block) / (sharded_over if zero_stage >= 1 else 1)
