@@ -79,8 +79,12 @@ def _timeout_override(names: tuple[str, ...], timeout: timedelta | None) -> dict
 
 
 def init_mesh(layout: str | Layout = DEFAULT_LAYOUT, tensor_parallel_size: int = 4, data_parallel_size: int = 1,
-              device_type: str | None = None, timeout: timedelta | float | None = None) -> DeviceMesh:
+              device_type: str | None = None, timeout: timedelta | float | None = None, *,
+              pipeline_parallel_size: int = 1) -> DeviceMesh:
     """Build the layout's :class:`DeviceMesh` over the already-initialised default process group.
+
+    ``pipeline_parallel_size`` > 1 adds the outermost ``"pipeline"`` axis: ``pp`` stages, each a ``dp x p`` mesh of
+    its own (:mod:`lightning_tp2d.pipeline` slices it per stage).
 
     ``device_type`` defaults from the backend (``cuda`` for NCCL, ``cpu`` otherwise). ``timeout`` (a ``timedelta``
     or seconds) bounds every collective of every axis group; by default the axis groups get the default group's
@@ -88,7 +92,7 @@ def init_mesh(layout: str | Layout = DEFAULT_LAYOUT, tensor_parallel_size: int =
     sizes do not fit the world.
     """
     timeout = as_timeout(timeout)
-    dims = TrainPlan(layout, tensor_parallel_size, data_parallel_size)
+    dims = TrainPlan(layout, tensor_parallel_size, data_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("init_mesh needs an initialised process group: call torch.distributed.init_process_group first")
     dims.check_world_size(dist.get_world_size())

@@ -46,6 +46,7 @@ from lightning_tp2d.families import family_of, model_names
 from lightning_tp2d.layouts import DEFAULT_LAYOUT, Layout, ParallelHandle, get_layout
 from lightning_tp2d.offload import ActivationOffloader
 from lightning_tp2d.ops import register_mesh
+from lightning_tp2d.nn.stage import present
 from lightning_tp2d.nn.functional import own_leaf_grads
 from lightning_tp2d.train_plan import CHECKPOINTING
 
@@ -98,7 +99,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAU
     # ever holds more than one full module.
     materialise = _materialiser(model) if any(p.is_meta for p in model.parameters()) else (lambda name, m: m)
     tied = family.tied(model)
-    roles = family.module_roles(model)
+    # a pipeline stage (lightning_tp2d.pipeline) parallelizes the modules it holds, not the ones other stages do
+    roles = [(path, role) for path, role in family.module_roles(model) if present(model, path)]
     finished = _blocks_finished(model, roles)
     for i, (path, role) in enumerate(roles):
         parent_path, _, attr = path.rpartition(".")

@@ -55,8 +55,9 @@ FSDP_STAGES = (2, 3)  # the stages FSDP2 runs (lightning_tp2d.fsdp.FSDP_STAGES i
 # least recomputation first (the planner's order); parallelize.ACTIVATION_CHECKPOINTING is this tuple
 CHECKPOINTING = ("none", "selective", "full")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # what the strategies and FSDP's mixed precision support
+PIPELINE_AXIS = "pipeline"  # the mesh axis of the pipeline stages (outermost; only when there are several)
 
-__all__ = ["CHECKPOINTING", "FSDP_STAGES", "PRECISIONS", "ParallelDims", "TrainPlan", "ZERO_STAGES", "fsdp_shards",
+__all__ = ["CHECKPOINTING", "FSDP_STAGES", "PIPELINE_AXIS", "PRECISIONS", "ParallelDims", "TrainPlan", "ZERO_STAGES", "fsdp_shards",
            "reshards_after_forward"]
 
 
@@ -92,6 +93,7 @@ class TrainPlan:
     micro_batch: int | None = None  # advice: the data module and the Trainer keep theirs
     precision: str | None = None  # None: the run's (the Trainer's or Fabric's precision)
     options: TPOptions | None = None  # the layout's layer options; None: the defaults, or the given Layout's
+    pipeline_parallel_size: int = 1  # pipeline stages (lightning_tp2d.pipeline): the mesh's outermost axis
 
 
     def __post_init__(self) -> None:
@@ -103,7 +105,7 @@ class TrainPlan:
         object.__setattr__(self, "layout", spec.name)
         object.__setattr__(self, "options", spec.options)  # so dataclasses.replace keeps them
         object.__setattr__(self, "_spec", spec)
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"TrainPlan.{name} must be a positive int, got {getattr(self, name)!r}")
         problem = spec.size_problem(self.tensor_parallel_size)
@@ -132,8 +134,8 @@ class TrainPlan:
 
     @property
     def world_size(self) -> int:
-        """Ranks the plan runs on: ``p * dp``."""
-        return self.tensor_parallel_size * self.data_parallel_size
+        """Ranks the plan runs on: ``pp * dp * p``."""
+        return self.pipeline_parallel_size * self.data_parallel_size * self.tensor_parallel_size
 
     @property
     def q(self) -> int:
@@ -142,18 +144,24 @@ class TrainPlan:
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        """The mesh's axes: ``("data_parallel", *the layout's tensor axes)``."""
-        return self.spec.mesh_dim_names
+        """The mesh's axes: ``("data_parallel", *the layout's tensor axes)``, after ``"pipeline"`` when there are
+        several stages."""
+        pipeline = (PIPELINE_AXIS,) if self.pipeline_parallel_size > 1 else ()
+        return pipeline + self.spec.mesh_dim_names
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """The mesh's shape: ``(dp, q, q)`` on a grid, ``(dp, p)`` on a ring."""
-        return self.spec.mesh_shape(self.tensor_parallel_size, self.data_parallel_size)
+        """The mesh's shape: ``(dp, q, q)`` on a grid, ``(dp, p)`` on a ring, after ``pp`` when there are several
+        stages."""
+        pipeline = (self.pipeline_parallel_size,) if self.pipeline_parallel_size > 1 else ()
+        return pipeline + self.spec.mesh_shape(self.tensor_parallel_size, self.data_parallel_size)
 
     def check_world_size(self, world_size: int) -> None:
-        """A ``ValueError`` naming the sizes when ``world_size`` ranks are not ``dp x p``."""
+        """A ``ValueError`` naming the sizes when ``world_size`` ranks are not ``pp x dp x p``."""
         if world_size != self.world_size:
-            raise ValueError(f"world size {world_size} != data_parallel_size {self.data_parallel_size} x "
+            pipeline = (f"pipeline_parallel_size {self.pipeline_parallel_size} x "
+                        if self.pipeline_parallel_size > 1 else "")
+            raise ValueError(f"world size {world_size} != {pipeline}data_parallel_size {self.data_parallel_size} x "
                              f"tensor_parallel_size {self.tensor_parallel_size} = {self.world_size}")
 
     @property

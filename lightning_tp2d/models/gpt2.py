@@ -440,15 +440,23 @@ class GPT2(nn.Module):
         self.check_input(idx, targets)
         documents = self.check_documents(idx, doc_ids)
         at = logits_position(idx, targets, logits_at)
-        T = idx.size(1)
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.embed(idx)
+        for block in self.transformer.h:
+            x = block(x) if documents is None else block(x, documents)
+        x = self.final_norm(x)
+        return self.lm_head(x, targets) if at is None else self.lm_head(x, logits_at=at)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The first block's input: token plus position embeddings, after dropout (the forward's first part; a
+        pipeline's first stage runs it alone, :mod:`lightning_tp2d.pipeline`)."""
+        pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
         tr = self.transformer
         x = tr.wte(idx) + tr.wpe(pos)  # (B, T, h) + (T, h) -> (B, T, h)
-        x = tr.drop(in_compute_dtype(x) if self.residual_in_compute_dtype else x)
-        for block in tr.h:
-            x = block(x) if documents is None else block(x, documents)
-        x = tr.ln_f(x)
-        return self.lm_head(x, targets) if at is None else self.lm_head(x, logits_at=at)
+        return tr.drop(in_compute_dtype(x) if self.residual_in_compute_dtype else x)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's input: the last block's output through the final LayerNorm."""
+        return self.transformer.ln_f(x)
 
     # ---- transformers GPT2LMHeadModel layout -------------------------------------------------------
 

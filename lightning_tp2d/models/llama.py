@@ -451,14 +451,21 @@ class Llama(nn.Module):
         self.check_input(idx, targets)
         documents = self.check_documents(idx, doc_ids)
         at = logits_position(idx, targets, logits_at)
-        m = self.model
-        x = m.embed_tokens(idx)  # (B, T, h)
-        if self.residual_in_compute_dtype:  # bf16 under bf16-mixed (gpt2.in_compute_dtype)
-            x = in_compute_dtype(x)
-        for layer in m.layers:
+        x = self.embed(idx)
+        for layer in self.model.layers:
             x = layer(x) if documents is None else layer(x, documents)
-        x = m.norm(x)
+        x = self.final_norm(x)
         return self.lm_head(x, targets) if at is None else self.lm_head(x, logits_at=at)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The first block's input: the token embedding (the forward's first part; a pipeline's first stage runs it
+        alone, :mod:`lightning_tp2d.pipeline`)."""
+        x = self.model.embed_tokens(idx)  # (B, T, h)
+        return in_compute_dtype(x) if self.residual_in_compute_dtype else x  # bf16 under bf16-mixed
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's input: the last block's output through the final RMSNorm."""
+        return self.model.norm(x)
 
     # ---- transformers LlamaForCausalLM layout ------------------------------------------------------------------
 

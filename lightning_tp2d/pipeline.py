@@ -1,0 +1,319 @@
+"""Pipeline parallelism over the layouts: ``pp`` stages of whole blocks, each stage a layout of its own ranks.
+
+The mesh is ``pipeline x data_parallel x (the layout's grid or ring)`` (:func:`~lightning_tp2d.init_mesh` with
+``pipeline_parallel_size``). A :class:`Pipeline` cuts the plain model into stages and parallelizes each stage's
+modules with the layout on that stage's ``dp x p`` sub-mesh, then runs a training step with torch's own schedules
+(``torch.distributed.pipelining``):
+
+* **Stages hold whole blocks**: the embedding on the first stage, the final norm, the head and the loss on the last
+  one, the blocks split into contiguous runs balanced by their FLOPs (:func:`split_blocks`: a long vocabulary's head
+  counts, so the last stage takes fewer blocks). The modules a stage does not hold are :class:`~lightning_tp2d.nn.
+  stage.Elsewhere` placeholders, so every parameter keeps its global name (``transformer.h.7...``). A tied head
+  (GPT-2, a tied Llama) keeps a copy of the embedding on the last stage: the two copies start equal, their gradients
+  are summed over the two stages after each step (one all-reduce), so they stay equal, as Megatron-LM ties them.
+* **Between stages** each rank sends its own activation shard to the rank with the same data-parallel and layout
+  coordinates on the next stage (the ``pipeline`` axis group): shards, never a gathered activation.
+* **Schedules** (:data:`SCHEDULES`): ``gpipe``, ``1f1b`` and ``interleaved_1f1b`` (``virtual_stages`` per rank,
+  round-robin); ``microbatches`` micro-batches per step; the gradients are those of the mean of the micro-batches'
+  mean losses, the full batch's mean loss when every micro-batch counts the same tokens.
+* **Data parallelism** at ZeRO 0: the gradients are averaged over ``data_parallel`` after the schedule.
+
+:meth:`Pipeline.step` returns the step's loss on every rank (the last stage's, broadcast along ``pipeline``);
+:meth:`Pipeline.clip_grad_norm_` clips by the global norm over every stage and shard (the tied copy counted once).
+
+Not yet (issue 51, part 1 of the work): the strategies, Fabric and ``tp2d-train`` do not take a pipeline size; ZeRO
+1-3, activation checkpointing, packed documents and a meta-device build are refused here; checkpoints, the planner's
+pipeline rows and the zero-bubble schedules are not built.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_tp2d.families import anatomy, family_of
+from lightning_tp2d.layouts import DEFAULT_LAYOUT, Layout, get_layout
+from lightning_tp2d.nn.stage import Elsewhere, present
+from lightning_tp2d.options import TPOptions
+from lightning_tp2d.parallelize import parallelize
+from lightning_tp2d.training import average_gradients_, grad_norm
+from lightning_tp2d.train_plan import PIPELINE_AXIS
+
+__all__ = ["SCHEDULES", "Pipeline", "block_costs", "split_blocks", "stage_of_blocks"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # parallel.pp_schedule's values
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[name]
+
+
+def block_costs(cfg, seq: int) -> tuple[float, float, float]:
+    """``(embedding, block, head)`` training FLOPs per token (forward and backward: 3x the forward's): a block's
+    linears ``6 x`` their weights plus causal attention's scores and values (``6 h seq``: ``2 x 2 h seq / 2`` forward,
+    twice that backward); the head's ``6 h V``; the embedding's lookup none."""
+    a = anatomy(cfg)
+    h = cfg.n_embd
+    q_out = cfg.n_head * (h // cfg.n_head)
+    linears = h * (q_out + 2 * a.kv_width) + q_out * h + h * a.mlp_width * (3 if a.gated_mlp else 2)
+    return 0.0, 6.0 * linears + 6.0 * h * seq, 6.0 * h * cfg.vocab_size
+
+
+def split_blocks(n_layer: int, stages: int, costs: tuple[float, float, float] = (0.0, 1.0, 0.0)) -> list[range]:
+    """The blocks of each of ``stages`` stages: contiguous runs, at least one block each, that minimise the largest
+    stage's cost (``costs``: the embedding's, one block's and the head's, from :func:`block_costs`; the first stage
+    also pays the embedding, the last the head). Among equally good splits, earlier stages take fewer blocks (1F1B's
+    first stage holds the most micro-batches' activations). ``ValueError`` when there are fewer blocks than stages."""
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"pipeline stages must be a positive int, got {stages!r}")
+    if n_layer < stages:
+        raise ValueError(f"{n_layer} blocks cannot fill {stages} pipeline stages (each needs at least one block); "
+                         f"use at most {n_layer} stages")
+    embed, block, head = costs
+
+    def cost(i: int, lo: int, hi: int) -> float:
+        return (hi - lo) * block + (embed if i == 0 else 0.0) + (head if i == stages - 1 else 0.0)
+
+    # best[i][j]: the least largest cost of stages i.. over blocks j.. (dynamic programme; n_layer, stages small)
+    best = [[math.inf] * (n_layer + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n_layer + 1) for _ in range(stages + 1)]
+    best[stages][n_layer] = 0.0
+    for i in range(stages - 1, -1, -1):
+        for j in range(n_layer - (stages - i), -1, -1):
+            for k in range(j + 1, n_layer - (stages - i - 1) + 1):
+                value = max(cost(i, j, k), best[i + 1][k])
+                if value < best[i][j] - 1e-9 * max(1.0, value):
+                    best[i][j], cut[i][j] = value, k
+    out, j = [], 0
+    for i in range(stages):
+        out.append(range(j, cut[i][j]))
+        j = cut[i][j]
+    return out
+
+
+def stage_of_blocks(splits: Sequence[range], block: int) -> int:
+    return next(i for i, r in enumerate(splits) if block in r)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of ``model``: the embedding when ``first``, its ``blocks`` (indices into the family's
+    blocks), the final norm when ``last`` (the head and the loss run in the schedule's loss function, on the last
+    stage). It holds ``model`` without registering it (the :class:`Pipeline` does), so several stages of one rank
+    (interleaved) share it."""
+
+    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.__dict__["model"] = model  # not a submodule: the stages share the one model
+        family = family_of(model)
+        every = list(family.block_modules(model))
+        self.blocks = nn.ModuleList(every[i] for i in blocks)
+        self.first, self.last = first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:  # (Pipeline.step checked the ids on every rank, before any stage ran)
+            x = self.model.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.model.final_norm(x) if self.last else x
+
+
+def _roles_around_blocks(model: nn.Module) -> tuple[list[str], list[str]]:
+    """The family's role paths before its first block (the embeddings) and after its last one (final norm, head)."""
+    family = family_of(model)
+    prefix = family.blocks + "."
+    paths = [path for path, _ in family.module_roles(model)]
+    inside = [i for i, path in enumerate(paths) if path.startswith(prefix)]
+    return paths[:inside[0]], paths[inside[-1] + 1:]
+
+
+def _replace(model: nn.Module, path: str, stage: int) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    if isinstance(parent, nn.ModuleList):
+        parent[int(attr)] = Elsewhere(stage)
+    else:
+        setattr(parent, attr, Elsewhere(stage))
+
+
+class Pipeline:
+    """``model`` (a registered family's plain model, built on CPU from the same seed on every rank) cut into
+    ``pp x virtual_stages`` stages over the ``pipeline`` axis of ``mesh``, each stage parallelized with ``layout``
+    on its own ``data_parallel x p`` ranks (module docstring). ``ValueError`` naming the numbers before any
+    communication for: a mesh without a ``pipeline`` axis, fewer blocks than stages, an unknown schedule, fewer
+    micro-batches than ranks under 1F1B (or not a multiple of them, interleaved), a meta-device model.
+
+    ``model`` is changed in place (the blocks other stages hold become placeholders) and kept as
+    :attr:`model`; optimise :meth:`parameters`."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAULT_LAYOUT, *,
+                 schedule: str = "1f1b", microbatches: int | None = None, virtual_stages: int = 1,
+                 options: TPOptions | None = None, seq: int | None = None) -> None:
+        family = family_of(model)
+        if family is None:
+            raise TypeError(f"Pipeline expects a registered model family's model, got {type(model).__name__}")
+        names = mesh.mesh_dim_names or ()
+        if PIPELINE_AXIS not in names:
+            raise ValueError(f"Pipeline needs a mesh with a {PIPELINE_AXIS!r} axis (init_mesh(..., "
+                             f"pipeline_parallel_size=pp) with pp >= 2), got axes {names}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is not one of {list(SCHEDULES)}")
+        pp = mesh.size(names.index(PIPELINE_AXIS))
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be a positive int, got {virtual_stages!r}")
+        if virtual_stages > 1 and schedule != "interleaved_1f1b":
+            raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b', got {schedule!r}")
+        microbatches = pp * virtual_stages if microbatches is None else microbatches
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+        if schedule == "1f1b" and microbatches < pp:
+            raise ValueError(f"schedule '1f1b' needs at least as many micro-batches as pipeline stages: "
+                             f"microbatches={microbatches} < pipeline_parallel_size={pp}")
+        if schedule == "interleaved_1f1b" and microbatches % pp:
+            raise ValueError(f"schedule 'interleaved_1f1b' needs micro-batches in multiples of the pipeline ranks: "
+                             f"microbatches={microbatches} is not a multiple of pipeline_parallel_size={pp}")
+        if any(q.is_meta for q in model.parameters()):
+            raise ValueError("Pipeline: build the model on CPU (the same seed on every rank); a meta-device build is "
+                             "not supported with pipeline stages yet")
+        cfg = model.config
+        stages = pp * virtual_stages
+        self.splits = split_blocks(cfg.n_layer, stages, block_costs(cfg, seq or cfg.block_size))
+        self.pp, self.virtual_stages, self.microbatches, self.schedule_name = pp, virtual_stages, microbatches, schedule
+        self.rank = mesh.get_local_rank(PIPELINE_AXIS)
+        self.stage_indices = [self.rank + k * pp for k in range(virtual_stages)]
+        self.first, self.last = 0 in self.stage_indices, stages - 1 in self.stage_indices
+        self.mesh = mesh
+        self.stage_mesh = mesh[tuple(n for n in names if n != PIPELINE_AXIS)]
+        self.spec = get_layout(layout, options)
+
+        # cut: the blocks, embeddings, final norm and head other stages hold become placeholders
+        mine = {b for i in self.stage_indices for b in self.splits[i]}
+        before, after = _roles_around_blocks(model)
+        tied = family.tied(model)  # {head path: embedding path}
+        self.tied_copies = [tied[path] for path in after if path in tied] if pp > 1 else []
+        blocks = list(family.block_modules(model))
+        for b in range(len(blocks)):
+            if b not in mine:
+                _replace(model, f"{family.blocks}.{b}", stage_of_blocks(self.splits, b) % pp)
+        keep_before = set(before) if self.first else set(self.tied_copies) if self.last else set()
+        for path in before:
+            if path not in keep_before:
+                _replace(model, path, 0)
+        if not self.last:
+            for path in after:
+                _replace(model, path, pp - 1)
+        parallelize(model, self.stage_mesh, self.spec)
+        self.model = model
+
+        from torch.distributed.pipelining import PipelineStage
+
+        device = _device(self.stage_mesh)
+        group = mesh.get_group(PIPELINE_AXIS)
+        self.stages = [PipelineStage(StageModule(model, self.splits[i], i == 0, i == stages - 1), i, stages, device,
+                                     group=group) for i in self.stage_indices]
+        cls = _schedule_class(schedule)
+        self.schedule = cls(self.stages if schedule == "interleaved_1f1b" else self.stages[0],
+                            n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
+        self._tied_group = _first_and_last_groups(mesh, pp) if tied and pp > 1 else None
+        self._last_rank = dist.get_global_rank(group, pp - 1)
+
+    def _loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # each micro-batch's mean loss over the micro-batches: the backward then leaves the gradient of their mean
+        # (torch's scale_grads divides only the stage modules' own gradients afterwards, not the embedding's and the
+        # head's, nor the layouts' shard leaves before they reach the parameters)
+        return self.model.lm_head(x, targets) / self.microbatches
+
+    def parameters(self):
+        """This rank's parameters (its stages' shards; on the last stage of a tied model, the embedding's copy)."""
+        return self.model.parameters()
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+    def _tied_parameters(self) -> list[nn.Parameter]:
+        return [q for path in self.tied_copies if present(self.model, path)
+                for q in self.model.get_submodule(path).parameters()]
+
+    def check_batch(self, idx: torch.Tensor) -> None:
+        """``ValueError`` naming the numbers unless ``idx``'s batch splits into the micro-batches and each
+        micro-batch into the layout's batch shards."""
+        batch = idx.shape[0]
+        if batch % self.microbatches:
+            raise ValueError(f"batch size {batch} does not split into microbatches={self.microbatches}")
+        p = self.stage_mesh.size() // self.stage_mesh.size(self.stage_mesh.mesh_dim_names.index("data_parallel"))
+        problem = self.spec.batch_problem(p, batch // self.microbatches)
+        if problem:
+            raise ValueError(f"each of the {self.microbatches} micro-batches: {problem}")
+
+    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One forward and backward of this replica's batch ``idx`` / ``targets`` (``[B, T]``, the same on every
+        stage of the replica; only the first stage reads ``idx``, only the last ``targets``), gradients accumulated
+        into the parameters' ``.grad`` (tied copies summed, averaged over ``data_parallel``). Returns the loss (the
+        mean of the micro-batches' losses), the same 0-d float32 tensor on every rank of the pipeline."""
+        self.check_batch(idx)
+        self.model.check_input(idx, targets)  # on every stage: a bad id fails every rank alike, before any send
+        losses: list[torch.Tensor] = []
+        args = (idx,) if self.first else ()
+        kwargs = {"target": targets, "losses": losses} if self.last else {}
+        self.schedule.step(*args, **kwargs)
+        tied = self._tied_parameters()
+        if self._tied_group is not None and tied:
+            for q in tied:
+                grad = q.grad if q.grad is not None else torch.zeros_like(q)
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                dist.all_reduce(local, group=self._tied_group)
+                if q.grad is None:
+                    q.grad = grad
+        average_gradients_(self.model, self.stage_mesh)
+        device = _device(self.stage_mesh)
+        loss = torch.stack([x.detach().float() for x in losses]).sum() if self.last else \
+            torch.zeros((), dtype=torch.float32, device=device)
+        dist.broadcast(loss, self._last_rank, group=self.mesh.get_group(PIPELINE_AXIS))
+        return loss
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient of every stage by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` the whole model's
+        (every stage and shard; a tied embedding once); returns it, the same on every rank."""
+        copies = {id(q) for q in self._tied_parameters()} if not self.first else set()
+        counted = [q for q in self.model.parameters() if q.grad is not None and id(q) not in copies]
+        local = grad_norm(counted, self.stage_mesh, norm_type)
+        inf = math.isinf(norm_type)
+        total = local.clone() if inf else local.pow(norm_type)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                        group=self.mesh.get_group(PIPELINE_AXIS))
+        total = total if inf else total.pow(1.0 / norm_type)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for q in self.model.parameters():
+            if q.grad is not None:
+                grad = q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad
+                grad.mul_(coef.to(grad.dtype))
+        return total
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _first_and_last_groups(mesh: DeviceMesh, pp: int):
+    """The process group of this rank's first- and last-stage ranks (same data-parallel and layout coordinates):
+    the ``pipeline`` group itself when ``pp == 2``; else one group per coordinate, every rank creating all of them
+    in the same order (``dist.new_group``'s rule)."""
+    if pp == 2:
+        return mesh.get_group(PIPELINE_AXIS)
+    ranks = mesh.mesh.reshape(pp, -1)
+    mine = None
+    for column in range(ranks.shape[1]):
+        pair = [int(ranks[0, column]), int(ranks[pp - 1, column])]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine

@@ -1,0 +1,224 @@
+"""Pipeline parallelism (:mod:`lightning_tp2d.pipeline`): pp stages x the layouts, torch's schedules.
+
+* **Parity**: one step of pp 2 and pp 4 (GPipe, 1F1B, interleaved 1F1B with two virtual stages per rank) on every
+  layout (a 1x1 grid, a ring of 2, a 2x2 grid for "2d" and "2d-metp") and both families (GPT-2's tied head, Llama):
+  the loss and every gradient equal the plain model's on one process (fp32, 1e-5 relative); at dp 2 (ZeRO 0) each
+  replica's batch averaged.
+* **Training**: three clipped AdamW steps at pp 2 give the plain model's losses and weights; the tied embedding's two
+  copies (first and last stage) stay bit-equal; the clipping norm is the whole model's.
+* **Stages**: balanced by FLOPs (a long vocabulary's head moves blocks off the last stage); bad sizes refused,
+  naming the numbers, before any communication.
+
+Ranks share one spawned group per world size (module-scoped fixtures).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import lightning_tp2d as tp
+from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
+from lightning_tp2d.pipeline import Pipeline, block_costs, split_blocks
+from tests.distributed import run_distributed
+
+BATCH, SEQ, MICRO = 8, 32, 4
+
+
+def _model(family: str, n_layer: int = 4):
+    torch.manual_seed(0)
+    if family == "gpt2":
+        return GPT2(GPT2Config.from_name("gpt2-tiny", dropout=0.0, n_layer=n_layer))
+    return Llama(LlamaConfig.from_name("llama-tiny", n_layer=n_layer))
+
+
+def _full(g: torch.Tensor) -> torch.Tensor:
+    return g.full_tensor() if hasattr(g, "full_tensor") else g
+
+
+def _one_step(world_size: int, case: tuple) -> dict:
+    """``case = (pp, layout, p, dp, family, schedule, virtual)``: one step against the plain model on this
+    replica's batch (dp 1) or on both replicas' batches (dp 2: the plain model's gradient of their mean)."""
+    pp, layout, p, dp, family, schedule, virtual = case
+    ref = _model(family)
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, ref.config.vocab_size, (BATCH, SEQ), generator=g) for _ in range(dp)]
+    sum(ref(idx, idx) for idx in batches).div(dp).backward()
+    mesh = tp.init_mesh(layout, p, dp, pipeline_parallel_size=pp)
+    pipe = Pipeline(model, mesh, layout, schedule=schedule, microbatches=MICRO, virtual_stages=virtual)
+    mine = batches[mesh.get_local_rank("data_parallel")]
+    loss = pipe.step(mine, mine)
+    want = {name: q.grad for name, q in ref.named_parameters()}
+    rel = max(((_full(q.grad) - want[name]).abs().max() / want[name].abs().max()).item()
+              for name, q in pipe.named_parameters())
+    return {"loss": loss.item(), "want": ref(mine, mine).item(), "rel": rel,
+            "names": sorted(name for name, _ in pipe.named_parameters()), "all_names": sorted(want)}
+
+
+CASES_2 = [(2, "2d", 1, 1, "gpt2", "1f1b", 1), (2, "2d", 1, 1, "llama", "gpipe", 1),
+           (2, "2d", 1, 1, "gpt2", "interleaved_1f1b", 2)]
+CASES_4 = [(4, "2d", 1, 1, "gpt2", "1f1b", 1), (4, "2d", 1, 1, "llama", "gpipe", 1),
+           (2, "metp", 2, 1, "gpt2", "gpipe", 1), (2, "metp", 2, 1, "llama", "1f1b", 1),
+           (2, "2d", 1, 2, "llama", "1f1b", 1)]
+CASES_8 = [(2, "2d", 4, 1, "gpt2", "1f1b", 1), (2, "2d-metp", 4, 1, "llama", "interleaved_1f1b", 2)]
+
+
+def _cases_worker(rank: int, world_size: int, cases) -> dict:
+    return {case: _one_step(world_size, case) for case in cases}
+
+
+def _training_worker(rank: int, world_size: int) -> dict:
+    """Three clipped AdamW steps of GPT-2 (tied) at pp 2 against the plain model."""
+    ref = _model("gpt2")
+    model = copy.deepcopy(ref)
+    mesh = tp.init_mesh("2d", 1, 1, pipeline_parallel_size=2)
+    pipe = Pipeline(model, mesh, "2d", schedule="1f1b", microbatches=MICRO)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(2)
+    out = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": []}
+    for _ in range(3):
+        idx = torch.randint(0, ref.config.vocab_size, (BATCH, SEQ), generator=g)
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        loss_ref = ref(idx, idx)
+        loss_ref.backward()
+        out["ref_norms"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item())
+        opt_ref.step()
+        out["losses"].append(pipe.step(idx, idx).item())
+        out["norms"].append(pipe.clip_grad_norm_(0.5).item())
+        opt.step()
+        out["ref_losses"].append(loss_ref.item())
+    want = dict(ref.named_parameters())
+    out["weights"] = max((_full(q) - want[n]).abs().max().item() for n, q in pipe.named_parameters())
+    wte = _full(pipe.model.transformer.wte.weight).detach()
+    gathered = [torch.empty_like(wte) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, wte)
+    out["copies_equal"] = torch.equal(gathered[0], gathered[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_distributed(_cases_worker, 2, CASES_2)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_distributed(_cases_worker, 4, CASES_4)
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return run_distributed(_cases_worker, 8, CASES_8, timeout=600)
+
+
+def _check(outs: list[dict], case) -> None:
+    for rank, out in enumerate(outs):
+        got = out[case]
+        assert abs(got["loss"] - got["want"]) <= 1e-5 * got["want"], (rank, case, got)
+        assert got["rel"] <= 1e-5, (rank, case, got)
+
+
+def _id(case) -> str:
+    pp, layout, p, dp, family, schedule, virtual = case
+    return f"pp{pp}-{layout}-p{p}-dp{dp}-{family}-{schedule}" + (f"-v{virtual}" if virtual > 1 else "")
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=_id)
+def test_pp2_one_rank_stages_equal_the_plain_model(two, case):
+    _check(two, case)
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=_id)
+def test_pp_4_rings_and_data_parallel_equal_the_plain_model(four, case):
+    _check(four, case)
+
+
+@pytest.mark.parametrize("case", CASES_8, ids=_id)
+def test_pp2_on_2x2_grids_equals_the_plain_model(eight, case):
+    _check(eight, case)
+
+
+def test_each_stage_holds_its_own_blocks_under_their_global_names(four):
+    """pp 4 x 1x1 GPT-2: stage ``s`` holds block ``s`` (``transformer.h.s.*``); the first the embeddings, the last
+    the final norm and the tied embedding's copy; every parameter is on some stage."""
+    case = CASES_4[0]
+    names = [set(out[case]["names"]) for out in four]
+    for s, held in enumerate(names):
+        blocks = {n.split(".")[2] for n in held if n.startswith("transformer.h.")}
+        assert blocks == {str(s)}, (s, sorted(held))
+    assert "transformer.wpe.weight" in names[0] and "transformer.wpe.weight" not in names[3]
+    assert {"transformer.ln_f.weight", "transformer.wte.weight"} <= names[3]
+    assert set().union(*names) == set(four[0][case]["all_names"])
+
+
+def test_three_clipped_steps_train_like_the_plain_model_and_keep_the_tied_copies_equal():
+    for rank, out in enumerate(run_distributed(_training_worker, 2)):
+        for got, want in ((out["losses"], out["ref_losses"]), (out["norms"], out["ref_norms"])):
+            assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5, (rank, out)
+        # AdamW's first steps move every weight by ~lr = 1e-2; a gradient element near 0 turns rounding noise into
+        # an O(1) normalised update (as in test_fsdp): an absolute bound
+        assert out["weights"] <= 2e-4, (rank, out["weights"])
+        assert out["copies_equal"], rank
+
+
+def test_blocks_are_split_by_cost():
+    """Equal blocks split evenly; a head that costs two blocks moves two blocks off the last stage; too few blocks
+    for the stages is refused naming both."""
+    assert split_blocks(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert split_blocks(8, 2, (0.0, 1.0, 2.0)) == [range(0, 5), range(5, 8)]
+    cfg = LlamaConfig.from_name("llama-3.1-8b")
+    embed, block, head = block_costs(cfg, 8192)
+    assert embed == 0 and 1.5 < head / block < 2.5  # the 128k-token head costs about two blocks at 8k tokens
+    assert [len(r) for r in split_blocks(32, 4, (embed, block, head))] == [8, 9, 9, 6]
+    with pytest.raises(ValueError, match="3 blocks cannot fill 4 pipeline stages"):
+        split_blocks(3, 4)
+
+
+def _refusals_worker(rank: int, world_size: int) -> dict:
+    out = {}
+    mesh = tp.init_mesh("2d", 1, 1, pipeline_parallel_size=2)
+    flat = tp.init_mesh("2d", 1, 2)
+    asks = {"no_axis": dict(mesh=flat), "schedule": dict(schedule="zb"),
+            "few_micro": dict(microbatches=1), "interleaved_micro": dict(schedule="interleaved_1f1b", microbatches=3,
+                                                                       virtual_stages=2),
+            "virtual": dict(virtual_stages=2), "stages": dict(model=_model("gpt2", n_layer=1))}
+    for key, ask in asks.items():
+        kwargs = {"mesh": mesh, "model": _model("gpt2"), **ask}
+        try:
+            Pipeline(kwargs.pop("model"), kwargs.pop("mesh"), "2d", **kwargs)
+            out[key] = None
+        except ValueError as err:
+            out[key] = str(err)
+    pipe = Pipeline(_model("gpt2"), mesh, "2d", microbatches=4)
+    try:
+        pipe.check_batch(torch.zeros(6, SEQ, dtype=torch.long))
+    except ValueError as err:
+        out["batch"] = str(err)
+    return out
+
+
+def test_bad_sizes_are_refused_naming_the_numbers():
+    out = run_distributed(_refusals_worker, 2)[0]
+    assert "'pipeline' axis" in out["no_axis"]
+    assert "'zb' is not one of" in out["schedule"]
+    assert "microbatches=1 < pipeline_parallel_size=2" in out["few_micro"]
+    assert "microbatches=3 is not a multiple of pipeline_parallel_size=2" in out["interleaved_micro"]
+    assert "virtual_stages=2 needs schedule='interleaved_1f1b'" in out["virtual"]
+    assert "1 blocks cannot fill 2 pipeline stages" in out["stages"]
+    assert "batch size 6 does not split into microbatches=4" in out["batch"]
+
+
+def test_the_mesh_puts_the_pipeline_outermost_and_counts_it_in_the_world():
+    plan = tp.TrainPlan("2d", 4, 2, pipeline_parallel_size=3)
+    assert plan.world_size == 24 and plan.mesh_shape == (3, 2, 2, 2)
+    assert plan.mesh_dim_names[:2] == ("pipeline", "data_parallel")
+    assert tp.TrainPlan("2d", 4, 2).mesh_dim_names[0] == "data_parallel"  # no axis for one stage
+    with pytest.raises(ValueError, match="pipeline_parallel_size 3 x data_parallel_size 2"):
+        plan.check_world_size(16)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive int"):
+        tp.TrainPlan("2d", 4, 1, pipeline_parallel_size=0)
