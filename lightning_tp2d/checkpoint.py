@@ -294,9 +294,23 @@ def write_sharded(checkpoint: dict[str, Any], directory: Path, rank: int) -> Non
         groups.append(optim["param_groups"])
     with _single_process_quiet():
         _dcp_save(payload, checkpoint_id=str(directory), no_dist=not torch.distributed.is_initialized())
+    if checkpoint.get("tp2d_partial"):  # pipeline stages: each rank holds part of the model; rank 0 writes them all
+        aliases, groups = _merged_parts(aliases, groups)
     if rank == 0:
         meta = {**checkpoint, "tp2d_aliases": aliases, "tp2d_optimizer_param_groups": groups}
         torch.save(meta, directory / META)
+
+
+def _merged_parts(aliases: dict[str, str], groups: list[list[dict]]) -> tuple[dict[str, str], list[list[dict]]]:
+    """Every rank's tied-key aliases and each optimizer's parameter groups' names, merged (a collective; ``groups``
+    per optimizer, per group): a pipeline stage holds
+    only its own parameters, so rank 0's alone would not describe the model. Names keep their first rank's order
+    (stage 0's first: the plain model's order)."""
+    parts = gather_objects((aliases, groups))
+    merged_aliases = {k: v for part_aliases, _ in parts for k, v in part_aliases.items()}
+    merged = [[{**group, "params": list(dict.fromkeys(n for _, part in parts for n in part[o][g]["params"]))}
+               for g, group in enumerate(optimizer_groups)] for o, optimizer_groups in enumerate(groups)]
+    return merged_aliases, merged
 
 
 def write_full(checkpoint: dict[str, Any], file: Path) -> None:
@@ -419,10 +433,13 @@ def check_compatible(model: dict[str, tuple], stored: dict[str, tuple], strict: 
 
 
 def load_into(module: nn.Module, optimizers: list, path, strict: bool = True, *, trust_checkpoint: bool = False,
-              verify: bool = True) -> dict[str, Any]:
+              verify: bool = True, partial: bool = False) -> dict[str, Any]:
     """Load a checkpoint of either format into a live (parallelized or plain) module and its optimizers, in
     place; return the rest of the checkpoint (loops, schedulers, ...) for Lightning. Every rank calls it. The files
-    are checked first and their pickles read as data (:func:`open_checkpoint`)."""
+    are checked first and their pickles read as data (:func:`open_checkpoint`). ``partial`` (sharded checkpoints;
+    a pipeline stage, :mod:`lightning_tp2d.pipeline`): ``module`` is one part of the saved model, so the
+    checkpoint's other keys are the other parts' (``strict`` then checks that every rank's parts together hold
+    every stored key, a collective)."""
     path = resolve(path)
     if not (is_sharded(path) or path.is_file()):
         raise ValueError(f"{str(path)!r} is neither a sharded checkpoint directory (no .metadata) nor a file")
@@ -431,7 +448,10 @@ def load_into(module: nn.Module, optimizers: list, path, strict: bool = True, *,
     meta = open_checkpoint(path, trust_checkpoint=trust_checkpoint, verify=verify, rank=rank, world_size=world,
                            all_gather=gather_objects)
     if is_sharded(path):
-        return _load_sharded(module, optimizers, path, strict, meta)
+        return _load_sharded(module, optimizers, path, strict, meta, partial)
+    if partial:
+        raise ValueError(f"{str(path)!r}: pipeline stages load sharded checkpoints (a directory); a full file "
+                         f"loads into one stage count only through a sharded save")
     return _load_full(module, optimizers, path, strict, meta)
 
 
@@ -441,12 +461,21 @@ def _live_model(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k not in aliases and isinstance(v, torch.Tensor)}
 
 
-def _load_sharded(module, optimizers, path: Path, strict: bool, meta: dict[str, Any]) -> dict[str, Any]:
+def _load_sharded(module, optimizers, path: Path, strict: bool, meta: dict[str, Any],
+                  partial: bool = False) -> dict[str, Any]:
     stored = _stored_tensors(path)
     live = _live_model(module)
     shapes = {k[len(MODEL):]: _unview_shape(k, md.size) for k, md in stored.items() if k.startswith(MODEL)}
     shapes.update({alias: shapes[key] for alias, key in meta.get("tp2d_aliases", {}).items() if key in shapes})
-    check_compatible(_model_shapes(module), shapes, strict, path)
+    model_shapes = _model_shapes(module)
+    if partial:  # this rank's keys must be stored with their shapes; together the ranks must hold every stored key
+        check_compatible(model_shapes, {k: v for k, v in shapes.items() if k in model_shapes}, strict, path)
+        held = set().union(*gather_objects(set(model_shapes)))
+        if strict and set(shapes) - held:
+            raise ValueError(f"checkpoint {str(path)!r} does not fit this model:\n  not in any pipeline stage: "
+                             f"{sorted(set(shapes) - held)}")
+    else:
+        check_compatible(model_shapes, shapes, strict, path)
     specs = stage0_specs(module)  # FSDP's unboxed cuts: loaded in their stage-0 form, then cut
     stage0 = {k: specs[k].empty(v.dtype, v.device) for k, v in live.items() if k in specs and k in shapes}
     targets = {MODEL + k: box_view(stage0.get(k, v.detach()), _is_qkv(k)) for k, v in live.items() if k in shapes}
@@ -460,7 +489,7 @@ def _load_sharded(module, optimizers, path: Path, strict: bool, meta: dict[str, 
                 continue
             name, field = key[len(prefix):].rsplit(".", 1)
             if name not in params:
-                if strict:
+                if strict and not partial:  # (partial: another stage's parameter)
                     raise ValueError(f"checkpoint {str(path)!r} has optimizer state for {name!r}, not in this model")
                 continue
             p = params[name]
@@ -494,11 +523,12 @@ def _load_sharded(module, optimizers, path: Path, strict: bool, meta: dict[str, 
                 optimizer.state[sharding.shard_of(p)][field] = sharding.owned_slice(p, value)  # as they are)
             else:
                 optimizer.state[p][field] = value
-        _load_param_groups(optimizer, meta["tp2d_optimizer_param_groups"][i], params, path)
+        _load_param_groups(optimizer, meta["tp2d_optimizer_param_groups"][i], params, path, partial)
     return {k: v for k, v in meta.items() if not k.startswith("tp2d_")}
 
 
-def _load_param_groups(optimizer, saved: list[dict], params: dict[str, torch.Tensor], path) -> None:
+def _load_param_groups(optimizer, saved: list[dict], params: dict[str, torch.Tensor], path,
+                       partial: bool = False) -> None:
     names = {id(p): n for n, p in params.items()}
     if len(saved) != len(optimizer.param_groups):
         raise ValueError(f"checkpoint {str(path)!r}: optimizer has {len(optimizer.param_groups)} parameter groups, "
@@ -506,6 +536,8 @@ def _load_param_groups(optimizer, saved: list[dict], params: dict[str, torch.Ten
     for group, full, old in zip(optimizer.param_groups, full_param_groups(optimizer), saved):
         old_names = old.get("param_names", old["params"])
         new_names = [names[id(p)] for p in full]
+        if partial:  # a pipeline stage's group: the saved group's names in their order, those this stage holds
+            old_names = [n for n in old_names if n in set(new_names)]
         if all(isinstance(n, str) for n in old_names) and list(old_names) != new_names:
             raise ValueError(f"checkpoint {str(path)!r}: optimizer parameter groups differ: saved {old_names}, "
                              f"model {new_names}")

@@ -21,15 +21,20 @@ modules with the layout on that stage's ``dp x p`` sub-mesh, then runs a trainin
 :meth:`Pipeline.step` returns the step's loss on every rank (the last stage's, broadcast along ``pipeline``);
 :meth:`Pipeline.clip_grad_norm_` clips by the global norm over every stage and shard (the tied copy counted once).
 
-Not yet (issue 51, part 1 of the work): the strategies, Fabric and ``tp2d-train`` do not take a pipeline size; ZeRO
-1-3, activation checkpointing, packed documents and a meta-device build are refused here; checkpoints, the planner's
-pipeline rows and the zero-bubble schedules are not built.
+:meth:`Pipeline.save` / :meth:`Pipeline.load`: a sharded checkpoint of the whole model, every stage writing its own
+shards under the global names, that loads at any other pipeline size or split, without stages
+(:func:`lightning_tp2d.checkpoint.load_into`) and on one device.
+
+Not yet: the strategies, Fabric and ``tp2d-train`` do not take a pipeline size; ZeRO 1-3, activation
+checkpointing, packed documents and a meta-device build are not supported with stages; the planner's pipeline rows
+and the zero-bubble schedules are not built.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -276,6 +281,27 @@ class Pipeline:
             torch.zeros((), dtype=torch.float32, device=device)
         dist.broadcast(loss, self._last_rank, group=self.mesh.get_group(PIPELINE_AXIS))
         return loss
+
+    def save(self, path, optimizers: Sequence[torch.optim.Optimizer] = (), extra: dict | None = None) -> None:
+        """Write a sharded checkpoint of the whole model (and ``optimizers``' states) to ``path``, every rank its
+        own stage's shards under the parameters' global names (:mod:`lightning_tp2d.checkpoint`: crash-safe,
+        checksummed). It is the checkpoint one stage would write: it loads at another pipeline size
+        (:meth:`load`), into a model without stages (``checkpoint.load_into``) and on one device (``export``).
+        ``extra``: more entries of the checkpoint (a step count...). Every rank calls it."""
+        from lightning_tp2d import checkpoint as ckpt
+
+        state = ckpt.sharded_model_state(self.model)
+        saved = {**(extra or {}), "state_dict": state, "tp2d_partial": True,
+                 "optimizer_states": [ckpt.sharded_optimizer_state(self.model, o) for o in optimizers]}
+        ckpt.save(saved, Path(path), rank=dist.get_rank(), sharded=True, barrier=lambda name: dist.barrier())
+
+    def load(self, path, optimizers: Sequence[torch.optim.Optimizer] = (), strict: bool = True) -> dict:
+        """Load a sharded checkpoint (any pipeline size, layout, grid or dp size that saved it) into this rank's
+        stages and ``optimizers``, in place; returns the checkpoint's other entries. ``strict``: every stored
+        tensor must be held by some stage. Every rank calls it."""
+        from lightning_tp2d import checkpoint as ckpt
+
+        return ckpt.load_into(self.model, list(optimizers), path, strict, partial=True)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -222,3 +222,81 @@ def test_the_mesh_puts_the_pipeline_outermost_and_counts_it_in_the_world():
         plan.check_world_size(16)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive int"):
         tp.TrainPlan("2d", 4, 1, pipeline_parallel_size=0)
+
+
+def _checkpoint_worker(rank: int, world_size: int, directory: str) -> dict:
+    """GPT-2 (tied) at pp 2 x 1x1: two AdamW steps, a sharded save, a third step (the reference). The save then
+    resumes (a) at pp 2 interleaved (other blocks per rank), (b) without stages on a ring of 2, (c) on one device
+    (``read_state_dict``); a ring-of-2 save resumes at pp 2. Each resumed third step's loss and weights."""
+    from lightning_tp2d import checkpoint
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 257, (BATCH, SEQ), generator=g) for _ in range(3)]
+    pp_mesh = tp.init_mesh("2d", 1, 1, pipeline_parallel_size=2)
+    ring = tp.init_mesh("metp", 2, 1)
+
+    def trained(pipe_or_model, optimizer, steps, one_step):
+        losses = []
+        for idx in steps:
+            optimizer.zero_grad()
+            losses.append(one_step(pipe_or_model, idx))
+            optimizer.step()
+        return losses
+
+    pipe_step = lambda pipe, idx: pipe.step(idx, idx).item()  # noqa: E731
+
+    def ring_step(model, idx):
+        loss = model(idx, idx)
+        loss.backward()
+        return loss.item()
+
+    def weights(named):
+        return {n: _full(q).detach().clone() for n, q in named}
+
+    pipe = Pipeline(_model("gpt2"), pp_mesh, "2d", microbatches=MICRO)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    trained(pipe, opt, batches[:2], pipe_step)
+    pipe.save(f"{directory}/pp2", [opt], extra={"global_step": 2})
+    want = trained(pipe, opt, batches[2:], pipe_step)[0]
+    want_weights = weights(pipe.named_parameters())
+    out = {}
+
+    again = Pipeline(_model("gpt2"), pp_mesh, "2d", schedule="interleaved_1f1b", microbatches=MICRO, virtual_stages=2)
+    opt = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    extra = again.load(f"{directory}/pp2", [opt])
+    out["pp2_interleaved"] = (trained(again, opt, batches[2:], pipe_step)[0], want, extra.get("global_step"))
+    out["pp2_interleaved_weights"] = max((w - want_weights[n]).abs().max().item()  # (the blocks both hold here)
+                                         for n, w in weights(again.named_parameters()).items() if n in want_weights)
+
+    flat = tp.parallelize(_model("gpt2"), ring, "metp")
+    opt = torch.optim.AdamW(flat.parameters(), lr=1e-2)
+    checkpoint.load_into(flat, [opt], f"{directory}/pp2")
+    out["ring"] = (trained(flat, opt, batches[2:], ring_step)[0], want)
+    flat_weights = weights(flat.named_parameters())
+    out["ring_weights"] = max((w - want_weights[n]).abs().max().item() for n, w in flat_weights.items()
+                              if n in want_weights)
+
+    plain = checkpoint.read_state_dict(f"{directory}/pp2")  # (every rank: DCP's load is a collective here)
+    out["one_device_keys"] = sorted(plain) == sorted(_model("gpt2").state_dict())
+    # the ring's save (no stages) resumes at pp 2
+    checkpoint.save({"state_dict": checkpoint.sharded_model_state(flat),
+                     "optimizer_states": [checkpoint.sharded_optimizer_state(flat, opt)]},
+                    __import__("pathlib").Path(f"{directory}/ring"), rank=rank, sharded=True,
+                    barrier=lambda name: torch.distributed.barrier())
+    back = Pipeline(_model("gpt2"), pp_mesh, "2d", microbatches=MICRO)
+    opt = torch.optim.AdamW(back.parameters(), lr=1e-2)
+    back.load(f"{directory}/ring", [opt])
+    out["ring_to_pp2_weights"] = max((w - flat_weights[n]).abs().max().item()
+                                     for n, w in weights(back.named_parameters()).items())
+    return out
+
+
+def test_a_pipeline_checkpoint_resumes_at_another_stage_split_without_stages_and_on_one_device(tmp_path):
+    for rank, out in enumerate(run_distributed(_checkpoint_worker, 2, str(tmp_path))):
+        got, want, step = out["pp2_interleaved"]
+        assert abs(got - want) <= 1e-5 * want and step == 2, (rank, out)
+        got, want = out["ring"]
+        assert abs(got - want) <= 1e-5 * want, (rank, out)
+        assert out["pp2_interleaved_weights"] <= 2e-4 and out["ring_weights"] <= 2e-4, (rank, out)
+        assert out["ring_to_pp2_weights"] == 0.0, (rank, out)
+        assert out["one_device_keys"], out
