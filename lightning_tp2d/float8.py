@@ -39,7 +39,8 @@ from lightning_tp2d.options import check_float8 as check_recipe
 
 __all__ = ["RECIPES", "check_recipe", "recipe_config", "float8_supported", "float8_notice", "cast", "tensorwise_cast",
            "Gemm", "HIGH", "TensorwiseGemm", "RowwiseGemm", "role_dtype", "cast_global", "product", "forward_products",
-           "backward_products", "linear_configs", "linear", "is_float8_linear", "convert_plain", "precompute_fsdp_scales"]
+           "backward_products", "linear_configs", "linear", "is_float8_linear", "convert_plain",
+           "precompute_fsdp_scales"]
 
 
 _AO: tuple | None = None  # (torchao.float8, float8_ops, float8_utils) once imported

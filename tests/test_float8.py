@@ -261,7 +261,8 @@ def _ring_worker(rank: int, world_size: int) -> dict:
     high_mlp, f8_mlp = results[None]["mlp"], got["mlp"]
     return {"rel": {"y": _rel(got["y"], mine(c_ref, rows)), "dx": _rel(got["dx"], mine(da_ref, rows)),
                     "dw": _rel(got["dw"], mine(dw_ref, out_rows))},
-            "wire": got["wire"], "bytes": (got["bytes"], results[None]["bytes"]), "mlp_bytes": (got["mlp_bytes"], results[None]["mlp_bytes"]),
+            "wire": got["wire"], "bytes": (got["bytes"], results[None]["bytes"]),
+            "mlp_bytes": (got["mlp_bytes"], results[None]["mlp_bytes"]),
             "mlp_cos": min(_cos(a, b) for a, b in zip(f8_mlp, high_mlp))}
 
 

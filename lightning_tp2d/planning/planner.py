@@ -58,9 +58,10 @@ How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
   eager or compiled: the layouts' and the rivals' own, measured on CPU one rank at a time; compiled, what the host
   spends beyond the compiled plain model, which costs none).
 
-Not modelled: pipeline parallelism (the package has none; 405B at 1024 GPUs is where that limits), float8's memory
-(its rows are priced at bf16's; the ring's float8 weight blocks at bf16's bytes), the host's kernel launches under compile, the optimizer's host time, allocator fragmentation (memory is live bytes; the
-10% margin is for it), contention between the data-parallel and tensor-parallel links.
+Not modelled: pipeline parallelism (the package's stages, :mod:`lightning_tp2d.pipeline`, are not priced yet; 405B
+at 1024 GPUs is where that limits), float8's memory (its rows are priced at bf16's; the ring's float8 weight blocks
+at bf16's bytes), the host's kernel launches under compile, the optimizer's host time, allocator fragmentation
+(memory is live bytes; the 10% margin is for it), contention between the data-parallel and tensor-parallel links.
 """
 
 from __future__ import annotations

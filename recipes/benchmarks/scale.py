@@ -22,6 +22,7 @@ recipe (the planner's ``float8``: float8 GEMM rates and cast bytes, one rule for
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import platform
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_tp2d.planning import planner
+from lightning_tp2d.planning import memory_model, planner, trace
 from lightning_tp2d.families import model_config
 
 HERE = Path(__file__).resolve().parent
@@ -114,17 +115,24 @@ def _pessimistic(rows: list, model: str, seq: int, per_node: int, float8: str | 
     "pessimistic"``; memory does not depend on it), and each side's best: ``{"pessimistic_package",
     "pessimistic_baseline", "pessimistic_ratio"}``."""
     cfg, hw = model_config(model), planner.HARDWARE["h100"]
-    again = [planner.price(cfg, layout=r.layout, p=r.tensor_parallel_size, dp=r.data_parallel_size,
-                           zero_stage=r.zero_stage, checkpointing=r.checkpointing, micro_batch=r.micro_batch,
-                           grad_accum=r.grad_accum, seq=seq, hw=hw, gpus_per_node=per_node,
-                           memory=r.parts["memory_bytes"], offload=r.activation_offload, overlap="pessimistic",
-                           float8=float8, **({"shard_group": r.shard_group, "loss": r.loss} if r.baseline else {}))
-             for r in rows]
+    with contextlib.ExitStack() as stack:  # the closed forms the planner priced with (held to the traces in tests)
+        stack.enter_context(trace.closed_forms())
+        stack.enter_context(memory_model.closed_forms())
+        again = _priced_again(rows, cfg, hw, seq, per_node, float8)
     package, baseline = (max((r for r in again if r.baseline == side), key=lambda r: r.tokens_per_s_per_gpu,
                              default=None) for side in (False, True))
     ratio = package.tokens_per_s_per_gpu / baseline.tokens_per_s_per_gpu if package and baseline else None
     return {"pessimistic_package": package.to_dict() if package else None,
             "pessimistic_baseline": baseline.to_dict() if baseline else None, "pessimistic_ratio": ratio}
+
+
+def _priced_again(rows: list, cfg, hw, seq: int, per_node: int, float8: str | None) -> list:
+    return [planner.price(cfg, layout=r.layout, p=r.tensor_parallel_size, dp=r.data_parallel_size,
+                          zero_stage=r.zero_stage, checkpointing=r.checkpointing, micro_batch=r.micro_batch,
+                          grad_accum=r.grad_accum, seq=seq, hw=hw, gpus_per_node=per_node,
+                          memory=r.parts["memory_bytes"], offload=r.activation_offload, overlap="pessimistic",
+                          float8=float8, **({"shard_group": r.shard_group, "loss": r.loss} if r.baseline else {}))
+            for r in rows]
 
 
 def _name(r: dict | None) -> str:
