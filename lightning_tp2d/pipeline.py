@@ -104,6 +104,7 @@ def split_blocks(n_layer: int, stages: int, costs: tuple[float, float, float] = 
 
 
 def stage_of_blocks(splits: Sequence[range], block: int) -> int:
+    """The stage whose run of :func:`split_blocks` holds ``block``."""
     return next(i for i, r in enumerate(splits) if block in r)
 
 
@@ -153,6 +154,11 @@ class Pipeline:
     on its own ``data_parallel x p`` ranks (module docstring). ``ValueError`` naming the numbers before any
     communication for: a mesh without a ``pipeline`` axis, fewer blocks than stages, an unknown schedule, fewer
     micro-batches than ranks under 1F1B (or not a multiple of them, interleaved), a meta-device model.
+
+    ``schedule``: one of :data:`SCHEDULES`; ``microbatches`` per step (default ``pp x virtual_stages``);
+    ``virtual_stages``: stages per rank (``interleaved_1f1b`` only), rank ``r`` holding stages ``r, r + pp, ...``;
+    ``options``: the layout's :class:`~lightning_tp2d.options.TPOptions`; ``seq``: the sequence length the stages
+    are balanced for (attention's share of a block grows with it; default the model's ``block_size``).
 
     ``model`` is changed in place (the blocks other stages hold become placeholders) and kept as
     :attr:`model`; optimise :meth:`parameters`."""

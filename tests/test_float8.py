@@ -349,43 +349,17 @@ ZERO_CASES = (("metp", 2, "tensorwise"), ("metp", 2, "rowwise"), ("2d", 1, "tens
 
 
 def _zero_worker(rank: int, world_size: int) -> dict:
-    """Three clipped AdamW steps of a float8 model at ZeRO 0 (GradientSync) and ZeRO 3 (FSDP2 over data_parallel),
-    each replica its own batches, as tests/test_fsdp.py trains bf16 ones."""
-    from lightning_tp2d import fsdp
-    from lightning_tp2d.training import GradientSync, clip_grad_norm_
-    from lightning_tp2d.zero import clipped_parameters, shard_optimizer_state
+    """Three clipped AdamW steps of a float8 GPT-2 at ZeRO 0 (GradientSync) and ZeRO 3 (FSDP2 over data_parallel),
+    each replica its own batches, as tests/test_fsdp.py trains bf16 ones (its loop)."""
+    from tests.test_fsdp import _train
 
     out = {}
     for layout, p, recipe in ZERO_CASES:
         mesh = init_mesh(layout, p, world_size // p)
-        runs = {}
-        for stage in (0, 3):
-            torch.manual_seed(0)
-            cfg, model = _model("gpt2")
-            tp.parallelize(model, mesh, layout=layout, options=TPOptions(float8=recipe))
-            if stage:
-                fsdp.shard_data_parallel(model, stage)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            if stage:
-                shard_optimizer_state(optimizer, mesh)
-            sync = GradientSync(model, mesh) if stage == 0 else None
-            torch.manual_seed(10 + mesh.get_local_rank("data_parallel"))
-            losses, norms = [], []
-            for _ in range(3):
-                idx = torch.randint(0, cfg.vocab_size, (2, 32))
-                optimizer.zero_grad()
-                loss = model(idx, idx)
-                loss.backward()
-                if sync is not None:
-                    sync.finish()
-                    norm = clip_grad_norm_(model.parameters(), 0.5, mesh)
-                else:
-                    norm = fsdp.clip_grad_norm_(clipped_parameters(optimizer, ()), 0.5, mesh)
-                optimizer.step()
-                losses.append(loss.item())
-                norms.append(norm.item())
-            runs[stage] = (losses, norms, model.tp.layout.options.float8)
-        out[(layout, p, recipe)] = runs
+        runs = {stage: _train("gpt2", layout, mesh, stage, options=TPOptions(float8=recipe), steps=3)
+                for stage in (0, 3)}
+        out[(layout, p, recipe)] = {stage: (got["losses"], got["norms"], got["model"].tp.layout.options.float8)
+                                    for stage, got in runs.items()}
     return out
 
 

@@ -56,12 +56,13 @@ def _state_elements(model, optimizer, mesh) -> dict[str, tuple[int, int, bool]]:
     return out
 
 
-def _train(family: str, layout: str, mesh, stage: int) -> dict:
-    """STEPS clipped AdamW steps of a seeded model at ``stage`` (each replica its own batches)."""
+def _train(family: str, layout: str, mesh, stage: int, options=None, steps: int = STEPS) -> dict:
+    """``steps`` clipped AdamW steps of a seeded model at ``stage`` (each replica its own batches); ``options``:
+    the layout's ``TPOptions`` (tests/test_float8.py trains float8 models with it)."""
     model_class, config = MODELS[family]
     cfg = config()
     torch.manual_seed(0)
-    model = tp.parallelize(model_class(cfg), mesh, layout)
+    model = tp.parallelize(model_class(cfg), mesh, layout, options=options)
     if stage:
         fsdp.shard_data_parallel(model, stage)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -70,7 +71,7 @@ def _train(family: str, layout: str, mesh, stage: int) -> dict:
     sync = GradientSync(model, mesh) if stage == 0 else None
     torch.manual_seed(10 + mesh.get_local_rank("data_parallel"))
     losses, norms = [], []
-    for _ in range(STEPS):
+    for _ in range(steps):
         idx = torch.randint(0, cfg.vocab_size, (4, 16))
         optimizer.zero_grad()
         loss = model(idx, idx)
