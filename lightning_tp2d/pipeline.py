@@ -25,13 +25,16 @@ modules with the layout on that stage's ``dp x p`` sub-mesh, then runs a trainin
 shards under the global names, that loads at any other pipeline size or split, without stages
 (:func:`lightning_tp2d.checkpoint.load_into`) and on one device.
 
-Not yet: the strategies, Fabric and ``tp2d-train`` do not take a pipeline size; ZeRO 1-3, activation
-checkpointing, packed documents and a meta-device build are not supported with stages; the planner's pipeline rows
-and the zero-bubble schedules are not built.
+Activation checkpointing (``"full"``, ``"selective"``) applies to each stage's blocks as to a model without stages.
+
+Not yet: the strategies, Fabric and ``tp2d-train`` do not take a pipeline size; ZeRO 1-3, packed documents and a
+meta-device build are not supported with stages; the planner's pipeline rows and the zero-bubble schedules are not
+built.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,7 +48,8 @@ from lightning_tp2d.families import anatomy, family_of
 from lightning_tp2d.layouts import DEFAULT_LAYOUT, Layout, get_layout
 from lightning_tp2d.nn.stage import Elsewhere, present
 from lightning_tp2d.options import TPOptions
-from lightning_tp2d.parallelize import parallelize
+from lightning_tp2d import recompute
+from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 from lightning_tp2d.training import average_gradients_, grad_norm
 from lightning_tp2d.train_plan import PIPELINE_AXIS
 
@@ -114,20 +118,28 @@ class StageModule(nn.Module):
     stage). It holds ``model`` without registering it (the :class:`Pipeline` does), so several stages of one rank
     (interleaved) share it."""
 
-    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool) -> None:
+    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool, selective: bool = False) -> None:
         super().__init__()
         self.__dict__["model"] = model  # not a submodule: the stages share the one model
         family = family_of(model)
         every = list(family.block_modules(model))
         self.blocks = nn.ModuleList(every[i] for i in blocks)
-        self.first, self.last = first, last
+        self.first, self.last, self.selective = first, last, selective
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:  # (Pipeline.step checked the ids on every rank, before any stage ran)
-            x = self.model.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.model.final_norm(x) if self.last else x
+        with _recipes(self.selective and self.model.training):
+            if self.first:  # (Pipeline.step checked the ids on every rank, before any stage ran)
+                x = self.model.embed(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.model.final_norm(x) if self.last else x
+
+
+def _recipes(selective: bool):
+    """``"selective"`` checkpointing's context (:func:`lightning_tp2d.recompute.saving_recipes`) while gradients are
+    recorded: the stages run the model's parts, not its ``forward``, which :func:`~lightning_tp2d.parallelize.
+    checkpoint_activations` wraps."""
+    return recompute.saving_recipes() if selective and torch.is_grad_enabled() else contextlib.nullcontext()
 
 
 def _roles_around_blocks(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -158,14 +170,17 @@ class Pipeline:
     ``schedule``: one of :data:`SCHEDULES`; ``microbatches`` per step (default ``pp x virtual_stages``);
     ``virtual_stages``: stages per rank (``interleaved_1f1b`` only), rank ``r`` holding stages ``r, r + pp, ...``;
     ``options``: the layout's :class:`~lightning_tp2d.options.TPOptions`; ``seq``: the sequence length the stages
-    are balanced for (attention's share of a block grows with it; default the model's ``block_size``).
+    are balanced for (attention's share of a block grows with it; default the model's ``block_size``);
+    ``activation_checkpointing``: ``"none"``, ``"full"`` or ``"selective"``, as
+    :func:`~lightning_tp2d.parallelize.checkpoint_activations` applies them to a model without stages.
 
     ``model`` is changed in place (the blocks other stages hold become placeholders) and kept as
     :attr:`model`; optimise :meth:`parameters`."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAULT_LAYOUT, *,
                  schedule: str = "1f1b", microbatches: int | None = None, virtual_stages: int = 1,
-                 options: TPOptions | None = None, seq: int | None = None) -> None:
+                 options: TPOptions | None = None, seq: int | None = None,
+                 activation_checkpointing: str = "none") -> None:
         family = family_of(model)
         if family is None:
             raise TypeError(f"Pipeline expects a registered model family's model, got {type(model).__name__}")
@@ -220,14 +235,20 @@ class Pipeline:
             for path in after:
                 _replace(model, path, pp - 1)
         parallelize(model, self.stage_mesh, self.spec)
+        if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of "
+                             f"{list(ACTIVATION_CHECKPOINTING)}")
+        if activation_checkpointing == "full":  # each block's forward, wrapped in place (the stages call it)
+            checkpoint_activations(model, "full")
+        self.selective = activation_checkpointing == "selective"
         self.model = model
 
         from torch.distributed.pipelining import PipelineStage
 
         device = _device(self.stage_mesh)
         group = mesh.get_group(PIPELINE_AXIS)
-        self.stages = [PipelineStage(StageModule(model, self.splits[i], i == 0, i == stages - 1), i, stages, device,
-                                     group=group) for i in self.stage_indices]
+        self.stages = [PipelineStage(StageModule(model, self.splits[i], i == 0, i == stages - 1, self.selective), i,
+                                     stages, device, group=group) for i in self.stage_indices]
         cls = _schedule_class(schedule)
         self.schedule = cls(self.stages if schedule == "interleaved_1f1b" else self.stages[0],
                             n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
@@ -238,7 +259,8 @@ class Pipeline:
         # each micro-batch's mean loss over the micro-batches: the backward then leaves the gradient of their mean
         # (torch's scale_grads divides only the stage modules' own gradients afterwards, not the embedding's and the
         # head's, nor the layouts' shard leaves before they reach the parameters)
-        return self.model.lm_head(x, targets) / self.microbatches
+        with _recipes(self.selective and self.model.training):  # (the grids' head: its mirrored block a recipe)
+            return self.model.lm_head(x, targets) / self.microbatches
 
     def parameters(self):
         """This rank's parameters (its stages' shards; on the last stage of a tied model, the embedding's copy)."""

@@ -3,7 +3,7 @@
 * **Parity**: one step of pp 2 and pp 4 (GPipe, 1F1B, interleaved 1F1B with two virtual stages per rank) on every
   layout (a 1x1 grid, a ring of 2, a 2x2 grid for "2d" and "2d-metp") and both families (GPT-2's tied head, Llama):
   the loss and every gradient equal the plain model's on one process (fp32, 1e-5 relative); at dp 2 (ZeRO 0) each
-  replica's batch averaged.
+  replica's batch averaged; with full and selective activation checkpointing.
 * **Training**: three clipped AdamW steps at pp 2 give the plain model's losses and weights; the tied embedding's two
   copies (first and last stage) stay bit-equal; the clipping norm is the whole model's.
 * **Stages**: balanced by FLOPs (a long vocabulary's head moves blocks off the last stage); bad sizes refused,
@@ -41,14 +41,15 @@ def _full(g: torch.Tensor) -> torch.Tensor:
 def _one_step(world_size: int, case: tuple) -> dict:
     """``case = (pp, layout, p, dp, family, schedule, virtual)``: one step against the plain model on this
     replica's batch (dp 1) or on both replicas' batches (dp 2: the plain model's gradient of their mean)."""
-    pp, layout, p, dp, family, schedule, virtual = case
+    pp, layout, p, dp, family, schedule, virtual, *checkpointing = case
     ref = _model(family)
     model = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, ref.config.vocab_size, (BATCH, SEQ), generator=g) for _ in range(dp)]
     sum(ref(idx, idx) for idx in batches).div(dp).backward()
     mesh = tp.init_mesh(layout, p, dp, pipeline_parallel_size=pp)
-    pipe = Pipeline(model, mesh, layout, schedule=schedule, microbatches=MICRO, virtual_stages=virtual)
+    pipe = Pipeline(model, mesh, layout, schedule=schedule, microbatches=MICRO, virtual_stages=virtual,
+                    activation_checkpointing=checkpointing[0] if checkpointing else "none")
     mine = batches[mesh.get_local_rank("data_parallel")]
     loss = pipe.step(mine, mine)
     want = {name: q.grad for name, q in ref.named_parameters()}
@@ -59,11 +60,12 @@ def _one_step(world_size: int, case: tuple) -> dict:
 
 
 CASES_2 = [(2, "2d", 1, 1, "gpt2", "1f1b", 1), (2, "2d", 1, 1, "llama", "gpipe", 1),
-           (2, "2d", 1, 1, "gpt2", "interleaved_1f1b", 2)]
+           (2, "2d", 1, 1, "gpt2", "interleaved_1f1b", 2), (2, "2d", 1, 1, "gpt2", "1f1b", 1, "full"),
+           (2, "2d", 1, 1, "llama", "1f1b", 1, "selective")]
 CASES_4 = [(4, "2d", 1, 1, "gpt2", "1f1b", 1), (4, "2d", 1, 1, "llama", "gpipe", 1),
            (2, "metp", 2, 1, "gpt2", "gpipe", 1), (2, "metp", 2, 1, "llama", "1f1b", 1),
            (2, "2d", 1, 2, "llama", "1f1b", 1)]
-CASES_8 = [(2, "2d", 4, 1, "gpt2", "1f1b", 1), (2, "2d-metp", 4, 1, "llama", "interleaved_1f1b", 2)]
+CASES_8 = [(2, "2d", 4, 1, "gpt2", "1f1b", 1, "selective"), (2, "2d-metp", 4, 1, "llama", "interleaved_1f1b", 2)]
 
 
 def _cases_worker(rank: int, world_size: int, cases) -> dict:
@@ -124,8 +126,9 @@ def _check(outs: list[dict], case) -> None:
 
 
 def _id(case) -> str:
-    pp, layout, p, dp, family, schedule, virtual = case
-    return f"pp{pp}-{layout}-p{p}-dp{dp}-{family}-{schedule}" + (f"-v{virtual}" if virtual > 1 else "")
+    pp, layout, p, dp, family, schedule, virtual, *checkpointing = case
+    return f"pp{pp}-{layout}-p{p}-dp{dp}-{family}-{schedule}" + (f"-v{virtual}" if virtual > 1 else "") + \
+        "".join(f"-{mode}" for mode in checkpointing)
 
 
 @pytest.mark.parametrize("case", CASES_2, ids=_id)
@@ -300,3 +303,30 @@ def test_a_pipeline_checkpoint_resumes_at_another_stage_split_without_stages_and
         assert out["pp2_interleaved_weights"] <= 2e-4 and out["ring_weights"] <= 2e-4, (rank, out)
         assert out["ring_to_pp2_weights"] == 0.0, (rank, out)
         assert out["one_device_keys"], out
+
+
+def _kept_worker(rank: int, world_size: int) -> dict:
+    """Bytes autograd keeps for the backward over one pp 2 step, by checkpointing mode (what ``"selective"`` keeps as
+    it is, not its recipes)."""
+    from lightning_tp2d import recompute
+
+    mesh = tp.init_mesh("2d", 1, 1, pipeline_parallel_size=2)
+    idx = torch.randint(0, 257, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for mode in ("none", "selective", "full"):
+        pipe = Pipeline(_model("gpt2"), mesh, "2d", microbatches=MICRO, activation_checkpointing=mode)
+        kept = [0]
+
+        def count(t):
+            kept[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t), recompute.observing_kept(count):
+            pipe.step(idx, idx)
+        out[mode] = kept[0]
+    return out
+
+
+def test_activation_checkpointing_keeps_less_on_every_stage():
+    for rank, kept in enumerate(run_distributed(_kept_worker, 2)):
+        assert kept["full"] < kept["selective"] < kept["none"], (rank, kept)
