@@ -540,8 +540,9 @@ def test_the_planner_prices_float8_on_every_side_by_one_rule():
     grids' exposed tensor-parallel communication shrinks (float8 panels) and a rival under FSDP2 gathers its weights
     as float8 (less data-parallel traffic, its weights cast as shards); a GPU without float8 GEMMs is refused; the
     rows run what they priced (the plan's options, torchao's converter for torchtitan)."""
-    from lightning_tp2d.planning import cost_model
+    from lightning_tp2d.planning import cost_model, rival_models
     from lightning_tp2d.planning.commands import command_for
+    from lightning_tp2d.planning.memory_model import parameter_split
     from lightning_tp2d.planning.planner import HARDWARE, plan
 
     args = dict(gpus=8, gpu_memory_gib=80, seq=8192, global_batch_tokens=2 ** 22, cache=False)
@@ -555,9 +556,10 @@ def test_the_planner_prices_float8_on_every_side_by_one_rule():
         for recipe in RECIPES:
             row = rows[recipe][key]
             # a rival under FSDP2 at tensorwise gathers its weights as float8: cast as shards, one byte on the wire
-            gathered = recipe == "tensorwise" and row.baseline and row.zero_stage >= 2 and row.data_parallel_size > 1
+            shards = rival_models.model_of(row.layout).data_parallel(parameter_split(cfg), row.plan).sharding
+            gathered = recipe == "tensorwise" and row.baseline and row.zero_stage >= 2 and shards > 1
             f8 = cost_model.float8_seconds(cfg, row.micro_batch * 8192, row.tensor_parallel_size, row.checkpointing,
-                                           recipe, hw, weight_shards=row.data_parallel_size if gathered else 1)
+                                           recipe, hw, weight_shards=shards if gathered else 1)
             assert row.float8 == recipe and row.parts["time_s"]["micro_float8"] == pytest.approx(
                 f8["cast_s"] - f8["gemm_saved_s"], rel=1e-12)
             # the GEMMs gain more than the casts cost at these sizes, unless the host issuing the ops is the limit

@@ -178,18 +178,27 @@ def _attentions(model: nn.Module) -> list[LlamaAttention]:
     return [m for m in model.modules() if isinstance(m, LlamaAttention)]
 
 
-def parallelize_cp(model: Llama, mesh: DeviceMesh) -> Llama:
+def parallelize_cp(model: Llama, mesh: DeviceMesh, *, float8: str | None = None,
+                   fsdp_float8_all_gather: bool = False) -> Llama:
     """Shard ``model``'s weights with FSDP2 over the CP axis of ``mesh`` (each decoder layer, then the root:
     embedding, final norm, head), resharding after forward (ZeRO stage 3), as torchtitan does over
     ``dp_shard x cp``. On a 2-D ``("cp", "tp")`` mesh, 1-D TP + SP (:func:`~lightning_tp2d.baselines.tp1d.parallelize_1d`,
     torchtitan's Llama plan) over ``"tp"`` first, as torchtitan composes CP x TP. The sequence is sharded per step by
-    :func:`sharded_sequence`. Refuses other models and dropout > 0 (torch's ring takes none)."""
+    :func:`sharded_sequence`. Refuses other models and dropout > 0 (torch's ring takes none). ``float8`` /
+    ``fsdp_float8_all_gather``: the linears but the head converted by torchao first, FSDP2 gathering them as float8
+    (tensorwise), as for :func:`~lightning_tp2d.baselines.tp1d.parallelize_1d` (each rank's activation scales are
+    its own sequence shard's: torchao casts the local tensors it sees)."""
     if not isinstance(model, Llama):
         raise TypeError(f"parallelize_cp takes the package's Llama, got {type(model).__name__}")
     if model.config.dropout:
         raise ValueError(f"dropout={model.config.dropout}: torch's ring attention takes no dropout; use 0.0")
     if mesh.ndim == 2:
-        parallelize_1d(model, mesh[TP_AXIS], sequence_parallel=True)
+        parallelize_1d(model, mesh[TP_AXIS], sequence_parallel=True, float8=float8,
+                       fsdp_float8_all_gather=fsdp_float8_all_gather)
+    elif float8 is not None or fsdp_float8_all_gather:
+        from lightning_tp2d.float8 import convert_plain  # torchao: imported only with a recipe
+
+        convert_plain(model, float8, fsdp_float8_all_gather=fsdp_float8_all_gather)
     cp_mesh = cp_mesh_of(mesh)
     for layer in model.model.layers:
         fully_shard(layer, mesh=cp_mesh, reshard_after_forward=True)

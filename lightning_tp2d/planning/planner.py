@@ -424,13 +424,13 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     if memory is None:
         memory = side.memory(cfg, asked)
     float8_s = 0.0
+    sharded = side.data_parallel(split, asked)  # FSDP / ZeRO over the replicas of each tensor shard
     # a rival's FSDP2 all-gathers its float8 linears' weights as float8 under tensorwise (torchao's
     # enable_fsdp_float8_all_gather, torchtitan's option), each shard cast before the gather
-    float8_gather = float8 == "tensorwise" and side.torch_code and zero_stage in FSDP_STAGES and dp > 1
+    float8_gather = float8 == "tensorwise" and side.torch_code and zero_stage in FSDP_STAGES and sharded.sharding > 1
     if float8 is not None:  # the linears' GEMMs faster, their casts' bytes added: the same rule for every side
         f8 = cost_model.float8_seconds(cfg, micro_batch * seq, p, checkpointing, float8, hw,
-                                       weight_shards=side.data_parallel(parameter_split(cfg), asked).sharding
-                                       if float8_gather else 1)
+                                       weight_shards=sharded.sharding if float8_gather else 1)
         float8_s = f8["cast_s"] - f8["gemm_saved_s"]
         micro = {**micro, "compute_s": micro["compute_s"] + float8_s, "total_s": micro["total_s"] + float8_s}
     fl = micro["flops"]
@@ -450,7 +450,6 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
         memory = offload_memory(memory, cfg, micro_batch, seq, p, gpus_per_node)
         host = offload_time(cfg, micro_batch, seq, p, hw, forward_s, backward_s)
         micro_s += host["exposed_s"]
-    sharded = side.data_parallel(split, asked)  # FSDP / ZeRO over the replicas of each tensor shard
     root, block = sharded.shard(split.root, split.root_vectors), sharded.shard(split.block, split.block_vectors)
     data = data_parallel_time(root=root, block=block, n_layer=split.n_layer, dp=sharded.sharding, tp=sharded.ranks,
                               stage=zero_stage, gpus_per_node=gpus_per_node, hw=hw, forward_s=forward_s,
