@@ -87,14 +87,16 @@ _MATMUL_FLOPS = {packet.__name__: formula for packet, formula in flop_registry.i
 # parallel.float8's GEMMs: [m, k] @ [k, n], the same FLOPs as the mm they replace (priced at the float8 rate by
 # cost_model.float8_seconds)
 _MATMUL_FLOPS["_scaled_mm"] = lambda a, b, *args, out_val=None, **kwargs: 2 * a.shape[0] * a.shape[1] * b.shape[1]
-_SCALED_MM = torch.ops.aten._scaled_mm.default
+_SCALED_MM = torch.ops.aten._scaled_mm
 
 
 def _scaled_mm_shape(a, b, scale_a=None, scale_b=None, bias=None, scale_result=None, out_dtype=None,
-                     use_fast_accum=False):
-    """``torch._scaled_mm``'s output for the trace: its shape and dtype only. Fake tensors have no CPU kernel for
-    it and would run the real one on zero-filled copies (slow, and it can hang in a forked tracer whose parent
-    started OpenMP threads)."""
+                     use_fast_accum=False, out=None):
+    """``torch._scaled_mm``'s output for the trace (either overload: ``out=`` is returned as it is): its shape and
+    dtype only. Fake tensors have no CPU kernel for it and would run the real one on zero-filled copies (slow, and
+    it hung a forked tracer whose parent had started OpenMP threads)."""
+    if out is not None:
+        return out
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype)
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 TRACED_STAGES = ZERO_STAGES  # the tracer runs every ZeRO stage
@@ -201,7 +203,7 @@ class _Recorder(TorchDispatchMode):
             return func(*args)  # a fake tensor's device asked from C++ (indexing...): over half the ops of a trace
         kwargs = kwargs or {}
         call = comm_record.direct_call(func, args)
-        if func is _SCALED_MM:
+        if func.overloadpacket is _SCALED_MM:
             out = _scaled_mm_shape(*args, **kwargs)
         elif call is None:
             out = func(*args, **kwargs)
