@@ -138,10 +138,12 @@ torch (2.13)
     public: none.
 
 ``torch._scaled_mm``
-    where: float8.py:TensorwiseGemm._scaled
+    where: float8.py:TensorwiseGemm._scaled, planning/trace.py:(module)
     why: the float8 GEMM with per-operand scales that every float8 training recipe runs on (torchao's
     ``Float8Linear`` calls it too; the rowwise path reaches it through torchao's ``addmm_float8_unwrapped``). The
-    tensorwise SUMMA partials call it directly, on float8 blocks that travelled the grid with the global scales.
+    tensorwise SUMMA partials call it directly, on float8 blocks that travelled the grid with the global scales. The
+    cost model's tracer counts its FLOPs and makes its output from its shape (``torch.ops.aten._scaled_mm``: fake
+    tensors have no CPU kernel for it).
     public: none in torch (``torch._scaled_mm`` is the only float8 GEMM); torchao wraps it in its tensor subclass,
     which the layouts' own communication cannot carry.
 
@@ -446,7 +448,7 @@ PRIVATE_APIS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
      ("metp.py:_fused_backward", "baselines/context_parallel.py:(module)"),
      "the block backward from the global output and log-sum-exp"),
-    ("torch._scaled_mm", ("float8.py:TensorwiseGemm._scaled",),
+    ("torch._scaled_mm", ("float8.py:TensorwiseGemm._scaled", "planning/trace.py:(module)"),
      "the float8 GEMM with per-operand scales (no public float8 GEMM in torch)"),
     ("torch.ops.aten._scaled_dot_product_flash_attention, torch.ops.aten._scaled_dot_product_efficient_attention, "
      "torch.ops.aten._scaled_dot_product_cudnn_attention",
