@@ -543,6 +543,7 @@ def test_the_planner_prices_float8_on_every_side_by_one_rule():
     from lightning_tp2d.planning import cost_model, rival_models
     from lightning_tp2d.planning.commands import command_for
     from lightning_tp2d.planning.memory_model import parameter_split
+    from lightning_tp2d.train_plan import fsdp_shards
     from lightning_tp2d.planning.planner import HARDWARE, plan
 
     args = dict(gpus=8, gpu_memory_gib=80, seq=8192, global_batch_tokens=2 ** 22, cache=False)
@@ -557,7 +558,7 @@ def test_the_planner_prices_float8_on_every_side_by_one_rule():
             row = rows[recipe][key]
             # a rival under FSDP2 at tensorwise gathers its weights as float8: cast as shards, one byte on the wire
             shards = rival_models.model_of(row.layout).data_parallel(parameter_split(cfg), row.plan).sharding
-            gathered = recipe == "tensorwise" and row.baseline and row.zero_stage >= 2 and shards > 1
+            gathered = recipe == "tensorwise" and row.baseline and fsdp_shards(row.zero_stage, shards)
             f8 = cost_model.float8_seconds(cfg, row.micro_batch * 8192, row.tensor_parallel_size, row.checkpointing,
                                            recipe, hw, weight_shards=shards if gathered else 1)
             assert row.float8 == recipe and row.parts["time_s"]["micro_float8"] == pytest.approx(
@@ -589,8 +590,8 @@ def test_the_planner_prices_float8_on_every_side_by_one_rule():
     baseline = min((r for r in rows["rowwise"].values() if r.baseline), key=lambda r: r.step_s)
     assert "--quantize.linear.float8.recipe_name=rowwise" in command_for(baseline, "llama-3.1-8b", 8192,
                                                                          gpus_per_node=8)
-    gathered = min((r for r in rows["tensorwise"].values() if r.baseline and r.zero_stage >= 2
-                    and r.data_parallel_size > 1 and r.layout == "tp1d-sp"), key=lambda r: r.step_s)
+    gathered = min((r for r in rows["tensorwise"].values() if r.baseline and r.layout == "tp1d-sp"
+                    and fsdp_shards(r.zero_stage, r.data_parallel_size)), key=lambda r: r.step_s)
     assert "--quantize.linear.float8.enable_fsdp_float8_all_gather" in command_for(gathered, "llama-3.1-8b", 8192,
                                                                                    gpus_per_node=8)
     with pytest.raises(ValueError, match="has no float8 GEMMs"):

@@ -26,6 +26,7 @@ from lightning_tp2d.layouts import get_layout, strategy_name
 from lightning_tp2d.planning.rivals import BASELINE
 from lightning_tp2d.rivals import get_rival, is_rival, rivals
 from lightning_tp2d.token_need import least_tokens, split_need, stream_need
+from lightning_tp2d.train_plan import fsdp_shards
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_tp2d.planning.planner import PlanRow
@@ -145,7 +146,7 @@ def torchtitan_settings(row: PlanRow, seq: int, *, compiled: bool = True) -> lis
         out.append("--parallelism.enable_async_tensor_parallel")
     if row.float8:  # torchao's recipe on every linear but the head (torchtitan's float8 converter)
         out += ["--model.converters=quantize.linear.float8", f"--quantize.linear.float8.recipe_name={row.float8}"]
-        if row.float8 == "tensorwise" and row.zero_stage >= 2 and dp > 1:  # FSDP2 gathers the weights as float8
+        if row.float8 == "tensorwise" and fsdp_shards(row.zero_stage, shards * cp):  # (FSDP over dp_shard x cp)
             out += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
                     "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]
     if compiled or row.async_tp:

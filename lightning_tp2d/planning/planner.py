@@ -427,7 +427,7 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     sharded = side.data_parallel(split, asked)  # FSDP / ZeRO over the replicas of each tensor shard
     # a rival's FSDP2 all-gathers its float8 linears' weights as float8 under tensorwise (torchao's
     # enable_fsdp_float8_all_gather, torchtitan's option), each shard cast before the gather
-    float8_gather = float8 == "tensorwise" and side.torch_code and zero_stage in FSDP_STAGES and sharded.sharding > 1
+    float8_gather = float8 == "tensorwise" and side.torch_code and fsdp_shards(zero_stage, sharded.sharding)
     if float8 is not None:  # the linears' GEMMs faster, their casts' bytes added: the same rule for every side
         f8 = cost_model.float8_seconds(cfg, micro_batch * seq, p, checkpointing, float8, hw,
                                        weight_shards=sharded.sharding if float8_gather else 1)
