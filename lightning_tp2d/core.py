@@ -30,10 +30,11 @@ from lightning_tp2d.families import families, family_of, family_of_config, model
 from lightning_tp2d.layouts import DEFAULT_LAYOUT, STRATEGY_NAMES, Layout, get_layout, handle_of
 from lightning_tp2d.mesh import as_timeout, init_mesh
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, offloaded_checkpointing
-from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes
+from lightning_tp2d.pipeline import pipeline_of
+from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes, stage_devices
 from lightning_tp2d.step import (AssembledStep, assemble_step, block_sharder, clip_grad_norm_, is_prepared,
                                  prepare_model, shard_optimizer)
-from lightning_tp2d.train_plan import PRECISIONS, TrainPlan
+from lightning_tp2d.train_plan import FSDP_STAGES, PRECISIONS, TrainPlan, pipeline_problem
 from lightning_tp2d.training import broadcast_module_
 from lightning_tp2d.values import check_number
 from lightning_tp2d.zero import ZERO_STAGES
@@ -110,6 +111,10 @@ class RunRequest:
     activation_checkpointing: str = "none"
     activation_offload: bool = False
     allow_fallback: bool = False
+    pipeline_parallel_size: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int | None = None
+    virtual_stages: int = 1
 
     @property
     def layout(self) -> str:
@@ -121,7 +126,9 @@ class RunRequest:
         if self.spec is None:
             raise RuntimeError("layout='auto' is planned when the model is known, before the plan is made")
         return TrainPlan(self.spec, tensor_parallel_size, data_parallel_size, self.zero_stage,
-                         self.activation_checkpointing, self.activation_offload, micro_batch, precision)
+                         self.activation_checkpointing, self.activation_offload, micro_batch, precision,
+                         pipeline_parallel_size=self.pipeline_parallel_size, pp_schedule=self.pp_schedule,
+                         microbatches=self.microbatches, virtual_stages=self.virtual_stages)
 
 
 def _models(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -147,17 +154,22 @@ class TensorParallelCore:
                  activation_checkpointing: str = "none", compile: bool | str | dict = False,
                  allow_fallback: bool = False, zero_stage: int = 0, memory_gib: float | None = None,
                  plan_options: Mapping[str, Any] | None = None, activation_offload: bool = False,
-                 plan: TrainPlan | None = None, float8: str | None = None) -> None:
+                 plan: TrainPlan | None = None, float8: str | None = None, pipeline_parallel_size: int = 1,
+                 pp_schedule: str = "1f1b", microbatches: int | None = None, virtual_stages: int = 1) -> None:
         """The arguments of both strategies (documented on :class:`~lightning_tp2d.strategy.TP2DStrategy`): checked
         and kept, then the Lightning base class (``ModelParallelStrategy``, given :meth:`_base_arguments`), then the
         strategy's own state (:meth:`_init_state`). ``plan``: the layout, sizes, ZeRO stage, checkpointing and offload
         as one :class:`~lightning_tp2d.train_plan.TrainPlan` (:meth:`_from_plan`)."""
+        stages = {"pipeline_parallel_size": pipeline_parallel_size, "pp_schedule": pp_schedule,
+                  "microbatches": microbatches, "virtual_stages": virtual_stages}
         if plan is not None:
             (layout, tensor_parallel_size, data_parallel_size, zero_stage, activation_checkpointing,
-             activation_offload) = self._from_plan(plan, layout, tensor_parallel_size, data_parallel_size, zero_stage,
-                                                   activation_checkpointing, activation_offload)
+             activation_offload, stages) = self._from_plan(plan, layout, tensor_parallel_size, data_parallel_size,
+                                                           zero_stage, activation_checkpointing, activation_offload,
+                                                           stages)
         self._check_arguments(layout, tensor_parallel_size, data_parallel_size, timeout, activation_checkpointing,
                               compile, allow_fallback, zero_stage, memory_gib, plan_options, activation_offload)
+        self._check_stages(stages, save_distributed_checkpoint)
         self._check_float8(float8)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
@@ -167,7 +179,7 @@ class TensorParallelCore:
 
     def _from_plan(self, plan: TrainPlan, layout: str | Layout, tensor_parallel_size: Literal["auto"] | int,
                    data_parallel_size: Literal["auto"] | int, zero_stage: int, activation_checkpointing: str,
-                   activation_offload: bool) -> tuple:
+                   activation_offload: bool, stages: dict | None = None) -> tuple:
         """The arguments ``plan`` stands for, in ``__init__``'s order. An argument left at its default takes the
         plan's value; one given must equal it (a ``ValueError`` names each that does not). A
         :class:`~lightning_tp2d.layouts.Layout` object naming the plan's layout is kept (it carries the layers'
@@ -180,7 +192,9 @@ class TensorParallelCore:
                  ("data_parallel_size", data_parallel_size, "auto", plan.data_parallel_size),
                  ("zero_stage", zero_stage, 0, plan.zero_stage),
                  ("activation_checkpointing", activation_checkpointing, "none", plan.activation_checkpointing),
-                 ("activation_offload", activation_offload, False, plan.activation_offload))
+                 ("activation_offload", activation_offload, False, plan.activation_offload),
+                 *((name, value, default, getattr(plan, name)) for (name, value), default
+                   in zip((stages or {}).items(), (1, "1f1b", None, 1))))
         clashes = [f"{name}={value!r} (the plan's: {planned!r})" for name, value, default, planned in given
                    if value != default and value != planned]
         if clashes:
@@ -189,7 +203,7 @@ class TensorParallelCore:
         self.given_plan = plan
         return (layout if isinstance(layout, Layout) and layout.name == plan.layout else plan.spec,
                 plan.tensor_parallel_size, plan.data_parallel_size, plan.zero_stage, plan.activation_checkpointing,
-                plan.activation_offload)
+                plan.activation_offload, {name: getattr(plan, name) for name in (stages or {})})
 
     def _base_arguments(self) -> dict:
         """Further keyword arguments of the Lightning base class (Fabric's needs a ``parallelize_fn``)."""
@@ -237,6 +251,28 @@ class TensorParallelCore:
         self._request = RunRequest(spec, tensor_parallel_size, data_parallel_size, zero_stage,
                                    activation_checkpointing, activation_offload, bool(allow_fallback))
         self._run_plan = None
+
+    def _check_stages(self, stages: dict, sharded_checkpoints: bool) -> None:
+        """Check the pipeline arguments (:func:`~lightning_tp2d.train_plan.pipeline_problem`) and what stages do not
+        run with yet, each a ``ValueError`` naming the values; keep them in the request."""
+        pp = stages["pipeline_parallel_size"]
+        check_number("pipeline_parallel_size", pp, low=1, integer=True, meaning="pipeline stages")
+        problem = pipeline_problem(pp, stages["pp_schedule"], stages["microbatches"], stages["virtual_stages"])
+        if problem:
+            raise ValueError(problem)
+        if pp > 1:
+            request = self._request
+            refused = [(request.spec is None, "layout='auto' (the planner has no pipeline rows yet)"),
+                       (request.zero_stage in FSDP_STAGES, f"zero_stage={request.zero_stage} (FSDP2 with stages is "
+                                                           "not built yet; use 0 or 1)"),
+                       (self.compile_options is not None, "compile"),
+                       (request.activation_offload, "activation_offload=True"),
+                       (not sharded_checkpoints, "save_distributed_checkpoint=False (each stage writes its own "
+                                                 "shards)")]
+            names = [what for bad, what in refused if bad]
+            if names:
+                raise ValueError(f"pipeline_parallel_size={pp} does not run with {', '.join(names)} yet")
+        self._request = dataclasses.replace(self._request, **stages)
 
     def _check_float8(self, float8: str | None) -> None:
         """``float8`` (a torchao recipe, :mod:`lightning_tp2d.float8`) onto the requested layout's options, or with
@@ -391,7 +427,8 @@ class TensorParallelCore:
         before the module is known), from the one resolver :func:`~lightning_tp2d.sizes.resolve_sizes`, its messages
         in the strategy's argument names."""
         asked = self._request
-        tp, dp = resolve_sizes(asked.spec, config, self.num_processes, self.num_nodes, asked.tensor_parallel_size,
+        per_node, nodes = stage_devices(asked.pipeline_parallel_size, self.num_processes, self.num_nodes)
+        tp, dp = resolve_sizes(asked.spec, config, per_node, nodes, asked.tensor_parallel_size,
                                asked.data_parallel_size, allow_fallback=asked.allow_fallback, names=ARGUMENTS)
         self._run_plan = self._plan_of(tp, dp)
         return self._run_plan
@@ -540,6 +577,9 @@ class TensorParallelCore:
         """The mesh a GPT2 inside ``module`` is already parallelized on, when it is this layout and these sizes
         (validate/test after fit, a second Trainer on the same module: its shards stay valid), else a new one."""
         for m in module.modules() if module is not None else ():
+            pipeline = pipeline_of(m) if family_of(m) is not None else None
+            if pipeline is not None and pipeline.plan == dims:  # (the stages' own sub-meshes are its slices)
+                return pipeline.mesh
             handle = handle_of(m) if family_of(m) is not None else None
             if handle is None or handle.layout != self.layout_spec:
                 continue
@@ -547,7 +587,8 @@ class TensorParallelCore:
                                                                            dims.data_parallel_size):
                 return handle.mesh
         return init_mesh(self.layout_spec, dims.tensor_parallel_size, dims.data_parallel_size,
-                         device_type=self.root_device.type, timeout=self.timeout)
+                         device_type=self.root_device.type, timeout=self.timeout,
+                         pipeline_parallel_size=dims.pipeline_parallel_size)
 
     # ---- the model ----------------------------------------------------------------------------------------
 
@@ -575,6 +616,9 @@ class TensorParallelCore:
                 "one in __init__ or configure_model)")
         base, plan = None, self.train_plan  # the model side of the plan: step.prepare_model
         for index, (name, gpt) in enumerate(found):
+            if plan.pipelined:
+                self._cut_into_stages(name, gpt)
+                continue
             if is_prepared(gpt, self._mesh, plan, name):  # kept as it is (checkpointed and compiled already)
                 continue
             if any(p.is_meta for p in gpt.parameters()):
@@ -601,6 +645,72 @@ class TensorParallelCore:
         if left:
             raise ValueError(f"parameters outside the {'/'.join(sorted({type(m).__name__ for _, m in found}))} modules are "
                              f"still on the meta device: {left[:5]}")
+
+    @property
+    def builds_on_meta(self) -> bool:
+        """Whether a module should build its model on the meta device for this strategy to materialise shard by
+        shard (:class:`~lightning_tp2d.module.CausalLMModule` asks): not with pipeline stages, which cut a model
+        built on the host (every rank from the same seed)."""
+        return self._run_plan is None or not self._run_plan.pipelined
+
+    def _cut_into_stages(self, name: str, gpt: nn.Module) -> None:
+        """``gpt`` cut into this plan's pipeline stages (:class:`~lightning_tp2d.pipeline.Pipeline`), each rank's
+        stages parallelized with the layout on its own ``dp x p`` ranks, and its call made the pipeline's
+        (:func:`~lightning_tp2d.pipeline.run_model_as_pipeline`): ``gpt(idx, targets)`` runs the step's forward and
+        backward. Every rank first takes rank 0's weights (a model built from the same seed everywhere is unchanged).
+        A model already cut for this plan is kept."""
+        from lightning_tp2d.pipeline import Pipeline, run_model_as_pipeline
+
+        plan = self.train_plan
+        done = pipeline_of(gpt)
+        if done is not None:
+            if done.plan != plan:
+                raise ValueError(f"model {name!r} already runs as the pipeline stages of {done.plan.describe()}, not "
+                                 f"{plan.describe()}: build a new model")
+            return
+        if any(p.is_meta for p in gpt.parameters()):
+            raise ValueError(f"model {name!r} is on the meta device: with pipeline_parallel_size="
+                             f"{plan.pipeline_parallel_size} build it on the host, from the same seed on every rank "
+                             "(CausalLMModule does; a meta-device build is not supported with stages yet)")
+        broadcast_module_(gpt, self._mesh)
+        pipeline = Pipeline(gpt, self._mesh, plan.spec, schedule=plan.pp_schedule, microbatches=plan.pp_microbatches,
+                            virtual_stages=plan.virtual_stages, activation_checkpointing=plan.activation_checkpointing)
+        pipeline.plan = plan
+        run_model_as_pipeline(pipeline)
+
+    def pipelined_backward(self, module: nn.Module | None, loss: torch.Tensor, average: bool) -> None:
+        """The backward of ``loss``, the loss a pipelined model's call returned (times a constant): its schedule ran
+        the backward already; add its held gradients (:meth:`~lightning_tp2d.pipeline.Pipeline.backward`) and, when
+        ``average`` (a backward that ends an accumulation window), average them over ``data_parallel``. A
+        ``RuntimeError`` when ``loss`` has a graph: with stages nothing but the model's loss can be backpropagated."""
+        if loss.requires_grad:
+            raise RuntimeError("with pipeline stages the model's call runs its own backward: backpropagate the loss "
+                               "it returns (times a constant, e.g. divided for accumulation), not a loss with a "
+                               "graph of its own (an extra term of the parameters is not supported across stages)")
+        waiting = [p for p in self.pipelines(module) if p.waits_for_backward]
+        if len(waiting) != 1:
+            raise RuntimeError(f"a pipelined backward needs exactly one model whose step waits for it, found "
+                               f"{len(waiting)}: call the model once per backward")
+        waiting[0].backward(loss)
+        if average:
+            waiting[0].average_gradients()
+
+    def batch_problem(self, batch: int) -> str | None:
+        """Why this plan cannot train batches of ``batch`` sequences per replica (a sentence naming the numbers), or
+        ``None``: with pipeline stages the batch must split into the micro-batches, each into the layout's shards."""
+        plan = self.train_plan
+        if plan.pipelined:
+            m = plan.pp_microbatches
+            if batch % m:
+                return (f"batch size {batch} does not split into microbatches={m} (pipeline_parallel_size="
+                        f"{plan.pipeline_parallel_size}): use a multiple of {m}")
+            problem = plan.spec.batch_problem(plan.tensor_parallel_size, batch // m)
+            return None if problem is None else f"each of the {m} micro-batches: {problem}"
+        return plan.spec.batch_problem(plan.tensor_parallel_size, batch)
+
+    def pipelines(self, module: nn.Module | None) -> list:
+        """The :class:`~lightning_tp2d.pipeline.Pipeline` of every model inside ``module`` cut into stages."""
+        return [pipeline_of(m) for _, m in _models(module) if pipeline_of(m) is not None] if module is not None else []
 
     def _block_sharder(self):
         """Under FSDP (:attr:`TrainPlan.fsdp <lightning_tp2d.train_plan.TrainPlan.fsdp>`): what cuts each block over

@@ -64,6 +64,7 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
         self._backward_sync_control = _GradientSyncControl(self)  # fabric.no_backward_sync
         self._grad_syncs: dict[int, GradientSync] = {}
         self._sync_blocked = False
+        self._pipelined_modules: list[nn.Module] = []
 
     @staticmethod
     def _parallelize_fn_unused(module, mesh):  # setup_module parallelizes the GPT2 modules itself
@@ -90,7 +91,9 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
         module.to(self.root_device)  # whatever lies outside the GPT2 modules (already on their device)
         # the plan's step (lightning_tp2d.step): zero_stage 2/3 FSDP2 over data_parallel (its reduce-scatter
         # averages); stages 0/1 (dp > 1) GradientSync, all-reduces in buckets overlapping the backward, once a module
-        step = self.assemble(module, sync=id(module) not in self._grad_syncs)
+        if self.train_plan.pipelined:  # (the stages average their gradients: backward)
+            self._pipelined_modules.append(module)
+        step = self.assemble(module, sync=id(module) not in self._grad_syncs and not self.train_plan.pipelined)
         if step.gradient_sync is not None:
             self._grad_syncs[id(module)] = step.gradient_sync
         return module
@@ -117,6 +120,12 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
     # ---- gradients ----------------------------------------------------------------------------------------
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        if self.train_plan.pipelined:  # the model's call ran the schedule's backward: add its gradients
+            self.precision.pre_backward(tensor, module)
+            self.pipelined_backward(module if module is not None else self._pipelined_root(), tensor,
+                                    average=not self._sync_blocked)
+            self.precision.post_backward(tensor, module)
+            return
         super().backward(tensor, module, *args, **kwargs)
         if not self._sync_blocked:
             for sync in self._syncs_of(module):
@@ -140,6 +149,10 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
             for m in sharded:
                 m.set_requires_gradient_sync(not previous)
 
+    def _pipelined_root(self) -> nn.Module:
+        """A container of every module set up here with pipeline stages (``fabric.backward`` without a model)."""
+        return nn.ModuleList(self._pipelined_modules)
+
     def _syncs_of(self, module: nn.Module | None) -> list[GradientSync]:
         if module is not None and id(module) in self._grad_syncs:
             return [self._grad_syncs[id(module)]]
@@ -148,7 +161,8 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
-        norm = self.clip_norm_(clipped_parameters(optimizer, self.precision.main_params(optimizer)), max_norm, norm_type)
+        pipelines = self.pipelines(module)
+        norm = pipelines[0].clip_grad_norm_(max_norm, norm_type) if len(pipelines) == 1 else self.clip_norm_(clipped_parameters(optimizer, self.precision.main_params(optimizer)), max_norm, norm_type)
         if error_if_nonfinite and not torch.isfinite(norm):  # as torch's clip_grad_norm_ (a host read)
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
         return norm
@@ -177,6 +191,8 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
             "fabric": {"module": module_key, "optimizers": list(optimizers)},
             "tp2d": self.checkpoint_info(module),
         }
+        if self.pipelines(module):  # each stage writes its own part (checkpoint.load_into(partial=True))
+            checkpoint["tp2d_partial"] = True
         for key, value in state.items():
             if key != module_key and key not in optimizers:
                 checkpoint[key] = value.state_dict() if _has_state(value) else value
@@ -192,11 +208,13 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
             raise NotImplementedError("load a checkpoint into a model and its optimizers together: "
                                       "fabric.load(path, {'model': model, 'optimizer': optimizer})")
         if isinstance(state, nn.Module):
-            ckpt.load_into(state, [], path, strict=strict, trust_checkpoint=weights_only is False)
+            ckpt.load_into(state, [], path, strict=strict, trust_checkpoint=weights_only is False,
+                           partial=bool(self.pipelines(state)))
             return {}
         module_key, module, optimizers = _split_state(state)
         rest = ckpt.load_into(module, list(optimizers.values()), path, strict=strict,
-                              trust_checkpoint=weights_only is False)  # False: the file's pickles may run code
+                              trust_checkpoint=weights_only is False,  # False: the file's pickles may run code
+                              partial=bool(self.pipelines(module)))
         saved = rest.pop("fabric", {})
         if strict and list(optimizers) != list(saved.get("optimizers", optimizers)):
             raise ValueError(f"checkpoint {str(path)!r} holds optimizers {saved.get('optimizers')}, the state to "

@@ -172,7 +172,8 @@ class CausalLMModule(L.LightningModule):
             return
         meta = self.hparams.meta_init
         if meta is None:
-            meta = self._trainer is not None and isinstance(self.trainer.strategy, TP2DStrategy)
+            strategy = self.trainer.strategy if self._trainer is not None else None
+            meta = isinstance(strategy, TP2DStrategy) and strategy.builds_on_meta  # (pipeline stages: on the host)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.init_seed)
             if meta:

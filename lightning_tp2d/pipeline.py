@@ -51,11 +51,12 @@ from lightning_tp2d.options import TPOptions
 from lightning_tp2d import recompute
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 from lightning_tp2d.training import average_gradients_, grad_norm
-from lightning_tp2d.train_plan import PIPELINE_AXIS
+from lightning_tp2d.train_plan import PIPELINE_AXIS, PP_SCHEDULES, pipeline_problem
 
-__all__ = ["SCHEDULES", "Pipeline", "block_costs", "split_blocks", "stage_of_blocks"]
+__all__ = ["SCHEDULES", "Pipeline", "block_costs", "pipeline_of", "run_model_as_pipeline", "split_blocks",
+           "stage_of_blocks"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # parallel.pp_schedule's values
+SCHEDULES = PP_SCHEDULES  # parallel.pp_schedule's values
 
 
 def _schedule_class(name: str):
@@ -160,6 +161,21 @@ def _replace(model: nn.Module, path: str, stage: int) -> None:
         setattr(parent, attr, Elsewhere(stage))
 
 
+def pipeline_of(model: nn.Module) -> "Pipeline | None":
+    """The :class:`Pipeline` ``model`` runs as (:func:`run_model_as_pipeline`), or ``None``."""
+    return model.__dict__.get("_tp2d_pipeline")
+
+
+def run_model_as_pipeline(pipeline: "Pipeline") -> None:
+    """Make ``pipeline.model``'s call run the pipeline (:meth:`Pipeline.forward`): ``model(idx, targets)`` in a
+    ``training_step`` runs the step's forward and backward over every stage and returns the loss, which needs no
+    backward of its own (the strategies skip it); under ``no_grad`` the forward-only schedule. The model keeps its
+    parameters' names and its ``state_dict``."""
+    model = pipeline.model
+    model.__dict__["_tp2d_pipeline"] = pipeline
+    model.forward = pipeline.forward  # an instance attribute: nn.Module.__call__ finds it before the class's
+
+
 class Pipeline:
     """``model`` (a registered family's plain model, built on CPU from the same seed on every rank) cut into
     ``pp x virtual_stages`` stages over the ``pipeline`` axis of ``mesh``, each stage parallelized with ``layout``
@@ -188,22 +204,11 @@ class Pipeline:
         if PIPELINE_AXIS not in names:
             raise ValueError(f"Pipeline needs a mesh with a {PIPELINE_AXIS!r} axis (init_mesh(..., "
                              f"pipeline_parallel_size=pp) with pp >= 2), got axes {names}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r} is not one of {list(SCHEDULES)}")
         pp = mesh.size(names.index(PIPELINE_AXIS))
-        if not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise ValueError(f"virtual_stages must be a positive int, got {virtual_stages!r}")
-        if virtual_stages > 1 and schedule != "interleaved_1f1b":
-            raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b', got {schedule!r}")
+        problem = pipeline_problem(pp, schedule, microbatches, virtual_stages)
+        if problem:
+            raise ValueError(problem)
         microbatches = pp * virtual_stages if microbatches is None else microbatches
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
-        if schedule == "1f1b" and microbatches < pp:
-            raise ValueError(f"schedule '1f1b' needs at least as many micro-batches as pipeline stages: "
-                             f"microbatches={microbatches} < pipeline_parallel_size={pp}")
-        if schedule == "interleaved_1f1b" and microbatches % pp:
-            raise ValueError(f"schedule 'interleaved_1f1b' needs micro-batches in multiples of the pipeline ranks: "
-                             f"microbatches={microbatches} is not a multiple of pipeline_parallel_size={pp}")
         if any(q.is_meta for q in model.parameters()):
             raise ValueError("Pipeline: build the model on CPU (the same seed on every rank); a meta-device build is "
                              "not supported with pipeline stages yet")
@@ -242,18 +247,34 @@ class Pipeline:
             checkpoint_activations(model, "full")
         self.selective = activation_checkpointing == "selective"
         self.model = model
+        self.plan = None  # the strategies' TrainPlan this pipeline runs, when a strategy built it
 
-        from torch.distributed.pipelining import PipelineStage
-
-        device = _device(self.stage_mesh)
-        group = mesh.get_group(PIPELINE_AXIS)
-        self.stages = [PipelineStage(StageModule(model, self.splits[i], i == 0, i == stages - 1, self.selective), i,
-                                     stages, device, group=group) for i in self.stage_indices]
-        cls = _schedule_class(schedule)
-        self.schedule = cls(self.stages if schedule == "interleaved_1f1b" else self.stages[0],
-                            n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
+        self._stage_modules = [StageModule(model, self.splits[i], i == 0, i == stages - 1, self.selective)
+                               for i in self.stage_indices]
+        self._schedules: dict[tuple, object] = {}  # one per micro-batch shape and mode (torch's stages keep buffers)
+        self.sync_gradients = True  # step(): average over data_parallel after the schedule
+        self._pending: list[tuple[nn.Parameter, torch.Tensor]] = []  # forward()'s gradients, until backward()
+        self._pending_loss: torch.Tensor | None = None
         self._tied_group = _first_and_last_groups(mesh, pp) if tied and pp > 1 else None
-        self._last_rank = dist.get_global_rank(group, pp - 1)
+        self._last_rank = dist.get_global_rank(mesh.get_group(PIPELINE_AXIS), pp - 1)
+
+    def _schedule(self, idx: torch.Tensor, training: bool):
+        """torch's schedule (and stages) for batches of ``idx``'s shape, made on first use: a
+        :class:`~torch.distributed.pipelining.PipelineStage` infers and keeps its activations' shapes, so a batch of
+        another size (a validation loader's, an epoch's last) or an evaluation gets stages of its own."""
+        key = (tuple(idx.shape), training)
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            device = _device(self.stage_mesh)
+            group = self.mesh.get_group(PIPELINE_AXIS)
+            n = self.pp * self.virtual_stages
+            stages = [PipelineStage(module, i, n, device, group=group)
+                      for module, i in zip(self._stage_modules, self.stage_indices)]
+            cls = _schedule_class(self.schedule_name)
+            self._schedules[key] = cls(stages if self.schedule_name == "interleaved_1f1b" else stages[0],
+                                       n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
+        return self._schedules[key]
 
     def _loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # each micro-batch's mean loss over the micro-batches: the backward then leaves the gradient of their mean
@@ -287,28 +308,111 @@ class Pipeline:
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One forward and backward of this replica's batch ``idx`` / ``targets`` (``[B, T]``, the same on every
         stage of the replica; only the first stage reads ``idx``, only the last ``targets``), gradients accumulated
-        into the parameters' ``.grad`` (tied copies summed, averaged over ``data_parallel``). Returns the loss (the
-        mean of the micro-batches' losses), the same 0-d float32 tensor on every rank of the pipeline."""
+        into the parameters' ``.grad`` (tied copies summed; averaged over ``data_parallel`` when
+        :attr:`sync_gradients`). Returns the loss (the mean of the micro-batches' losses), the same 0-d float32
+        tensor on every rank of the pipeline."""
+        loss = self._run(idx, targets, training=True)
+        self._sum_tied_copies()
+        if self.sync_gradients:
+            self.average_gradients()
+        return loss
+
+    def average_gradients(self) -> None:
+        """Average every gradient over ``data_parallel`` (ZeRO 0 and 1: each replica's whole gradient)."""
+        average_gradients_(self.model, self.stage_mesh)
+
+    def _sum_tied_copies(self) -> None:
+        tied = self._tied_parameters()
+        if self._tied_group is None or not tied:
+            return
+        for q in tied:
+            grad = q.grad if q.grad is not None else torch.zeros_like(q)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=self._tied_group)
+            if q.grad is None:
+                q.grad = grad
+
+    def deferred_step(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """:meth:`step` whose gradients are held back until :meth:`backward`: the parameters' ``.grad`` are as before
+        the call when it returns. Lightning's loop zeroes the gradients between the ``training_step`` (where the
+        model's call runs the schedule's forward and backward) and the backward of its loss; the strategies call
+        :meth:`backward` there. Not averaged over ``data_parallel`` (:meth:`average_gradients`, after the backward
+        that ends an accumulation window)."""
+        if self._pending:
+            raise RuntimeError("a pipelined training step ran while the previous one's gradients still wait for their "
+                               "backward: call backward (fabric.backward / Lightning's loop) on each step's loss")
+        params = [q for q in self.model.parameters() if q.requires_grad]
+        before = [q.grad for q in params]
+        for q in params:
+            q.grad = None
+        try:
+            loss = self._run(idx, targets, training=True)
+            self._sum_tied_copies()
+            self._pending = [(q, q.grad) for q in params if q.grad is not None]
+        finally:
+            for q, grad in zip(params, before):
+                q.grad = grad
+        self._pending_loss = loss
+        return loss
+
+    @torch.no_grad()
+    def backward(self, loss: torch.Tensor) -> None:
+        """Add the gradients of the last :meth:`deferred_step` to the parameters' ``.grad``, scaled by ``loss`` over
+        that step's loss (``loss``: the step's loss times a constant, as a Trainer divides it by
+        ``accumulate_grad_batches``; the ratio stays on the device, no host read)."""
+        if self._pending_loss is None:
+            raise RuntimeError("backward of a pipelined loss without its training step: call the model first")
+        step_loss = self._pending_loss
+        scale = torch.where(step_loss == 0, torch.ones_like(step_loss),
+                            loss.detach().float() / torch.where(step_loss == 0, torch.ones_like(step_loss), step_loss))
+        for q, grad in self._pending:
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local.mul_(scale.to(local.dtype))
+            if q.grad is None:
+                q.grad = grad
+            else:
+                mine = q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad
+                mine.add_(local)
+        self._pending, self._pending_loss = [], None
+
+    @property
+    def waits_for_backward(self) -> bool:
+        """A :meth:`deferred_step` ran and its gradients wait for :meth:`backward`."""
+        return self._pending_loss is not None
+
+    @torch.no_grad()
+    def evaluate(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of ``idx`` / ``targets`` (forward only, torch's ``schedule.eval``), the same 0-d float32 tensor on
+        every rank of the pipeline; no gradients."""
+        return self._run(idx, targets, training=False)
+
+    def _run(self, idx: torch.Tensor, targets: torch.Tensor, training: bool) -> torch.Tensor:
         self.check_batch(idx)
         self.model.check_input(idx, targets)  # on every stage: a bad id fails every rank alike, before any send
+        schedule = self._schedule(idx, training)
         losses: list[torch.Tensor] = []
         args = (idx,) if self.first else ()
         kwargs = {"target": targets, "losses": losses} if self.last else {}
-        self.schedule.step(*args, **kwargs)
-        tied = self._tied_parameters()
-        if self._tied_group is not None and tied:
-            for q in tied:
-                grad = q.grad if q.grad is not None else torch.zeros_like(q)
-                local = grad.to_local() if hasattr(grad, "to_local") else grad
-                dist.all_reduce(local, group=self._tied_group)
-                if q.grad is None:
-                    q.grad = grad
-        average_gradients_(self.model, self.stage_mesh)
+        (schedule.step if training else schedule.eval)(*args, **kwargs)
         device = _device(self.stage_mesh)
         loss = torch.stack([x.detach().float() for x in losses]).sum() if self.last else \
             torch.zeros((), dtype=torch.float32, device=device)
         dist.broadcast(loss, self._last_rank, group=self.mesh.get_group(PIPELINE_AXIS))
         return loss
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc_ids=None) -> torch.Tensor:
+        """What the pipelined model's call does (:func:`run_model_as_pipeline`): with gradients recorded and the
+        model in training mode, :meth:`deferred_step` (the schedule's backward runs inside: the returned loss has no
+        graph, and the strategies' backward of it adds the gradients); else :meth:`evaluate`. Logits (no ``targets``: generation, ``predict``) and packed documents are refused."""
+        if targets is None:
+            raise ValueError("a model cut into pipeline stages returns its loss, not logits: call it with targets "
+                             "(generation and predict across stages are not supported; load the checkpoint without "
+                             "stages, e.g. with pipeline_parallel_size=1, to sample)")
+        if doc_ids is not None:
+            raise ValueError("packed documents (doc_ids) are not supported with pipeline stages yet")
+        if torch.is_grad_enabled() and self.model.training:
+            return self.deferred_step(idx, targets)
+        return self.evaluate(idx, targets)
 
     def save(self, path, optimizers: Sequence[torch.optim.Optimizer] = (), extra: dict | None = None) -> None:
         """Write a sharded checkpoint of the whole model (and ``optimizers``' states) to ``path``, every rank its

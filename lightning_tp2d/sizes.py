@@ -60,6 +60,22 @@ def fitting_sizes(layout: Layout, world: int, config: Any = None) -> list[int]:
     return [p for p in range(1, world + 1) if world % p == 0 and size_problem(layout, p, config) is None]
 
 
+def stage_devices(pp: int, per_node: int, nodes: int, names: SizeNames = ARGUMENTS) -> tuple[int, int]:
+    """``(per_node, nodes)`` of one of ``pp`` pipeline stages of a job of ``per_node x nodes`` devices (the
+    ``pipeline`` axis is the mesh's outermost: a stage is a run of consecutive ranks): whole machines when ``pp``
+    divides the machines, else a ``1/pp`` share of the one machine. A ``ValueError`` naming the numbers otherwise
+    (a stage split over parts of several machines would put its tensor-parallel groups across them)."""
+    if pp == 1:
+        return per_node, nodes
+    if nodes % pp == 0:
+        return per_node, nodes // pp
+    if nodes == 1 and per_node % pp == 0:
+        return per_node // pp, 1
+    raise ValueError(f"pipeline_parallel_size={pp} must divide the {names.world(per_node, nodes)}: "
+                     + (f"it divides neither {names.nodes}={nodes} nor, on one machine, {names.devices}={per_node}"
+                        if nodes > 1 else f"{names.devices}={per_node} is not a multiple of {pp}"))
+
+
 def resolve_sizes(layout: Layout, config: Any, per_node: int, nodes: int, tensor: int | str = "auto",
                   data: int | str = "auto", *, allow_fallback: bool = False,
                   names: SizeNames = ARGUMENTS) -> tuple[int, int]:
@@ -129,5 +145,5 @@ def no_fit_message(layout: Layout, config: Any, per_node: int, nodes: int, names
             f"({why}). Use " + "; or ".join(ways))
 
 
-__all__ = ["ARGUMENTS", "CONFIG_KEYS", "SizeNames", "fitting_sizes", "no_fit_message", "resolve_sizes",
+__all__ = ["ARGUMENTS", "CONFIG_KEYS", "SizeNames", "fitting_sizes", "no_fit_message", "resolve_sizes", "stage_devices",
            "size_problem"]

@@ -58,7 +58,7 @@ from lightning_tp2d.families import family_of
 from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.nn.functional import own_leaf_grads
 from lightning_tp2d.parallelize import checkpoint_activations, parallelize
-from lightning_tp2d.train_plan import FSDP_STAGES, TrainPlan
+from lightning_tp2d.train_plan import FSDP_STAGES, PIPELINE_AXIS, TrainPlan
 
 __all__ = ["AssembledStep", "assemble_step", "block_sharder", "build_step", "clip_grad_norm_", "is_prepared",
            "prepare_model", "shard_optimizer"]
@@ -87,7 +87,7 @@ def shard_optimizer(plan: TrainPlan, optimizer: torch.optim.Optimizer, mesh) -> 
     """ZeRO-1's slices of ``optimizer``'s state over ``mesh``'s ``data_parallel`` axis when
     :attr:`TrainPlan.optimizer_sharded` (:func:`lightning_tp2d.zero.shard_optimizer_state`, in place; at stages 2/3
     only the parameters FSDP keeps whole are sliced); else ``None`` and the optimizer is unchanged."""
-    return zero.shard_optimizer_state(optimizer, mesh) if plan.optimizer_sharded else None
+    return zero.shard_optimizer_state(optimizer, stage_mesh(plan, mesh)) if plan.optimizer_sharded else None
 
 
 def clip_grad_norm_(plan: TrainPlan, parameters, max_norm: float, mesh, norm_type: float = 2.0) -> torch.Tensor:
@@ -115,8 +115,20 @@ class AssembledStep:
         return clip_grad_norm_(self.plan, parameters, max_norm, self.mesh, norm_type)
 
 
+def stage_mesh(plan: TrainPlan, mesh):
+    """The ``dp x p`` mesh of this rank's pipeline stage (``mesh`` without its ``pipeline`` axis), or ``mesh`` itself
+    when ``plan`` has no stages: what the data-parallel side of a step (ZeRO-1's slices, the averages) runs over."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if not plan.pipelined:
+        return mesh
+    if names[:1] != (PIPELINE_AXIS,) or mesh.shape[0] != plan.pipeline_parallel_size:
+        raise ValueError(f"the plan has pipeline_parallel_size={plan.pipeline_parallel_size}, the mesh axes {names} "
+                         f"of shape {tuple(mesh.shape)}")
+    return mesh[names[1:]]
+
+
 def _check_mesh(plan: TrainPlan, mesh) -> None:
-    sizes = plan.spec.sizes_of_mesh(mesh)
+    sizes = plan.spec.sizes_of_mesh(stage_mesh(plan, mesh))
     if sizes != (plan.tensor_parallel_size, plan.data_parallel_size):
         raise ValueError(f"assemble_step: the mesh holds p={sizes[0]} x dp={sizes[1]} ranks, the plan "
                          f"p={plan.tensor_parallel_size} x dp={plan.data_parallel_size}")

@@ -164,7 +164,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             if problem:
                 raise ValueError(problem)
         batch = getattr(data, "batch_size", None) if fitting and self.layout_spec is not None else None
-        problem = self.layout_spec.batch_problem(self.train_plan.tensor_parallel_size, batch) if batch else None
+        problem = self.batch_problem(batch) if batch else None
         if problem:
             raise ValueError(problem)
 
@@ -228,7 +228,8 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         # the plan's step (lightning_tp2d.step): zero_stage 2/3 FSDP2 over data_parallel, before the optimizers;
         # stages 0/1 when fitting (dp > 1): GradientSync's buckets overlapping the backward, once per module
-        step = self.assemble(self.model, sync=fitting and self._grad_sync is None)
+        pipelined = self.train_plan.pipelined  # (the stages average their gradients themselves: backward below)
+        step = self.assemble(self.model, sync=fitting and self._grad_sync is None and not pipelined)
         self._install_gradient_clipping()
         # evaluate under no_grad, never inference_mode (DTensor and gloo collectives; docs/layouts.md, the strategy)
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop):
@@ -259,7 +260,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             self._grad_sync.enabled = False
         for m in sharded:  # FSDP keeps the unreduced gradients until a backward outside
             m.set_requires_gradient_sync(False)
-        try:
+        try:  # (pipeline stages: backward below averages only outside)
             yield None
         finally:
             self._grad_sync_blocked = previous
@@ -267,6 +268,20 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
                 self._grad_sync.enabled = not previous
             for m in sharded:
                 m.set_requires_gradient_sync(not previous)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Lightning's backward; with pipeline stages the model's call in ``training_step`` already ran the
+        schedule's forward and backward: its gradients are added here (scaled as Lightning scaled the loss, by
+        ``accumulate_grad_batches``), after the loop zeroed the previous step's, and averaged over
+        ``data_parallel`` when the backward ends an accumulation window (:meth:`pipelined_backward`)."""
+        if not self.pipelines(self.model):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.pipelined_backward(self.model, closure_loss, average=not self._grad_sync_blocked)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if not self._grad_sync_blocked and self._grad_sync is not None:
@@ -279,14 +294,19 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         def params(optimizer):
             return clipped_parameters(_unwrap(optimizer), plugin.main_params(optimizer))
 
-        plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.clip_norm_(params(optimizer), clip_val)
+        def by_norm(optimizer, clip_val):
+            pipelines = self.pipelines(self.model)
+            if pipelines:  # the whole model's norm, over every stage (the pipeline's own clip)
+                return [pipeline.clip_grad_norm_(clip_val) for pipeline in pipelines]
+            return self.clip_norm_(params(optimizer), clip_val)
+
+        plugin.clip_grad_by_norm = by_norm
         plugin.clip_grad_by_value = lambda optimizer, clip_val: clip_grad_value_(params(optimizer), clip_val)
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        p = self.parallel_dims.tensor_parallel_size
         for size in train_batch_sizes(self.lightning_module.trainer):
-            problem = self.layout_spec.batch_problem(p, size)
+            problem = self.batch_problem(size)
             if problem:
                 raise ValueError(problem)
 
@@ -326,6 +346,8 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         with naming_failures(f"the save of checkpoint {str(filepath)!r}"):
             path = Path(super().broadcast(str(filepath)))
             checkpoint["tp2d"] = self.checkpoint_info(self.model)
+            if self.pipelines(self.model):  # each stage writes its own part (checkpoint.load_into(partial=True))
+                checkpoint["tp2d_partial"] = True
             ckpt.save(checkpoint, path, rank=self.global_rank, sharded=self._sharded_checkpoints,
                       barrier=super().barrier)
 
@@ -336,7 +358,7 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [_unwrap(o) for o in self.optimizers]
         return ckpt.load_into(self.model, optimizers, path, strict=self.lightning_module.strict_loading,
-                              trust_checkpoint=weights_only is False)
+                              trust_checkpoint=weights_only is False, partial=bool(self.pipelines(self.model)))
 
 
 # ---- helpers (no Lightning state) ---------------------------------------------------------------------------

@@ -18,6 +18,11 @@ field                         default  meaning
                                        ``None``: the run's
 ``options``                   None     the layout's layer options (:class:`~lightning_tp2d.options.TPOptions`: SUMMA
                                        algorithm, ring kernels); ``None``: the defaults, or the given Layout's
+``pipeline_parallel_size``    1        ``pp``: pipeline stages of whole blocks (:mod:`lightning_tp2d.pipeline`), the
+                                       mesh's outermost axis
+``pp_schedule``               1f1b     the stages' schedule: :data:`PP_SCHEDULES`
+``microbatches``              None     micro-batches per step and replica; ``None``: ``pp x virtual_stages``
+``virtual_stages``            1        stages per pipeline rank (``interleaved_1f1b`` only)
 ============================  =======  =================================================================================
 
 A plan is also the run's sizes (it replaced ``mesh.ParallelDims``, which names it still): :attr:`~TrainPlan.spec`,
@@ -56,13 +61,38 @@ FSDP_STAGES = (2, 3)  # the stages FSDP2 runs (lightning_tp2d.fsdp.FSDP_STAGES i
 CHECKPOINTING = ("none", "selective", "full")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # what the strategies and FSDP's mixed precision support
 PIPELINE_AXIS = "pipeline"  # the mesh axis of the pipeline stages (outermost; only when there are several)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # lightning_tp2d.pipeline.SCHEDULES is this tuple
 
-__all__ = ["CHECKPOINTING", "FSDP_STAGES", "PIPELINE_AXIS", "PRECISIONS", "ParallelDims", "TrainPlan", "ZERO_STAGES", "fsdp_shards",
-           "reshards_after_forward"]
+__all__ = ["CHECKPOINTING", "FSDP_STAGES", "PIPELINE_AXIS", "PP_SCHEDULES", "PRECISIONS", "ParallelDims", "TrainPlan", "ZERO_STAGES", "fsdp_shards",
+           "pipeline_problem", "reshards_after_forward"]
 
 
 def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def pipeline_problem(pp: int, schedule: str = "1f1b", microbatches: int | None = None,
+                     virtual_stages: int = 1) -> str | None:
+    """Why ``pp`` stages cannot run ``schedule`` with ``microbatches`` micro-batches and ``virtual_stages`` stages per
+    rank (a sentence naming the numbers), or ``None``. The one statement of the rule: :class:`TrainPlan`, the
+    :class:`~lightning_tp2d.pipeline.Pipeline` and ``tp2d-train`` ask it. ``microbatches=None`` means
+    ``pp x virtual_stages``."""
+    if schedule not in PP_SCHEDULES:
+        return f"pp_schedule={schedule!r} is not one of {list(PP_SCHEDULES)}"
+    if not _positive_int(virtual_stages):
+        return f"virtual_stages must be a positive int, got {virtual_stages!r}"
+    if virtual_stages > 1 and schedule != "interleaved_1f1b":
+        return f"virtual_stages={virtual_stages} needs pp_schedule='interleaved_1f1b', got {schedule!r}"
+    if microbatches is not None and not _positive_int(microbatches):
+        return f"microbatches must be a positive int or None, got {microbatches!r}"
+    m = pp * virtual_stages if microbatches is None else microbatches
+    if pp > 1 and schedule == "1f1b" and m < pp:
+        return (f"pp_schedule '1f1b' needs at least as many micro-batches as pipeline stages: microbatches={m} < "
+                f"pipeline_parallel_size={pp}")
+    if pp > 1 and schedule == "interleaved_1f1b" and m % pp:
+        return (f"pp_schedule 'interleaved_1f1b' needs micro-batches in multiples of the pipeline ranks: "
+                f"microbatches={m} is not a multiple of pipeline_parallel_size={pp}")
+    return None
 
 
 def fsdp_shards(zero_stage: int, data_parallel_size: int) -> bool:
@@ -94,7 +124,9 @@ class TrainPlan:
     precision: str | None = None  # None: the run's (the Trainer's or Fabric's precision)
     options: TPOptions | None = None  # the layout's layer options; None: the defaults, or the given Layout's
     pipeline_parallel_size: int = 1  # pipeline stages (lightning_tp2d.pipeline): the mesh's outermost axis
-
+    pp_schedule: str = "1f1b"  # the stages' schedule (PP_SCHEDULES)
+    microbatches: int | None = None  # per step and replica; None: pp x virtual_stages
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, (str, Layout)):
@@ -123,6 +155,10 @@ class TrainPlan:
                              f"keeps, got activation_checkpointing={self.activation_checkpointing!r}; use 'full'")
         if self.micro_batch is not None and not _positive_int(self.micro_batch):
             raise ValueError(f"TrainPlan.micro_batch must be a positive int or None, got {self.micro_batch!r}")
+        problem = pipeline_problem(self.pipeline_parallel_size, self.pp_schedule, self.microbatches,
+                                   self.virtual_stages)
+        if problem:
+            raise ValueError(f"TrainPlan: {problem}")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(f"TrainPlan.precision={self.precision!r} is not one of {list(PRECISIONS)} (or None: "
                              "the run's)")
@@ -177,6 +213,16 @@ class TrainPlan:
         return reshards_after_forward(self.zero_stage, self.data_parallel_size)
 
     @property
+    def pipelined(self) -> bool:
+        """The model runs as pipeline stages (:class:`~lightning_tp2d.pipeline.Pipeline`): ``pp > 1``."""
+        return self.pipeline_parallel_size > 1
+
+    @property
+    def pp_microbatches(self) -> int:
+        """Micro-batches per step and replica: :attr:`microbatches`, or ``pp x virtual_stages``."""
+        return self.pipeline_parallel_size * self.virtual_stages if self.microbatches is None else self.microbatches
+
+    @property
     def optimizer_sharded(self) -> bool:
         """The optimizers get ZeRO-1's slices (:func:`lightning_tp2d.zero.shard_optimizer_state`): at stage 1 (any
         ``dp``; with one replica each slice is a whole parameter), and under FSDP for the parameters it keeps whole
@@ -198,8 +244,12 @@ class TrainPlan:
         return self.zero_stage in FSDP_STAGES
 
     def describe(self) -> str:
-        """One line: ``metp p=4 dp=2 zero=3 ckpt=full offload micro=2 bf16-mixed``."""
-        return (f"{self.layout} p={self.tensor_parallel_size} dp={self.data_parallel_size} zero={self.zero_stage} "
+        """One line: ``metp p=4 dp=2 zero=3 ckpt=full offload micro=2 bf16-mixed`` (``pp=2 1f1b x4`` after ``dp``
+        with pipeline stages)."""
+        stages = "" if not self.pipelined else (
+            f" pp={self.pipeline_parallel_size} {self.pp_schedule}"
+            f"{'' if self.virtual_stages == 1 else f' v={self.virtual_stages}'} x{self.pp_microbatches}")
+        return (f"{self.layout} p={self.tensor_parallel_size} dp={self.data_parallel_size}{stages} zero={self.zero_stage} "
                 f"ckpt={self.activation_checkpointing}{' offload' if self.activation_offload else ''}"
                 f"{'' if self.micro_batch is None else f' micro={self.micro_batch}'}"
                 f"{'' if self.precision is None else ' ' + self.precision}")

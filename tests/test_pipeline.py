@@ -211,7 +211,7 @@ def test_bad_sizes_are_refused_naming_the_numbers():
     assert "'zb' is not one of" in out["schedule"]
     assert "microbatches=1 < pipeline_parallel_size=2" in out["few_micro"]
     assert "microbatches=3 is not a multiple of pipeline_parallel_size=2" in out["interleaved_micro"]
-    assert "virtual_stages=2 needs schedule='interleaved_1f1b'" in out["virtual"]
+    assert "virtual_stages=2 needs pp_schedule='interleaved_1f1b'" in out["virtual"]
     assert "1 blocks cannot fill 2 pipeline stages" in out["stages"]
     assert "batch size 6 does not split into microbatches=4" in out["batch"]
 
