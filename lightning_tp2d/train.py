@@ -69,9 +69,9 @@ from lightning_tp2d.quiet import silence_known_noise
 from lightning_tp2d.run_outputs import export_transformers, given_run_dir_problem, outputs_problem
 from lightning_tp2d.run_values import check_run_values
 from lightning_tp2d.safe_files import clear, resolve, staging_path
-from lightning_tp2d.sizes import CONFIG_KEYS, resolve_sizes
+from lightning_tp2d.sizes import CONFIG_KEYS, resolve_sizes, stage_devices
 from lightning_tp2d.supervise import RankWatch, wait_to_be_ended
-from lightning_tp2d.train_plan import reshards_after_forward
+from lightning_tp2d.train_plan import pipeline_problem, reshards_after_forward
 from lightning_tp2d.zero import ZERO_STAGES
 
 log = logging.getLogger("tp2d-train")
@@ -456,10 +456,15 @@ def check_config(cfg: DictConfig, model) -> str:
     if launch._int(os.environ, "LOCAL_RANK") == 0:  # once per machine: the ranks it starts were checked by it
         if cfg.ckpt_path is not None:
             check_checkpoint(cfg)
-        if p is not None and devices is not None:
+        staged = "layout" in cfg.parallel and int(cfg.parallel.get("pipeline_parallel_size") or 1) > 1
+        if staged and p is not None:  # the memory model has no stages yet: a whole model's peak would refuse runs
+            log.info("parallel.pipeline_parallel_size=%s: the peak memory per stage is not predicted yet (each stage "
+                     "holds its own blocks); the memory check before launch is skipped",
+                     cfg.parallel.pipeline_parallel_size)
+        if p is not None and devices is not None and not staged:
             check_memory(cfg, model, p, dp, devices)
         check_data_size(cfg, dp or 1)
-        if p is not None and devices is not None:  # last: it takes a minute for a large model
+        if p is not None and devices is not None and not staged:  # last: it takes a minute for a large model
             check_fit(cfg, model, p, dp, devices)
     return f"{plan} ({where})"
 
@@ -865,6 +870,32 @@ def check_auto(par: DictConfig, model, accelerator: str) -> str:
             f"{_model_name(model)} in {per_device} at start-up")
 
 
+def check_stages(par: DictConfig, model, batch: int) -> tuple[int, int, str]:
+    """``parallel.pipeline_parallel_size`` and its schedule before launch (:func:`~lightning_tp2d.train_plan.
+    pipeline_problem`; the model's blocks fill the stages; the batch splits into the micro-batches): ``(pp,
+    micro-batches, a phrase for the plan's line)``, ``(1, 1, "")`` without stages; a :class:`ConfigError` naming the
+    keys and numbers otherwise."""
+    pp = par.get("pipeline_parallel_size", 1)
+    if pp in (None, 1):
+        return 1, 1, ""
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ConfigError(f"parallel.pipeline_parallel_size must be a positive int, got {pp!r}")
+    schedule, micro = str(par.get("pp_schedule", "1f1b")), par.get("microbatches")
+    virtual = par.get("virtual_stages", 1)
+    problem = pipeline_problem(pp, schedule, micro, virtual, prefix="parallel.")
+    if problem:
+        raise ConfigError(problem)
+    stages = pp * virtual
+    if model.n_layer < stages:
+        raise ConfigError(f"model.n_layer={model.n_layer} blocks cannot fill parallel.pipeline_parallel_size={pp} x "
+                          f"parallel.virtual_stages={virtual} = {stages} stages (each needs at least one block)")
+    micro = stages if micro is None else int(micro)
+    if batch % micro:
+        raise ConfigError(f"data.batch_size={batch} does not split into parallel.microbatches={micro}: use a "
+                          f"multiple of {micro}")
+    return pp, micro, f"{pp} pipeline stages ({schedule}, {micro} micro-batches) x "
+
+
 def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, seq: int,
                  packed: bool = False) -> tuple[str, int, int]:
     """The plan of a fixed layout, its tensor-parallel size ``p`` and data-parallel size ``dp``."""
@@ -883,12 +914,16 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
                           f"{list(family.layouts)} (use {' or '.join(has)}, or parallel=single)")
     world = devices * nodes
     here = CONFIG_KEYS.world(devices, nodes)
+    pp, micro, stages = check_stages(par, model, batch)
     try:
-        p, dp = resolve_sizes(layout, model, devices, nodes, par.tensor_parallel_size, par.data_parallel_size,
-                             allow_fallback=bool(par.get("allow_fallback", False)), names=CONFIG_KEYS)
+        per_node, stage_nodes = stage_devices(pp, devices, nodes, names=CONFIG_KEYS)
+        p, dp = resolve_sizes(layout, model, per_node, stage_nodes, par.tensor_parallel_size,
+                              par.data_parallel_size, allow_fallback=bool(par.get("allow_fallback", False)),
+                              names=CONFIG_KEYS)
     except ValueError as err:
-        raise ConfigError(str(err)) from None
-    for bad in (layout.batch_problem(p, batch, key="data.batch_size"),
+        raise ConfigError(str(err).replace("pipeline_parallel_size", "parallel.pipeline_parallel_size")) from None
+    for bad in (layout.batch_problem(p, batch // micro, key="data.batch_size" if micro == 1 else
+                                     f"data.batch_size / parallel.microbatches ({batch} / {micro})"),
                 layout.sequence_problem(p, seq, key="data.block_size")):
         if bad:
             raise ConfigError(bad)
@@ -896,7 +931,7 @@ def check_layout(par: DictConfig, model, devices: int, nodes: int, batch: int, s
         layout.documents_problem(key="data.pack_documents") if packed else None)
     if bad:
         raise ConfigError(bad)
-    text = f"layout {layout.name!r}: {world // p} replica(s) x {layout.describe(p)} (p={p}) on {here}"
+    text = f"layout {layout.name!r}: {stages}{dp} replica(s) x {layout.describe(p)} (p={p}) on {here}"
     if p == 1 and world > 1:
         text += (f" -- note: no {layout.arrangement} larger than 1 fits {devices} devices per machine, so "
                  "each device holds a whole model (data parallel only, parallel.allow_fallback=true)")
@@ -910,6 +945,11 @@ def generate_sample(cfg: DictConfig, module, datamodule, trainer) -> str | None:
     """Text continuing ``sample.prompt``; every rank calls it (generation under tensor parallelism is collective)."""
     n = int(cfg.sample.max_new_tokens)
     if n <= 0:
+        return None
+    if int(cfg.parallel.get("pipeline_parallel_size") or 1) > 1:
+        if launch.is_rank_zero():
+            log.info("no sample: generation across pipeline stages is not supported (export_hf=<dir>, or resume the "
+                     "checkpoint without stages, samples)")
         return None
     tokenizer = datamodule.tokenizer
     if tokenizer is None:

@@ -72,26 +72,27 @@ def _positive_int(value) -> bool:
 
 
 def pipeline_problem(pp: int, schedule: str = "1f1b", microbatches: int | None = None,
-                     virtual_stages: int = 1) -> str | None:
+                     virtual_stages: int = 1, prefix: str = "") -> str | None:
     """Why ``pp`` stages cannot run ``schedule`` with ``microbatches`` micro-batches and ``virtual_stages`` stages per
-    rank (a sentence naming the numbers), or ``None``. The one statement of the rule: :class:`TrainPlan`, the
-    :class:`~lightning_tp2d.pipeline.Pipeline` and ``tp2d-train`` ask it. ``microbatches=None`` means
-    ``pp x virtual_stages``."""
+    rank (a sentence naming the numbers, each setting's name after ``prefix``: ``"parallel."`` for ``tp2d-train``),
+    or ``None``. The one statement of the rule: :class:`TrainPlan`, the :class:`~lightning_tp2d.pipeline.Pipeline`
+    and ``tp2d-train`` ask it. ``microbatches=None`` means ``pp x virtual_stages``."""
+    k = prefix
     if schedule not in PP_SCHEDULES:
-        return f"pp_schedule={schedule!r} is not one of {list(PP_SCHEDULES)}"
+        return f"{k}pp_schedule={schedule!r} is not one of {list(PP_SCHEDULES)}"
     if not _positive_int(virtual_stages):
-        return f"virtual_stages must be a positive int, got {virtual_stages!r}"
+        return f"{k}virtual_stages must be a positive int, got {virtual_stages!r}"
     if virtual_stages > 1 and schedule != "interleaved_1f1b":
-        return f"virtual_stages={virtual_stages} needs pp_schedule='interleaved_1f1b', got {schedule!r}"
+        return f"{k}virtual_stages={virtual_stages} needs {k}pp_schedule='interleaved_1f1b', got {schedule!r}"
     if microbatches is not None and not _positive_int(microbatches):
-        return f"microbatches must be a positive int or None, got {microbatches!r}"
+        return f"{k}microbatches must be a positive int or None, got {microbatches!r}"
     m = pp * virtual_stages if microbatches is None else microbatches
     if pp > 1 and schedule == "1f1b" and m < pp:
-        return (f"pp_schedule '1f1b' needs at least as many micro-batches as pipeline stages: microbatches={m} < "
-                f"pipeline_parallel_size={pp}")
+        return (f"{k}pp_schedule '1f1b' needs at least as many micro-batches as pipeline stages: {k}microbatches={m} "
+                f"< {k}pipeline_parallel_size={pp}")
     if pp > 1 and schedule == "interleaved_1f1b" and m % pp:
-        return (f"pp_schedule 'interleaved_1f1b' needs micro-batches in multiples of the pipeline ranks: "
-                f"microbatches={m} is not a multiple of pipeline_parallel_size={pp}")
+        return (f"{k}pp_schedule 'interleaved_1f1b' needs micro-batches in multiples of the pipeline ranks: "
+                f"{k}microbatches={m} is not a multiple of {k}pipeline_parallel_size={pp}")
     return None
 
 

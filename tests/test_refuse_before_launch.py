@@ -521,3 +521,39 @@ def test_the_fit_check_says_it_is_checking_before_it_refuses(tmp_path, monkeypat
     assert checking in out
     (line,) = err.strip().splitlines()
     assert line.startswith("tp2d-train: error: the memory model predicts a peak of ")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.pipeline_parallel_size=3", "parallel.microbatches=4"], "parallel.pipeline_parallel_size=3 must divide"),
+    (["parallel.pipeline_parallel_size=2", "parallel.pp_schedule=zb"], "parallel.pp_schedule='zb' is not one of"),
+    (["parallel.pipeline_parallel_size=2", "parallel.microbatches=1"],
+     "parallel.microbatches=1 < parallel.pipeline_parallel_size=2"),
+    (["parallel.pipeline_parallel_size=2", "parallel.microbatches=3"],
+     "data.batch_size=4 does not split into parallel.microbatches=3"),
+    (["parallel.pipeline_parallel_size=4", "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2",
+      "parallel.microbatches=4"], "model.n_layer=4 blocks cannot fill parallel.pipeline_parallel_size=4 x "
+                                  "parallel.virtual_stages=2 = 8 stages"),
+    (["parallel.pipeline_parallel_size=2", "parallel.virtual_stages=2"],
+     "parallel.virtual_stages=2 needs parallel.pp_schedule='interleaved_1f1b'"),
+])
+def test_pipeline_sizes_that_do_not_fit_are_one_line_before_launch(overrides, message):
+    """Issue 51, item 6: pipeline sizes that do not divide the devices or the blocks, a schedule that does not exist,
+    too few micro-batches for 1F1B, a batch that does not split into them: one line naming the keys."""
+    got = refusal("experiment=quick", "model.n_layer=4", "parallel=tp2d", "parallel.tensor_parallel_size=1",
+                  "trainer.devices=4", "data.batch_size=4", *overrides)
+    assert message in got, got
+
+
+def test_pipeline_stages_are_named_in_the_plan_line():
+    line = checked("experiment=quick", "model.n_layer=4", "parallel=metp", "parallel.tensor_parallel_size=2", "trainer.devices=4",
+                   "data.batch_size=4", "parallel.pipeline_parallel_size=2", "parallel.microbatches=4",
+                   "parallel.pp_schedule=gpipe")
+    assert "2 pipeline stages (gpipe, 4 micro-batches) x 1 replica(s) x ring of 2 (p=2)" in line, line
+
+
+def test_what_stages_do_not_run_with_yet_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    """The strategy's own refusal (ZeRO 3 with stages), through the console script: one line, exit 2, no ranks."""
+    message = one_line_exit_2(["experiment=quick", "model.n_layer=4", "parallel=tp2d", "parallel.tensor_parallel_size=1",
+                               "trainer.devices=2", "parallel.pipeline_parallel_size=2", "parallel.zero_stage=3"],
+                              tmp_path, monkeypatch, capsys)
+    assert "pipeline_parallel_size=2 does not run with zero_stage=3" in message, message

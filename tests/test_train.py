@@ -341,3 +341,34 @@ def test_llama_trains_in_float8_on_a_2x2_grid_and_its_checkpoint_exports_to_tran
     idx = torch.randint(0, 257, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, model(idx), rtol=1e-4, atol=1e-4)
+
+
+def test_llama_trains_in_pipeline_stages_from_the_command_line_and_exports(tmp_path):
+    """``tp2d-train parallel=metp parallel.pipeline_parallel_size=2`` (issue 51): two stages of a 4-block Llama,
+    each a ring of 2, interleaved 1F1B with two virtual stages per rank; the run learns, validates, says it
+    has no sample (generation across stages is not built), and its checkpoint (each stage's part) exports to a
+    LlamaForCausalLM with the plain model's logits."""
+    from lightning_tp2d import export_hf, load_llama
+
+    args = ["experiment=quick", "model=llama-tiny", "model.n_layer=4", "parallel=metp",
+            "parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2",
+            "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2", "parallel.microbatches=2",
+            "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+            "trainer.log_every_n_steps=1", "trainer.gradient_clip_val=0.5", "data.max_tokens=20000",
+            "sample.max_new_tokens=8", "trainer.enable_progress_bar=false"]
+    run = tp2d_train_ranks(args, tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    log = (tmp_path / run_dir / "train.log").read_text()
+    assert "2 pipeline stages (interleaved_1f1b, 2 micro-batches) x 1 replica(s) x ring of 2" in log
+    assert "no sample: generation across pipeline stages is not supported" in log + run.stdout + run.stderr
+    train, val, _ = losses(tmp_path / run_dir)
+    assert len(train) == 4 and len(val) == 2 and train[-1] < train[0]
+    transformers = pytest.importorskip("transformers")
+    ckpt = tmp_path / run_dir / "checkpoints" / "last.ckpt"
+    model = load_llama(ckpt).eval()
+    assert model.config.n_layer == 4
+    hf = transformers.LlamaForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "hf")).eval()
+    idx = torch.randint(0, 257, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx), rtol=1e-4, atol=1e-4)
