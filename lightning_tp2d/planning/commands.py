@@ -46,12 +46,13 @@ UINT16_IDS = 1 << 16  # a raw .bin of uint16 ids (conf/data/tokens.yaml's data.d
 def _devices(row: PlanRow, gpus_per_node: int) -> tuple[int, int]:
     """``(devices per node, nodes)`` of the row's ``p x dp`` GPUs, whole nodes of ``gpus_per_node`` when it spans
     more than one."""
-    world = row.tensor_parallel_size * row.data_parallel_size
+    pp = row.pipeline_parallel_size
+    world = row.tensor_parallel_size * row.data_parallel_size * pp
     if world <= gpus_per_node:
         return world, 1
     if world % gpus_per_node:
-        raise ValueError(f"p={row.tensor_parallel_size} x dp={row.data_parallel_size} = {world} GPUs is not a whole "
-                         f"number of nodes of {gpus_per_node}")
+        raise ValueError(f"{f'pp={pp} x ' if pp > 1 else ''}p={row.tensor_parallel_size} x dp="
+                         f"{row.data_parallel_size} = {world} GPUs is not a whole number of nodes of {gpus_per_node}")
     return gpus_per_node, world // gpus_per_node
 
 
@@ -75,18 +76,24 @@ def train_overrides(row: PlanRow, model: str, seq: int, *, gpus_per_node: int, g
         out.append("parallel.activation_offload=true")
     if row.float8:
         out.append(f"parallel.float8={row.float8}")
+    staged = row.pipeline_parallel_size > 1  # the schedule's micro-batches are the data's batch, split
+    if staged:
+        out += [f"parallel.pipeline_parallel_size={row.pipeline_parallel_size}",
+                f"parallel.pp_schedule={row.pp_schedule}", f"parallel.microbatches={row.grad_accum}"]
+        if row.virtual_stages > 1:
+            out.append(f"parallel.virtual_stages={row.virtual_stages}")
     compiles = (row.checkpointing == "none" or (row.checkpointing == "full" and spec.compiles_checkpointed)) \
-        and not row.activation_offload
+        and not row.activation_offload and not staged
     if compiled and compiles:
         out.append("parallel.compile=true")
     if gpu_memory_gib is not None:
         out.append(f"parallel.memory_gib={gpu_memory_gib:g}")
     out += ["trainer=gpu" if nodes == 1 else "trainer=multinode", f"trainer.devices={devices}",
-            f"trainer.num_nodes={nodes}", f"trainer.accumulate_grad_batches={row.grad_accum}",
+            f"trainer.num_nodes={nodes}", f"trainer.accumulate_grad_batches={1 if staged else row.grad_accum}",
             "data=tokens", f"data.path={TOKEN_FILE}"]
     if model_config(model).vocab_size > UINT16_IDS:
         out.append("data.dtype=uint32")
-    out += [f"data.batch_size={row.micro_batch}", f"data.block_size={seq}"]
+    out += [f"data.batch_size={row.micro_batch * (row.grad_accum if staged else 1)}", f"data.block_size={seq}"]
     if seq > model_config(model).block_size:  # the data's windows are at most the model's block_size
         out.append(f"model.block_size={seq}")
     return out
@@ -105,6 +112,8 @@ def data_lines(row: PlanRow, model: str, seq: int) -> list[str]:
     one whole step of the row's ``micro_batch x grad_accum`` sequences per replica (with fewer, each epoch ends in a
     shorter step), and what :data:`MAX_STEPS` steps read (a smaller file is read again, epoch after epoch)."""
     dp, micro, accum = row.data_parallel_size, row.micro_batch, row.grad_accum
+    if row.pipeline_parallel_size > 1:  # the schedule's micro-batches are one batch of the data, split
+        micro, accum = micro * accum, 1
     ids = "uint32 ids, data.dtype=uint32" if model_config(model).vocab_size > UINT16_IDS else "uint16 ids"
     least = least_tokens(seq, micro, dp, validates=VALIDATES, val_fraction=VAL_FRACTION)
     val = split_need(seq, micro, dp)[0] if VALIDATES else split_need(seq)[0]
@@ -152,7 +161,13 @@ def torchtitan_settings(row: PlanRow, seq: int, *, compiled: bool = True) -> lis
     if compiled or row.async_tp:
         out.append("--compile.enable")
     out += [f"--training.local_batch_size={row.micro_batch}", f"--training.seq_len={seq}"]
-    if row.grad_accum > 1:
+    if row.pipeline_parallel_size > 1:  # torchtitan splits each local batch into micro-batches of this size
+        schedule = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}[row.pp_schedule]
+        out[-2] = f"--training.local_batch_size={row.micro_batch * row.grad_accum}"
+        out += [f"--parallelism.pipeline_parallel_degree={row.pipeline_parallel_size}",
+                f"--parallelism.pipeline_parallel_schedule={schedule}",
+                f"--parallelism.pipeline_parallel_microbatch_size={row.micro_batch}"]
+    elif row.grad_accum > 1:
         out.append(f"--training.global_batch_size={row.micro_batch * dp * row.grad_accum}")
     return out
 

@@ -58,8 +58,12 @@ How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
   eager or compiled: the layouts' and the rivals' own, measured on CPU one rank at a time; compiled, what the host
   spends beyond the compiled plain model, which costs none).
 
-Not modelled: pipeline parallelism (the package's stages, :mod:`lightning_tp2d.pipeline`, are not priced yet; 405B
-at 1024 GPUs is where that limits), float8's memory (its rows are priced at bf16's; the ring's float8 weight blocks
+Pipeline stages (``pipeline_sizes``, ``tp2d-plan --pp``): both sides, the package's
+:mod:`lightning_tp2d.pipeline` (ZeRO 0 and 1) and torchtitan's PP (every stage), by one model
+(:func:`price_stages`, :mod:`lightning_tp2d.planning.pipeline_cost`): each rank's blocks priced as a model of that many
+blocks, the schedule's bubble, the boundary transfers not overlapped, the first rank's in-flight micro-batches.
+
+Not modelled: float8's memory (its rows are priced at bf16's; the ring's float8 weight blocks
 at bf16's bytes), the host's kernel launches under compile, the optimizer's host time, allocator fragmentation
 (memory is live bytes; the 10% margin is for it), contention between the data-parallel and tensor-parallel links.
 """
@@ -68,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import functools
 import logging
 import multiprocessing as mp
@@ -182,8 +187,16 @@ class PlanRow:
         divides to aligned shards runs faster."""
         return self.parts.get("time_s", {}).get("micro_unaligned", 0.0) > 0.0
 
+    @property
+    def stages(self) -> str:
+        """``" pp=4 1f1b"`` (``" pp=4 interleaved_1f1b v=2"``) for a row with pipeline stages, else ``""``."""
+        if self.pipeline_parallel_size == 1:
+            return ""
+        return (f" pp={self.pipeline_parallel_size} {self.pp_schedule}"
+                + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))
+
     def describe(self) -> str:
-        return (f"{self.label} p={self.tensor_parallel_size} dp={self.data_parallel_size} "
+        return (f"{self.label} p={self.tensor_parallel_size} dp={self.data_parallel_size}{self.stages} "
                 f"zero={self.zero_stage} ckpt={self.checkpointing} micro={self.micro_batch}x{self.grad_accum}"
                 f"{' offload' if self.activation_offload else ''}: {self.memory_gib:.1f} GiB, "
                 f"{self.tokens_per_s_per_gpu:,.0f} tok/s/GPU, MFU {self.mfu:.1%}"
@@ -202,9 +215,12 @@ class PlanRow:
         if self.baseline or is_rival(self.layout):
             raise ValueError(f"a {self.layout!r} row is a rival's configuration, not a TrainPlan of this package "
                              f"(its settings: lightning_tp2d.planning.commands.command_for)")
+        staged = {} if self.pipeline_parallel_size == 1 else {
+            "pipeline_parallel_size": self.pipeline_parallel_size, "pp_schedule": self.pp_schedule,
+            "virtual_stages": self.virtual_stages, "microbatches": self.grad_accum}
         return TrainPlan(self.layout, self.tensor_parallel_size, self.data_parallel_size, self.zero_stage,
                          self.checkpointing, self.activation_offload, self.micro_batch,
-                         options=None if self.float8 is None else TPOptions(float8=self.float8))
+                         options=None if self.float8 is None else TPOptions(float8=self.float8), **staged)
 
 
 def _padded_by_inductor(micro: dict) -> dict:
@@ -367,7 +383,8 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
           grad_accum: int, seq: int, hw: Hardware, gpus_per_node: int, compiled: bool = True,
           memory: dict | None = None, async_tp: bool | None = None, cp_tp_size: int = 2,
           offload: bool = False, cp_loss: str = "chunked", overlap="fitted", shard_group: int = 0,
-          loss: str = "unfused", float8: str | None = None) -> PlanRow:
+          loss: str = "unfused", float8: str | None = None, pipeline_parallel_size: int = 1,
+          pp_schedule: str = "1f1b", virtual_stages: int = 1) -> PlanRow:
     """Predict one configuration (module docstring). ``layout`` is a package layout, ``"tp1d-sp"`` (a baseline;
     ``p`` 1: plain FSDP; ``async_tp``: force blocking (``False``) or async TP (``True``), default the faster),
     ``"cp"``: torch's context parallelism over ``p`` ranks x FSDP2 (``zero_stage`` 3) over ``p * dp``, the step
@@ -405,7 +422,18 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     all-reduces (their closed forms, :meth:`~lightning_tp2d.planning.rival_models.SideModel.on_the_wire`; the ring's
     float8 weight blocks are priced in bf16), a rival's FSDP2 all-gathers of its linears' weights at one byte
     (torchao's ``enable_fsdp_float8_all_gather``, :func:`~lightning_tp2d.planning.cost_model.float8_gather_element`,
-    its weights cast as shards); rowwise sends what bf16 does. Memory is priced as bf16's."""
+    its weights cast as shards); rowwise sends what bf16 does. Memory is priced as bf16's.
+
+    ``pipeline_parallel_size`` > 1: ``pp`` stages of whole blocks, each ``p x dp`` GPUs, running ``pp_schedule`` over
+    ``grad_accum`` micro-batches with ``virtual_stages`` per rank (:func:`price_stages`), on either side (the
+    package's :mod:`lightning_tp2d.pipeline`, torchtitan's PP for the baseline)."""
+    if pipeline_parallel_size > 1:
+        return price_stages(cfg, layout=layout, p=p, dp=dp, zero_stage=zero_stage, checkpointing=checkpointing,
+                            micro_batch=micro_batch, grad_accum=grad_accum, seq=seq, hw=hw,
+                            gpus_per_node=gpus_per_node, compiled=compiled, memory=memory, async_tp=async_tp,
+                            cp_tp_size=cp_tp_size, offload=offload, cp_loss=cp_loss, overlap=overlap,
+                            shard_group=shard_group, loss=loss, float8=float8, pp=pipeline_parallel_size,
+                            schedule=pp_schedule, virtual_stages=virtual_stages)
     if offload and checkpointing != "full":
         raise ValueError(f"activation offload moves the inputs full checkpointing keeps; got checkpointing="
                          f"{checkpointing!r}")
@@ -475,6 +503,80 @@ def price(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: 
     return PlanRow(run, baseline, memory["total"] / GIB, step_s, per_gpu, mfu, parts)
 
 
+def stage_blocks(cfg, seq: int, pp: int, virtual_stages: int = 1) -> list[int]:
+    """Blocks each of ``pp`` pipeline ranks holds (its ``virtual_stages`` stages together): the package's own split,
+    balanced by FLOPs (:func:`lightning_tp2d.pipeline.split_blocks`), which the baseline's priced split follows too."""
+    from lightning_tp2d.pipeline import block_costs, split_blocks  # (torch: the pipeline module's import)
+
+    splits = split_blocks(cfg.n_layer, pp * virtual_stages, block_costs(cfg, seq))
+    return [sum(len(splits[r + k * pp]) for k in range(virtual_stages)) for r in range(pp)]
+
+
+def price_stages(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpointing: str, micro_batch: int,
+                 grad_accum: int, seq: int, hw: Hardware, gpus_per_node: int, pp: int, schedule: str = "1f1b",
+                 virtual_stages: int = 1, memory: dict | None = None, **options) -> PlanRow:
+    """One configuration with ``pp`` pipeline stages (:func:`price`'s ``pipeline_parallel_size``), by
+    :mod:`lightning_tp2d.planning.pipeline_cost`'s model of a step:
+
+    * each rank's blocks (:func:`stage_blocks`) priced as :func:`price` prices a model of that many blocks on its
+      ``p x dp`` GPUs: a micro-batch's time is ``a + b k`` for ``k`` blocks (``b`` from models of ``k`` and ``k + 1``
+      blocks), the ends ``a`` (the head and loss, the embedding) on the last rank only; the slowest rank's
+      ``grad_accum`` micro-batches are the stage's work;
+    * the schedule: ``(m v + pp - 1)`` chunk slots (:func:`~lightning_tp2d.planning.pipeline_cost.pipeline_step_time`),
+      each chunk's two boundary transfers (its activation shard forward, its gradient back, bf16) on its critical
+      path, over the inter-node link when a stage fills whole nodes, else NVLink;
+    * the data-parallel collectives and the optimizer: the last rank's (its model holds the embedding too: an
+      over-count on an untied model of one vocabulary matrix);
+    * memory: :func:`row_memory` with the stages (the first rank's in-flight micro-batches, the last rank's head).
+
+    ``grad_accum`` is the schedule's micro-batches ``m``; the tokens of a step are ``dp x micro_batch x m x seq``."""
+    from lightning_tp2d.planning.pipeline_cost import bubble_fraction, chunk_slots, pipeline_step_time
+    from lightning_tp2d.train_plan import pipeline_problem
+
+    problem = pipeline_problem(pp, schedule, grad_accum, virtual_stages)
+    if problem:
+        raise ValueError(f"price_stages: {problem} (grad_accum is the micro-batches)")
+    blocks = stage_blocks(cfg, seq, pp, virtual_stages)
+    k = blocks[-1]
+    options.pop("pipeline_parallel_size", None)
+    common = dict(layout=layout, p=p, dp=dp, zero_stage=zero_stage, checkpointing=checkpointing,
+                  micro_batch=micro_batch, grad_accum=grad_accum, seq=seq, hw=hw, gpus_per_node=gpus_per_node,
+                  **options)
+    if memory is None:
+        memory = row_memory(cfg, layout, p, dp, zero_stage, checkpointing, micro_batch, seq,
+                            pipeline_parallel_size=pp, pp_schedule=schedule, virtual_stages=virtual_stages,
+                            **{key: options[key] for key in ("cp_tp_size", "cp_loss", "shard_group", "loss")
+                               if key in options})
+    last = price(dataclasses.replace(cfg, n_layer=k), memory=memory, **common)
+    more = price(dataclasses.replace(cfg, n_layer=k + 1), memory=memory, **common)
+
+    def micro_s(row: PlanRow) -> float:
+        t = row.parts["time_s"]
+        return (row.step_s - t["dp_exposed"] - t["optimizer"]) / grad_accum
+
+    per_block = micro_s(more) - micro_s(last)
+    ends = micro_s(last) - per_block * k
+    slowest = max([per_block * b for b in blocks[:-1]] + [ends + per_block * k])
+    shard = micro_batch * seq * cfg.n_embd / p * ELEMENT  # one chunk's activation shard (its gradient: as many)
+    link = hw.inter if p * dp >= gpus_per_node else hw.intra
+    boundary_s = 2 * collective_time("send", 2, shard, link)
+    pipeline_s = pipeline_step_time(grad_accum * slowest, boundary_s, pp, grad_accum, virtual_stages, schedule)
+    t = last.parts["time_s"]
+    step_s = pipeline_s + t["dp_exposed"] + t["optimizer"]
+    tokens = dp * micro_batch * grad_accum * seq
+    per_gpu = tokens / step_s / (p * dp * pp)
+    mfu = model_flops_per_token(cfg, seq) * per_gpu / hw.peak_flops_per_s if hw.peak_flops_per_s else 0.0
+    slots = chunk_slots(pp, grad_accum, virtual_stages, schedule)
+    parts = {"memory_bytes": memory,
+             "time_s": {**t, "stage_work": grad_accum * slowest,
+                        "pp_bubble": bubble_fraction(pp, grad_accum, virtual_stages, schedule) * pipeline_s,
+                        "pp_boundary": slots * boundary_s},
+             "stage_blocks": blocks}
+    run = dataclasses.replace(last.plan, pipeline_parallel_size=pp, pp_schedule=schedule,
+                              virtual_stages=virtual_stages)
+    return PlanRow(run, last.baseline, memory["total"] / GIB, step_s, per_gpu, mfu, parts)
+
+
 def _micro_batches(per_replica: int, multiple: int, largest: int | None) -> list[int]:
     """Micro-batch sizes to try, ascending: ``multiple`` times the powers of two that divide ``per_replica``, up to
     ``largest`` (default :data:`MAX_MICRO_BATCH`, or ``multiple`` if that is more)."""
@@ -490,10 +592,46 @@ def _micro_batches(per_replica: int, multiple: int, largest: int | None) -> list
 MAX_GRID = 64  # grids up to 8 x 8 (8 nodes of 8): a larger one's SUMMA panels cross more nodes than any row helps
 
 
+PP_SCHEDULE_VARIANTS = (("1f1b", 1), ("interleaved_1f1b", 2))  # the schedules planned with stages (and v)
+STAGED_PACKAGE_ZERO = (0, 1)  # the package's stages run ZeRO 0 and 1 (lightning_tp2d.pipeline); FSDP not yet
+
+
 def _candidates(cfg, gpus: int, gpus_per_node: int, seq: int, sequences: int, layouts, include_baselines: bool,
-                zero_stages, checkpointing, max_micro_batch: int | None):
-    """``(layout, p, dp, stages, modes, micro-batches)`` to try, micro-batches ascending. Rings stay inside a node
-    (their exchanges are sized for NVLink); grids may span nodes, up to :data:`MAX_GRID` ranks."""
+                zero_stages, checkpointing, max_micro_batch: int | None, pipeline_sizes=(1,)):
+    """``(layout, p, dp, stages, modes, micro-batches[, variant])`` to try, micro-batches ascending. Rings stay
+    inside a node (their exchanges are sized for NVLink); grids may span nodes, up to :data:`MAX_GRID` ranks. Each
+    ``pp`` of ``pipeline_sizes`` above 1 that divides the machines (or, on one machine, its GPUs) and the blocks
+    adds the candidates of one stage's ``gpus / pp`` GPUs with each schedule of :data:`PP_SCHEDULE_VARIANTS`
+    (``variant``: ``pipeline_parallel_size``, ``pp_schedule``, ``virtual_stages``), the micro-batches those whose
+    count per step the schedule runs (:func:`~lightning_tp2d.train_plan.pipeline_problem`); the package's at ZeRO
+    0 and 1 (:data:`STAGED_PACKAGE_ZERO`), the baseline's at every stage, as torchtitan runs PP x FSDP."""
+    from lightning_tp2d.train_plan import pipeline_problem
+
+    out = _flat_candidates(cfg, gpus, gpus_per_node, seq, sequences, layouts, include_baselines, zero_stages,
+                           checkpointing, max_micro_batch) if 1 in pipeline_sizes else []
+    nodes = max(1, gpus // gpus_per_node)
+    for pp in sorted(set(pipeline_sizes) - {1}):
+        if gpus % pp or not (nodes % pp == 0 or (gpus <= gpus_per_node and gpus_per_node % pp == 0)):
+            continue
+        for schedule, v in PP_SCHEDULE_VARIANTS:
+            if cfg.n_layer < pp * v:
+                continue
+            for name, p, dp, stages, modes, micros, *extra in _flat_candidates(
+                    cfg, gpus // pp, gpus_per_node, seq, sequences, layouts, include_baselines, zero_stages,
+                    checkpointing, max_micro_batch):
+                per_replica = sequences // dp
+                kept = [mb for mb in micros if pipeline_problem(pp, schedule, per_replica // mb, v) is None]
+                stages = stages if is_rival(name) else [z for z in stages if z in STAGED_PACKAGE_ZERO]
+                if kept and stages:
+                    variant = {**(extra[0] if extra else {}), "pipeline_parallel_size": pp, "pp_schedule": schedule,
+                               "virtual_stages": v}
+                    out.append((name, p, dp, stages, modes, kept, variant))
+    return out
+
+
+def _flat_candidates(cfg, gpus: int, gpus_per_node: int, seq: int, sequences: int, layouts, include_baselines: bool,
+                     zero_stages, checkpointing, max_micro_batch: int | None):
+    """:func:`_candidates` without pipeline stages."""
     out = []
     for name in layouts:
         spec = get_layout(name)
@@ -528,13 +666,14 @@ def _candidates(cfg, gpus: int, gpus_per_node: int, seq: int, sequences: int, la
 def search_space(model, *, gpus: int, gpus_per_node: int = 8, seq: int, global_batch_tokens: int,
                  include_baselines: bool = True, layouts=None, zero_stages=ZERO_STAGES,
                  checkpointing=CHECKPOINTING, max_micro_batch: int | None = None,
-                 activation_offload=(False,)) -> dict[str, int]:
+                 activation_offload=(False,), pipeline_sizes=(1,)) -> dict[str, int]:
     """How many configurations :func:`plan` with these arguments considers on each side: ``{"package": n,
     "baseline": m}`` (:func:`count_configurations` of its candidates), whether or not they fit."""
     cfg = model_config(model)
     names = layout_names() if layouts is None else tuple(layouts)
     return count_configurations(_candidates(cfg, gpus, gpus_per_node, seq, global_batch_tokens // seq, names,
-                                            include_baselines, zero_stages, checkpointing, max_micro_batch),
+                                            include_baselines, zero_stages, checkpointing, max_micro_batch,
+                                            tuple(pipeline_sizes)),
                                 activation_offload)
 
 
@@ -554,7 +693,7 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
          layouts=None, zero_stages=ZERO_STAGES, checkpointing=CHECKPOINTING,
          memory_fraction: float = 0.9, max_micro_batch: int | None = None, compiled: bool = True,
          workers: int = 1, activation_offload=(False,), overlap="fitted", method: str = "closed",
-         cache: bool | str | os.PathLike = True, float8: str | None = None) -> list[PlanRow]:
+         cache: bool | str | os.PathLike = True, float8: str | None = None, pipeline_sizes=(1,)) -> list[PlanRow]:
     """The configurations of ``model`` (a named size of any registered family, a config, or a config's fields)
     that fit ``gpus`` GPUs of ``gpu_memory_gib`` GiB (predicted peak at most ``memory_fraction`` of it), best first
     by predicted step time (module docstring). ``global_batch_tokens`` is rounded down to whole sequences of
@@ -575,8 +714,12 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
     path that folder, ``False`` none). Raises :class:`NothingFits` (a ``ValueError``; cached too) naming the model,
     the least memory per GPU any configuration needs and that configuration. ``float8``: every row, the package's
     and the rivals', with its linears in float8 by that torchao recipe (:func:`price`); the hardware must have
-    float8 GEMMs."""
+    float8 GEMMs. ``pipeline_sizes``: the pipeline sizes ``pp`` to consider on both sides (default ``(1,)``: none;
+    :func:`_candidates`, :func:`price_stages`)."""
     cfg = model_config(model)
+    pipeline_sizes = tuple(sorted(set(pipeline_sizes)))
+    if not pipeline_sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in pipeline_sizes):
+        raise ValueError(f"plan: pipeline_sizes must be positive ints, got {pipeline_sizes!r}")
     if family_of_config(cfg) is None:
         raise ValueError(f"plan: {model!r} is not a named size or config of a registered model family")
     if gpus < 1 or gpus_per_node < 1 or gpu_memory_gib <= 0:
@@ -604,14 +747,15 @@ def plan(model, *, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, seq
                                zero_stages=tuple(zero_stages), checkpointing=tuple(checkpointing),
                                memory_fraction=memory_fraction, max_micro_batch=max_micro_batch, compiled=compiled,
                                activation_offload=tuple(activation_offload), overlap=overlap, method=method,
-                               **({"float8": float8} if float8 is not None else {}))
+                               **({"float8": float8} if float8 is not None else {}),
+                               **({"pipeline_sizes": pipeline_sizes} if pipeline_sizes != (1,) else {}))
     stored = plan_cache.load(folder, key)
     if stored is not None:
         if stored.get("error"):
             raise NothingFits(stored["error"])
         return [PlanRow.of(**row) for row in stored["rows"]]
     candidates = _candidates(cfg, gpus, gpus_per_node, seq, sequences, names, include_baselines, zero_stages,
-                             checkpointing, max_micro_batch)
+                             checkpointing, max_micro_batch, pipeline_sizes)
     with ranks_as_asked(), pricing(method):
         planned = in_processes(functools.partial(_plan_candidate, cfg, seq=seq, sequences=sequences, hw=hw,
                                                  gpus_per_node=gpus_per_node, cap=cap, compiled=compiled,
@@ -672,7 +816,8 @@ def _plan_candidate(cfg, candidate, *, seq: int, sequences: int, hw: Hardware, g
                 continue
             first_fits = False
             for i, m in enumerate(micros):  # ascending: memory grows with the micro-batch
-                memory = row_memory(cfg, name, p, dp, stage, mode, m, seq, **extra)
+                staged = {"microbatches": per_replica // m} if extra.get("pipeline_parallel_size", 1) > 1 else {}
+                memory = row_memory(cfg, name, p, dp, stage, mode, m, seq, **extra, **staged)
                 fits_here = False
                 for off in settings:
                     held = offload_memory(memory, cfg, m, seq, p, gpus_per_node) if off else memory
@@ -689,7 +834,7 @@ def _plan_candidate(cfg, candidate, *, seq: int, sequences: int, hw: Hardware, g
                 if not fits_here:
                     break
                 first_fits = first_fits or i == 0
-                if i == 1 and not is_rival(name):
+                if i == 1 and not is_rival(name) and not staged:
                     _bracket(cfg, name, p, dp, stage, mode, micros, seq, previous, memory, cap)
                 previous = memory
             if not first_fits:
@@ -716,13 +861,35 @@ def _bracket(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micros: l
 
 
 def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_batch: int, seq: int, *,
-               cp_tp_size: int = 2, cp_loss: str = "chunked", shard_group: int = 0, loss: str = "unfused") -> dict:
+               cp_tp_size: int = 2, cp_loss: str = "chunked", shard_group: int = 0, loss: str = "unfused",
+               pipeline_parallel_size: int = 1, pp_schedule: str = "1f1b", virtual_stages: int = 1,
+               microbatches: int | None = None) -> dict:
     """Predicted peak bytes per GPU of one row, with their parts: a package layout's
     :func:`~lightning_tp2d.planning.memory_model.peak_bytes` (tensor rank 0; AdamW's fused step), the 1-D baseline's
     :func:`~lightning_tp2d.planning.memory_model.baseline_peak_bytes`, or ``"cp"`` / ``"cp-tp"``'s
     :func:`~lightning_tp2d.planning.rivals.cp_peak_bytes` (CP over ``p`` / ``p / cp_tp_size`` ranks; its FSDP2
     is stage 3 whatever ``stage`` says). The baseline's ``shard_group`` (HSDP), stage 1 and ``loss``:
-    :func:`~lightning_tp2d.planning.rivals.baseline_row_peak_bytes`."""
+    :func:`~lightning_tp2d.planning.rivals.baseline_row_peak_bytes`.
+
+    With ``pipeline_parallel_size`` > 1 (``pp_schedule``, ``virtual_stages``, ``microbatches`` per step, default
+    ``pp x virtual_stages``): the larger of the first rank's (a model of its blocks keeping
+    :func:`~lightning_tp2d.planning.pipeline_cost.in_flight` micro-batches' activations: a batch of that many) and
+    the last rank's (its blocks and the head, one micro-batch in flight under 1F1B). Each is a whole model of its
+    blocks, the embedding and head included: an over-count of one vocabulary matrix and, on the first rank, of the
+    head's transient logits."""
+    if pipeline_parallel_size > 1:
+        from lightning_tp2d.planning.pipeline_cost import in_flight
+
+        pp, v = pipeline_parallel_size, virtual_stages
+        m = pp * v if microbatches is None else microbatches
+        blocks = stage_blocks(cfg, seq, pp, v)
+        held = []
+        for rank in (0, pp - 1):
+            kept = math.ceil(in_flight(pp, m, v, pp_schedule, rank) - 1e-9)
+            held.append(row_memory(dataclasses.replace(cfg, n_layer=blocks[rank]), layout, p, dp, stage, mode,
+                                   micro_batch * kept, seq, cp_tp_size=cp_tp_size, cp_loss=cp_loss,
+                                   shard_group=shard_group, loss=loss))
+        return max(held, key=lambda parts: parts["total"])
     side = model_of(layout)
     if not side.baseline and (shard_group or loss != "unfused"):
         raise ValueError(f"shard_group and loss are the {TP1D_SP.name!r} baseline's, not layout {layout!r}'s")
@@ -852,7 +1019,7 @@ def table(rows: list[PlanRow], limit: int | None = 12) -> str:
     for i, r in enumerate(rows[:limit] if limit else rows, 1):
         offload = " + offload" if r.activation_offload else ""
         marks = (" (host)" if r.host_bound else "") + (" (unaligned)" if r.unaligned else "")
-        lines.append(f"| {i} | {r.label} | {r.tensor_parallel_size} | {r.data_parallel_size} | {r.zero_stage} | "
+        lines.append(f"| {i} | {r.label}{r.stages} | {r.tensor_parallel_size} | {r.data_parallel_size} | {r.zero_stage} | "
                      f"{r.checkpointing}{offload} | {r.micro_batch} x {r.grad_accum} | {r.memory_gib:.1f} | "
                      f"{r.step_s:.2f}{marks} | {r.tokens_per_s_per_gpu:,.0f} | {r.mfu:.1%} |")
     return "\n".join(lines)
@@ -955,6 +1122,10 @@ def main(argv=None) -> int:
     parser.add_argument("--float8", choices=("tensorwise", "rowwise"), default=None,
                         help="every row's linears in float8 by torchao's recipe (the package's parallel.float8, the "
                              "rivals' convert_to_float8_training): float8 GEMM rates and cast bytes on both sides")
+    parser.add_argument("--pp", type=int, nargs="*", default=[1], metavar="PP",
+                        help="pipeline sizes to consider on both sides, e.g. --pp 1 2 4 8 (default: 1, no stages): "
+                             "1F1B and interleaved 1F1B over the blocks (the package at ZeRO 0/1, torchtitan's PP at "
+                             "every stage)")
     parser.add_argument("--top", type=int, default=12, help="rows to print (0: all)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write every row as JSON to PATH (default: nothing is written)")
@@ -968,7 +1139,8 @@ def main(argv=None) -> int:
         total = len(_candidates(model_config(args.model), args.gpus, args.gpus_per_node, args.seq,
                                 args.global_batch_tokens // max(args.seq, 1),
                                 layout_names() if args.layouts is None else tuple(args.layouts), not args.no_baselines,
-                                tuple(args.zero_stages), tuple(args.checkpointing), args.max_micro_batch))
+                                tuple(args.zero_stages), tuple(args.checkpointing), args.max_micro_batch,
+                                tuple(args.pp)))
         print(f"tp2d-plan: pricing {total} (layout, size) candidates of {args.model} on {args.gpus} GPUs "
               f"({args.workers} at a time; a progress line every {PROGRESS_EVERY_S:g} s)...", file=sys.stderr,
               flush=True)
@@ -979,7 +1151,7 @@ def main(argv=None) -> int:
                         compiled=not args.eager, zero_stages=tuple(args.zero_stages),
                         checkpointing=tuple(args.checkpointing), max_micro_batch=args.max_micro_batch,
                         workers=args.workers, activation_offload=(False, True) if args.offload else (False,),
-                        method=args.method, float8=args.float8)
+                        method=args.method, float8=args.float8, pipeline_sizes=tuple(args.pp))
     except (ValueError, KeyError, OSError) as err:
         print(f"tp2d-plan: {err}", file=sys.stderr)
         return 2

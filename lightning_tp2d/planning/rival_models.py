@@ -83,6 +83,11 @@ class RowPlan:
     # the linears in float8 by this torchao recipe ("tensorwise" / "rowwise"): a layout's parallel.float8, a rival's
     # torchao convert_to_float8_training (cost_model.float8_seconds); None: bf16
     float8: str | None = None
+    # pipeline stages (lightning_tp2d.pipeline; torchtitan's PP for a rival): pp x dp x p GPUs, grad_accum the
+    # micro-batches of the schedule (planning.pipeline_cost)
+    pipeline_parallel_size: int = 1
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
 
     @property
     def p(self) -> int:

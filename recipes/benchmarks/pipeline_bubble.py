@@ -1,0 +1,316 @@
+"""The pipeline schedules' bubble on CPU processes (gloo), measured against the cost model's prediction.
+
+    python recipes/benchmarks/pipeline_bubble.py [--quick] [--pp 2 4] [--modes timed real] [--out DIR]
+
+For pp 2 and 4 (one rank per stage, ``tp.init_mesh("2d", 1, 1, pipeline_parallel_size=pp)``), every schedule of
+:class:`lightning_tp2d.pipeline.Pipeline`: GPipe and 1F1B with ``m = pp, 2 pp, 4 pp`` micro-batches, interleaved
+1F1B with ``v = 2`` virtual stages and ``m = pp, 2 pp``; a GPT-2 of 8 blocks (gpt2-tiny's width), ``pp x v`` stages
+of equal blocks, one thread per rank. Per rank and step (after warm-up steps, a ``dist.barrier()`` before each):
+
+* ``W``: the wall time of ``Pipeline.step`` (the schedule, then the loss broadcast and the tied embedding's gradient
+  all-reduce it adds);
+* ``B``, busy: the wall time inside the rank's stage modules, forward and backward: each present block, the final
+  norm and the head with its loss (the forward between a pre-hook and a hook; the backward between an autograd
+  marker on the module's output, whose backward runs first, and one on its input, whose backward runs last), and
+  the embedding lookup's forward (its backward, a scatter into a 257-row table, is not timed);
+* measured bubble ``1 - B / W`` (median over the steps), against :func:`~lightning_tp2d.planning.pipeline_cost.
+  bubble_fraction` ``= (pp - 1) / (m v + pp - 1)``, which prices equal chunks and no boundary cost.
+
+Two modes:
+
+* ``timed``: every block sleeps after its forward, ``--block-ms`` per whole batch (a micro-batch's share of it, by
+  its rows), and twice that in its backward (an autograd function): the chunks take a known time and the ranks,
+  asleep, do not compete for the 2 cores, so the schedule's own bubble shows. The blocks' real compute (a 16-token
+  sequence) is small beside the sleep and counted in ``B`` as well.
+* ``real``: the blocks' own compute (64 tokens, ``--real-batch`` rows). At pp 4 four ranks share 2 cores: a chunk
+  that runs while others compute is slowed down, which also stretches ``B``; the busy CPU / wall column (thread CPU
+  time inside the modules over their wall time; 1.0 when a rank had a core to itself) shows how much.
+
+Writes ``results.md`` (the table, machine, torch, date and command) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import lightning_tp2d as tp
+from lightning_tp2d.bench.procs import run_ranks
+from lightning_tp2d.models import GPT2, GPT2Config
+from lightning_tp2d.nn.stage import Elsewhere
+from lightning_tp2d.pipeline import Pipeline
+from lightning_tp2d.planning.pipeline_cost import bubble_fraction
+
+OUT = Path(__file__).parent / "pipeline_bubble"
+N_LAYER = 8  # pp x v = 8 stages of one block at pp 4, v 2
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to make a step's work: ``block_ms`` of sleep per block forward of the whole batch (backward 2x),
+    or ``None`` for the blocks' compute alone; ``batch`` rows of ``seq`` tokens per step (every ``m`` splits it);
+    ``warmup`` steps untimed, then ``steps`` timed."""
+
+    name: str
+    seq: int
+    batch: int
+    block_ms: float | None
+    warmup: int
+    steps: int
+
+
+def modes(quick: bool, block_ms: float, real_batch: int) -> dict[str, Mode]:
+    """The two modes, ``quick``: fewer steps (and a 4x smaller real batch, a 4x shorter sleep)."""
+    steps, warmup = (3, 1) if quick else (6, 2)
+    scale = 4 if quick else 1
+    return {"timed": Mode("timed", 16, 0, block_ms / scale, warmup, steps),  # batch 0: 4 pp rows (cases())
+            "real": Mode("real", 64, real_batch // scale, None, warmup, steps)}
+
+
+def cases(pp: int) -> list[tuple[str, int, int]]:
+    """``(schedule, virtual_stages, microbatches)`` of one pipeline size, in the table's order."""
+    out = [(schedule, 1, k * pp) for schedule in ("gpipe", "1f1b") for k in (1, 2, 4)]
+    return out + [("interleaved_1f1b", 2, k * pp) for k in (1, 2)]
+
+
+# ---- the busy clock --------------------------------------------------------------------------------------------
+
+
+class BusyClock:
+    """Wall and thread-CPU seconds this rank spends inside the modules it instruments (:meth:`instrument`).
+    Forward: from a module's pre-hook to its hook. Backward: the output goes through :class:`_Mark` (``opens``),
+    whose backward runs before the module's own, the input through :class:`_Mark` (closes), whose backward runs
+    after it; a module whose inputs need no gradient is timed in its forward only."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+        self._open: list[tuple[float, float]] = []
+
+    def reset(self) -> None:
+        self.wall = self.cpu = 0.0
+        self._open.clear()
+
+    def start(self) -> None:
+        self._open.append((time.perf_counter(), time.thread_time()))
+
+    def stop(self) -> None:
+        wall, cpu = self._open.pop()
+        self.wall += time.perf_counter() - wall
+        self.cpu += time.thread_time() - cpu
+
+    def instrument(self, module: torch.nn.Module, sleep_per_row_s: float = 0.0) -> None:
+        """Time ``module``; with ``sleep_per_row_s`` it also sleeps that many seconds per row of its output after its
+        forward, and twice as long in its backward (:class:`_SleepInBackward`), inside the timed span."""
+
+        def before(mod, args):
+            self.start()
+            marked = [_Mark.apply(a, self, False) if _needs_grad(a) else a for a in args]
+            mod._tp2d_bench_backward = any(_needs_grad(a) for a in args)
+            return tuple(marked)
+
+        def after(mod, args, out):
+            if sleep_per_row_s:
+                seconds = sleep_per_row_s * out.shape[0]
+                time.sleep(seconds)
+                out = _SleepInBackward.apply(out, 2 * seconds)
+            self.stop()
+            return _Mark.apply(out, self, True) if mod._tp2d_bench_backward and _needs_grad(out) else out
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+
+
+def _needs_grad(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
+
+
+class _Mark(torch.autograd.Function):
+    """Identity; its backward opens (``opens``) or closes the clock's backward span."""
+
+    @staticmethod
+    def forward(ctx, x, clock: BusyClock, opens: bool):
+        ctx.clock, ctx.opens = clock, opens
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.start() if ctx.opens else ctx.clock.stop()
+        return grad, None, None
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity; its backward sleeps ``seconds`` (the timed mode's backward of a block)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds: float):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def instrument_stages(model: GPT2, clock: BusyClock, sleep_per_row_s: float = 0.0) -> None:
+    """Put ``clock`` on the stage modules this rank holds (not :class:`Elsewhere`): the embedding tables, the
+    blocks (``sleep_per_row_s``: their timed work), the final norm and the head."""
+    tr = model.transformer
+    for module in [tr.wte, tr.wpe, *tr.h, tr.ln_f, model.lm_head]:
+        if not isinstance(module, Elsewhere):
+            in_blocks = any(module is b for b in tr.h)
+            clock.instrument(module, sleep_per_row_s if in_blocks else 0.0)
+
+
+# ---- one case on every rank ------------------------------------------------------------------------------------
+
+
+def measure_case(pp: int, mode: Mode, schedule: str, virtual: int, microbatches: int) -> dict:
+    """This rank's medians over ``mode.steps`` steps: ``step_s`` (W), ``busy_s`` (B), ``bubble`` (1 - B/W per
+    step), ``cpu_share`` (busy thread CPU / busy wall)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = GPT2Config.from_name("gpt2-tiny", n_layer=N_LAYER, dropout=0.0)
+    model = GPT2(cfg)
+    mesh = tp.init_mesh("2d", 1, 1, pipeline_parallel_size=pp)
+    pipe = Pipeline(model, mesh, "2d", schedule=schedule, microbatches=microbatches, virtual_stages=virtual,
+                    seq=mode.seq)
+    batch = mode.batch or 4 * pp
+    clock = BusyClock()
+    sleep = 0.0 if mode.block_ms is None else mode.block_ms / 1e3 / batch
+    instrument_stages(pipe.model, clock, sleep)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (batch, mode.seq), generator=g)
+    walls, busies, bubbles, shares = [], [], [], []
+    for step in range(mode.warmup + mode.steps):
+        for q in pipe.parameters():
+            q.grad = None
+        dist.barrier()
+        clock.reset()
+        start = time.perf_counter()
+        pipe.step(idx, idx)
+        wall = time.perf_counter() - start
+        if step >= mode.warmup:
+            walls.append(wall)
+            busies.append(clock.wall)
+            bubbles.append(1.0 - clock.wall / wall)
+            shares.append(clock.cpu / clock.wall)
+    dist.barrier()
+    return {"step_s": statistics.median(walls), "busy_s": statistics.median(busies),
+            "bubble": statistics.median(bubbles), "cpu_share": statistics.median(shares)}
+
+
+def measure_cases(rank: int, world_size: int, mode: Mode, todo: list[tuple[str, int, int]]) -> list[dict]:
+    """:func:`measure_case` of each of ``todo`` on this rank (``world_size`` ranks: pp); run on every rank."""
+    return [measure_case(world_size, mode, *case) for case in todo]
+
+
+def run(pp: int, mode: Mode, todo: list[tuple[str, int, int]]) -> list[dict]:
+    """Every case of ``todo`` on ``pp`` fresh gloo ranks: one row per case, with every rank's numbers."""
+    result = run_ranks(measure_cases, pp, mode, todo, timeout=900.0)
+    if not result.ok:
+        raise RuntimeError(f"pp {pp}, {mode.name}: {result.status}: {result.reason}")
+    return [summarize(pp, case, [ranks[i] for ranks in result.values]) for i, case in enumerate(todo)]
+
+
+def summarize(pp: int, case: tuple[str, int, int], per_rank: list[dict]) -> dict:
+    """One row: the prediction, the largest and rank 0's measured bubble, the slowest rank's step time, the least
+    busy CPU share over the ranks."""
+    schedule, virtual, m = case
+    return {"pp": pp, "schedule": schedule, "v": virtual, "m": m,
+            "predicted": bubble_fraction(pp, m, virtual, schedule),
+            "bubble_max": max(r["bubble"] for r in per_rank), "bubble_rank0": per_rank[0]["bubble"],
+            "step_ms": 1e3 * max(r["step_s"] for r in per_rank),
+            "cpu_share": min(r["cpu_share"] for r in per_rank), "per_rank": per_rank}
+
+
+# ---- the table -------------------------------------------------------------------------------------------------
+
+
+def table(rows: dict[str, list[dict]]) -> str:
+    """The markdown table: one line per case, the modes side by side."""
+    names = list(rows)
+    head = ["pp", "schedule", "v", "m", "predicted"]
+    for name in names:
+        head += [f"{name}: max", f"{name}: rank 0", f"{name}: step ms"]
+    if "real" in names:
+        head.append("real: busy CPU / wall")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, first in enumerate(rows[names[0]]):
+        cells = [str(first["pp"]), first["schedule"], str(first["v"]), str(first["m"]), f"{first['predicted']:.3f}"]
+        for name in names:
+            r = rows[name][i]
+            cells += [f"{r['bubble_max']:.3f}", f"{r['bubble_rank0']:.3f}", f"{r['step_ms']:.0f}"]
+        if "real" in names:
+            cells.append(f"{rows['real'][i]['cpu_share']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def header(command: str, chosen: dict[str, Mode], seconds: float) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import os
+
+    lines = [
+        "# Pipeline schedules on CPU: bubble measured against predicted", "",
+        f"Measured by `{command}` ({seconds:.0f} s) on {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"gloo, one thread per rank, {datetime.date.today().isoformat()}. GPT-2 of {N_LAYER} blocks at gpt2-tiny's "
+        "width (48, vocabulary 257), one rank per stage (`tp.init_mesh(\"2d\", 1, 1, pipeline_parallel_size=pp)`), "
+        "`lightning_tp2d.pipeline.Pipeline` with torch's schedules.", "",
+        "*predicted*: `planning.pipeline_cost.bubble_fraction(pp, m, v, schedule)` = (pp - 1) / (m v + pp - 1). "
+        "*max*, *rank 0*: measured bubble 1 - B / W, the largest over the ranks and rank 0's (median over the steps); "
+        "W the wall time of `Pipeline.step` after a barrier, B the wall time inside the rank's stage modules "
+        "(blocks, final norm, head and loss forward and backward; the embedding's forward). *step ms*: the slowest "
+        "rank's median W.",
+    ]
+    for mode in chosen.values():
+        if mode.block_ms is not None:
+            lines.append(f"*timed*: {mode.seq} tokens x 4 pp rows per step; each block sleeps {mode.block_ms:g} ms "
+                         "per whole batch in its forward (a micro-batch its share), twice that in its backward, "
+                         f"{mode.warmup} warm-up + {mode.steps} timed steps.")
+        else:
+            lines.append(f"*real*: the blocks' own compute, {mode.batch} rows x {mode.seq} tokens per step, "
+                         f"{mode.warmup} warm-up + {mode.steps} timed steps; *busy CPU / wall*: the least, over the "
+                         "ranks, thread CPU time inside the modules over their wall time (1.0: a core to itself).")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps, a 4x shorter sleep and a 4x smaller batch")
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--modes", nargs="+", choices=["timed", "real"], default=["timed", "real"])
+    parser.add_argument("--block-ms", type=float, default=40.0, help="timed mode: one block's forward sleep, whole batch")
+    parser.add_argument("--real-batch", type=int, default=64, help="real mode: rows of 64 tokens per step")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    chosen = {k: v for k, v in modes(args.quick, args.block_ms, args.real_batch).items() if k in args.modes}
+    start = time.perf_counter()
+    rows: dict[str, list[dict]] = {name: [] for name in chosen}
+    for pp in args.pp:
+        for name, mode in chosen.items():
+            rows[name] += run(pp, mode, cases(pp))
+            print(f"pp {pp} {name}: done ({time.perf_counter() - start:.0f} s)", flush=True)
+    command = "python recipes/benchmarks/pipeline_bubble.py" + ("" if argv is None and len(sys.argv) == 1 else
+                                                                 " " + " ".join(sys.argv[1:] if argv is None else argv))
+    text = header(command, chosen, time.perf_counter() - start) + "\n\n" + table(rows) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
