@@ -393,7 +393,9 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (idx,) if self.first else ()
         kwargs = {"target": targets, "losses": losses} if self.last else {}
-        (schedule.step if training else schedule.eval)(*args, **kwargs)
+        with _naming_stage_failures(f"the {self.schedule_name} schedule's point-to-point along "
+                                    f"'{PIPELINE_AXIS}' (stage rank {self.rank} of {self.pp})"):
+            (schedule.step if training else schedule.eval)(*args, **kwargs)
         device = _device(self.stage_mesh)
         loss = torch.stack([x.detach().float() for x in losses]).sum() if self.last else \
             torch.zeros((), dtype=torch.float32, device=device)
@@ -453,6 +455,27 @@ class Pipeline:
                 grad = q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad
                 grad.mul_(coef.to(grad.dtype))
         return total
+
+
+# what the process group's backends say when a peer died or stalled (gloo, NCCL, torch's DistError types)
+_BACKEND_FAILURES = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out", "timeout",
+                     "NCCL", "Gloo", "gloo")
+
+
+@contextlib.contextmanager
+def _naming_stage_failures(call: str):
+    """A backend error inside torch's schedule (a send or receive whose peer stage died or stalled) re-raised as a
+    :class:`~lightning_tp2d.comm.CommError` naming ``call``, as every other communication of the package is; any
+    other error (a bug, a bad shape) passes unchanged."""
+    from lightning_tp2d.comm import naming_failures
+
+    try:
+        yield
+    except RuntimeError as err:
+        if not (isinstance(err, dist.DistError) or any(word in str(err) for word in _BACKEND_FAILURES)):
+            raise
+        with naming_failures(call):
+            raise RuntimeError(str(err)) from err
 
 
 def _device(mesh: DeviceMesh) -> torch.device:

@@ -108,11 +108,15 @@ def test_divergence_stops_training_and_keeps_the_last_finite_checkpoint(tmp_path
     assert max(r["kept"]) < r["stopped_at"], r  # from before the divergence
 
 
-def test_sigterm_to_every_rank_stops_them_at_one_step_saves_it_and_exits_143(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("parallel=metp", "parallel.tensor_parallel_size=2",
+                                           "parallel.pipeline_parallel_size=2", "parallel.microbatches=2")],
+                         ids=["2x2", "pp2-ring2"])
+def test_sigterm_to_every_rank_stops_them_at_one_step_saves_it_and_exits_143(tmp_path, extra):
     """Preemption (``scancel``, Kubernetes, torchrun's SIGTERM) reaches every rank at once: the case that deadlocked
     in Lightning's own handler. Every rank stops after the same step, that step is saved, and the command exits
     with 143 (128 + SIGTERM) within seconds. (A signal on rank 0 alone travels in the same per-step all-reduce as
-    Ctrl-C, tested in test_train.py.)"""
+    Ctrl-C, tested in test_train.py.) Also with two pipeline stages (each a ring of 2): the signal lands between
+    schedules, the step is saved by every stage and loads as one model."""
     import os
     import re
     import signal
@@ -120,7 +124,7 @@ def test_sigterm_to_every_rank_stops_them_at_one_step_saves_it_and_exits_143(tmp
     from lightning_tp2d import load_gpt2
     from tests.test_train import long_run_until_checkpoint
 
-    proc = long_run_until_checkpoint(tmp_path, every=4, step=4)
+    proc = long_run_until_checkpoint(tmp_path, every=4, step=4, extra=extra)
     sent = time.monotonic()
     os.killpg(proc.pid, signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
@@ -403,3 +407,36 @@ def test_each_voter_alone_stops_a_vote_late():
                                                                   "signum": signal.SIGUSR1}
     r = run_ranks(_fit_with_one_voter, 1, "guard")[0]
     assert r["stopped_at"] == 6 and "non-finite (NaN or inf) between steps 3 and 4;" in r["error"], r
+
+
+def _dead_stage(rank: int, world_size: int) -> dict:
+    from lightning_tp2d.pipeline import Pipeline
+
+    mesh = tp.init_mesh("2d", 1, 1, timeout=TIMEOUT_S, pipeline_parallel_size=2)
+    torch.manual_seed(0)
+    pipe = Pipeline(GPT2(GPT2Config.from_name("gpt2-tiny", dropout=0.0)), mesh, "2d", microbatches=2)
+    idx = torch.randint(0, 257, (4, 16))
+    pipe.step(idx, idx)  # everyone healthy once
+    torch.distributed.barrier()
+    if rank == 1:
+        os._exit(9)  # the last stage dies (an OOM kill, a lost node)
+    t0 = time.monotonic()
+    try:
+        pipe.step(idx, idx)
+        error = None
+    except CommError as err:
+        error = str(err)
+    return {"error": error, "seconds": time.monotonic() - t0}
+
+
+def test_a_dead_stage_ends_the_other_stages_step_in_one_named_error():
+    """Issue 51: a pipeline stage dies between steps; the other stage's schedule, waiting on it, ends within about the
+    timeout with a CommError naming the schedule and the pipeline axis (not a hang, not a bare gloo trace)."""
+    from lightning_tp2d.bench import procs
+    from tests.distributed import raise_failure
+
+    alive = raise_failure(procs.run_ranks(_dead_stage, 2, timeout=120, allow_exit=True, tracebacks=True,
+                                          group_timeout=TIMEOUT_S))[0]
+    assert isinstance(alive, dict), alive
+    assert alive["error"] is not None and "schedule's point-to-point along 'pipeline'" in alive["error"], alive
+    assert "\n" not in alive["error"].strip() and alive["seconds"] < 30, alive

@@ -203,11 +203,11 @@ def test_multirun_launches_each_job_once_in_its_own_folder(tmp_path):
         assert len(train) == steps and (sweep / job / "checkpoints" / f"step={steps}.ckpt" / ".metadata").is_file()
 
 
-def long_run_until_checkpoint(cwd: Path, every: int, step: int, stdout=subprocess.PIPE) -> subprocess.Popen:
+def long_run_until_checkpoint(cwd: Path, every: int, step: int, stdout=subprocess.PIPE, extra=()) -> subprocess.Popen:
     """A 4-process ``experiment=quick`` run of 500 steps saving every ``every`` steps, in its own process group,
-    returned once the checkpoint of ``step`` is complete (for signal tests)."""
+    returned once the checkpoint of ``step`` is complete (for signal tests); ``extra``: more overrides."""
     args = ["experiment=quick", "trainer.max_steps=500", f"callbacks.model_checkpoint.every_n_train_steps={every}",
-            "trainer.val_check_interval=1000", "data.max_tokens=20000"]
+            "trainer.val_check_interval=1000", "data.max_tokens=20000", *extra]
     proc = subprocess.Popen(command(args), cwd=cwd, env=environment(), stdout=stdout,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     written = str(cwd / f"outputs/*/*/checkpoints/step={step}.ckpt/.metadata")

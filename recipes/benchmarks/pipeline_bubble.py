@@ -18,13 +18,19 @@ of equal blocks, one thread per rank. Per rank and step (after warm-up steps, a 
 
 Two modes:
 
-* ``timed``: every block sleeps after its forward, ``--block-ms`` per whole batch (a micro-batch's share of it, by
-  its rows), and twice that in its backward (an autograd function): the chunks take a known time and the ranks,
-  asleep, do not compete for the 2 cores, so the schedule's own bubble shows. The blocks' real compute (a 16-token
-  sequence) is small beside the sleep and counted in ``B`` as well.
-* ``real``: the blocks' own compute (64 tokens, ``--real-batch`` rows). At pp 4 four ranks share 2 cores: a chunk
-  that runs while others compute is slowed down, which also stretches ``B``; the busy CPU / wall column (thread CPU
-  time inside the modules over their wall time; 1.0 when a rank had a core to itself) shows how much.
+* ``timed``: every block sleeps ``--block-ms`` after its forward of each micro-batch and twice that in its backward
+  (an autograd function), so every chunk takes a known time (``8 / (pp v)`` blocks x 3 x ``block_ms``, the step
+  ``m v + pp - 1`` of them) and the ranks, asleep, do not compete for the 2 cores: the schedule's own bubble shows.
+  The blocks' real compute (4 pp rows of 16 tokens per step) is small beside the sleep and counted in ``B``.
+* ``real``: the blocks' own compute (``--real-batch`` rows of 64 tokens per step, split into the micro-batches).
+  At pp 4 four ranks share 2 cores: a chunk that runs while others compute is slowed down, which stretches ``B``
+  too; the busy CPU / wall column (thread CPU time inside the modules over their wall time; 1.0 when a rank had a
+  core to itself) shows how much.
+
+Besides the bubble, each row fits the per-slot cost that :func:`~lightning_tp2d.planning.pipeline_cost.
+pipeline_step_time` calls ``t_boundary``: ``W / (m v + pp - 1) - B / (m v)`` with the slowest rank's ``W`` and the
+busiest rank's ``B`` (what a slot holds besides its chunk's work: the point-to-point transfers, torch's schedule
+in Python, a busier neighbour).
 
 Writes ``results.md`` (the table, machine, torch, date and command) into ``--out``.
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -48,7 +55,7 @@ from lightning_tp2d.bench.procs import run_ranks
 from lightning_tp2d.models import GPT2, GPT2Config
 from lightning_tp2d.nn.stage import Elsewhere
 from lightning_tp2d.pipeline import Pipeline
-from lightning_tp2d.planning.pipeline_cost import bubble_fraction
+from lightning_tp2d.planning.pipeline_cost import bubble_fraction, chunk_slots
 
 OUT = Path(__file__).parent / "pipeline_bubble"
 N_LAYER = 8  # pp x v = 8 stages of one block at pp 4, v 2
@@ -56,9 +63,9 @@ N_LAYER = 8  # pp x v = 8 stages of one block at pp 4, v 2
 
 @dataclass(frozen=True)
 class Mode:
-    """One way to make a step's work: ``block_ms`` of sleep per block forward of the whole batch (backward 2x),
-    or ``None`` for the blocks' compute alone; ``batch`` rows of ``seq`` tokens per step (every ``m`` splits it);
-    ``warmup`` steps untimed, then ``steps`` timed."""
+    """One way to make a step's work: ``block_ms`` of sleep per block forward of each micro-batch (backward 2x), or
+    ``None`` for the blocks' compute alone; ``batch`` rows of ``seq`` tokens per step, split into the micro-batches
+    (0: 4 pp rows); ``warmup`` steps untimed, then ``steps`` timed."""
 
     name: str
     seq: int
@@ -69,11 +76,10 @@ class Mode:
 
 
 def modes(quick: bool, block_ms: float, real_batch: int) -> dict[str, Mode]:
-    """The two modes, ``quick``: fewer steps (and a 4x smaller real batch, a 4x shorter sleep)."""
-    steps, warmup = (3, 1) if quick else (6, 2)
-    scale = 4 if quick else 1
-    return {"timed": Mode("timed", 16, 0, block_ms / scale, warmup, steps),  # batch 0: 4 pp rows (cases())
-            "real": Mode("real", 64, real_batch // scale, None, warmup, steps)}
+    """The two modes; ``quick``: 1 warm-up and 3 timed steps, not 2 and 5, a 3x shorter sleep, a 4x smaller batch."""
+    steps, warmup = (3, 1) if quick else (5, 2)
+    return {"timed": Mode("timed", 16, 0, block_ms / 3 if quick else block_ms, warmup, steps),
+            "real": Mode("real", 64, real_batch // 4 if quick else real_batch, None, warmup, steps)}
 
 
 def cases(pp: int) -> list[tuple[str, int, int]]:
@@ -107,23 +113,22 @@ class BusyClock:
         self.wall += time.perf_counter() - wall
         self.cpu += time.thread_time() - cpu
 
-    def instrument(self, module: torch.nn.Module, sleep_per_row_s: float = 0.0) -> None:
-        """Time ``module``; with ``sleep_per_row_s`` it also sleeps that many seconds per row of its output after its
-        forward, and twice as long in its backward (:class:`_SleepInBackward`), inside the timed span."""
+    def instrument(self, module: torch.nn.Module, sleep_s: float = 0.0) -> None:
+        """Time ``module``; with ``sleep_s`` it also sleeps that long after each forward and twice as long in its
+        backward (:class:`_SleepInBackward`), inside the timed spans."""
+        timed_backward = [False]  # this call's inputs need a gradient: its backward span can be closed
 
         def before(mod, args):
             self.start()
-            marked = [_Mark.apply(a, self, False) if _needs_grad(a) else a for a in args]
-            mod._tp2d_bench_backward = any(_needs_grad(a) for a in args)
-            return tuple(marked)
+            timed_backward[0] = any(_needs_grad(a) for a in args)
+            return tuple(_Mark.apply(a, self, False) if _needs_grad(a) else a for a in args)
 
         def after(mod, args, out):
-            if sleep_per_row_s:
-                seconds = sleep_per_row_s * out.shape[0]
-                time.sleep(seconds)
-                out = _SleepInBackward.apply(out, 2 * seconds)
+            if sleep_s:
+                time.sleep(sleep_s)
+                out = _SleepInBackward.apply(out, 2 * sleep_s)
             self.stop()
-            return _Mark.apply(out, self, True) if mod._tp2d_bench_backward and _needs_grad(out) else out
+            return _Mark.apply(out, self, True) if timed_backward[0] and _needs_grad(out) else out
 
         module.register_forward_pre_hook(before)
         module.register_forward_hook(after)
@@ -161,14 +166,16 @@ class _SleepInBackward(torch.autograd.Function):
         return grad, None
 
 
-def instrument_stages(model: GPT2, clock: BusyClock, sleep_per_row_s: float = 0.0) -> None:
+def instrument_stages(model: GPT2, clock: BusyClock, block_sleep_s: float = 0.0) -> None:
     """Put ``clock`` on the stage modules this rank holds (not :class:`Elsewhere`): the embedding tables, the
-    blocks (``sleep_per_row_s``: their timed work), the final norm and the head."""
+    blocks (each sleeping ``block_sleep_s`` per forward, twice that per backward), the final norm and the head."""
     tr = model.transformer
-    for module in [tr.wte, tr.wpe, *tr.h, tr.ln_f, model.lm_head]:
+    for module in [tr.wte, tr.wpe, tr.ln_f, model.lm_head]:
         if not isinstance(module, Elsewhere):
-            in_blocks = any(module is b for b in tr.h)
-            clock.instrument(module, sleep_per_row_s if in_blocks else 0.0)
+            clock.instrument(module)
+    for block in tr.h:
+        if not isinstance(block, Elsewhere):
+            clock.instrument(block, block_sleep_s)
 
 
 # ---- one case on every rank ------------------------------------------------------------------------------------
@@ -186,8 +193,7 @@ def measure_case(pp: int, mode: Mode, schedule: str, virtual: int, microbatches:
                     seq=mode.seq)
     batch = mode.batch or 4 * pp
     clock = BusyClock()
-    sleep = 0.0 if mode.block_ms is None else mode.block_ms / 1e3 / batch
-    instrument_stages(pipe.model, clock, sleep)
+    instrument_stages(pipe.model, clock, 0.0 if mode.block_ms is None else mode.block_ms / 1e3)
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, cfg.vocab_size, (batch, mode.seq), generator=g)
     walls, busies, bubbles, shares = [], [], [], []
@@ -223,13 +229,14 @@ def run(pp: int, mode: Mode, todo: list[tuple[str, int, int]]) -> list[dict]:
 
 
 def summarize(pp: int, case: tuple[str, int, int], per_rank: list[dict]) -> dict:
-    """One row: the prediction, the largest and rank 0's measured bubble, the slowest rank's step time, the least
-    busy CPU share over the ranks."""
+    """One row: the prediction, the largest and rank 0's measured bubble, the slowest rank's step time, the fitted
+    per-slot cost ``W / slots - B / (m v)`` (slowest ``W``, busiest ``B``), the least busy CPU share of the ranks."""
     schedule, virtual, m = case
+    step, busy = max(r["step_s"] for r in per_rank), max(r["busy_s"] for r in per_rank)
     return {"pp": pp, "schedule": schedule, "v": virtual, "m": m,
             "predicted": bubble_fraction(pp, m, virtual, schedule),
             "bubble_max": max(r["bubble"] for r in per_rank), "bubble_rank0": per_rank[0]["bubble"],
-            "step_ms": 1e3 * max(r["step_s"] for r in per_rank),
+            "step_ms": 1e3 * step, "slot_ms": 1e3 * (step / chunk_slots(pp, m, virtual, schedule) - busy / (m * virtual)),
             "cpu_share": min(r["cpu_share"] for r in per_rank), "per_rank": per_rank}
 
 
@@ -241,7 +248,7 @@ def table(rows: dict[str, list[dict]]) -> str:
     names = list(rows)
     head = ["pp", "schedule", "v", "m", "predicted"]
     for name in names:
-        head += [f"{name}: max", f"{name}: rank 0", f"{name}: step ms"]
+        head += [f"{name}: max", f"{name}: rank 0", f"{name}: step ms", f"{name}: slot extra ms"]
     if "real" in names:
         head.append("real: busy CPU / wall")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -249,64 +256,67 @@ def table(rows: dict[str, list[dict]]) -> str:
         cells = [str(first["pp"]), first["schedule"], str(first["v"]), str(first["m"]), f"{first['predicted']:.3f}"]
         for name in names:
             r = rows[name][i]
-            cells += [f"{r['bubble_max']:.3f}", f"{r['bubble_rank0']:.3f}", f"{r['step_ms']:.0f}"]
+            cells += [f"{r['bubble_max']:.3f}", f"{r['bubble_rank0']:.3f}", f"{r['step_ms']:.0f}", f"{r['slot_ms']:.1f}"]
         if "real" in names:
             cells.append(f"{rows['real'][i]['cpu_share']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def header(command: str, chosen: dict[str, Mode], seconds: float) -> str:
-    cpu = platform.processor() or platform.machine()
+def header(command: str, chosen: dict[str, Mode], seconds: float, load: tuple[float, float]) -> str:
+    """The results' preamble: machine, torch, date, command, what each column means; ``load``: the machine's
+    1-minute load average before and after the run (other processes on the 2 cores stretch the real mode)."""
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
-    import os
-
+        cpu = platform.processor() or platform.machine()
     lines = [
         "# Pipeline schedules on CPU: bubble measured against predicted", "",
-        f"Measured by `{command}` ({seconds:.0f} s) on {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"gloo, one thread per rank, {datetime.date.today().isoformat()}. GPT-2 of {N_LAYER} blocks at gpt2-tiny's "
-        "width (48, vocabulary 257), one rank per stage (`tp.init_mesh(\"2d\", 1, 1, pipeline_parallel_size=pp)`), "
-        "`lightning_tp2d.pipeline.Pipeline` with torch's schedules.", "",
-        "*predicted*: `planning.pipeline_cost.bubble_fraction(pp, m, v, schedule)` = (pp - 1) / (m v + pp - 1). "
-        "*max*, *rank 0*: measured bubble 1 - B / W, the largest over the ranks and rank 0's (median over the steps); "
-        "W the wall time of `Pipeline.step` after a barrier, B the wall time inside the rank's stage modules "
-        "(blocks, final norm, head and loss forward and backward; the embedding's forward). *step ms*: the slowest "
-        "rank's median W.",
+        f"Measured by `{command}` ({seconds:.0f} s) on {cpu}, {os.cpu_count()} cores (1-minute load average "
+        f"{load[0]:.1f} before, {load[1]:.1f} after), torch {torch.__version__}, gloo, one thread per rank, "
+        f"{datetime.date.today().isoformat()}. GPT-2 of {N_LAYER} blocks at gpt2-tiny's width (48, vocabulary 257), "
+        "one rank per stage (`tp.init_mesh(\"2d\", 1, 1, pipeline_parallel_size=pp)`), "
+        "`lightning_tp2d.pipeline.Pipeline` running torch's schedules, 8 / (pp v) blocks per stage.", "",
+        "* *predicted*: `planning.pipeline_cost.bubble_fraction(pp, m, v, schedule)` = (pp - 1) / (m v + pp - 1).",
+        "* *max*, *rank 0*: measured bubble 1 - B / W, the largest over the ranks and rank 0's (median over the "
+        "steps). W: the wall time of `Pipeline.step` after a barrier; B: the wall time inside the rank's stage "
+        "modules (blocks, final norm, head and loss, forward and backward; the embedding's forward).",
+        "* *step ms*: the slowest rank's median W. *slot extra ms*: W / (m v + pp - 1) - B / (m v), the slowest W "
+        "and the busiest B: what each chunk slot holds besides the chunk's own work (`pipeline_step_time`'s "
+        "t_boundary: transfers, torch's schedule in Python, a busier stage).",
     ]
     for mode in chosen.values():
         if mode.block_ms is not None:
-            lines.append(f"*timed*: {mode.seq} tokens x 4 pp rows per step; each block sleeps {mode.block_ms:g} ms "
-                         "per whole batch in its forward (a micro-batch its share), twice that in its backward, "
-                         f"{mode.warmup} warm-up + {mode.steps} timed steps.")
+            lines.append(f"* *timed*: each block sleeps {mode.block_ms:g} ms after its forward of each micro-batch "
+                         f"and {2 * mode.block_ms:g} ms in its backward (a chunk: 8 / (pp v) x {3 * mode.block_ms:g} "
+                         f"ms), 4 pp rows x {mode.seq} tokens per step; {mode.warmup} warm-up + {mode.steps} timed "
+                         "steps.")
         else:
-            lines.append(f"*real*: the blocks' own compute, {mode.batch} rows x {mode.seq} tokens per step, "
-                         f"{mode.warmup} warm-up + {mode.steps} timed steps; *busy CPU / wall*: the least, over the "
-                         "ranks, thread CPU time inside the modules over their wall time (1.0: a core to itself).")
+            lines.append(f"* *real*: the blocks' own compute, {mode.batch} rows x {mode.seq} tokens per step; "
+                         f"{mode.warmup} warm-up + {mode.steps} timed steps. *busy CPU / wall*: the least over the "
+                         "ranks of the thread CPU time inside the modules over their wall time (1.0: a core to "
+                         "itself).")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps, a 4x shorter sleep and a 4x smaller batch")
+    parser.add_argument("--quick", action="store_true", help="fewer steps, a 3x shorter sleep, a 4x smaller batch")
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--modes", nargs="+", choices=["timed", "real"], default=["timed", "real"])
-    parser.add_argument("--block-ms", type=float, default=40.0, help="timed mode: one block's forward sleep, whole batch")
-    parser.add_argument("--real-batch", type=int, default=64, help="real mode: rows of 64 tokens per step")
+    parser.add_argument("--block-ms", type=float, default=15.0, help="timed: a block's forward sleep per micro-batch")
+    parser.add_argument("--real-batch", type=int, default=128, help="real: rows of 64 tokens per step")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     chosen = {k: v for k, v in modes(args.quick, args.block_ms, args.real_batch).items() if k in args.modes}
-    start = time.perf_counter()
+    start, load = time.perf_counter(), os.getloadavg()[0]
     rows: dict[str, list[dict]] = {name: [] for name in chosen}
     for pp in args.pp:
         for name, mode in chosen.items():
             rows[name] += run(pp, mode, cases(pp))
             print(f"pp {pp} {name}: done ({time.perf_counter() - start:.0f} s)", flush=True)
-    command = "python recipes/benchmarks/pipeline_bubble.py" + ("" if argv is None and len(sys.argv) == 1 else
-                                                                 " " + " ".join(sys.argv[1:] if argv is None else argv))
-    text = header(command, chosen, time.perf_counter() - start) + "\n\n" + table(rows) + "\n"
+    command = " ".join(["python recipes/benchmarks/pipeline_bubble.py", *(sys.argv[1:] if argv is None else argv)])
+    text = header(command, chosen, time.perf_counter() - start, (load, os.getloadavg()[0])) + "\n\n" + table(rows) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text)
