@@ -34,7 +34,7 @@ from lightning_tp2d.pipeline import pipeline_of
 from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes, stage_devices
 from lightning_tp2d.step import (AssembledStep, assemble_step, block_sharder, clip_grad_norm_, is_prepared,
                                  prepare_model, shard_optimizer)
-from lightning_tp2d.train_plan import FSDP_STAGES, PRECISIONS, TrainPlan, pipeline_problem
+from lightning_tp2d.train_plan import PRECISIONS, TrainPlan, pipeline_problem
 from lightning_tp2d.training import broadcast_module_
 from lightning_tp2d.values import check_number
 from lightning_tp2d.zero import ZERO_STAGES
@@ -263,8 +263,6 @@ class TensorParallelCore:
         if pp > 1:
             request = self._request
             refused = [(request.spec is None, "layout='auto' (the planner has no pipeline rows yet)"),
-                       (request.zero_stage in FSDP_STAGES, f"zero_stage={request.zero_stage} (FSDP2 with stages is "
-                                                           "not built yet; use 0 or 1)"),
                        (self.compile_options is not None, "compile"),
                        (request.activation_offload, "activation_offload=True"),
                        (not sharded_checkpoints, "save_distributed_checkpoint=False (each stage writes its own "

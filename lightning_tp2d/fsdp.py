@@ -94,7 +94,7 @@ from lightning_tp2d.layouts import DATA_AXIS, handle_of
 from lightning_tp2d.train_plan import FSDP_STAGES, reshards_after_forward
 
 __all__ = ["FSDP_STAGES", "Stage0", "clip_grad_norm_", "gathered", "grad_norm", "is_sharded", "mixed_precision_policy",
-           "shard_block", "shard_data_parallel", "stage0_specs"]
+           "shard_block", "shard_data_parallel", "shard_pipeline_stages", "stage0_specs"]
 
 
 
@@ -367,6 +367,47 @@ def shard_data_parallel(model: nn.Module, stage: int = 3, *,
     inside = tuple(f"{name}." for name, _ in blocks)
     group.shard(model, [(n, p) for n, p in model.named_parameters() if not n.startswith(inside)], root=True)
     group.average_whole(model)
+    return model
+
+
+def shard_pipeline_stages(model: nn.Module, stage_modules, stage: int = 3, *,
+                          mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """:func:`shard_data_parallel` for a model cut into pipeline stages (:class:`~lightning_tp2d.pipeline.Pipeline`,
+    ``model`` parallelized on this rank's stage mesh): one FSDP group per block the rank holds and, as the root of
+    each of its ``stage_modules`` (the modules torch's schedule calls), one group of that stage's other parameters (the
+    embedding on the first stage; the final norm, the head and a tied embedding's copy on the last). The stage
+    modules are what FSDP calls: their forward gathers the root group, and torch's ``PipelineStage`` recognises an
+    ``FSDPModule`` and reduce-scatters once per step, after the last micro-batch. Returns ``model``; ``dp = 1``: a
+    warning, nothing sharded."""
+    what = "shard_pipeline_stages"
+    _check_stage(stage, what)
+    handle = handle_of(model)
+    if handle is None:
+        raise ValueError(f"{what} expects a model parallelized by lightning_tp2d.parallelize")
+    mesh = handle.mesh
+    dp = axis_size(mesh, DATA_AXIS)
+    if dp == 1:
+        warnings.warn(f"{what}: data_parallel size is 1, nothing to shard; the model is unchanged", UserWarning,
+                      stacklevel=2)
+        return model
+    if any(is_sharded(m) for m in stage_modules):
+        raise ValueError(f"{what}: the stages are already sharded over data_parallel")
+    _check_wrappable(model, mesh, what)
+    group = _Group(_one_mesh([p for p in model.parameters() if isinstance(p, DTensor)], what), dp, stage,
+                   mp_policy or MixedPrecisionPolicy())
+    for module in stage_modules:
+        for block in module.blocks:
+            group.shard(block, list(block.named_parameters()), root=False)
+        group.shard(module, [(n, p) for n, p in module.named_parameters() if not n.startswith("blocks.")],
+                    root=True)
+        if getattr(module, "tp2d_stage0", None):  # (the ends are never strided: checkpoints read the model's tree)
+            raise ValueError(f"{what}: a stage's own parameters {sorted(module.tp2d_stage0)} have strided "
+                             "tensor-parallel cuts, which its checkpoint could not name")
+    group.average_whole(model)  # the blocks' parameters kept whole; the stages' own (outside the model's tree):
+    for module in stage_modules:
+        for name in module.tp2d_whole:
+            module.get_parameter(name).register_post_accumulate_grad_hook(
+                lambda p: _average_over_dp(p, group.mesh, group.dp))
     return model
 
 

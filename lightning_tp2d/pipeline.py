@@ -117,14 +117,18 @@ class StageModule(nn.Module):
     """One pipeline stage of ``model``: the embedding when ``first``, its ``blocks`` (indices into the family's
     blocks), the final norm when ``last`` (the head and the loss run in the schedule's loss function, on the last
     stage). It holds ``model`` without registering it (the :class:`Pipeline` does), so several stages of one rank
-    (interleaved) share it."""
+    (interleaved) share it; it registers its blocks and ``ends`` (the model's modules outside the blocks this stage
+    runs: embeddings, final norm, head, a tied embedding's copy), so that its parameters are the stage's (FSDP's
+    groups at ZeRO 2/3: :func:`lightning_tp2d.fsdp.shard_pipeline_stages`)."""
 
-    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool, selective: bool = False) -> None:
+    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool, selective: bool = False,
+                 ends: Sequence[nn.Module] = ()) -> None:
         super().__init__()
         self.__dict__["model"] = model  # not a submodule: the stages share the one model
         family = family_of(model)
         every = list(family.block_modules(model))
         self.blocks = nn.ModuleList(every[i] for i in blocks)
+        self.ends = nn.ModuleList(ends)
         self.first, self.last, self.selective = first, last, selective
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,7 +200,7 @@ class Pipeline:
     def __init__(self, model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAULT_LAYOUT, *,
                  schedule: str = "1f1b", microbatches: int | None = None, virtual_stages: int = 1,
                  options: TPOptions | None = None, seq: int | None = None,
-                 activation_checkpointing: str = "none") -> None:
+                 activation_checkpointing: str = "none", zero_stage: int = 0, mp_policy=None) -> None:
         family = family_of(model)
         if family is None:
             raise TypeError(f"Pipeline expects a registered model family's model, got {type(model).__name__}")
@@ -249,14 +253,41 @@ class Pipeline:
         self.model = model
         self.plan = None  # the strategies' TrainPlan this pipeline runs, when a strategy built it
 
-        self._stage_modules = [StageModule(model, self.splits[i], i == 0, i == stages - 1, self.selective)
-                               for i in self.stage_indices]
+        held = {path: model.get_submodule(path) for path in before + after if present(model, path)}
+        ends = {0: [held[p] for p in before if p in held],
+                stages - 1: [held[p] for p in after if p in held] + [held[p] for p in self.tied_copies if p in held]}
+        self._stage_modules = [StageModule(model, self.splits[i], i == 0, i == stages - 1, self.selective,
+                                           ends.get(i, [])) for i in self.stage_indices]
+        self.zero_stage = 0
         self._schedules: dict[tuple, object] = {}  # one per micro-batch shape and mode (torch's stages keep buffers)
         self.sync_gradients = True  # step(): average over data_parallel after the schedule
         self._pending: list[tuple[nn.Parameter, torch.Tensor]] = []  # forward()'s gradients, until backward()
         self._pending_loss: torch.Tensor | None = None
         self._tied_group = _first_and_last_groups(mesh, pp) if tied and pp > 1 else None
         self._last_rank = dist.get_global_rank(mesh.get_group(PIPELINE_AXIS), pp - 1)
+        if zero_stage:
+            self.shard_data_parallel(zero_stage, mp_policy)
+
+    def shard_data_parallel(self, zero_stage: int, mp_policy=None) -> None:
+        """ZeRO ``zero_stage`` over ``data_parallel``: 0 and 1 change nothing here (1 slices the optimizer's state:
+        :func:`lightning_tp2d.zero.shard_optimizer_state` on the stage mesh); 2 and 3 shard this rank's stages with
+        FSDP2 (:func:`lightning_tp2d.fsdp.shard_pipeline_stages`, ``mp_policy`` its mixed precision): each block a
+        group, each stage's other parameters its root group; torch's schedule reduce-scatters once per step, which
+        is the data-parallel average. Before the first step and before building the optimizer."""
+        from lightning_tp2d import fsdp
+
+        if self._schedules:
+            raise RuntimeError("Pipeline.shard_data_parallel: shard before the first step")
+        if zero_stage in fsdp.FSDP_STAGES and self.stage_mesh.size(
+                self.stage_mesh.mesh_dim_names.index("data_parallel")) > 1:
+            fsdp.shard_pipeline_stages(self.model, self._stage_modules, zero_stage, mp_policy=mp_policy)
+            self.zero_stage = zero_stage
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 shards the stages over ``data_parallel`` (ZeRO 2/3): gradients are reduce-scattered by the
+        schedule, not averaged after it."""
+        return self.zero_stage >= 2
 
     def _schedule(self, idx: torch.Tensor, training: bool):
         """torch's schedule (and stages) for batches of ``idx``'s shape, made on first use: a
@@ -318,8 +349,10 @@ class Pipeline:
         return loss
 
     def average_gradients(self) -> None:
-        """Average every gradient over ``data_parallel`` (ZeRO 0 and 1: each replica's whole gradient)."""
-        average_gradients_(self.model, self.stage_mesh)
+        """Average every gradient over ``data_parallel`` (ZeRO 0 and 1: each replica's whole gradient; under FSDP the
+        schedule's reduce-scatter averaged them)."""
+        if not self.fsdp:
+            average_gradients_(self.model, self.stage_mesh)
 
     def _sum_tied_copies(self) -> None:
         tied = self._tied_parameters()
@@ -441,9 +474,11 @@ class Pipeline:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient of every stage by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` the whole model's
         (every stage and shard; a tied embedding once); returns it, the same on every rank."""
+        from lightning_tp2d import fsdp
+
         copies = {id(q) for q in self._tied_parameters()} if not self.first else set()
         counted = [q for q in self.model.parameters() if q.grad is not None and id(q) not in copies]
-        local = grad_norm(counted, self.stage_mesh, norm_type)
+        local = (fsdp.grad_norm if self.fsdp else grad_norm)(counted, self.stage_mesh, norm_type)
         inf = math.isinf(norm_type)
         total = local.clone() if inf else local.pow(norm_type)
         dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,

@@ -58,6 +58,7 @@ from lightning_tp2d.families import family_of
 from lightning_tp2d.layouts import handle_of
 from lightning_tp2d.nn.functional import own_leaf_grads
 from lightning_tp2d.parallelize import checkpoint_activations, parallelize
+from lightning_tp2d.pipeline import pipeline_of
 from lightning_tp2d.train_plan import FSDP_STAGES, PIPELINE_AXIS, TrainPlan
 
 __all__ = ["AssembledStep", "assemble_step", "block_sharder", "build_step", "clip_grad_norm_", "is_prepared",
@@ -150,7 +151,11 @@ def assemble_step(model: nn.Module, mesh, plan: TrainPlan, *, precision: str | N
     policy = fsdp.mixed_precision_policy(precision)
     if plan.fsdp:
         for m in [m for m in model.modules() if family_of(m) is not None and not fsdp.is_sharded(m)]:
-            fsdp.shard_data_parallel(m, plan.zero_stage, mp_policy=policy)
+            pipeline = pipeline_of(m)
+            if pipeline is None:
+                fsdp.shard_data_parallel(m, plan.zero_stage, mp_policy=policy)
+            elif pipeline.zero_stage != plan.zero_stage:  # its stages, each an FSDP root (lightning_tp2d.pipeline)
+                pipeline.shard_data_parallel(plan.zero_stage, policy)
     elif plan.zero_stage in FSDP_STAGES:
         warnings.warn(f"zero_stage={plan.zero_stage} with data_parallel_size=1: nothing to shard over "
                       "data_parallel; the model trains as at stage 0", UserWarning, stacklevel=2)

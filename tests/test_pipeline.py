@@ -38,9 +38,10 @@ def _full(g: torch.Tensor) -> torch.Tensor:
     return g.full_tensor() if hasattr(g, "full_tensor") else g
 
 
-def _one_step(world_size: int, case: tuple) -> dict:
+def _one_step(world_size: int, case: tuple, zero_stage: int = 0) -> dict:
     """``case = (pp, layout, p, dp, family, schedule, virtual)``: one step against the plain model on this
-    replica's batch (dp 1) or on both replicas' batches (dp 2: the plain model's gradient of their mean)."""
+    replica's batch (dp 1) or on both replicas' batches (dp 2: the plain model's gradient of their mean); at
+    ``zero_stage`` 2 or 3 the stages sharded with FSDP2 over the replicas."""
     pp, layout, p, dp, family, schedule, virtual, *checkpointing = case
     ref = _model(family)
     model = copy.deepcopy(ref)
@@ -49,9 +50,14 @@ def _one_step(world_size: int, case: tuple) -> dict:
     sum(ref(idx, idx) for idx in batches).div(dp).backward()
     mesh = tp.init_mesh(layout, p, dp, pipeline_parallel_size=pp)
     pipe = Pipeline(model, mesh, layout, schedule=schedule, microbatches=MICRO, virtual_stages=virtual,
-                    activation_checkpointing=checkpointing[0] if checkpointing else "none")
+                    activation_checkpointing=checkpointing[0] if checkpointing else "none", zero_stage=zero_stage)
     mine = batches[mesh.get_local_rank("data_parallel")]
     loss = pipe.step(mine, mine)
+    if zero_stage >= 2:  # FSDP: every stage's matrices are cut over data_parallel
+        assert pipe.fsdp and all(not q.placements[0].is_replicate() for q in pipe.parameters() if q.dim() > 1)
+        norm = pipe.clip_grad_norm_(1e9).item()  # the whole model's, dp shards included
+        want_norm = torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()]).item()
+        assert abs(norm - want_norm) <= 1e-5 * want_norm, (norm, want_norm)
     want = {name: q.grad for name, q in ref.named_parameters()}
     rel = max(((_full(q.grad) - want[name]).abs().max() / want[name].abs().max()).item()
               for name, q in pipe.named_parameters())
@@ -68,8 +74,8 @@ CASES_4 = [(4, "2d", 1, 1, "gpt2", "1f1b", 1), (4, "2d", 1, 1, "llama", "gpipe",
 CASES_8 = [(2, "2d", 4, 1, "gpt2", "1f1b", 1, "selective"), (2, "2d-metp", 4, 1, "llama", "interleaved_1f1b", 2)]
 
 
-def _cases_worker(rank: int, world_size: int, cases) -> dict:
-    return {case: _one_step(world_size, case) for case in cases}
+def _cases_worker(rank: int, world_size: int, cases, zero_stage: int = 0) -> dict:
+    return {case: _one_step(world_size, case, zero_stage) for case in cases}
 
 
 def _training_worker(rank: int, world_size: int) -> dict:
@@ -111,6 +117,19 @@ def two():
 @pytest.fixture(scope="module")
 def four():
     return run_distributed(_cases_worker, 4, CASES_4)
+
+
+CASES_ZERO = [(2, "2d", 1, 2, "gpt2", "1f1b", 1), (2, "2d", 1, 2, "llama", "interleaved_1f1b", 2, "full")]
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_zero_2_and_3_shard_the_stages_and_equal_the_plain_model(zero_stage):
+    """FSDP2 over the replicas of each stage (GPT-2's tied copy on the last stage in the head's group; Llama
+    interleaved and fully checkpointed): one step's loss, every gradient and the clipping norm equal the plain
+    model's on both replicas' batches."""
+    outs = run_distributed(_cases_worker, 4, CASES_ZERO, zero_stage)
+    for case in CASES_ZERO:
+        _check(outs, case)
 
 
 @pytest.fixture(scope="module")

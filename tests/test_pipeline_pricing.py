@@ -148,11 +148,12 @@ def test_a_row_with_stages_is_its_slowest_rank_over_the_bubble_plus_its_transfer
 
 
 def test_plan_offers_stage_rows_on_both_sides_and_only_what_runs():
+    """Both sides' stage rows, with the micro-batch counts their schedules take and the stages' GPUs."""
     rows = planner.plan("llama-3.1-8b", gpus=16, gpu_memory_gib=80, seq=4096, global_batch_tokens=2**20,
                         pipeline_sizes=(1, 2), layouts=("2d",), checkpointing=("full",), cache=False)
     staged = [r for r in rows if r.pipeline_parallel_size == 2]
     assert {r.baseline for r in staged} == {False, True}  # the package and torchtitan's PP
-    assert {r.zero_stage for r in staged if not r.baseline} <= {0, 1}  # the package's stages: ZeRO 0 and 1
+    assert {r.zero_stage for r in staged if not r.baseline} >= {1, 3}  # FSDP2 per stage too
     assert all(r.grad_accum >= 2 for r in staged if r.pp_schedule == "1f1b")  # 1F1B: m >= pp
     assert all(r.grad_accum % 2 == 0 for r in staged if r.pp_schedule == "interleaved_1f1b")
     assert all(r.tensor_parallel_size * r.data_parallel_size * 2 == 16 for r in staged)

@@ -552,8 +552,8 @@ def test_pipeline_stages_are_named_in_the_plan_line():
 
 
 def test_what_stages_do_not_run_with_yet_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
-    """The strategy's own refusal (ZeRO 3 with stages), through the console script: one line, exit 2, no ranks."""
+    """The strategy's own refusal (compile with stages), through the console script: one line, exit 2, no ranks."""
     message = one_line_exit_2(["experiment=quick", "model.n_layer=4", "parallel=tp2d", "parallel.tensor_parallel_size=1",
-                               "trainer.devices=2", "parallel.pipeline_parallel_size=2", "parallel.zero_stage=3"],
+                               "trainer.devices=2", "parallel.pipeline_parallel_size=2", "parallel.compile=true"],
                               tmp_path, monkeypatch, capsys)
-    assert "pipeline_parallel_size=2 does not run with zero_stage=3" in message, message
+    assert "pipeline_parallel_size=2 does not run with compile" in message, message

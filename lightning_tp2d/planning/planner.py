@@ -59,7 +59,7 @@ How a row is priced (per GPU, bf16 compute, float32 parameters and AdamW state):
   spends beyond the compiled plain model, which costs none).
 
 Pipeline stages (``pipeline_sizes``, ``tp2d-plan --pp``): both sides, the package's
-:mod:`lightning_tp2d.pipeline` (ZeRO 0 and 1) and torchtitan's PP (every stage), by one model
+:mod:`lightning_tp2d.pipeline` and torchtitan's PP, at every ZeRO stage, by one model
 (:func:`price_stages`, :mod:`lightning_tp2d.planning.pipeline_cost`): each rank's blocks priced as a model of that many
 blocks, the schedule's bubble, the boundary transfers not overlapped, the first rank's in-flight micro-batches.
 
@@ -593,7 +593,6 @@ MAX_GRID = 64  # grids up to 8 x 8 (8 nodes of 8): a larger one's SUMMA panels c
 
 
 PP_SCHEDULE_VARIANTS = (("1f1b", 1), ("interleaved_1f1b", 2))  # the schedules planned with stages (and v)
-STAGED_PACKAGE_ZERO = (0, 1)  # the package's stages run ZeRO 0 and 1 (lightning_tp2d.pipeline); FSDP not yet
 
 
 def _candidates(cfg, gpus: int, gpus_per_node: int, seq: int, sequences: int, layouts, include_baselines: bool,
@@ -603,8 +602,8 @@ def _candidates(cfg, gpus: int, gpus_per_node: int, seq: int, sequences: int, la
     ``pp`` of ``pipeline_sizes`` above 1 that divides the machines (or, on one machine, its GPUs) and the blocks
     adds the candidates of one stage's ``gpus / pp`` GPUs with each schedule of :data:`PP_SCHEDULE_VARIANTS`
     (``variant``: ``pipeline_parallel_size``, ``pp_schedule``, ``virtual_stages``), the micro-batches those whose
-    count per step the schedule runs (:func:`~lightning_tp2d.train_plan.pipeline_problem`); the package's at ZeRO
-    0 and 1 (:data:`STAGED_PACKAGE_ZERO`), the baseline's at every stage, as torchtitan runs PP x FSDP."""
+    count per step the schedule runs (:func:`~lightning_tp2d.train_plan.pipeline_problem`); both sides at every
+    ZeRO stage (the package's FSDP2 per stage, torchtitan's PP x FSDP)."""
     from lightning_tp2d.train_plan import pipeline_problem
 
     out = _flat_candidates(cfg, gpus, gpus_per_node, seq, sequences, layouts, include_baselines, zero_stages,
@@ -621,8 +620,7 @@ def _candidates(cfg, gpus: int, gpus_per_node: int, seq: int, sequences: int, la
                     checkpointing, max_micro_batch):
                 per_replica = sequences // dp
                 kept = [mb for mb in micros if pipeline_problem(pp, schedule, per_replica // mb, v) is None]
-                stages = stages if is_rival(name) else [z for z in stages if z in STAGED_PACKAGE_ZERO]
-                if kept and stages:
+                if kept:
                     variant = {**(extra[0] if extra else {}), "pipeline_parallel_size": pp, "pp_schedule": schedule,
                                "virtual_stages": v}
                     out.append((name, p, dp, stages, modes, kept, variant))
@@ -1124,8 +1122,7 @@ def main(argv=None) -> int:
                              "rivals' convert_to_float8_training): float8 GEMM rates and cast bytes on both sides")
     parser.add_argument("--pp", type=int, nargs="*", default=[1], metavar="PP",
                         help="pipeline sizes to consider on both sides, e.g. --pp 1 2 4 8 (default: 1, no stages): "
-                             "1F1B and interleaved 1F1B over the blocks (the package at ZeRO 0/1, torchtitan's PP at "
-                             "every stage)")
+                             "1F1B and interleaved 1F1B over the blocks, on both sides (torchtitan's PP)")
     parser.add_argument("--top", type=int, default=12, help="rows to print (0: all)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write every row as JSON to PATH (default: nothing is written)")
