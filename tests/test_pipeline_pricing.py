@@ -190,3 +190,22 @@ def test_a_stage_rows_command_runs_its_stages():
     assert {"--parallelism.pipeline_parallel_degree=8", "--parallelism.pipeline_parallel_schedule=1F1B",
             "--parallelism.pipeline_parallel_microbatch_size=1", "--training.local_batch_size=16"} <= set(settings)
     assert not any(s.startswith("--training.global_batch_size") for s in settings)
+
+
+def test_fsdp_under_stages_holds_the_gathered_stage_and_its_unreduced_gradients():
+    """torch's PipelineStage keeps an FSDP stage gathered and its gradients unreduced from the first micro-batch to
+    the last: the memory of a ZeRO 3 row with stages holds the rank's tensor shard in bf16 and float32 on top of the
+    row's, and its data-parallel collectives are priced once per step, not per micro-batch."""
+    cfg = model_config("llama-3.1-8b")
+    with planner.pricing("closed"):
+        kw = dict(layout="tp1d-sp", p=4, dp=2, zero_stage=3, checkpointing="full", micro_batch=1, seq=4096, hw=HW,
+                  gpus_per_node=8, pipeline_parallel_size=2)
+        row = planner.price(cfg, grad_accum=8, **kw)
+        single = planner.price(cfg, grad_accum=2, **kw)
+    held = row.parts["memory_bytes"]["pp_fsdp_held"]
+    split = planner.parameter_split(cfg)
+    blocks = planner.stage_blocks(cfg, 4096, 2)
+    ranks = [(blocks[0] * split.block + split.embedding) / 4, (blocks[1] * split.block + split.root
+                                                               - split.embedding) / 4]
+    assert held == pytest.approx(max(ranks) * 6) or held == pytest.approx(min(ranks) * 6)
+    assert row.parts["time_s"]["dp_comm"] == pytest.approx(single.parts["time_s"]["dp_comm"])  # once per step

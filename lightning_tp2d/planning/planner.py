@@ -526,8 +526,10 @@ def price_stages(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpoi
       each chunk's two boundary transfers (its activation shard forward, its gradient back, bf16) on its critical
       path, over the inter-node link when a stage fills whole nodes, else NVLink;
     * the data-parallel collectives and the optimizer: the last rank's (its model holds the embedding too: an
-      over-count on an untied model of one vocabulary matrix);
-    * memory: :func:`row_memory` with the stages (the first rank's in-flight micro-batches, the last rank's head).
+      over-count on an untied model of one vocabulary matrix), once per step (FSDP gathers at the first
+      micro-batch and reduce-scatters after the last under torch's schedules);
+    * memory: :func:`row_memory` with the stages (the first rank's in-flight micro-batches, the last rank's head;
+      under FSDP the stage's gathered parameters and unreduced gradients held across the micro-batches).
 
     ``grad_accum`` is the schedule's micro-batches ``m``; the tokens of a step are ``dp x micro_batch x m x seq``."""
     from lightning_tp2d.planning.pipeline_cost import bubble_fraction, chunk_slots, pipeline_step_time
@@ -549,6 +551,9 @@ def price_stages(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpoi
                                if key in options})
     last = price(dataclasses.replace(cfg, n_layer=k), memory=memory, **common)
     more = price(dataclasses.replace(cfg, n_layer=k + 1), memory=memory, **common)
+    # the data-parallel collectives once per step: FSDP's groups gather at the first micro-batch and reduce after the
+    # last (torch's PipelineStage), ZeRO 0/1 reduce once: priced as a step of one micro-batch
+    once = price(dataclasses.replace(cfg, n_layer=k), memory=memory, **{**common, "grad_accum": 1})
 
     def micro_s(row: PlanRow) -> float:
         t = row.parts["time_s"]
@@ -561,7 +566,7 @@ def price_stages(cfg, *, layout: str, p: int, dp: int, zero_stage: int, checkpoi
     link = hw.inter if p * dp >= gpus_per_node else hw.intra
     boundary_s = 2 * collective_time("send", 2, shard, link)
     pipeline_s = pipeline_step_time(grad_accum * slowest, boundary_s, pp, grad_accum, virtual_stages, schedule)
-    t = last.parts["time_s"]
+    t = {**last.parts["time_s"], **{key: once.parts["time_s"][key] for key in ("dp_comm", "dp_exposed", "optimizer")}}
     step_s = pipeline_s + t["dp_exposed"] + t["optimizer"]
     tokens = dp * micro_batch * grad_accum * seq
     per_gpu = tokens / step_s / (p * dp * pp)
@@ -882,11 +887,21 @@ def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_b
         m = pp * v if microbatches is None else microbatches
         blocks = stage_blocks(cfg, seq, pp, v)
         held = []
+        split = parameter_split(cfg)
         for rank in (0, pp - 1):
             kept = math.ceil(in_flight(pp, m, v, pp_schedule, rank) - 1e-9)
-            held.append(row_memory(dataclasses.replace(cfg, n_layer=blocks[rank]), layout, p, dp, stage, mode,
-                                   micro_batch * kept, seq, cp_tp_size=cp_tp_size, cp_loss=cp_loss,
-                                   shard_group=shard_group, loss=loss))
+            parts = dict(row_memory(dataclasses.replace(cfg, n_layer=blocks[rank]), layout, p, dp, stage, mode,
+                                    micro_batch * kept, seq, cp_tp_size=cp_tp_size, cp_loss=cp_loss,
+                                    shard_group=shard_group, loss=loss))
+            if fsdp_shards(stage, shard_group or dp) and m > 1:
+                # torch's PipelineStage keeps an FSDPModule's parameters gathered (bf16) and its gradients
+                # unreduced (float32) from the first micro-batch's backward to the last's (set_reshard_after_backward,
+                # set_requires_gradient_sync False): the rank's whole tensor shard, twice, on top of the row's
+                ends = split.embedding if rank == 0 else split.root - (split.embedding if rank < pp - 1 else 0)
+                shard = (blocks[rank] * split.block + ends) / p
+                parts["pp_fsdp_held"] = shard * (ELEMENT + 4)
+                parts["total"] += parts["pp_fsdp_held"]
+            held.append(parts)
         return max(held, key=lambda parts: parts["total"])
     side = model_of(layout)
     if not side.baseline and (shard_group or loss != "unfused"):

@@ -233,10 +233,11 @@ def summarize(pp: int, case: tuple[str, int, int], per_rank: list[dict]) -> dict
     per-slot cost ``W / slots - B / (m v)`` (slowest ``W``, busiest ``B``), the least busy CPU share of the ranks."""
     schedule, virtual, m = case
     step, busy = max(r["step_s"] for r in per_rank), max(r["busy_s"] for r in per_rank)
+    slot = step / chunk_slots(pp, m, virtual, schedule) - busy / (m * virtual)
     return {"pp": pp, "schedule": schedule, "v": virtual, "m": m,
             "predicted": bubble_fraction(pp, m, virtual, schedule),
             "bubble_max": max(r["bubble"] for r in per_rank), "bubble_rank0": per_rank[0]["bubble"],
-            "step_ms": 1e3 * step, "slot_ms": 1e3 * (step / chunk_slots(pp, m, virtual, schedule) - busy / (m * virtual)),
+            "step_ms": 1e3 * step, "slot_ms": 1e3 * slot,
             "cpu_share": min(r["cpu_share"] for r in per_rank), "per_rank": per_rank}
 
 
@@ -256,9 +257,25 @@ def table(rows: dict[str, list[dict]]) -> str:
         cells = [str(first["pp"]), first["schedule"], str(first["v"]), str(first["m"]), f"{first['predicted']:.3f}"]
         for name in names:
             r = rows[name][i]
-            cells += [f"{r['bubble_max']:.3f}", f"{r['bubble_rank0']:.3f}", f"{r['step_ms']:.0f}", f"{r['slot_ms']:.1f}"]
+            cells += [f"{r['bubble_max']:.3f}", f"{r['bubble_rank0']:.3f}", f"{r['step_ms']:.0f}",
+                      f"{r['slot_ms']:.1f}"]
         if "real" in names:
             cells.append(f"{rows['real'][i]['cpu_share']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def rank_table(rows: dict[str, list[dict]]) -> str:
+    """Per rank, each mode's median busy B and step W in ms (``B / W``, rank 0 first): where the busy time differs
+    between the ranks, the stages are not equal (the first stage's embedding, the last one's head and loss)."""
+    names = list(rows)
+    head = ["pp", "schedule", "v", "m", *(f"{name}: B / W ms per rank" for name in names)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, first in enumerate(rows[names[0]]):
+        cells = [str(first["pp"]), first["schedule"], str(first["v"]), str(first["m"])]
+        for name in names:
+            cells.append(", ".join(f"{1e3 * r['busy_s']:.0f} / {1e3 * r['step_s']:.0f}"
+                                   for r in rows[name][i]["per_rank"]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -316,7 +333,10 @@ def main(argv=None) -> None:
             rows[name] += run(pp, mode, cases(pp))
             print(f"pp {pp} {name}: done ({time.perf_counter() - start:.0f} s)", flush=True)
     command = " ".join(["python recipes/benchmarks/pipeline_bubble.py", *(sys.argv[1:] if argv is None else argv)])
-    text = header(command, chosen, time.perf_counter() - start, (load, os.getloadavg()[0])) + "\n\n" + table(rows) + "\n"
+    text = "\n\n".join([header(command, chosen, time.perf_counter() - start, (load, os.getloadavg()[0])), table(rows),
+                        "Per rank, rank 0 first: the median busy B and step W, ms (a B that differs between the "
+                        "ranks: unequal stages, the first one's embedding, the last one's head and loss).",
+                        rank_table(rows)]) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text)

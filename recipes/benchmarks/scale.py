@@ -3,7 +3,7 @@ package's best configuration against the best 1-D TP + SP x FSDP one (async TP w
 predicts them (:mod:`lightning_tp2d.planning.planner`; predictions, not measurements: no GPU has run them).
 
     python recipes/benchmarks/scale.py [--out recipes/benchmarks/scale] [--tiny] [--cache DIR] [--only 8b:8,70b:64]
-                                       [--workers N] [--float8 tensorwise|rowwise]
+                                       [--workers N] [--float8 tensorwise|rowwise] [--pp 1 2 4 8 16]
 
 For each (model, GPUs): every configuration that fits (memory <= 90% of 80 GiB), the best package row and the best
 baseline row (tokens/s/GPU, MFU, memory per GPU) and their ratio. Then the largest Llama-shaped model (70B's width,
@@ -17,6 +17,8 @@ it on the next run, so a long run that stops part way resumes (planning all six 
 cache and writes nothing else. ``--float8 RECIPE``: every row of both sides with its linears in float8 by torchao's
 recipe (the planner's ``float8``: float8 GEMM rates and cast bytes, one rule for both sides; default ``--out``
 ``scale_float8_<recipe>``), and the calibration rows torchtitan published with Float8 priced the same way.
+``--pp``: the pipeline sizes both sides may use (default :data:`PIPELINE_SIZES`; the planner's ``pipeline_sizes``:
+the package's stages and torchtitan's PP, 1F1B and interleaved 1F1B); ``--pp 1`` plans without stages.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from lightning_tp2d.families import model_config
 
 HERE = Path(__file__).resolve().parent
 SEQ, TOKENS, MEMORY_GIB, PER_NODE = 8192, 4 * 2**20, 80.0, 8
+PIPELINE_SIZES = (1, 2, 4, 8, 16)  # both sides' pipeline sizes (planner.plan's pipeline_sizes)
 SCENARIOS = [("llama-3.1-8b", 8), ("llama-3.1-8b", 64), ("llama-3.1-70b", 64), ("llama-3.1-70b", 256),
              ("llama-3.1-405b", 256), ("llama-3.1-405b", 1024)]
 # torchtitan's published bf16 configurations (benchmarks/llama3_h100_202412_torchtitan.md, Table 1;
@@ -64,16 +67,26 @@ TORCHTITAN_FLOAT8 = [
      False, 829.0, None),
     ("70B, 256 H100, FSDP 32 x TP 8 + compile + Float8 + async TP, full AC, local batch 16", "llama-3.1-70b", 8, 32,
      "full", 16, True, 876.0, None),
+    # Table 5: 3-D parallelism, 405B on 512 H100s, FSDP 8 x TP 8 x PP 8, local batch 32 in micro-batches of 1
+    # (torchtitan's pipeline_parallel_microbatch_size default), interleaved with 2 stages per rank (its default for
+    # looped schedules); the extra fields: (pp, schedule, virtual stages, micro-batches)
+    ("405B, 512 H100, FSDP 8 x TP 8 x PP 8 1F1B + compile + Float8 + async TP, full AC, local batch 32",
+     "llama-3.1-405b", 8, 8, "full", 1, True, 100.0, 82.5, (8, "1f1b", 1, 32)),
+    ("405B, 512 H100, FSDP 8 x TP 8 x PP 8 interleaved 1F1B + compile + Float8 + async TP, full AC, local batch 32",
+     "llama-3.1-405b", 8, 8, "full", 1, True, 128.0, 72.7, (8, "interleaved_1f1b", 2, 32)),
 ]
 
 
 def calibration(float8: str | None = None) -> list[dict]:
     hw = planner.HARDWARE["h100-grand-teton"]
     rows = []
-    for name, model, tp, dp, ck, batch, async_tp, published, memory in (TORCHTITAN_FLOAT8 if float8 else TORCHTITAN):
+    for name, model, tp, dp, ck, batch, async_tp, published, memory, *staged in (TORCHTITAN_FLOAT8 if float8
+                                                                                  else TORCHTITAN):
+        pp, schedule, virtual, micro = staged[0] if staged else (1, "1f1b", 1, 1)
         row = planner.price(model_config(model), layout=planner.BASELINE, p=tp, dp=dp, zero_stage=3,
-                            checkpointing=ck, micro_batch=batch, grad_accum=1, seq=SEQ, hw=hw, gpus_per_node=PER_NODE,
-                            async_tp=async_tp if tp > 1 else None, float8=float8)
+                            checkpointing=ck, micro_batch=batch, grad_accum=micro, seq=SEQ, hw=hw,
+                            gpus_per_node=PER_NODE, async_tp=async_tp if tp > 1 else None, float8=float8,
+                            pipeline_parallel_size=pp, pp_schedule=schedule, virtual_stages=virtual)
         rows.append({"configuration": name, "published_tokens_per_s_per_gpu": published,
                      "predicted_tokens_per_s_per_gpu": row.tokens_per_s_per_gpu,
                      "ratio": row.tokens_per_s_per_gpu / published, "published_memory_gib": memory,
@@ -102,11 +115,13 @@ def scenario(model: str, gpus: int, seq: int, tokens: int, memory_gib: float, pe
     ratio = package.tokens_per_s_per_gpu / baseline.tokens_per_s_per_gpu if package and baseline else None
     space = planner.search_space(model, gpus=gpus, gpus_per_node=per_node, seq=seq, global_batch_tokens=tokens,
                                  **{k: v for k, v in options.items() if k not in ("workers", "float8")})
+    staged = {"package": any(r.pipeline_parallel_size > 1 for r in rows if not r.baseline),
+              "baseline": any(r.pipeline_parallel_size > 1 for r in rows if r.baseline)}
     pessimistic = _pessimistic(rows, model, seq, per_node, options.get("float8"))
     return {"model": model, "gpus": gpus, "status": "ok", "configurations": len(rows),
             "best_package": package.to_dict() if package else None,
             "best_baseline": baseline.to_dict() if baseline else None, "package_over_baseline": ratio,
-            "search_space": space, **pessimistic,
+            "search_space": space, "stage_rows_fit": staged, **pessimistic,
             "top": [r.to_dict() for r in rows[:8]], "seconds": time.time() - started}
 
 
@@ -131,13 +146,22 @@ def _priced_again(rows: list, cfg, hw, seq: int, per_node: int, float8: str | No
                           zero_stage=r.zero_stage, checkpointing=r.checkpointing, micro_batch=r.micro_batch,
                           grad_accum=r.grad_accum, seq=seq, hw=hw, gpus_per_node=per_node,
                           memory=r.parts["memory_bytes"], offload=r.activation_offload, overlap="pessimistic",
-                          float8=float8, **({"shard_group": r.shard_group, "loss": r.loss} if r.baseline else {}))
+                          float8=float8, **({"shard_group": r.shard_group, "loss": r.loss} if r.baseline else {}),
+                          pipeline_parallel_size=r.pipeline_parallel_size, pp_schedule=r.pp_schedule,
+                          virtual_stages=r.virtual_stages)
             for r in rows]
 
 
 def _name(r: dict | None) -> str:
     if r is None:
         return "none fits"
+    pp = r.get("pipeline_parallel_size", 1)  # (older caches: no stages)
+    stages = "" if pp == 1 else (f" x PP {pp} {r['pp_schedule']}"
+                                 + (f" v={r['virtual_stages']}" if r.get("virtual_stages", 1) > 1 else ""))
+    return _flat_name(r) + stages
+
+
+def _flat_name(r: dict) -> str:
     if r["baseline"]:
         tp = r["tensor_parallel_size"]
         kind = f"1-D TP {tp}{' async' if r['async_tp'] else ''} + SP" if tp > 1 else "no TP"
@@ -245,6 +269,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default=None, help="plan only these scenarios into --cache, e.g. 8b:8,70b:64")
     parser.add_argument("--float8", choices=("tensorwise", "rowwise"), default=None,
                         help="every row's linears in float8 by this torchao recipe, both sides")
+    parser.add_argument("--pp", type=int, nargs="*", default=list(PIPELINE_SIZES),
+                        help="pipeline sizes both sides may use (1: none)")
     args = parser.parse_args(argv)
     if args.float8 and args.out == str(HERE / "scale"):
         args.out = str(HERE / f"scale_float8_{args.float8}")
@@ -259,11 +285,12 @@ def main(argv=None) -> int:
         options = dict(zero_stages=(0, 3), checkpointing=("none", "full"), max_micro_batch=2, layouts=("2d",))
     else:
         seq, tokens, memory, per_node, base, big_gpus = SEQ, TOKENS, MEMORY_GIB, PER_NODE, "llama-3.1-70b", 64
-        scenarios, options = SCENARIOS, {}
+        scenarios, options = SCENARIOS, {"pipeline_sizes": tuple(args.pp)}
     options["workers"] = args.workers
     if args.float8:
         options["float8"] = args.float8
     results = {"seq": seq, "tokens": tokens, "gpu_memory_gib": memory, "gpus_per_node": per_node, "float8": args.float8,
+               "pipeline_sizes": list(options.get("pipeline_sizes", (1,))),
                "hardware": planner.HARDWARE["h100"].name, "torch": torch.__version__,
                "python": platform.python_version(), "scenarios": []}
     cache = Path(args.cache) if args.cache else None
@@ -271,7 +298,9 @@ def main(argv=None) -> int:
     for model, gpus in scenarios:
         if only is not None and (model.removeprefix("llama-3.1-"), str(gpus)) not in only:
             continue
-        kept = cache / f"{model}-{gpus}{'-float8-' + args.float8 if args.float8 else ''}.json" if cache else None
+        pps = options.get("pipeline_sizes", (1,))
+        kept = cache / (f"{model}-{gpus}{'-float8-' + args.float8 if args.float8 else ''}"
+                        f"{'' if tuple(pps) == (1,) else '-pp' + '-'.join(map(str, pps))}.json") if cache else None
         if kept is not None and kept.exists():
             results["scenarios"].append(json.loads(kept.read_text()))
         else:
