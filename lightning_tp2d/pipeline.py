@@ -16,7 +16,9 @@ modules with the layout on that stage's ``dp x p`` sub-mesh, then runs a trainin
 * **Schedules** (:data:`SCHEDULES`): ``gpipe``, ``1f1b`` and ``interleaved_1f1b`` (``virtual_stages`` per rank,
   round-robin); ``microbatches`` micro-batches per step; the gradients are those of the mean of the micro-batches'
   mean losses, the full batch's mean loss when every micro-batch counts the same tokens.
-* **Data parallelism** at ZeRO 0: the gradients are averaged over ``data_parallel`` after the schedule.
+* **Data parallelism**: at ZeRO 0 and 1 the gradients are averaged over ``data_parallel`` after the schedule; at 2
+  and 3 (``zero_stage``) FSDP2 shards each stage (:func:`lightning_tp2d.fsdp.shard_pipeline_stages`) and torch's
+  schedule reduce-scatters once, after the last micro-batch.
 
 :meth:`Pipeline.step` returns the step's loss on every rank (the last stage's, broadcast along ``pipeline``);
 :meth:`Pipeline.clip_grad_norm_` clips by the global norm over every stage and shard (the tied copy counted once).
@@ -27,9 +29,13 @@ shards under the global names, that loads at any other pipeline size or split, w
 
 Activation checkpointing (``"full"``, ``"selective"``) applies to each stage's blocks as to a model without stages.
 
-Not yet: the strategies, Fabric and ``tp2d-train`` do not take a pipeline size; ZeRO 1-3, packed documents and a
-meta-device build are not supported with stages; the planner's pipeline rows and the zero-bubble schedules are not
-built.
+The strategies and ``tp2d-train`` run it (``pipeline_parallel_size``): the model's call runs :meth:`Pipeline.forward`
+(:func:`run_model_as_pipeline`), whose training step holds its gradients until the strategy's backward
+(:meth:`Pipeline.deferred_step`, :meth:`Pipeline.backward`). A dead or stalled stage ends the others' schedule with
+a :class:`~lightning_tp2d.comm.CommError` naming it.
+
+Not yet: packed documents, a meta-device build, compile and the zero-bubble schedules (they need the layers' weight
+gradients apart, which the layouts' autograd functions do not give).
 """
 
 from __future__ import annotations
@@ -192,7 +198,11 @@ class Pipeline:
     ``options``: the layout's :class:`~lightning_tp2d.options.TPOptions`; ``seq``: the sequence length the stages
     are balanced for (attention's share of a block grows with it; default the model's ``block_size``);
     ``activation_checkpointing``: ``"none"``, ``"full"`` or ``"selective"``, as
-    :func:`~lightning_tp2d.parallelize.checkpoint_activations` applies them to a model without stages.
+    :func:`~lightning_tp2d.parallelize.checkpoint_activations` applies them to a model without stages;
+    ``zero_stage`` 2 or 3: each stage sharded over ``data_parallel`` with FSDP2 (:meth:`shard_data_parallel`;
+    ``mp_policy`` its mixed precision, :func:`lightning_tp2d.fsdp.mixed_precision_policy`); 0 and 1 change nothing
+    here (ZeRO-1 slices the optimizer's state: :func:`lightning_tp2d.zero.shard_optimizer_state` on
+    :attr:`stage_mesh`).
 
     ``model`` is changed in place (the blocks other stages hold become placeholders) and kept as
     :attr:`model`; optimise :meth:`parameters`."""
