@@ -57,7 +57,7 @@ from lightning_tp2d.options import TPOptions
 from lightning_tp2d import recompute
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_activations, parallelize
 from lightning_tp2d.training import average_gradients_, grad_norm
-from lightning_tp2d.train_plan import PIPELINE_AXIS, PP_SCHEDULES, pipeline_problem
+from lightning_tp2d.train_plan import PIPELINE_AXIS, PP_SCHEDULES, fsdp_shards, pipeline_problem
 
 __all__ = ["SCHEDULES", "Pipeline", "block_costs", "pipeline_of", "run_model_as_pipeline", "split_blocks",
            "stage_of_blocks"]
@@ -288,16 +288,19 @@ class Pipeline:
 
         if self._schedules:
             raise RuntimeError("Pipeline.shard_data_parallel: shard before the first step")
-        if zero_stage in fsdp.FSDP_STAGES and self.stage_mesh.size(
-                self.stage_mesh.mesh_dim_names.index("data_parallel")) > 1:
+        if fsdp_shards(zero_stage, self._dp):
             fsdp.shard_pipeline_stages(self.model, self._stage_modules, zero_stage, mp_policy=mp_policy)
             self.zero_stage = zero_stage
+
+    @property
+    def _dp(self) -> int:
+        return self.stage_mesh.size(self.stage_mesh.mesh_dim_names.index("data_parallel"))
 
     @property
     def fsdp(self) -> bool:
         """FSDP2 shards the stages over ``data_parallel`` (ZeRO 2/3): gradients are reduce-scattered by the
         schedule, not averaged after it."""
-        return self.zero_stage >= 2
+        return fsdp_shards(self.zero_stage, self._dp)
 
     def _schedule(self, idx: torch.Tensor, training: bool):
         """torch's schedule (and stages) for batches of ``idx``'s shape, made on first use: a
