@@ -310,11 +310,27 @@ def _checkpoint_worker(rank: int, world_size: int, directory: str) -> dict:
     back.load(f"{directory}/ring", [opt])
     out["ring_to_pp2_weights"] = max((w - flat_weights[n]).abs().max().item()
                                      for n, w in weights(back.named_parameters()).items())
+    out["batches"] = batches
     return out
 
 
-def test_a_pipeline_checkpoint_resumes_at_another_stage_split_without_stages_and_on_one_device(tmp_path):
-    for rank, out in enumerate(run_distributed(_checkpoint_worker, 2, str(tmp_path))):
+def _pp4_resume_worker(rank: int, world_size: int, directory: str, batch: torch.Tensor) -> float:
+    """The pp 2 save resumed at pp 4 (one block per stage): the third step's loss."""
+    pipe = Pipeline(_model("gpt2"), tp.init_mesh("2d", 1, 1, pipeline_parallel_size=4), "2d", microbatches=MICRO)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    pipe.load(f"{directory}/pp2", [opt])
+    opt.zero_grad()
+    loss = pipe.step(batch, batch).item()
+    opt.step()
+    return loss
+
+
+def test_a_pipeline_checkpoint_resumes_at_another_stage_split_at_pp_4_without_stages_and_on_one_device(tmp_path):
+    outs = run_distributed(_checkpoint_worker, 2, str(tmp_path))
+    want = outs[0]["ring"][1]
+    for loss in run_distributed(_pp4_resume_worker, 4, str(tmp_path), outs[0]["batches"][2]):
+        assert abs(loss - want) <= 1e-5 * want, (loss, want)  # resumed at pp 4: the uninterrupted third step
+    for rank, out in enumerate(outs):
         got, want, step = out["pp2_interleaved"]
         assert abs(got - want) <= 1e-5 * want and step == 2, (rank, out)
         got, want = out["ring"]
