@@ -21,7 +21,7 @@ import torch
 
 import lightning_tp2d as tp
 from lightning_tp2d.models import GPT2, GPT2Config, Llama, LlamaConfig
-from lightning_tp2d.pipeline import Pipeline, block_costs, split_blocks
+from lightning_tp2d.pipeline import Pipeline, block_costs, run_model_as_pipeline, split_blocks
 from tests.distributed import run_distributed
 
 BATCH, SEQ, MICRO = 8, 32, 4
@@ -221,6 +221,14 @@ def _refusals_worker(rank: int, world_size: int) -> dict:
         pipe.check_batch(torch.zeros(6, SEQ, dtype=torch.long))
     except ValueError as err:
         out["batch"] = str(err)
+    run_model_as_pipeline(pipe)  # the model's call is the pipeline's: logits and documents refused
+    for key, call in (("logits", lambda: pipe.model(torch.zeros(4, SEQ, dtype=torch.long))),
+                      ("documents", lambda: pipe.model(torch.zeros(4, SEQ, dtype=torch.long),
+                                                       torch.zeros(4, SEQ, dtype=torch.long), doc_ids=1))):
+        try:
+            call()
+        except ValueError as err:
+            out[key] = str(err)
     return out
 
 
@@ -233,6 +241,7 @@ def test_bad_sizes_are_refused_naming_the_numbers():
     assert "virtual_stages=2 needs pp_schedule='interleaved_1f1b'" in out["virtual"]
     assert "1 blocks cannot fill 2 pipeline stages" in out["stages"]
     assert "batch size 6 does not split into microbatches=4" in out["batch"]
+    assert "returns its loss, not logits" in out["logits"] and "packed documents" in out["documents"]
 
 
 def test_the_mesh_puts_the_pipeline_outermost_and_counts_it_in_the_world():
