@@ -615,7 +615,13 @@ class TensorParallelCore:
         base, plan = None, self.train_plan  # the model side of the plan: step.prepare_model
         for index, (name, gpt) in enumerate(found):
             if plan.pipelined:
-                self._cut_into_stages(name, gpt)
+                if any(p.is_meta for p in gpt.parameters()) and base is None:
+                    base = getattr(module, "init_seed", None)
+                    base = int(self.broadcast(torch.initial_seed()) if base is None else base)
+                if getattr(module, "init_from", None) is not None and any(p.is_meta for p in gpt.parameters()):
+                    raise ValueError(f"model {name!r}: init_from with pipeline stages needs the model built on the "
+                                     "host (CausalLMModule does so), not on the meta device")
+                self._cut_into_stages(name, gpt, None if base is None else base + index)
                 continue
             if is_prepared(gpt, self._mesh, plan, name):  # kept as it is (checkpointed and compiled already)
                 continue
@@ -644,19 +650,19 @@ class TensorParallelCore:
             raise ValueError(f"parameters outside the {'/'.join(sorted({type(m).__name__ for _, m in found}))} modules are "
                              f"still on the meta device: {left[:5]}")
 
-    @property
-    def builds_on_meta(self) -> bool:
+    def builds_on_meta(self, init_from=None) -> bool:
         """Whether a module should build its model on the meta device for this strategy to materialise shard by
-        shard (:class:`~lightning_tp2d.module.CausalLMModule` asks): not with pipeline stages, which cut a model
-        built on the host (every rank from the same seed)."""
-        return self._run_plan is None or not self._run_plan.pipelined
+        shard (:class:`~lightning_tp2d.module.CausalLMModule` asks): always, but for pipeline stages that load a
+        transformers directory (``init_from``), which cut a model built on the host."""
+        return self._run_plan is None or not self._run_plan.pipelined or init_from is None
 
-    def _cut_into_stages(self, name: str, gpt: nn.Module) -> None:
+    def _cut_into_stages(self, name: str, gpt: nn.Module, seed: int | None) -> None:
         """``gpt`` cut into this plan's pipeline stages (:class:`~lightning_tp2d.pipeline.Pipeline`), each rank's
         stages parallelized with the layout on its own ``dp x p`` ranks, and its call made the pipeline's
         (:func:`~lightning_tp2d.pipeline.run_model_as_pipeline`): ``gpt(idx, targets)`` runs the step's forward and
-        backward. Every rank first takes rank 0's weights (a model built from the same seed everywhere is unchanged).
-        A model already cut for this plan is kept."""
+        backward. A meta-device model is materialised stage by stage from ``seed`` (the whole model's weights from
+        that seed, each rank building only its stages); a host model first takes rank 0's weights. A model already
+        cut for this plan is kept."""
         from lightning_tp2d.pipeline import Pipeline, run_model_as_pipeline
 
         plan = self.train_plan
@@ -666,13 +672,15 @@ class TensorParallelCore:
                 raise ValueError(f"model {name!r} already runs as the pipeline stages of {done.plan.describe()}, not "
                                  f"{plan.describe()}: build a new model")
             return
+        options = dict(schedule=plan.pp_schedule, microbatches=plan.pp_microbatches, virtual_stages=plan.virtual_stages,
+                       activation_checkpointing=plan.activation_checkpointing)
         if any(p.is_meta for p in gpt.parameters()):
-            raise ValueError(f"model {name!r} is on the meta device: with pipeline_parallel_size="
-                             f"{plan.pipeline_parallel_size} build it on the host, from the same seed on every rank "
-                             "(CausalLMModule does; a meta-device build is not supported with stages yet)")
-        broadcast_module_(gpt, self._mesh)
-        pipeline = Pipeline(gpt, self._mesh, plan.spec, schedule=plan.pp_schedule, microbatches=plan.pp_microbatches,
-                            virtual_stages=plan.virtual_stages, activation_checkpointing=plan.activation_checkpointing)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                pipeline = Pipeline(gpt, self._mesh, plan.spec, **options)
+        else:
+            broadcast_module_(gpt, self._mesh)
+            pipeline = Pipeline(gpt, self._mesh, plan.spec, **options)
         pipeline.plan = plan
         run_model_as_pipeline(pipeline)
 

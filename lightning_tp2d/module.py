@@ -173,7 +173,8 @@ class CausalLMModule(L.LightningModule):
         meta = self.hparams.meta_init
         if meta is None:
             strategy = self.trainer.strategy if self._trainer is not None else None
-            meta = isinstance(strategy, TP2DStrategy) and strategy.builds_on_meta  # (pipeline stages: on the host)
+            # (pipeline stages loading init_from: on the host, where the transformers weights are read whole)
+            meta = isinstance(strategy, TP2DStrategy) and strategy.builds_on_meta(self.init_from)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.init_seed)
             if meta:

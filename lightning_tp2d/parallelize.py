@@ -32,7 +32,7 @@ shards, and attention is a ring along ``row``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,7 +56,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAULT_LAYOUT, *,
                 options: RingOptions | None = None,
-                on_block: Callable[[nn.Module], object] | None = None) -> nn.Module:
+                on_block: Callable[[nn.Module], object] | None = None,
+                elsewhere: tuple[Sequence[str], Mapping[str, nn.Module]] | None = None) -> nn.Module:
     """Parallelize ``model`` in place for ``layout`` on ``mesh`` (from :func:`~lightning_tp2d.init_mesh`) and
     return it. Every rank must pass the same plain model: each rank keeps its own shards of it.
 
@@ -73,6 +74,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAU
     ``on_block(block)`` is called with each transformer block (the family's ``blocks``) as soon as all its modules
     are parallel, before the next module is materialised: :func:`lightning_tp2d.fsdp.shard_block` there cuts each
     block over ``data_parallel`` at once, so its tensor shards are freed before the next block is built.
+
+    ``elsewhere = (order, modules)``: a meta-device pipeline stage (:mod:`lightning_tp2d.pipeline`): ``order`` is
+    every role path of the whole model in init order, ``modules`` the meta modules of the roles other stages hold
+    (by path). Each is materialised and dropped at its place in the order, so the generator's draws, and so this
+    stage's weights, are those of the whole model's build from the same seed.
 
     Under autocast (``bf16-mixed``) the parallel model runs its residual stream in the autocast dtype
     (``model.residual_in_compute_dtype``): block inputs and every saved activation are bf16 at every ZeRO stage,
@@ -102,7 +108,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAU
     # a pipeline stage (lightning_tp2d.pipeline) parallelizes the modules it holds, not the ones other stages do
     roles = [(path, role) for path, role in family.module_roles(model) if present(model, path)]
     finished = _blocks_finished(model, roles)
+    order, others = elsewhere if elsewhere is not None else ((), {})
+    pending = iter(order)
     for i, (path, role) in enumerate(roles):
+        for before in pending:  # the roles other stages hold, up to this one: their draws, in order, then dropped
+            if before == path:
+                break
+            if before in others:
+                materialise(before, others[before])
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         pad_multiple = getattr(getattr(parent, attr), "pad_multiple", None)  # an LM head's vocabulary padding

@@ -34,7 +34,7 @@ The strategies and ``tp2d-train`` run it (``pipeline_parallel_size``): the model
 (:meth:`Pipeline.deferred_step`, :meth:`Pipeline.backward`). A dead or stalled stage ends the others' schedule with
 a :class:`~lightning_tp2d.comm.CommError` naming it.
 
-Not yet: packed documents, a meta-device build, compile and the zero-bubble schedules (they need the layers' weight
+Not yet: packed documents, compile and the zero-bubble schedules (they need the layers' weight
 gradients apart, which the layouts' autograd functions do not give).
 """
 
@@ -191,7 +191,7 @@ class Pipeline:
     ``pp x virtual_stages`` stages over the ``pipeline`` axis of ``mesh``, each stage parallelized with ``layout``
     on its own ``data_parallel x p`` ranks (module docstring). ``ValueError`` naming the numbers before any
     communication for: a mesh without a ``pipeline`` axis, fewer blocks than stages, an unknown schedule, fewer
-    micro-batches than ranks under 1F1B (or not a multiple of them, interleaved), a meta-device model.
+    micro-batches than ranks under 1F1B (or not a multiple of them, interleaved).
 
     ``schedule``: one of :data:`SCHEDULES`; ``microbatches`` per step (default ``pp x virtual_stages``);
     ``virtual_stages``: stages per rank (``interleaved_1f1b`` only), rank ``r`` holding stages ``r, r + pp, ...``;
@@ -205,7 +205,10 @@ class Pipeline:
     :attr:`stage_mesh`).
 
     ``model`` is changed in place (the blocks other stages hold become placeholders) and kept as
-    :attr:`model`; optimise :meth:`parameters`."""
+    :attr:`model`; optimise :meth:`parameters`. A model built on the meta device (seed the generator the same on
+    every rank first) is materialised one module at a time, as :func:`~lightning_tp2d.parallelize.parallelize`
+    does: a rank never holds more than its stage's shards and one module in full, and the weights are those of an
+    eager build from the same seed (the other stages' modules are drawn and dropped in order)."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, layout: str | Layout = DEFAULT_LAYOUT, *,
                  schedule: str = "1f1b", microbatches: int | None = None, virtual_stages: int = 1,
@@ -223,9 +226,7 @@ class Pipeline:
         if problem:
             raise ValueError(problem)
         microbatches = pp * virtual_stages if microbatches is None else microbatches
-        if any(q.is_meta for q in model.parameters()):
-            raise ValueError("Pipeline: build the model on CPU (the same seed on every rank); a meta-device build is "
-                             "not supported with pipeline stages yet")
+        meta = any(q.is_meta for q in model.parameters())
         cfg = model.config
         stages = pp * virtual_stages
         self.splits = split_blocks(cfg.n_layer, stages, block_costs(cfg, seq or cfg.block_size))
@@ -241,6 +242,10 @@ class Pipeline:
         mine = {b for i in self.stage_indices for b in self.splits[i]}
         before, after = _roles_around_blocks(model)
         tied = family.tied(model)  # {head path: embedding path}
+        # a meta-device model: every role's module in init order, so that parallelize draws the other stages' init
+        # too (and drops it) and this stage's weights are the whole model's from the same seed
+        order = [path for path, _ in family.module_roles(model)] if meta else []
+        roles = {path: model.get_submodule(path) for path in order}
         self.tied_copies = [tied[path] for path in after if path in tied] if pp > 1 else []
         blocks = list(family.block_modules(model))
         for b in range(len(blocks)):
@@ -253,7 +258,8 @@ class Pipeline:
         if not self.last:
             for path in after:
                 _replace(model, path, pp - 1)
-        parallelize(model, self.stage_mesh, self.spec)
+        others = {path: m for path, m in roles.items() if not present(model, path) and path not in tied}
+        parallelize(model, self.stage_mesh, self.spec, elsewhere=(order, others) if meta else None)
         if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of "
                              f"{list(ACTIVATION_CHECKPOINTING)}")

@@ -374,3 +374,32 @@ def _kept_worker(rank: int, world_size: int) -> dict:
 def test_activation_checkpointing_keeps_less_on_every_stage():
     for rank, kept in enumerate(run_distributed(_kept_worker, 2)):
         assert kept["full"] < kept["selective"] < kept["none"], (rank, kept)
+
+
+def _meta_worker(rank: int, world_size: int) -> dict:
+    """A meta-device build at pp 2 (GPT-2 tied, 1F1B; Llama interleaved) against the eager build from the same
+    seed: every parameter this rank holds, bit for bit."""
+    out = {}
+    mesh = tp.init_mesh("2d", 1, 1, pipeline_parallel_size=2)
+    for family, schedule, virtual in (("gpt2", "1f1b", 1), ("llama", "interleaved_1f1b", 2)):
+        want = dict(_model(family).named_parameters())
+        with torch.device("meta"):
+            model = _model(family)  # (its seed: the build below draws from the one seeded here)
+        torch.manual_seed(0)
+        pipe = Pipeline(model, mesh, "2d", schedule=schedule, microbatches=MICRO, virtual_stages=virtual)
+        out[family] = {"held": len(list(pipe.named_parameters())),
+                       "worst": max((_full(q) - want[n]).abs().max().item() for n, q in pipe.named_parameters()),
+                       "meta_left": any(q.is_meta for q in pipe.parameters())}
+        idx = torch.randint(0, 257, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        out[family]["loss"] = pipe.step(idx, idx).item()
+        out[family]["want"] = _model(family)(idx, idx).item()
+    return out
+
+
+def test_a_meta_device_build_gives_every_stage_the_eager_weights():
+    """No rank builds the whole model: the other stages' modules are drawn and dropped in init order, so each
+    stage's weights are the eager build's from the same seed (and the first step its loss)."""
+    for rank, out in enumerate(run_distributed(_meta_worker, 2)):
+        for family, got in out.items():
+            assert got["worst"] == 0.0 and not got["meta_left"] and got["held"] > 0, (rank, family, got)
+            assert abs(got["loss"] - got["want"]) <= 1e-5 * got["want"], (rank, family, got)
