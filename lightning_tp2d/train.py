@@ -456,15 +456,10 @@ def check_config(cfg: DictConfig, model) -> str:
     if launch._int(os.environ, "LOCAL_RANK") == 0:  # once per machine: the ranks it starts were checked by it
         if cfg.ckpt_path is not None:
             check_checkpoint(cfg)
-        staged = "layout" in cfg.parallel and int(cfg.parallel.get("pipeline_parallel_size") or 1) > 1
-        if staged and p is not None:  # the memory model has no stages yet: a whole model's peak would refuse runs
-            log.info("parallel.pipeline_parallel_size=%s: the peak memory per stage is not predicted yet (each stage "
-                     "holds its own blocks); the memory check before launch is skipped",
-                     cfg.parallel.pipeline_parallel_size)
-        if p is not None and devices is not None and not staged:
+        if p is not None and devices is not None:
             check_memory(cfg, model, p, dp, devices)
         check_data_size(cfg, dp or 1)
-        if p is not None and devices is not None and not staged:  # last: it takes a minute for a large model
+        if p is not None and devices is not None:  # last: it takes a minute for a large model
             check_fit(cfg, model, p, dp, devices)
     return f"{plan} ({where})"
 
@@ -691,6 +686,7 @@ def check_memory(cfg: DictConfig, model, p: int, dp: int, devices: int) -> None:
     count = parameter_count(model)
     if count is None:
         return
+    count //= int(cfg.parallel.get("pipeline_parallel_size") or 1) if "layout" in cfg.parallel else 1  # (a stage's)
     size, dtype = parameter_bytes(str(cfg.trainer.precision))
     bad = parameter_memory_problem(count, p=p, dp=dp, zero_stage=int(cfg.parallel.get("zero_stage") or 0),
                                    processes=devices, available=physical_memory(), bytes_per_parameter=size,
@@ -801,6 +797,13 @@ def check_fit(cfg: DictConfig, model, p: int, dp: int, devices: int) -> None:
     except ValueError as err:
         raise ConfigError(f"parallel: {err}") from None
     stage, batch, seq = int(par.get("zero_stage") or 0), int(cfg.data.batch_size), int(cfg.data.block_size)
+    pp = int(par.get("pipeline_parallel_size") or 1)
+    staged = {} if pp == 1 else {  # (check_stages checked them): each rank's blocks, its in-flight micro-batches
+        "pipeline_parallel_size": pp, "pp_schedule": str(par.get("pp_schedule", "1f1b")),
+        "virtual_stages": int(par.get("virtual_stages") or 1),
+        "microbatches": int(par.get("microbatches") or pp * int(par.get("virtual_stages") or 1))}
+    if staged:
+        batch //= staged["microbatches"]  # the memory model's micro-batch: one of the schedule's
     label, unit = _model_label(model), "GPU" if gpus else "device"
     log.info("tp2d-train: checking the fit with the memory model (%s, %s p=%d%s, seq %d%s)...", label, layout.name, p,
              f" x dp {dp}" if dp > 1 else "", seq, ", offload" if offload else "")
@@ -810,7 +813,7 @@ def check_fit(cfg: DictConfig, model, p: int, dp: int, devices: int) -> None:
 
     try:
         with pricing("closed"):  # the closed forms where they model the run (milliseconds), else the traced model
-            memory = row_memory(model, layout.name, p, dp, stage, mode, batch, seq)
+            memory = row_memory(model, layout.name, p, dp, stage, mode, batch, seq, **staged)
     except (ValueError, RuntimeError) as err:  # a trace the memory model cannot build: the run is not held up by it
         log.warning("tp2d-train: the memory model could not price this run (%s); launching without the fit check",
                     err)
@@ -819,6 +822,8 @@ def check_fit(cfg: DictConfig, model, p: int, dp: int, devices: int) -> None:
         memory = offload_memory(memory, model, batch, seq, p, devices)
     peak = memory["total"]
     how, precision = f"bf16, micro-batch {batch}, {mode} checkpointing, ZeRO {stage}", str(cfg.trainer.precision)
+    if staged:
+        how += f", {pp} pipeline stages ({staged['pp_schedule']}, {staged['microbatches']} micro-batches)"
     note = "" if precision.startswith("bf16") else f"; the model prices bf16, trainer.precision={precision} keeps more"
     line = f"tp2d-train: predicted peak {_gib(peak)} GiB per {unit} ({how}{note})"
     if offload:

@@ -143,3 +143,21 @@ def test_offload_with_selective_checkpointing_is_refused_in_the_fit_check_by_the
                    "parallel.activation_checkpointing=selective", "parallel.memory_gib=100")
     with pytest.raises(ConfigError, match="activation_checkpointing='selective' is not supported"):
         check_config(cfg, instantiate(cfg.model))
+
+
+def test_a_run_with_pipeline_stages_is_checked_per_stage(caplog):
+    """With ``parallel.pipeline_parallel_size`` the predicted peak is a stage's: the planner's memory model of each
+    rank's blocks and in-flight micro-batches (``row_memory(..., pipeline_parallel_size=...)``), at the schedule's
+    micro-batch."""
+    caplog.set_level(logging.INFO, logger="tp2d-train")
+    cfg = composed("trainer=cpu", "trainer.devices=4", "model=llama-tiny", "model.n_layer=4", "parallel=metp",
+                   "parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2", "parallel.microbatches=2",
+                   "data.block_size=32", "data.batch_size=4", "parallel.memory_gib=100")
+    model = instantiate(cfg.model)
+    check_config(cfg, model)
+    staged = planner.row_memory(model, "metp", 2, 1, 0, "none", 2, SEQ, pipeline_parallel_size=2, microbatches=2)
+    whole = planner.row_memory(model, "metp", 2, 1, 0, "none", 4, SEQ)
+    assert staged["total"] < whole["total"]  # half the blocks and state per rank
+    line = [m for m in fit_lines(caplog) if m.startswith("tp2d-train: predicted peak")][0]
+    assert f"predicted peak {train._gib(staged['total'])} GiB per device" in line, line
+    assert "micro-batch 2" in line and "2 pipeline stages (1f1b, 2 micro-batches)" in line, line
