@@ -148,7 +148,10 @@ class _Mark(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.clock.start() if ctx.opens else ctx.clock.stop()
+        if ctx.opens:
+            ctx.clock.start()
+        else:
+            ctx.clock.stop()
         return grad, None, None
 
 
