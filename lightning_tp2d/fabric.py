@@ -162,7 +162,11 @@ class TP2DFabricStrategy(TensorParallelCore, ModelParallelStrategy):
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
         pipelines = self.pipelines(module)
-        norm = pipelines[0].clip_grad_norm_(max_norm, norm_type) if len(pipelines) == 1 else self.clip_norm_(clipped_parameters(optimizer, self.precision.main_params(optimizer)), max_norm, norm_type)
+        if len(pipelines) == 1:  # the whole model's norm, over every stage
+            norm = pipelines[0].clip_grad_norm_(max_norm, norm_type)
+        else:
+            norm = self.clip_norm_(clipped_parameters(optimizer, self.precision.main_params(optimizer)), max_norm,
+                                   norm_type)
         if error_if_nonfinite and not torch.isfinite(norm):  # as torch's clip_grad_norm_ (a host read)
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
         return norm

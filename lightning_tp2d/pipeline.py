@@ -457,7 +457,8 @@ class Pipeline:
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc_ids=None) -> torch.Tensor:
         """What the pipelined model's call does (:func:`run_model_as_pipeline`): with gradients recorded and the
         model in training mode, :meth:`deferred_step` (the schedule's backward runs inside: the returned loss has no
-        graph, and the strategies' backward of it adds the gradients); else :meth:`evaluate`. Logits (no ``targets``: generation, ``predict``) and packed documents are refused."""
+        graph, and the strategies' backward of it adds the gradients); else :meth:`evaluate`. Logits (no
+        ``targets``: generation, ``predict``) and packed documents are refused."""
         if targets is None:
             raise ValueError("a model cut into pipeline stages returns its loss, not logits: call it with targets "
                              "(generation and predict across stages are not supported; load the checkpoint without "

@@ -108,6 +108,18 @@ class TP2DStrategy(TensorParallelCore, ModelParallelStrategy):
             ones that do not; a :class:`~lightning_tp2d.layouts.Layout` object of the plan's layout keeps its
             options). Its ``precision``, if set, must be the Trainer's; its ``micro_batch`` is advice. Its
             properties decide the step (:func:`~lightning_tp2d.step.assemble_step`).
+        pipeline_parallel_size: pipeline stages of whole blocks (default 1: none; :mod:`lightning_tp2d.pipeline`): the
+            mesh becomes ``pipeline x data_parallel x`` the layout's axes, ``pp`` dividing the machines (or, on one
+            machine, its devices). The model's call in ``training_step`` runs the schedule's forward and backward and
+            returns the loss (no graph: the strategy's backward adds the held gradients); validation runs the
+            forward-only schedule; clipping is over every stage; each stage writes its own part of a sharded
+            checkpoint. Not with ``compile``, ``activation_offload``, ``layout="auto"`` or
+            ``save_distributed_checkpoint=False``; ``predict`` and generation across stages are refused.
+        pp_schedule: ``"gpipe"``, ``"1f1b"`` (default; at least ``pp`` micro-batches) or ``"interleaved_1f1b"``
+            (``virtual_stages`` per rank; micro-batches in multiples of ``pp``): torch's schedules.
+        microbatches: micro-batches each batch is split into (default ``pp x virtual_stages``); the batch size must
+            be a multiple. ``Trainer(accumulate_grad_batches=...)`` accumulates whole pipelined steps on top.
+        virtual_stages: stages per pipeline rank (``interleaved_1f1b`` only).
         plan_options: ``layout="auto"``: further arguments of :func:`~lightning_tp2d.planning.planner.plan`
             (:data:`~lightning_tp2d.core.PLAN_OPTIONS`): ``seq`` (default: the model's ``block_size``),
             ``global_batch_tokens`` (default: one sequence per device), ``hardware`` (priced as, default

@@ -63,8 +63,8 @@ PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # what the strategies and F
 PIPELINE_AXIS = "pipeline"  # the mesh axis of the pipeline stages (outermost; only when there are several)
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # lightning_tp2d.pipeline.SCHEDULES is this tuple
 
-__all__ = ["CHECKPOINTING", "FSDP_STAGES", "PIPELINE_AXIS", "PP_SCHEDULES", "PRECISIONS", "ParallelDims", "TrainPlan", "ZERO_STAGES", "fsdp_shards",
-           "pipeline_problem", "reshards_after_forward"]
+__all__ = ["CHECKPOINTING", "FSDP_STAGES", "PIPELINE_AXIS", "PP_SCHEDULES", "PRECISIONS", "ParallelDims", "TrainPlan",
+           "ZERO_STAGES", "fsdp_shards", "pipeline_problem", "reshards_after_forward"]
 
 
 def _positive_int(value) -> bool:
@@ -250,7 +250,8 @@ class TrainPlan:
         stages = "" if not self.pipelined else (
             f" pp={self.pipeline_parallel_size} {self.pp_schedule}"
             f"{'' if self.virtual_stages == 1 else f' v={self.virtual_stages}'} x{self.pp_microbatches}")
-        return (f"{self.layout} p={self.tensor_parallel_size} dp={self.data_parallel_size}{stages} zero={self.zero_stage} "
+        return (f"{self.layout} p={self.tensor_parallel_size} dp={self.data_parallel_size}{stages} "
+                f"zero={self.zero_stage} "
                 f"ckpt={self.activation_checkpointing}{' offload' if self.activation_offload else ''}"
                 f"{'' if self.micro_batch is None else f' micro={self.micro_batch}'}"
                 f"{'' if self.precision is None else ' ' + self.precision}")

@@ -1032,7 +1032,8 @@ def table(rows: list[PlanRow], limit: int | None = 12) -> str:
     for i, r in enumerate(rows[:limit] if limit else rows, 1):
         offload = " + offload" if r.activation_offload else ""
         marks = (" (host)" if r.host_bound else "") + (" (unaligned)" if r.unaligned else "")
-        lines.append(f"| {i} | {r.label}{r.stages} | {r.tensor_parallel_size} | {r.data_parallel_size} | {r.zero_stage} | "
+        lines.append(f"| {i} | {r.label}{r.stages} | {r.tensor_parallel_size} | {r.data_parallel_size} | "
+                     f"{r.zero_stage} | "
                      f"{r.checkpointing}{offload} | {r.micro_batch} x {r.grad_accum} | {r.memory_gib:.1f} | "
                      f"{r.step_s:.2f}{marks} | {r.tokens_per_s_per_gpu:,.0f} | {r.mfu:.1%} |")
     return "\n".join(lines)
