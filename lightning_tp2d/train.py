@@ -881,15 +881,16 @@ def check_stages(par: DictConfig, model, batch: int) -> tuple[int, int, str]:
     micro-batches, a phrase for the plan's line)``, ``(1, 1, "")`` without stages; a :class:`ConfigError` naming the
     keys and numbers otherwise."""
     pp = par.get("pipeline_parallel_size", 1)
-    if pp in (None, 1):
-        return 1, 1, ""
+    pp = 1 if pp is None else pp
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ConfigError(f"parallel.pipeline_parallel_size must be a positive int, got {pp!r}")
     schedule, micro = str(par.get("pp_schedule", "1f1b")), par.get("microbatches")
     virtual = par.get("virtual_stages", 1)
     problem = pipeline_problem(pp, schedule, micro, virtual, prefix="parallel.")
-    if problem:
+    if problem:  # (checked without stages too: a bad value is refused where it is given)
         raise ConfigError(problem)
+    if pp == 1:
+        return 1, 1, ""
     stages = pp * virtual
     if model.n_layer < stages:
         raise ConfigError(f"model.n_layer={model.n_layer} blocks cannot fill parallel.pipeline_parallel_size={pp} x "
@@ -951,7 +952,7 @@ def generate_sample(cfg: DictConfig, module, datamodule, trainer) -> str | None:
     n = int(cfg.sample.max_new_tokens)
     if n <= 0:
         return None
-    if int(cfg.parallel.get("pipeline_parallel_size") or 1) > 1:
+    if int((cfg.get("parallel") or {}).get("pipeline_parallel_size") or 1) > 1:
         if launch.is_rank_zero():
             log.info("no sample: generation across pipeline stages is not supported (export_hf=<dir>, or resume the "
                      "checkpoint without stages, samples)")

@@ -91,6 +91,9 @@ BAD = {
     "parallel.zero_stage": ("7", []),
     "parallel.timeout": ("-1", []),
     "parallel.memory_gib": ("-3", []),  # default null
+    "parallel.pipeline_parallel_size": ("0", []),
+    "parallel.microbatches": ("0", []),  # default null
+    "parallel.virtual_stages": ("0", []),
     "parallel.plan_options.zero_stages": ("[7]", ["parallel=auto"]),
     "data.batch_size": ("0", []),
     "data.block_size": ("0", []),  # default ${model.block_size}
