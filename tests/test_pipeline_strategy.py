@@ -108,7 +108,7 @@ LLAMA4 = (("n_layer", 4),) + tuple(sorted((k, v) for k, v in vars(tp.LlamaConfig
     ({"layout": "2d", "tensor_parallel_size": 1, "data_parallel_size": 2, "zero_stage": 3, "microbatches": 2},
      CLIPPED, "gpt2-tiny"),
 ], ids=["ring2-gpipe-accumulated", "dp2-zero1-interleaved-llama", "dp2-zero3-tied-gpt2"])
-def test_trainer_at_pp_2_composes_with_a_ring_dp_and_zero_1(kwargs, trainer_kw, model):
+def test_trainer_at_pp_2_composes_with_a_ring_dp_zero_1_and_zero_3(kwargs, trainer_kw, model):
     strategy = TP2DStrategy(pipeline_parallel_size=2, **kwargs)
     runs = run_ranks(_fit, 4, strategy, trainer_kw, model)
     assert all(run == runs[0] for run in runs)
