@@ -30,7 +30,7 @@ from lightning_tp2d.families import families, family_of, family_of_config, model
 from lightning_tp2d.layouts import DEFAULT_LAYOUT, STRATEGY_NAMES, Layout, get_layout, handle_of
 from lightning_tp2d.mesh import as_timeout, init_mesh
 from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, offloaded_checkpointing
-from lightning_tp2d.pipeline import pipeline_of
+from lightning_tp2d.pipeline import micro_batch_problem, pipeline_of
 from lightning_tp2d.sizes import ARGUMENTS, resolve_sizes, stage_devices
 from lightning_tp2d.step import (AssembledStep, assemble_step, block_sharder, clip_grad_norm_, is_prepared,
                                  prepare_model, shard_optimizer)
@@ -706,12 +706,7 @@ class TensorParallelCore:
         ``None``: with pipeline stages the batch must split into the micro-batches, each into the layout's shards."""
         plan = self.train_plan
         if plan.pipelined:
-            m = plan.pp_microbatches
-            if batch % m:
-                return (f"batch size {batch} does not split into microbatches={m} (pipeline_parallel_size="
-                        f"{plan.pipeline_parallel_size}): use a multiple of {m}")
-            problem = plan.spec.batch_problem(plan.tensor_parallel_size, batch // m)
-            return None if problem is None else f"each of the {m} micro-batches: {problem}"
+            return micro_batch_problem(plan.spec, plan.tensor_parallel_size, plan.pp_microbatches, batch)
         return plan.spec.batch_problem(plan.tensor_parallel_size, batch)
 
     def pipelines(self, module: nn.Module | None) -> list:

@@ -59,8 +59,8 @@ from lightning_tp2d.parallelize import ACTIVATION_CHECKPOINTING, checkpoint_acti
 from lightning_tp2d.training import average_gradients_, grad_norm
 from lightning_tp2d.train_plan import PIPELINE_AXIS, PP_SCHEDULES, fsdp_shards, pipeline_problem
 
-__all__ = ["SCHEDULES", "Pipeline", "block_costs", "pipeline_of", "run_model_as_pipeline", "split_blocks",
-           "stage_of_blocks"]
+__all__ = ["SCHEDULES", "Pipeline", "block_costs", "micro_batch_problem", "pipeline_of", "run_model_as_pipeline",
+           "split_blocks", "stage_of_blocks"]
 
 SCHEDULES = PP_SCHEDULES  # parallel.pp_schedule's values
 
@@ -169,6 +169,16 @@ def _replace(model: nn.Module, path: str, stage: int) -> None:
         parent[int(attr)] = Elsewhere(stage)
     else:
         setattr(parent, attr, Elsewhere(stage))
+
+
+def micro_batch_problem(spec: Layout, p: int, microbatches: int, batch: int) -> str | None:
+    """Why a batch of ``batch`` sequences cannot run as ``microbatches`` micro-batches on the layout ``spec`` of ``p``
+    ranks (it does not split, or a micro-batch does not split into the layout's batch shards), naming the numbers;
+    ``None`` when it can. The one statement of the rule: :meth:`Pipeline.check_batch` and the strategies ask it."""
+    if batch % microbatches:
+        return f"batch size {batch} does not split into microbatches={microbatches}: use a multiple of {microbatches}"
+    problem = spec.batch_problem(p, batch // microbatches)
+    return None if problem is None else f"each of the {microbatches} micro-batches: {problem}"
 
 
 def pipeline_of(model: nn.Module) -> "Pipeline | None":
@@ -346,14 +356,11 @@ class Pipeline:
 
     def check_batch(self, idx: torch.Tensor) -> None:
         """``ValueError`` naming the numbers unless ``idx``'s batch splits into the micro-batches and each
-        micro-batch into the layout's batch shards."""
-        batch = idx.shape[0]
-        if batch % self.microbatches:
-            raise ValueError(f"batch size {batch} does not split into microbatches={self.microbatches}")
-        p = self.stage_mesh.size() // self.stage_mesh.size(self.stage_mesh.mesh_dim_names.index("data_parallel"))
-        problem = self.spec.batch_problem(p, batch // self.microbatches)
+        micro-batch into the layout's batch shards (:func:`micro_batch_problem`)."""
+        p = self.stage_mesh.size() // self._dp
+        problem = micro_batch_problem(self.spec, p, self.microbatches, idx.shape[0])
         if problem:
-            raise ValueError(f"each of the {self.microbatches} micro-batches: {problem}")
+            raise ValueError(problem)
 
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One forward and backward of this replica's batch ``idx`` / ``targets`` (``[B, T]``, the same on every
