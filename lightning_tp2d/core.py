@@ -613,24 +613,27 @@ class TensorParallelCore:
                 f"({model_names()}): {type(self).__name__} parallelizes the models it finds inside the module (build "
                 "one in __init__ or configure_model)")
         base, plan = None, self.train_plan  # the model side of the plan: step.prepare_model
+
+        def seed(index: int) -> int:  # the i-th meta-device model's seed (a broadcast: asked alike on every rank)
+            nonlocal base
+            if base is None:
+                base = getattr(module, "init_seed", None)
+                base = int(self.broadcast(torch.initial_seed()) if base is None else base)
+            return base + index
+
         for index, (name, gpt) in enumerate(found):
+            meta = any(p.is_meta for p in gpt.parameters())
             if plan.pipelined:
-                if any(p.is_meta for p in gpt.parameters()) and base is None:
-                    base = getattr(module, "init_seed", None)
-                    base = int(self.broadcast(torch.initial_seed()) if base is None else base)
-                if getattr(module, "init_from", None) is not None and any(p.is_meta for p in gpt.parameters()):
+                if meta and getattr(module, "init_from", None) is not None:
                     raise ValueError(f"model {name!r}: init_from with pipeline stages needs the model built on the "
                                      "host (CausalLMModule does so), not on the meta device")
-                self._cut_into_stages(name, gpt, None if base is None else base + index)
+                self._cut_into_stages(name, gpt, seed(index) if meta else None)
                 continue
             if is_prepared(gpt, self._mesh, plan, name):  # kept as it is (checkpointed and compiled already)
                 continue
-            if any(p.is_meta for p in gpt.parameters()):
-                if base is None:
-                    base = getattr(module, "init_seed", None)
-                    base = int(self.broadcast(torch.initial_seed()) if base is None else base)
+            if meta:
                 with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(base + index)  # the same full weights on every rank, whatever the layout
+                    torch.manual_seed(seed(index))  # the same full weights on every rank, whatever the layout
                     prepare_model(gpt, self._mesh, plan, on_block=self._block_sharder())
                 init_from = getattr(module, "init_from", None)  # CausalLMModule(init_from=<HF directory>)
                 if init_from is not None:  # before Lightning restores a ckpt_path, which then wins

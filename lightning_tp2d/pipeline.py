@@ -397,7 +397,7 @@ class Pipeline:
         model's call runs the schedule's forward and backward) and the backward of its loss; the strategies call
         :meth:`backward` there. Not averaged over ``data_parallel`` (:meth:`average_gradients`, after the backward
         that ends an accumulation window)."""
-        if self._pending:
+        if self.waits_for_backward:
             raise RuntimeError("a pipelined training step ran while the previous one's gradients still wait for their "
                                "backward: call backward (fabric.backward / Lightning's loop) on each step's loss")
         params = [q for q in self.model.parameters() if q.requires_grad]

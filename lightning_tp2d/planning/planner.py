@@ -897,7 +897,9 @@ def row_memory(cfg, layout: str, p: int, dp: int, stage: int, mode: str, micro_b
                 # torch's PipelineStage keeps an FSDPModule's parameters gathered (bf16) and its gradients
                 # unreduced (float32) from the first micro-batch's backward to the last's (set_reshard_after_backward,
                 # set_requires_gradient_sync False): the rank's whole tensor shard, twice, on top of the row's
-                ends = split.embedding if rank == 0 else split.root - (split.embedding if rank < pp - 1 else 0)
+                # the first rank's embedding (tied: the shared matrix, counted in vocab); the last rank's head, final
+                # norm (and a tied embedding's copy): the root less an untied embedding
+                ends = (split.embedding or split.vocab) if rank == 0 else split.root - split.embedding
                 shard = (blocks[rank] * split.block + ends) / p
                 parts["pp_fsdp_held"] = shard * (ELEMENT + 4)
                 parts["total"] += parts["pp_fsdp_held"]
